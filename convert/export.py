@@ -1,0 +1,147 @@
+"""Write a hybrid as a self-contained, hub-ready model directory, and push it to the Hub."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import raven_layers
+from raven_layers import BUNDLED_FILES, HybridForCausalLM
+
+AUTO_MAP = {
+    "AutoConfig": "configuration_hybrid.HybridConfig",
+    "AutoModel": "modeling_hybrid.HybridModel",
+    "AutoModelForCausalLM": "modeling_hybrid.HybridForCausalLM",
+}
+
+
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    """Refuse to clobber a non-empty directory unless asked: checked before any heavy work."""
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {str(out)!r} is a file, not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"--out {str(out)!r} exists and is not empty; pass --overwrite to replace it")
+
+
+def save_hybrid(
+    model: HybridForCausalLM,
+    tokenizer,
+    out_dir: str | Path,
+    *,
+    base_model: str,
+    max_shard_size: str = "2GB",
+    overwrite: bool = False,
+) -> Path:
+    """Write `out_dir` atomically: config.json (with auto_map), safetensors shards, the modeling code,
+    tokenizer files, generation_config.json and a README.md model card. Exactly what `--push-to-hub` uploads."""
+    out = Path(out_dir)
+    check_out_dir(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    model.config.auto_map = AUTO_MAP
+    model.save_pretrained(tmp, max_shard_size=max_shard_size)
+    code_dir = Path(raven_layers.__file__).parent
+    for name in BUNDLED_FILES:
+        shutil.copy2(code_dir / name, tmp / name)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "README.md").write_text(model_card(model, base_model))
+
+    if out.exists():  # swap: the old directory disappears only once the new one is complete
+        old = out.parent / f".{out.name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, out)
+    return out
+
+
+def state_sizes(config) -> dict[str, int]:
+    """Bytes per sequence: a Raven layer's constant state, and an attention layer's KV cache per 1,024 tokens."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = config.num_key_value_heads
+    dtype_bytes = 2 if str(getattr(config, "dtype", "float32")).endswith(("bfloat16", "float16")) else 4
+    sizes = {"attention_kv_per_1k_tokens": 2 * kv_heads * head_dim * dtype_bytes * 1024}
+    if "raven" in config.layer_mixers:
+        slots = config.mixer_settings["raven"]["num_slots"]
+        sizes["raven_state"] = 2 * kv_heads * slots * head_dim * 4  # S^k and S^v, float32
+    return sizes
+
+
+def model_card(model: HybridForCausalLM, base_model: str) -> str:
+    config = model.config
+    kinds = config.layer_mixers
+    counts = {k: kinds.count(k) for k in dict.fromkeys(kinds)}
+    sizes = state_sizes(config)
+    table = "\n".join(f"| {i} | {k} |" for i, k in enumerate(kinds))
+    settings = json.dumps(config.mixer_settings, indent=2, sort_keys=True)
+    sizes_text = f"- Attention layer: KV cache of {sizes['attention_kv_per_1k_tokens'] / 1024:.0f} KiB per 1K tokens"
+    if "raven_state" in sizes:
+        sizes_text += f"\n- Raven layer: constant state of {sizes['raven_state'] / 1024:.0f} KiB, whatever the length"
+    n_params = sum(p.numel() for p in model.parameters())
+    front = {
+        "library_name": "transformers",
+        "pipeline_tag": "text-generation",
+        "base_model": base_model,
+        "tags": ["raven-hybrid", "hybrid", "linear-attention", *sorted(set(kinds) - {"attention"}), "custom_code"],
+    }
+    front_yaml = "\n".join(
+        f"{k}:\n" + "\n".join(f"- {x}" for x in v) if isinstance(v, list) else f"{k}: {v}" for k, v in front.items()
+    )
+    return f"""---
+{front_yaml}
+---
+
+# Hybrid of {base_model}
+
+`{base_model}` ({config.base_model_type} architecture, {len(kinds)} layers) with chosen attention layers replaced
+by linear-time mixers: {", ".join(f"{n} {k}" for k, n in counts.items())}. {n_params / 1e6:.1f} M parameters.
+Mixer layers start from the attention projections they replace; until they are trained, expect text of lower
+quality than the base model's.
+
+## Load and generate
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("THIS_REPO_OR_DIR", trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained("THIS_REPO_OR_DIR")
+inputs = tokenizer("The capital of France is", return_tensors="pt")
+print(tokenizer.decode(model.generate(**inputs, max_new_tokens=32)[0]))
+```
+
+Only `transformers` and `torch` are needed: the modeling code ships with the weights.
+
+## Memory per sequence during generation
+
+{sizes_text}
+
+## Hyper-parameters
+
+```json
+{settings}
+```
+
+## Layer map
+
+| layer | mixer |
+| --- | --- |
+{table}
+"""
+
+
+def push_to_hub(out_dir: str | Path, repo_id: str, *, private: bool = False, token: str | None = None, api=None):
+    """Upload the exported directory as a model repository (created if missing)."""
+    if api is None:
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+    api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+    return api.upload_folder(
+        folder_path=str(out_dir), repo_id=repo_id, repo_type="model", commit_message="Upload hybrid model"
+    )

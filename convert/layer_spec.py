@@ -1,0 +1,64 @@
+"""The `--layers` grammar: which layers of an L-layer model a mixer replaces.
+
+    all | none | ITEM[,ITEM...]      ITEM = I | A-B | A-B:S
+
+`A-B` is inclusive, `A-B:S` steps by S (`0-23:5` is 0,5,10,15,20); negative indices count from the end
+(`-1` is the last layer, `-4--1` the last four).
+"""
+
+from __future__ import annotations
+
+import re
+
+ACCEPTED_FORMS = "'all', 'none', 'I', 'A-B', 'A-B:S' and comma-separated mixtures such as '0-3,8,12-20:4'"
+_ITEM = re.compile(r"^(-?\d+)(?:-(-?\d+)(?::(\d+))?)?$")
+
+
+class LayerSpecError(ValueError):
+    """A `--layers` value that does not describe a set of layers of the model."""
+
+    def __init__(self, spec: str, num_layers: int, problem: str):
+        super().__init__(
+            f"--layers {spec!r}: {problem}. The model has {num_layers} layers (indices 0..{num_layers - 1}, "
+            f"or -{num_layers}..-1 from the end); accepted forms: {ACCEPTED_FORMS}."
+        )
+
+
+def parse_layer_spec(spec: str, num_layers: int) -> list[int]:
+    """Sorted layer indices named by `spec` for a model of `num_layers` layers."""
+    text = spec.strip().lower()
+    if text == "all":
+        return list(range(num_layers))
+    if text == "none":
+        return []
+    if not text:
+        raise LayerSpecError(spec, num_layers, "the spec is empty")
+
+    def index(raw: str) -> int:
+        i = int(raw)
+        if not -num_layers <= i < num_layers:
+            raise LayerSpecError(spec, num_layers, f"layer {i} is out of range")
+        return i % num_layers
+
+    layers: list[int] = []
+    for item in text.split(","):
+        item = item.strip()
+        match = _ITEM.match(item)
+        if not match:
+            problem = "an empty item" if not item else f"{item!r} is not a layer, range or stepped range"
+            raise LayerSpecError(spec, num_layers, problem)
+        start, end, step = match.groups()
+        if end is None:
+            layers.append(index(start))
+            continue
+        a, b = index(start), index(end)
+        if a > b:
+            raise LayerSpecError(spec, num_layers, f"range {item!r} is reversed ({a} > {b})")
+        if step is not None and int(step) < 1:
+            raise LayerSpecError(spec, num_layers, f"step in {item!r} must be >= 1")
+        layers.extend(range(a, b + 1, int(step or 1)))
+
+    duplicates = sorted({i for i in layers if layers.count(i) > 1})
+    if duplicates:
+        raise LayerSpecError(spec, num_layers, f"layer(s) {duplicates} are named more than once")
+    return sorted(layers)

@@ -1,0 +1,72 @@
+"""`convert_model`: the whole conversion, validated up front, heavy work last."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from raven_layers import MIXER_SETTINGS, get_architecture
+
+from .export import check_out_dir, push_to_hub, save_hybrid
+from .sources import DEFAULT_SRC, Source
+from .surgery import build_hybrid, format_layer_map, plan_layers
+
+
+@dataclass
+class ConvertRequest:
+    """Everything `convert` needs. `assignments` pairs a mixer with a `--layers` spec, e.g. [("raven", "0-23:5")]."""
+
+    out: Path
+    assignments: list[tuple[str, str]]
+    src: str = DEFAULT_SRC
+    mixer_settings: dict[str, dict] = field(default_factory=dict)
+    dtype: str = "auto"
+    seed: int = 0
+    max_shard_size: str = "2GB"
+    overwrite: bool = False
+    push_to_hub: str | None = None
+    private: bool = False
+
+
+def convert_model(request: ConvertRequest, log=print) -> Path:
+    """Convert `request.src` and write the hybrid to `request.out`; returns the output directory."""
+    source = Source.resolve(request.src)
+    out = Path(request.out)
+    check_out_dir(out, request.overwrite)
+    if request.push_to_hub:
+        from huggingface_hub.utils import validate_repo_id
+
+        validate_repo_id(request.push_to_hub)
+    for mixer, values in request.mixer_settings.items():
+        if mixer not in MIXER_SETTINGS:
+            raise ValueError(f"settings given for unknown mixer {mixer!r}; mixers: {sorted(MIXER_SETTINGS)}")
+        MIXER_SETTINGS[mixer].from_dict(values)
+
+    config = source.load_config()
+    arch = get_architecture(getattr(config, "model_type", None))
+    kinds = plan_layers(request.assignments, config.num_hidden_layers)
+    log(f"source: {source.name} ({arch.model_type}, {config.num_hidden_layers} layers)")
+    log(format_layer_map(kinds))
+
+    start = time.perf_counter()
+    model = source.load_model(request.dtype)
+    tokenizer = source.load_tokenizer()
+    log(f"loaded the source in {time.perf_counter() - start:.1f} s ({model.dtype})")
+
+    used = {k: request.mixer_settings.get(k, {}) for k in set(kinds) - {"attention"}}
+    hybrid = build_hybrid(model, kinds, used, seed=request.seed)
+    del model
+    save_hybrid(
+        hybrid,
+        tokenizer,
+        out,
+        base_model=source.name,
+        max_shard_size=request.max_shard_size,
+        overwrite=request.overwrite,
+    )
+    log(f"wrote {out} in {time.perf_counter() - start:.1f} s")
+    if request.push_to_hub:
+        push_to_hub(out, request.push_to_hub, private=request.private)
+        log(f"pushed to https://huggingface.co/{request.push_to_hub}")
+    return out

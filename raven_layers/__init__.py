@@ -1,0 +1,38 @@
+"""Hybrid models: source decoder layers with linear-time mixers in place of chosen attention layers.
+
+Importing the package registers the hybrid with the `transformers` Auto classes, so an exported model loads with
+or without `trust_remote_code` wherever this toolkit is installed.
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .architectures import ARCHITECTURES, Architecture, get_architecture
+from .cache import HybridCache
+from .configuration_hybrid import LAYER_KINDS, MIXER_SETTINGS, HybridConfig
+from .modeling_hybrid import MIXER_CLASSES, HybridForCausalLM, HybridModel
+from .raven import RavenMixer, RavenSettings, raven_chunked, raven_recurrent
+
+# The files an exported model carries so that it loads where only transformers is installed.
+BUNDLED_FILES = ("architectures.py", "cache.py", "configuration_hybrid.py", "modeling_hybrid.py", "raven.py")
+
+AutoConfig.register(HybridConfig.model_type, HybridConfig, exist_ok=True)
+AutoModel.register(HybridConfig, HybridModel, exist_ok=True)
+AutoModelForCausalLM.register(HybridConfig, HybridForCausalLM, exist_ok=True)
+
+__all__ = [
+    "ARCHITECTURES",
+    "Architecture",
+    "BUNDLED_FILES",
+    "HybridCache",
+    "HybridConfig",
+    "HybridForCausalLM",
+    "HybridModel",
+    "LAYER_KINDS",
+    "MIXER_CLASSES",
+    "MIXER_SETTINGS",
+    "RavenMixer",
+    "RavenSettings",
+    "get_architecture",
+    "raven_chunked",
+    "raven_recurrent",
+]

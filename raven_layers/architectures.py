@@ -1,0 +1,58 @@
+"""Source architectures a hybrid can be built from, as data.
+
+A hybrid keeps the source model's own decoder layer, norm and rotary classes from `transformers`, so attention
+layers that are kept compute exactly what they computed before. Supporting another Llama-like decoder is one entry
+in `ARCHITECTURES`: the `transformers` module that defines it, the class-name prefix, whether its attention has
+per-head q/k norms, and which layers use a sliding window.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Architecture:
+    model_type: str  # `config.model_type` of the source
+    prefix: str  # class-name prefix in transformers: f"{prefix}DecoderLayer", f"{prefix}RMSNorm", ...
+    qk_norm: bool = False  # the attention has per-head q_norm / k_norm
+    window_rule: str = "none"  # "none", "all" (config.sliding_window on every layer), "layer_types"
+
+    @property
+    def module(self):
+        return importlib.import_module(f"transformers.models.{self.model_type}.modeling_{self.model_type}")
+
+    def cls(self, suffix: str):
+        return getattr(self.module, f"{self.prefix}{suffix}")
+
+    def sliding_windows(self, config) -> list[int | None]:
+        """Per layer, the attention window of the source model (None: full causal attention)."""
+        window = getattr(config, "sliding_window", None)
+        n = config.num_hidden_layers
+        if self.window_rule == "all" and window:
+            return [window] * n
+        if self.window_rule == "layer_types" and window:
+            types = getattr(config, "layer_types", None) or ["full_attention"] * n
+            return [window if t == "sliding_attention" else None for t in types]
+        return [None] * n
+
+
+ARCHITECTURES = {
+    a.model_type: a
+    for a in (
+        Architecture("llama", "Llama"),
+        Architecture("mistral", "Mistral", window_rule="all"),
+        Architecture("qwen2", "Qwen2", window_rule="layer_types"),
+        Architecture("qwen3", "Qwen3", qk_norm=True, window_rule="layer_types"),
+    )
+}
+
+
+def get_architecture(model_type: str) -> Architecture:
+    if model_type not in ARCHITECTURES:
+        raise ValueError(
+            f"unsupported source architecture {model_type!r}; supported: {sorted(ARCHITECTURES)}. "
+            "Another Llama-like decoder is one entry in raven_layers/architectures.py."
+        )
+    return ARCHITECTURES[model_type]

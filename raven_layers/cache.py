@@ -1,0 +1,135 @@
+"""The generation cache of a hybrid model: key/value tensors for attention layers, constant-size states for mixers.
+
+`HybridCache` is a `transformers` `Cache`, so `generate()` (greedy, sampling, beam search) drives it like any
+other: attention layers call `update`, mixers call `get_mixer_state` / `set_mixer_state`, and the per-layer
+objects answer the batch operations (`reorder_cache`, `batch_select_indices`, ...) that generation strategies use.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from transformers.cache_utils import Cache
+
+
+class _LayerCache(ABC):
+    """Batch operations shared by both layer kinds; subclasses say which tensors `_apply` maps over."""
+
+    is_compileable = False
+    is_sliding = False
+
+    @abstractmethod
+    def _apply(self, fn): ...
+
+    @abstractmethod
+    def tensors(self) -> tuple[torch.Tensor, ...]: ...
+
+    def reorder_cache(self, beam_idx: torch.Tensor):
+        self._apply(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+    def batch_repeat_interleave(self, repeats: int):
+        self._apply(lambda x: x.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        self._apply(lambda x: x[indices, ...])
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+class AttentionLayerCache(_LayerCache):
+    """Keys and values of one attention layer, [B, H_kv, T, d] each, grown as tokens arrive."""
+
+    def __init__(self):
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.keys is None:
+            self.keys, self.values = key_states, value_states
+        else:
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def tensors(self):
+        return () if self.keys is None else (self.keys, self.values)
+
+    def _apply(self, fn):
+        if self.keys is not None:
+            self.keys, self.values = fn(self.keys), fn(self.values)
+
+    def crop(self, max_length: int):
+        if max_length < 0:
+            max_length = self.get_seq_length() + max_length
+        self._apply(lambda x: x[..., :max_length, :])
+
+    def reset(self):
+        self.keys = self.values = None
+
+
+class MixerLayerCache(_LayerCache):
+    """The recurrent state of one mixer layer: a tuple of tensors of fixed size, whatever the context length."""
+
+    def __init__(self):
+        self.state: tuple[torch.Tensor, ...] | None = None
+        self.num_tokens = 0
+
+    def get_seq_length(self) -> int:
+        return self.num_tokens
+
+    def tensors(self):
+        return self.state or ()
+
+    def _apply(self, fn):
+        if self.state is not None:
+            self.state = tuple(fn(s) for s in self.state)
+
+    def crop(self, max_length: int):
+        if max_length < 0:
+            max_length = self.num_tokens + max_length
+        if max_length != self.num_tokens:
+            raise ValueError(
+                f"a recurrent state cannot be rolled back from {self.num_tokens} to {max_length} tokens; "
+                "assisted and speculative decoding are not supported by hybrid models"
+            )
+
+    def reset(self):
+        self.state, self.num_tokens = None, 0
+
+
+class HybridCache(Cache):
+    """One `AttentionLayerCache` or `MixerLayerCache` per decoder layer, following `config.layer_mixers`."""
+
+    def __init__(self, config):
+        layers = [AttentionLayerCache() if m == "attention" else MixerLayerCache() for m in config.layer_mixers]
+        super().__init__(layers=layers)
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def get_mixer_state(self, layer_idx: int):
+        return self.layers[layer_idx].state
+
+    def set_mixer_state(self, layer_idx: int, state, num_tokens: int):
+        layer = self.layers[layer_idx]
+        layer.state = state
+        layer.num_tokens += num_tokens
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes held per layer kind: mixer states stay constant, attention caches grow with the context."""
+        sizes = {"attention": 0, "mixer": 0}
+        for layer in self.layers:
+            sizes["mixer" if isinstance(layer, MixerLayerCache) else "attention"] += layer.nbytes()
+        return sizes

@@ -1,0 +1,59 @@
+"""Configuration of a hybrid model: the source architecture's own fields, plus which mixer each layer runs."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+from .raven import RavenSettings
+
+# Mixer name -> validated settings class. "attention" keeps the source layer.
+MIXER_SETTINGS = {"raven": RavenSettings}
+LAYER_KINDS = ("attention", *MIXER_SETTINGS)
+
+# Fields of the source config that describe the file, not the architecture.
+_SOURCE_ONLY_FIELDS = ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path")
+
+
+class HybridConfig(PretrainedConfig):
+    """`base_model_type` names the source architecture (see architectures.py); every other source field is kept.
+
+    Args:
+        base_model_type: `model_type` of the source model ("llama", "qwen3", ...).
+        layer_mixers: one entry per layer, from `LAYER_KINDS`.
+        mixer_settings: hyper-parameters per mixer in use, e.g. {"raven": {"num_slots": 256, ...}}.
+    """
+
+    model_type = "raven_hybrid"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(self, base_model_type: str = "llama", layer_mixers=None, mixer_settings=None, **kwargs):
+        self.base_model_type = base_model_type
+        self.layer_mixers = list(layer_mixers) if layer_mixers is not None else None
+        self.mixer_settings = dict(mixer_settings or {})
+        super().__init__(**kwargs)
+        num_layers = getattr(self, "num_hidden_layers", None)
+        if num_layers is None:  # transformers builds a bare instance to diff defaults against
+            return
+        if self.layer_mixers is None:
+            self.layer_mixers = ["attention"] * num_layers
+        if len(self.layer_mixers) != num_layers:
+            raise ValueError(f"layer_mixers has {len(self.layer_mixers)} entries for {num_layers} layers")
+        for i, kind in enumerate(self.layer_mixers):
+            if kind not in LAYER_KINDS:
+                raise ValueError(f"layer_mixers[{i}] = {kind!r}; allowed: {list(LAYER_KINDS)}")
+        for name in set(self.layer_mixers) - {"attention"}:
+            # validates, and records every default so the saved config is complete
+            self.mixer_settings[name] = self.settings_for(name).to_dict()
+
+    def settings_for(self, mixer: str):
+        return MIXER_SETTINGS[mixer].from_dict(self.mixer_settings.get(mixer, {}))
+
+    @classmethod
+    def from_source(cls, source_config, layer_mixers, mixer_settings) -> "HybridConfig":
+        fields = {k: v for k, v in source_config.to_dict().items() if k not in _SOURCE_ONLY_FIELDS}
+        return cls(
+            base_model_type=source_config.model_type,
+            layer_mixers=layer_mixers,
+            mixer_settings=mixer_settings,
+            **fields,
+        )

@@ -1,0 +1,196 @@
+"""A decoder whose layers each keep the source attention or run a linear-time mixer in its place.
+
+The model reuses the source architecture's own `transformers` classes (decoder layer, RMSNorm, rotary embedding;
+see architectures.py) and swaps `layer.self_attn` for a mixer where `config.layer_mixers` says so. Weight names are
+the source's, so a hybrid with no mixers computes exactly what the source model computes.
+
+This file and its siblings are copied next to every exported model, so that
+`AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` needs only `transformers`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from .architectures import get_architecture
+from .cache import HybridCache
+from .configuration_hybrid import HybridConfig
+from .raven import RavenMixer
+
+MIXER_CLASSES = {"raven": RavenMixer}
+
+
+class HybridPreTrainedModel(PreTrainedModel):
+    config_class = HybridConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _skip_keys_device_placement = ["past_key_values"]
+
+    def __init__(self, config: HybridConfig, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        self._no_split_modules = [get_architecture(config.base_model_type).prefix + "DecoderLayer"]
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, tuple(MIXER_CLASSES.values())):
+            module.reset_mixer_parameters()
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # mixers keep recurrent states, so forward() creates a HybridCache instead
+
+
+class HybridModel(HybridPreTrainedModel):
+    def __init__(self, config: HybridConfig):
+        super().__init__(config)
+        arch = get_architecture(config.base_model_type)
+        self.padding_idx = config.pad_token_id
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        layer_cls = arch.cls("DecoderLayer")
+        self.layers = nn.ModuleList()
+        for i, kind in enumerate(config.layer_mixers):
+            layer = layer_cls(config, i)
+            if kind != "attention":
+                layer.self_attn = MIXER_CLASSES[kind](config, i, config.settings_for(kind), arch.qk_norm)
+            self.layers.append(layer)
+        self.norm = arch.cls("RMSNorm")(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = arch.cls("RotaryEmbedding")(config=config)
+        self.windows = arch.sliding_windows(config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: HybridCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        B, T = inputs_embeds.shape[:2]
+        use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
+        if use_cache and past_key_values is None:
+            past_key_values = HybridCache(self.config)
+        if past_key_values is not None and not isinstance(past_key_values, HybridCache):
+            raise TypeError(f"past_key_values must be a HybridCache, got {type(past_key_values).__name__}")
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+
+        if attention_mask is not None and tuple(attention_mask.shape) != (B, past + T):
+            raise ValueError(
+                f"attention_mask must be a 2D padding mask of shape [batch, past + new tokens] = [{B}, {past + T}], "
+                f"got {tuple(attention_mask.shape)}"
+            )
+        if attention_mask is not None and bool(attention_mask.all()):
+            attention_mask = None  # no padding: every layer can take its fast path
+        if position_ids is None:
+            if attention_mask is None:
+                position_ids = torch.arange(past, past + T, device=inputs_embeds.device).expand(B, -1)
+            else:  # left padding: count positions from each sequence's first real token
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+        padding_mask = attention_mask[:, -T:].bool() if attention_mask is not None else None
+
+        masks = {}
+        for kind, window in zip(self.config.layer_mixers, self.windows):
+            if kind == "attention" and window not in masks:
+                masks[window] = self._attention_mask(attention_mask, B, T, past, window, inputs_embeds)
+
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        for layer, kind, window in zip(self.layers, self.config.layer_mixers, self.windows):
+            extra = {} if kind == "attention" else {"padding_mask": padding_mask}
+            hidden_states = layer(
+                hidden_states,
+                attention_mask=masks.get(window),
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
+                **extra,
+                **kwargs,
+            )
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+
+    def _attention_mask(self, padding, B: int, T: int, past: int, window: int | None, like: torch.Tensor):
+        """The mask the attention layers expect, or None where transformers would take the causal fast path.
+
+        SDPA takes a boolean mask, eager attention an additive float one; flash-attention kernels take the 2D
+        padding mask and apply causality (and the window, passed by the layer) themselves.
+        """
+        impl = self.config._attn_implementation
+        if impl not in ("sdpa", "eager"):
+            return padding
+        fits_window = window is None or past + T <= window
+        if padding is None and fits_window and (T == 1 or (past == 0 and impl == "sdpa")):
+            return None
+        q_pos = torch.arange(past, past + T, device=like.device)[:, None]
+        k_pos = torch.arange(past + T, device=like.device)[None, :]
+        allowed = k_pos <= q_pos  # [T, past + T]
+        if window is not None:
+            allowed &= k_pos > q_pos - window
+        allowed = allowed[None, None]  # [1, 1, T, past + T]
+        if padding is not None:
+            allowed = allowed & padding.bool()[:, None, None, :]
+            allowed = allowed | (k_pos == q_pos)  # a padded query sees itself, so no row is empty (no NaN)
+        if impl == "eager":
+            return torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill(
+                ~allowed, torch.finfo(like.dtype).min
+            )
+        return allowed
+
+
+class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: HybridConfig):
+        super().__init__(config)
+        self.model = HybridModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: HybridCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)

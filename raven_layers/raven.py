@@ -1,0 +1,324 @@
+"""Raven: routing slot memory (Raven paper, Section 4 and Appendix A.4-A.6).
+
+Per key/value head the layer keeps two slot memories, S^k and S^v, each [M, d]. A sigmoid router picks the
+top-K slots for every token and the selected slots decay and are overwritten in proportion to the routing weight:
+
+    m_t = sigmoid(W x_t + n_t)                     n_t ~ Gumbel(0, 1) in training only
+    g_t = KeepTop_K(m_t),  r_t = g_t / (alpha * sum(g_t))
+    a_t = -softplus(w . x_t + b) * exp(Delta)      one scalar per head (Mamba-2 style)
+    S^k_t = exp(a_t r_t) * S^k_{t-1} + (1 - exp(a_t r_t)) k_t^T        (the same for S^v with v_t)
+    o_t = (S^v_t)^T softmax(scale * S^k_t q_t)
+
+Unselected slots (r_t[i] = 0) are left exactly untouched. States start at zero with no empty-slot mask, as in the
+paper. Under grouped-query attention the state lives on the key/value heads and every query head of a group reads
+it, exactly as the group would share a KV cache.
+
+This file holds the two PyTorch forms of the recurrence (`raven_recurrent`, the reference and the decode path;
+`raven_chunked`, the training path) and the `RavenMixer` module that replaces an attention layer. It must import
+nothing but torch: it is copied next to every exported model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+RavenState = tuple[torch.Tensor, torch.Tensor]  # (S^k, S^v), each [B, H_kv, M, d], float32
+
+
+@dataclass(frozen=True)
+class RavenSettings:
+    """Hyper-parameters of a Raven layer; heads, head dim and GQA layout come from the source attention."""
+
+    num_slots: int = 256  # M, paper default
+    top_k: int = 32  # K slots written per token, paper default
+    alpha: float = 1.0  # router normaliser: r_t sums to 1 / alpha (paper: 1 at 400M, 4 at 800M)
+    gumbel: bool = True  # Gumbel noise on router logits during training (paper Section 6.2.2)
+    qk_norm: bool | None = None  # RMSNorm on q and k; None follows the source attention (kept where it has them)
+    feature_map: str = "identity"  # "identity" keeps the teacher's q/k geometry; "silu" is the paper's block
+    output_gate: bool = True  # o * 2 sigmoid(W_g x); W_g starts at zero so the gate starts as the identity
+    chunk_size: int = 16  # chunk length of the parallel PyTorch form
+
+    FEATURE_MAPS = ("identity", "silu")
+
+    def __post_init__(self):
+        def fail(name, allowed):
+            raise ValueError(f"raven.{name} = {getattr(self, name)!r} is not allowed; expected {allowed}")
+
+        for name in ("num_slots", "top_k", "chunk_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                fail(name, "an integer >= 1")
+        if self.top_k > self.num_slots:
+            fail("top_k", f"an integer in [1, num_slots={self.num_slots}]")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
+            fail("alpha", "a number > 0")
+        if not isinstance(self.gumbel, bool):
+            fail("gumbel", "true or false")
+        if self.qk_norm is not None and not isinstance(self.qk_norm, bool):
+            fail("qk_norm", "true, false or null (follow the source attention)")
+        if self.feature_map not in self.FEATURE_MAPS:
+            fail("feature_map", f"one of {list(self.FEATURE_MAPS)}")
+        if not isinstance(self.output_gate, bool):
+            fail("output_gate", "true or false")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "RavenSettings":
+        allowed = [f.name for f in fields(cls)]
+        unknown = sorted(set(values) - set(allowed))
+        if unknown:
+            raise ValueError(f"unknown Raven setting(s) {unknown}; allowed: {allowed}")
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def raven_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_f: torch.Tensor,
+    scale: float,
+    initial_state: RavenState | None = None,
+) -> tuple[torch.Tensor, RavenState]:
+    """Step-by-step Raven recurrence: the reference, and the decode path.
+
+    Args:
+        q: [B, T, H, G, d] queries, G query heads per key/value head.
+        k, v: [B, T, H, d] keys and values.
+        log_f: [B, T, H, M] log of the per-slot retention a_t * r_t (<= 0; 0 where a slot is not written).
+        scale: logit scale of the slot softmax.
+        initial_state: (S^k, S^v), each [B, H, M, d]; zeros when None.
+
+    Returns:
+        o: [B, T, H, G, d] in float32, and the final state.
+    """
+    B, T, H, G, d = q.shape
+    M = log_f.shape[-1]
+    q, k, v, log_f = (x.float() for x in (q, k, v, log_f))
+    if initial_state is None:
+        s_k = q.new_zeros(B, H, M, d)
+        s_v = q.new_zeros(B, H, M, d)
+    else:
+        s_k, s_v = (s.float() for s in initial_state)
+    outputs = []
+    for t in range(T):
+        f = log_f[:, t].exp().unsqueeze(-1)  # [B, H, M, 1]
+        w = -torch.expm1(log_f[:, t]).unsqueeze(-1)  # 1 - f, exact for tiny writes
+        s_k = f * s_k + w * k[:, t, :, None, :]
+        s_v = f * s_v + w * v[:, t, :, None, :]
+        p = torch.einsum("bhgd,bhmd->bhgm", q[:, t], s_k).mul(scale).softmax(-1)  # [B, H, G, M]
+        outputs.append(torch.einsum("bhgm,bhmd->bhgd", p, s_v))
+    return torch.stack(outputs, dim=1), (s_k, s_v)
+
+
+def raven_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_f: torch.Tensor,
+    scale: float,
+    initial_state: RavenState | None = None,
+    chunk_size: int = 16,
+) -> tuple[torch.Tensor, RavenState]:
+    """Chunked parallel form of `raven_recurrent` (same arguments and results): the training path on CPU.
+
+    Within a chunk of C tokens, with G_t the cumulative log-retention since the chunk start, the weight of token s
+    in slot i as seen from token t >= s is D[t, s, i] = exp(G_t[i] - G_s[i]) (1 - f_s[i]). Both passes of the
+    paper's two-pass GLA form (Appendix A.5) share D: the key pass gives the slot logits, the value pass reads the
+    value slots with the softmax of those logits. Only differences G_t - G_s with s <= t are exponentiated, so no
+    term can overflow however strong the decay. The states entering each chunk come from a scan over chunks.
+    """
+    B, T, H, G, d = q.shape
+    M = log_f.shape[-1]
+    C = chunk_size
+    q, k, v, log_f = (x.float() for x in (q, k, v, log_f))
+    pad = (-T) % C
+    if pad:  # padded steps write nothing (log_f = 0), so the final state is unaffected
+        q, k, v, log_f = (F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) for x in (q, k, v, log_f))
+    N = (T + pad) // C
+    q = q.view(B, N, C, H, G, d)
+    k = k.view(B, N, C, H, d)
+    v = v.view(B, N, C, H, d)
+    log_f = log_f.view(B, N, C, H, M)
+
+    g_cum = log_f.cumsum(dim=2)  # [B, N, C, H, M]
+    w = -torch.expm1(log_f)  # [B, N, C, H, M]
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    diff = g_cum.unsqueeze(3) - g_cum.unsqueeze(2)  # [B, N, Ct, Cs, H, M]
+    decay = diff.masked_fill(~causal[:, :, None, None], float("-inf")).exp() * w.unsqueeze(2)
+
+    # Chunk-local contribution to the end-of-chunk state, then a scan for the state entering each chunk.
+    to_end = (g_cum[:, :, -1:] - g_cum).exp() * w  # [B, N, C, H, M]
+    u_k = torch.einsum("bnshm,bnshd->bnhmd", to_end, k)
+    u_v = torch.einsum("bnshm,bnshd->bnhmd", to_end, v)
+    chunk_decay = g_cum[:, :, -1].exp().unsqueeze(-1)  # [B, N, H, M, 1]
+    if initial_state is None:
+        s_k = q.new_zeros(B, H, M, d)
+        s_v = q.new_zeros(B, H, M, d)
+    else:
+        s_k, s_v = (s.float() for s in initial_state)
+    enter_k, enter_v = [], []
+    for n in range(N):
+        enter_k.append(s_k)
+        enter_v.append(s_v)
+        s_k = chunk_decay[:, n] * s_k + u_k[:, n]
+        s_v = chunk_decay[:, n] * s_v + u_v[:, n]
+    enter_k = torch.stack(enter_k, dim=1)  # [B, N, H, M, d]
+    enter_v = torch.stack(enter_v, dim=1)
+
+    # Key pass: slot logits = carried-in state + this chunk's writes.
+    from_start = g_cum.exp().unsqueeze(4)  # [B, N, C, H, 1, M]
+    qk = torch.einsum("bnthgd,bnshd->bnthgs", q, k)  # [B, N, Ct, H, G, Cs]
+    logits = torch.einsum("bnthgs,bntshm->bnthgm", qk, decay)
+    logits = logits + from_start * torch.einsum("bnthgd,bnhmd->bnthgm", q, enter_k)
+    p = (logits * scale).softmax(-1)  # [B, N, C, H, G, M]
+
+    # Value pass: read the value slots with the same weights.
+    o = torch.einsum("bnthgm,bnhmd->bnthgd", p * from_start, enter_v)
+    o = o + torch.einsum("bnthgs,bnshd->bnthgd", torch.einsum("bnthgm,bntshm->bnthgs", p, decay), v)
+    o = o.reshape(B, N * C, H, G, d)[:, :T]
+    return o, (s_k, s_v)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim, computed in float32 like the Llama/Qwen norms it may be initialised from."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RavenMixer(nn.Module):
+    """Drop-in replacement for a decoder layer's self-attention, with Raven's slot memory.
+
+    q/k/v/o keep the attention's names and shapes, so the converted layer starts from the teacher's projections.
+    Called like the attention it replaces; returns (output [B, T, hidden], None).
+    """
+
+    def __init__(self, config, layer_idx: int, settings: RavenSettings, source_has_qk_norm: bool = False):
+        super().__init__()
+        hidden = config.hidden_size
+        self.layer_idx = layer_idx
+        self.settings = settings
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_heads} must be a multiple of num_key_value_heads={self.num_kv_heads}"
+            )
+        self.scale = self.head_dim**-0.5  # the attention's logit scale, so slot logits start on its scale
+        bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = bias or bool(getattr(config, "qkv_bias", False))
+        H, Hkv, d, M = self.num_heads, self.num_kv_heads, self.head_dim, settings.num_slots
+        self.q_proj = nn.Linear(hidden, H * d, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, Hkv * d, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, Hkv * d, bias=qkv_bias)
+        self.o_proj = nn.Linear(H * d, hidden, bias=bias)
+        self.use_qk_norm = source_has_qk_norm if settings.qk_norm is None else settings.qk_norm
+        self.source_has_qk_norm = source_has_qk_norm
+        if self.use_qk_norm:
+            self.q_norm = RMSNorm(d, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, eps=config.rms_norm_eps)
+        self.router_weight = nn.Parameter(torch.empty(Hkv * M, hidden))  # W
+        self.decay_weight = nn.Parameter(torch.empty(Hkv, hidden))  # w
+        self.decay_bias = nn.Parameter(torch.empty(Hkv))  # b
+        self.decay_log_scale = nn.Parameter(torch.empty(Hkv))  # Delta
+        if settings.output_gate:
+            self.gate_weight = nn.Parameter(torch.empty(H * d, hidden))
+        self.reset_mixer_parameters()
+
+    @torch.no_grad()
+    def reset_mixer_parameters(self):
+        """Initialise the parameters attention does not have, so the converted layer trains stably from step 0.
+
+        - Router: small random logits, so sigmoid scores start near 0.5 and no slot is favoured; which K slots a
+          token picks is then decided by content and, in training, by the Gumbel noise (avoids early collapse).
+        - Decay: w = 0 and softplus(b) = 1, so a_t = -exp(Delta) per head. Delta spreads the heads over time
+          scales: a slot written with an average weight r = 1 / (alpha K) keeps between 95% and 50% of its
+          content per write, from the slowest head to the fastest (a Mamba-2-like range of memories).
+        - Output gate: W_g = 0, and the gate is 2 sigmoid(W_g x), so it starts as the identity.
+        """
+        s = self.settings
+        per_write = torch.logspace(math.log10(-math.log(0.95)), math.log10(-math.log(0.5)), self.num_kv_heads)
+        inits = {
+            "router_weight": lambda p: p.normal_(std=0.02),
+            "decay_weight": lambda p: p.zero_(),
+            "decay_bias": lambda p: p.fill_(math.log(math.e - 1.0)),  # softplus^-1(1)
+            "decay_log_scale": lambda p: p.copy_(torch.log(per_write * s.alpha * s.top_k)),
+            "gate_weight": lambda p: p.zero_(),
+        }
+        for name, init in inits.items():
+            param = getattr(self, name, None)
+            # transformers flags parameters it loaded from a checkpoint; those are never overwritten
+            if param is not None and not getattr(param, "_is_hf_initialized", False):
+                init(param)
+
+    def fresh_parameter_names(self) -> set[str]:
+        """Parameters a converted layer cannot take from the source attention."""
+        names = {"router_weight", "decay_weight", "decay_bias", "decay_log_scale"}
+        if self.settings.output_gate:
+            names.add("gate_weight")
+        if self.use_qk_norm and not self.source_has_qk_norm:
+            names |= {"q_norm.weight", "k_norm.weight"}
+        return names
+
+    def write_gates(self, x: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
+        """log of the per-slot retention, a_t * r_t: [B, T, H_kv, M], zero outside the top-K slots and at padding."""
+        B, T, _ = x.shape
+        s = self.settings
+        logits = F.linear(x, self.router_weight).view(B, T, self.num_kv_heads, s.num_slots).float()
+        if self.training and s.gumbel:
+            u = torch.rand_like(logits).clamp_(1e-10, 1.0 - 1e-7)
+            logits = logits - torch.log(-torch.log(u))  # Gumbel(0, 1) noise: exploration of all slots
+        top, idx = logits.sigmoid().topk(s.top_k, dim=-1)
+        r = top / (s.alpha * top.sum(-1, keepdim=True))  # [B, T, H_kv, K]
+        a = -F.softplus(F.linear(x, self.decay_weight, self.decay_bias).float()) * self.decay_log_scale.float().exp()
+        log_f = torch.zeros_like(logits).scatter(-1, idx, a.unsqueeze(-1) * r)
+        if padding_mask is not None:  # padding neither writes nor decays
+            log_f = log_f * padding_mask[:, :, None, None].to(log_f.dtype)
+        return log_f
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        past_key_values=None,
+        padding_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        x = hidden_states  # [B, T, hidden]
+        B, T, _ = x.shape
+        H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).view(B, T, Hkv, H // Hkv, d)
+        k = self.k_proj(x).view(B, T, Hkv, d)
+        v = self.v_proj(x).view(B, T, Hkv, d)
+        if self.use_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.settings.feature_map == "silu":
+            q, k = F.silu(q), F.silu(k)
+        log_f = self.write_gates(x, padding_mask)
+
+        state = past_key_values.get_mixer_state(self.layer_idx) if past_key_values is not None else None
+        if T == 1 and state is not None:
+            o, new_state = raven_recurrent(q, k, v, log_f, self.scale, state)
+        else:
+            o, new_state = raven_chunked(q, k, v, log_f, self.scale, state, self.settings.chunk_size)
+        if past_key_values is not None:
+            past_key_values.set_mixer_state(self.layer_idx, new_state, num_tokens=T)
+
+        o = o.to(x.dtype).reshape(B, T, H * d)
+        if self.settings.output_gate:
+            o = o * 2 * torch.sigmoid(F.linear(x, self.gate_weight))
+        return self.o_proj(o), None
