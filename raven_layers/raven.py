@@ -78,6 +78,16 @@ class RavenSettings:
         return asdict(self)
 
 
+def _promote(q, k, v, log_f, initial_state, num_slots):
+    """Inputs in the recurrence dtype (float32, or float64 when given), and the initial state (zeros if None)."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    q, k, v, log_f = (x.to(dtype) for x in (q, k, v, log_f))
+    if initial_state is None:
+        B, _, H, d = k.shape
+        initial_state = (q.new_zeros(B, H, num_slots, d), q.new_zeros(B, H, num_slots, d))
+    return q, k, v, log_f, tuple(s.to(dtype) for s in initial_state)
+
+
 def raven_recurrent(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -96,16 +106,11 @@ def raven_recurrent(
         initial_state: (S^k, S^v), each [B, H, M, d]; zeros when None.
 
     Returns:
-        o: [B, T, H, G, d] in float32, and the final state.
+        o: [B, T, H, G, d] and the final state, in float32 (float64 for float64 inputs).
     """
     B, T, H, G, d = q.shape
     M = log_f.shape[-1]
-    q, k, v, log_f = (x.float() for x in (q, k, v, log_f))
-    if initial_state is None:
-        s_k = q.new_zeros(B, H, M, d)
-        s_v = q.new_zeros(B, H, M, d)
-    else:
-        s_k, s_v = (s.float() for s in initial_state)
+    q, k, v, log_f, (s_k, s_v) = _promote(q, k, v, log_f, initial_state, M)
     outputs = []
     for t in range(T):
         f = log_f[:, t].exp().unsqueeze(-1)  # [B, H, M, 1]
@@ -137,7 +142,7 @@ def raven_chunked(
     B, T, H, G, d = q.shape
     M = log_f.shape[-1]
     C = chunk_size
-    q, k, v, log_f = (x.float() for x in (q, k, v, log_f))
+    q, k, v, log_f, (s_k, s_v) = _promote(q, k, v, log_f, initial_state, M)
     pad = (-T) % C
     if pad:  # padded steps write nothing (log_f = 0), so the final state is unaffected
         q, k, v, log_f = (F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) for x in (q, k, v, log_f))
@@ -158,11 +163,6 @@ def raven_chunked(
     u_k = torch.einsum("bnshm,bnshd->bnhmd", to_end, k)
     u_v = torch.einsum("bnshm,bnshd->bnhmd", to_end, v)
     chunk_decay = g_cum[:, :, -1].exp().unsqueeze(-1)  # [B, N, H, M, 1]
-    if initial_state is None:
-        s_k = q.new_zeros(B, H, M, d)
-        s_v = q.new_zeros(B, H, M, d)
-    else:
-        s_k, s_v = (s.float() for s in initial_state)
     enter_k, enter_v = [], []
     for n in range(N):
         enter_k.append(s_k)
@@ -279,13 +279,14 @@ class RavenMixer(nn.Module):
         """log of the per-slot retention, a_t * r_t: [B, T, H_kv, M], zero outside the top-K slots and at padding."""
         B, T, _ = x.shape
         s = self.settings
-        logits = F.linear(x, self.router_weight).view(B, T, self.num_kv_heads, s.num_slots).float()
+        dtype = torch.promote_types(x.dtype, torch.float32)  # routing in float32 at least, even for bf16 models
+        logits = F.linear(x, self.router_weight).view(B, T, self.num_kv_heads, s.num_slots).to(dtype)
         if self.training and s.gumbel:
             u = torch.rand_like(logits).clamp_(1e-10, 1.0 - 1e-7)
             logits = logits - torch.log(-torch.log(u))  # Gumbel(0, 1) noise: exploration of all slots
         top, idx = logits.sigmoid().topk(s.top_k, dim=-1)
         r = top / (s.alpha * top.sum(-1, keepdim=True))  # [B, T, H_kv, K]
-        a = -F.softplus(F.linear(x, self.decay_weight, self.decay_bias).float()) * self.decay_log_scale.float().exp()
+        a = -F.softplus(F.linear(x, self.decay_weight, self.decay_bias).to(dtype)) * self.decay_log_scale.to(dtype).exp()
         log_f = torch.zeros_like(logits).scatter(-1, idx, a.unsqueeze(-1) * r)
         if padding_mask is not None:  # padding neither writes nor decays
             log_f = log_f * padding_mask[:, :, None, None].to(log_f.dtype)
