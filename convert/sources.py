@@ -69,6 +69,14 @@ class Source:
         if dtype != "auto" and dtype not in DTYPES:
             raise SourceError(f"dtype {dtype!r} is not allowed; expected one of {['auto', *DTYPES]}")
         model = self._load("model", AutoModelForCausalLM.from_pretrained, dtype=DTYPES.get(dtype, "auto"))
+        if self.gguf_file:
+            # transformers dequantises GGUF tensors on load; what remains is a plain float model, so forget the
+            # quantizer (it would forbid saving and mark the converted config as GGUF-quantised)
+            not_float = sorted({str(p.dtype) for p in model.parameters() if not p.is_floating_point()})
+            if not_float:
+                raise SourceError(f"--src {self.name!r}: GGUF tensors were not dequantised (found {not_float})")
+            model.hf_quantizer = None
+            model.config.__dict__.pop("quantization_config", None)
         return model.eval()
 
     def load_tokenizer(self):

@@ -10,8 +10,15 @@ from .raven import RavenSettings
 MIXER_SETTINGS = {"raven": RavenSettings}
 LAYER_KINDS = ("attention", *MIXER_SETTINGS)
 
-# Fields of the source config that describe the file, not the architecture.
-_SOURCE_ONLY_FIELDS = ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path")
+# Fields of the source config that describe the source file, not the architecture a hybrid inherits.
+_SOURCE_ONLY_FIELDS = (
+    "model_type",
+    "architectures",
+    "auto_map",
+    "transformers_version",
+    "_name_or_path",
+    "quantization_config",
+)
 
 
 class HybridConfig(PretrainedConfig):

@@ -1,0 +1,107 @@
+"""`convert` rejects every bad input with a message naming the value and what is allowed, before heavy work."""
+
+import re
+
+import pytest
+from transformers import GPT2Config
+
+from convert import Source
+from convert.cli import main
+
+
+@pytest.fixture
+def no_heavy_work(monkeypatch):
+    """Errors must come before the weights are loaded."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the source weights were loaded before the input was validated")
+
+    monkeypatch.setattr(Source, "load_model", refuse)
+
+
+def run_error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path, capsys, no_heavy_work):
+    GPT2Config(n_layer=2).save_pretrained(tmp_path / "gpt2")
+    err = run_error(capsys, ["--src", str(tmp_path / "gpt2"), "--layers", "0", "--out", str(tmp_path / "o")])
+    assert "unsupported source architecture 'gpt2'; supported: ['llama', 'mistral', 'qwen2', 'qwen3']" in err
+
+
+@pytest.mark.parametrize(
+    ("src", "message"),
+    [
+        ("missing.gguf", "--src 'missing.gguf': no such GGUF file"),
+        ("not a hub id!", "--src 'not a hub id!' is neither an existing directory, a .gguf file, nor a Hub id"),
+    ],
+)
+def test_bad_sources(tmp_path, capsys, src, message):
+    assert message in run_error(capsys, ["--src", src, "--layers", "0", "--out", str(tmp_path / "o")])
+
+
+def test_directory_without_config(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    err = run_error(capsys, ["--src", str(tmp_path / "empty"), "--layers", "0", "--out", str(tmp_path / "o")])
+    assert "is a directory without config.json" in err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--layers", "0-9"], "--layers '0-9': layer 9 is out of range. The model has 4 layers"),
+        (["--layers", "3-1"], "range '3-1' is reversed (3 > 1)"),
+        (["--layers", "0,0"], "layer(s) [0] are named more than once"),
+        (["--layers", "x"], "'x' is not a layer, range or stepped range"),
+        (
+            ["--mixer", "raven", "--layers", "0-2", "--mixer", "raven", "--layers", "2,3"],
+            "layer 2 is assigned twice: to raven by --layers '0-2' and to raven by --layers '2,3'",
+        ),
+        (["--mixer", "raven", "--layers", "0", "--layers", "1"], "each --mixer needs one --layers: got 1 --mixer and 2"),
+        (["--layers", "0", "--top-k", "300"], "raven.top_k = 300 is not allowed; expected an integer in [1, num_slots=256]"),
+        (["--layers", "0", "--num-slots", "0"], "raven.num_slots = 0 is not allowed; expected an integer >= 1"),
+        (["--layers", "0", "--alpha", "0"], "raven.alpha = 0.0 is not allowed; expected a number > 0"),
+        (["--layers", "0", "--chunk-size", "-2"], "raven.chunk_size = -2 is not allowed; expected an integer >= 1"),
+        (["--layers", "0", "--push-to-hub", "bad repo!"], "bad repo!"),
+    ],
+)
+def test_bad_arguments(tiny_sources, tmp_path, capsys, no_heavy_work, extra, message):
+    err = run_error(capsys, ["--src", str(tiny_sources["llama"]), "--out", str(tmp_path / "o"), *extra])
+    assert message in err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--mixer", "mamba", "--layers", "0"], "argument --mixer: invalid choice: 'mamba'"),
+        (["--layers", "0", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+        (["--layers", "0", "--qk-norm", "maybe"], "argument --qk-norm: invalid choice: 'maybe'"),
+    ],
+)
+def test_bad_choices(tiny_sources, tmp_path, capsys, extra, message):
+    assert message in run_error(capsys, ["--src", str(tiny_sources["llama"]), "--out", str(tmp_path / "o"), *extra])
+
+
+def test_non_empty_output_is_kept(tiny_sources, tmp_path, capsys, no_heavy_work):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    err = run_error(capsys, ["--src", str(tiny_sources["llama"]), "--layers", "0", "--out", str(out)])
+    assert f"--out '{out}' exists and is not empty; pass --overwrite to replace it" in err
+    assert (out / "precious.txt").read_text() == "keep me"
+
+
+def test_layer_map_is_printed_before_loading(tiny_sources, tmp_path, capsys, monkeypatch):
+    def stop(*args, **kwargs):
+        raise SystemExit("stopped at load")
+
+    monkeypatch.setattr(Source, "load_model", stop)
+    with pytest.raises(SystemExit, match="stopped at load"):
+        main(["--src", str(tiny_sources["qwen3"]), "--mixer", "raven", "--layers", "0-23:5", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert re.search(r"raven +5 layers: 0,5,10,15,20\n", printed)
+    assert re.search(r"attention +19 layers: 1,2,3,4,6,", printed)
+    assert "layer   5  becomes raven" in printed and "layer   6  keeps attention" in printed

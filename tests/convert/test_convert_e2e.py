@@ -1,0 +1,127 @@
+"""`convert` end to end on tiny random models of every supported architecture."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import convert.export
+from convert import build_hybrid, plan_layers
+from convert.cli import main
+from raven_layers import BUNDLED_FILES
+from tests.helpers import run_without_toolkit
+
+SPECS = {"llama": "0,-1", "qwen3": "0-23:5", "mistral": "1-3", "qwen2": "all"}
+RAVEN = ["--num-slots", "16", "--top-k", "4", "--chunk-size", "4"]
+IDS = [[5, 17, 33, 2, 9, 41, 8, 8, 63, 12, 7], [44, 3, 19, 27, 51, 6, 30, 11, 9, 70, 4]]
+
+
+def convert_tiny(tiny_sources, tmp_path, arch, spec, *extra):
+    out = tmp_path / f"{arch}-hybrid"
+    assert main(["--src", str(tiny_sources[arch]), "--mixer", "raven", "--layers", spec, "--out", str(out), *extra]) == 0
+    return out
+
+
+@pytest.mark.parametrize("arch", sorted(SPECS))
+def test_layers_none_is_the_source_model(tiny_sources, tmp_path, arch):
+    out = convert_tiny(tiny_sources, tmp_path, arch, "none")
+    source = AutoModelForCausalLM.from_pretrained(tiny_sources[arch]).eval()
+    hybrid = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    ids = torch.tensor(IDS)
+    with torch.no_grad():
+        assert torch.equal(hybrid(ids).logits, source(ids).logits)
+
+
+@pytest.mark.parametrize("arch", sorted(SPECS))
+def test_converted_directory_is_complete_and_reloads(tiny_sources, tmp_path, arch):
+    out = convert_tiny(tiny_sources, tmp_path, arch, SPECS[arch], *RAVEN, "--seed", "3")
+    files = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json", "README.md", "tokenizer.json"} <= files
+    assert set(BUNDLED_FILES) <= files
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_hybrid.HybridForCausalLM"
+    assert config["base_model_type"] == arch and config["hidden_size"] == 64
+    source = AutoModelForCausalLM.from_pretrained(tiny_sources[arch]).eval()
+    kinds = plan_layers([("raven", SPECS[arch])], source.config.num_hidden_layers)
+    assert config["layer_mixers"] == kinds
+    assert config["mixer_settings"]["raven"]["num_slots"] == 16 and config["mixer_settings"]["raven"]["top_k"] == 4
+
+    card = (out / "README.md").read_text()
+    assert f"base_model: {tiny_sources[arch]}" in card and "- raven-hybrid" in card
+    assert f"| {kinds.index('raven')} | raven |" in card and "trust_remote_code=True" in card
+
+    expected = build_hybrid(source, kinds, {"raven": {"num_slots": 16, "top_k": 4, "chunk_size": 4}}, seed=3)
+    reloaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    ids = torch.tensor(IDS)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, expected(ids).logits, rtol=0, atol=0)
+        generated = reloaded.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert generated.shape == (2, 15)
+
+
+def test_standalone_load_without_the_toolkit(tiny_sources, tmp_path):
+    out = convert_tiny(tiny_sources, tmp_path, "qwen3", "0-23:5", *RAVEN)
+    reference = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    with torch.no_grad():
+        logits = reference(torch.tensor(IDS)).logits
+        greedy = reference.generate(torch.tensor(IDS), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    result = run_without_toolkit(
+        f"""
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True).eval()
+        tokenizer = AutoTokenizer.from_pretrained({str(out)!r})
+        ids = torch.tensor({IDS})
+        with torch.no_grad():
+            result["logits"] = model(ids).logits.tolist()
+            result["greedy"] = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0).tolist()
+            prompt = tokenizer("hello", return_tensors="pt")
+            result["text"] = tokenizer.decode(model.generate(**prompt, max_new_tokens=5, do_sample=False)[0])
+        result["class_module"] = type(model).__module__
+        """,
+        cwd=tmp_path,
+    )
+    assert result["class_module"].startswith("transformers_modules.")
+    torch.testing.assert_close(torch.tensor(result["logits"]), logits, rtol=1e-6, atol=1e-6)
+    assert result["greedy"] == greedy.tolist()
+    assert result["text"].startswith("hello")
+
+
+def test_sharded_weights(tiny_sources, tmp_path):
+    out = convert_tiny(tiny_sources, tmp_path, "llama", "0-3:2", *RAVEN, "--max-shard-size", "100KB")
+    assert (out / "model.safetensors.index.json").is_file()
+    assert len(list(out.glob("model-*.safetensors"))) > 1
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    assert model.config.layer_mixers == ["raven", "attention", "raven", "attention"]
+
+
+def test_overwrite_replaces_the_directory(tiny_sources, tmp_path):
+    out = convert_tiny(tiny_sources, tmp_path, "llama", "0", *RAVEN)
+    (out / "stale.txt").write_text("old")
+    convert_tiny(tiny_sources, tmp_path, "llama", "1", *RAVEN, "--overwrite")
+    assert not (out / "stale.txt").exists()
+    assert json.loads((out / "config.json").read_text())["layer_mixers"][:2] == ["attention", "raven"]
+    assert not list(tmp_path.glob(".*partial")) and not list(tmp_path.glob(".*old"))
+
+
+def test_push_to_hub_uploads_the_output_directory(tiny_sources, tmp_path, monkeypatch):
+    calls = []
+
+    class FakeApi:
+        def __init__(self, token=None):
+            calls.append(("init", token))
+
+        def create_repo(self, repo_id, **kwargs):
+            calls.append(("create_repo", repo_id, kwargs))
+
+        def upload_folder(self, folder_path, repo_id, **kwargs):
+            calls.append(("upload_folder", folder_path, repo_id, sorted(p.name for p in __import__("pathlib").Path(folder_path).iterdir())))
+
+    monkeypatch.setattr("huggingface_hub.HfApi", FakeApi)
+    out = convert_tiny(tiny_sources, tmp_path, "llama", "0", *RAVEN, "--push-to-hub", "me/tiny-raven", "--private")
+    assert calls[1] == ("create_repo", "me/tiny-raven", {"repo_type": "model", "private": True, "exist_ok": True})
+    assert calls[2][:3] == ("upload_folder", str(out), "me/tiny-raven")
+    assert "modeling_hybrid.py" in calls[2][3] and "config.json" in calls[2][3]
+    assert convert.export.push_to_hub  # the real code path ran, only the HTTP client was replaced

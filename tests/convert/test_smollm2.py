@@ -1,0 +1,75 @@
+"""The real SmolLM2-135M-Instruct (GGUF, Llama architecture, 30 layers): convert, save, reload, generate."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from convert import build_hybrid, plan_layers
+from convert.cli import main
+from tests.helpers import run_without_toolkit
+
+pytestmark = pytest.mark.slow
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def teacher(smollm2_dir):
+    return AutoModelForCausalLM.from_pretrained(smollm2_dir).eval(), AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+def chat(tokenizer):
+    return tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+
+
+def test_gguf_source_loads_as_llama(teacher):
+    model, _ = teacher
+    assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
+
+
+def test_every_other_layer_converts_saves_reloads_and_generates(smollm2_dir, teacher, tmp_path):
+    out = tmp_path / "smollm2-raven"
+    assert main(["--src", str(smollm2_dir), "--mixer", "raven", "--layers", "0-29:2", "--out", str(out)]) == 0
+    _, tokenizer = teacher
+    inputs = chat(tokenizer)
+    hybrid = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    assert hybrid.config.layer_mixers == ["raven", "attention"] * 15
+    with torch.no_grad():
+        logits = hybrid(**inputs).logits[0, -1]
+    result = run_without_toolkit(
+        f"""
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True).eval()
+        tokenizer = AutoTokenizer.from_pretrained({str(out)!r})
+        inputs = tokenizer.apply_chat_template({QUESTION!r}, add_generation_prompt=True, return_tensors="pt",
+                                               return_dict=True)
+        with torch.no_grad():
+            result["logits"] = model(**inputs).logits[0, -1].tolist()
+            out = model.generate(**inputs, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                                 return_dict_in_generate=True)
+        result["new_tokens"] = out.sequences.shape[1] - inputs["input_ids"].shape[1]
+        result["state_bytes"] = out.past_key_values.state_bytes()
+        """,
+        cwd=tmp_path,
+    )
+    torch.testing.assert_close(torch.tensor(result["logits"]), logits, rtol=1e-5, atol=1e-4)
+    assert result["new_tokens"] == 8
+    assert result["state_bytes"]["mixer"] == 15 * 2 * 3 * 256 * 64 * 4  # 15 layers x (S^k, S^v) x [3, 256, 64] fp32
+
+
+def test_layers_none_is_the_teacher(smollm2_dir, teacher):
+    model, tokenizer = teacher
+    hybrid = build_hybrid(model, plan_layers([("raven", "none")], 30), {})
+    inputs = chat(tokenizer)
+    with torch.no_grad():
+        assert torch.equal(hybrid(**inputs).logits, model(**inputs).logits)
+
+
+def test_light_conversion_still_answers(teacher):
+    # Three untrained Raven layers (0, 10, 20) initialised from attention: the answer survives.
+    model, tokenizer = teacher
+    hybrid = build_hybrid(model, plan_layers([("raven", "0-29:10")], 30), {"raven": {}})
+    inputs = chat(tokenizer)
+    with torch.no_grad():
+        out = hybrid.generate(**inputs, max_new_tokens=12, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, inputs["input_ids"].shape[1] :])

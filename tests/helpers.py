@@ -1,0 +1,49 @@
+"""Run code where transformers is importable but this toolkit is not, as on a machine that only downloads a model."""
+
+from __future__ import annotations
+
+import json
+import os
+import site
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+TOOLKIT_PACKAGES = ("convert", "raven_layers", "kernels")
+
+
+def run_without_toolkit(code: str, cwd: Path) -> dict:
+    """Run `code` with `python -S` (no .pth files, so no editable install) and only site-packages on the path.
+
+    The snippet sees `result` (a dict) and whatever it stores there is returned. It first proves that none of the
+    toolkit's packages can be imported.
+    """
+    prelude = textwrap.dedent(
+        f"""
+        import importlib.util, json, sys
+        visible = [name for name in {TOOLKIT_PACKAGES!r} if importlib.util.find_spec(name) is not None]
+        assert not visible, f"toolkit packages importable in the isolated process: {{visible}}"
+        result = {{}}
+        """
+    )
+    result_file = cwd / "isolated_result.json"
+    epilogue = f"\nopen({str(result_file)!r}, 'w').write(json.dumps(result))\n"
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")
+    } | {
+        "PYTHONPATH": os.pathsep.join(site.getsitepackages()),
+        "HF_HUB_OFFLINE": "1",
+        "HF_MODULES_CACHE": str(cwd / "hf_modules"),
+        "TRANSFORMERS_VERBOSITY": "error",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-S", "-c", prelude + textwrap.dedent(code) + epilogue],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"isolated process failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(result_file.read_text())
