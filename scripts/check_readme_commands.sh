@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Run the README's two fresh-machine commands (main job, tests) in a new virtual environment on a fresh clone
+# of HEAD, as a new machine would.  Usage: scripts/check_readme_commands.sh [workdir]
+set -euo pipefail
+repo=$(git rev-parse --show-toplevel)
+work=${1:-$(mktemp -d)}
+git clone -q "$repo" "$work/clone"
+python3 -m venv "$work/venv"
+source "$work/venv/bin/activate"
+cd "$work/clone"
+for marker in "raven-demo" "<!-- test-command -->"; do
+  if [ "$marker" = "raven-demo" ]; then
+    cmd=$(grep -m1 -E '^pip install .*raven-demo$' README.md)
+  else
+    cmd=$(awk '/<!-- test-command -->/ {found=1; next} found && /^```bash/ {getline; print; exit}' README.md)
+  fi
+  echo "+ $cmd"
+  start=$SECONDS
+  eval "$cmd"
+  echo "ok in $((SECONDS - start)) s: $cmd"
+done
