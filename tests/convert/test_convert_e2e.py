@@ -1,6 +1,8 @@
 """`convert` end to end on tiny random models of every supported architecture."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -125,3 +127,26 @@ def test_push_to_hub_uploads_the_output_directory(tiny_sources, tmp_path, monkey
     assert calls[2][:3] == ("upload_folder", str(out), "me/tiny-raven")
     assert "modeling_hybrid.py" in calls[2][3] and "config.json" in calls[2][3]
     assert convert.export.push_to_hub  # the real code path ran, only the HTTP client was replaced
+
+
+@pytest.mark.parametrize(("arch", "qk_norm", "has_norm"), [("qwen3", "off", False), ("llama", "on", True)])
+def test_qk_norm_can_be_dropped_or_added(tiny_sources, tmp_path, arch, qk_norm, has_norm):
+    out = convert_tiny(tiny_sources, tmp_path, arch, "0", *RAVEN, "--qk-norm", qk_norm)
+    mixer = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).model.layers[0].self_attn
+    assert hasattr(mixer, "q_norm") == has_norm
+
+
+def test_bfloat16_export(tiny_sources, tmp_path):
+    out = convert_tiny(tiny_sources, tmp_path, "llama", "0,2", *RAVEN, "--dtype", "bfloat16")
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    assert model.dtype == torch.bfloat16
+    out = model.generate(torch.tensor(IDS), max_new_tokens=3, do_sample=False, pad_token_id=0,
+                         return_dict_in_generate=True)
+    assert out.sequences.shape == (2, 14)
+    assert all(s.dtype == torch.float32 for layer in out.past_key_values.layers if hasattr(layer, "state")
+               for s in layer.state)  # recurrent states accumulate in float32
+
+
+def test_python_dash_m_convert(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "convert", "--help"], capture_output=True, text=True, check=True)
+    assert "--layers" in proc.stdout and "0-23:5" in proc.stdout

@@ -88,3 +88,42 @@ def test_training_forward_backward_reaches_mixer_parameters(hybrid):
     finally:
         hybrid.zero_grad()
         hybrid.eval()
+
+
+def test_gradient_checkpointing(hybrid):
+    # transformers 5.23 renamed it; 5.17 has only the old name
+    enable = getattr(hybrid, "activation_checkpointing_enable", None) or hybrid.gradient_checkpointing_enable
+    disable = getattr(hybrid, "activation_checkpointing_disable", None) or hybrid.gradient_checkpointing_disable
+    enable()
+    hybrid.train()
+    try:
+        ids = torch.randint(3, 100, (1, 9))
+        hybrid(ids, labels=ids, use_cache=False).loss.backward()
+        assert all(p.grad is not None for n, p in hybrid.named_parameters() if "router_weight" in n)
+    finally:
+        disable()
+        hybrid.zero_grad()
+        hybrid.eval()
+
+
+def test_model_from_config_gets_the_mixer_initialisation(tiny_sources):
+    from transformers import AutoConfig
+
+    from raven_layers import HybridConfig, HybridForCausalLM
+
+    source_config = AutoConfig.from_pretrained(tiny_sources["llama"])
+    model = HybridForCausalLM(HybridConfig.from_source(source_config, ["raven", "attention"] * 2, SETTINGS))
+    mixer = model.model.layers[0].self_attn
+    assert torch.equal(mixer.gate_weight, torch.zeros_like(mixer.gate_weight))
+    torch.testing.assert_close(mixer.decay_bias, torch.full_like(mixer.decay_bias, 0.5413248546129181))
+    assert 0.01 < mixer.router_weight.std().item() < 0.03
+
+
+def test_rejects_a_foreign_cache_and_a_bad_mask(hybrid):
+    from transformers import DynamicCache
+
+    ids = torch.randint(3, 100, (1, 4))
+    with pytest.raises(TypeError, match="past_key_values must be a HybridCache, got DynamicCache"):
+        hybrid(ids, past_key_values=DynamicCache())
+    with pytest.raises(ValueError, match=r"attention_mask must be a 2D padding mask of shape .* = \[1, 4\], got \(1, 3\)"):
+        hybrid(ids, attention_mask=torch.ones(1, 3, dtype=torch.long))
