@@ -3,7 +3,7 @@
 from .layer_spec import LayerSpecError, parse_layer_spec
 from .pipeline import ConvertRequest, convert_model
 from .sources import DEFAULT_SRC, Source, SourceError, smollm2_gguf
-from .surgery import build_hybrid, format_layer_map, plan_layers
+from .surgery import build_hybrid, format_layer_map, plan_layers, plan_windows
 
 __all__ = [
     "DEFAULT_SRC",
@@ -16,5 +16,6 @@ __all__ = [
     "format_layer_map",
     "parse_layer_spec",
     "plan_layers",
+    "plan_windows",
     "smollm2_gguf",
 ]

@@ -1,20 +1,44 @@
 """`convert`: turn a pretrained decoder into a hybrid with linear-time mixers in chosen layers.
 
     convert --src Qwen/Qwen3-0.6B --mixer raven --layers 0-23:5 --out qwen3-raven
-    convert --src model.gguf --mixer raven --layers 0-3 --mixer raven --layers -2,-1 --num-slots 64 --top-k 8 --out out
+    convert --src model.gguf --mixer raven --layers 0-3 --mixer raven --layers -2,-1 \\
+            --raven-num-slots 64 --raven-top-k 8 --sliding-window 512 --out out
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+import typing
 from pathlib import Path
 
-from raven_layers import MIXER_CLASSES
+from raven_layers import MIXER_CLASSES, MIXER_SETTINGS
 
 from .layer_spec import ACCEPTED_FORMS
 from .pipeline import ConvertRequest, convert_model
-from .sources import DEFAULT_SRC, DTYPES, SourceError
+from .sources import DEFAULT_SRC, DTYPES
+
+
+def _value_parser(hint):
+    """argparse `type=` for a settings field annotated `int`, `float`, `str`, `bool`, or `X | None`."""
+    kinds = set(typing.get_args(hint)) or {hint}
+    optional = type(None) in kinds
+    (base,) = kinds - {type(None)}
+
+    def parse(text: str):
+        if optional and text.lower() in ("auto", "none"):
+            return None
+        if base is bool:
+            if text.lower() in ("true", "on", "yes", "1"):
+                return True
+            if text.lower() in ("false", "off", "no", "0"):
+                return False
+            raise argparse.ArgumentTypeError(f"expected true or false{' or auto' if optional else ''}, got {text!r}")
+        return base(text)
+
+    parse.__name__ = base.__name__  # argparse names it in "invalid int value: 'x'"
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mixer", action="append", choices=sorted(MIXER_CLASSES), help="mixer for the next --layers")
     p.add_argument("--layers", action="append", required=True, help=f"layers to replace: {ACCEPTED_FORMS}")
     p.add_argument("--out", type=Path, required=True, help="output directory (exactly what --push-to-hub uploads)")
+    p.add_argument("--sliding-window", type=int, metavar="W", help="kept attention layers attend to the last W tokens")
+    p.add_argument("--window-layers", metavar="SPEC", help="which kept attention layers get --sliding-window (all)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="weights dtype (default: the source's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the mixers' new parameters")
     p.add_argument("--max-shard-size", default="2GB", help="safetensors shard size")
@@ -30,15 +56,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--push-to-hub", metavar="REPO_ID", help="upload --out to this Hub model repository")
     p.add_argument("--private", action="store_true", help="create the Hub repository as private")
 
-    raven = p.add_argument_group("raven options (Raven paper defaults)")
-    raven.add_argument("--num-slots", type=int, help="slots M per head (256)")
-    raven.add_argument("--top-k", type=int, help="slots written per token (32)")
-    raven.add_argument("--alpha", type=float, help="router normaliser (1.0)")
-    raven.add_argument("--no-gumbel", dest="gumbel", action="store_const", const=False, help="no router noise")
-    raven.add_argument("--qk-norm", choices=["auto", "on", "off"], help="q/k RMSNorm (auto: as the source)")
-    raven.add_argument("--feature-map", choices=["identity", "silu"], help="q/k feature map (identity)")
-    raven.add_argument("--no-output-gate", dest="output_gate", action="store_const", const=False)
-    raven.add_argument("--chunk-size", type=int, help="chunk of the parallel PyTorch form (16)")
+    # One option per field of each mixer's settings: --raven-num-slots, --raven-top-k, ...
+    for mixer, settings_cls in MIXER_SETTINGS.items():
+        group = p.add_argument_group(f"{mixer} options (see raven_layers/{mixer}.py)")
+        hints = typing.get_type_hints(settings_cls)
+        for field in dataclasses.fields(settings_cls):
+            group.add_argument(
+                f"--{mixer}-{field.name.replace('_', '-')}",
+                dest=f"{mixer}.{field.name}",
+                type=_value_parser(hints[field.name]),
+                default=argparse.SUPPRESS,
+                metavar="VALUE",
+                help=f"default: {'auto' if field.default is None else field.default}",
+            )
     return p
 
 
@@ -46,21 +76,18 @@ def request_from_args(args: argparse.Namespace) -> ConvertRequest:
     mixers = args.mixer or ["raven"] * len(args.layers)
     if len(mixers) != len(args.layers):
         raise ValueError(f"each --mixer needs one --layers: got {len(mixers)} --mixer and {len(args.layers)} --layers")
-    raven = {
-        "num_slots": args.num_slots,
-        "top_k": args.top_k,
-        "alpha": args.alpha,
-        "gumbel": args.gumbel,
-        "qk_norm": {"on": True, "off": False}.get(args.qk_norm),
-        "feature_map": args.feature_map,
-        "output_gate": args.output_gate,
-        "chunk_size": args.chunk_size,
-    }
+    settings: dict[str, dict] = {}
+    for key, value in vars(args).items():
+        if "." in key:
+            mixer, name = key.split(".", 1)
+            settings.setdefault(mixer, {})[name] = value
     return ConvertRequest(
         out=args.out,
         assignments=list(zip(mixers, args.layers)),
         src=args.src,
-        mixer_settings={"raven": {k: v for k, v in raven.items() if v is not None}},
+        mixer_settings=settings,
+        sliding_window=args.sliding_window,
+        window_layers=args.window_layers,
         dtype=args.dtype,
         seed=args.seed,
         max_shard_size=args.max_shard_size,

@@ -17,27 +17,27 @@ _ITEM = re.compile(r"^(-?\d+)(?:-(-?\d+)(?::(\d+))?)?$")
 class LayerSpecError(ValueError):
     """A `--layers` value that does not describe a set of layers of the model."""
 
-    def __init__(self, spec: str, num_layers: int, problem: str):
+    def __init__(self, spec: str, num_layers: int, problem: str, option: str = "--layers"):
         super().__init__(
-            f"--layers {spec!r}: {problem}. The model has {num_layers} layers (indices 0..{num_layers - 1}, "
+            f"{option} {spec!r}: {problem}. The model has {num_layers} layers (indices 0..{num_layers - 1}, "
             f"or -{num_layers}..-1 from the end); accepted forms: {ACCEPTED_FORMS}."
         )
 
 
-def parse_layer_spec(spec: str, num_layers: int) -> list[int]:
-    """Sorted layer indices named by `spec` for a model of `num_layers` layers."""
+def parse_layer_spec(spec: str, num_layers: int, option: str = "--layers") -> list[int]:
+    """Sorted layer indices named by `spec` for a model of `num_layers` layers; errors name `option`."""
     text = spec.strip().lower()
     if text == "all":
         return list(range(num_layers))
     if text == "none":
         return []
     if not text:
-        raise LayerSpecError(spec, num_layers, "the spec is empty")
+        raise LayerSpecError(spec, num_layers, "the spec is empty", option)
 
     def index(raw: str) -> int:
         i = int(raw)
         if not -num_layers <= i < num_layers:
-            raise LayerSpecError(spec, num_layers, f"layer {i} is out of range")
+            raise LayerSpecError(spec, num_layers, f"layer {i} is out of range", option)
         return i % num_layers
 
     layers: list[int] = []
@@ -46,19 +46,19 @@ def parse_layer_spec(spec: str, num_layers: int) -> list[int]:
         match = _ITEM.match(item)
         if not match:
             problem = "an empty item" if not item else f"{item!r} is not a layer, range or stepped range"
-            raise LayerSpecError(spec, num_layers, problem)
+            raise LayerSpecError(spec, num_layers, problem, option)
         start, end, step = match.groups()
         if end is None:
             layers.append(index(start))
             continue
         a, b = index(start), index(end)
         if a > b:
-            raise LayerSpecError(spec, num_layers, f"range {item!r} is reversed ({a} > {b})")
+            raise LayerSpecError(spec, num_layers, f"range {item!r} is reversed ({a} > {b})", option)
         if step is not None and int(step) < 1:
-            raise LayerSpecError(spec, num_layers, f"step in {item!r} must be >= 1")
+            raise LayerSpecError(spec, num_layers, f"step in {item!r} must be >= 1", option)
         layers.extend(range(a, b + 1, int(step or 1)))
 
     duplicates = sorted({i for i in layers if layers.count(i) > 1})
     if duplicates:
-        raise LayerSpecError(spec, num_layers, f"layer(s) {duplicates} are named more than once")
+        raise LayerSpecError(spec, num_layers, f"layer(s) {duplicates} are named more than once", option)
     return sorted(layers)

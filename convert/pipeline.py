@@ -10,7 +10,7 @@ from raven_layers import MIXER_SETTINGS, get_architecture
 
 from .export import check_out_dir, push_to_hub, save_hybrid
 from .sources import DEFAULT_SRC, Source
-from .surgery import build_hybrid, format_layer_map, plan_layers
+from .surgery import build_hybrid, format_layer_map, plan_layers, plan_windows
 
 
 @dataclass
@@ -21,6 +21,8 @@ class ConvertRequest:
     assignments: list[tuple[str, str]]
     src: str = DEFAULT_SRC
     mixer_settings: dict[str, dict] = field(default_factory=dict)
+    sliding_window: int | None = None  # kept attention layers named by window_layers (all by default) use it
+    window_layers: str | None = None
     dtype: str = "auto"
     seed: int = 0
     max_shard_size: str = "2GB"
@@ -46,8 +48,9 @@ def convert_model(request: ConvertRequest, log=print) -> Path:
     config = source.load_config()
     arch = get_architecture(getattr(config, "model_type", None))
     kinds = plan_layers(request.assignments, config.num_hidden_layers)
+    windows = plan_windows(kinds, arch.sliding_windows(config), request.sliding_window, request.window_layers)
     log(f"source: {source.name} ({arch.model_type}, {config.num_hidden_layers} layers)")
-    log(format_layer_map(kinds))
+    log(format_layer_map(kinds, windows or arch.sliding_windows(config)))
 
     start = time.perf_counter()
     model = source.load_model(request.dtype)
@@ -55,7 +58,7 @@ def convert_model(request: ConvertRequest, log=print) -> Path:
     log(f"loaded the source in {time.perf_counter() - start:.1f} s ({model.dtype})")
 
     used = {k: request.mixer_settings.get(k, {}) for k in set(kinds) - {"attention"}}
-    hybrid = build_hybrid(model, kinds, used, seed=request.seed)
+    hybrid = build_hybrid(model, kinds, used, seed=request.seed, attention_windows=windows)
     del model
     save_hybrid(
         hybrid,

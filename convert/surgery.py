@@ -30,8 +30,30 @@ def plan_layers(assignments: list[tuple[str, str]], num_layers: int) -> list[str
     return kinds
 
 
-def format_layer_map(kinds: list[str]) -> str:
+def plan_windows(
+    kinds: list[str], source_windows: list[int | None], window: int | None, spec: str | None
+) -> list[int | None] | None:
+    """Per-layer attention windows: `window` on the kept attention layers `spec` names (all of them by default),
+    the source's own window elsewhere. None when no window is asked for (the source's windows stand)."""
+    if window is None:
+        if spec is not None:
+            raise ValueError(f"--window-layers {spec!r} needs --sliding-window")
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"--sliding-window {window!r} is not allowed; expected an integer >= 1 (tokens)")
+    chosen = parse_layer_spec(spec, len(kinds), "--window-layers") if spec is not None else [i for i, k in enumerate(kinds) if k == "attention"]
+    mixers = [i for i in chosen if kinds[i] != "attention"]
+    if mixers:
+        raise ValueError(
+            f"--window-layers {spec!r} names layer(s) {mixers}, which become mixers; only kept attention layers "
+            "take a sliding window"
+        )
+    return [window if i in chosen else w for i, w in enumerate(source_windows)]
+
+
+def format_layer_map(kinds: list[str], windows: list[int | None] | None = None) -> str:
     """One line per layer kind with its layers, then one line per layer."""
+    windows = windows or [None] * len(kinds)
     width = max(len(k) for k in LAYER_KINDS)
     summary = [
         f"  {kind:<{width}}  {sum(k == kind for k in kinds):>3} layers: "
@@ -39,18 +61,30 @@ def format_layer_map(kinds: list[str]) -> str:
         for kind in LAYER_KINDS
         if kind in kinds
     ]
-    rows = [f"  layer {i:>3}  {'keeps attention' if k == 'attention' else 'becomes ' + k}" for i, k in enumerate(kinds)]
+    rows = [
+        f"  layer {i:>3}  "
+        + ("becomes " + k if k != "attention" else "keeps attention" + (f" (sliding window {w})" if w else ""))
+        for i, (k, w) in enumerate(zip(kinds, windows))
+    ]
     return "\n".join(["layer map:", *summary, *rows])
 
 
-def build_hybrid(source, layer_kinds: list[str], mixer_settings: dict[str, dict], seed: int = 0) -> HybridForCausalLM:
+def build_hybrid(
+    source,
+    layer_kinds: list[str],
+    mixer_settings: dict[str, dict],
+    seed: int = 0,
+    attention_windows: list[int | None] | None = None,
+) -> HybridForCausalLM:
     """A hybrid of `source` (a transformers causal LM) with `layer_kinds[i]` in layer i.
 
     Every weight keeps its source name: embeddings, norms, MLPs and kept attention layers load unchanged, and a
     mixer's q/k/v/o (and q/k norms, where both sides have them) start from the attention it replaces. Only the
     mixer-specific parameters are new; they get the mixer's own initialisation (seeded by `seed`).
+    `attention_windows` (see `plan_windows`) turns kept attention layers into sliding-window attention; their
+    weights and RoPE are unchanged.
     """
-    config = HybridConfig.from_source(source.config, layer_kinds, mixer_settings)
+    config = HybridConfig.from_source(source.config, layer_kinds, mixer_settings, attention_windows)
     torch.manual_seed(seed)
     hybrid = HybridForCausalLM(config).to(source.dtype)
     missing, unexpected = hybrid.load_state_dict(source.state_dict(), strict=False)

@@ -56,3 +56,11 @@ def get_architecture(model_type: str) -> Architecture:
             "Another Llama-like decoder is one entry in raven_layers/architectures.py."
         )
     return ARCHITECTURES[model_type]
+
+
+def layer_windows(config) -> list[int | None]:
+    """Per layer of a hybrid, the attention window (None: full attention, and for mixer layers)."""
+    windows = getattr(config, "attention_windows", None)
+    if windows is None:
+        windows = get_architecture(config.base_model_type).sliding_windows(config)
+    return [w if kind == "attention" else None for w, kind in zip(windows, config.layer_mixers)]

@@ -12,6 +12,8 @@ from abc import ABC, abstractmethod
 import torch
 from transformers.cache_utils import Cache
 
+from .architectures import layer_windows
+
 
 class _LayerCache(ABC):
     """Batch operations shared by both layer kinds; subclasses say which tensors `_apply` maps over."""
@@ -39,22 +41,30 @@ class _LayerCache(ABC):
 
 
 class AttentionLayerCache(_LayerCache):
-    """Keys and values of one attention layer, [B, H_kv, T, d] each, grown as tokens arrive."""
+    """Keys and values of one attention layer, [B, H_kv, T, d] each; a windowed layer keeps only its last W - 1."""
 
-    def __init__(self):
+    def __init__(self, window: int | None = None):
+        self.window = window
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
+        self.num_tokens = 0  # seen, not stored: a windowed layer drops the oldest
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.keys is None:
-            self.keys, self.values = key_states, value_states
-        else:
-            self.keys = torch.cat([self.keys, key_states], dim=-2)
-            self.values = torch.cat([self.values, value_states], dim=-2)
-        return self.keys, self.values
+        """Append the new tokens; return every key and value the new queries may attend to."""
+        if self.keys is not None:
+            key_states = torch.cat([self.keys, key_states], dim=-2)
+            value_states = torch.cat([self.values, value_states], dim=-2)
+        self.num_tokens += key_states.shape[-2] - self.stored_length()
+        keep = key_states.shape[-2] if self.window is None else min(key_states.shape[-2], self.window - 1)
+        self.keys = key_states[..., key_states.shape[-2] - keep :, :]
+        self.values = value_states[..., value_states.shape[-2] - keep :, :]
+        return key_states, value_states
+
+    def stored_length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
 
     def get_seq_length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[-2]
+        return self.num_tokens
 
     def tensors(self):
         return () if self.keys is None else (self.keys, self.values)
@@ -65,11 +75,15 @@ class AttentionLayerCache(_LayerCache):
 
     def crop(self, max_length: int):
         if max_length < 0:
-            max_length = self.get_seq_length() + max_length
+            max_length = self.num_tokens + max_length
+        if self.stored_length() < self.num_tokens and max_length != self.num_tokens:
+            raise ValueError("a sliding-window cache has dropped the tokens it would need to be cropped")
         self._apply(lambda x: x[..., :max_length, :])
+        self.num_tokens = min(self.num_tokens, max_length)
 
     def reset(self):
         self.keys = self.values = None
+        self.num_tokens = 0
 
 
 class MixerLayerCache(_LayerCache):
@@ -106,7 +120,10 @@ class HybridCache(Cache):
     """One `AttentionLayerCache` or `MixerLayerCache` per decoder layer, following `config.layer_mixers`."""
 
     def __init__(self, config):
-        layers = [AttentionLayerCache() if m == "attention" else MixerLayerCache() for m in config.layer_mixers]
+        layers = [
+            AttentionLayerCache(window) if kind == "attention" else MixerLayerCache()
+            for kind, window in zip(config.layer_mixers, layer_windows(config))
+        ]
         super().__init__(layers=layers)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):

@@ -28,15 +28,20 @@ class HybridConfig(PretrainedConfig):
         base_model_type: `model_type` of the source model ("llama", "qwen3", ...).
         layer_mixers: one entry per layer, from `LAYER_KINDS`.
         mixer_settings: hyper-parameters per mixer in use, e.g. {"raven": {"num_slots": 256, ...}}.
+        attention_windows: one entry per layer, the sliding window of a kept attention layer (None: full causal
+            attention); None altogether keeps the source architecture's own windows.
     """
 
     model_type = "raven_hybrid"
     keys_to_ignore_at_inference = ["past_key_values"]
 
-    def __init__(self, base_model_type: str = "llama", layer_mixers=None, mixer_settings=None, **kwargs):
+    def __init__(
+        self, base_model_type: str = "llama", layer_mixers=None, mixer_settings=None, attention_windows=None, **kwargs
+    ):
         self.base_model_type = base_model_type
         self.layer_mixers = list(layer_mixers) if layer_mixers is not None else None
         self.mixer_settings = dict(mixer_settings or {})
+        self.attention_windows = list(attention_windows) if attention_windows is not None else None
         super().__init__(**kwargs)
         num_layers = getattr(self, "num_hidden_layers", None)
         if num_layers is None:  # transformers builds a bare instance to diff defaults against
@@ -48,6 +53,12 @@ class HybridConfig(PretrainedConfig):
         for i, kind in enumerate(self.layer_mixers):
             if kind not in LAYER_KINDS:
                 raise ValueError(f"layer_mixers[{i}] = {kind!r}; allowed: {list(LAYER_KINDS)}")
+        if self.attention_windows is not None:
+            if len(self.attention_windows) != num_layers:
+                raise ValueError(f"attention_windows has {len(self.attention_windows)} entries for {num_layers} layers")
+            for i, window in enumerate(self.attention_windows):
+                if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+                    raise ValueError(f"attention_windows[{i}] = {window!r}; expected an integer >= 1 or null")
         for name in set(self.layer_mixers) - {"attention"}:
             # validates, and records every default so the saved config is complete
             self.mixer_settings[name] = self.settings_for(name).to_dict()
@@ -56,11 +67,12 @@ class HybridConfig(PretrainedConfig):
         return MIXER_SETTINGS[mixer].from_dict(self.mixer_settings.get(mixer, {}))
 
     @classmethod
-    def from_source(cls, source_config, layer_mixers, mixer_settings) -> "HybridConfig":
+    def from_source(cls, source_config, layer_mixers, mixer_settings, attention_windows=None) -> "HybridConfig":
         fields = {k: v for k, v in source_config.to_dict().items() if k not in _SOURCE_ONLY_FIELDS}
         return cls(
             base_model_type=source_config.model_type,
             layer_mixers=layer_mixers,
             mixer_settings=mixer_settings,
+            attention_windows=attention_windows,
             **fields,
         )

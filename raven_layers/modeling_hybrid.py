@@ -10,17 +10,33 @@ This file and its siblings are copied next to every exported model, so that
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from .architectures import get_architecture
+from .architectures import get_architecture, layer_windows
 from .cache import HybridCache
 from .configuration_hybrid import HybridConfig
 from .raven import RavenMixer
 
 MIXER_CLASSES = {"raven": RavenMixer}
+
+
+@dataclass
+class HybridModelOutput(BaseModelOutputWithPast):
+    """`aux_loss`: the sum of the mixers' auxiliary losses (e.g. SSE's balance loss), already weighted."""
+
+    aux_loss: torch.Tensor | None = None
+
+
+@dataclass
+class HybridCausalLMOutput(CausalLMOutputWithPast):
+    """`loss` includes `aux_loss` when labels are given."""
+
+    aux_loss: torch.Tensor | None = None
 
 
 class HybridPreTrainedModel(PreTrainedModel):
@@ -60,7 +76,7 @@ class HybridModel(HybridPreTrainedModel):
             self.layers.append(layer)
         self.norm = arch.cls("RMSNorm")(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = arch.cls("RotaryEmbedding")(config=config)
-        self.windows = arch.sliding_windows(config)
+        self.windows = layer_windows(config)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -79,7 +95,7 @@ class HybridModel(HybridPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         **kwargs,
-    ) -> BaseModelOutputWithPast:
+    ) -> HybridModelOutput:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         if inputs_embeds is None:
@@ -126,26 +142,39 @@ class HybridModel(HybridPreTrainedModel):
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+        aux = [
+            layer.self_attn.aux_loss
+            for layer, kind in zip(self.layers, self.config.layer_mixers)
+            if kind != "attention" and layer.self_attn.aux_loss is not None
+        ]
+        return HybridModelOutput(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values,
+            aux_loss=torch.stack(aux).sum() if aux else None,
+        )
 
     def _attention_mask(self, padding, B: int, T: int, past: int, window: int | None, like: torch.Tensor):
         """The mask the attention layers expect, or None where transformers would take the causal fast path.
 
-        SDPA takes a boolean mask, eager attention an additive float one; flash-attention kernels take the 2D
-        padding mask and apply causality (and the window, passed by the layer) themselves.
+        Keys are the cached ones plus the new ones: all `past + T` of them, or for a sliding-window layer only the
+        last `window - 1` cached ones (see AttentionLayerCache). SDPA takes a boolean mask, eager attention an
+        additive float one; flash-attention kernels take the 2D padding mask and apply causality (and the window,
+        passed by the layer) themselves.
         """
         impl = self.config._attn_implementation
+        kv_start = 0 if window is None else max(0, past - (window - 1))
+        if padding is not None:
+            padding = padding[:, kv_start:]
         if impl not in ("sdpa", "eager"):
             return padding
-        fits_window = window is None or past + T <= window
-        if padding is None and fits_window and (T == 1 or (past == 0 and impl == "sdpa")):
-            return None
+        if padding is None and (T == 1 or (past == 0 and impl == "sdpa" and (window is None or T <= window))):
+            return None  # every stored key is visible (T == 1), or SDPA's own causal mask is the right one
         q_pos = torch.arange(past, past + T, device=like.device)[:, None]
-        k_pos = torch.arange(past + T, device=like.device)[None, :]
-        allowed = k_pos <= q_pos  # [T, past + T]
+        k_pos = torch.arange(kv_start, past + T, device=like.device)[None, :]
+        allowed = k_pos <= q_pos  # [T, kv]
         if window is not None:
             allowed &= k_pos > q_pos - window
-        allowed = allowed[None, None]  # [1, 1, T, past + T]
+        allowed = allowed[None, None]  # [1, 1, T, kv]
         if padding is not None:
             allowed = allowed & padding.bool()[:, None, None, :]
             allowed = allowed | (k_pos == q_pos)  # a padded query sees itself, so no row is empty (no NaN)
@@ -177,7 +206,7 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
-    ) -> CausalLMOutputWithPast:
+    ) -> HybridCausalLMOutput:
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -193,4 +222,8 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+            if outputs.aux_loss is not None:
+                loss = loss + outputs.aux_loss
+        return HybridCausalLMOutput(
+            loss=loss, logits=logits, past_key_values=outputs.past_key_values, aux_loss=outputs.aux_loss
+        )

@@ -207,6 +207,8 @@ class RavenMixer(nn.Module):
     Called like the attention it replaces; returns (output [B, T, hidden], None).
     """
 
+    aux_loss = None  # no auxiliary loss: the paper omits load balancing on purpose (Section 4.1)
+
     def __init__(self, config, layer_idx: int, settings: RavenSettings, source_has_qk_norm: bool = False):
         super().__init__()
         hidden = config.hidden_size

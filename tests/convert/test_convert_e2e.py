@@ -15,7 +15,7 @@ from raven_layers import BUNDLED_FILES
 from tests.helpers import run_without_toolkit
 
 SPECS = {"llama": "0,-1", "qwen3": "0-23:5", "mistral": "1-3", "qwen2": "all"}
-RAVEN = ["--num-slots", "16", "--top-k", "4", "--chunk-size", "4"]
+RAVEN = ["--raven-num-slots", "16", "--raven-top-k", "4", "--raven-chunk-size", "4"]
 IDS = [[5, 17, 33, 2, 9, 41, 8, 8, 63, 12, 7], [44, 3, 19, 27, 51, 6, 30, 11, 9, 70, 4]]
 
 
@@ -129,9 +129,9 @@ def test_push_to_hub_uploads_the_output_directory(tiny_sources, tmp_path, monkey
     assert convert.export.push_to_hub  # the real code path ran, only the HTTP client was replaced
 
 
-@pytest.mark.parametrize(("arch", "qk_norm", "has_norm"), [("qwen3", "off", False), ("llama", "on", True)])
+@pytest.mark.parametrize(("arch", "qk_norm", "has_norm"), [("qwen3", "false", False), ("llama", "true", True)])
 def test_qk_norm_can_be_dropped_or_added(tiny_sources, tmp_path, arch, qk_norm, has_norm):
-    out = convert_tiny(tiny_sources, tmp_path, arch, "0", *RAVEN, "--qk-norm", qk_norm)
+    out = convert_tiny(tiny_sources, tmp_path, arch, "0", *RAVEN, "--raven-qk-norm", qk_norm)
     mixer = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).model.layers[0].self_attn
     assert hasattr(mixer, "q_norm") == has_norm
 
@@ -150,3 +150,27 @@ def test_bfloat16_export(tiny_sources, tmp_path):
 def test_python_dash_m_convert(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "convert", "--help"], capture_output=True, text=True, check=True)
     assert "--layers" in proc.stdout and "0-23:5" in proc.stdout
+
+
+def test_sliding_window_attention_is_mistral_with_the_same_weights(tiny_sources, tmp_path):
+    # Llama layers given a 4-token window compute what Mistral (Llama + sliding window) computes with those weights.
+    out = convert_tiny(tiny_sources, tmp_path, "llama", "none", "--sliding-window", "4")
+    hybrid = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    assert hybrid.model.windows == [4, 4, 4, 4]
+    from tests.conftest import tiny_config
+
+    mistral = AutoModelForCausalLM.from_config(tiny_config("mistral", sliding_window=4)).eval()
+    mistral.load_state_dict(AutoModelForCausalLM.from_pretrained(tiny_sources["llama"]).state_dict())
+    ids = torch.tensor(IDS)
+    with torch.no_grad():
+        torch.testing.assert_close(hybrid(ids).logits, mistral(ids).logits, rtol=1e-5, atol=1e-5)
+        out = hybrid.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+        reference = mistral.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(out.sequences, reference)
+    assert all(layer.stored_length() == 3 for layer in out.past_key_values.layers)  # window - 1 keys kept
+
+
+def test_window_layers_choose_which_attention_layers(tiny_sources, tmp_path):
+    out = convert_tiny(tiny_sources, tmp_path, "llama", "0", *RAVEN, "--sliding-window", "5", "--window-layers", "2-3")
+    config = json.loads((out / "config.json").read_text())
+    assert config["attention_windows"] == [None, None, 5, 5]
