@@ -61,15 +61,16 @@ def save_hybrid(
     return out
 
 
-def state_sizes(config) -> dict[str, int]:
-    """Bytes per sequence: a Raven layer's constant state, and an attention layer's KV cache per 1,024 tokens."""
+def state_sizes(model: HybridForCausalLM) -> dict[str, int]:
+    """Bytes per sequence: each mixer kind's constant state per layer, and an attention layer's KV cache per 1K
+    tokens (a sliding-window layer stops growing at its window)."""
+    config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = config.num_key_value_heads
-    dtype_bytes = 2 if str(getattr(config, "dtype", "float32")).endswith(("bfloat16", "float16")) else 4
-    sizes = {"attention_kv_per_1k_tokens": 2 * kv_heads * head_dim * dtype_bytes * 1024}
-    if "raven" in config.layer_mixers:
-        slots = config.mixer_settings["raven"]["num_slots"]
-        sizes["raven_state"] = 2 * kv_heads * slots * head_dim * 4  # S^k and S^v, float32
+    dtype_bytes = next(model.parameters()).element_size()
+    sizes = {"attention_kv_per_1k_tokens": 2 * config.num_key_value_heads * head_dim * dtype_bytes * 1024}
+    for layer, kind in zip(model.model.layers, config.layer_mixers):
+        if kind != "attention":
+            sizes[f"{kind}_state"] = layer.self_attn.state_numel() * 4  # float32 states
     return sizes
 
 
@@ -77,12 +78,12 @@ def model_card(model: HybridForCausalLM, base_model: str) -> str:
     config = model.config
     kinds = config.layer_mixers
     counts = {k: kinds.count(k) for k in dict.fromkeys(kinds)}
-    sizes = state_sizes(config)
+    sizes = state_sizes(model)
     table = "\n".join(f"| {i} | {k} |" for i, k in enumerate(kinds))
     settings = json.dumps(config.mixer_settings, indent=2, sort_keys=True)
-    sizes_text = f"- Attention layer: KV cache of {sizes['attention_kv_per_1k_tokens'] / 1024:.0f} KiB per 1K tokens"
-    if "raven_state" in sizes:
-        sizes_text += f"\n- Raven layer: constant state of {sizes['raven_state'] / 1024:.0f} KiB, whatever the length"
+    lines = [f"- Attention layer: KV cache of {sizes.pop('attention_kv_per_1k_tokens') / 1024:.0f} KiB per 1K tokens"]
+    lines += [f"- {k.removesuffix('_state')} layer: constant state of {v / 1024:.0f} KiB" for k, v in sizes.items()]
+    sizes_text = "\n".join(lines)
     n_params = sum(p.numel() for p in model.parameters())
     front = {
         "library_name": "transformers",

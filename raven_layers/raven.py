@@ -268,6 +268,10 @@ class RavenMixer(nn.Module):
             if param is not None and not getattr(param, "_is_hf_initialized", False):
                 init(param)
 
+    def state_numel(self) -> int:
+        """Elements of the decoding state per sequence (float32): S^k and S^v, [H_kv, M, d] each."""
+        return 2 * self.num_kv_heads * self.settings.num_slots * self.head_dim
+
     def fresh_parameter_names(self) -> set[str]:
         """Parameters a converted layer cannot take from the source attention."""
         names = {"router_weight", "decay_weight", "decay_bias", "decay_log_scale"}

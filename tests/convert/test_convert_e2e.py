@@ -53,6 +53,7 @@ def test_converted_directory_is_complete_and_reloads(tiny_sources, tmp_path, arc
     card = (out / "README.md").read_text()
     assert f"base_model: {tiny_sources[arch]}" in card and "- raven-hybrid" in card
     assert f"| {kinds.index('raven')} | raven |" in card and "trust_remote_code=True" in card
+    assert "- raven layer: constant state of 4 KiB" in card  # 2 x [H_kv=2, M=16, d=16] float32
 
     expected = build_hybrid(source, kinds, {"raven": {"num_slots": 16, "top_k": 4, "chunk_size": 4}}, seed=3)
     reloaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
