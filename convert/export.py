@@ -70,7 +70,7 @@ def state_sizes(model: HybridForCausalLM) -> dict[str, int]:
     sizes = {"attention_kv_per_1k_tokens": 2 * config.num_key_value_heads * head_dim * dtype_bytes * 1024}
     for layer, kind in zip(model.model.layers, config.layer_mixers):
         if kind != "attention":
-            sizes[f"{kind}_state"] = layer.self_attn.state_numel() * 4  # float32 states
+            sizes[f"{kind}_state"] = layer.self_attn.state_numel() * 4  # counted as float32
     return sizes
 
 

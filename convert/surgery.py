@@ -87,16 +87,17 @@ def build_hybrid(
     config = HybridConfig.from_source(source.config, layer_kinds, mixer_settings, attention_windows)
     torch.manual_seed(seed)
     hybrid = HybridForCausalLM(config).to(source.dtype)
-    missing, unexpected = hybrid.load_state_dict(source.state_dict(), strict=False)
-
-    fresh, dropped = set(), set()
-    for i, kind in enumerate(layer_kinds):
-        if kind == "attention":
-            continue
-        prefix = f"model.layers.{i}.self_attn."
-        mixer = hybrid.model.layers[i].self_attn
-        fresh |= {prefix + name for name in mixer.fresh_parameter_names()}
-        dropped |= {k for k in unexpected if k.startswith(prefix)}  # e.g. q/k norms of a mixer without them
+    fresh = {
+        f"model.layers.{i}.self_attn.{name}"
+        for i, kind in enumerate(layer_kinds)
+        if kind != "attention"
+        for name in hybrid.model.layers[i].self_attn.fresh_parameter_names()
+    }
+    # a fresh parameter may share a source name with another shape (e.g. SSE's q/k with c != head_dim)
+    weights = {k: v for k, v in source.state_dict().items() if k not in fresh}
+    missing, unexpected = hybrid.load_state_dict(weights, strict=False)
+    replaced = tuple(f"model.layers.{i}.self_attn." for i, kind in enumerate(layer_kinds) if kind != "attention")
+    dropped = {k for k in unexpected if k.startswith(replaced)}  # e.g. q/k norms of a mixer without them
     if set(missing) != fresh or set(unexpected) != dropped:
         raise RuntimeError(
             "source and hybrid weights do not line up: "

@@ -11,9 +11,19 @@ from .cache import HybridCache
 from .configuration_hybrid import LAYER_KINDS, MIXER_SETTINGS, HybridConfig
 from .modeling_hybrid import MIXER_CLASSES, HybridForCausalLM, HybridModel
 from .raven import RavenMixer, RavenSettings, raven_chunked, raven_recurrent
+from .sila import SILAMixer, SILASettings, sila_chunked, sila_phi, sila_recurrent
+from .sse import SSEMixer, SSESettings, sse_masking, sse_recurrent, sse_varlen
 
 # The files an exported model carries so that it loads where only transformers is installed.
-BUNDLED_FILES = ("architectures.py", "cache.py", "configuration_hybrid.py", "modeling_hybrid.py", "raven.py")
+BUNDLED_FILES = (
+    "architectures.py",
+    "cache.py",
+    "configuration_hybrid.py",
+    "modeling_hybrid.py",
+    "raven.py",
+    "sila.py",
+    "sse.py",
+)
 
 AutoConfig.register(HybridConfig.model_type, HybridConfig, exist_ok=True)
 AutoModel.register(HybridConfig, HybridModel, exist_ok=True)
@@ -32,7 +42,17 @@ __all__ = [
     "MIXER_SETTINGS",
     "RavenMixer",
     "RavenSettings",
+    "SILAMixer",
+    "SILASettings",
+    "SSEMixer",
+    "SSESettings",
     "get_architecture",
     "raven_chunked",
     "raven_recurrent",
+    "sila_chunked",
+    "sila_phi",
+    "sila_recurrent",
+    "sse_masking",
+    "sse_recurrent",
+    "sse_varlen",
 ]

@@ -5,9 +5,11 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from .raven import RavenSettings
+from .sila import SILASettings
+from .sse import SSESettings
 
 # Mixer name -> validated settings class. "attention" keeps the source layer.
-MIXER_SETTINGS = {"raven": RavenSettings}
+MIXER_SETTINGS = {"raven": RavenSettings, "sse": SSESettings, "sila": SILASettings}
 LAYER_KINDS = ("attention", *MIXER_SETTINGS)
 
 # Fields of the source config that describe the source file, not the architecture a hybrid inherits.
@@ -59,9 +61,9 @@ class HybridConfig(PretrainedConfig):
             for i, window in enumerate(self.attention_windows):
                 if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
                     raise ValueError(f"attention_windows[{i}] = {window!r}; expected an integer >= 1 or null")
-        for name in set(self.layer_mixers) - {"attention"}:
-            # validates, and records every default so the saved config is complete
-            self.mixer_settings[name] = self.settings_for(name).to_dict()
+        # validates, records every default so the saved config is complete, and drops mixers not in use
+        in_use = sorted(set(self.layer_mixers) - {"attention"})
+        self.mixer_settings = {name: self.settings_for(name).to_dict() for name in in_use}
 
     def settings_for(self, mixer: str):
         return MIXER_SETTINGS[mixer].from_dict(self.mixer_settings.get(mixer, {}))

@@ -21,8 +21,10 @@ from .architectures import get_architecture, layer_windows
 from .cache import HybridCache
 from .configuration_hybrid import HybridConfig
 from .raven import RavenMixer
+from .sila import SILAMixer
+from .sse import SSEMixer
 
-MIXER_CLASSES = {"raven": RavenMixer}
+MIXER_CLASSES = {"raven": RavenMixer, "sse": SSEMixer, "sila": SILAMixer}
 
 
 @dataclass

@@ -64,8 +64,15 @@ def test_converted_directory_is_complete_and_reloads(tiny_sources, tmp_path, arc
     assert generated.shape == (2, 15)
 
 
+MIXED = ["--mixer", "sse", "--layers", "1-23:5", "--mixer", "sila", "--layers", "2-23:5", *RAVEN,
+         "--sse-lora-rank", "8", "--sse-top-k", "2", "--sse-chunk-size", "4", "--sila-chunk-size", "4"]
+
+
 def test_standalone_load_without_the_toolkit(tiny_sources, tmp_path):
-    out = convert_tiny(tiny_sources, tmp_path, "qwen3", "0-23:5", *RAVEN)
+    # all three mixers in one model, loaded where only transformers is installed
+    out = convert_tiny(tiny_sources, tmp_path, "qwen3", "0-23:5", *MIXED)
+    kinds = json.loads((out / "config.json").read_text())["layer_mixers"]
+    assert kinds[:6] == ["raven", "sse", "sila", "attention", "attention", "raven"]
     reference = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
     with torch.no_grad():
         logits = reference(torch.tensor(IDS)).logits
@@ -175,3 +182,22 @@ def test_window_layers_choose_which_attention_layers(tiny_sources, tmp_path):
     out = convert_tiny(tiny_sources, tmp_path, "llama", "0", *RAVEN, "--sliding-window", "5", "--window-layers", "2-3")
     config = json.loads((out / "config.json").read_text())
     assert config["attention_windows"] == [None, None, 5, 5]
+
+
+def test_sse_with_its_own_row_count_gets_fresh_query_and_key_projections(tiny_sources, tmp_path):
+    out = convert_tiny(tiny_sources, tmp_path, "llama", "none", "--mixer", "sse", "--layers", "1",
+                       "--sse-rows-per-partition", "8", "--sse-lora-rank", "4")
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    mixer = model.model.layers[1].self_attn
+    assert mixer.q_proj.weight.shape == (4 * 8, 64) and mixer.k_proj.weight.shape == (2 * 8, 64)
+    source = AutoModelForCausalLM.from_pretrained(tiny_sources["llama"])
+    assert torch.equal(mixer.v_proj.weight, source.model.layers[1].self_attn.v_proj.weight)
+
+
+def test_mixer_pairs_in_one_call_are_recorded(tiny_sources, tmp_path):
+    out = convert_tiny(tiny_sources, tmp_path, "llama", "0", "--mixer", "sila", "--layers", "1-2",
+                       "--mixer", "sse", "--layers", "3", *RAVEN, "--sse-lora-rank", "4")
+    config = json.loads((out / "config.json").read_text())
+    assert config["layer_mixers"] == ["raven", "sila", "sila", "sse"]
+    assert sorted(config["mixer_settings"]) == ["raven", "sila", "sse"]
+    assert config["mixer_settings"]["sse"]["lora_rank"] == 4 and config["mixer_settings"]["sse"]["num_partitions"] == 4

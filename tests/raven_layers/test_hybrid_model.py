@@ -6,19 +6,34 @@ from transformers import AutoModelForCausalLM
 
 from convert import build_hybrid, plan_layers
 
-SPEC = {"llama": "0,2", "qwen3": "0-23:5", "mistral": "1-3:2", "qwen2": "-1"}
-SETTINGS = {"raven": {"num_slots": 16, "top_k": 4, "chunk_size": 4}}
+# Every mixer in several positions of every supported architecture (mistral: all layers windowed).
+ASSIGNMENTS = {
+    "llama": [("raven", "0"), ("sila", "2"), ("sse", "3")],
+    "qwen3": [("raven", "0-23:5"), ("sila", "1-23:6"), ("sse", "3,12,22")],
+    "mistral": [("sila", "1"), ("raven", "3"), ("sse", "0")],
+    "qwen2": [("sse", "1"), ("sila", "0"), ("raven", "-1")],
+}
+SETTINGS = {
+    "raven": {"num_slots": 16, "top_k": 4, "chunk_size": 4},
+    "sila": {"chunk_size": 4},
+    "sse": {"num_partitions": 4, "top_k": 2, "lora_rank": 8, "chunk_size": 4},
+}
 
 
-@pytest.fixture(scope="module", params=sorted(SPEC))
+def mixers(model):
+    return [(i, layer.self_attn) for i, layer in enumerate(model.model.layers) if model.config.layer_mixers[i] != "attention"]
+
+
+@pytest.fixture(scope="module", params=sorted(ASSIGNMENTS))
 def hybrid(request, tiny_sources):
     source = AutoModelForCausalLM.from_pretrained(tiny_sources[request.param]).eval()
-    kinds = plan_layers([("raven", SPEC[request.param])], source.config.num_hidden_layers)
-    model = build_hybrid(source, kinds, SETTINGS)
-    with torch.no_grad():  # untrained gates are the identity; perturb them so the test sees every parameter
-        for name, p in model.named_parameters():
-            if "gate_weight" in name or "decay_weight" in name:
-                p.normal_(std=0.05)
+    kinds = plan_layers(ASSIGNMENTS[request.param], source.config.num_hidden_layers)
+    model = build_hybrid(source, kinds, {k: v for k, v in SETTINGS.items() if k in kinds})
+    with torch.no_grad():  # untrained gates start at special values; move them so the tests see every parameter
+        for _, mixer in mixers(model):
+            for name in mixer.fresh_parameter_names():
+                param = mixer.get_parameter(name)
+                param.add_(0.05 * torch.randn_like(param))
     return model
 
 
@@ -75,22 +90,18 @@ def test_mixer_state_is_constant_while_kv_cache_grows(hybrid):
         n_attention = hybrid.config.layer_mixers.count("attention")
         cfg = hybrid.config
         assert sizes[1]["attention"] == sizes[0]["attention"] == n_attention * 2 * 2 * (window - 1) * cfg.head_dim * 4
-    n_raven = hybrid.config.layer_mixers.count("raven")
-    cfg = hybrid.config
-    assert sizes[0]["mixer"] == n_raven * 2 * cfg.num_key_value_heads * 16 * cfg.head_dim * 4  # 2 x [H_kv, M, d] fp32
+    assert sizes[0]["mixer"] == sum(mixer.state_numel() * 4 for _, mixer in mixers(hybrid))  # fp32 states
 
 
 def test_training_forward_backward_reaches_mixer_parameters(hybrid):
     hybrid.train()
     try:
         ids = torch.randint(3, 100, (2, 10))
-        loss = hybrid(ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        layer = hybrid.config.layer_mixers.index("raven")
-        mixer = hybrid.model.layers[layer].self_attn
-        for name in ("router_weight", "decay_weight", "decay_log_scale", "gate_weight", "q_proj.weight"):
-            grad = mixer.get_parameter(name).grad
-            assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, name
+        hybrid(ids, labels=ids, use_cache=False).loss.backward()
+        for i, mixer in mixers(hybrid):
+            for name in [*mixer.fresh_parameter_names(), "q_proj.weight", "o_proj.weight"]:
+                grad = mixer.get_parameter(name).grad
+                assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, (i, name)
     finally:
         hybrid.zero_grad()
         hybrid.eval()
@@ -104,8 +115,13 @@ def test_gradient_checkpointing(hybrid):
     hybrid.train()
     try:
         ids = torch.randint(3, 100, (1, 9))
-        hybrid(ids, labels=ids, use_cache=False).loss.backward()
-        assert all(p.grad is not None for n, p in hybrid.named_parameters() if "router_weight" in n)
+        out = hybrid(ids, labels=ids, use_cache=False)
+        assert out.aux_loss is not None and out.aux_loss.requires_grad  # SSE's balance loss survives checkpointing
+        out.loss.backward()
+        for i, mixer in mixers(hybrid):
+            for name in mixer.fresh_parameter_names():
+                grad = mixer.get_parameter(name).grad
+                assert grad is not None and grad.abs().sum() > 0, (i, name)
     finally:
         disable()
         hybrid.zero_grad()
@@ -119,6 +135,7 @@ def test_model_from_config_gets_the_mixer_initialisation(tiny_sources):
 
     source_config = AutoConfig.from_pretrained(tiny_sources["llama"])
     model = HybridForCausalLM(HybridConfig.from_source(source_config, ["raven", "attention"] * 2, SETTINGS))
+    assert set(model.config.mixer_settings) == {"raven"}  # only the mixers in use are recorded
     mixer = model.model.layers[0].self_attn
     assert torch.equal(mixer.gate_weight, torch.zeros_like(mixer.gate_weight))
     torch.testing.assert_close(mixer.decay_bias, torch.full_like(mixer.decay_bias, 0.5413248546129181))
@@ -133,3 +150,14 @@ def test_rejects_a_foreign_cache_and_a_bad_mask(hybrid):
         hybrid(ids, past_key_values=DynamicCache())
     with pytest.raises(ValueError, match=r"attention_mask must be a 2D padding mask of shape .* = \[1, 4\], got \(1, 3\)"):
         hybrid(ids, attention_mask=torch.ones(1, 3, dtype=torch.long))
+
+
+def test_loss_includes_the_balance_loss(hybrid):
+    ids = torch.randint(3, 100, (2, 7))
+    with torch.no_grad():
+        out = hybrid(ids, labels=ids)
+        lm_only = hybrid.loss_function(logits=out.logits, labels=ids, vocab_size=hybrid.config.vocab_size)
+    sse_layers = [m for _, m in mixers(hybrid) if m.aux_loss is not None]
+    assert len(sse_layers) == hybrid.config.layer_mixers.count("sse") > 0
+    torch.testing.assert_close(out.aux_loss, sum(m.aux_loss for m in sse_layers))
+    torch.testing.assert_close(out.loss, lm_only + out.aux_loss)

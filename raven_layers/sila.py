@@ -1,0 +1,430 @@
+"""SILA: Selective Ignoring Linear Attention (SILA paper, Section 4, equations 2-7; Gated DeltaNet base, Appendix A).
+
+Per key/value head the layer keeps a matrix memory M [d_v, d_k]. q, k, v come from the attention's projections,
+a short causal depthwise convolution and SiLU (as in Gated DeltaNet); q and k are then L2-normalised per head
+(after the source's own q/k RMSNorm where it has one, e.g. Qwen3). With M_{t-1} k_t the value the memory recalls
+for the current key:
+
+    beta_t  = sigmoid(W_b1 M_{t-1} k_t + W_b2 x_t)           input gate, one scalar per head          (eqs. 3, 5)
+    gamma_t = phi(W_g1 M_{t-1} k_t + W_g2 x_t)               forget gate, one scalar per head         (eqs. 3, 5)
+    phi(x)  = 2 / (e^x + e^-x) for x < 0, 1 for x >= 0      reaches 1: a head can keep its memory     (eq. 4)
+    o_t     = M_{t-1} q_t + alpha_t (k_t . q_t) v_t,  alpha_t = sigmoid(W_a x_t)                    (eqs. 2, 6)
+    M_t     = gamma_t M_{t-1} - beta_t (M_{t-1} k_t - v_t) k_t^T                                     (eq. 7)
+
+Recall reads the memory before the current token is written, and the current token reaches the output through
+the separate alpha term, so a token can be used without being stored (beta_t -> 0): the store/recall decoupling.
+Because the gates depend on the memory, the recurrence is sequential in t. Under grouped-query attention the
+memory and the gates beta, gamma live on the key/value heads; every query head of a group reads the memory and has
+its own alpha. The memory starts at zero.
+
+This file holds the phi gate (`sila_phi`, `sila_log_phi`), the two PyTorch forms of the recurrence
+(`sila_recurrent`, the reference and the decode path; `sila_chunked`, the same recurrence reorganised for
+training) and the `SILAMixer` module that replaces an attention layer. It must import nothing but torch (and its
+sibling raven.py, shipped with it): it is copied next to every exported model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .raven import RMSNorm
+
+SILAState = tuple[torch.Tensor, torch.Tensor]  # (M [B, H_kv, d_v, d_k] float32, conv tail [B, conv_size - 1, C])
+
+
+@dataclass(frozen=True)
+class SILASettings:
+    """Hyper-parameters of a SILA layer; heads, head dim and GQA layout come from the source attention."""
+
+    conv_size: int = 4  # kernel of the short causal depthwise convolution on q, k, v; 1 is a per-channel scale only
+    feature_map: str = "silu"  # after the convolution, on q, k and v: "silu" (Gated DeltaNet) or "identity"
+    output_gate: bool = True  # o * 2 sigmoid(W_g x); W_g starts at zero so the gate starts as the identity
+    chunk_size: int = 16  # chunk length of `sila_chunked`, the training path; results do not depend on it
+
+    FEATURE_MAPS = ("silu", "identity")
+
+    def __post_init__(self):
+        def fail(name, allowed):
+            raise ValueError(f"sila.{name} = {getattr(self, name)!r} is not allowed; expected {allowed}")
+
+        for name in ("conv_size", "chunk_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                fail(name, "an integer >= 1")
+        if self.feature_map not in self.FEATURE_MAPS:
+            fail("feature_map", f"one of {list(self.FEATURE_MAPS)}")
+        if not isinstance(self.output_gate, bool):
+            fail("output_gate", "true or false")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "SILASettings":
+        allowed = [f.name for f in fields(cls)]
+        unknown = sorted(set(values) - set(allowed))
+        if unknown:
+            raise ValueError(f"unknown SILA setting(s) {unknown}; allowed: {allowed}")
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def sila_phi(x: torch.Tensor) -> torch.Tensor:
+    """The forget-gate nonlinearity phi of eq. 4: 2 / (e^x + e^-x) = sech(x) for x < 0, exactly 1 for x >= 0.
+
+    Computed as 2 e^x / (1 + e^{2x}) on min(x, 0): both exponentials are at most 1, so neither the value nor the
+    gradient can overflow (the textbook form has e^-x = inf for x < -89 in float32, and inf / inf = nan in the
+    backward pass). At x >= 0 the value is exactly 1 and the gradient exactly 0 (the clamp blocks it for x > 0 and
+    sech'(0) = 0), so a head whose pre-activation stays >= 0 keeps its memory with no decay at all.
+    """
+    x = x.clamp(max=0.0)
+    e = x.exp()
+    return 2 * e / (1 + e * e)
+
+
+def sila_log_phi(x: torch.Tensor) -> torch.Tensor:
+    """log phi(x) = log 2 + x - softplus(2x) on min(x, 0); exactly 0 for x >= 0 and finite wherever x is."""
+    x = x.clamp(max=0.0)
+    return torch.where(x < 0, math.log(2.0) + x - F.softplus(2 * x), torch.zeros_like(x))
+
+
+def _promote(q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, initial_state):
+    """Inputs in the recurrence dtype (float32, or float64 when given), and the initial memory (zeros if None)."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    tensors = tuple(x.to(dtype) for x in (q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma))
+    if initial_state is None:
+        B, _, H, d_k = k.shape
+        initial_state = q.new_zeros(B, H, v.shape[-1], d_k, dtype=dtype)
+    return (*tensors, initial_state.to(dtype))
+
+
+def _current_token_term(q, k, v, alpha):
+    """alpha_t (k_t . q_t) v_t: [B, T, H, G, d_v], the recall of the current token, which never enters M_{t-1}."""
+    return (alpha * torch.einsum("bthgk,bthk->bthg", q, k)).unsqueeze(-1) * v.unsqueeze(3)
+
+
+def sila_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    alpha: torch.Tensor,
+    beta_x: torch.Tensor,
+    gamma_x: torch.Tensor,
+    w_beta: torch.Tensor,
+    w_gamma: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step-by-step SILA recurrence (eqs. 5-7): the reference, and the decode path.
+
+    Args:
+        q: [B, T, H, G, d_k] queries (L2-normalised), G query heads per key/value head.
+        k: [B, T, H, d_k] keys (L2-normalised); v: [B, T, H, d_v] values.
+        alpha: [B, T, H, G] weight of the current token's recall, sigmoid(W_a x_t), per query head.
+        beta_x, gamma_x: [B, T, H] the input parts of the gate pre-activations, W_b2 x_t and W_g2 x_t (with biases).
+        w_beta, w_gamma: [H, d_v] W_b1 and W_g1, which map the recalled value M_{t-1} k_t to a scalar per head.
+        initial_state: M_0, [B, H, d_v, d_k]; zeros when None.
+        mask: [B, T] bool, False at padding: there beta = 0 and gamma = 1, so M is left exactly as it was.
+
+    Returns:
+        o: [B, T, H, G, d_v] and the final memory [B, H, d_v, d_k], in float32 (float64 for float64 inputs).
+    """
+    T = q.shape[1]
+    q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, memory = _promote(
+        q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, initial_state
+    )
+    outputs = []
+    for t in range(T):
+        k_t, v_t = k[:, t], v[:, t]  # [B, H, d]
+        recalled = torch.einsum("bhvk,bhk->bhv", memory, k_t)  # M_{t-1} k_t, [B, H, d_v]
+        beta = torch.sigmoid((recalled * w_beta).sum(-1) + beta_x[:, t])  # [B, H]
+        gamma = sila_phi((recalled * w_gamma).sum(-1) + gamma_x[:, t])  # [B, H]
+        if mask is not None:
+            m = mask[:, t, None]  # [B, 1]
+            beta = beta * m
+            gamma = torch.where(m, gamma, torch.ones_like(gamma))
+        read = torch.einsum("bhvk,bhgk->bhgv", memory, q[:, t])  # M_{t-1} q_t, [B, H, G, d_v]
+        current = (alpha[:, t] * torch.einsum("bhgk,bhk->bhg", q[:, t], k_t)).unsqueeze(-1) * v_t.unsqueeze(2)
+        outputs.append(read + current)
+        write = (beta.unsqueeze(-1) * (recalled - v_t)).unsqueeze(-1) * k_t.unsqueeze(-2)  # [B, H, d_v, d_k]
+        memory = gamma[..., None, None] * memory - write
+    return torch.stack(outputs, dim=1), memory
+
+
+def sila_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    alpha: torch.Tensor,
+    beta_x: torch.Tensor,
+    gamma_x: torch.Tensor,
+    w_beta: torch.Tensor,
+    w_gamma: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    chunk_size: int = 16,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sila_recurrent` (same arguments and results, exactly; no approximation) reorganised for training.
+
+    Write the update as M_t = gamma_t M_{t-1} + u_t k_t^T with u_t = beta_t (v_t - M_{t-1} k_t). Inside a chunk
+    of C tokens entering with memory S, the only thing the sequential part needs is the recalled value
+    p_t = M_{t-1} k_t, and the memory's products with the chunk's own keys obey
+
+        M_t k_j = gamma_t (M_{t-1} k_j) + u_t (k_t . k_j)          for the later keys j > t,
+
+    starting from S k_j (one matmul per chunk). So the loop over t carries a [C - t, d_v] block instead of the
+    [d_v, d_k] memory: a few small batched ops per token, and far less saved for backward than storing M at every
+    step. Everything that does not depend on the memory (the current-token term, the key Gram matrix, q . k) is
+    computed outside the loop. Once the chunk's u_t and gammas are known, its reads and its final memory are
+    parallel, with G_t = sum_{r <= t} log gamma_r (only differences over s < t are exponentiated, so <= 0):
+
+        M_{t-1} q_t = exp(G_{t-1}) S q_t + sum_{s < t} exp(G_{t-1} - G_s) (k_s . q_t) u_s
+        M_C         = exp(G_C) S + sum_s exp(G_C - G_s) u_s k_s^T
+    """
+    B, T, H, G, d_k = q.shape
+    d_v = v.shape[-1]
+    C = chunk_size
+    q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, memory = _promote(
+        q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, initial_state
+    )
+    current = _current_token_term(q, k, v, alpha)  # [B, T, H, G, d_v]
+    live = q.new_ones(B, T) if mask is None else mask.to(q.dtype)
+    pad = (-T) % C
+    if pad:  # padded steps are masked: they neither write nor decay, so the final memory is unaffected
+        padded = (F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) for x in (q, k, v, beta_x, gamma_x, live))
+        q, k, v, beta_x, gamma_x, live = padded
+    N = (T + pad) // C
+    # chunk-major, head before time: [N, B, H, C, ...]
+    q = q.view(B, N, C, H, G, d_k).permute(1, 0, 3, 2, 4, 5)
+    k = k.view(B, N, C, H, d_k).permute(1, 0, 3, 2, 4)
+    v = v.view(B, N, C, H, d_v).permute(1, 0, 3, 2, 4)
+    gate_x = torch.stack([beta_x, gamma_x], dim=-1).view(B, N, C, H, 2).permute(1, 0, 3, 2, 4)  # [N, B, H, C, 2]
+    live = live.view(B, N, 1, C).transpose(0, 1)  # [N, B, 1, C]
+    w_gates = torch.stack([w_beta, w_gamma], dim=1)  # [H, 2, d_v]
+
+    gram = k @ k.transpose(-1, -2)  # [N, B, H, C, C], k_s . k_j
+    qk = torch.einsum("nbhtgk,nbhsk->nbhtgs", q, k)  # [N, B, H, C, G, C]
+    strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)  # s < t
+    reads = []
+    for n in range(N):
+        later = k[n] @ memory.transpose(-1, -2)  # [B, H, C, d_v]: M_{t-1} k_j for j >= t, here t = 0
+        us, gamma_pre = [], []
+        for t in range(C):
+            recalled = later[:, :, 0]  # M_{t-1} k_t, [B, H, d_v]
+            pre = torch.einsum("bhv,hcv->bhc", recalled, w_gates) + gate_x[n, :, :, t]  # [B, H, 2]
+            m = live[n, :, :, t]  # [B, 1]
+            beta = torch.sigmoid(pre[..., 0]) * m
+            gamma = torch.where(m > 0, sila_phi(pre[..., 1]), torch.ones_like(m))
+            u = beta.unsqueeze(-1) * (v[n, :, :, t] - recalled)  # [B, H, d_v]
+            later = gamma[..., None, None] * later[:, :, 1:] + u.unsqueeze(2) * gram[n, :, :, t, t + 1 :, None]
+            us.append(u)
+            gamma_pre.append(pre[..., 1])
+        u = torch.stack(us, dim=2)  # [B, H, C, d_v]
+        log_gamma = torch.where(live[n] > 0, sila_log_phi(torch.stack(gamma_pre, dim=-1)), 0.0)  # [B, H, C]
+        g_cum = log_gamma.cumsum(-1)  # G_t
+        g_prev = F.pad(g_cum[..., :-1], (1, 0))  # G_{t-1}, 0 at the chunk start
+        decay = (g_prev.unsqueeze(-1) - g_cum.unsqueeze(-2)).masked_fill(~strict, float("-inf")).exp()  # [B,H,Ct,Cs]
+        read = torch.einsum("bhtgk,bhvk->bhtgv", q[n], memory) * g_prev.exp()[..., None, None]
+        read = read + torch.einsum("bhtgs,bhsv->bhtgv", qk[n] * decay.unsqueeze(3), u)
+        reads.append(read)  # [B, H, C, G, d_v]
+        to_end = (g_cum[..., -1:] - g_cum).exp()  # [B, H, C]
+        written = torch.einsum("bhsv,bhsk->bhvk", u * to_end.unsqueeze(-1), k[n])
+        memory = g_cum[..., -1, None, None].exp() * memory + written
+    o = torch.stack(reads, dim=0).permute(1, 0, 3, 2, 4, 5).reshape(B, N * C, H, G, d_v)[:, :T]
+    return o + current, memory
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(|x|^2 + eps) over the last dim in float32 (Gated DeltaNet's l2norm); 0 stays 0."""
+    x32 = x.float()
+    return x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + eps)
+
+
+class SILAMixer(nn.Module):
+    """Drop-in replacement for a decoder layer's self-attention, with SILA's selectively written memory.
+
+    q/k/v/o (and q_norm/k_norm where the source has them) keep the attention's names and shapes, so the converted
+    layer starts from the teacher's weights. Called like the attention it replaces; returns (output [B, T, hidden],
+    None). The decode state is (M [B, H_kv, d_v, d_k] float32, conv tail [B, conv_size - 1, (H + 2 H_kv) d]).
+    """
+
+    INIT_BETA = 0.25  # beta at initialisation, for every token
+    INIT_GAMMA = 0.999  # gamma at initialisation: just below 1, see reset_mixer_parameters
+    INIT_ALPHA = 0.9  # alpha at initialisation
+
+    def __init__(self, config, layer_idx: int, settings: SILASettings, source_has_qk_norm: bool = False):
+        super().__init__()
+        hidden = config.hidden_size
+        self.layer_idx = layer_idx
+        self.settings = settings
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_heads} must be a multiple of num_key_value_heads={self.num_kv_heads}"
+            )
+        bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = bias or bool(getattr(config, "qkv_bias", False))
+        H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        self.q_proj = nn.Linear(hidden, H * d, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, Hkv * d, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, Hkv * d, bias=qkv_bias)
+        self.o_proj = nn.Linear(H * d, hidden, bias=bias)
+        self.use_qk_norm = self.source_has_qk_norm = source_has_qk_norm
+        if self.use_qk_norm:  # the teacher's norms; before the L2 normalisation they act as per-dim key/query scales
+            self.q_norm = RMSNorm(d, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, eps=config.rms_norm_eps)
+        self.conv_weight = nn.Parameter(torch.empty((H + 2 * Hkv) * d, settings.conv_size))  # channels q, k, v
+        self.beta_state_weight = nn.Parameter(torch.empty(Hkv, d))  # W_b1
+        self.beta_weight = nn.Parameter(torch.empty(Hkv, hidden))  # W_b2
+        self.beta_bias = nn.Parameter(torch.empty(Hkv))
+        self.gamma_state_weight = nn.Parameter(torch.empty(Hkv, d))  # W_g1
+        self.gamma_weight = nn.Parameter(torch.empty(Hkv, hidden))  # W_g2
+        self.gamma_bias = nn.Parameter(torch.empty(Hkv))
+        self.alpha_weight = nn.Parameter(torch.empty(H, hidden))  # W_a
+        self.alpha_bias = nn.Parameter(torch.empty(H))
+        if settings.output_gate:
+            self.gate_weight = nn.Parameter(torch.empty(H * d, hidden))
+        self.aux_loss = None
+        self.reset_mixer_parameters()
+
+    @torch.no_grad()
+    def reset_mixer_parameters(self):
+        """Initialise the parameters attention does not have, so the converted layer trains stably from step 0.
+
+        - Convolution: identity (last tap 1, earlier taps 0), so q, k, v start as the teacher's projections (then
+          SiLU and L2 normalisation); the taps on earlier tokens grow from 0 as training finds them useful.
+        - W_b1, W_g1 = 0 (the memory-dependent parts) and W_b2, W_g2, W_a = 0: every gate starts as a constant, the
+          same for every token, so the untrained gates inject no noise; the memory-dependent parts still get
+          gradients (proportional to M_{t-1} k_t) from the first steps.
+        - beta: bias logit(0.25) = -log 3. A moderate write strength: each key direction of M holds a blend of its
+          last few writes (a 1 - 0.75^n share after n), the memory read stays on the scale of one value, like the
+          teacher's convex mix of values, and sigmoid is at 75% of its steepest slope, so beta learns quickly both
+          ways (towards ignoring a token, and towards storing it).
+        - gamma: bias -arccosh(1 / 0.999) = -0.0447, so gamma = phi(bias) = 0.999 (memory half-life ~700 tokens).
+          Not exactly 1: phi is flat at 1 for x >= 0, so with W_g1 = W_g2 = 0 a bias >= 0 would make every gradient
+          reaching W_g1, W_g2 and the bias exactly 0, and the forget gate could never learn. Just below 0 the
+          slope is phi'(-0.0447) = 0.045 > 0 while decay is negligible next to the teacher's full context.
+        - alpha: bias logit(0.9) = log 9. The current token enters the output at nearly full weight, as in the
+          teacher's heads where each token attends to itself, while the slope 0.09 leaves alpha trainable.
+        - Output gate: W_g = 0, and the gate is 2 sigmoid(W_g x), so it starts as the identity.
+        """
+        beta_bias = math.log(self.INIT_BETA / (1 - self.INIT_BETA))
+        gamma_bias = -math.acosh(1 / self.INIT_GAMMA)
+        alpha_bias = math.log(self.INIT_ALPHA / (1 - self.INIT_ALPHA))
+
+        def identity_conv(p):
+            p.zero_()
+            p[:, -1] = 1.0
+
+        inits = {
+            "conv_weight": identity_conv,
+            "beta_state_weight": lambda p: p.zero_(),
+            "beta_weight": lambda p: p.zero_(),
+            "beta_bias": lambda p: p.fill_(beta_bias),
+            "gamma_state_weight": lambda p: p.zero_(),
+            "gamma_weight": lambda p: p.zero_(),
+            "gamma_bias": lambda p: p.fill_(gamma_bias),
+            "alpha_weight": lambda p: p.zero_(),
+            "alpha_bias": lambda p: p.fill_(alpha_bias),
+            "gate_weight": lambda p: p.zero_(),
+        }
+        for name, init in inits.items():
+            param = getattr(self, name, None)
+            # transformers flags parameters it loaded from a checkpoint; those are never overwritten
+            if param is not None and not getattr(param, "_is_hf_initialized", False):
+                init(param)
+
+    def state_numel(self) -> int:
+        """Elements of the decoding state per sequence: the memory [H_kv, d, d] and the convolution tail."""
+        channels = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        return self.num_kv_heads * self.head_dim**2 + (self.settings.conv_size - 1) * channels
+
+    def fresh_parameter_names(self) -> set[str]:
+        """Parameters a converted layer cannot take from the source attention."""
+        names = {
+            "conv_weight",
+            "beta_state_weight",
+            "beta_weight",
+            "beta_bias",
+            "gamma_state_weight",
+            "gamma_weight",
+            "gamma_bias",
+            "alpha_weight",
+            "alpha_bias",
+        }
+        if self.settings.output_gate:
+            names.add("gate_weight")
+        return names
+
+    def short_conv(self, x: torch.Tensor, tail: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal depthwise convolution of x [B, T, C] after the cached tail [B, conv_size - 1, C] (zeros if None).
+
+        Returns the convolved x and the new tail: the last conv_size - 1 inputs, prompt or earlier tail included.
+        """
+        B, T, Cn = x.shape
+        K = self.settings.conv_size
+        if tail is None:
+            tail = x.new_zeros(B, K - 1, Cn)
+        full = torch.cat([tail.to(x.dtype), x], dim=1)  # [B, K - 1 + T, C]
+        out = F.conv1d(full.transpose(1, 2), self.conv_weight.to(x.dtype).unsqueeze(1), groups=Cn)
+        return out.transpose(1, 2), full[:, T:].clone()
+
+    def gate_inputs(self, x: torch.Tensor):
+        """The input parts of the gates, in float32 at least: beta_x, gamma_x [B, T, H_kv] and alpha [B, T, H]."""
+        weight = torch.cat([self.beta_weight, self.gamma_weight, self.alpha_weight])
+        bias = torch.cat([self.beta_bias, self.gamma_bias, self.alpha_bias])
+        dtype = torch.promote_types(x.dtype, torch.float32)  # gamma ~ 0.999 needs more than bf16's 8 bits
+        pre = F.linear(x, weight.to(x.dtype)).to(dtype) + bias.to(dtype)
+        beta_x, gamma_x, alpha_logit = pre.split([self.num_kv_heads, self.num_kv_heads, self.num_heads], dim=-1)
+        return beta_x, gamma_x, torch.sigmoid(alpha_logit)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        past_key_values=None,
+        padding_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        self.aux_loss = None
+        x = hidden_states  # [B, T, hidden]
+        B, T, _ = x.shape
+        H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        state = past_key_values.get_mixer_state(self.layer_idx) if past_key_values is not None else None
+        memory, tail = state if state is not None else (None, None)
+
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.use_qk_norm:  # the teacher's q/k norms act on its projections, so they come first
+            q = self.q_norm(q.view(B, T, H, d)).reshape(B, T, H * d)
+            k = self.k_norm(k.view(B, T, Hkv, d)).reshape(B, T, Hkv * d)
+        qkv = torch.cat([q, k, v], dim=-1)  # [B, T, (H + 2 H_kv) d]
+        if padding_mask is not None:  # padding must not reach the convolution windows of real tokens
+            qkv = qkv * padding_mask.unsqueeze(-1).to(qkv.dtype)
+        qkv, tail = self.short_conv(qkv, tail)
+        if self.settings.feature_map == "silu":
+            qkv = F.silu(qkv)
+        q, k, v = qkv.split([H * d, Hkv * d, Hkv * d], dim=-1)
+        q = q.view(B, T, Hkv, H // Hkv, d)  # [B, T, H_kv, G, d]
+        k = k.view(B, T, Hkv, d)  # [B, T, H_kv, d]
+        v = v.view(B, T, Hkv, d)
+        q, k = l2_normalize(q), l2_normalize(k)
+        beta_x, gamma_x, alpha = self.gate_inputs(x)
+        alpha = alpha.view(B, T, Hkv, H // Hkv)  # [B, T, H_kv, G]
+        mask = padding_mask.bool() if padding_mask is not None else None
+        args = (q, k, v, alpha, beta_x, gamma_x, self.beta_state_weight, self.gamma_state_weight, memory, mask)
+        if T == 1 and memory is not None:
+            o, memory = sila_recurrent(*args)
+        else:
+            o, memory = sila_chunked(*args, chunk_size=self.settings.chunk_size)
+        if past_key_values is not None:
+            past_key_values.set_mixer_state(self.layer_idx, (memory, tail), num_tokens=T)
+
+        o = o.to(x.dtype).reshape(B, T, H * d)
+        if self.settings.output_gate:
+            o = o * 2 * torch.sigmoid(F.linear(x, self.gate_weight))
+        return self.o_proj(o), None
