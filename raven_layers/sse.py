@@ -12,7 +12,7 @@ the top-k routed partitions it writes and the top-k' it reads (the paper's defau
     log a_t = logsigmoid(x_t W_a1 W_a2 + b) / tau   [c] GLA gate of the kv head, the same for all its partitions
     S_t^i = diag(a_t) S_{t-1}^i + k_t^i^T v_t       for i in T_t (+ shared); every other partition is untouched
     o_t = c^-1/2 sum_{i in T'_t (+ shared)} q_t^i S_t^i      read after the update, as in GLA
-    out_t = W_o (o_t * 2 sigmoid(W_g x_t))          W_g = 0 at init: the gate starts as the identity
+    out_t = W_o (RMSNorm(o_t) * 2 sigmoid(W_g x_t)) per-head RMSNorm as in GLA's block; W_g = 0 at init
 
 c^-1/2 is the attention's own logit scale for c-dim queries and keys. The shared partition keeps a plain softmax:
 it is written by every token, like a GLA head, and the 1/k split only concerns routed partitions sharing a token.
@@ -27,7 +27,10 @@ The three computations below agree to float rounding: `sse_recurrent` (reference
 scatters only the partitions a token touches), `sse_masking` (Algorithm 1: every partition is a head of one
 chunked GLA; unselected tokens get q = k = 0 and a log-gate of 0, so they neither write, read nor decay it) and
 `sse_varlen` (Algorithm 2: tokens regrouped by partition into variable-length segments of one chunked GLA).
-It must import nothing but torch: it is copied next to every exported model.
+It must import nothing but torch and its sibling raven.py (for RMSNorm): it is copied next to every exported model.
+
+The output norm matters for conversion: keys sum to one but the state sums over the memory's length, so without
+it the read of a converted SmolLM2-135M layer comes out 10-47x larger than the attention it replaces.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from dataclasses import asdict, dataclass, fields
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .raven import RMSNorm
 
 SSEState = tuple[torch.Tensor]  # (S,), S: [B, H_kv, P, c, d] float32; partitions 0..N-1 routed, N the shared one
 
@@ -64,6 +69,7 @@ class SSESettings:
     gate_low_rank: int = 16  # rank of the GLA gate projection W_a1 W_a2 (GLA: 16)
     gate_normalizer: float = 16.0  # tau of log a = logsigmoid(.) / tau (GLA: 16)
     output_gate: bool = True  # o * 2 sigmoid(W_g x); W_g starts at zero so the gate starts as the identity
+    output_norm: bool = True  # per-head RMSNorm of the read, as in GLA's block: the state sums, so its scale grows
     implementation: str = "auto"  # parallel form: "masking", "varlen", or "auto" (see VARLEN_MIN_TOKENS)
     chunk_size: int = 16  # chunk length of the parallel PyTorch form
 
@@ -94,7 +100,7 @@ class SSESettings:
             fail("balance_coef", "a number >= 0")
         if not is_number(self.gate_normalizer) or not self.gate_normalizer > 0:
             fail("gate_normalizer", "a number > 0")
-        for name in ("shared_partition", "output_gate"):
+        for name in ("shared_partition", "output_gate", "output_norm"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "true or false")
         if self.implementation not in self.IMPLEMENTATIONS:
@@ -340,6 +346,8 @@ class SSEMixer(nn.Module):
         self.decay_down = nn.Parameter(torch.empty(settings.gate_low_rank, hidden))  # W_a1
         self.decay_up = nn.Parameter(torch.empty(Hkv * c, settings.gate_low_rank))  # W_a2
         self.decay_bias = nn.Parameter(torch.empty(Hkv * c))  # b
+        if settings.output_norm:
+            self.o_norm = RMSNorm(d, eps=config.rms_norm_eps)
         if settings.output_gate:
             self.gate_weight = nn.Parameter(torch.empty(H * d, hidden))
         self.aux_loss: torch.Tensor | None = None
@@ -392,6 +400,8 @@ class SSEMixer(nn.Module):
         names |= {"decay_down", "decay_up", "decay_bias"}
         if self.settings.output_gate:
             names.add("gate_weight")
+        if self.settings.output_norm:
+            names.add("o_norm.weight")
         if self.rows != self.head_dim:  # q/k reshaped to c rows: the teacher's cannot be copied
             names |= {f"{proj}.{p}" for proj in ("q_proj", "k_proj") for p, _ in getattr(self, proj).named_parameters()}
         return names
@@ -481,7 +491,10 @@ class SSEMixer(nn.Module):
         if past_key_values is not None:
             past_key_values.set_mixer_state(self.layer_idx, (new_state,), num_tokens=T)
 
-        o = o.to(x.dtype).reshape(B, T, self.num_heads * self.head_dim)
+        o = o.to(x.dtype)  # [B, T, H_kv, G, d]
+        if s.output_norm:
+            o = self.o_norm(o)
+        o = o.reshape(B, T, self.num_heads * self.head_dim)
         if s.output_gate:
             o = o * 2 * torch.sigmoid(F.linear(x, self.gate_weight))
         return self.o_proj(o), None
