@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from raven_layers import MIXER_CLASSES
+
 from .pipeline import ConvertRequest, convert_model
 from .sources import DEFAULT_SRC, Source, smollm2_gguf
 
@@ -64,7 +66,8 @@ def generate(model_dir: Path, prompt: str, max_new_tokens: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="raven-demo", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--src", help="source model (default: see above)")
-    p.add_argument("--layers", help="layers to turn into Raven (default: every 10th layer, from 0)")
+    p.add_argument("--mixer", default="raven", choices=sorted(MIXER_CLASSES), help="mixer to convert to (raven)")
+    p.add_argument("--layers", help="layers to convert (default: every 10th layer, from 0)")
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="output directory (replaced if present)")
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
     src = args.src or default_source()
     layers = args.layers or f"0-{Source.resolve(src).load_config().num_hidden_layers - 1}:10"
-    convert_model(ConvertRequest(out=args.out, assignments=[("raven", layers)], src=src, overwrite=True))
+    convert_model(ConvertRequest(out=args.out, assignments=[(args.mixer, layers)], src=src, overwrite=True))
     print(f"\nprompt: {args.prompt}")
     answer = generate(args.out, args.prompt, args.max_new_tokens)
     print(f"answer: {answer}")

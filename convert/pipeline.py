@@ -10,7 +10,7 @@ from raven_layers import MIXER_SETTINGS, get_architecture
 
 from .export import check_out_dir, push_to_hub, save_hybrid
 from .sources import DEFAULT_SRC, Source
-from .surgery import build_hybrid, format_layer_map, plan_layers, plan_windows
+from .surgery import build_hybrid, check_mixers_fit, format_layer_map, plan_layers, plan_windows
 
 
 @dataclass
@@ -49,6 +49,8 @@ def convert_model(request: ConvertRequest, log=print) -> Path:
     arch = get_architecture(getattr(config, "model_type", None))
     kinds = plan_layers(request.assignments, config.num_hidden_layers)
     windows = plan_windows(kinds, arch.sliding_windows(config), request.sliding_window, request.window_layers)
+    used = {k: request.mixer_settings.get(k, {}) for k in set(kinds) - {"attention"}}
+    check_mixers_fit(config, kinds, used, windows)
     log(f"source: {source.name} ({arch.model_type}, {config.num_hidden_layers} layers)")
     log(format_layer_map(kinds, windows or arch.sliding_windows(config)))
 
@@ -57,7 +59,6 @@ def convert_model(request: ConvertRequest, log=print) -> Path:
     tokenizer = source.load_tokenizer()
     log(f"loaded the source in {time.perf_counter() - start:.1f} s ({model.dtype})")
 
-    used = {k: request.mixer_settings.get(k, {}) for k in set(kinds) - {"attention"}}
     hybrid = build_hybrid(model, kinds, used, seed=request.seed, attention_windows=windows)
     del model
     save_hybrid(

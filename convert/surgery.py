@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from raven_layers import LAYER_KINDS, MIXER_CLASSES, HybridConfig, HybridForCausalLM
+from raven_layers import LAYER_KINDS, MIXER_CLASSES, HybridConfig, HybridForCausalLM, get_architecture
 
 from .layer_spec import parse_layer_spec
 
@@ -67,6 +67,16 @@ def format_layer_map(kinds: list[str], windows: list[int | None] | None = None) 
         for i, (k, w) in enumerate(zip(kinds, windows))
     ]
     return "\n".join(["layer map:", *summary, *rows])
+
+
+def check_mixers_fit(source_config, layer_kinds, mixer_settings, attention_windows=None) -> None:
+    """Raise the error a mixer would raise for this model (e.g. a LoRA rank above a projection's size) before any
+    weight is loaded: one mixer of each kind is built on the meta device, which allocates nothing."""
+    config = HybridConfig.from_source(source_config, layer_kinds, mixer_settings, attention_windows)
+    arch = get_architecture(config.base_model_type)
+    for kind in set(layer_kinds) - {"attention"}:
+        with torch.device("meta"):
+            MIXER_CLASSES[kind](config, layer_kinds.index(kind), config.settings_for(kind), arch.qk_norm)
 
 
 def build_hybrid(

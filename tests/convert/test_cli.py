@@ -66,6 +66,16 @@ def test_directory_without_config(tmp_path, capsys):
         (["--layers", "0", "--raven-alpha", "0"], "raven.alpha = 0.0 is not allowed; expected a number > 0"),
         (["--layers", "0", "--raven-chunk-size", "-2"], "raven.chunk_size = -2 is not allowed; expected an integer >= 1"),
         (["--layers", "0", "--push-to-hub", "bad repo!"], "bad repo!"),
+        (
+            ["--mixer", "sse", "--layers", "0", "--sse-top-k", "5"],
+            "sse.top_k = 5 is not allowed; expected an integer in [1, num_partitions=4]",
+        ),
+        (
+            ["--mixer", "sse", "--layers", "0"],  # default rank 64 does not fit this tiny model
+            "sse.lora_rank = 64 is not allowed; expected an integer in [1, 32]",
+        ),
+        (["--mixer", "sila", "--layers", "0", "--sila-conv-size", "0"], "sila.conv_size = 0 is not allowed"),
+        (["--mixer", "sse", "--layers", "0", "--sse-balance-coef", "-1"], "sse.balance_coef = -1.0 is not allowed"),
         (["--layers", "0", "--sliding-window", "0"], "--sliding-window 0 is not allowed; expected an integer >= 1"),
         (["--layers", "0", "--window-layers", "1"], "--window-layers '1' needs --sliding-window"),
         (
