@@ -18,6 +18,7 @@ from .sse import SSEMixer, SSESettings, sse_masking, sse_recurrent, sse_varlen
 BUNDLED_FILES = (
     "architectures.py",
     "cache.py",
+    "common.py",
     "configuration_hybrid.py",
     "modeling_hybrid.py",
     "raven.py",

@@ -15,24 +15,28 @@ it, exactly as the group would share a KV cache.
 
 This file holds the two PyTorch forms of the recurrence (`raven_recurrent`, the reference and the decode path;
 `raven_chunked`, the training path) and the `RavenMixer` module that replaces an attention layer. It must import
-nothing but torch: it is copied next to every exported model.
+nothing but torch and its sibling common.py: it is copied next to every exported model.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .common import MixerSettings, RMSNorm, init_fresh_parameters
+
 RavenState = tuple[torch.Tensor, torch.Tensor]  # (S^k, S^v), each [B, H_kv, M, d], float32
 
 
 @dataclass(frozen=True)
-class RavenSettings:
+class RavenSettings(MixerSettings):
     """Hyper-parameters of a Raven layer; heads, head dim and GQA layout come from the source attention."""
+
+    NAME, LABEL = "raven", "Raven"
 
     num_slots: int = 256  # M, paper default
     top_k: int = 32  # K slots written per token, paper default
@@ -46,36 +50,16 @@ class RavenSettings:
     FEATURE_MAPS = ("identity", "silu")
 
     def __post_init__(self):
-        def fail(name, allowed):
-            raise ValueError(f"raven.{name} = {getattr(self, name)!r} is not allowed; expected {allowed}")
-
-        for name in ("num_slots", "top_k", "chunk_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                fail(name, "an integer >= 1")
+        self.check_positive_ints("num_slots", "top_k", "chunk_size")
         if self.top_k > self.num_slots:
-            fail("top_k", f"an integer in [1, num_slots={self.num_slots}]")
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
-            fail("alpha", "a number > 0")
-        if not isinstance(self.gumbel, bool):
-            fail("gumbel", "true or false")
+            self.fail("top_k", f"an integer in [1, num_slots={self.num_slots}]")
+        if not self.is_number(self.alpha) or not self.alpha > 0:
+            self.fail("alpha", "a number > 0")
+        self.check_bools("gumbel", "output_gate")
         if self.qk_norm is not None and not isinstance(self.qk_norm, bool):
-            fail("qk_norm", "true, false or null (follow the source attention)")
+            self.fail("qk_norm", "true, false or null (follow the source attention)")
         if self.feature_map not in self.FEATURE_MAPS:
-            fail("feature_map", f"one of {list(self.FEATURE_MAPS)}")
-        if not isinstance(self.output_gate, bool):
-            fail("output_gate", "true or false")
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "RavenSettings":
-        allowed = [f.name for f in fields(cls)]
-        unknown = sorted(set(values) - set(allowed))
-        if unknown:
-            raise ValueError(f"unknown Raven setting(s) {unknown}; allowed: {allowed}")
-        return cls(**values)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+            self.fail("feature_map", f"one of {list(self.FEATURE_MAPS)}")
 
 
 def _promote(q, k, v, log_f, initial_state, num_slots):
@@ -186,20 +170,6 @@ def raven_chunked(
     return o, (s_k, s_v)
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm over the last dim, computed in float32 like the Llama/Qwen norms it may be initialised from."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
 class RavenMixer(nn.Module):
     """Drop-in replacement for a decoder layer's self-attention, with Raven's slot memory.
 
@@ -262,11 +232,7 @@ class RavenMixer(nn.Module):
             "decay_log_scale": lambda p: p.copy_(torch.log(per_write * s.alpha * s.top_k)),
             "gate_weight": lambda p: p.zero_(),
         }
-        for name, init in inits.items():
-            param = getattr(self, name, None)
-            # transformers flags parameters it loaded from a checkpoint; those are never overwritten
-            if param is not None and not getattr(param, "_is_hf_initialized", False):
-                init(param)
+        init_fresh_parameters(self, inits)
 
     def state_numel(self) -> int:
         """Elements of the decoding state per sequence (float32): S^k and S^v, [H_kv, M, d] each."""

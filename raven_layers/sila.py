@@ -19,27 +19,29 @@ its own alpha. The memory starts at zero.
 
 This file holds the phi gate (`sila_phi`, `sila_log_phi`), the two PyTorch forms of the recurrence
 (`sila_recurrent`, the reference and the decode path; `sila_chunked`, the same recurrence reorganised for
-training) and the `SILAMixer` module that replaces an attention layer. It must import nothing but torch (and its
-sibling raven.py, shipped with it): it is copied next to every exported model.
+training) and the `SILAMixer` module that replaces an attention layer. It must import nothing but torch and its
+sibling common.py: it is copied next to every exported model.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .raven import RMSNorm
+from .common import MixerSettings, RMSNorm, init_fresh_parameters
 
 SILAState = tuple[torch.Tensor, torch.Tensor]  # (M [B, H_kv, d_v, d_k] float32, conv tail [B, conv_size - 1, C])
 
 
 @dataclass(frozen=True)
-class SILASettings:
+class SILASettings(MixerSettings):
     """Hyper-parameters of a SILA layer; heads, head dim and GQA layout come from the source attention."""
+
+    NAME, LABEL = "sila", "SILA"
 
     conv_size: int = 4  # kernel of the short causal depthwise convolution on q, k, v; 1 is a per-channel scale only
     feature_map: str = "silu"  # after the convolution, on q, k and v: "silu" (Gated DeltaNet) or "identity"
@@ -49,28 +51,10 @@ class SILASettings:
     FEATURE_MAPS = ("silu", "identity")
 
     def __post_init__(self):
-        def fail(name, allowed):
-            raise ValueError(f"sila.{name} = {getattr(self, name)!r} is not allowed; expected {allowed}")
-
-        for name in ("conv_size", "chunk_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                fail(name, "an integer >= 1")
+        self.check_positive_ints("conv_size", "chunk_size")
         if self.feature_map not in self.FEATURE_MAPS:
-            fail("feature_map", f"one of {list(self.FEATURE_MAPS)}")
-        if not isinstance(self.output_gate, bool):
-            fail("output_gate", "true or false")
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "SILASettings":
-        allowed = [f.name for f in fields(cls)]
-        unknown = sorted(set(values) - set(allowed))
-        if unknown:
-            raise ValueError(f"unknown SILA setting(s) {unknown}; allowed: {allowed}")
-        return cls(**values)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+            self.fail("feature_map", f"one of {list(self.FEATURE_MAPS)}")
+        self.check_bools("output_gate")
 
 
 def sila_phi(x: torch.Tensor) -> torch.Tensor:
@@ -334,11 +318,7 @@ class SILAMixer(nn.Module):
             "alpha_bias": lambda p: p.fill_(alpha_bias),
             "gate_weight": lambda p: p.zero_(),
         }
-        for name, init in inits.items():
-            param = getattr(self, name, None)
-            # transformers flags parameters it loaded from a checkpoint; those are never overwritten
-            if param is not None and not getattr(param, "_is_hf_initialized", False):
-                init(param)
+        init_fresh_parameters(self, inits)
 
     def state_numel(self) -> int:
         """Elements of the decoding state per sequence: the memory [H_kv, d, d] and the convolution tail."""

@@ -27,7 +27,7 @@ The three computations below agree to float rounding: `sse_recurrent` (reference
 scatters only the partitions a token touches), `sse_masking` (Algorithm 1: every partition is a head of one
 chunked GLA; unselected tokens get q = k = 0 and a log-gate of 0, so they neither write, read nor decay it) and
 `sse_varlen` (Algorithm 2: tokens regrouped by partition into variable-length segments of one chunked GLA).
-It must import nothing but torch and its sibling raven.py (for RMSNorm): it is copied next to every exported model.
+It must import nothing but torch and its sibling common.py: it is copied next to every exported model.
 
 The output norm matters for conversion: keys sum to one but the state sums over the memory's length, so without
 it the read of a converted SmolLM2-135M layer comes out 10-47x larger than the attention it replaces.
@@ -36,13 +36,13 @@ it the read of a converted SmolLM2-135M layer comes out 10-47x larger than the a
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .raven import RMSNorm
+from .common import MixerSettings, RMSNorm, init_fresh_parameters
 
 SSEState = tuple[torch.Tensor]  # (S,), S: [B, H_kv, P, c, d] float32; partitions 0..N-1 routed, N the shared one
 
@@ -56,8 +56,10 @@ VARLEN_MIN_TOKENS = 256
 
 
 @dataclass(frozen=True)
-class SSESettings:
+class SSESettings(MixerSettings):
     """Hyper-parameters of an SSE layer; heads, head dim and GQA layout come from the source attention."""
+
+    NAME, LABEL = "sse", "SSE"
 
     num_partitions: int = 4  # N routed partitions per head (paper default n4k1)
     top_k: int = 1  # k partitions written per token
@@ -76,46 +78,24 @@ class SSESettings:
     IMPLEMENTATIONS = ("auto", "masking", "varlen")
 
     def __post_init__(self):
-        def fail(name, allowed):
-            raise ValueError(f"sse.{name} = {getattr(self, name)!r} is not allowed; expected {allowed}")
-
-        def is_int(value):
-            return isinstance(value, int) and not isinstance(value, bool)
-
-        def is_number(value):
-            return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-        for name in ("num_partitions", "top_k", "lora_rank", "gate_low_rank", "chunk_size"):
-            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
-                fail(name, "an integer >= 1")
+        self.check_positive_ints("num_partitions", "top_k", "lora_rank", "gate_low_rank", "chunk_size")
         if self.top_k > self.num_partitions:
-            fail("top_k", f"an integer in [1, num_partitions={self.num_partitions}]")
-        if self.rows_per_partition is not None and (not is_int(self.rows_per_partition) or self.rows_per_partition < 1):
-            fail("rows_per_partition", "null (the source head_dim) or an integer >= 1")
-        if self.read_top_k is not None and (
-            not is_int(self.read_top_k) or not 1 <= self.read_top_k <= self.num_partitions
+            self.fail("top_k", f"an integer in [1, num_partitions={self.num_partitions}]")
+        if self.rows_per_partition is not None and (
+            not self.is_int(self.rows_per_partition) or self.rows_per_partition < 1
         ):
-            fail("read_top_k", f"null (top_k) or an integer in [1, num_partitions={self.num_partitions}]")
-        if not is_number(self.balance_coef) or not self.balance_coef >= 0:
-            fail("balance_coef", "a number >= 0")
-        if not is_number(self.gate_normalizer) or not self.gate_normalizer > 0:
-            fail("gate_normalizer", "a number > 0")
-        for name in ("shared_partition", "output_gate", "output_norm"):
-            if not isinstance(getattr(self, name), bool):
-                fail(name, "true or false")
+            self.fail("rows_per_partition", "null (the source head_dim) or an integer >= 1")
+        if self.read_top_k is not None and (
+            not self.is_int(self.read_top_k) or not 1 <= self.read_top_k <= self.num_partitions
+        ):
+            self.fail("read_top_k", f"null (top_k) or an integer in [1, num_partitions={self.num_partitions}]")
+        if not self.is_number(self.balance_coef) or not self.balance_coef >= 0:
+            self.fail("balance_coef", "a number >= 0")
+        if not self.is_number(self.gate_normalizer) or not self.gate_normalizer > 0:
+            self.fail("gate_normalizer", "a number > 0")
+        self.check_bools("shared_partition", "output_gate", "output_norm")
         if self.implementation not in self.IMPLEMENTATIONS:
-            fail("implementation", f"one of {list(self.IMPLEMENTATIONS)}")
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "SSESettings":
-        allowed = [f.name for f in fields(cls)]
-        unknown = sorted(set(values) - set(allowed))
-        if unknown:
-            raise ValueError(f"unknown SSE setting(s) {unknown}; allowed: {allowed}")
-        return cls(**values)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+            self.fail("implementation", f"one of {list(self.IMPLEMENTATIONS)}")
 
 
 def _promote(*tensors):
@@ -384,11 +364,7 @@ class SSEMixer(nn.Module):
             "decay_bias": lambda p: p.copy_(bias),
             "gate_weight": lambda p: p.zero_(),
         }
-        for name, init in inits.items():
-            param = getattr(self, name, None)
-            # transformers flags parameters it loaded from a checkpoint; those are never overwritten
-            if param is not None and not getattr(param, "_is_hf_initialized", False):
-                init(param)
+        init_fresh_parameters(self, inits)
 
     def state_numel(self) -> int:
         """Elements of the decoding state per sequence: P partitions of [c, d] per key/value head."""
