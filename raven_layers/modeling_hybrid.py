@@ -19,6 +19,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from .architectures import get_architecture, layer_windows
 from .cache import HybridCache
+from .common import Mixer
 from .configuration_hybrid import HybridConfig
 from .raven import RavenMixer
 from .sila import SILAMixer
@@ -55,7 +56,7 @@ class HybridPreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module):
         super()._init_weights(module)
-        if isinstance(module, tuple(MIXER_CLASSES.values())):
+        if isinstance(module, Mixer):
             module.reset_mixer_parameters()
 
     @classmethod

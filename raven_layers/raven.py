@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import MixerSettings, RMSNorm, init_fresh_parameters
+from .common import Mixer, MixerSettings, RMSNorm, init_fresh_parameters
 
 RavenState = tuple[torch.Tensor, torch.Tensor]  # (S^k, S^v), each [B, H_kv, M, d], float32
 
@@ -170,35 +170,19 @@ def raven_chunked(
     return o, (s_k, s_v)
 
 
-class RavenMixer(nn.Module):
+class RavenMixer(Mixer):
     """Drop-in replacement for a decoder layer's self-attention, with Raven's slot memory.
 
     q/k/v/o keep the attention's names and shapes, so the converted layer starts from the teacher's projections.
-    Called like the attention it replaces; returns (output [B, T, hidden], None).
+    Called like the attention it replaces; returns (output [B, T, hidden], None). No auxiliary loss: the paper
+    omits load balancing on purpose (Section 4.1).
     """
 
-    aux_loss = None  # no auxiliary loss: the paper omits load balancing on purpose (Section 4.1)
-
     def __init__(self, config, layer_idx: int, settings: RavenSettings, source_has_qk_norm: bool = False):
-        super().__init__()
+        super().__init__(config, layer_idx, settings)
         hidden = config.hidden_size
-        self.layer_idx = layer_idx
-        self.settings = settings
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_attention_heads={self.num_heads} must be a multiple of num_key_value_heads={self.num_kv_heads}"
-            )
         self.scale = self.head_dim**-0.5  # the attention's logit scale, so slot logits start on its scale
-        bias = bool(getattr(config, "attention_bias", False))
-        qkv_bias = bias or bool(getattr(config, "qkv_bias", False))
-        H, Hkv, d, M = self.num_heads, self.num_kv_heads, self.head_dim, settings.num_slots
-        self.q_proj = nn.Linear(hidden, H * d, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, Hkv * d, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, Hkv * d, bias=qkv_bias)
-        self.o_proj = nn.Linear(H * d, hidden, bias=bias)
+        Hkv, d, M = self.num_kv_heads, self.head_dim, settings.num_slots
         self.use_qk_norm = source_has_qk_norm if settings.qk_norm is None else settings.qk_norm
         self.source_has_qk_norm = source_has_qk_norm
         if self.use_qk_norm:
@@ -208,8 +192,6 @@ class RavenMixer(nn.Module):
         self.decay_weight = nn.Parameter(torch.empty(Hkv, hidden))  # w
         self.decay_bias = nn.Parameter(torch.empty(Hkv))  # b
         self.decay_log_scale = nn.Parameter(torch.empty(Hkv))  # Delta
-        if settings.output_gate:
-            self.gate_weight = nn.Parameter(torch.empty(H * d, hidden))
         self.reset_mixer_parameters()
 
     @torch.no_grad()
@@ -258,7 +240,10 @@ class RavenMixer(nn.Module):
             logits = logits - torch.log(-torch.log(u))  # Gumbel(0, 1) noise: exploration of all slots
         top, idx = logits.sigmoid().topk(s.top_k, dim=-1)
         r = top / (s.alpha * top.sum(-1, keepdim=True))  # [B, T, H_kv, K]
-        a = -F.softplus(F.linear(x, self.decay_weight, self.decay_bias).to(dtype)) * self.decay_log_scale.to(dtype).exp()
+        a = (
+            -F.softplus(F.linear(x, self.decay_weight, self.decay_bias).to(dtype))
+            * self.decay_log_scale.to(dtype).exp()
+        )
         log_f = torch.zeros_like(logits).scatter(-1, idx, a.unsqueeze(-1) * r)
         if padding_mask is not None:  # padding neither writes nor decays
             log_f = log_f * padding_mask[:, :, None, None].to(log_f.dtype)
@@ -283,15 +268,10 @@ class RavenMixer(nn.Module):
             q, k = F.silu(q), F.silu(k)
         log_f = self.write_gates(x, padding_mask)
 
-        state = past_key_values.get_mixer_state(self.layer_idx) if past_key_values is not None else None
+        state = self.load_state(past_key_values)
         if T == 1 and state is not None:
             o, new_state = raven_recurrent(q, k, v, log_f, self.scale, state)
         else:
             o, new_state = raven_chunked(q, k, v, log_f, self.scale, state, self.settings.chunk_size)
-        if past_key_values is not None:
-            past_key_values.set_mixer_state(self.layer_idx, new_state, num_tokens=T)
-
-        o = o.to(x.dtype).reshape(B, T, H * d)
-        if self.settings.output_gate:
-            o = o * 2 * torch.sigmoid(F.linear(x, self.gate_weight))
-        return self.o_proj(o), None
+        self.save_state(past_key_values, new_state, num_tokens=T)
+        return self.project_out(o.to(x.dtype).reshape(B, T, H * d), x)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import MixerSettings, RMSNorm, init_fresh_parameters
+from .common import Mixer, MixerSettings, RMSNorm, init_fresh_parameters
 
 SILAState = tuple[torch.Tensor, torch.Tensor]  # (M [B, H_kv, d_v, d_k] float32, conv tail [B, conv_size - 1, C])
 
@@ -228,7 +228,7 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + eps)
 
 
-class SILAMixer(nn.Module):
+class SILAMixer(Mixer):
     """Drop-in replacement for a decoder layer's self-attention, with SILA's selectively written memory.
 
     q/k/v/o (and q_norm/k_norm where the source has them) keep the attention's names and shapes, so the converted
@@ -241,24 +241,9 @@ class SILAMixer(nn.Module):
     INIT_ALPHA = 0.9  # alpha at initialisation
 
     def __init__(self, config, layer_idx: int, settings: SILASettings, source_has_qk_norm: bool = False):
-        super().__init__()
+        super().__init__(config, layer_idx, settings)
         hidden = config.hidden_size
-        self.layer_idx = layer_idx
-        self.settings = settings
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_attention_heads={self.num_heads} must be a multiple of num_key_value_heads={self.num_kv_heads}"
-            )
-        bias = bool(getattr(config, "attention_bias", False))
-        qkv_bias = bias or bool(getattr(config, "qkv_bias", False))
         H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        self.q_proj = nn.Linear(hidden, H * d, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, Hkv * d, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, Hkv * d, bias=qkv_bias)
-        self.o_proj = nn.Linear(H * d, hidden, bias=bias)
         self.use_qk_norm = self.source_has_qk_norm = source_has_qk_norm
         if self.use_qk_norm:  # the teacher's norms; before the L2 normalisation they act as per-dim key/query scales
             self.q_norm = RMSNorm(d, eps=config.rms_norm_eps)
@@ -272,9 +257,6 @@ class SILAMixer(nn.Module):
         self.gamma_bias = nn.Parameter(torch.empty(Hkv))
         self.alpha_weight = nn.Parameter(torch.empty(H, hidden))  # W_a
         self.alpha_bias = nn.Parameter(torch.empty(H))
-        if settings.output_gate:
-            self.gate_weight = nn.Parameter(torch.empty(H * d, hidden))
-        self.aux_loss = None
         self.reset_mixer_parameters()
 
     @torch.no_grad()
@@ -371,11 +353,10 @@ class SILAMixer(nn.Module):
         padding_mask: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
-        self.aux_loss = None
         x = hidden_states  # [B, T, hidden]
         B, T, _ = x.shape
         H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        state = past_key_values.get_mixer_state(self.layer_idx) if past_key_values is not None else None
+        state = self.load_state(past_key_values)
         memory, tail = state if state is not None else (None, None)
 
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -401,10 +382,5 @@ class SILAMixer(nn.Module):
             o, memory = sila_recurrent(*args)
         else:
             o, memory = sila_chunked(*args, chunk_size=self.settings.chunk_size)
-        if past_key_values is not None:
-            past_key_values.set_mixer_state(self.layer_idx, (memory, tail), num_tokens=T)
-
-        o = o.to(x.dtype).reshape(B, T, H * d)
-        if self.settings.output_gate:
-            o = o * 2 * torch.sigmoid(F.linear(x, self.gate_weight))
-        return self.o_proj(o), None
+        self.save_state(past_key_values, (memory, tail), num_tokens=T)
+        return self.project_out(o.to(x.dtype).reshape(B, T, H * d), x)

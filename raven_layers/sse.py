@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import MixerSettings, RMSNorm, init_fresh_parameters
+from .common import Mixer, MixerSettings, RMSNorm, init_fresh_parameters
 
 SSEState = tuple[torch.Tensor]  # (S,), S: [B, H_kv, P, c, d] float32; partitions 0..N-1 routed, N the shared one
 
@@ -279,7 +279,7 @@ def sse_varlen(q, k, v, log_g, idx, num_partitions: int, scale: float, initial_s
     return o.view(B, T, H, M, G, d).sum(3), state.view(B, H, P, c, d)
 
 
-class SSEMixer(nn.Module):
+class SSEMixer(Mixer):
     """Drop-in replacement for a decoder layer's self-attention, with a sparsely expanded GLA state.
 
     q/k/v/o keep the attention's names and shapes (q/k get H * c and H_kv * c outputs), so the converted layer
@@ -288,19 +288,11 @@ class SSEMixer(nn.Module):
     """
 
     def __init__(self, config, layer_idx: int, settings: SSESettings, source_has_qk_norm: bool = False):
-        super().__init__()
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rows = settings.rows_per_partition or head_dim  # c
+        super().__init__(config, layer_idx, settings, qk_head_dim=self.rows)
         hidden = config.hidden_size
-        self.layer_idx = layer_idx
-        self.settings = settings
         self.source_has_qk_norm = source_has_qk_norm  # the source's q/k norms are dropped: keys go through softmax
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_attention_heads={self.num_heads} must be a multiple of num_key_value_heads={self.num_kv_heads}"
-            )
-        self.rows = settings.rows_per_partition or self.head_dim  # c
         self.read_top_k = settings.read_top_k or settings.top_k  # k'
         self.num_partitions = settings.num_partitions + int(settings.shared_partition)  # P
         self.scale = self.rows**-0.5
@@ -312,12 +304,6 @@ class SSEMixer(nn.Module):
                 f"sse.lora_rank = {r!r} is not allowed; expected an integer in [1, {limit}] (the q/k projections "
                 f"map hidden_size={hidden} to {H * c} and {Hkv * c} features)"
             )
-        bias = bool(getattr(config, "attention_bias", False))
-        qkv_bias = bias or bool(getattr(config, "qkv_bias", False))
-        self.q_proj = nn.Linear(hidden, H * c, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, Hkv * c, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, Hkv * d, bias=qkv_bias)
-        self.o_proj = nn.Linear(H * d, hidden, bias=bias)
         self.partition_weight = nn.Parameter(torch.empty(Hkv * N, hidden))  # W_e
         self.q_lora_a = nn.Parameter(torch.empty(N, r, hidden))  # A_q^i
         self.q_lora_b = nn.Parameter(torch.empty(N, H * c, r))  # B_q^i
@@ -328,8 +314,6 @@ class SSEMixer(nn.Module):
         self.decay_bias = nn.Parameter(torch.empty(Hkv * c))  # b
         if settings.output_norm:
             self.o_norm = RMSNorm(d, eps=config.rms_norm_eps)
-        if settings.output_gate:
-            self.gate_weight = nn.Parameter(torch.empty(H * d, hidden))
         self.aux_loss: torch.Tensor | None = None
         self.reset_mixer_parameters()
 
@@ -456,7 +440,7 @@ class SSEMixer(nn.Module):
         self.aux_loss = self.balance_loss(scores, top, padding_mask)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
 
-        state = past_key_values.get_mixer_state(self.layer_idx) if past_key_values is not None else None
+        state = self.load_state(past_key_values)
         initial = state[0] if state is not None else None
         args = (q, k, v, log_g, idx, self.num_partitions, self.scale, initial)
         if T == 1 and state is not None:
@@ -464,13 +448,9 @@ class SSEMixer(nn.Module):
         else:
             varlen = s.implementation == "varlen" or (s.implementation == "auto" and T >= VARLEN_MIN_TOKENS)
             o, new_state = (sse_varlen if varlen else sse_masking)(*args, chunk_size=s.chunk_size)
-        if past_key_values is not None:
-            past_key_values.set_mixer_state(self.layer_idx, (new_state,), num_tokens=T)
+        self.save_state(past_key_values, (new_state,), num_tokens=T)
 
         o = o.to(x.dtype)  # [B, T, H_kv, G, d]
         if s.output_norm:
             o = self.o_norm(o)
-        o = o.reshape(B, T, self.num_heads * self.head_dim)
-        if s.output_gate:
-            o = o * 2 * torch.sigmoid(F.linear(x, self.gate_weight))
-        return self.o_proj(o), None
+        return self.project_out(o.reshape(B, T, self.num_heads * self.head_dim), x)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models
-from transformers import AutoModelForCausalLM, CONFIG_MAPPING, PreTrainedTokenizerFast
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 SMOLLM2_ENV = "RAVEN_SMOLLM2_GGUF"
 

@@ -29,9 +29,7 @@ def run_without_toolkit(code: str, cwd: Path) -> dict:
     )
     result_file = cwd / "isolated_result.json"
     epilogue = f"\nopen({str(result_file)!r}, 'w').write(json.dumps(result))\n"
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")
-    } | {
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")} | {
         "PYTHONPATH": os.pathsep.join(site.getsitepackages()),
         "HF_HUB_OFFLINE": "1",
         "HF_MODULES_CACHE": str(cwd / "hf_modules"),

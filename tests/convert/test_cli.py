@@ -60,11 +60,20 @@ def test_directory_without_config(tmp_path, capsys):
             ["--mixer", "raven", "--layers", "0-2", "--mixer", "raven", "--layers", "2,3"],
             "layer 2 is assigned twice: to raven by --layers '0-2' and to raven by --layers '2,3'",
         ),
-        (["--mixer", "raven", "--layers", "0", "--layers", "1"], "each --mixer needs one --layers: got 1 --mixer and 2"),
-        (["--layers", "0", "--raven-top-k", "300"], "raven.top_k = 300 is not allowed; expected an integer in [1, num_slots=256]"),
+        (
+            ["--mixer", "raven", "--layers", "0", "--layers", "1"],
+            "each --mixer needs one --layers: got 1 --mixer and 2",
+        ),
+        (
+            ["--layers", "0", "--raven-top-k", "300"],
+            "raven.top_k = 300 is not allowed; expected an integer in [1, num_slots=256]",
+        ),
         (["--layers", "0", "--raven-num-slots", "0"], "raven.num_slots = 0 is not allowed; expected an integer >= 1"),
         (["--layers", "0", "--raven-alpha", "0"], "raven.alpha = 0.0 is not allowed; expected a number > 0"),
-        (["--layers", "0", "--raven-chunk-size", "-2"], "raven.chunk_size = -2 is not allowed; expected an integer >= 1"),
+        (
+            ["--layers", "0", "--raven-chunk-size", "-2"],
+            "raven.chunk_size = -2 is not allowed; expected an integer >= 1",
+        ),
         (["--layers", "0", "--push-to-hub", "bad repo!"], "bad repo!"),
         (
             ["--mixer", "sse", "--layers", "0", "--sse-top-k", "5"],
@@ -82,7 +91,10 @@ def test_directory_without_config(tmp_path, capsys):
             ["--layers", "0", "--sliding-window", "8", "--window-layers", "0-1"],
             "--window-layers '0-1' names layer(s) [0], which become mixers; only kept attention layers",
         ),
-        (["--layers", "0", "--sliding-window", "8", "--window-layers", "9"], "--window-layers '9': layer 9 is out of range"),
+        (
+            ["--layers", "0", "--sliding-window", "8", "--window-layers", "9"],
+            "--window-layers '9': layer 9 is out of range",
+        ),
     ],
 )
 def test_bad_arguments(tiny_sources, tmp_path, capsys, no_heavy_work, extra, message):
@@ -95,7 +107,10 @@ def test_bad_arguments(tiny_sources, tmp_path, capsys, no_heavy_work, extra, mes
     [
         (["--mixer", "mamba", "--layers", "0"], "argument --mixer: invalid choice: 'mamba'"),
         (["--layers", "0", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
-        (["--layers", "0", "--raven-qk-norm", "maybe"], "argument --raven-qk-norm: expected true or false or auto, got 'maybe'"),
+        (
+            ["--layers", "0", "--raven-qk-norm", "maybe"],
+            "argument --raven-qk-norm: expected true or false or auto, got 'maybe'",
+        ),
         (["--layers", "0", "--raven-num-slots", "many"], "argument --raven-num-slots: invalid int value: 'many'"),
         (["--layers", "0", "--raven-gumbel", "auto"], "argument --raven-gumbel: expected true or false, got 'auto'"),
     ],

@@ -21,7 +21,9 @@ IDS = [[5, 17, 33, 2, 9, 41, 8, 8, 63, 12, 7], [44, 3, 19, 27, 51, 6, 30, 11, 9,
 
 def convert_tiny(tiny_sources, tmp_path, arch, spec, *extra):
     out = tmp_path / f"{arch}-hybrid"
-    assert main(["--src", str(tiny_sources[arch]), "--mixer", "raven", "--layers", spec, "--out", str(out), *extra]) == 0
+    assert (
+        main(["--src", str(tiny_sources[arch]), "--mixer", "raven", "--layers", spec, "--out", str(out), *extra]) == 0
+    )
     return out
 
 
@@ -64,8 +66,25 @@ def test_converted_directory_is_complete_and_reloads(tiny_sources, tmp_path, arc
     assert generated.shape == (2, 15)
 
 
-MIXED = ["--mixer", "sse", "--layers", "1-23:5", "--mixer", "sila", "--layers", "2-23:5", *RAVEN,
-         "--sse-lora-rank", "8", "--sse-top-k", "2", "--sse-chunk-size", "4", "--sila-chunk-size", "4"]
+MIXED = [
+    "--mixer",
+    "sse",
+    "--layers",
+    "1-23:5",
+    "--mixer",
+    "sila",
+    "--layers",
+    "2-23:5",
+    *RAVEN,
+    "--sse-lora-rank",
+    "8",
+    "--sse-top-k",
+    "2",
+    "--sse-chunk-size",
+    "4",
+    "--sila-chunk-size",
+    "4",
+]
 
 
 def test_standalone_load_without_the_toolkit(tiny_sources, tmp_path):
@@ -127,7 +146,14 @@ def test_push_to_hub_uploads_the_output_directory(tiny_sources, tmp_path, monkey
             calls.append(("create_repo", repo_id, kwargs))
 
         def upload_folder(self, folder_path, repo_id, **kwargs):
-            calls.append(("upload_folder", folder_path, repo_id, sorted(p.name for p in __import__("pathlib").Path(folder_path).iterdir())))
+            calls.append(
+                (
+                    "upload_folder",
+                    folder_path,
+                    repo_id,
+                    sorted(p.name for p in __import__("pathlib").Path(folder_path).iterdir()),
+                )
+            )
 
     monkeypatch.setattr("huggingface_hub.HfApi", FakeApi)
     out = convert_tiny(tiny_sources, tmp_path, "llama", "0", *RAVEN, "--push-to-hub", "me/tiny-raven", "--private")
@@ -148,11 +174,13 @@ def test_bfloat16_export(tiny_sources, tmp_path):
     out = convert_tiny(tiny_sources, tmp_path, "llama", "0,2", *RAVEN, "--dtype", "bfloat16")
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
     assert model.dtype == torch.bfloat16
-    out = model.generate(torch.tensor(IDS), max_new_tokens=3, do_sample=False, pad_token_id=0,
-                         return_dict_in_generate=True)
+    out = model.generate(
+        torch.tensor(IDS), max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True
+    )
     assert out.sequences.shape == (2, 14)
-    assert all(s.dtype == torch.float32 for layer in out.past_key_values.layers if hasattr(layer, "state")
-               for s in layer.state)  # recurrent states accumulate in float32
+    assert all(
+        s.dtype == torch.float32 for layer in out.past_key_values.layers if hasattr(layer, "state") for s in layer.state
+    )  # recurrent states accumulate in float32
 
 
 def test_python_dash_m_convert(tmp_path):
@@ -185,8 +213,20 @@ def test_window_layers_choose_which_attention_layers(tiny_sources, tmp_path):
 
 
 def test_sse_with_its_own_row_count_gets_fresh_query_and_key_projections(tiny_sources, tmp_path):
-    out = convert_tiny(tiny_sources, tmp_path, "llama", "none", "--mixer", "sse", "--layers", "1",
-                       "--sse-rows-per-partition", "8", "--sse-lora-rank", "4")
+    out = convert_tiny(
+        tiny_sources,
+        tmp_path,
+        "llama",
+        "none",
+        "--mixer",
+        "sse",
+        "--layers",
+        "1",
+        "--sse-rows-per-partition",
+        "8",
+        "--sse-lora-rank",
+        "4",
+    )
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
     mixer = model.model.layers[1].self_attn
     assert mixer.q_proj.weight.shape == (4 * 8, 64) and mixer.k_proj.weight.shape == (2 * 8, 64)
@@ -195,8 +235,23 @@ def test_sse_with_its_own_row_count_gets_fresh_query_and_key_projections(tiny_so
 
 
 def test_mixer_pairs_in_one_call_are_recorded(tiny_sources, tmp_path):
-    out = convert_tiny(tiny_sources, tmp_path, "llama", "0", "--mixer", "sila", "--layers", "1-2",
-                       "--mixer", "sse", "--layers", "3", *RAVEN, "--sse-lora-rank", "4")
+    out = convert_tiny(
+        tiny_sources,
+        tmp_path,
+        "llama",
+        "0",
+        "--mixer",
+        "sila",
+        "--layers",
+        "1-2",
+        "--mixer",
+        "sse",
+        "--layers",
+        "3",
+        *RAVEN,
+        "--sse-lora-rank",
+        "4",
+    )
     config = json.loads((out / "config.json").read_text())
     assert config["layer_mixers"] == ["raven", "sila", "sila", "sse"]
     assert sorted(config["mixer_settings"]) == ["raven", "sila", "sse"]

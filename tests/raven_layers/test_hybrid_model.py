@@ -21,7 +21,11 @@ SETTINGS = {
 
 
 def mixers(model):
-    return [(i, layer.self_attn) for i, layer in enumerate(model.model.layers) if model.config.layer_mixers[i] != "attention"]
+    return [
+        (i, layer.self_attn)
+        for i, layer in enumerate(model.model.layers)
+        if model.config.layer_mixers[i] != "attention"
+    ]
 
 
 @pytest.fixture(scope="module", params=sorted(ASSIGNMENTS))
@@ -70,7 +74,9 @@ def test_batched_generation_with_left_padding_equals_one_at_a_time(hybrid, num_b
     with torch.no_grad():
         batched = hybrid.generate(input_ids=ids, attention_mask=mask, **kwargs)[:, width:]
         for i, p in enumerate(prompts):
-            single = hybrid.generate(input_ids=p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), **kwargs)
+            single = hybrid.generate(
+                input_ids=p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), **kwargs
+            )
             assert torch.equal(batched[i], single[0, len(p) :]), f"prompt {i}"
 
 
@@ -79,8 +85,14 @@ def test_mixer_state_is_constant_while_kv_cache_grows(hybrid):
     sizes = []
     with torch.no_grad():
         for n in (4, 16):
-            out = hybrid.generate(input_ids=ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                  return_dict_in_generate=True, pad_token_id=0)
+            out = hybrid.generate(
+                input_ids=ids,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
             sizes.append(out.past_key_values.state_bytes())
     assert sizes[0]["mixer"] == sizes[1]["mixer"] > 0
     window = hybrid.model.windows[hybrid.config.layer_mixers.index("attention")]
@@ -148,7 +160,9 @@ def test_rejects_a_foreign_cache_and_a_bad_mask(hybrid):
     ids = torch.randint(3, 100, (1, 4))
     with pytest.raises(TypeError, match="past_key_values must be a HybridCache, got DynamicCache"):
         hybrid(ids, past_key_values=DynamicCache())
-    with pytest.raises(ValueError, match=r"attention_mask must be a 2D padding mask of shape .* = \[1, 4\], got \(1, 3\)"):
+    with pytest.raises(
+        ValueError, match=r"attention_mask must be a 2D padding mask of shape .* = \[1, 4\], got \(1, 3\)"
+    ):
         hybrid(ids, attention_mask=torch.ones(1, 3, dtype=torch.long))
 
 
