@@ -209,15 +209,17 @@ def sila_chunked(
             gamma_pre.append(pre[..., 1])
         u = torch.stack(us, dim=2)  # [B, H, C, d_v]
         log_gamma = torch.where(live[n] > 0, sila_log_phi(torch.stack(gamma_pre, dim=-1)), 0.0)  # [B, H, C]
-        g_cum = log_gamma.cumsum(-1)  # G_t
+        # G_t in float64: one scalar per head and step, and differences of large cumulative sums lose |G| * eps
+        g_cum = log_gamma.double().cumsum(-1)  # G_t
         g_prev = F.pad(g_cum[..., :-1], (1, 0))  # G_{t-1}, 0 at the chunk start
-        decay = (g_prev.unsqueeze(-1) - g_cum.unsqueeze(-2)).masked_fill(~strict, float("-inf")).exp()  # [B,H,Ct,Cs]
-        read = torch.einsum("bhtgk,bhvk->bhtgv", q[n], memory) * g_prev.exp()[..., None, None]
+        diff = (g_prev.unsqueeze(-1) - g_cum.unsqueeze(-2)).masked_fill(~strict, float("-inf"))
+        decay = diff.exp().to(u.dtype)  # [B, H, Ct, Cs]
+        read = torch.einsum("bhtgk,bhvk->bhtgv", q[n], memory) * g_prev.exp().to(u.dtype)[..., None, None]
         read = read + torch.einsum("bhtgs,bhsv->bhtgv", qk[n] * decay.unsqueeze(3), u)
         reads.append(read)  # [B, H, C, G, d_v]
-        to_end = (g_cum[..., -1:] - g_cum).exp()  # [B, H, C]
+        to_end = (g_cum[..., -1:] - g_cum).exp().to(u.dtype)  # [B, H, C]
         written = torch.einsum("bhsv,bhsk->bhvk", u * to_end.unsqueeze(-1), k[n])
-        memory = g_cum[..., -1, None, None].exp() * memory + written
+        memory = g_cum[..., -1, None, None].exp().to(u.dtype) * memory + written
     o = torch.stack(reads, dim=0).permute(1, 0, 3, 2, 4, 5).reshape(B, N * C, H, G, d_v)[:, :T]
     return o + current, memory
 

@@ -1,0 +1,55 @@
+"""The hybrid on a CUDA device (run on the device machine: `python -m pytest -m gpu`)."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from convert import build_hybrid, plan_layers
+from tests.conftest import tiny_config
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+ASSIGNMENTS = [("raven", "0-23:5"), ("sila", "1-23:6"), ("sse", "3,12,22")]
+SETTINGS = {
+    "raven": {"num_slots": 64, "top_k": 8},
+    "sila": {},
+    "sse": {"lora_rank": 16},
+}
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    torch.manual_seed(0)
+    source = AutoModelForCausalLM.from_config(tiny_config("qwen3")).eval()
+    model = build_hybrid(source, plan_layers(ASSIGNMENTS, 24), SETTINGS, attention_windows=[None, 16] * 12)
+    return model.cuda()
+
+
+def test_prefill_then_decode_equals_full_forward_on_cuda(hybrid):
+    ids = torch.randint(3, 100, (3, 45), device="cuda")
+    with torch.no_grad():
+        full = hybrid(ids).logits
+        out = hybrid(ids[:, :37], use_cache=True)
+        steps, cache = [out.logits], out.past_key_values
+        for t in range(37, 45):
+            out = hybrid(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            steps.append(out.logits)
+    decoded = torch.cat(steps, dim=1)
+    assert ((decoded - full).norm() / full.norm()).item() < 1e-5
+
+
+def test_bfloat16_generation_and_training_step(hybrid):
+    model = hybrid.to(torch.bfloat16)
+    try:
+        ids = torch.randint(3, 100, (2, 33), device="cuda")
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                             pad_token_id=0, return_dict_in_generate=True)
+        assert out.sequences.shape == (2, 41)
+        model.train()
+        loss = model(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        assert torch.isfinite(loss)
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    finally:
+        model.zero_grad()
+        model.eval()
+        model.float()
