@@ -35,7 +35,7 @@ def hybrid(request, tiny_sources):
     model = build_hybrid(source, kinds, {k: v for k, v in SETTINGS.items() if k in kinds})
     with torch.no_grad():  # untrained gates start at special values; move them so the tests see every parameter
         for _, mixer in mixers(model):
-            for name in mixer.fresh_parameter_names():
+            for name in sorted(mixer.fresh_parameter_names()):  # sorted: the same draws in every process
                 param = mixer.get_parameter(name)
                 param.add_(0.05 * torch.randn_like(param))
     return model

@@ -1,0 +1,527 @@
+"""The papers' pictures of what a hybrid's mixer memories hold, computed exactly from the model's own routing.
+
+One prompt (batch size 1) is run through a `HybridForCausalLM`; forward pre-hooks capture each mixer's input
+hidden states, from which the routing and gates are recomputed with the mixers' own methods and functions:
+
+- Raven (Raven paper, Section 7 and Appendix A.8): which of the M slots every token writes
+  (`raven_slot_writes`), the effective sequence length per slot (`effective_sequence_length`, Figures 5 and 8:
+  tokens written to a slot over T, slots sorted), and the slot allocation after a prompt with a passkey
+  (`slot_allocation`, `plot_slot_allocation`, Figures 6 and 7: red slots hold only passkey tokens, green only
+  other tokens, blue both).
+- SILA (SILA paper, Appendix D, Figure 11): the input gate beta_t per token and kv head, memory-dependent term
+  included (`sila_input_gate_trace`), compared across prompt variants such as "no_inst" and "strong_inst"
+  (`plot_gate_trace`, with the difference of two variants over their common token suffix).
+- SSE (SSE paper, Figure 5 and footnote 8): the fraction of tokens writing each routed partition
+  (`sse_partition_usage`) and the singular value entropy of every partition of the final state
+  (`state_singular_value_entropy`).
+
+Results come back as float32/bool CPU tensors; plots are PNGs drawn on a bare matplotlib `Figure` (Agg), so
+importing this module never changes the pyplot backend of the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from raven_layers.sila import l2_normalize, sila_recurrent
+
+# Slot categories of `slot_allocation`, with the colours of the Raven paper's Figures 6 and 7.
+NEVER, SPECIAL_ONLY, OTHER_ONLY, BOTH = 0, 1, 2, 3
+CATEGORY_NAMES = {NEVER: "never written", SPECIAL_ONLY: "special only", OTHER_ONLY: "other only", BOTH: "both"}
+CATEGORY_COLORS = {NEVER: "#bdbdbd", SPECIAL_ONLY: "#d62728", OTHER_ONLY: "#2ca02c", BOTH: "#1f77b4"}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Running the model and capturing mixer inputs
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _as_batch(model, input_ids) -> torch.Tensor:
+    """Token ids (a list, [T] or [1, T]) as a [1, T] long tensor on the model's device."""
+    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be one non-empty sequence ([T] or [1, T]), got shape {tuple(ids.shape)}")
+    return ids.to(model.device)
+
+
+def _mixer(model, layer: int, kind: str):
+    """The mixer module of `layer`, after checking that it is of `kind` ("raven", "sila", "sse")."""
+    kinds = getattr(model.config, "layer_mixers", None)
+    if kinds is None:
+        raise ValueError(f"{type(model).__name__} is not a hybrid model (its config has no layer_mixers)")
+    if not isinstance(layer, int) or not -len(kinds) <= layer < len(kinds):
+        raise ValueError(f"layer {layer!r} does not exist; the model has {len(kinds)} layers")
+    layer = layer % len(kinds)
+    if kinds[layer] != kind:
+        same = [i for i, k in enumerate(kinds) if k == kind]
+        raise ValueError(
+            f"layer {layer} is of kind {kinds[layer]!r}, not {kind!r}; the {kind} layers of this model are "
+            f"{same if same else 'none'}"
+        )
+    return model.model.layers[layer].self_attn
+
+
+@contextlib.contextmanager
+def _eval_mode(model):
+    """Eval mode (no Gumbel noise, no dropout) and no gradients, restoring the model's training flags after."""
+    flags = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for module, flag in flags.items():
+            module.training = flag
+
+
+def capture_mixer_inputs(model, input_ids, layers: Sequence[int] | None = None, use_cache: bool = False):
+    """Run `model` on one sequence and capture the hidden states each chosen mixer layer receives.
+
+    A forward pre-hook (with_kwargs) on `model.model.layers[i].self_attn` records `hidden_states` exactly as the
+    mixer sees it (after the decoder layer's input norm), so routing and gates can be recomputed from it.
+
+    Args:
+        input_ids: one sequence of token ids, [T] or [1, T].
+        layers: layer indices to capture; None: every non-attention layer.
+        use_cache: return the generation cache (`past_key_values`) holding the final mixer states.
+
+    Returns:
+        (inputs, outputs): inputs maps layer -> [1, T, hidden] (detached, model dtype and device); outputs is the
+        model's forward output (logits, past_key_values when use_cache).
+    """
+    ids = _as_batch(model, input_ids)
+    kinds = model.config.layer_mixers
+    if layers is None:
+        layers = [i for i, k in enumerate(kinds) if k != "attention"]
+    layers = [i % len(kinds) for i in layers]
+    inputs: dict[int, torch.Tensor] = {}
+
+    def hook_for(i):
+        def hook(module, args, kwargs):
+            x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            inputs[i] = x.detach()
+
+        return hook
+
+    handles = [model.model.layers[i].self_attn.register_forward_pre_hook(hook_for(i), with_kwargs=True) for i in layers]
+    try:
+        with _eval_mode(model):
+            outputs = model(input_ids=ids, use_cache=use_cache)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return inputs, outputs
+
+
+def _layer_input(model, input_ids, layer: int, kind: str):
+    """(mixer, x [1, T, hidden]) for one layer of the expected kind."""
+    mixer = _mixer(model, layer, kind)
+    inputs, _ = capture_mixer_inputs(model, input_ids, [layer])
+    return mixer, inputs[layer % len(model.config.layer_mixers)]
+
+
+def token_span_mask(input_ids, span_ids) -> torch.Tensor:
+    """[T] bool, True on every occurrence of the sub-sequence `span_ids` (e.g. a passkey's tokens) in input_ids."""
+    ids = torch.as_tensor(input_ids).flatten().tolist()
+    span = torch.as_tensor(span_ids).flatten().tolist()
+    mask = torch.zeros(len(ids), dtype=torch.bool)
+    for start in range(len(ids) - len(span) + 1):
+        if span and ids[start : start + len(span)] == span:
+            mask[start : start + len(span)] = True
+    return mask
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Raven: slot writes, effective sequence length, slot allocation
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def raven_slot_writes(model, input_ids, layer: int) -> torch.Tensor:
+    """[T, H_kv, M] bool: True where token t writes slot m of kv head h in Raven layer `layer`.
+
+    Recomputed with the mixer's own `write_gates` (eval mode: no Gumbel noise): a slot is written where
+    log f = a_t r_t < 0, i.e. exactly the top-K slots of the router, whose content the token changes.
+    """
+    mixer, x = _layer_input(model, input_ids, layer, "raven")
+    with _eval_mode(model):
+        log_f = mixer.write_gates(x, None)  # [1, T, H_kv, M]
+    return (log_f[0] < 0).cpu()
+
+
+def effective_sequence_length(writes: torch.Tensor) -> torch.Tensor:
+    """[H_kv, M] float: tokens written to each slot over T (Raven's Definition 4, normalised by T).
+
+    1 for a slot every token writes (an SSM's slots), 1 / M on average for a sliding window, K / M on average for
+    Raven; per head the values sum to K.
+    """
+    return writes.float().sum(0) / writes.shape[0]
+
+
+def slot_allocation(writes: torch.Tensor, special_token_mask) -> torch.Tensor:
+    """[H_kv, M] long, the category of each slot: SPECIAL_ONLY (red: only special tokens, e.g. a passkey, wrote
+    it), OTHER_ONLY (green), BOTH (blue) or NEVER (gray).
+
+    Args:
+        writes: [T, H_kv, M] bool from `raven_slot_writes`.
+        special_token_mask: [T] bool, True at the special tokens (see `token_span_mask`).
+    """
+    special = torch.as_tensor(special_token_mask, dtype=torch.bool).flatten()
+    if special.numel() != writes.shape[0]:
+        raise ValueError(f"special_token_mask has {special.numel()} entries for {writes.shape[0]} tokens")
+    by_special = writes[special].any(0)  # [H_kv, M]
+    by_other = writes[~special].any(0)  # [H_kv, M]
+    category = torch.full(by_special.shape, NEVER, dtype=torch.long)
+    category[by_special & ~by_other] = SPECIAL_ONLY
+    category[~by_special & by_other] = OTHER_ONLY
+    category[by_special & by_other] = BOTH
+    return category
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# SILA: the input gate beta per token
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def sila_recurrence_inputs(mixer, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The arguments `SILAMixer.forward` hands its recurrence for a fresh sequence x [1, T, hidden] (no cache, no
+    padding): (q [1, T, H_kv, G, d], k, v [1, T, H_kv, d], alpha [1, T, H_kv, G], beta_x, gamma_x [1, T, H_kv],
+    w_beta, w_gamma [H_kv, d]), in the order `sila_recurrent` takes them."""
+    B, T, _ = x.shape
+    H, Hkv, d = mixer.num_heads, mixer.num_kv_heads, mixer.head_dim
+    q, k, v = mixer.q_proj(x), mixer.k_proj(x), mixer.v_proj(x)
+    if mixer.use_qk_norm:
+        q = mixer.q_norm(q.view(B, T, H, d)).reshape(B, T, H * d)
+        k = mixer.k_norm(k.view(B, T, Hkv, d)).reshape(B, T, Hkv * d)
+    qkv, _ = mixer.short_conv(torch.cat([q, k, v], dim=-1), None)  # [B, T, (H + 2 H_kv) d]
+    if mixer.settings.feature_map == "silu":
+        qkv = F.silu(qkv)
+    q, k, v = qkv.split([H * d, Hkv * d, Hkv * d], dim=-1)
+    q = l2_normalize(q.view(B, T, Hkv, H // Hkv, d))
+    k = l2_normalize(k.view(B, T, Hkv, d))
+    v = v.view(B, T, Hkv, d)
+    beta_x, gamma_x, alpha = mixer.gate_inputs(x)
+    alpha = alpha.view(B, T, Hkv, H // Hkv)
+    return q, k, v, alpha, beta_x, gamma_x, mixer.beta_state_weight, mixer.gamma_state_weight
+
+
+def sila_input_gate_trace(model, input_ids, layer: int) -> torch.Tensor:
+    """[T, H_kv] float: SILA's input gate beta_t = sigmoid(W_b1 M_{t-1} k_t + W_b2 x_t + b) per token and kv head.
+
+    Exact, memory-dependent term included: the memory M_{t-1} each token sees comes from stepping the public
+    `sila_recurrent` one token at a time (M_{-1} = 0), as the mixer's decode path does.
+    """
+    mixer, x = _layer_input(model, input_ids, layer, "sila")
+    with _eval_mode(model):
+        q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma = sila_recurrence_inputs(mixer, x)
+        dtype = torch.promote_types(q.dtype, torch.float32)  # the recurrence's dtype
+        memory = k.new_zeros(1, mixer.num_kv_heads, v.shape[-1], k.shape[-1], dtype=dtype)  # M_{-1} = 0
+        betas = []
+        for t in range(x.shape[1]):
+            step = slice(t, t + 1)
+            recalled = torch.einsum("bhvk,bhk->bhv", memory, k[:, t].to(dtype))  # M_{t-1} k_t, [1, H_kv, d_v]
+            pre = (recalled * w_beta.to(dtype)).sum(-1) + beta_x[:, t].to(dtype)  # [1, H_kv]
+            betas.append(torch.sigmoid(pre)[0])
+            _, memory = sila_recurrent(
+                q[:, step], k[:, step], v[:, step], alpha[:, step], beta_x[:, step], gamma_x[:, step],
+                w_beta, w_gamma, memory,
+            )  # fmt: skip
+    return torch.stack(betas).float().cpu()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# SSE: partition usage and singular value entropy of the states
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def sse_partition_usage(model, input_ids, layer: int) -> torch.Tensor:
+    """[H_kv, N] float: the fraction of tokens writing each routed partition (its top-k); per head it sums to k.
+
+    The shared partition, written by every token, is left out. Recomputed with the mixer's `partition_inputs`.
+    """
+    mixer, x = _layer_input(model, input_ids, layer, "sse")
+    B, T, _ = x.shape
+    N = mixer.settings.num_partitions
+    with _eval_mode(model):
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        scores = F.linear(x, mixer.partition_weight).view(B, T, mixer.num_kv_heads, N).to(dtype)  # e_t
+        top = mixer.partition_inputs(x, scores, None)[-1]  # [1, T, H_kv, k]
+    chosen = torch.zeros_like(scores).scatter(-1, top, 1.0)  # [1, T, H_kv, N]
+    return (chosen.sum((0, 1)) / T).float().cpu()
+
+
+def singular_value_entropy(matrices: torch.Tensor) -> torch.Tensor:
+    """Normalised singular value entropy of each matrix [..., m, n] (SSE paper, footnote 8) -> [...].
+
+    H = -(1 / log r) sum_i p_i log p_i with p_i = s_i^2 / sum_j s_j^2 over the r = min(m, n) singular values:
+    0 for a rank-1 matrix, 1 when all singular values are equal; nan for an all-zero matrix (never written).
+    """
+    s2 = torch.linalg.svdvals(matrices.double()).pow(2)  # [..., r]
+    total = s2.sum(-1, keepdim=True)
+    p = s2 / total
+    r = s2.shape[-1]
+    h = -torch.xlogy(p, p).sum(-1) / math.log(r) if r > 1 else torch.zeros_like(total[..., 0])
+    return h.clamp(0.0, 1.0).masked_fill(total[..., 0] == 0, float("nan")).float()
+
+
+def state_singular_value_entropy(model, input_ids, layer: int) -> torch.Tensor:
+    """[H_kv, P] float: singular value entropy of every partition's final state S^i [c, d] after the prompt
+    (partitions 0..N-1 routed, then the shared one); nan for a partition no token wrote. The SSE paper averages it
+    over heads per layer (`.nanmean(0)`, or `.nanmean()` over partitions too)."""
+    _mixer(model, layer, "sse")
+    _, outputs = capture_mixer_inputs(model, input_ids, [], use_cache=True)
+    (state,) = outputs.past_key_values.get_mixer_state(layer % len(model.config.layer_mixers))  # [1, H_kv, P, c, d]
+    return singular_value_entropy(state[0]).cpu()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Plots
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _figure(width: float, height: float):
+    from matplotlib.figure import Figure  # a bare Figure renders with Agg and leaves pyplot's backend alone
+
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def _save(fig, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, format="png")
+    return path
+
+
+def _token_ticks(ax, tokens: Sequence[str] | None, T: int, max_labels: int = 64):
+    """Token strings as x tick labels when they fit, positions otherwise."""
+    if tokens is not None and len(tokens) == T and T <= max_labels:
+        ax.set_xticks(range(T))
+        ax.set_xticklabels([repr(t)[1:-1] for t in tokens], rotation=90, fontsize=6)
+    else:
+        ax.set_xlabel("token position")
+
+
+def plot_effective_sequence_length(esl: torch.Tensor, path, heads: Sequence[int] | None = None, title=None) -> Path:
+    """Raven Figures 5 and 8: per kv head, the normalised effective sequence length of each slot, slots sorted
+    from most to least written. Bars are coloured by regime (red: below half the uniform K/M, green: above twice
+    it, blue: in between); dashed lines mark uniform top-K routing (K/M) and a sliding window (1/M).
+
+    Args:
+        esl: [H_kv, M] from `effective_sequence_length`.
+        heads: kv heads to draw (one panel each); None: all.
+    """
+    esl = esl.detach().float().cpu()
+    heads = list(range(esl.shape[0])) if heads is None else list(heads)
+    M = esl.shape[1]
+    fig = _figure(7, 2.0 * len(heads) + 0.6)
+    axes = fig.subplots(len(heads), 1, squeeze=False)[:, 0]
+    for ax, h in zip(axes, heads):
+        values = esl[h].sort(descending=True).values
+        uniform = float(esl[h].sum()) / M  # K / M
+        colors = [
+            CATEGORY_COLORS[SPECIAL_ONLY] if v < uniform / 2 else CATEGORY_COLORS[OTHER_ONLY] if v > 2 * uniform
+            else CATEGORY_COLORS[BOTH]
+            for v in values.tolist()
+        ]  # fmt: skip
+        ax.bar(range(M), values.numpy(), width=1.0, color=colors)
+        ax.axhline(uniform, ls="--", lw=1, color="k", label=f"uniform top-K (K/M = {uniform:.3g})")
+        ax.axhline(1 / M, ls=":", lw=1, color="gray", label=f"sliding window (1/M = {1 / M:.3g})")
+        ax.set_xlim(-0.5, M - 0.5)
+        ax.set_ylabel("ESL / T")
+        ax.set_title(f"kv head {h}", fontsize=9)
+        ax.legend(fontsize=7, loc="upper right")
+    axes[-1].set_xlabel("slot (sorted by effective sequence length)")
+    fig.suptitle(title or "Raven effective sequence length per slot")
+    return _save(fig, path)
+
+
+def plot_slot_allocation(
+    writes: torch.Tensor, special_token_mask, path, head: int = 0, tokens: Sequence[str] | None = None, title=None
+) -> Path:
+    """Raven Figures 6 and 7 for one kv head: left, slots x tokens, a cell coloured where the token wrote the slot
+    (red: a special token such as the passkey, green: any other token); right, each slot's category after the
+    prompt (red: only special tokens, green: only other tokens, blue: both, gray: never written). Slots are grouped
+    by category (red, blue, green, gray), then sorted by how often they were written.
+
+    Args:
+        writes: [T, H_kv, M] bool from `raven_slot_writes`; special_token_mask: [T] bool.
+        tokens: the T token strings, shown on the x axis when short enough.
+    """
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    writes = writes.detach().cpu()
+    special = torch.as_tensor(special_token_mask, dtype=torch.bool).flatten().cpu()
+    category = slot_allocation(writes, special)[head]  # [M]
+    w = writes[:, head]  # [T, M]
+    T, M = w.shape
+    rank = {SPECIAL_ONLY: 0, BOTH: 1, OTHER_ONLY: 2, NEVER: 3}
+    order = sorted(range(M), key=lambda m: (rank[int(category[m])], -int(w[:, m].sum())))
+    grid = torch.zeros(M, T, dtype=torch.long)  # 0 not written, 1 written by a special token, 2 by another
+    grid[w.T & special[None, :]] = 1
+    grid[w.T & ~special[None, :]] = 2
+    grid = grid[order]
+
+    fig = _figure(min(3 + 0.12 * T, 16), min(2 + 0.12 * M, 12))
+    grid_ax, bar_ax = fig.subplots(1, 2, gridspec_kw={"width_ratios": [max(T, 4), 2]}, sharey=True)
+    cell_colors = ListedColormap(["white", CATEGORY_COLORS[SPECIAL_ONLY], CATEGORY_COLORS[OTHER_ONLY]])
+    grid_ax.imshow(grid.numpy(), cmap=cell_colors, vmin=0, vmax=2, aspect="auto", interpolation="nearest")
+    grid_ax.set_ylabel("slot (grouped by category)")
+    grid_ax.set_yticks(range(M))
+    grid_ax.set_yticklabels([str(m) for m in order], fontsize=5)
+    _token_ticks(grid_ax, tokens, T)
+    for t in special.nonzero().flatten().tolist():
+        grid_ax.axvline(t, color=CATEGORY_COLORS[SPECIAL_ONLY], lw=0.4, alpha=0.4)
+    slot_colors = ListedColormap([CATEGORY_COLORS[c] for c in (NEVER, SPECIAL_ONLY, OTHER_ONLY, BOTH)])
+    bar_ax.imshow(category[order].view(M, 1).numpy(), cmap=slot_colors, vmin=0, vmax=3, aspect="auto")
+    bar_ax.set_xticks([])
+    bar_ax.set_title("end", fontsize=8)
+    counts = {c: int((category == c).sum()) for c in CATEGORY_NAMES}
+    handles = [Patch(color=CATEGORY_COLORS[c], label=f"{CATEGORY_NAMES[c]}: {counts[c]}") for c in CATEGORY_NAMES]
+    fig.legend(handles=handles, loc="outside lower center", ncols=4, fontsize=7)
+    fig.suptitle(title or f"Raven slot allocation, kv head {head}")
+    return _save(fig, path)
+
+
+def _common_suffix(a: Sequence[str], b: Sequence[str]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[len(a) - 1 - n] == b[len(b) - 1 - n]:
+        n += 1
+    return n
+
+
+def plot_gate_trace(
+    traces: dict,
+    path,
+    head: int | None = None,
+    marks: dict[str, Sequence[int]] | None = None,
+    title=None,
+) -> Path:
+    """SILA Figure 11: the input gate beta over a prompt, one panel per variant (e.g. "no_inst", "strong_inst"),
+    and, for two variants, the difference (second minus first) over the tokens they share at the end.
+
+    Args:
+        traces: variant name -> (tokens: list[str] of length T, beta: [T, H_kv] from `sila_input_gate_trace`).
+        head: a kv head, drawn as a line; None draws every head as a heatmap (heads x tokens).
+        marks: variant name -> token positions to mark (needle key, answer, ...), shaded in the panel.
+    """
+    marks = marks or {}
+    names = list(traces)
+    if not names:
+        raise ValueError("traces is empty")
+    betas = {n: torch.as_tensor(traces[n][1]).detach().float().cpu() for n in names}
+    tokens = {n: list(traces[n][0]) for n in names}
+    for n in names:
+        if betas[n].dim() != 2 or len(tokens[n]) != betas[n].shape[0]:
+            raise ValueError(f"traces[{n!r}]: {len(tokens[n])} tokens for beta of shape {tuple(betas[n].shape)}")
+    shared = _common_suffix(tokens[names[0]], tokens[names[1]]) if len(names) == 2 else 0
+    panels = [(n, betas[n], tokens[n], marks.get(n, ())) for n in names]
+    if shared:
+        a, b = names
+        diff = betas[b][-shared:] - betas[a][-shared:]
+        ta = len(tokens[a]) - shared  # marks of the first variant, shifted into the shared suffix
+        shifted = [t - ta for t in marks.get(a, ()) if t >= ta]
+        panels.append((f"{b} - {a} (last {shared} tokens)", diff, tokens[a][-shared:], shifted))
+
+    width = min(4 + 0.12 * max(len(tokens[n]) for n in names), 18)
+    fig = _figure(width, 2.2 * len(panels) + 0.6)
+    axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
+    for i, (ax, (name, beta, toks, marked)) in enumerate(zip(axes, panels)):
+        T = beta.shape[0]
+        is_diff = shared and i == len(panels) - 1
+        if head is None:
+            bound = float(beta.abs().max()) or 1.0
+            image = ax.imshow(
+                beta.T.numpy(), aspect="auto", interpolation="nearest",
+                cmap="RdBu_r" if is_diff else "viridis",
+                vmin=-bound if is_diff else 0.0, vmax=bound if is_diff else 1.0,
+            )  # fmt: skip
+            ax.set_ylabel("kv head")
+            ax.set_yticks(range(beta.shape[1]))
+            fig.colorbar(image, ax=ax, label="delta beta" if is_diff else "beta", shrink=0.9)
+        else:
+            ax.plot(range(T), beta[:, head].numpy(), lw=1, color="tab:purple" if is_diff else "tab:blue")
+            ax.set_ylabel("delta beta" if is_diff else f"beta (kv head {head})")
+            ax.axhline(0.0, color="gray", lw=0.5)
+            ax.set_xlim(-0.5, T - 0.5)
+            if not is_diff:
+                ax.set_ylim(0, 1)
+        _token_ticks(ax, toks, T, max_labels=96)
+        for t in marked:  # shaded under a line, outlined on a heatmap; a marked token's label turns red
+            if head is None:
+                ax.axvline(t - 0.5, color="red", lw=1)
+                ax.axvline(t + 0.5, color="red", lw=1)
+            else:
+                ax.axvspan(t - 0.5, t + 0.5, color="orange", alpha=0.35, lw=0)
+        labels = ax.get_xticklabels() if len(ax.get_xticks()) == T else []
+        for t in marked:
+            if 0 <= t < len(labels):
+                labels[t].set_color("red")
+        ax.set_title(name, fontsize=9)
+    fig.suptitle(title or "SILA input gate beta per token")
+    return _save(fig, path)
+
+
+def plot_partition_usage(usage: torch.Tensor, path, title=None) -> Path:
+    """SSE partition usage: per routed partition, the fraction of tokens that write it, one bar per kv head; the
+    dashed line is perfectly balanced routing (k / N).
+
+    Args:
+        usage: [H_kv, N] from `sse_partition_usage`.
+    """
+    usage = usage.detach().float().cpu()
+    H, N = usage.shape
+    fig = _figure(max(4, 1 + 0.6 * N * max(H, 2) / 2), 3)
+    ax = fig.subplots()
+    width = 0.8 / H
+    for h in range(H):
+        ax.bar([i - 0.4 + (h + 0.5) * width for i in range(N)], usage[h].numpy(), width=width, label=f"kv head {h}")
+    balanced = float(usage.sum(1).mean()) / N
+    ax.axhline(balanced, ls="--", lw=1, color="k", label=f"balanced (k/N = {balanced:.3g})")
+    ax.set_xticks(range(N))
+    ax.set_xlabel("routed partition")
+    ax.set_ylabel("fraction of tokens writing it")
+    ax.legend(fontsize=7, ncols=2)
+    ax.set_title(title or "SSE partition usage", fontsize=10)
+    return _save(fig, path)
+
+
+def plot_state_entropy(entropy, path, shared_partition: bool = True, title=None) -> Path:
+    """SSE Figure 5: singular value entropy of the final states; per entry of `entropy` (e.g. one per layer), a bar
+    per partition with the mean over kv heads and a dot per head, and a black line at the mean over heads and
+    partitions (the paper's per-layer number). Unwritten partitions (nan) are left out.
+
+    Args:
+        entropy: [H_kv, P] from `state_singular_value_entropy`, or a dict label -> [H_kv, P] to compare.
+        shared_partition: label the last partition "shared".
+    """
+    groups = entropy if isinstance(entropy, dict) else {"": entropy}
+    groups = {k: torch.as_tensor(v).detach().float().cpu() for k, v in groups.items()}
+    P = max(v.shape[1] for v in groups.values())
+    labels = [str(i) for i in range(P - 1)] + (["shared"] if shared_partition else [str(P - 1)])
+    fig = _figure(max(4, 1.5 + 0.45 * P * len(groups)), 3.2)
+    ax = fig.subplots()
+    width = 0.8 / P
+    for g, values in enumerate(groups.values()):
+        for p in range(values.shape[1]):
+            x = g - 0.4 + (p + 0.5) * width
+            column = values[:, p][~values[:, p].isnan()]
+            if column.numel():
+                ax.bar(x, float(column.mean()), width=width, color=f"C{p}", label=labels[p] if g == 0 else None)
+                ax.scatter([x] * column.numel(), column.numpy(), s=8, color="k", zorder=3)
+        mean_label = "mean over heads and partitions" if g == 0 else None
+        ax.hlines(float(values.nanmean()), g - 0.45, g + 0.45, color="k", lw=1.5, label=mean_label)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(list(groups))
+    ax.set_ylim(0, 1.3)
+    ax.set_ylabel("singular value entropy")
+    ax.legend(title="partition", fontsize=7, ncols=min(P, 5))
+    ax.set_title(title or "SSE state singular value entropy", fontsize=10)
+    return _save(fig, path)
