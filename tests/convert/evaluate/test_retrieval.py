@@ -1,0 +1,333 @@
+"""Retrieval evaluation: prompt sizing and needle depth per task and variant, seeds, scoring, batched generation."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from convert.evaluate import retrieval as R
+from tests.conftest import SMOLLM2_ENV, tiny_config, tiny_tokenizer
+
+PARAGRAPHS = [
+    "The river bends twice before it reaches the town. Boats wait at the mill. Nobody hurries here. "
+    "In spring the water rises and the fields turn soft.",
+    "Most programs start small. A few grow into systems that nobody fully understands. "
+    "Good names help. So do tests that run fast.",
+    "My grandmother kept bees for forty years. She said they knew her by her walk. "
+    "I never learned whether that was true.",
+    "Cities change faster than maps. A street that was quiet last year now has six cafes. "
+    "The old bakery is a bank. The bank is empty.",
+    "Writing is rewriting. The first draft tells you what you think. "
+    "The second tells you what you should have said. The third is for the reader.",
+    "Mountains make their own weather. Clouds gather at noon and break by evening. "
+    "Hikers learn to start before dawn and to turn back early.",
+]
+LENGTHS = (700, 1200)  # character-level tokens: every task fits with room for a haystack
+DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+LENGTH_TOLERANCE = 3  # tokens
+DEPTH_TOLERANCE = 0.05  # fraction of the haystack
+# a larger initialisation than the default 0.02, so that a random model's greedy answers depend on the prompt
+LOUD = dict(max_position_embeddings=1024, initializer_range=0.3)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def hay_dir(tmp_path_factory) -> Path:
+    """Three small 'essays' of two paragraphs each: far shorter than a prompt, so haystacks also wrap around."""
+    root = tmp_path_factory.mktemp("essays")
+    for i in range(3):
+        (root / f"essay{i}.txt").write_text("\n\n".join(PARAGRAPHS[2 * i : 2 * i + 2]) + "\n")
+    return root
+
+
+def n_tokens(tokenizer, sample: R.Sample) -> int:
+    ids = tokenizer(sample.prompt, add_special_tokens=sample.meta["add_special_tokens"])["input_ids"]
+    return len(ids)
+
+
+def haystack_depth(sample: R.Sample) -> float:
+    """Fraction of haystack characters (context minus every needle) before the asked needle."""
+    ctx_start, ctx_end = sample.meta["context_char_span"]
+    spans = [n["char_span"] for n in sample.meta["needles"]]
+    hay_chars = (ctx_end - ctx_start) - sum(e - s for s, e in spans)
+    first = spans[0][0]
+    before = (first - ctx_start) - sum(e - s for s, e in spans if e <= first)
+    return before / hay_chars
+
+
+def strip_needles(sample: R.Sample) -> str:
+    ctx_start, ctx_end = sample.meta["context_char_span"]
+    text = sample.prompt[ctx_start:ctx_end]
+    for n in sample.meta["needles"]:
+        text = text.replace(sample.prompt[n["char_span"][0] : n["char_span"][1]], "")
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize("variant", R.VARIANTS)
+@pytest.mark.parametrize("task", sorted(R.TASKS))
+def test_prompt_length_depth_and_variant(task, variant, tok, hay_dir):
+    samples = R.build_samples(task, tok, LENGTHS, DEPTHS, 1, seed=3, variant=variant, haystack_dir=hay_dir)
+    assert [(s.length, s.depth) for s in samples] == [(n, d) for n in LENGTHS for d in DEPTHS]
+    spec = R.TASKS[task]
+    for s in samples:
+        assert (s.task, s.variant) == (task, variant)
+        assert n_tokens(tok, s) == s.meta["n_tokens"]
+        assert abs(s.meta["n_tokens"] - s.length) <= LENGTH_TOLERANCE, s.meta["id"]
+        assert len(s.answers) == spec.num_values and len(s.meta["needles"]) == spec.num_keys + spec.num_values - 1
+        # every needle sits at its recorded character and token span, holding its value
+        ids = tok(s.prompt, add_special_tokens=s.meta["add_special_tokens"])["input_ids"]
+        for needle in s.meta["needles"]:
+            (cs, ce), (ts, te) = needle["char_span"], needle["token_span"]
+            text = s.prompt[cs:ce]
+            assert text == spec.needle(needle["key"], needle["value"])
+            assert tok.decode(ids[ts:te]) == text
+            assert cs == s.meta["context_char_span"][0] or s.prompt[cs - 1].isspace()  # at a word start at least
+        assert all(a in s.prompt[slice(*s.meta["needles"][0]["char_span"])] for a in s.answers[:1])
+        assert abs(haystack_depth(s) - s.depth) <= DEPTH_TOLERANCE, s.meta["id"]
+        assert abs(s.meta["depth_actual"] - s.depth) <= DEPTH_TOLERANCE
+        # variants: what comes before the context
+        head = s.prompt[: s.meta["context_char_span"][0]]
+        key = s.meta["key"] or "pass key"
+        if variant == "no_inst":
+            assert head == ""
+        elif variant == "strong_inst":
+            assert key in head
+        else:
+            assert "hidden" in head and key not in head
+        assert s.prompt.endswith(s.meta["answer_prefix"])
+
+
+def test_needles_at_sentence_starts(tok, hay_dir):
+    """With a haystack long against its sentences (as with real tokenizers), needles start sentences."""
+    for task in ("passkey", "niah_single_2", "niah_multikey"):
+        for s in R.build_samples(task, tok, [4000], [0.1, 0.35, 0.6, 0.9], 1, seed=0, haystack_dir=hay_dir):
+            for needle in s.meta["needles"]:
+                before = s.prompt[: needle["char_span"][0]].rstrip()
+                assert before.endswith((".", "?", "!")), before[-40:]
+
+
+def test_seeds_and_sample_level_shuffling(tok, hay_dir):
+    def build(seed, task="niah_single_2"):
+        return R.build_samples(task, tok, [900], [0.5], 4, seed=seed, haystack_dir=hay_dir)
+
+    a, b, c = build(7), build(7), build(8)
+    assert [s.prompt for s in a] == [s.prompt for s in b] and [s.answers for s in a] == [s.answers for s in b]
+    assert [s.prompt for s in a] != [s.prompt for s in c]
+    haystacks = [strip_needles(s) for s in a]
+    assert len(set(haystacks)) == len(haystacks)  # every sample its own paragraph order
+    # the paragraphs appear in different orders, not only at other offsets
+    orders = {tuple(sorted(range(len(PARAGRAPHS)), key=lambda i, h=h: h.find(PARAGRAPHS[i][:40]))) for h in haystacks}
+    assert len(orders) > 1
+    # noise tasks: one haystack, fresh needles
+    noise = R.build_samples("passkey", tok, [500], [0.5], 3, seed=1)
+    assert len({tuple(s.answers) for s in noise}) == 3
+
+
+def test_validation_errors(tok, hay_dir, monkeypatch):
+    with pytest.raises(ValueError, match="niah_single_1"):
+        R.build_samples("niah_single_9", tok, [500], [0.5], 1, seed=0)
+    with pytest.raises(ValueError, match="strong_inst"):
+        R.build_samples("passkey", tok, [500], [0.5], 1, seed=0, variant="strong")
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        R.build_samples("passkey", tok, [500], [1.5], 1, seed=0)
+    with pytest.raises(ValueError, match="at least") as err:
+        R.build_samples("niah_multikey", tok, [100], [0.5], 1, seed=0, haystack_dir=hay_dir)
+    minimum = int(re.search(r"at least (\d+)", str(err.value)).group(1))
+    sample = R.build_samples("niah_multikey", tok, [minimum + 2], [0.5], 1, seed=0, haystack_dir=hay_dir)[0]
+    assert abs(sample.meta["n_tokens"] - (minimum + 2)) <= LENGTH_TOLERANCE
+    monkeypatch.delenv(R.HAYSTACK_ENV, raising=False)
+    with pytest.raises(ValueError, match=R.HAYSTACK_ENV):
+        R.build_samples("niah_single_2", tok, [500], [0.5], 1, seed=0)
+    assert R.build_samples("niah_single_1", tok, [500], [0.5], 1, seed=0)  # noise haystack: no folder needed
+    monkeypatch.setenv(R.HAYSTACK_ENV, str(hay_dir))
+    assert R.build_samples("niah_single_2", tok, [500], [0.5], 1, seed=0)
+    with pytest.raises(ValueError, match="no chat template"):
+        R.build_samples("passkey", tok, [500], [0.5], 1, seed=0, chat_template=True)
+
+
+def test_chat_template(hay_dir):
+    tok = tiny_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    for task in ("passkey", "niah_multivalue"):
+        chat = R.build_samples(task, tok, [900], [0.0, 0.5, 1.0], 1, seed=0, haystack_dir=hay_dir)
+        for s in chat:
+            assert s.meta["chat"] and not s.meta["add_special_tokens"]
+            assert s.prompt.startswith("<|user|>\n")
+            assert s.prompt.endswith("<|assistant|>\n" + s.meta["answer_prefix"])  # prefilled reply
+            assert abs(n_tokens(tok, s) - 900) <= LENGTH_TOLERANCE
+            assert abs(haystack_depth(s) - s.depth) <= DEPTH_TOLERANCE
+        free = R.build_samples(task, tok, [900], [0.5], 1, seed=0, haystack_dir=hay_dir, prefill_answer=False)[0]
+        assert free.prompt.endswith("<|assistant|>\n") and not free.meta["prefilled"]
+        plain = R.build_samples(task, tok, [900], [0.5], 1, seed=0, haystack_dir=hay_dir, chat_template=False)[0]
+        assert not plain.meta["chat"] and "<|user|>" not in plain.prompt
+        assert plain.prompt.endswith("? " + plain.meta["answer_prefix"])
+
+
+def test_score():
+    assert R.score("The pass key is 68432.", ["68432"]) == 1.0
+    assert R.score("", ["68432"]) == 0.0
+    assert R.score("1111111, 3333333", ["1111111", "2222222", "3333333", "4444444"]) == 0.5
+    assert R.score("It is Tractor\nSunset.", ["tractor sunset"]) == 1.0
+    assert R.score("a tractors sunset", ["tractor sunset"]) == 0.0  # words match whole words
+    assert R.score("ID 8C1B2D3E-0000-4000-8000-000000000000", ["8c1b2d3e-0000-4000-8000-000000000000"]) == 1.0
+
+
+class EchoModel:
+    """Stands in for a causal LM: answers with the needle values found in each (left-padded) prompt.
+
+    It decodes every row of the batch it is given, so it sees exactly what run_retrieval tokenised; it returns
+    prompt + answer + EOS, right-padded to a common length, as generate() does.
+    """
+
+    device = torch.device("cpu")
+
+    def __init__(self, tokenizer, empty=False):
+        self.tokenizer, self.empty, self.batches, self.pads = tokenizer, empty, [], []
+
+    def answer(self, prompt: str) -> str:
+        if "pass key" in prompt.split("\n")[-1]:
+            return ", ".join(re.findall(r"The pass key is (\d+)\. Remember it", prompt))
+        key = re.findall(r"magic \w+ for (\S+) mentioned in the provided text", prompt)[-1]
+        return ", ".join(re.findall(rf"for {re.escape(key)} is: (.+?)\.(?=\s|$)", prompt))
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, pad_token_id, **kwargs):
+        assert kwargs["do_sample"] is False
+        self.batches.append(tuple(input_ids.shape))
+        self.pads.append(int((attention_mask == 0).sum(1).max()))
+        rows = []
+        for ids, mask in zip(input_ids, attention_mask):
+            n_pad = int((mask == 0).sum())
+            assert mask[n_pad:].all() and (ids[:n_pad] == pad_token_id).all()  # left padding
+            prompt = self.tokenizer.decode(ids[n_pad:])
+            answer = "" if self.empty else self.answer(prompt)
+            new = self.tokenizer(answer, add_special_tokens=False)["input_ids"][: max_new_tokens - 1]
+            rows.append(new + [self.tokenizer.eos_token_id])
+        width = max(len(r) for r in rows)
+        new = torch.tensor([r + [pad_token_id] * (width - len(r)) for r in rows])
+        return torch.cat([input_ids, new], dim=1)
+
+
+@pytest.fixture(scope="module")
+def mixed_samples(tok, hay_dir):
+    samples = []
+    for task, variant in [
+        ("passkey", "standard"),
+        ("niah_multivalue", "no_inst"),
+        ("niah_word", "strong_inst"),
+        ("niah_multikey", "standard"),
+        ("niah_single_3", "standard"),
+    ]:
+        samples += R.build_samples(task, tok, [700, 1000], [0.2, 0.8], 1, seed=5, variant=variant, haystack_dir=hay_dir)
+    return samples
+
+
+def test_run_retrieval_echo_and_empty(tok, mixed_samples, capsys):
+    model = EchoModel(tok)
+    results = R.run_retrieval(model, tok, mixed_samples, batch_size=3)
+    assert [r["id"] for r in results] == [s.meta["id"] for s in mixed_samples]  # input order kept
+    assert all(r["score"] == 1.0 for r in results), [r for r in results if r["score"] < 1]
+    assert sum(b[0] for b in model.batches) == len(mixed_samples) and max(b[0] for b in model.batches) == 3
+    # sorted by length: batches pad a token or two, but for the one batch holding both 700- and 1000-token prompts
+    assert max(model.pads) > 0 and sum(pad > 10 for pad in model.pads) == 1
+    assert "20/20 samples" in capsys.readouterr().err
+    assert tok.padding_side == "right"  # restored
+    empty = R.run_retrieval(EchoModel(tok, empty=True), tok, mixed_samples, batch_size=4, progress=False)
+    assert all(r["score"] == 0.0 and r["prediction"] == "" for r in empty)
+    summary = R.summarize(results + empty)
+    assert summary["accuracy"] == 0.5 and summary["n"] == 40
+
+
+def test_run_retrieval_tiny_llama(tok):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", **LOUD)).eval()
+    tok = tiny_tokenizer()
+    tok.pad_token = None  # falls back to EOS for the run, restored afterwards
+    samples = R.build_samples("passkey", tok, [350, 420], [0.5], 3, seed=0)
+    batched = R.run_retrieval(model, tok, samples, batch_size=4, max_new_tokens=6, progress=False)
+    assert tok.pad_token is None and tok.padding_side == "right"
+    assert len(batched) == 6 and all(isinstance(r["prediction"], str) and 0 <= r["score"] <= 1 for r in batched)
+    assert {r["n_tokens"] for r in batched} == {s.meta["n_tokens"] for s in samples}
+    single = R.run_retrieval(model, tok, samples, batch_size=1, max_new_tokens=6, progress=False)
+    assert [r["prediction"] for r in batched] == [r["prediction"] for r in single]  # left padding changes nothing
+    assert len({r["prediction"] for r in batched}) > 1  # answers that depend on the prompt: the check has teeth
+    default = R.run_retrieval(model, tok, samples[:2], batch_size=2, progress=False)  # max_new_tokens from answers
+    assert all(len(r["prediction"]) <= len(samples[0].answers[0]) + 4 + 16 for r in default)
+
+
+def test_run_retrieval_hybrid(tok):
+    """A converted hybrid (Raven and SILA layers) answers the same batched, left-padded, as one by one."""
+    from convert import build_hybrid
+
+    torch.manual_seed(0)
+    source = AutoModelForCausalLM.from_config(tiny_config("llama", **LOUD)).eval()
+    kinds = ["raven", "attention", "sila", "attention"]
+    hybrid = build_hybrid(source, kinds, {"raven": {"num_slots": 16, "top_k": 4}, "sila": {}}).eval()
+    samples = R.build_samples("niah_single_1", tok, [330, 400], [0.5], 2, seed=0, variant="no_inst")
+    batched = R.run_retrieval(hybrid, tok, samples, batch_size=4, max_new_tokens=5, progress=False)
+    single = R.run_retrieval(hybrid, tok, samples, batch_size=1, max_new_tokens=5, progress=False)
+    assert [r["prediction"] for r in batched] == [r["prediction"] for r in single]
+    assert len({r["prediction"] for r in batched}) > 1
+
+
+def test_summary_table_plot_and_json(tok, mixed_samples, tmp_path):
+    results = R.run_retrieval(EchoModel(tok), tok, mixed_samples, batch_size=8, progress=False)
+    results[0]["score"] = 0.0  # passkey, 700 tokens, depth 0.2
+    summary = R.summarize(results)
+    passkey = summary["tasks"]["passkey/standard"]
+    assert passkey["n"] == 4 and passkey["accuracy"] == 0.75
+    assert passkey["by_length"] == {"700": 0.5, "1000": 1.0}
+    assert passkey["by_length_depth"]["700"] == {"0.2": 0.0, "0.8": 1.0}
+    table = R.format_table(summary)
+    assert "passkey/standard" in table and "20%" in table and "all" in table and "700" in table
+    png = R.plot_niah_heatmap([r for r in results if r["task"] == "passkey"], tmp_path / "plots" / "p.png", "passkey")
+    assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = R.save_results(results, summary, tmp_path / "res.json")
+    data = json.loads(out.read_text())
+    assert data["summary"]["tasks"]["passkey/standard"]["accuracy"] == 0.75 and len(data["results"]) == 20
+    assert [p.name for p in tmp_path.iterdir() if p.is_file()] == ["res.json"]  # no temporary file left behind
+
+
+def test_real_essays(tok):
+    essays = os.environ.get(R.HAYSTACK_ENV)
+    if not essays:
+        pytest.skip(f"set {R.HAYSTACK_ENV} to the Paul Graham essays folder (e.g. ../shared/data/pg_essays)")
+    samples = R.build_samples("niah_word", tok, [3000], [0.0, 0.5, 1.0], 2, seed=0, variant="no_inst")
+    for s in samples:
+        assert abs(n_tokens(tok, s) - 3000) <= LENGTH_TOLERANCE
+        assert abs(haystack_depth(s) - s.depth) <= DEPTH_TOLERANCE
+        assert "Want to start a startup?" not in s.prompt  # the essays' boilerplate is dropped
+    assert len({strip_needles(s) for s in samples}) == len(samples)
+
+
+def test_real_tokenizer(hay_dir):
+    """SmolLM2's BPE tokenizer and chat template: sizes within a few tokens, needles where recorded."""
+    gguf = os.environ.get(SMOLLM2_ENV)
+    if not gguf or not Path(gguf).is_file():
+        pytest.skip(f"real SmolLM2 not available: set {SMOLLM2_ENV} to the GGUF file (.ci/run does)")
+    from convert import Source
+
+    tok = Source.resolve(gguf).load_tokenizer()
+    for chat in (False, True):
+        for task in ("niah_single_3", "niah_multikey", "passkey"):
+            for s in R.build_samples(
+                task, tok, [600, 2000], [0.0, 0.5, 1.0], 1, seed=0, haystack_dir=hay_dir, chat_template=chat
+            ):
+                assert abs(n_tokens(tok, s) - s.length) <= LENGTH_TOLERANCE and s.meta["chat"] == chat
+                ids = tok(s.prompt, add_special_tokens=s.meta["add_special_tokens"])["input_ids"]
+                ts, te = s.meta["needle_token_span"]
+                assert s.answers[0] in tok.decode(ids[ts:te])
+                assert abs(s.meta["depth_actual"] - s.depth) <= DEPTH_TOLERANCE
