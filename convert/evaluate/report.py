@@ -1,0 +1,153 @@
+"""One call evaluates a model (teacher or hybrid) and writes a report directory: report.json plus the PNGs.
+
+    report = evaluate_model(EvalRequest(model="runs/smollm2-raven", out=Path("runs/smollm2-raven/eval")))
+
+Parts: retrieval (passkey and RULER-style needles, heatmaps), perplexity with position-wise loss curves (when
+texts are given), speed and memory versus context (when lengths are given), and for hybrids the papers' pictures
+of each mixer kind's memory on a passkey prompt. The recipe pipeline calls `evaluate_model` at its end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import analysis
+from .perplexity import format_perplexity_table, load_for_evaluation, load_texts, perplexity, plot_loss_curve, run_info
+from .retrieval import build_samples, format_table, plot_niah_heatmap, run_retrieval, save_results, summarize
+from .speed import format_speed_table, measure_speed, plot_speed
+
+
+@dataclass
+class EvalRequest:
+    """What to evaluate; every part but retrieval is optional. Lengths are in tokens of the model's tokenizer."""
+
+    model: str  # Hub id, model directory (teacher or exported hybrid) or .gguf file
+    out: Path
+    tasks: list[str] = field(default_factory=lambda: ["passkey", "niah_single_2"])
+    variants: list[str] = field(default_factory=lambda: ["standard"])
+    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    samples: int = 4  # per (length, depth) cell
+    batch_size: int = 8
+    haystack_dir: str | None = None  # Paul Graham essays (default: $RAVEN_HAYSTACK_DIR)
+    ppl_data: str | None = None  # .txt / .jsonl(.gz) file or directory; None skips perplexity
+    ppl_lengths: list[int] = field(default_factory=lambda: [512, 2048])
+    ppl_windows: int = 8
+    speed_lengths: list[int] = field(default_factory=list)  # empty skips the speed part
+    pictures: bool = True  # mixer pictures, for hybrids
+    picture_length: int = 1024
+    dtype: str = "auto"
+    device: str | None = None
+    seed: int = 0
+
+
+def _write_json(data, path: Path) -> None:
+    """Atomically: a reader never sees half a report."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def mixer_pictures(model, tokenizer, request: EvalRequest, out: Path) -> dict[str, str]:
+    """For the first layer of each mixer kind: Raven ESL and slot allocation, SILA input-gate traces (no-inst vs
+    strong-inst), SSE partition usage and state entropy, all on a passkey prompt. Returns {picture: file name}."""
+    kinds = getattr(model.config, "layer_mixers", None) or []
+    sample_args = dict(lengths=[request.picture_length], depths=[0.5], samples_per_cell=1, seed=request.seed)
+    files = {}
+
+    def ids_of(sample):
+        encoded = tokenizer(sample.prompt, add_special_tokens=sample.meta["add_special_tokens"], return_tensors="pt")
+        return encoded.input_ids[0].to(model.device)
+
+    sample = build_samples("passkey", tokenizer, **sample_args)[0]
+    ids = ids_of(sample)
+    special = torch.zeros(ids.numel(), dtype=torch.bool)
+    for needle in sample.meta["needles"]:
+        special[slice(*needle["token_span"])] = True
+    if "raven" in kinds:
+        layer = kinds.index("raven")
+        writes = analysis.raven_slot_writes(model, ids, layer)
+        esl = analysis.effective_sequence_length(writes)
+        title = f"layer {layer}"
+        files["raven_esl"] = analysis.plot_effective_sequence_length(esl, out / "raven_esl.png", title=title).name
+        path = out / "raven_slot_allocation.png"
+        files["raven_slot_allocation"] = analysis.plot_slot_allocation(writes, special, path, title=title).name
+    if "sila" in kinds:
+        layer = kinds.index("sila")
+        traces, marks = {}, {}
+        for variant in ("no_inst", "strong_inst"):
+            s = build_samples("passkey", tokenizer, variant=variant, **sample_args)[0]
+            s_ids = ids_of(s)
+            tokens = tokenizer.convert_ids_to_tokens(s_ids.tolist())
+            traces[variant] = (tokens, analysis.sila_input_gate_trace(model, s_ids, layer))
+            marks[variant] = [t for n in s.meta["needles"] for t in range(*n["token_span"])]
+        path = out / "sila_input_gate.png"
+        files["sila_input_gate"] = analysis.plot_gate_trace(traces, path, marks=marks, title=f"layer {layer}").name
+    if "sse" in kinds:
+        layer = kinds.index("sse")
+        usage = analysis.sse_partition_usage(model, ids, layer)
+        entropy = analysis.state_singular_value_entropy(model, ids, layer)
+        title = f"layer {layer}"
+        files["sse_partition_usage"] = analysis.plot_partition_usage(usage, out / "sse_usage.png", title=title).name
+        files["sse_state_entropy"] = analysis.plot_state_entropy(
+            {f"layer {layer}": entropy},
+            out / "sse_state_entropy.png",
+            shared_partition=model.config.mixer_settings["sse"]["shared_partition"],
+        ).name
+    return files
+
+
+def evaluate_model(request: EvalRequest, log=print) -> dict:
+    """Run every requested part, write `request.out`/report.json and the PNGs, print the tables; return the report."""
+    out = Path(request.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = load_for_evaluation(request.model, request.dtype, request.device)
+    name = Path(request.model).name or request.model
+    report = {"request": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(request).items()}}
+    report["run"] = run_info(model)
+
+    report["retrieval"] = {}
+    for task in request.tasks:
+        for variant in request.variants:
+            samples = build_samples(
+                task,
+                tokenizer,
+                request.lengths,
+                request.depths,
+                request.samples,
+                request.seed,
+                variant=variant,
+                haystack_dir=request.haystack_dir,
+            )
+            log(f"{task} ({variant}): {len(samples)} prompts")
+            results = run_retrieval(model, tokenizer, samples, batch_size=request.batch_size)
+            summary = summarize(results)
+            save_results(results, summary, out / f"retrieval_{task}_{variant}.json")
+            plot_niah_heatmap(results, out / f"niah_{task}_{variant}.png", f"{name}: {task} ({variant})")
+            report["retrieval"].update(summary["tasks"])
+            log(format_table(summary))
+
+    if request.ppl_data:
+        texts = load_texts(request.ppl_data)
+        result = perplexity(model, tokenizer, texts, request.ppl_lengths, request.ppl_windows)
+        plot_loss_curve({name: result}, out / "loss_curve.png")
+        report["perplexity"] = result
+        log(format_perplexity_table({name: result}))
+    if request.speed_lengths:
+        result = measure_speed(model, request.speed_lengths)
+        plot_speed({name: result}, out / "speed.png")
+        report["speed"] = result
+        log(format_speed_table({name: result}))
+    if request.pictures and getattr(model.config, "layer_mixers", None):
+        report["pictures"] = mixer_pictures(model, tokenizer, request, out)
+
+    _write_json(report, out / "report.json")
+    log(f"wrote {out / 'report.json'} and {len(list(out.glob('*.png')))} pictures")
+    return report

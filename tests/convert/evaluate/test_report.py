@@ -1,0 +1,70 @@
+"""`raven-eval`: one command writes report.json and the pictures, for a teacher and for a hybrid."""
+
+import json
+
+import pytest
+
+from convert.cli import main as convert_main
+from convert.evaluate.__main__ import main as eval_main
+
+PARAGRAPHS = [
+    "Startups grow fast when founders talk to users. Most ideas look bad at first.",
+    "Writing helps thinking. A sentence that is hard to write usually hides a vague idea.",
+    "Cities attract ambitious people. Each city sends a message about what matters there.",
+    "Good taste can be learned. It comes from looking closely at the best work in a field.",
+]
+
+
+@pytest.fixture
+def haystack(tmp_path):
+    folder = tmp_path / "essays"
+    folder.mkdir()
+    for i in range(3):
+        (folder / f"essay{i}.txt").write_text("\n\n".join(PARAGRAPHS[i:] + PARAGRAPHS[:i]) * 4)
+    return folder
+
+
+def run_eval(model_dir, out, haystack, *extra):
+    args = [str(model_dir), "--out", str(out), "--lengths", "700", "--depths", "0,0.5", "--samples", "1"]
+    args += ["--haystack-dir", str(haystack), "--picture-length", "700", "--batch-size", "2", *extra]
+    assert eval_main(args) == 0
+    return json.loads((out / "report.json").read_text())
+
+
+def test_hybrid_report_has_every_part_and_picture(tiny_sources, tmp_path, haystack):
+    model_dir = tmp_path / "hybrid"
+    args = ["--src", str(tiny_sources["llama"]), "--out", str(model_dir), "--raven-num-slots", "16"]
+    args += ["--raven-top-k", "4", "--sse-lora-rank", "8"]
+    args += ["--mixer", "raven", "--layers", "0", "--mixer", "sse", "--layers", "1", "--mixer", "sila", "--layers", "2"]
+    assert convert_main(args) == 0
+    (tmp_path / "text.txt").write_text(" ".join(PARAGRAPHS) * 20)
+    out = tmp_path / "eval"
+    report = run_eval(model_dir, out, haystack, "--ppl-data", str(tmp_path / "text.txt"), "--ppl-lengths", "64")
+    assert report["request"]["lengths"] == [700]
+    assert set(report["retrieval"]) == {"passkey/standard", "niah_single_2/standard"}
+    assert all(0 <= t["accuracy"] <= 1 and t["n"] == 2 for t in report["retrieval"].values())
+    assert report["perplexity"]["results"][0]["context_length"] == 64
+    pictures = report["pictures"]
+    assert set(pictures) == {
+        "raven_esl",
+        "raven_slot_allocation",
+        "sila_input_gate",
+        "sse_partition_usage",
+        "sse_state_entropy",
+    }
+    for name in [*pictures.values(), "niah_passkey_standard.png", "niah_niah_single_2_standard.png", "loss_curve.png"]:
+        assert (out / name).stat().st_size > 1000, name
+
+
+def test_teacher_report_with_speed(tiny_sources, tmp_path, haystack):
+    out = tmp_path / "eval"
+    report = run_eval(tiny_sources["llama"], out, haystack, "--tasks", "passkey", "--speed-lengths", "16,32")
+    assert "pictures" not in report and [e["context_length"] for e in report["speed"]] == [16, 32]
+    assert (out / "speed.png").stat().st_size > 1000
+
+
+def test_bad_task_is_named(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        eval_main(["model", "--out", str(tmp_path), "--tasks", "passkey,needle"])
+    assert exit_info.value.code == 2
+    assert "['needle'] not allowed; choose from ['niah_multikey'" in capsys.readouterr().err
