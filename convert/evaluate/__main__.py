@@ -45,6 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=d.samples, help="prompts per (length, depth)")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--haystack-dir", help="essay haystack directory (default: $RAVEN_HAYSTACK_DIR)")
+    p.add_argument(
+        "--chat-template",
+        choices=["off", "on", "auto"],
+        default="off",
+        help="wrap prompts in the tokenizer's chat template (auto: when it has one); off: plain completion prompts",
+    )
     p.add_argument("--ppl-data", help="texts for perplexity (.txt, .jsonl(.gz) or a directory)")
     p.add_argument("--ppl-lengths", type=parse_lengths, default=d.ppl_lengths)
     p.add_argument("--ppl-windows", type=int, default=d.ppl_windows)
@@ -55,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", help="cuda, cpu, ... (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    args.chat_template = {"off": False, "on": True, "auto": None}[args.chat_template]
     try:
         evaluate_model(EvalRequest(**vars(args)))
     except (ValueError, FileNotFoundError) as err:

@@ -36,6 +36,9 @@ class EvalRequest:
     samples: int = 4  # per (length, depth) cell
     batch_size: int = 8
     haystack_dir: str | None = None  # Paul Graham essays (default: $RAVEN_HAYSTACK_DIR)
+    # Plain completion prompts by default: SmolLM2-135M-Instruct inside its chat template answers the pass key at
+    # 1K but drifts off at 2K (0% vs 95% plain, H100, 20 samples); None uses the tokenizer's template if any.
+    chat_template: bool | None = False
     ppl_data: str | None = None  # .txt / .jsonl(.gz) file or directory; None skips perplexity
     ppl_lengths: list[int] = field(default_factory=lambda: [512, 2048])
     ppl_windows: int = 8
@@ -60,6 +63,7 @@ def mixer_pictures(model, tokenizer, request: EvalRequest, out: Path) -> dict[st
     strong-inst), SSE partition usage and state entropy, all on a passkey prompt. Returns {picture: file name}."""
     kinds = getattr(model.config, "layer_mixers", None) or []
     sample_args = dict(lengths=[request.picture_length], depths=[0.5], samples_per_cell=1, seed=request.seed)
+    sample_args |= dict(chat_template=request.chat_template)
     files = {}
 
     def ids_of(sample):
@@ -125,6 +129,7 @@ def evaluate_model(request: EvalRequest, log=print) -> dict:
                 request.seed,
                 variant=variant,
                 haystack_dir=request.haystack_dir,
+                chat_template=request.chat_template,
             )
             log(f"{task} ({variant}): {len(samples)} prompts")
             results = run_retrieval(model, tokenizer, samples, batch_size=request.batch_size)
