@@ -41,8 +41,14 @@ def test_bfloat16_generation_and_training_step(hybrid):
     model = hybrid.to(torch.bfloat16)
     try:
         ids = torch.randint(3, 100, (2, 33), device="cuda")
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
-                             pad_token_id=0, return_dict_in_generate=True)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+        )
         assert out.sequences.shape == (2, 41)
         model.train()
         loss = model(ids, labels=ids, use_cache=False).loss
