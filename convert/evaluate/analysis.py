@@ -37,11 +37,6 @@ CATEGORY_NAMES = {NEVER: "never written", SPECIAL_ONLY: "special only", OTHER_ON
 CATEGORY_COLORS = {NEVER: "#bdbdbd", SPECIAL_ONLY: "#d62728", OTHER_ONLY: "#2ca02c", BOTH: "#1f77b4"}
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Running the model and capturing mixer inputs
-# ----------------------------------------------------------------------------------------------------------------
-
-
 def _as_batch(model, input_ids) -> torch.Tensor:
     """Token ids (a list, [T] or [1, T]) as a [1, T] long tensor on the model's device."""
     ids = torch.as_tensor(input_ids, dtype=torch.long)
@@ -139,11 +134,6 @@ def token_span_mask(input_ids, span_ids) -> torch.Tensor:
     return mask
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Raven: slot writes, effective sequence length, slot allocation
-# ----------------------------------------------------------------------------------------------------------------
-
-
 def raven_slot_writes(model, input_ids, layer: int) -> torch.Tensor:
     """[T, H_kv, M] bool: True where token t writes slot m of kv head h in Raven layer `layer`.
 
@@ -183,11 +173,6 @@ def slot_allocation(writes: torch.Tensor, special_token_mask) -> torch.Tensor:
     category[~by_special & by_other] = OTHER_ONLY
     category[by_special & by_other] = BOTH
     return category
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# SILA: the input gate beta per token
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def sila_recurrence_inputs(mixer, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -236,11 +221,6 @@ def sila_input_gate_trace(model, input_ids, layer: int) -> torch.Tensor:
     return torch.stack(betas).float().cpu()
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# SSE: partition usage and singular value entropy of the states
-# ----------------------------------------------------------------------------------------------------------------
-
-
 def sse_partition_usage(model, input_ids, layer: int) -> torch.Tensor:
     """[H_kv, N] float: the fraction of tokens writing each routed partition (its top-k); per head it sums to k.
 
@@ -279,11 +259,6 @@ def state_singular_value_entropy(model, input_ids, layer: int) -> torch.Tensor:
     _, outputs = capture_mixer_inputs(model, input_ids, [], use_cache=True)
     (state,) = outputs.past_key_values.get_mixer_state(layer % len(model.config.layer_mixers))  # [1, H_kv, P, c, d]
     return singular_value_entropy(state[0]).cpu()
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Plots
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def _figure(width: float, height: float):

@@ -39,9 +39,6 @@ DEFAULT_LOGITS_ROWS = 4096
 OutOfMemory: tuple[type[BaseException], ...] = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError),)
 
 
-# --------------------------------------------------------------------------------------------------------- texts
-
-
 def _is_text_file(path: Path) -> bool:
     return path.is_file() and path.name.lower().endswith(TEXT_SUFFIXES)
 
@@ -88,9 +85,6 @@ def load_texts(path_or_dir: str | Path, max_documents: int | None = None) -> lis
                 if max_documents is not None and len(texts) >= max_documents:
                     return texts
     return texts
-
-
-# ------------------------------------------------------------------------------------------------- environment
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -162,9 +156,6 @@ def _fmt_seconds(s: float) -> str:
         return "?"
     s = int(round(s))
     return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
-
-# ----------------------------------------------------------------------------------------------------- scoring
 
 
 def token_stream(tokenizer, texts: Iterable[str], num_tokens: int | None = None, eos_token_id: int | None = None):
@@ -394,9 +385,6 @@ def perplexity(
     return result
 
 
-# -------------------------------------------------------------------------------------------------------- plot
-
-
 def plot_loss_curve(results_by_model: dict[str, dict], path: str | Path) -> Path:
     """PNG of the position-wise mean NLL (log-scale position) of every model and context length, with a dashed
     vertical line at each model's trained length (`max_position_embeddings`)."""
@@ -465,9 +453,6 @@ def format_perplexity_table(results_by_model: dict[str, dict]) -> str:
             )
     widths = [max(len(r[i]) for r in rows if not r[i].startswith("skipped")) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
-
-
-# --------------------------------------------------------------------------------------------------------- CLI
 
 
 def parse_lengths(text: str) -> list[int]:

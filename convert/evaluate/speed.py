@@ -36,8 +36,6 @@ from .perplexity import OutOfMemory, _free, _sync, load_for_evaluation, model_de
 
 MiB = 1024**2
 
-# ------------------------------------------------------------------------------------------------------ caches
-
 
 def cache_bytes(cache) -> dict[str, int]:
     """Bytes a generation cache holds, all sequences of the batch together: {"attention", "mixer", "total"}.
@@ -70,9 +68,6 @@ def cache_bytes(cache) -> dict[str, int]:
     sizes = {k: int(v) for k, v in sizes.items()}
     sizes["total"] = sizes["attention"] + sizes["mixer"]
     return sizes
-
-
-# ------------------------------------------------------------------------------------------------------ memory
 
 
 class _PeakMemory:
@@ -130,9 +125,6 @@ class _PeakMemory:
                 peak //= 1024
             return int(peak), int(max(0, peak - self.start))
         return None, None
-
-
-# -------------------------------------------------------------------------------------------------------- timing
 
 
 def _forward(model: nn.Module, ids: torch.Tensor, cache=None):
@@ -265,9 +257,6 @@ def measure_speed(
     return results
 
 
-# ---------------------------------------------------------------------------------------------- table and plot
-
-
 def _mib(x) -> str:
     return "-" if x is None else f"{x / MiB:.2f}"
 
@@ -373,9 +362,6 @@ def plot_speed(results_by_model: dict[str, list[dict]], path: str | Path) -> Pat
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     return path
-
-
-# --------------------------------------------------------------------------------------------------------- CLI
 
 
 def main(argv: list[str] | None = None) -> None:
