@@ -1,0 +1,1 @@
+"""Distillation: layer alignment, token loss weights and continued training."""

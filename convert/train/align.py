@@ -1,0 +1,139 @@
+"""Stage 1: align every converted layer with the teacher's attention (SILA Appendix C.3; LoLCATs' attention
+transfer, RADLADS' step 1).
+
+The teacher is frozen. One teacher forward per batch records, for each converted layer, the input its attention
+received and the output it produced; each mixer then sees that same input and is trained to reproduce that output
+(mean squared error over real tokens). All converted layers train together and only mixer parameters change.
+
+    history = align(teacher, hybrid, batches, steps=200, lr=1e-3)   # per-step, per-layer losses
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+
+def converted_layers(hybrid) -> list[int]:
+    """Indices of the layers whose attention became a mixer."""
+    return [i for i, kind in enumerate(hybrid.config.layer_mixers) if kind != "attention"]
+
+
+def mixer_parameters(hybrid) -> list[nn.Parameter]:
+    """Every parameter of the converted layers' mixers (the only ones stage 1 trains)."""
+    return [p for i in converted_layers(hybrid) for p in hybrid.model.layers[i].self_attn.parameters()]
+
+
+@contextmanager
+def attention_taps(teacher, layers: list[int]) -> Iterator[dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """Record {layer: (attention input [B, T, hidden], attention output [B, T, hidden])} during teacher forwards."""
+    captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def hook(i):
+        def record(module, args, kwargs, output):
+            x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            captured[i] = (x.detach(), output[0].detach())
+
+        return record
+
+    handles = [teacher.model.layers[i].self_attn.register_forward_hook(hook(i), with_kwargs=True) for i in layers]
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def alignment_losses(teacher, hybrid, input_ids, attention_mask=None) -> dict[int, torch.Tensor]:
+    """Per converted layer, the MSE between its mixer and the teacher's attention on the teacher's own inputs.
+
+    Padding (attention_mask == 0) counts neither as input to the mixers' states nor in the mean.
+    """
+    layers = converted_layers(hybrid)
+    with torch.no_grad(), attention_taps(teacher, layers) as captured:
+        teacher(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    real = None if attention_mask is None else attention_mask.bool()  # [B, T]
+    losses = {}
+    for i in layers:
+        x, y = captured[i]
+        out, _ = hybrid.model.layers[i].self_attn(x.to(hybrid.dtype), padding_mask=real)
+        err = (out.float() - y.float()).pow(2).mean(-1)  # [B, T]
+        losses[i] = err.mean() if real is None else (err * real).sum() / real.sum().clamp(min=1)
+    return losses
+
+
+def align(
+    teacher,
+    hybrid,
+    batches: Iterable[dict],
+    steps: int,
+    lr: float = 1e-3,
+    weight_decay: float = 0.0,
+    grad_clip: float | None = 1.0,
+    warmup_steps: int = 0,
+    log_every: int = 10,
+) -> list[dict]:
+    """Train the mixers of `hybrid` to match `teacher`'s attention for `steps` batches ({"input_ids", optional
+    "attention_mask"}); returns one record per step: {"step", "loss", "layers": {layer: mse}, "tokens_per_second"}.
+
+    Only mixer parameters receive gradients (others are frozen for the duration and restored after). The learning
+    rate warms up linearly over `warmup_steps`, then follows a cosine to 10% of `lr`. A non-finite loss stops the
+    run with an error naming the step and layers, before any optimiser step applies it.
+    """
+    if steps < 1:
+        raise ValueError(f"steps = {steps} is not allowed; expected an integer >= 1")
+    teacher.eval()
+    was_training = hybrid.training
+    hybrid.train()
+    trainable = {id(p) for p in mixer_parameters(hybrid)}
+    frozen = [(p, p.requires_grad) for p in hybrid.parameters()]
+    for p, _ in frozen:
+        p.requires_grad_(id(p) in trainable)
+    params = [p for p, _ in frozen if id(p) in trainable]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+
+    def lr_at(step: int) -> float:
+        if step < warmup_steps:
+            return lr * (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, steps - warmup_steps)
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    history, start, tokens = [], time.perf_counter(), 0
+    try:
+        for step, batch in zip(range(steps), batches):
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step)
+            input_ids = batch["input_ids"].to(teacher.device)
+            mask = batch.get("attention_mask")
+            mask = None if mask is None else mask.to(teacher.device)
+            losses = alignment_losses(teacher, hybrid, input_ids, mask)
+            bad = [i for i, loss in losses.items() if not torch.isfinite(loss)]
+            if bad:
+                raise FloatingPointError(f"alignment loss is not finite at step {step} in layer(s) {bad}")
+            total = torch.stack(list(losses.values())).sum()
+            optimizer.zero_grad(set_to_none=True)
+            total.backward()
+            if grad_clip:
+                torch.nn.utils.clip_grad_norm_(params, grad_clip)
+            optimizer.step()
+            tokens += int(mask.sum()) if mask is not None else input_ids.numel()
+            rate = tokens / max(time.perf_counter() - start, 1e-9)
+            record = {"step": step, "loss": total.item(), "layers": {i: v.item() for i, v in losses.items()}}
+            history.append(record | {"tokens_per_second": rate, "lr": lr_at(step)})
+            if log_every and (step % log_every == 0 or step == steps - 1):
+                eta = (steps - step - 1) * (time.perf_counter() - start) / (step + 1)
+                print(
+                    f"[align] step {step + 1}/{steps} loss {total.item():.4g} | {rate:,.0f} tok/s | ETA {eta:.0f}s",
+                    file=sys.stderr,
+                )
+    finally:
+        for p, requires_grad in frozen:
+            p.requires_grad_(requires_grad)
+        hybrid.train(was_training)
+    return history

@@ -1,0 +1,71 @@
+"""Stage 1: every converted layer gets closer to the teacher's attention; nothing but the mixers changes."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from convert import build_hybrid, plan_layers
+from convert.train.align import align, alignment_losses, attention_taps, mixer_parameters
+
+SETTINGS = {"raven": {"num_slots": 16, "top_k": 4}, "sse": {"lora_rank": 8}, "sila": {}}
+
+
+def batches(seed: int, n: int, B: int = 4, T: int = 24):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        ids = torch.randint(3, 100, (B, T), generator=g)
+        mask = torch.ones(B, T, dtype=torch.long)
+        mask[0, :5] = 0  # one left-padded row: padding must not count
+        yield {"input_ids": ids, "attention_mask": mask}
+
+
+@pytest.fixture
+def models(tiny_sources):
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_sources["llama"]).eval()
+    kinds = plan_layers([("raven", "0"), ("sse", "1"), ("sila", "2")], 4)
+    return teacher, build_hybrid(teacher, kinds, SETTINGS)
+
+
+def held_out_losses(teacher, hybrid):
+    batch = next(batches(seed=99, n=1))
+    with torch.no_grad():
+        return {i: v.item() for i, v in alignment_losses(teacher, hybrid, **batch).items()}
+
+
+def test_alignment_lowers_every_layer_and_touches_only_mixers(models):
+    teacher, hybrid = models
+    before = held_out_losses(teacher, hybrid)
+    mixers = {id(p) for p in mixer_parameters(hybrid)}
+    frozen = {n: p.detach().clone() for n, p in hybrid.named_parameters() if id(p) not in mixers}
+    history = align(teacher, hybrid, batches(seed=0, n=60), steps=60, lr=3e-3, warmup_steps=5, log_every=0)
+    after = held_out_losses(teacher, hybrid)
+    assert set(before) == {0, 1, 2} and len(history) == 60
+    for layer in before:
+        assert after[layer] < 0.8 * before[layer], (layer, before[layer], after[layer])
+    assert all(torch.equal(p, frozen[n]) for n, p in hybrid.named_parameters() if n in frozen)
+    assert all(p.requires_grad for p in hybrid.parameters())  # flags restored
+    assert history[-1]["tokens_per_second"] > 0 and set(history[-1]["layers"]) == {0, 1, 2}
+
+
+def test_taps_record_the_teachers_attention_input_and_output(models):
+    teacher, _ = models
+    ids = next(batches(seed=1, n=1))["input_ids"]
+    with torch.no_grad(), attention_taps(teacher, [1, 3]) as captured:
+        out = teacher(ids, output_hidden_states=True)
+    for i in (1, 3):
+        layer = teacher.model.layers[i]
+        x = layer.input_layernorm(out.hidden_states[i])  # what the attention of layer i reads
+        torch.testing.assert_close(captured[i][0], x)
+        residual = out.hidden_states[i] + captured[i][1]  # attention output, added back
+        mlp_out = layer.mlp(layer.post_attention_layernorm(residual))
+        expected_next = out.hidden_states[i + 1] if i + 1 < len(teacher.model.layers) else None
+        if expected_next is not None:
+            torch.testing.assert_close(residual + mlp_out, expected_next)
+
+
+def test_non_finite_loss_stops_with_a_clear_error(models):
+    teacher, hybrid = models
+    with torch.no_grad():
+        hybrid.model.layers[2].self_attn.v_proj.weight.fill_(float("nan"))
+    with pytest.raises(FloatingPointError, match=r"alignment loss is not finite at step 0 in layer\(s\) \[2\]"):
+        align(teacher, hybrid, batches(seed=0, n=2), steps=2, log_every=0)
