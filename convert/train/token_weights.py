@@ -1,0 +1,357 @@
+"""SILA's per-token loss weights (SILA paper, Section 5.2 and Appendix C.3, Algorithm 1).
+
+A reference Transformer's attention says how far back each token reaches: tokens that only look at their
+neighbours get a low weight, tokens that retrieve something far away a high one. With A[l, h, t, j] the softmax
+attention of layer l, head h, query t and key j <= t:
+
+    1. zero the first column (the attention sink, key j = 0)                       Algorithm 1, line 821
+    2. keep only weights >= tau (tau = 0.2), set the others to 0, no renormalising   line 822
+    3. d_t = 1 / (L H) * sum_l sum_h sum_j A[l, h, t, j] * (t - j)                 line 824
+    4. w_t = log(lambda * d_t + 1) (lambda = 0.5)                                   line 825
+
+and while training, the loss of a token is weighted by exp(-tokens_seen / tau_tokens) + w_t (Appendix C.3,
+line 814: tau_tokens = 1e9 tokens), so that training starts as plain next-token prediction and becomes purely
+weighted after a few billion tokens.
+
+    w = token_weights(teacher, input_ids, attention_mask)       # [B, T], never the full [L, H, T, T] maps
+    loss_weights = schedule_weights(w, tokens_seen)              # [B, T]
+    plot_token_weights(tokenizer.convert_ids_to_tokens(input_ids[0]), w[0], "weights.png")
+
+Choices where the paper leaves room (line numbers are those of the paper's text, as printed in it):
+
+- Which token a weight belongs to: the query t (row t of A), as in Algorithm 1 (line 824: the sum runs over keys
+  j <= t of row t). Query t's hidden state produces the logits at position t, so w[:, t] weights the loss of the
+  prediction made at position t, i.e. of the label input_ids[:, t + 1] (the "predicted token" of line 814).
+- Threshold: `>=` as in Algorithm 1 (line 822); the prose of Section 5.2 says "above a threshold" (line 369).
+  The kept weights are not renormalised (line 822 only multiplies by the indicator), and the sink is zeroed after
+  the softmax (line 821 edits A, the attention probabilities).
+- Average: over all L layers and all H query heads (line 824, 1 / (LH)); with GQA every query head counts.
+- Padding (the paper has none): padded tokens never count as keys and get weight 0; the sink is the first real
+  token of each row, and distances count real tokens (t - j for unpadded or left/right-padded rows).
+- Sliding-window layers (Mistral, windowed Qwen2/Qwen3 layers) use their window, as the model does.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+
+def _real_tokens(attention_mask: Tensor | None, batch: int, length: int, device) -> Tensor:
+    """Boolean [B, T]: True at real tokens (all of them without a mask)."""
+    if attention_mask is None:
+        return torch.ones(batch, length, dtype=torch.bool, device=device)
+    if attention_mask.shape != (batch, length):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(batch, length)}")
+    return attention_mask.to(device=device).bool()
+
+
+def _positions(real: Tensor) -> Tensor:
+    """[B, T] position of every token among the real tokens of its row (0 for the first real one; pads clamp to 0).
+
+    The same position ids `generate()` derives from a left-padded mask; distances t - j are taken between them.
+    """
+    return (real.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _first_real(real: Tensor) -> Tensor:
+    """[B] index of the first real token of each row: the attention sink."""
+    return real.long().argmax(-1)
+
+
+def _finish(distance_sum: Tensor, count: int, real: Tensor, lam: float) -> Tensor:
+    """Average the summed distances over the L * H maps and log-scale: w_t = log(lam * d_t + 1); pads get 0."""
+    d = distance_sum / count  # [B, T]
+    return torch.log1p(lam * d) * real
+
+
+def token_weights_naive(
+    attn: Sequence[Tensor] | Tensor,
+    tau: float = 0.2,
+    lam: float = 0.5,
+    attention_mask: Tensor | None = None,
+) -> Tensor:
+    """Algorithm 1 applied directly to full attention maps.
+
+    attn: L maps [B, H, T, T] (e.g. `model(..., output_attentions=True).attentions` of an eager model) or one tensor
+    [L, B, H, T, T]; rows are queries t, columns keys j. attention_mask [B, T] (1 real, 0 pad) is optional; padded
+    queries and keys are dropped whatever the maps hold there. Returns w [B, T] (float32).
+    """
+    a = torch.stack(tuple(attn)) if not isinstance(attn, Tensor) else attn
+    if a.dim() != 5 or a.shape[-1] != a.shape[-2]:
+        raise ValueError(f"expected attention maps [L, B, H, T, T], got {tuple(a.shape)}")
+    a = a.float()  # [L, B, H, T, T]
+    n_layers, batch, n_heads, length, _ = a.shape
+    real = _real_tokens(attention_mask, batch, length, a.device)  # [B, T]
+    positions = _positions(real).float()  # [B, T]
+    idx = torch.arange(length, device=a.device)
+
+    causal = idx[None, :] <= idx[:, None]  # [T, T]: key j <= query t
+    not_sink = idx[None, :] != _first_real(real)[:, None]  # [B, T] over keys
+    keep = causal[None] & real[:, None, :] & real[:, :, None] & not_sink[:, None, :]  # [B, T, T]
+    a = a * keep[None, :, None]  # sink column zeroed, pads and the future dropped
+    a = a * (a >= tau)  # threshold, no renormalisation
+    distance = positions[:, :, None] - positions[:, None, :]  # [B, T, T]: t - j
+    distance_sum = (a * distance[None, :, None]).sum(dim=(0, 2, 4))  # [B, T]: over layers, heads, keys
+    return _finish(distance_sum, n_layers * n_heads, real, lam)
+
+
+def _queries_keys(attn, hidden: Tensor, position_embeddings: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """Recompute a standard attention module's RoPE'd queries [B, H, T, d] and keys [B, Hkv, T, d] from its input.
+
+    Follows the Llama/Mistral/Qwen2/Qwen3 forward: projections, optional q_norm/k_norm (Qwen3: over the head dim),
+    then the module's own `apply_rotary_pos_emb`.
+    """
+    head_dim = attn.head_dim
+    shape = (*hidden.shape[:-1], -1, head_dim)
+    q, k = attn.q_proj(hidden), attn.k_proj(hidden)  # [B, T, H * d], [B, T, Hkv * d]
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    per_head = q_norm is not None and getattr(q_norm, "weight", None) is not None and q_norm.weight.numel() == head_dim
+    if q_norm is not None and not per_head:  # a norm over the whole projection (OLMo-2 style)
+        q, k = q_norm(q), k_norm(k)
+    q, k = q.view(shape), k.view(shape)  # [B, T, H, d], [B, T, Hkv, d]
+    if per_head:
+        q, k = q_norm(q), k_norm(k)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, d], [B, Hkv, T, d]
+    rope = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
+    if rope is None:
+        raise TypeError(f"{type(attn).__name__}: no apply_rotary_pos_emb in {type(attn).__module__}")
+    cos, sin = position_embeddings
+    return rope(q, k, cos, sin)
+
+
+def _sliding_window(attn) -> int | None:
+    """The layer's attention window: the module's own `sliding_window` (Qwen2/Qwen3 per layer type), else the
+    config's (Mistral windows every layer through the mask), else None."""
+    if hasattr(attn, "sliding_window"):
+        return attn.sliding_window
+    return getattr(getattr(attn, "config", None), "sliding_window", None)
+
+
+def _layer_distance(
+    q: Tensor,
+    k: Tensor,
+    scaling: float,
+    real: Tensor,
+    positions: Tensor,
+    sink: Tensor,
+    window: int | None,
+    tau: float,
+    query_block: int,
+) -> Tensor:
+    """One layer: sum over query heads and keys of thresholded attention times distance, [B, T].
+
+    q [B, H, T, d], k [B, Hkv, T, d] (H a multiple of Hkv); real [B, T] bool; positions [B, T] float; sink [B].
+    Streams over blocks of queries: peak extra memory O(B * H * query_block * T).
+    """
+    q, k = q.float(), k.float()
+    batch, n_heads, length, head_dim = q.shape
+    n_kv = k.shape[1]
+    group = n_heads // n_kv
+    idx = torch.arange(length, device=q.device)
+    keys_ok = real & (idx[None, :] != sink[:, None])  # [B, T]: real keys that are not the sink
+    k_t = k.transpose(-1, -2)[:, :, None]  # [B, Hkv, 1, d, T]
+    out = torch.zeros(batch, length, dtype=torch.float32, device=q.device)
+
+    for start in range(0, length, query_block):
+        stop = min(start + query_block, length)
+        rows = idx[start:stop]  # [b]
+        # query head h uses kv head h // group (transformers' repeat_kv)
+        qb = q[:, :, start:stop].reshape(batch, n_kv, group, stop - start, head_dim)  # [B, Hkv, G, b, d]
+        scores = (qb @ k_t).reshape(batch, n_heads, stop - start, length) * scaling  # [B, H, b, T]
+        allowed = idx[None, :] <= rows[:, None]  # [b, T] causal
+        if window is not None:
+            allowed = allowed & (idx[None, :] > rows[:, None] - window)
+        allowed = allowed[None] & real[:, None, :] & real[:, start:stop, None]  # [B, b, T]
+        scores = scores.masked_fill(~allowed[:, None], torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1)  # [B, H, b, T]; rows with nothing allowed are zeroed next
+        probs = probs * (allowed & keys_ok[:, None, :])[:, None]  # pads, future and sink column -> 0
+        probs = probs * (probs >= tau)  # threshold, no renormalisation
+        distance = positions[:, start:stop, None] - positions[:, None, :]  # [B, b, T]: t - j
+        out[:, start:stop] += (probs.sum(dim=1) * distance).sum(dim=-1)  # over heads, then keys
+        del scores, probs
+    return out
+
+
+def _decoder(model):
+    """The causal LM's decoder stack (`model.model` for Llama/Qwen/Mistral) and its attention modules."""
+    base = getattr(model, "base_model", model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise TypeError(f"{type(model).__name__}: no decoder layers found (expected base_model.layers)")
+    attns = [getattr(layer, "self_attn", None) for layer in layers]
+    bad = [i for i, a in enumerate(attns) if a is None or not (hasattr(a, "q_proj") and hasattr(a, "k_proj"))]
+    if bad:
+        raise TypeError(f"layers {bad} have no standard self_attn with q_proj/k_proj: not a reference Transformer")
+    return base, attns
+
+
+@torch.no_grad()
+def token_weights(
+    model,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    tau: float = 0.2,
+    lam: float = 0.5,
+    query_block: int = 256,
+) -> Tensor:
+    """Algorithm 1 on a reference causal LM, without ever holding its full [L, H, T, T] attention.
+
+    One forward of the decoder stack (no LM head, no cache); a forward pre-hook on every layer's `self_attn` takes
+    its input hidden states and (cos, sin), recomputes queries and keys as the module does (projections, Qwen3's
+    q_norm/k_norm, RoPE, GQA), and streams over blocks of `query_block` queries: causal, padding-aware and
+    windowed softmax in float32, sink column zeroed, weights < tau dropped, weighted distance summed. Only
+    [B, H, query_block, T] probabilities live at a time. The model's own attention runs as loaded: load the
+    reference with "sdpa" (or flash) attention, since "eager" builds each layer's [B, H, T, T] map by itself.
+
+    input_ids [B, T]; attention_mask [B, T] (1 real, 0 pad; left or right padding). Position ids follow the mask
+    (as in `generate()`), so a left-padded row gets the weights of the same sequence unpadded. Returns float32
+    w [B, T] on the input's device, 0 at padded tokens; w[:, t] belongs to query t (see the module docstring).
+    """
+    if query_block < 1:
+        raise ValueError(f"query_block must be >= 1, got {query_block}")
+    base, attns = _decoder(model)
+    batch, length = input_ids.shape
+    device = input_ids.device
+    real = _real_tokens(attention_mask, batch, length, device)  # [B, T]
+    positions = _positions(real)  # [B, T]
+    sink = _first_real(real)  # [B]
+    distance_positions = positions.float()
+    distance_sum = torch.zeros(batch, length, dtype=torch.float32, device=device)
+    n_maps = 0
+
+    def make_hook(attn):
+        window = _sliding_window(attn)
+
+        def hook(module, args, kwargs):
+            nonlocal distance_sum, n_maps
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            rope = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
+            q, k = _queries_keys(module, hidden, rope)
+            at = q.device  # the layer's device (models spread over devices by device_map)
+            distance_sum += _layer_distance(
+                q, k, module.scaling, real.to(at), distance_positions.to(at), sink.to(at), window, tau, query_block
+            ).to(device)
+            n_maps += q.shape[1]
+
+        return hook
+
+    was_training = model.training
+    model.eval()
+    handles = [a.register_forward_pre_hook(make_hook(a), with_kwargs=True) for a in attns]
+    try:
+        base(
+            input_ids=input_ids,
+            attention_mask=real.long() if attention_mask is not None else None,
+            position_ids=positions,
+            use_cache=False,
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    if n_maps == 0:
+        raise RuntimeError("no attention layer ran")
+    return _finish(distance_sum, n_maps, real, lam)
+
+
+def schedule_weights(
+    w: Tensor, tokens_seen: float, tau_tokens: float = 1e9, attention_mask: Tensor | None = None
+) -> Tensor:
+    """The training-time loss weights: exp(-tokens_seen / tau_tokens) + w (Appendix C.3, line 814).
+
+    Counted in training tokens with tau_tokens = 1e9 as in Appendix C.3 (Section 5.2, line 376, writes
+    training_step / tau); 1 + w at the start, w after a few tau_tokens. With attention_mask, pads stay 0.
+    """
+    if tau_tokens <= 0:
+        raise ValueError(f"tau_tokens must be positive, got {tau_tokens}")
+    out = w + torch.exp(torch.tensor(-float(tokens_seen) / float(tau_tokens), dtype=torch.float64)).item()
+    if attention_mask is not None:
+        out = out * attention_mask.to(out.device).bool()
+    return out
+
+
+def plot_token_weights(
+    tokens: Sequence[str],
+    weights: Tensor | Sequence[float],
+    path: str | Path,
+    *,
+    title: str | None = None,
+    line_chars: int = 100,
+    cmap: str = "Reds",
+    vmax: float | None = None,
+    fontsize: float = 10.0,
+    dpi: int = 120,
+) -> Path:
+    """Fig. 7-style picture: the text, each token's background shaded by its weight, wrapped over lines of about
+    `line_chars` characters, with a colour bar. Newlines in tokens are shown as "\\n" and start a new line.
+
+    tokens: the T tokens as strings (e.g. `tokenizer.convert_ids_to_tokens(ids)` or each id decoded);
+    weights: [T]. Drawn on a bare matplotlib Figure (Agg), so pyplot's backend is left alone. Returns `path`.
+    """
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
+
+    w = torch.as_tensor(weights, dtype=torch.float32).flatten().cpu().tolist()
+    if len(w) != len(tokens):
+        raise ValueError(f"{len(tokens)} tokens but {len(w)} weights")
+    top = vmax if vmax is not None else max([*w, 0.0])
+    norm = Normalize(vmin=0.0, vmax=top if top > 0 else 1.0)
+    colours = colormaps[cmap]
+
+    # Lay the tokens out on a grid of monospace character cells: (line, column, width, text, weight).
+    cells, line, col = [], 0, 0
+    for token, weight in zip(tokens, w):
+        breaks = token.endswith("\n")
+        text = token.replace("\n", "\\n").replace("\t", "    ").replace("\r", "\\r")
+        text = text[:line_chars] if text else " "
+        if col + len(text) > line_chars and col > 0:
+            line, col = line + 1, 0
+        cells.append((line, col, len(text), text, weight))
+        col += len(text)
+        if breaks:
+            line, col = line + 1, 0
+    n_lines = max(1, (cells[-1][0] + 1) if cells else 1)
+
+    char_w, line_h = fontsize * 0.62 / 72, fontsize * 1.8 / 72  # inches per character and per line
+    pad, title_h, bar_h = 0.3, (0.4 if title else 0.15), 1.0
+    text_w, text_h = line_chars * char_w, n_lines * line_h
+    width, height = text_w + 2 * pad, text_h + title_h + bar_h
+    fig = Figure(figsize=(width, height), dpi=dpi)
+    FigureCanvasAgg(fig)  # PNG rendering, without pyplot or a global backend switch
+    ax = fig.add_axes((pad / width, bar_h / height, text_w / width, text_h / height))
+    ax.set_xlim(0, line_chars)
+    ax.set_ylim(n_lines, 0)
+    ax.set_axis_off()
+    for line, col, size, text, weight in cells:
+        rgba = colours(norm(weight))
+        ax.add_patch(Rectangle((col, line + 0.05), size, 0.9, facecolor=rgba, edgecolor="none"))
+        dark = 0.299 * rgba[0] + 0.587 * rgba[1] + 0.114 * rgba[2] < 0.5
+        ax.text(
+            col + size / 2,
+            line + 0.5,
+            text,
+            ha="center",
+            va="center",
+            family="monospace",
+            fontsize=fontsize,
+            color="white" if dark else "black",
+            parse_math=False,
+        )
+    if title:
+        fig.suptitle(title, y=1 - 0.1 / height, va="top", fontsize=fontsize + 1)
+    cax = fig.add_axes((pad / width, 0.55 / height, text_w / width, 0.12 / height))
+    fig.colorbar(ScalarMappable(norm=norm, cmap=colours), cax=cax, orientation="horizontal")
+    cax.set_xlabel("loss weight  w_t = log(lambda d_t + 1)", fontsize=fontsize - 1)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    return path
