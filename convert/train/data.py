@@ -1,0 +1,381 @@
+"""Training data: documents from local files or the Hub, packed into fixed-length rows, cached once, and served in
+a seeded, resumable shuffled order.
+
+    train, val = build_dataset("/data/corpus/*.jsonl.gz", tokenizer, seq_len=2048, cache_dir="cache/data")
+    batches = batch_iterator(train, batch_size=8, seed=0, start_step=resume_step)
+    align(teacher, hybrid, batches, steps=200)
+
+Packing: every document is tokenised without special tokens, an EOS is appended, all documents are concatenated,
+and the stream is cut into rows of `seq_len` tokens (the incomplete tail is dropped). Documents cross row
+boundaries; each row carries `document_ids` (0, 1, 2, ... within the row) and `position_ids` (restarting at 0 at
+every document start and at the row start), so a model can reset its state or attention at document boundaries.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import itertools
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+# File extension -> datasets builder. Compressed variants (.gz, .bz2, .xz, .zst) are read transparently.
+BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet"}
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
+FIELDS = ("input_ids", "document_ids", "position_ids")
+CACHE_FORMAT = 1  # bump when the cached layout or the packing rule changes
+# Tokenised into the cache key, so that a different tokenizer saved under the same name gets its own cache.
+PROBES = (
+    "Hello, world! The year 2024; pi = 3.14159.",
+    "  def f(x):\n\treturn x ** 2  # über ünïcödé 漢字 🙂",
+    "</s><s><|endoftext|> special-looking text",
+)
+
+
+# ---------------------------------------------------------------------------------------------------- documents
+
+
+def builder_for(path: str | Path) -> str:
+    """The datasets builder ("json", "text" or "parquet") for a file, by its extension."""
+    name = Path(path).name.lower()
+    for compression in COMPRESSIONS:
+        if name.endswith(compression):
+            name = name[: -len(compression)]
+            break
+    suffix = Path(name).suffix
+    if suffix not in BUILDERS:
+        known = ", ".join(BUILDERS)
+        raise ValueError(f"unknown file extension for {path}: expected one of {known} (optionally compressed)")
+    return BUILDERS[suffix]
+
+
+def _known(path: Path) -> bool:
+    try:
+        builder_for(path)
+        return True
+    except ValueError:
+        return False
+
+
+def local_files(source) -> list[Path] | None:
+    """The local files `source` names (a file, a directory, a glob, or a list of these), sorted; None when `source`
+    is a Hub dataset name. A directory contributes its files with known extensions (recursively, hidden ones
+    skipped); a path that looks local but matches nothing raises FileNotFoundError."""
+    if isinstance(source, (list, tuple)):
+        files = []
+        for item in source:
+            found = local_files(item)
+            if found is None:
+                raise FileNotFoundError(f"no such file or directory: {item}")
+            files.extend(found)
+        return files
+    text = os.path.expanduser(str(source))
+    path = Path(text)
+    if path.is_dir():
+        hidden = lambda f: any(part.startswith(".") for part in f.relative_to(path).parts)  # noqa: E731
+        files = sorted(f for f in path.rglob("*") if f.is_file() and _known(f) and not hidden(f))
+        if not files:
+            raise ValueError(f"directory {path} holds no files with a known extension ({', '.join(BUILDERS)})")
+        return files
+    if path.is_file():
+        return [path]
+    if glob.has_magic(text):
+        files = sorted(Path(f) for f in glob.glob(text, recursive=True) if Path(f).is_file())
+        if not files:
+            raise FileNotFoundError(f"no files match {text}")
+        return files
+    if isinstance(source, Path) or text.startswith(("/", "./", "../")) or _known(path):
+        raise FileNotFoundError(f"no such file or directory: {text}")
+    return None
+
+
+def load_documents(
+    source,
+    text_field: str = "text",
+    split: str = "train",
+    streaming: bool | None = None,
+    max_documents: int | None = None,
+    text_sample_by: str = "line",
+) -> Iterable[str]:
+    """Yield the `text_field` of every record of `source`, in order, skipping empty and missing texts.
+
+    `source` is a local file, directory or glob (.jsonl/.json, .txt, .parquet, optionally .gz; read with the
+    datasets json/text/parquet builders), a list of those, or a Hub dataset name, optionally with a config after a
+    colon ("HuggingFaceFW/fineweb-edu:sample-10BT"). `streaming=None` streams (reads lazily, copying nothing into
+    the datasets cache). For .txt files, `text_sample_by` is the text builder's unit: "line" (one document per
+    line), "paragraph" or "document" (one per file). The first record is read at once, so that a missing field
+    raises ValueError here, naming the field and the columns found.
+    """
+    from datasets import load_dataset
+
+    streaming = True if streaming is None else streaming
+    files = local_files(source)
+    if files is None:
+        name, _, config = str(source).partition(":")
+        dataset = load_dataset(name, config or None, split=split, streaming=streaming)
+    else:
+        builders = {builder_for(f) for f in files}
+        if len(builders) > 1:
+            raise ValueError(f"{source} mixes file formats ({', '.join(sorted(builders))}); use one format")
+        (builder,) = builders
+        options = {"sample_by": text_sample_by} if builder == "text" else {}
+        data_files = {split: [str(f) for f in files]}
+        dataset = load_dataset(builder, data_files=data_files, split=split, streaming=streaming, **options)
+
+    def missing(columns) -> ValueError:
+        return ValueError(f"{source}: no text field {text_field!r}; columns found: {sorted(columns)}")
+
+    columns = dataset.column_names  # may be None for a streamed dataset until a record is read
+    if columns is not None and text_field not in columns:
+        raise missing(columns)
+    records = iter(dataset)
+    first = next(records, None)
+    if first is None:
+        return iter(())
+    if text_field not in first:
+        raise missing(first.keys())
+    texts = (record[text_field] for record in itertools.chain([first], records))
+    return itertools.islice((t for t in texts if t), max_documents)
+
+
+# ---------------------------------------------------------------------------------------------------- packing
+
+
+class Progress:
+    """Documents and tokens per second on stderr, at most every `every` seconds and once at the end."""
+
+    def __init__(self, label: str, every: float = 5.0):
+        self.label, self.every = label, every
+        self.documents = self.tokens = 0
+        self.start = self.last = time.perf_counter()
+
+    def update(self, documents: int, tokens: int) -> None:
+        self.documents += documents
+        self.tokens += tokens
+        if time.perf_counter() - self.last >= self.every:
+            self.report()
+
+    def report(self, final: bool = False) -> None:
+        self.last = time.perf_counter()
+        rate = self.tokens / max(self.last - self.start, 1e-9)
+        print(
+            f"[{self.label}] {self.documents:,} documents | {self.tokens:,} tokens | {rate:,.0f} tok/s"
+            + (f" | done in {self.last - self.start:.1f}s" if final else ""),
+            file=sys.stderr,
+        )
+
+
+def tokenize(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text: no BOS/EOS added, and special-token strings inside the text ("</s>") split into
+    ordinary tokens, so that only the EOS that packing appends marks a document's end."""
+    encoded = tokenizer(
+        texts, add_special_tokens=False, split_special_tokens=True, return_attention_mask=False, verbose=False
+    )
+    return encoded["input_ids"]
+
+
+def pack_documents(
+    tokenizer, documents: Iterable[str], seq_len: int, eos_token_id: int | None = None, batch_size: int = 256
+) -> dict[str, torch.Tensor]:
+    """Tokenise `documents`, append EOS to each, concatenate, and cut into rows of `seq_len` (tail dropped).
+
+    Returns {"input_ids", "document_ids", "position_ids"}, each [N, seq_len] int32: `document_ids` numbers the
+    document each token belongs to within its row from 0 (it steps up right after each EOS), and `position_ids`
+    counts from 0 at every document start and at every row start. Documents are tokenised `batch_size` at a time.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len = {seq_len} is not allowed; expected an integer >= 1")
+    eos = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
+    if eos is None:
+        raise ValueError("the tokenizer has no eos_token_id; pass eos_token_id")
+    chunks, lengths, progress = [], [], Progress("pack")
+    documents = iter(documents)
+    while batch := list(itertools.islice(documents, batch_size)):
+        flat = []
+        for ids in tokenize(tokenizer, batch):
+            flat.extend(ids)
+            flat.append(eos)
+            lengths.append(len(ids) + 1)
+        chunks.append(torch.tensor(flat, dtype=torch.int32))
+        progress.update(len(batch), len(flat))
+    progress.report(final=True)
+
+    stream = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.int32)  # [L]
+    rows = stream.numel() // seq_len
+    lengths = torch.tensor(lengths, dtype=torch.long)  # [D]
+    starts = torch.zeros(stream.numel(), dtype=torch.bool)  # [L]: True at each document's first token
+    starts[lengths.cumsum(0) - lengths] = True
+    input_ids = stream[: rows * seq_len].view(rows, seq_len)  # [N, T]
+    boundary = starts[: rows * seq_len].view(rows, seq_len).clone()  # [N, T]: a segment starts here
+    boundary[:, 0] = True
+    document_ids = boundary.int().cumsum(1) - 1  # [N, T], 0 at each row start
+    index = torch.arange(seq_len).expand(rows, seq_len)  # [N, T]
+    segment_start = torch.where(boundary, index, 0).cummax(1).values  # [N, T]
+    position_ids = index - segment_start  # [N, T]
+    return {
+        "input_ids": input_ids.contiguous(),
+        "document_ids": document_ids.to(torch.int32),
+        "position_ids": position_ids.to(torch.int32),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- datasets
+
+
+class PackedDataset(Dataset):
+    """Rows of packed tensors ({"input_ids", "document_ids", "position_ids"}, each [N, T]), optionally a subset
+    `rows` of them (shared storage, no copy). Items and batches are int64 with an all-ones "attention_mask"."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], rows: torch.Tensor | None = None):
+        self.tensors = {k: tensors[k] for k in FIELDS}
+        total = self.tensors["input_ids"].shape[0]
+        self.rows = torch.arange(total) if rows is None else torch.as_tensor(rows, dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def seq_len(self) -> int:
+        return self.tensors["input_ids"].shape[1]
+
+    def batch(self, indices: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Items `indices` (positions in this dataset) stacked: each field [B, T] int64."""
+        rows = self.rows[torch.as_tensor(indices, dtype=torch.long)]
+        out = {k: v[rows].long() for k, v in self.tensors.items()}
+        return out | {"attention_mask": torch.ones_like(out["input_ids"])}
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v[0] for k, v in self.batch(torch.tensor([i])).items()}  # each [T]
+
+
+def cache_key(source, tokenizer, seq_len: int, max_documents: int | None, text_field="text", split="train") -> str:
+    """sha256 (hex) of everything that decides the packed rows: the source (a Hub name, or each local file's
+    resolved path, size and modification time), text field and split, the tokenizer (name_or_path, vocabulary
+    size, EOS id, and a hash of its tokenisation of PROBES), seq_len, max_documents and CACHE_FORMAT."""
+    files = local_files(source)
+    if files is None:
+        spec = {"hub": str(source)}
+    else:
+        spec = {"files": [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]}
+    probe = hashlib.sha256(json.dumps(tokenize(tokenizer, list(PROBES))).encode()).hexdigest()
+    payload = {
+        "format": CACHE_FORMAT,
+        "source": spec,
+        "text_field": text_field,
+        "split": split,
+        "tokenizer": {
+            "name_or_path": str(getattr(tokenizer, "name_or_path", "")),
+            "vocab_size": len(tokenizer),
+            "eos_token_id": tokenizer.eos_token_id,
+            "probe": probe,
+        },
+        "seq_len": seq_len,
+        "max_documents": max_documents,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def save_atomic(obj, path: Path) -> None:
+    """torch.save to a temporary sibling, then rename: readers never see a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def split_rows(
+    tensors: dict[str, torch.Tensor], validation_fraction: float, seed: int
+) -> tuple[PackedDataset, PackedDataset]:
+    """A seeded random `validation_fraction` of the rows (at least one when the fraction is > 0) for validation,
+    the rest for training; both keep the rows' original order."""
+    if not 0 <= validation_fraction < 1:
+        raise ValueError(f"validation_fraction = {validation_fraction} is not allowed; expected 0 <= f < 1")
+    total = tensors["input_ids"].shape[0]
+    held = max(1, round(validation_fraction * total)) if validation_fraction > 0 else 0
+    if total - held < 1:
+        raise ValueError(f"only {total} packed row(s): too few for {held} validation row(s) and any training row")
+    order = torch.randperm(total, generator=torch.Generator().manual_seed(seed))
+    return PackedDataset(tensors, order[held:].sort().values), PackedDataset(tensors, order[:held].sort().values)
+
+
+def build_dataset(
+    source,
+    tokenizer,
+    seq_len: int,
+    cache_dir: str | Path,
+    validation_fraction: float = 0.01,
+    max_documents: int | None = None,
+    seed: int = 0,
+    text_field: str = "text",
+    split: str = "train",
+) -> tuple[PackedDataset, PackedDataset]:
+    """(train, validation) PackedDatasets of `source` packed into rows of `seq_len`.
+
+    Tokenises once: the packed rows are cached as `cache_dir/<cache_key>.pt` (written atomically) and later calls
+    with the same source, tokenizer, seq_len and max_documents load them instead. The validation split (a seeded
+    random fraction of rows, see split_rows) is drawn after loading, so it may change without re-tokenising.
+    """
+    path = Path(cache_dir) / f"{cache_key(source, tokenizer, seq_len, max_documents, text_field, split)}.pt"
+    if path.is_file():
+        tensors = torch.load(path, weights_only=True)
+        print(f"[data] loaded {tensors['input_ids'].shape[0]:,} rows of {seq_len} from {path}", file=sys.stderr)
+    else:
+        documents = load_documents(source, text_field=text_field, split=split, max_documents=max_documents)
+        tensors = pack_documents(tokenizer, documents, seq_len)
+        split_rows(tensors, validation_fraction, seed)  # refuse to cache too little data
+        save_atomic(tensors, path)
+        print(f"[data] cached {tensors['input_ids'].shape[0]:,} rows of {seq_len} to {path}", file=sys.stderr)
+    return split_rows(tensors, validation_fraction, seed)
+
+
+# ---------------------------------------------------------------------------------------------------- batches
+
+
+def epoch_order(size: int, seed: int, epoch: int) -> torch.Tensor:
+    """The shuffled order [size] of epoch `epoch`: a function of (seed, epoch) alone."""
+    mixed = int.from_bytes(hashlib.sha256(f"{seed}/{epoch}".encode()).digest()[:8], "little") >> 1
+    return torch.randperm(size, generator=torch.Generator().manual_seed(mixed))
+
+
+def batch_iterator(
+    dataset: Dataset, batch_size: int, seed: int, epochs: int | None = None, start_step: int = 0
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Batches of `batch_size` rows ({"input_ids", "document_ids", "position_ids", "attention_mask"}, each [B, T]
+    int64) in a shuffled order fixed by (seed, epoch); the last incomplete batch of each epoch is dropped.
+
+    Step s is batch s % steps_per_epoch of epoch s // steps_per_epoch, so starting at `start_step` yields exactly
+    what an uninterrupted run yields from that step on. `epochs=None` runs forever; otherwise the run ends after
+    `epochs` epochs counted from step 0.
+    """
+    size = len(dataset)
+    per_epoch = size // batch_size if batch_size >= 1 else 0
+    if per_epoch < 1:
+        raise ValueError(f"batch_size = {batch_size} does not fit a dataset of {size} rows")
+    end = None if epochs is None else epochs * per_epoch
+    step = start_step
+    while end is None or step < end:
+        epoch, first = divmod(step, per_epoch)
+        order = epoch_order(size, seed, epoch)  # [size]
+        for b in range(first, per_epoch):
+            indices = order[b * batch_size : (b + 1) * batch_size]  # [B]
+            if isinstance(dataset, PackedDataset):
+                yield dataset.batch(indices)
+            else:
+                items = [dataset[int(i)] for i in indices]
+                batch = {k: torch.stack([torch.as_tensor(item[k]) for item in items]).long() for k in items[0]}
+                batch.setdefault("attention_mask", torch.ones_like(batch["input_ids"]))
+                yield batch
+            step += 1
