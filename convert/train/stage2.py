@@ -1,0 +1,385 @@
+"""Stage 2: continued training of the hybrid on packed text (next-token loss, optional token weights, optional
+distillation from the teacher's logits), resumable and runnable unchanged under `accelerate launch`.
+
+    config = TrainConfig(steps=2000, batch_size=8, lr=3e-4, trainable="mixers+lora", kd_weight=1.0)
+    history = train(hybrid, teacher, train_rows, config, "runs/stage2")   # resumes from runs/stage2 if it can
+    merge_lora(hybrid); hybrid.save_pretrained("hybrid-stage2")           # fold LoRA in for export
+
+Choices:
+
+- A step is one optimizer step: `grad_accum` micro-batches of `batch_size` rows on every process. Micro-batch m
+  (m = step * grad_accum + a) is batch m of `batch_iterator(dataset, batch_size * num_processes, seed)`, and each
+  process takes its own slice of it, so the data order depends on (seed, step) alone and a resumed run continues it
+  exactly. Steps are counted from 1: checkpoint `step_k` holds the state after k optimizer steps.
+- Rows are packed documents; the models see them as one sequence each (input_ids and the all-ones mask only), as
+  stage 1 does. `document_ids` and `position_ids` are not used: attention crosses document boundaries.
+- Loss = CE + kd_weight * KD + aux. CE is the next-token cross-entropy; with token weights w [B, T] (w[:, t] weights
+  the prediction made at position t, see token_weights.py) each token's CE is multiplied by
+  schedule_weights(w, tokens_seen, token_weight_tau) and the sum is divided by the number of predicted tokens (so
+  the schedule's 1 + w start is an up-weighting, not a renormalisation). `token_weights` is a tensor
+  [len(dataset), T] (row i of the dataset as it is indexed, i.e. `dataset[i]`) or a callable batch -> [B, T]
+  (e.g. `lambda b: token_weights(teacher, b["input_ids"])`). Dataset items cannot carry the weights themselves,
+  since batch_iterator casts every field to int64. KD = T^2 * KL(teacher || student) of the logits at temperature
+  T, averaged over real tokens. aux is the student's own `aux_loss` (already weighted).
+- LoRA ("mixers+lora"): peft's `inject_adapter_in_model` adds adapters in place (the model keeps its class and
+  weight names, plus `lora_A`/`lora_B`) on `lora_targets` of the attention layers only; `train` leaves them
+  unmerged (a resumed run re-injects and reloads them), and `merge_lora` folds them into the base weights.
+- Learning rate: linear warmup over `warmup_steps`, then cosine to 10% of `lr` at `steps` or constant; a function
+  of the step alone, so nothing about it needs saving. A resumed run must use the same `steps` for the same curve.
+- A non-finite loss part or gradient raises FloatingPointError naming the step before the optimizer step and before
+  any checkpoint of it (the check is reduced over processes, so that every process raises together).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from torch import nn
+from torch.utils.data import Dataset
+
+from convert.train.data import PackedDataset, batch_iterator
+from convert.train.token_weights import schedule_weights
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+CHECKPOINTS = "checkpoints"
+META = "stage2.json"
+
+
+class TrainConfig(BaseModel):
+    """Stage 2 settings; unknown keys and out-of-range values are refused with the field's name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int = Field(ge=1, description="optimizer steps in all (a resumed run counts the ones already done)")
+    batch_size: int = Field(8, ge=1, description="rows per micro-batch per process")
+    grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    lr: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["cosine", "constant"] = "cosine"
+    grad_clip: float | None = Field(1.0, gt=0, description="max gradient norm; None: no clipping")
+    trainable: Literal["mixers", "mixers+lora", "all"] = "mixers"
+    lora_rank: int = Field(16, ge=1)
+    lora_alpha: float = Field(32.0, gt=0)
+    lora_targets: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
+    kd_weight: float = Field(0.0, ge=0)
+    kd_temperature: float = Field(1.0, gt=0)
+    token_weight_tau: float = Field(1e9, gt=0, description="tokens; see schedule_weights")
+    mixed_precision: Literal["no", "bf16"] = "no"
+    gradient_checkpointing: bool = False
+    save_every: int = Field(500, ge=1)
+    seed: int = 0
+    log_every: int = Field(10, ge=0, description="steps between progress lines; 0: none")
+
+    @field_validator("lora_targets")
+    @classmethod
+    def _names(cls, value: list[str]) -> list[str]:
+        bad = [v for v in value if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v)]
+        if bad:
+            raise ValueError(f"lora_targets must be module names such as 'q_proj', got {bad}")
+        return value
+
+
+# ---------------------------------------------------------------------------------------------------- parameters
+
+
+def mixer_layers(model) -> list[int]:
+    return [i for i, kind in enumerate(model.config.layer_mixers) if kind != "attention"]
+
+
+def _lora_layer_type():
+    from peft.tuners.lora import LoraLayer
+
+    return LoraLayer
+
+
+def add_lora(model, config: TrainConfig) -> None:
+    """Inject LoRA adapters (in place) on `lora_targets` of the layers that kept attention; no-op if present."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    if any(isinstance(m, _lora_layer_type()) for m in model.modules()):
+        return
+    kept = [str(i) for i, kind in enumerate(model.config.layer_mixers) if kind == "attention"]
+    if not kept:
+        return
+    names = "|".join(re.escape(t) for t in config.lora_targets)
+    pattern = rf"model\.layers\.({'|'.join(kept)})\.(self_attn|mlp)\.({names})"
+    lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0, target_modules=pattern)
+    inject_adapter_in_model(lora, model)
+
+
+def merge_lora(model) -> nn.Module:
+    """Fold every LoRA adapter into its base weight and put the plain base module back (for save_pretrained)."""
+    lora_type = _lora_layer_type()
+    for name, module in list(model.named_modules()):
+        if isinstance(module, lora_type):
+            module.merge()
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, module.get_base_layer())
+    return model
+
+
+def is_lora(name: str) -> bool:
+    """Whether a parameter name is one of peft's LoRA adapter weights (not a mixer's own low-rank weights)."""
+    return re.search(r"\.lora_(A|B)\.", name) is not None
+
+
+def select_trainable(model, config: TrainConfig) -> list[nn.Parameter]:
+    """Set requires_grad per `config.trainable` (injecting LoRA if asked) and return the trainable parameters."""
+    if config.trainable == "all":
+        chosen = set(id(p) for p in model.parameters())
+    else:
+        chosen = {id(p) for i in mixer_layers(model) for p in model.model.layers[i].self_attn.parameters()}
+        if config.trainable == "mixers+lora":
+            add_lora(model, config)
+            chosen |= {id(p) for n, p in model.named_parameters() if is_lora(n)}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in chosen)
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+# ---------------------------------------------------------------------------------------------------- losses
+
+
+def kd_loss(student_logits, teacher_logits, temperature: float = 1.0, mask=None) -> torch.Tensor:
+    """T^2 * KL(teacher || student) of softmax(logits / T), summed over the vocabulary and averaged over tokens
+    (those with mask == 1 when given). Zero when the logits agree."""
+    log_s = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    log_t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    kl = (log_t.exp() * (log_t - log_s)).sum(-1)  # [B, T]
+    if mask is None:
+        return kl.mean() * temperature**2
+    mask = mask.to(kl.dtype)
+    return (kl * mask).sum() / mask.sum().clamp(min=1) * temperature**2
+
+
+def ce_loss(logits, input_ids, mask, weights=None) -> torch.Tensor:
+    """Next-token cross-entropy: position t predicts input_ids[:, t + 1]; weights [B, T] scale position t's loss.
+    Averaged over the predicted real tokens (a weighted sum over that count when weights are given)."""
+    ce = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), input_ids[:, 1:], reduction="none")  # [B, T-1]
+    real = (mask[:, 1:] * mask[:, :-1]).to(ce.dtype)
+    if weights is not None:
+        ce = ce * weights[:, :-1].to(ce)
+    return (ce * real).sum() / real.sum().clamp(min=1)
+
+
+class _Indexed(Dataset):
+    """`dataset` whose items and batches also carry "index", their position in it (for a token-weight table)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        return dict(self.dataset[i]) | {"index": torch.tensor(i)}
+
+
+class _IndexedPacked(PackedDataset):
+    def __init__(self, dataset: PackedDataset):  # shares the storage
+        self.tensors, self.rows = dataset.tensors, dataset.rows
+
+    def batch(self, indices):
+        return super().batch(indices) | {"index": torch.as_tensor(indices, dtype=torch.long)}
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoints
+
+
+def latest_checkpoint(out_dir) -> tuple[Path, dict] | None:
+    """(directory, metadata) of the complete checkpoint with the most steps in out_dir/checkpoints, or None."""
+    found = []
+    for path in (Path(out_dir) / CHECKPOINTS).glob("step_*"):
+        meta = path / META
+        if re.fullmatch(r"step_\d+", path.name) and meta.is_file():
+            found.append((int(path.name[5:]), path))
+    if not found:
+        return None
+    _, path = max(found)
+    return path, json.loads((path / META).read_text())
+
+
+def _save(accelerator, out_dir, step: int, tokens_seen: int, config: TrainConfig) -> None:
+    """accelerator.save_state into a temporary directory, then one rename onto checkpoints/step_{step}."""
+    root = Path(out_dir) / CHECKPOINTS
+    final, tmp = root / f"step_{step}", root / f".tmp_step_{step}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        meta = {"step": step, "tokens_seen": tokens_seen, "config": config.model_dump()}
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    accelerator.wait_for_everyone()
+
+
+# ---------------------------------------------------------------------------------------------------- training
+
+
+def lr_at(config: TrainConfig, step: int) -> float:
+    """Learning rate of (0-based) optimizer step `step`."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    if config.schedule == "constant":
+        return config.lr
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def _micro_batches(dataset, config: TrainConfig, accelerator, start_step: int):
+    """This process's slice of every global micro-batch, from optimizer step `start_step` on (forever)."""
+    n, rank, b = accelerator.num_processes, accelerator.process_index, config.batch_size
+    start = start_step * config.grad_accum
+    for batch in batch_iterator(dataset, b * n, config.seed, start_step=start):
+        yield {k: v[rank * b : (rank + 1) * b] for k, v in batch.items()}
+
+
+def train(
+    student,
+    teacher,
+    dataset,
+    config: TrainConfig | dict,
+    out_dir,
+    token_weights: torch.Tensor | Callable[[dict], torch.Tensor] | None = None,
+) -> list[dict]:
+    """Train `student` (a HybridForCausalLM) on `dataset` (a PackedDataset or a dataset of row dicts) for
+    `config.steps` optimizer steps, checkpointing into out_dir/checkpoints and resuming from the latest complete
+    checkpoint there. `teacher` (frozen) is only run when config.kd_weight > 0 and may then not be None.
+
+    Returns one record per step run by this call: {"step", "loss", "ce", "kd", "aux", "lr", "tokens_per_second"}
+    ("step" is 1-based; loss parts are means over the step's micro-batches on this process).
+    """
+    from accelerate import Accelerator
+
+    config = config if isinstance(config, TrainConfig) else TrainConfig(**config)
+    if config.kd_weight > 0 and teacher is None:
+        raise ValueError("kd_weight > 0 needs a teacher")
+    if isinstance(token_weights, torch.Tensor) and tuple(token_weights.shape[:1]) != (len(dataset),):
+        raise ValueError(f"token_weights has shape {tuple(token_weights.shape)}, expected [{len(dataset)}, T]")
+    out_dir = Path(out_dir)
+    tracker = (
+        "tensorboard" if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX") else None
+    )
+    accelerator = Accelerator(
+        mixed_precision=config.mixed_precision,
+        gradient_accumulation_steps=config.grad_accum,
+        project_dir=str(out_dir),
+        log_with=tracker,
+    )
+    if tracker:
+        accelerator.init_trackers("stage2", config={k: str(v) for k, v in config.model_dump().items()})
+
+    params = select_trainable(student, config)
+    if config.gradient_checkpointing:
+        if hasattr(student, "activation_checkpointing_enable"):  # transformers >= 5's name
+            student.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    student.train()
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    model, optimizer = accelerator.prepare(student, optimizer)
+    if config.kd_weight > 0:
+        teacher.to(accelerator.device).eval().requires_grad_(False)
+
+    start_step, tokens_seen = 0, 0
+    resumed = latest_checkpoint(out_dir)
+    if resumed is not None:
+        path, meta = resumed
+        accelerator.load_state(str(path))
+        start_step, tokens_seen = meta["step"], meta["tokens_seen"]
+        accelerator.print(f"[stage2] resumed from {path} (step {start_step}, {tokens_seen:,} tokens)", file=sys.stderr)
+    if isinstance(token_weights, torch.Tensor):
+        data = _IndexedPacked(dataset) if isinstance(dataset, PackedDataset) else _Indexed(dataset)
+    else:
+        data = dataset
+    batches = _micro_batches(data, config, accelerator, start_step)
+    device = accelerator.device
+
+    def check(values: dict[str, torch.Tensor], step: int, what: str) -> None:
+        bad = torch.tensor([float(not torch.isfinite(v).all()) for v in values.values()], device=device)
+        bad = accelerator.reduce(bad, reduction="sum")
+        if bad.any():
+            names = [n for n, b in zip(values, bad.tolist()) if b]
+            raise FloatingPointError(f"{what} not finite at step {step} ({', '.join(names)}); nothing applied")
+
+    history, clock, timed_tokens = [], time.perf_counter(), 0
+    for step in range(start_step + 1, config.steps + 1):
+        lr = lr_at(config, step - 1)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        sums = {"loss": 0.0, "ce": 0.0, "kd": 0.0, "aux": 0.0}
+        local_tokens = 0
+        for micro in range(config.grad_accum):
+            batch = {k: v.to(device) for k, v in next(batches).items()}
+            ids, mask = batch["input_ids"], batch["attention_mask"]
+            sync = micro == config.grad_accum - 1
+            with contextlib.nullcontext() if sync else accelerator.no_sync(model):
+                out = model(input_ids=ids, attention_mask=mask, use_cache=False)
+                weights = None
+                if token_weights is not None:
+                    w = token_weights[batch["index"].cpu()] if torch.is_tensor(token_weights) else token_weights(batch)
+                    weights = schedule_weights(w.to(device).float(), tokens_seen, config.token_weight_tau, mask)
+                parts = {"ce": ce_loss(out.logits, ids, mask, weights)}
+                if config.kd_weight > 0:
+                    with torch.no_grad(), accelerator.autocast():
+                        teacher_logits = teacher(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                    parts["kd"] = kd_loss(out.logits, teacher_logits, config.kd_temperature, mask)
+                aux = getattr(out, "aux_loss", None)
+                if aux is not None:
+                    parts["aux"] = aux.float()
+                check(parts, step, "loss")
+                total = parts["ce"] + config.kd_weight * parts.get("kd", 0.0) + parts.get("aux", 0.0)
+                accelerator.backward(total)
+            for name, value in parts.items():
+                sums[name] += value.item() / config.grad_accum
+            sums["loss"] += total.item() / config.grad_accum
+            local_tokens += int(mask.sum())
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.stack([g.float().norm() for g in grads]).norm() if grads else torch.zeros((), device=device)
+        check({"gradient norm": norm}, step, "gradient")
+        if config.grad_clip:
+            accelerator.clip_grad_norm_(params, config.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        step_tokens = int(accelerator.reduce(torch.tensor(local_tokens, device=device), reduction="sum"))
+        tokens_seen += step_tokens
+        timed_tokens += step_tokens
+        elapsed = max(time.perf_counter() - clock, 1e-9)
+        rate = timed_tokens / elapsed
+        record = {"step": step, **sums, "lr": lr, "tokens_per_second": rate}
+        history.append(record)
+        if tracker:
+            accelerator.log({k: v for k, v in record.items() if k != "step"}, step=step)
+        if config.log_every and (step % config.log_every == 0 or step == config.steps):
+            eta = (config.steps - step) * elapsed / (step - start_step)
+            accelerator.print(
+                f"[stage2] step {step}/{config.steps} loss {sums['loss']:.4g} (ce {sums['ce']:.4g} kd {sums['kd']:.4g}"
+                f" aux {sums['aux']:.4g}) lr {lr:.3g} | {rate:,.0f} tok/s | ETA {eta:.0f}s",
+                file=sys.stderr,
+            )
+        if step % config.save_every == 0 or step == config.steps:
+            _save(accelerator, out_dir, step, tokens_seen, config)
+    if tracker:
+        accelerator.end_training()
+    return history

@@ -1,0 +1,191 @@
+"""Stage 2: continued training lowers the loss, touches only what it should, resumes exactly, stops on NaN."""
+
+import pytest
+import torch
+from pydantic import ValidationError
+from transformers import AutoModelForCausalLM
+
+from convert import build_hybrid, plan_layers
+from convert.train.data import PackedDataset, batch_iterator
+from convert.train.stage2 import (
+    TrainConfig,
+    ce_loss,
+    is_lora,
+    kd_loss,
+    latest_checkpoint,
+    merge_lora,
+    mixer_layers,
+    train,
+)
+
+SETTINGS = {"sse": {"lora_rank": 8}, "sila": {}}
+FAST = dict(batch_size=4, lr=3e-3, warmup_steps=2, log_every=0, save_every=1000)
+
+
+def rows(n: int = 16, T: int = 16, seed: int = 0) -> PackedDataset:
+    g = torch.Generator().manual_seed(seed)
+    # a learnable pattern: each row counts up from a random start, so next-token loss can fall quickly
+    start = torch.randint(3, 60, (n, 1), generator=g)
+    ids = (start + torch.arange(T)).clamp(max=127).int()
+    return PackedDataset(
+        {"input_ids": ids, "document_ids": torch.zeros_like(ids), "position_ids": torch.arange(T).expand(n, T).int()}
+    )
+
+
+@pytest.fixture
+def teacher(tiny_sources):
+    return AutoModelForCausalLM.from_pretrained(tiny_sources["llama"]).eval()
+
+
+def hybrid(teacher):
+    return build_hybrid(teacher, plan_layers([("sse", "1"), ("sila", "2")], 4), SETTINGS)
+
+
+def mean_ce(model, data) -> float:
+    batch = next(batch_iterator(data, len(data), seed=0))
+    with torch.no_grad():
+        return ce_loss(model(batch["input_ids"]).logits, batch["input_ids"], batch["attention_mask"]).item()
+
+
+def mixer_names(model) -> set[str]:
+    return {
+        n
+        for n, _ in model.named_parameters()
+        if any(n.startswith(f"model.layers.{i}.self_attn.") for i in mixer_layers(model))
+    }
+
+
+@pytest.mark.parametrize("trainable", ["mixers", "all"])
+def test_training_lowers_the_loss(teacher, tmp_path, trainable):
+    student, data = hybrid(teacher), rows()
+    before = mean_ce(student, data)
+    history = train(student, teacher, data, TrainConfig(steps=30, trainable=trainable, **FAST), tmp_path)
+    assert len(history) == 30 and [r["step"] for r in history] == list(range(1, 31))
+    assert set(history[0]) == {"step", "loss", "ce", "kd", "aux", "lr", "tokens_per_second"}
+    assert mean_ce(student, data) < 0.9 * before
+    assert latest_checkpoint(tmp_path)[1]["step"] == 30
+
+
+def test_token_weights_and_kd_are_logged(teacher, tmp_path):
+    student, data = hybrid(teacher), rows()
+    w = torch.rand(len(data), data.seq_len)
+    config = TrainConfig(steps=3, kd_weight=0.5, kd_temperature=2.0, token_weight_tau=100.0, **FAST)
+    history = train(student, teacher, data, config, tmp_path, token_weights=w)
+    assert all(r["kd"] > 0 and r["aux"] > 0 for r in history)
+    for r in history:
+        assert r["loss"] == pytest.approx(r["ce"] + 0.5 * r["kd"] + r["aux"], rel=1e-5)
+
+
+@pytest.mark.parametrize("trainable", ["mixers", "mixers+lora"])
+def test_only_the_chosen_parameters_change(teacher, tmp_path, trainable):
+    student = hybrid(teacher)
+    before = {n: p.detach().clone() for n, p in student.named_parameters()}
+    train(student, teacher, rows(), TrainConfig(steps=3, trainable=trainable, **FAST), tmp_path)
+    names = dict(student.named_parameters())
+    mixers = mixer_names(student)
+    lora = {n for n in names if is_lora(n)}
+    assert bool(lora) == (trainable == "mixers+lora")
+    assert all("layers.1." not in n and "layers.2." not in n for n in lora)  # adapters only on kept layers
+    for n, p in names.items():
+        if n in lora:
+            continue
+        base = n.replace(".base_layer.", ".")
+        assert base in before, n
+        changed = not torch.equal(p, before[base])
+        assert changed == (n in mixers), n
+    if lora:  # lora_B starts at 0, so it moving means the adapters learnt
+        assert any(p.abs().sum() > 0 for n, p in names.items() if "lora_B" in n)
+
+
+def test_kd_is_zero_for_equal_logits_and_positive_otherwise():
+    logits = torch.randn(2, 5, 11)
+    assert kd_loss(logits, logits.clone(), temperature=2.0).abs() < 1e-6
+    assert kd_loss(logits, torch.randn(2, 5, 11), temperature=2.0) > 0
+    mask = torch.ones(2, 5)
+    mask[0, 1:] = 0
+    other = logits.clone()
+    other[0, 3] += 5  # a masked-out position does not count
+    assert kd_loss(logits, other, 1.0, mask).abs() < 1e-6
+
+
+def test_resume_continues_exactly(teacher, tmp_path):
+    config = dict(schedule="constant", **{**FAST, "save_every": 5})
+    a = hybrid(teacher)
+    train(a, teacher, rows(), TrainConfig(steps=10, **config), tmp_path / "a")
+    b = hybrid(teacher)
+    first = train(b, teacher, rows(), TrainConfig(steps=5, **config), tmp_path / "b")
+    c = hybrid(teacher)  # a fresh process: everything comes from the checkpoint
+    second = train(c, teacher, rows(), TrainConfig(steps=10, **config), tmp_path / "b")
+    assert [r["step"] for r in first + second] == list(range(1, 11))
+    for (n, p), q in zip(a.named_parameters(), c.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=n)
+    assert latest_checkpoint(tmp_path / "b")[1]["tokens_seen"] == 10 * 4 * 16
+
+
+def test_nan_raises_before_any_update_or_checkpoint(teacher, tmp_path):
+    student = hybrid(teacher)
+    with torch.no_grad():
+        student.model.layers[2].self_attn.v_proj.weight.fill_(float("nan"))
+    with pytest.raises(FloatingPointError, match=r"not finite at step 1 "):
+        train(student, teacher, rows(), TrainConfig(steps=3, **{**FAST, "save_every": 1}), tmp_path)
+    assert latest_checkpoint(tmp_path) is None
+
+
+def test_nan_token_weight_at_a_later_step(teacher, tmp_path):
+    student = hybrid(teacher)
+    calls = []
+
+    def weights(batch):
+        calls.append(1)
+        w = torch.zeros(batch["input_ids"].shape)
+        return w + (float("nan") if len(calls) == 3 else 0.0)
+
+    with pytest.raises(FloatingPointError, match=r"loss not finite at step 3 \(ce\)"):
+        train(student, teacher, rows(), TrainConfig(steps=5, **{**FAST, "save_every": 1}), tmp_path, weights)
+    assert latest_checkpoint(tmp_path)[1]["step"] == 2
+
+
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ({"stepz": 3}, "stepz"),
+        ({"steps": 0}, "steps"),
+        ({"lr": 0}, "lr"),
+        ({"grad_accum": 0}, "grad_accum"),
+        ({"grad_clip": -1.0}, "grad_clip"),
+        ({"schedule": "linear"}, "schedule"),
+        ({"trainable": "lora"}, "trainable"),
+        ({"kd_weight": -1}, "kd_weight"),
+        ({"kd_temperature": 0}, "kd_temperature"),
+        ({"mixed_precision": "fp16"}, "mixed_precision"),
+        ({"save_every": 0}, "save_every"),
+        ({"lora_targets": ["q proj"]}, "lora_targets"),
+    ],
+)
+def test_config_rejects_bad_values(bad, field):
+    with pytest.raises(ValidationError, match=field):
+        TrainConfig(**{"steps": 1, **bad})
+    assert TrainConfig(steps=1, grad_clip=None).grad_clip is None
+
+
+def test_lora_resumes_and_merges_into_plain_weights(teacher, tmp_path):
+    config = dict(
+        trainable="mixers+lora", schedule="constant", gradient_checkpointing=True, **{**FAST, "save_every": 2}
+    )
+    a = hybrid(teacher)
+    train(a, teacher, rows(), TrainConfig(steps=4, **config), tmp_path / "a")
+    b = hybrid(teacher)
+    train(b, teacher, rows(), TrainConfig(steps=2, **config), tmp_path / "b")
+    c = hybrid(teacher)
+    train(c, teacher, rows(), TrainConfig(steps=4, **config), tmp_path / "b")
+    for (n, p), q in zip(a.named_parameters(), c.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=n)
+    ids = rows()[0]["input_ids"][None]
+    a.eval()
+    with torch.no_grad():
+        before = a(ids).logits
+        merge_lora(a)
+        after = a(ids).logits
+    assert not any(is_lora(n) for n, _ in a.named_parameters())
+    assert set(a.state_dict()) == set(hybrid(teacher).state_dict())
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
