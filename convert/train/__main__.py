@@ -1,0 +1,31 @@
+"""`python -m convert.train RECIPE.yaml --run-dir DIR [--stages align,train]`: run a distillation recipe."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from convert.train.recipe import STAGES, load_recipe, run_recipe
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m convert.train",
+        description=f"Run a recipe's stages ({' -> '.join(STAGES)}) into --run-dir, skipping those already DONE.",
+    )
+    parser.add_argument("recipe", help="recipe YAML (relative paths in it resolve against the current directory)")
+    parser.add_argument("--run-dir", required=True, help="where every stage writes its outputs and DONE marker")
+    parser.add_argument("--stages", default=None, help=f"comma-separated subset of {','.join(STAGES)} (default: all)")
+    args = parser.parse_args(argv)
+    stages = None if args.stages is None else [s.strip() for s in args.stages.split(",") if s.strip()]
+    try:
+        recipe = load_recipe(args.recipe)
+        run_recipe(recipe, args.run_dir, stages)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Recipes: every shipped recipe validates, bad ones fail naming the field, the pipeline runs end to end and resumes."""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from transformers import AutoModelForCausalLM
+
+from convert.train.__main__ import main
+from convert.train.recipe import STAGES, load_recipe, parse_recipe, run_recipe
+
+RECIPES = sorted((Path(__file__).resolve().parents[3] / "recipes").glob("*.yaml"))
+MINIMAL = {"source": "Qwen/Qwen3-0.6B", "layers": [{"mixer": "raven", "layers": "0-23:5"}], "data": {"source": "x"}}
+
+
+def test_the_shipped_recipes_are_there():
+    names = {p.name for p in RECIPES}
+    for mixer in ("raven", "sse", "sila"):
+        assert {f"smollm2-{mixer}.yaml", f"qwen3-0.6b-{mixer}.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
+def test_shipped_recipe_loads(path):
+    recipe = load_recipe(path)
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("#") and f"python -m convert.train recipes/{path.name} --run-dir runs/{path.stem}" in first
+    assert recipe.layers and recipe.data.seq_len >= 2
+
+
+@pytest.mark.parametrize(
+    "change, field, hint",
+    [
+        ({"bogus": 1}, "bogus", "Extra inputs are not permitted"),
+        ({"align": {"steps": -1}}, "align.steps", "greater than or equal to 0"),
+        ({"train": {"steps": -5}}, "train.steps", "greater than or equal to 0"),
+        ({"train": {"lr_typo": 1}}, "train.lr_typo", "Extra inputs"),
+        ({"layers": [{"mixer": "mamba", "layers": "0"}]}, "layers.0.mixer", "'raven', 'sse' or 'sila'"),
+        ({"layers": [{"mixer": "raven", "layers": "0-x"}]}, "layers.0.layers", "accepted forms"),
+        ({"mixer_settings": {"mamba": {}}}, "mixer_settings", "unknown mixer"),
+        ({"mixer_settings": {"raven": {"slots": 3}}}, "mixer_settings", "allowed"),
+        ({"token_weights": {"reference": "student"}}, "token_weights.reference", "'teacher'"),
+        ({"data": {"source": "x", "validation_fraction": 1.5}}, "data.validation_fraction", "less than 1"),
+    ],
+)
+def test_malformed_recipe_names_the_field(change, field, hint):
+    with pytest.raises(ValueError) as info:
+        parse_recipe({**MINIMAL, **change})
+    lines = str(info.value).splitlines()
+    assert any(line.startswith(f"{field}: ") and hint in line for line in lines[1:]), str(info.value)
+
+
+def test_load_recipe_rejects_bad_yaml_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({**MINIMAL, "align": {"steps": -1, "batch_size": 0}}))
+    with pytest.raises(ValueError, match=r"(?m)^align\.steps: .*\n^align\.batch_size: "):
+        load_recipe(path)
+    assert main([str(path), "--run-dir", str(tmp_path / "run")]) == 2
+
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly big mice".split()
+
+
+def corpus(folder: Path) -> Path:
+    folder.mkdir()
+    docs = [" ".join(WORDS[i:] + WORDS[:i]) * (i + 2) for i in range(6)]
+    (folder / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return folder
+
+
+def haystack(folder: Path) -> Path:
+    folder.mkdir()
+    text = "\n\n".join(f"Paragraph {i}. " + " ".join(WORDS) + "." for i in range(40))
+    (folder / "essay.txt").write_text(text)
+    return folder
+
+
+def test_pipeline_end_to_end_resumes_and_reruns_one_stage(tiny_sources, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # relative paths resolve against the working directory
+    corpus(tmp_path / "corpus")
+    haystack(tmp_path / "essays")
+    recipe = parse_recipe(
+        {
+            "source": str(tiny_sources["llama"]),
+            "layers": [{"mixer": "raven", "layers": "1"}, {"mixer": "sila", "layers": "2"}],
+            "mixer_settings": {"raven": {"num_slots": 8, "top_k": 2}},
+            "dtype": "float32",
+            "data": {"source": "corpus", "seq_len": 32, "validation_fraction": 0.1},
+            "align": {"steps": 3, "batch_size": 2, "log_every": 1},
+            "token_weights": {"enabled": True, "batch_size": 4, "query_block": 16},
+            "train": {"steps": 3, "batch_size": 2, "trainable": "mixers+lora", "lora_rank": 2, "log_every": 1},
+            "evaluate": {
+                "tasks": ["passkey"],
+                "lengths": [400],
+                "depths": [0.5],
+                "samples": 1,
+                "batch_size": 1,
+                "haystack_dir": "essays",
+                "pictures": False,
+            },
+            "export": {"dir": "exported"},
+        }
+    )
+    run = tmp_path / "run"
+    results = run_recipe(recipe, run)
+    assert list(results) == list(STAGES)
+    for stage in STAGES:
+        assert json.loads((run / stage / "DONE").read_text()) == results[stage]
+    assert set(results["align"]["final_layer_losses"]) == {"1", "2"}
+    rows = results["weights"]["shape"]
+    assert rows[1] == 32 and rows[0] >= 2
+    assert results["train"]["steps_this_run"] == 3 and results["train"]["model"] == "train/model"
+    assert (run / "evaluate" / "report.json").is_file()
+    exported = tmp_path / "exported"
+    model = AutoModelForCausalLM.from_pretrained(exported, trust_remote_code=True)
+    assert list(model.config.layer_mixers) == ["attention", "raven", "sila", "attention"]
+    assert not any("lora" in name for name, _ in model.named_parameters())
+
+    # a rerun finds every DONE and does nothing
+    stamps = {s: (run / s / "DONE").stat().st_mtime_ns for s in STAGES}
+    clock = time.perf_counter()
+    assert run_recipe(recipe, run) == results
+    assert time.perf_counter() - clock < 5
+    assert {s: (run / s / "DONE").stat().st_mtime_ns for s in STAGES} == stamps
+
+    # one stage again: only train reruns (resuming from its checkpoint), the others stay untouched
+    (run / "train" / "DONE").unlink()
+    again = run_recipe(recipe, run, stages=["train"])
+    assert list(again) == ["train"] and again["train"]["model"] == "train/model"
+    assert (run / "train" / "DONE").is_file()
+    for stage in STAGES:
+        if stage != "train":
+            assert (run / stage / "DONE").stat().st_mtime_ns == stamps[stage]
+    AutoModelForCausalLM.from_pretrained(run / "train" / "model", trust_remote_code=True)
+
+
+def test_a_stage_without_its_inputs_fails_clearly(tmp_path):
+    recipe = parse_recipe(MINIMAL)
+    with pytest.raises(ValueError, match=r"stage 'align' needs the outputs of stage 'convert'.*--stages convert"):
+        run_recipe(recipe, tmp_path / "run", stages=["align"])
+    with pytest.raises(ValueError, match="unknown stage"):
+        run_recipe(recipe, tmp_path / "run", stages=["distill"])
