@@ -1,7 +1,6 @@
 """Recipes: every shipped recipe validates, bad ones fail naming the field, the pipeline runs end to end and resumes."""
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -119,9 +118,7 @@ def test_pipeline_end_to_end_resumes_and_reruns_one_stage(tiny_sources, tmp_path
 
     # a rerun finds every DONE and does nothing
     stamps = {s: (run / s / "DONE").stat().st_mtime_ns for s in STAGES}
-    clock = time.perf_counter()
     assert run_recipe(recipe, run) == results
-    assert time.perf_counter() - clock < 5
     assert {s: (run / s / "DONE").stat().st_mtime_ns for s in STAGES} == stamps
 
     # one stage again: only train reruns (resuming from its checkpoint), the others stay untouched
