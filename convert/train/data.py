@@ -40,9 +40,6 @@ PROBES = (
 )
 
 
-# ---------------------------------------------------------------------------------------------------- documents
-
-
 def builder_for(path: str | Path) -> str:
     """The datasets builder ("json", "text" or "parquet") for a file, by its extension."""
     name = Path(path).name.lower()
@@ -146,9 +143,6 @@ def load_documents(
     return itertools.islice((t for t in texts if t), max_documents)
 
 
-# ---------------------------------------------------------------------------------------------------- packing
-
-
 class Progress:
     """Documents and tokens per second on stderr, at most every `every` seconds and once at the end."""
 
@@ -225,9 +219,6 @@ def pack_documents(
         "document_ids": document_ids.to(torch.int32),
         "position_ids": position_ids.to(torch.int32),
     }
-
-
-# ---------------------------------------------------------------------------------------------------- datasets
 
 
 class PackedDataset(Dataset):
@@ -339,9 +330,6 @@ def build_dataset(
         save_atomic(tensors, path)
         print(f"[data] cached {tensors['input_ids'].shape[0]:,} rows of {seq_len} to {path}", file=sys.stderr)
     return split_rows(tensors, validation_fraction, seed)
-
-
-# ---------------------------------------------------------------------------------------------------- batches
 
 
 def epoch_order(size: int, seed: int, epoch: int) -> torch.Tensor:

@@ -172,9 +172,6 @@ class Recipe(_Strict):
         return value
 
 
-# ---------------------------------------------------------------------------------------------------- loading
-
-
 def format_validation_error(err: ValidationError, prefix: str = "") -> str:
     """One line per error: 'field.path: message'."""
     lines = []
@@ -233,9 +230,6 @@ def load_recipe(path: str | Path) -> Recipe:
     return parse_recipe(data, name=str(path))
 
 
-# ---------------------------------------------------------------------------------------------------- markers
-
-
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -276,9 +270,6 @@ def _latest_model(run_dir: Path, done: dict) -> Path:
         if done[stage].get("model"):
             return run_dir / done[stage]["model"]
     raise ValueError(f"no model directory in {run_dir}: run the convert stage first")
-
-
-# ---------------------------------------------------------------------------------------------------- helpers
 
 
 def _device() -> torch.device:
@@ -344,9 +335,6 @@ def _copy_atomic(src: Path, dst: Path) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-# ---------------------------------------------------------------------------------------------------- stages
 
 
 def _stage_convert(recipe: Recipe, run_dir: Path, done: dict) -> dict:

@@ -94,9 +94,6 @@ class TrainConfig(BaseModel):
         return value
 
 
-# ---------------------------------------------------------------------------------------------------- parameters
-
-
 def mixer_layers(model) -> list[int]:
     return [i for i, kind in enumerate(model.config.layer_mixers) if kind != "attention"]
 
@@ -152,9 +149,6 @@ def select_trainable(model, config: TrainConfig) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-# ---------------------------------------------------------------------------------------------------- losses
-
-
 def kd_loss(student_logits, teacher_logits, temperature: float = 1.0, mask=None) -> torch.Tensor:
     """T^2 * KL(teacher || student) of softmax(logits / T), summed over the vocabulary and averaged over tokens
     (those with mask == 1 when given). Zero when the logits agree."""
@@ -198,9 +192,6 @@ class _IndexedPacked(PackedDataset):
         return super().batch(indices) | {"index": torch.as_tensor(indices, dtype=torch.long)}
 
 
-# ---------------------------------------------------------------------------------------------------- checkpoints
-
-
 def latest_checkpoint(out_dir) -> tuple[Path, dict] | None:
     """(directory, metadata) of the complete checkpoint with the most steps in out_dir/checkpoints, or None."""
     found = []
@@ -231,9 +222,6 @@ def _save(accelerator, out_dir, step: int, tokens_seen: int, config: TrainConfig
             shutil.rmtree(final)
         os.replace(tmp, final)
     accelerator.wait_for_everyone()
-
-
-# ---------------------------------------------------------------------------------------------------- training
 
 
 def lr_at(config: TrainConfig, step: int) -> float:

@@ -61,9 +61,6 @@ def stream(tokenizer, texts) -> list[int]:
     return [t for ids in tokenize(tokenizer, list(texts)) for t in [*ids, tokenizer.eos_token_id]]
 
 
-# ---------------------------------------------------------------------------------------------------- documents
-
-
 def test_reads_jsonl_gz(jsonl):
     assert list(load_documents(jsonl)) == TEXTS
     assert list(load_documents(str(jsonl), max_documents=2)) == TEXTS[:2]
@@ -109,9 +106,6 @@ def test_unknown_extension_and_missing_paths(tmp_path):
     assert data.local_files("HuggingFaceFW/fineweb-edu") is None  # a Hub name: left to datasets
 
 
-# ---------------------------------------------------------------------------------------------------- packing
-
-
 @pytest.mark.parametrize("seq_len", [1, 7, 16])
 def test_pack_keeps_every_token_in_order(seq_len):
     tok = tiny_tokenizer()
@@ -143,9 +137,6 @@ def test_pack_drops_the_tail_and_explicit_eos():
     packed = pack_documents(tok, ["abc"], seq_len=3, eos_token_id=1)
     assert packed["input_ids"].tolist() == [tokenize(tok, ["abc"])[0]]  # "abc" + EOS = 4 tokens: one row
     assert pack_documents(tok, ["ab"], seq_len=8)["input_ids"].shape == (0, 8)
-
-
-# ---------------------------------------------------------------------------------------------------- datasets
 
 
 def test_build_dataset_caches_and_splits_disjointly(jsonl, tmp_path, monkeypatch):
@@ -183,9 +174,6 @@ def test_build_dataset_refuses_too_little_data(tmp_path):
     with pytest.raises(ValueError, match="too few"):
         build_dataset(source, tiny_tokenizer(), seq_len=3, cache_dir=tmp_path / "cache")
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir())
-
-
-# ---------------------------------------------------------------------------------------------------- batches
 
 
 def numbered_dataset(rows: int = 11, seq_len: int = 3) -> PackedDataset:
@@ -231,9 +219,6 @@ def test_batch_iterator_accepts_any_dataset_of_dicts():
     assert all(torch.equal(b["input_ids"], e) and b["attention_mask"].eq(1).all() for b, e in zip(got, expected))
     with pytest.raises(ValueError, match="does not fit"):
         next(batch_iterator(ds, batch_size=12, seed=0))
-
-
-# ---------------------------------------------------------------------------------------------------- real corpus
 
 
 @pytest.mark.skipif(not (CORPUS / "python-3.11-docs.jsonl.gz").is_file(), reason=f"no corpus at {CORPUS}")
