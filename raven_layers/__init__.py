@@ -17,6 +17,7 @@ from .sse import SSEMixer, SSESettings, sse_masking, sse_recurrent, sse_varlen
 # The files an exported model carries so that it loads where only transformers is installed.
 BUNDLED_FILES = (
     "architectures.py",
+    "backend.py",
     "cache.py",
     "common.py",
     "configuration_hybrid.py",
