@@ -81,7 +81,8 @@ class Mixer(nn.Module):
     conversion copies the teacher's weights into them), the optional output gate, and the decode-state plumbing.
 
     Subclasses build their own parameters after `super().__init__`, and implement `reset_mixer_parameters`,
-    `fresh_parameter_names`, `state_numel` and `forward(hidden_states, past_key_values, padding_mask)`.
+    `fresh_parameter_names`, `state_numel` and `forward(hidden_states, past_key_values, padding_mask, cu_seqlens)`;
+    without a kernel that takes `cu_seqlens`, forward hands packed input to `forward_packed`.
     """
 
     aux_loss: torch.Tensor | None = None  # an auxiliary loss of the last forward, summed by the model
@@ -117,8 +118,40 @@ class Mixer(nn.Module):
         if past_key_values is not None:
             past_key_values.set_mixer_state(self.layer_idx, state, num_tokens=num_tokens)
 
+    def forward_packed(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The mixer run on each packed document on its own, so that no state crosses a document boundary.
+
+        hidden_states [B, T, hidden] holds documents back to back; cu_seqlens [S + 1] are their offsets in the
+        flattened [B * T] stream (see packing.py). The documents are re-batched as [S, L_max] rows with right
+        padding, which writes nothing: the general path, for the PyTorch forms. Kernels take cu_seqlens directly.
+        """
+        rows, mask, where = to_rows(hidden_states, cu_seqlens)  # [S, L, hidden], [S, L]
+        out, _ = self(rows, padding_mask=mask)
+        return from_rows(out, where, hidden_states.shape[:2]), None
+
     def project_out(self, o: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, None]:
         """Output gate and o_proj: o [B, T, H * d] -> ([B, T, hidden], None), the attention's return shape."""
         if self.settings.output_gate:
             o = o * 2 * torch.sigmoid(F.linear(x, self.gate_weight))
         return self.o_proj(o), None
+
+
+def to_rows(x: torch.Tensor, cu_seqlens: torch.Tensor):
+    """Packed documents x [B, T, ...] (offsets cu_seqlens [S + 1] into the flattened B * T tokens) as right-padded
+    rows [S, L_max, ...]; also the mask of real entries [S, L_max] and where each token went (for `from_rows`)."""
+    flat = x.flatten(0, 1)  # [B * T, ...]
+    lengths = cu_seqlens.diff()  # [S]
+    doc = torch.repeat_interleave(torch.arange(lengths.numel(), device=x.device), lengths)  # [B * T]
+    offset = torch.arange(flat.shape[0], device=x.device) - cu_seqlens[doc]
+    L = int(lengths.max())
+    rows = flat.new_zeros(lengths.numel(), L, *flat.shape[1:])
+    rows[doc, offset] = flat
+    mask = torch.zeros(lengths.numel(), L, dtype=torch.bool, device=x.device)
+    mask[doc, offset] = True
+    return rows, mask, (doc, offset)
+
+
+def from_rows(rows: torch.Tensor, where, shape) -> torch.Tensor:
+    """Inverse of `to_rows`: rows [S, L_max, ...] back to the packed [B, T, ...] layout."""
+    doc, offset = where
+    return rows[doc, offset].view(*shape, *rows.shape[2:])

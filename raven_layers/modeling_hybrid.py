@@ -42,6 +42,25 @@ class HybridCausalLMOutput(CausalLMOutputWithPast):
     aux_loss: torch.Tensor | None = None
 
 
+def find_packed_documents(position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Documents packed back to back in each row, marked as transformers marks them: the position ids restart.
+
+    A new document starts wherever position_ids [B, T] does not step by one (the convention of transformers'
+    masking utilities and of its padding-free data collators). Returns None when every row is one sequence, else
+    (document index of every token within its row [B, T], cu_seqlens [S + 1]: the offsets of all S documents in
+    the flattened B * T tokens, each row starting a new one) for the attention masks and the mixers.
+    """
+    B, T = position_ids.shape
+    starts = position_ids[:, 1:] != position_ids[:, :-1] + 1  # [B, T - 1]
+    if not bool(starts.any()):  # one host sync per forward
+        return None
+    starts = torch.cat([torch.ones_like(starts[:, :1]), starts], dim=1)  # [B, T], every row opens a document
+    documents = starts.long().cumsum(-1) - 1
+    flat = starts.flatten().nonzero().squeeze(1)
+    cu_seqlens = torch.cat([flat, flat.new_tensor([B * T])]).to(torch.int32)
+    return documents, cu_seqlens
+
+
 class HybridPreTrainedModel(PreTrainedModel):
     config_class = HybridConfig
     base_model_prefix = "model"
@@ -116,8 +135,11 @@ class HybridModel(HybridPreTrainedModel):
                 f"attention_mask must be a 2D padding mask of shape [batch, past + new tokens] = [{B}, {past + T}], "
                 f"got {tuple(attention_mask.shape)}"
             )
-        if attention_mask is not None and bool(attention_mask.all()):
-            attention_mask = None  # no padding: every layer can take its fast path
+        packed = None
+        if attention_mask is None and position_ids is not None and past == 0 and T > 1:
+            packed = find_packed_documents(position_ids.expand(B, -1))  # transformers' convention for packing
+        if attention_mask is not None and T > 1 and bool(attention_mask.all()):
+            attention_mask = None  # no padding: every layer can take its fast path (not checked per decode step)
         if position_ids is None:
             if attention_mask is None:
                 position_ids = torch.arange(past, past + T, device=inputs_embeds.device).expand(B, -1)
@@ -128,12 +150,15 @@ class HybridModel(HybridPreTrainedModel):
         masks = {}
         for kind, window in zip(self.config.layer_mixers, self.windows):
             if kind == "attention" and window not in masks:
-                masks[window] = self._attention_mask(attention_mask, B, T, past, window, inputs_embeds)
+                documents = packed[0] if packed is not None else None
+                masks[window] = self._attention_mask(attention_mask, B, T, past, window, inputs_embeds, documents)
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         for layer, kind, window in zip(self.layers, self.config.layer_mixers, self.windows):
             extra = {} if kind == "attention" else {"padding_mask": padding_mask}
+            if packed is not None and kind != "attention":
+                extra["cu_seqlens"] = packed[1]
             hidden_states = layer(
                 hidden_states,
                 attention_mask=masks.get(window),
@@ -156,13 +181,14 @@ class HybridModel(HybridPreTrainedModel):
             aux_loss=torch.stack(aux).sum() if aux else None,
         )
 
-    def _attention_mask(self, padding, B: int, T: int, past: int, window: int | None, like: torch.Tensor):
+    def _attention_mask(self, padding, B: int, T: int, past: int, window: int | None, like: torch.Tensor, documents):
         """The mask the attention layers expect, or None where transformers would take the causal fast path.
 
         Keys are the cached ones plus the new ones: all `past + T` of them, or for a sliding-window layer only the
         last `window - 1` cached ones (see AttentionLayerCache). SDPA takes a boolean mask, eager attention an
         additive float one; flash-attention kernels take the 2D padding mask and apply causality (and the window,
-        passed by the layer) themselves.
+        passed by the layer) themselves, and find packed documents in the position ids as transformers does.
+        documents [B, T] (packed input, no cache) restricts every query to the keys of its own document.
         """
         impl = self.config._attn_implementation
         kv_start = 0 if window is None else max(0, past - (window - 1))
@@ -170,7 +196,8 @@ class HybridModel(HybridPreTrainedModel):
             padding = padding[:, kv_start:]
         if impl not in ("sdpa", "eager"):
             return padding
-        if padding is None and (T == 1 or (past == 0 and impl == "sdpa" and (window is None or T <= window))):
+        simple = padding is None and documents is None
+        if simple and (T == 1 or (past == 0 and impl == "sdpa" and (window is None or T <= window))):
             return None  # every stored key is visible (T == 1), or SDPA's own causal mask is the right one
         q_pos = torch.arange(past, past + T, device=like.device)[:, None]
         k_pos = torch.arange(kv_start, past + T, device=like.device)[None, :]
@@ -178,6 +205,8 @@ class HybridModel(HybridPreTrainedModel):
         if window is not None:
             allowed &= k_pos > q_pos - window
         allowed = allowed[None, None]  # [1, 1, T, kv]
+        if documents is not None:  # no cache here, so keys and queries are the same T tokens
+            allowed = allowed & (documents[:, None, :, None] == documents[:, None, None, :])  # [B, 1, T, T]
         if padding is not None:
             allowed = allowed & padding.bool()[:, None, None, :]
             allowed = allowed | (k_pos == q_pos)  # a padded query sees itself, so no row is empty (no NaN)

@@ -254,8 +254,11 @@ class RavenMixer(Mixer):
         hidden_states: torch.Tensor,
         past_key_values=None,
         padding_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
+        if cu_seqlens is not None:  # packed documents: each starts from an empty state
+            return self.forward_packed(hidden_states, cu_seqlens)
         x = hidden_states  # [B, T, hidden]
         B, T, _ = x.shape
         H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim

@@ -1,11 +1,12 @@
-"""`python -m convert.train RECIPE.yaml --run-dir DIR [--stages align,train]`: run a distillation recipe."""
+"""`python -m convert.train RECIPE.yaml --run-dir DIR [--stages align,train] [--redo STAGE]`: run a recipe."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from convert.train.recipe import STAGES, load_recipe, run_recipe
+from convert.train.recipe import STAGES, load_recipe
+from convert.train.stages import run_recipe
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,11 +17,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("recipe", help="recipe YAML (relative paths in it resolve against the current directory)")
     parser.add_argument("--run-dir", required=True, help="where every stage writes its outputs and DONE marker")
     parser.add_argument("--stages", default=None, help=f"comma-separated subset of {','.join(STAGES)} (default: all)")
+    parser.add_argument(
+        "--redo", default=None, choices=STAGES, help="delete this stage's and every later stage's outputs, then run"
+    )
     args = parser.parse_args(argv)
     stages = None if args.stages is None else [s.strip() for s in args.stages.split(",") if s.strip()]
     try:
         recipe = load_recipe(args.recipe)
-        run_recipe(recipe, args.run_dir, stages)
+        run_recipe(recipe, args.run_dir, stages, redo=args.redo)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

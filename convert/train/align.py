@@ -19,6 +19,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from raven_layers.modeling_hybrid import find_packed_documents
+
 
 def converted_layers(hybrid) -> list[int]:
     """Indices of the layers whose attention became a mixer."""
@@ -50,22 +52,55 @@ def attention_taps(teacher, layers: list[int]) -> Iterator[dict[int, tuple[torch
             handle.remove()
 
 
-def alignment_losses(teacher, hybrid, input_ids, attention_mask=None) -> dict[int, torch.Tensor]:
+def alignment_losses(teacher, hybrid, input_ids, attention_mask=None, position_ids=None) -> dict[int, torch.Tensor]:
     """Per converted layer, the MSE between its mixer and the teacher's attention on the teacher's own inputs.
 
-    Padding (attention_mask == 0) counts neither as input to the mixers' states nor in the mean.
+    Padding (attention_mask == 0) counts neither as input to the mixers' states nor in the mean. Rows of packed
+    documents come with position_ids restarting at each document and no attention_mask: the teacher's attention
+    then stays within each document (transformers' packed-sequence masks) and so does every mixer's state.
     """
+    if attention_mask is not None and position_ids is not None:
+        raise ValueError("pass attention_mask (padded rows) or position_ids (packed documents), not both")
     layers = converted_layers(hybrid)
     with torch.no_grad(), attention_taps(teacher, layers) as captured:
-        teacher(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        teacher(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     real = None if attention_mask is None else attention_mask.bool()  # [B, T]
+    packed = None if position_ids is None else find_packed_documents(position_ids)
+    extra = {"padding_mask": real} if packed is None else {"cu_seqlens": packed[1]}
     losses = {}
     for i in layers:
         x, y = captured[i]
-        out, _ = hybrid.model.layers[i].self_attn(x.to(hybrid.dtype), padding_mask=real)
+        out, _ = hybrid.model.layers[i].self_attn(x.to(hybrid.dtype), **extra)
         err = (out.float() - y.float()).pow(2).mean(-1)  # [B, T]
         losses[i] = err.mean() if real is None else (err * real).sum() / real.sum().clamp(min=1)
     return losses
+
+
+def _inputs(batch: dict, device) -> dict:
+    """The model inputs of a batch: packed rows (position_ids) or padded ones (attention_mask), on `device`."""
+    if "position_ids" in batch:
+        return {"input_ids": batch["input_ids"].to(device), "position_ids": batch["position_ids"].to(device)}
+    mask = batch.get("attention_mask")
+    return {"input_ids": batch["input_ids"].to(device), "attention_mask": None if mask is None else mask.to(device)}
+
+
+@torch.no_grad()
+def validation_losses(teacher, hybrid, batches: Iterable[dict]) -> dict:
+    """Mean alignment MSE over held-out batches: {"loss": sum over layers, "layers": {layer: mse}}."""
+    was_training = hybrid.training
+    hybrid.eval()
+    sums, count = {}, 0
+    try:
+        for batch in batches:
+            for i, loss in alignment_losses(teacher, hybrid, **_inputs(batch, teacher.device)).items():
+                sums[i] = sums.get(i, 0.0) + loss.item()
+            count += 1
+    finally:
+        hybrid.train(was_training)
+    if not count:
+        raise ValueError("validation_losses needs at least one batch")
+    layers = {i: v / count for i, v in sums.items()}
+    return {"loss": sum(layers.values()), "layers": layers}
 
 
 def align(
@@ -79,8 +114,9 @@ def align(
     warmup_steps: int = 0,
     log_every: int = 10,
 ) -> list[dict]:
-    """Train the mixers of `hybrid` to match `teacher`'s attention for `steps` batches ({"input_ids", optional
-    "attention_mask"}); returns one record per step: {"step", "loss", "layers": {layer: mse}, "tokens_per_second"}.
+    """Train the mixers of `hybrid` to match `teacher`'s attention for `steps` batches ({"input_ids", and either
+    "position_ids" for packed documents or an optional "attention_mask"}); returns one record per step:
+    {"step", "loss", "layers": {layer: mse}, "tokens_per_second"}.
 
     Only mixer parameters receive gradients (others are frozen for the duration and restored after). The learning
     rate warms up linearly over `warmup_steps`, then follows a cosine to 10% of `lr`. A non-finite loss stops the
@@ -109,10 +145,8 @@ def align(
         for step, batch in zip(range(steps), batches):
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step)
-            input_ids = batch["input_ids"].to(teacher.device)
-            mask = batch.get("attention_mask")
-            mask = None if mask is None else mask.to(teacher.device)
-            losses = alignment_losses(teacher, hybrid, input_ids, mask)
+            inputs = _inputs(batch, teacher.device)
+            losses = alignment_losses(teacher, hybrid, **inputs)
             bad = [i for i, loss in losses.items() if not torch.isfinite(loss)]
             if bad:
                 raise FloatingPointError(f"alignment loss is not finite at step {step} in layer(s) {bad}")
@@ -122,7 +156,8 @@ def align(
             if grad_clip:
                 torch.nn.utils.clip_grad_norm_(params, grad_clip)
             optimizer.step()
-            tokens += int(mask.sum()) if mask is not None else input_ids.numel()
+            mask = inputs.get("attention_mask")
+            tokens += int(mask.sum()) if mask is not None else inputs["input_ids"].numel()
             rate = tokens / max(time.perf_counter() - start, 1e-9)
             record = {"step": step, "loss": total.item(), "layers": {i: v.item() for i, v in losses.items()}}
             history.append(record | {"tokens_per_second": rate, "lr": lr_at(step)})

@@ -1,15 +1,7 @@
-"""Recipes: one validated YAML file describing the whole distillation, and the resumable pipeline that runs it.
+"""Recipes: one validated YAML file describing the whole distillation (the schema; stages.py runs it).
 
     recipe = load_recipe("recipes/smollm2-raven.yaml")
-    summary = run_recipe(recipe, "runs/smollm2-raven")            # convert -> align -> weights -> train -> ...
-    run_recipe(recipe, "runs/smollm2-raven", stages=["train"])     # one stage, on the earlier stages' outputs
-
-Stages, in order: convert, align, weights, train, evaluate, export. Stage S writes under RUN_DIR/S/ and, last and
-atomically, RUN_DIR/S/DONE (JSON: the stage's summary, including "model", the latest complete model directory
-after the stage). A stage whose DONE exists is skipped, so an interrupted run continues where it stopped (stage 2
-also resumes from its own checkpoints in RUN_DIR/train/checkpoints). A stage turned off by the recipe (steps 0,
-token weights disabled, evaluate null) still writes DONE with "skipped": true. Running a stage needs the DONE of
-every stage before it; a missing one is an error naming it.
+    run_recipe(recipe, "runs/smollm2-raven")                      # convert -> align -> weights -> train -> ...
 
 Relative paths in a recipe (source and data.source when they exist as local paths, data.cache_dir, export.dir,
 evaluate.haystack_dir, evaluate.ppl_data) are resolved against the current working directory when the recipe is
@@ -19,25 +11,17 @@ root. Names that do not exist locally (Hub ids such as Qwen/Qwen3-0.6B) are kept
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Literal
 
-import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from convert.layer_spec import ACCEPTED_FORMS, LayerSpecError, parse_layer_spec
 from convert.train.stage2 import TrainConfig
 
-STAGES = ("convert", "align", "weights", "train", "evaluate", "export")
+STAGES = ("convert", "align", "weights", "train", "extend", "evaluate", "export")
 MIXERS = ("raven", "sse", "sila")
-MARKER = "DONE"
 
 
 class _Strict(BaseModel):
@@ -96,6 +80,16 @@ class TrainSettings(TrainConfig):
     steps: int = Field(0, ge=0, description="optimizer steps; 0 skips stage 2")
 
 
+class ExtendSettings(TrainConfig):
+    """A second stage-2 phase at a longer context (SILA: 1K, then 4K), continuing from the train stage's model.
+
+    Its rows are the same documents packed to `seq_len`; with token weights enabled, each batch's weights are
+    computed from the teacher at that length as the batch is drawn (no precomputed table)."""
+
+    seq_len: int = Field(ge=2, description="tokens per packed row in this phase")
+    steps: int = Field(ge=1, description="optimizer steps of this phase")
+
+
 class EvaluateSettings(_Strict):
     """Fields of convert.evaluate.EvalRequest (model and out are set by the pipeline)."""
 
@@ -147,6 +141,7 @@ class Recipe(_Strict):
     align: AlignSettings = Field(default_factory=AlignSettings)
     token_weights: TokenWeightSettings = Field(default_factory=TokenWeightSettings)
     train: TrainSettings = Field(default_factory=TrainSettings)
+    extend: ExtendSettings | None = None
     evaluate: EvaluateSettings | None = None
     export: ExportSettings | None = None
 
@@ -228,290 +223,3 @@ def load_recipe(path: str | Path) -> Recipe:
     except yaml.YAMLError as err:
         raise ValueError(f"{path}: not valid YAML: {err}") from None
     return parse_recipe(data, name=str(path))
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def _write_json_atomic(data: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, default=str)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def read_done(run_dir: Path, stage: str) -> dict | None:
-    marker = Path(run_dir) / stage / MARKER
-    return json.loads(marker.read_text()) if marker.is_file() else None
-
-
-def _require(run_dir: Path, stage: str) -> dict:
-    """DONE of every stage before `stage`, all present, else a ValueError naming the first missing one."""
-    done = {}
-    for earlier in STAGES[: STAGES.index(stage)]:
-        summary = read_done(run_dir, earlier)
-        if summary is None:
-            raise ValueError(
-                f"stage {stage!r} needs the outputs of stage {earlier!r}, but {run_dir / earlier / MARKER} is "
-                f"missing; run it first (--stages {earlier}) or run the whole recipe"
-            )
-        done[earlier] = summary
-    return done
-
-
-def _latest_model(run_dir: Path, done: dict) -> Path:
-    for stage in reversed(list(done)):
-        if done[stage].get("model"):
-            return run_dir / done[stage]["model"]
-    raise ValueError(f"no model directory in {run_dir}: run the convert stage first")
-
-
-def _device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _load_teacher(recipe: Recipe):
-    from convert.sources import Source
-
-    return Source.resolve(recipe.source).load_model(recipe.dtype).to(_device()).eval().requires_grad_(False)
-
-
-def _load_hybrid(model_dir: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), trust_remote_code=True).to(_device())
-
-
-def _dataset(recipe: Recipe, run_dir: Path, model_dir: Path):
-    """(train, val) packed with the converted model's tokenizer (same for every stage, so the cache is shared)."""
-    from transformers import AutoTokenizer
-
-    from convert.train.data import build_dataset
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    d = recipe.data
-    return build_dataset(
-        d.source,
-        tokenizer,
-        d.seq_len,
-        d.cache_dir or run_dir / "cache",
-        validation_fraction=d.validation_fraction,
-        max_documents=d.max_documents,
-        seed=d.seed,
-        text_field=d.text_field,
-    )
-
-
-def _save_model(model, model_dir_from: Path, out: Path, base_model: str) -> None:
-    """A complete model dir at `out` (atomic): weights of `model`, code and tokenizer of `model_dir_from`."""
-    from transformers import AutoTokenizer
-
-    from convert.export import save_hybrid
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir_from))
-    save_hybrid(model.cpu(), tokenizer, out, base_model=base_model, overwrite=True)
-
-
-def _copy_atomic(src: Path, dst: Path) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.partial"))
-    try:
-        shutil.rmtree(tmp)
-        shutil.copytree(src, tmp)
-        if dst.exists():
-            old = dst.parent / f".{dst.name}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(dst, old)
-            os.replace(tmp, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _stage_convert(recipe: Recipe, run_dir: Path, done: dict) -> dict:
-    from convert.pipeline import ConvertRequest, convert_model
-
-    out = run_dir / "convert" / "model"
-    request = ConvertRequest(
-        out=out,
-        assignments=[(a.mixer, a.layers) for a in recipe.layers],
-        src=recipe.source,
-        mixer_settings=recipe.mixer_settings,
-        sliding_window=recipe.sliding_window,
-        window_layers=recipe.window_layers,
-        dtype=recipe.dtype,
-        seed=recipe.seed,
-        overwrite=True,
-    )
-    convert_model(request, log=lambda m: log(f"[convert] {m}"))
-    return {"model": "convert/model", "layers": [[a.mixer, a.layers] for a in recipe.layers]}
-
-
-def _stage_align(recipe: Recipe, run_dir: Path, done: dict) -> dict:
-    from convert.train.align import align
-    from convert.train.data import batch_iterator
-
-    settings, model_dir = recipe.align, _latest_model(run_dir, done)
-    if settings.steps == 0:
-        return {"skipped": True, "model": str(model_dir.relative_to(run_dir))}
-    train_rows, _ = _dataset(recipe, run_dir, model_dir)
-    teacher, hybrid = _load_teacher(recipe), _load_hybrid(model_dir)
-    batches = batch_iterator(train_rows, settings.batch_size, settings.seed)
-    history = align(
-        teacher,
-        hybrid,
-        batches,
-        settings.steps,
-        lr=settings.lr,
-        weight_decay=settings.weight_decay,
-        grad_clip=settings.grad_clip,
-        warmup_steps=settings.warmup_steps,
-        log_every=settings.log_every,
-    )
-    _save_model(hybrid, model_dir, run_dir / "align" / "model", recipe.source)
-    final = history[-1]
-    _write_json_atomic({"history": history}, run_dir / "align" / "history.json")
-    return {
-        "model": "align/model",
-        "steps": len(history),
-        "final_loss": final["loss"],
-        "final_layer_losses": {str(k): v for k, v in final["layers"].items()},
-        "first_layer_losses": {str(k): v for k, v in history[0]["layers"].items()},
-        "tokens_per_second": final["tokens_per_second"],
-    }
-
-
-def _stage_weights(recipe: Recipe, run_dir: Path, done: dict) -> dict:
-    from convert.train.data import save_atomic
-    from convert.train.token_weights import token_weights
-
-    settings = recipe.token_weights
-    if not settings.enabled or recipe.train.steps == 0:
-        return {"skipped": True}
-    train_rows, _ = _dataset(recipe, run_dir, run_dir / done["convert"]["model"])
-    teacher = _load_teacher(recipe)
-    device = next(teacher.parameters()).device
-    parts, n, clock = [], len(train_rows), time.perf_counter()
-    with torch.no_grad():
-        for start in range(0, n, settings.batch_size):
-            batch = train_rows.batch(torch.arange(start, min(start + settings.batch_size, n)))
-            w = token_weights(
-                teacher,
-                batch["input_ids"].to(device),
-                batch["attention_mask"].to(device),
-                tau=settings.tau,
-                lam=settings.lam,
-                query_block=settings.query_block,
-            )
-            parts.append(w.cpu())
-            log(f"[weights] rows {min(start + settings.batch_size, n)}/{n} ({time.perf_counter() - clock:.0f} s)")
-    weights = torch.cat(parts)  # [len(train_rows), T], row i belongs to train_rows[i]
-    save_atomic(weights, run_dir / "weights" / "weights.pt")
-    return {
-        "file": "weights/weights.pt",
-        "shape": list(weights.shape),
-        "mean": weights.mean().item(),
-        "max": weights.max().item(),
-    }
-
-
-def _stage_train(recipe: Recipe, run_dir: Path, done: dict) -> dict:
-    from convert.train.stage2 import TrainConfig, latest_checkpoint, merge_lora, train
-
-    settings, model_dir = recipe.train, _latest_model(run_dir, done)
-    if settings.steps == 0:
-        return {"skipped": True, "model": str(model_dir.relative_to(run_dir))}
-    train_rows, _ = _dataset(recipe, run_dir, run_dir / done["convert"]["model"])
-    weights = None
-    if not done["weights"].get("skipped"):
-        weights = torch.load(run_dir / done["weights"]["file"], weights_only=True)
-        if tuple(weights.shape) != (len(train_rows), train_rows.seq_len):
-            raise ValueError(
-                f"{run_dir / done['weights']['file']} has shape {tuple(weights.shape)} but the training data has "
-                f"{len(train_rows)} rows of {train_rows.seq_len}: delete {run_dir / 'weights'} and rerun weights"
-            )
-    config = TrainConfig(**settings.model_dump())
-    teacher = _load_teacher(recipe) if config.kd_weight > 0 else None
-    student = _load_hybrid(model_dir)
-    history = train(student, teacher, train_rows, config, run_dir / "train", token_weights=weights)
-    if config.trainable == "mixers+lora":
-        merge_lora(student)
-    _save_model(student, model_dir, run_dir / "train" / "model", recipe.source)
-    summary = {"model": "train/model", "steps": config.steps, "steps_this_run": len(history)}
-    if history:
-        summary |= {k: history[-1][k] for k in ("loss", "ce", "kd", "aux", "tokens_per_second")}
-        _write_json_atomic({"history": history}, run_dir / "train" / "history.json")
-    elif latest_checkpoint(run_dir / "train"):
-        summary["resumed_from"] = str(latest_checkpoint(run_dir / "train")[0])
-    return summary
-
-
-def _stage_evaluate(recipe: Recipe, run_dir: Path, done: dict) -> dict:
-    from convert.evaluate.report import EvalRequest, evaluate_model
-
-    model_dir = _latest_model(run_dir, done)
-    if recipe.evaluate is None:
-        return {"skipped": True, "model": str(model_dir.relative_to(run_dir))}
-    out = run_dir / "evaluate"
-    request = EvalRequest(model=str(model_dir), out=out, **recipe.evaluate.model_dump())
-    report = evaluate_model(request, log=lambda m: log(f"[evaluate] {m}"))
-    return {"model": str(model_dir.relative_to(run_dir)), "report": "evaluate/report.json", **report.get("run", {})}
-
-
-def _stage_export(recipe: Recipe, run_dir: Path, done: dict) -> dict:
-    model_dir = _latest_model(run_dir, done)
-    if recipe.export is None:
-        return {"skipped": True, "model": str(model_dir.relative_to(run_dir))}
-    target = Path(recipe.export.dir)
-    _copy_atomic(model_dir, target)
-    return {"model": str(model_dir.relative_to(run_dir)), "exported_to": str(target)}
-
-
-RUNNERS = {
-    "convert": _stage_convert,
-    "align": _stage_align,
-    "weights": _stage_weights,
-    "train": _stage_train,
-    "evaluate": _stage_evaluate,
-    "export": _stage_export,
-}
-
-
-def run_recipe(recipe: Recipe, run_dir: str | Path, stages: list[str] | None = None) -> dict:
-    """Run `stages` (default: all, in order) of `recipe` into `run_dir`, skipping those whose DONE exists.
-    Returns {stage: summary} for the stages asked for (a skipped stage's summary is read from its DONE)."""
-    run_dir = Path(run_dir).resolve()
-    wanted = list(STAGES) if stages is None else list(stages)
-    unknown = [s for s in wanted if s not in STAGES]
-    if unknown:
-        raise ValueError(f"unknown stage(s) {unknown}; allowed: {', '.join(STAGES)}")
-    wanted = [s for s in STAGES if s in wanted]
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _write_json_atomic(recipe.model_dump(mode="json"), run_dir / "recipe.json")
-    results = {}
-    for stage in wanted:
-        existing = read_done(run_dir, stage)
-        if existing is not None:
-            log(f"[{stage}] done already ({run_dir / stage / MARKER}); skipping")
-            results[stage] = existing
-            continue
-        done = _require(run_dir, stage)
-        log(f"[{stage}] starting")
-        clock = time.perf_counter()
-        (run_dir / stage).mkdir(parents=True, exist_ok=True)
-        summary = RUNNERS[stage](recipe, run_dir, done)
-        summary["seconds"] = round(time.perf_counter() - clock, 3)
-        _write_json_atomic(summary, run_dir / stage / MARKER)
-        state = "skipped (turned off by the recipe)" if summary.get("skipped") else f"done in {summary['seconds']} s"
-        log(f"[{stage}] {state}")
-        results[stage] = summary
-    return results

@@ -11,8 +11,10 @@ Choices:
   (m = step * grad_accum + a) is batch m of `batch_iterator(dataset, batch_size * num_processes, seed)`, and each
   process takes its own slice of it, so the data order depends on (seed, step) alone and a resumed run continues it
   exactly. Steps are counted from 1: checkpoint `step_k` holds the state after k optimizer steps.
-- Rows are packed documents; the models see them as one sequence each (input_ids and the all-ones mask only), as
-  stage 1 does. `document_ids` and `position_ids` are not used: attention crosses document boundaries.
+- Rows are packed documents. Student and teacher get them as transformers' packed sequences (position_ids
+  restarting at 0 at each document, no attention_mask), so no attention and no mixer state crosses a document
+  boundary; the last token of a document does not predict the first of the next (no CE or KD there). Rows
+  without "position_ids" run as padded sequences under their "attention_mask".
 - Loss = CE + kd_weight * KD + aux. CE is the next-token cross-entropy; with token weights w [B, T] (w[:, t] weights
   the prediction made at position t, see token_weights.py) each token's CE is multiplied by
   schedule_weights(w, tokens_seen, token_weight_tau) and the sum is divided by the number of predicted tokens (so
@@ -82,6 +84,8 @@ class TrainConfig(BaseModel):
     mixed_precision: Literal["no", "bf16"] = "no"
     gradient_checkpointing: bool = False
     save_every: int = Field(500, ge=1)
+    eval_every: int = Field(0, ge=0, description="steps between validation passes; 0: only at the end")
+    eval_batches: int = Field(8, ge=1, description="validation micro-batches per pass")
     seed: int = 0
     log_every: int = Field(10, ge=0, description="steps between progress lines; 0: none")
 
@@ -161,11 +165,28 @@ def kd_loss(student_logits, teacher_logits, temperature: float = 1.0, mask=None)
     return (kl * mask).sum() / mask.sum().clamp(min=1) * temperature**2
 
 
+def prediction_mask(batch: dict) -> torch.Tensor:
+    """[B, T]: 1 where position t makes a prediction that counts: t and t + 1 are real tokens of one document."""
+    mask = batch["attention_mask"]
+    keep = mask[:, :-1] * mask[:, 1:]
+    if "document_ids" in batch:
+        keep = keep * (batch["document_ids"][:, 1:] == batch["document_ids"][:, :-1])
+    return F.pad(keep, (0, 1))
+
+
+def model_inputs(batch: dict) -> dict:
+    """Packed rows go in as transformers' packed sequences (position_ids), padded ones with their mask."""
+    if "position_ids" in batch:
+        return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
+
+
 def ce_loss(logits, input_ids, mask, weights=None) -> torch.Tensor:
     """Next-token cross-entropy: position t predicts input_ids[:, t + 1]; weights [B, T] scale position t's loss.
-    Averaged over the predicted real tokens (a weighted sum over that count when weights are given)."""
+    mask [B, T] is 1 where position t's prediction counts (see prediction_mask). Averaged over those predictions
+    (a weighted sum over their count when weights are given)."""
     ce = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), input_ids[:, 1:], reduction="none")  # [B, T-1]
-    real = (mask[:, 1:] * mask[:, :-1]).to(ce.dtype)
+    real = mask[:, :-1].to(ce.dtype)
     if weights is not None:
         ce = ce * weights[:, :-1].to(ce)
     return (ce * real).sum() / real.sum().clamp(min=1)
@@ -242,6 +263,33 @@ def _micro_batches(dataset, config: TrainConfig, accelerator, start_step: int):
         yield {k: v[rank * b : (rank + 1) * b] for k, v in batch.items()}
 
 
+@torch.no_grad()
+def validation_ce(model, dataset, config: TrainConfig, accelerator) -> float:
+    """Mean next-token CE (unweighted) over the first `eval_batches` global micro-batches of `dataset` (the same
+    rows at every pass), each process scoring its slice; the model is in eval mode meanwhile."""
+    n, rank = accelerator.num_processes, accelerator.process_index
+    b = min(config.batch_size, len(dataset) // n)  # a small validation set still gives one batch
+    if b < 1:
+        raise ValueError(f"the validation set has {len(dataset)} rows, fewer than the {n} processes")
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, device=accelerator.device)  # [sum of CE * predictions, predictions]
+    try:
+        for i, batch in enumerate(batch_iterator(dataset, b * n, config.seed, epochs=1)):
+            if i == config.eval_batches:
+                break
+            batch = {k: v[rank * b : (rank + 1) * b].to(accelerator.device) for k, v in batch.items()}
+            mask = prediction_mask(batch)
+            with accelerator.autocast():
+                logits = model(**model_inputs(batch)).logits
+            count = mask[:, :-1].sum()
+            total += torch.stack([ce_loss(logits, batch["input_ids"], mask) * count, count.float()])
+    finally:
+        model.train(was_training)
+    total = accelerator.reduce(total, reduction="sum")
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
 def train(
     student,
     teacher,
@@ -249,13 +297,15 @@ def train(
     config: TrainConfig | dict,
     out_dir,
     token_weights: torch.Tensor | Callable[[dict], torch.Tensor] | None = None,
+    validation=None,
 ) -> list[dict]:
     """Train `student` (a HybridForCausalLM) on `dataset` (a PackedDataset or a dataset of row dicts) for
     `config.steps` optimizer steps, checkpointing into out_dir/checkpoints and resuming from the latest complete
     checkpoint there. `teacher` (frozen) is only run when config.kd_weight > 0 and may then not be None.
 
     Returns one record per step run by this call: {"step", "loss", "ce", "kd", "aux", "lr", "tokens_per_second"}
-    ("step" is 1-based; loss parts are means over the step's micro-batches on this process).
+    ("step" is 1-based; loss parts are means over the step's micro-batches on this process), plus "val_ce" at the
+    steps where `validation` (held-out rows, like `dataset`) was scored: every `eval_every` steps and at the end.
     """
     from accelerate import Accelerator
 
@@ -319,18 +369,20 @@ def train(
         local_tokens = 0
         for micro in range(config.grad_accum):
             batch = {k: v.to(device) for k, v in next(batches).items()}
-            ids, mask = batch["input_ids"], batch["attention_mask"]
+            ids, inputs, mask = batch["input_ids"], model_inputs(batch), prediction_mask(batch)
             sync = micro == config.grad_accum - 1
             with contextlib.nullcontext() if sync else accelerator.no_sync(model):
-                out = model(input_ids=ids, attention_mask=mask, use_cache=False)
+                out = model(**inputs)
                 weights = None
                 if token_weights is not None:
                     w = token_weights[batch["index"].cpu()] if torch.is_tensor(token_weights) else token_weights(batch)
-                    weights = schedule_weights(w.to(device).float(), tokens_seen, config.token_weight_tau, mask)
+                    weights = schedule_weights(
+                        w.to(device).float(), tokens_seen, config.token_weight_tau, batch["attention_mask"]
+                    )
                 parts = {"ce": ce_loss(out.logits, ids, mask, weights)}
                 if config.kd_weight > 0:
                     with torch.no_grad(), accelerator.autocast():
-                        teacher_logits = teacher(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                        teacher_logits = teacher(**inputs).logits
                     parts["kd"] = kd_loss(out.logits, teacher_logits, config.kd_temperature, mask)
                 aux = getattr(out, "aux_loss", None)
                 if aux is not None:
@@ -341,7 +393,7 @@ def train(
             for name, value in parts.items():
                 sums[name] += value.item() / config.grad_accum
             sums["loss"] += total.item() / config.grad_accum
-            local_tokens += int(mask.sum())
+            local_tokens += int(batch["attention_mask"].sum())
         grads = [p.grad for p in params if p.grad is not None]
         norm = torch.stack([g.float().norm() for g in grads]).norm() if grads else torch.zeros((), device=device)
         check({"gradient norm": norm}, step, "gradient")
@@ -366,6 +418,11 @@ def train(
                 f" aux {sums['aux']:.4g}) lr {lr:.3g} | {rate:,.0f} tok/s | ETA {eta:.0f}s",
                 file=sys.stderr,
             )
+        if validation is not None and (step == config.steps or (config.eval_every and step % config.eval_every == 0)):
+            record["val_ce"] = validation_ce(model, validation, config, accelerator)
+            accelerator.print(f"[stage2] step {step} validation CE {record['val_ce']:.4g}", file=sys.stderr)
+            if tracker:
+                accelerator.log({"val_ce": record["val_ce"]}, step=step)
         if step % config.save_every == 0 or step == config.steps:
             _save(accelerator, out_dir, step, tokens_seen, config)
     if tracker:

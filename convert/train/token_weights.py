@@ -40,6 +40,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from raven_layers.modeling_hybrid import find_packed_documents
+
 
 def _real_tokens(attention_mask: Tensor | None, batch: int, length: int, device) -> Tensor:
     """Boolean [B, T]: True at real tokens (all of them without a mask)."""
@@ -58,9 +60,22 @@ def _positions(real: Tensor) -> Tensor:
     return (real.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def _first_real(real: Tensor) -> Tensor:
-    """[B] index of the first real token of each row: the attention sink."""
-    return real.long().argmax(-1)
+def _layout(real: Tensor, position_ids: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """(positions [B, T] float, documents [B, T], sinks [B, T] bool) of padded rows (position_ids None) or of rows of
+    packed documents (position_ids restarting at 0 at each document, no padding). Every document has its own sink,
+    its first token; distances are differences of positions within a document."""
+    if position_ids is None:
+        documents = torch.zeros_like(real, dtype=torch.long)
+        first = real.long().argmax(-1)  # [B] first real token of each row
+        sinks = torch.zeros_like(real).scatter(1, first[:, None], True)
+        return _positions(real).float(), documents, sinks
+    if position_ids.shape != real.shape:
+        raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, expected {tuple(real.shape)}")
+    packed = find_packed_documents(position_ids)
+    documents = packed[0] if packed is not None else torch.zeros_like(position_ids, dtype=torch.long)
+    sinks = torch.ones_like(real)
+    sinks[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return position_ids.float(), documents, sinks
 
 
 def _finish(distance_sum: Tensor, count: int, real: Tensor, lam: float) -> Tensor:
@@ -74,12 +89,14 @@ def token_weights_naive(
     tau: float = 0.2,
     lam: float = 0.5,
     attention_mask: Tensor | None = None,
+    position_ids: Tensor | None = None,
 ) -> Tensor:
     """Algorithm 1 applied directly to full attention maps.
 
     attn: L maps [B, H, T, T] (e.g. `model(..., output_attentions=True).attentions` of an eager model) or one tensor
     [L, B, H, T, T]; rows are queries t, columns keys j. attention_mask [B, T] (1 real, 0 pad) is optional; padded
-    queries and keys are dropped whatever the maps hold there. Returns w [B, T] (float32).
+    queries and keys are dropped whatever the maps hold there. position_ids [B, T] restarting at 0 mark packed
+    documents: keys of other documents are dropped too. Returns w [B, T] (float32).
     """
     a = torch.stack(tuple(attn)) if not isinstance(attn, Tensor) else attn
     if a.dim() != 5 or a.shape[-1] != a.shape[-2]:
@@ -87,12 +104,12 @@ def token_weights_naive(
     a = a.float()  # [L, B, H, T, T]
     n_layers, batch, n_heads, length, _ = a.shape
     real = _real_tokens(attention_mask, batch, length, a.device)  # [B, T]
-    positions = _positions(real).float()  # [B, T]
+    positions, documents, sinks = _layout(real, position_ids)  # [B, T] each
     idx = torch.arange(length, device=a.device)
 
     causal = idx[None, :] <= idx[:, None]  # [T, T]: key j <= query t
-    not_sink = idx[None, :] != _first_real(real)[:, None]  # [B, T] over keys
-    keep = causal[None] & real[:, None, :] & real[:, :, None] & not_sink[:, None, :]  # [B, T, T]
+    same = documents[:, :, None] == documents[:, None, :]  # [B, T, T]
+    keep = causal[None] & same & real[:, None, :] & real[:, :, None] & ~sinks[:, None, :]  # [B, T, T]
     a = a * keep[None, :, None]  # sink column zeroed, pads and the future dropped
     a = a * (a >= tau)  # threshold, no renormalisation
     distance = positions[:, :, None] - positions[:, None, :]  # [B, T, T]: t - j
@@ -138,14 +155,16 @@ def _layer_distance(
     scaling: float,
     real: Tensor,
     positions: Tensor,
-    sink: Tensor,
+    documents: Tensor,
+    sinks: Tensor,
     window: int | None,
     tau: float,
     query_block: int,
 ) -> Tensor:
     """One layer: sum over query heads and keys of thresholded attention times distance, [B, T].
 
-    q [B, H, T, d], k [B, Hkv, T, d] (H a multiple of Hkv); real [B, T] bool; positions [B, T] float; sink [B].
+    q [B, H, T, d], k [B, Hkv, T, d] (H a multiple of Hkv); real, sinks [B, T] bool; positions [B, T] float;
+    documents [B, T] (queries see keys of their own document only).
     Streams over blocks of queries: peak extra memory O(B * H * query_block * T).
     """
     q, k = q.float(), k.float()
@@ -153,7 +172,7 @@ def _layer_distance(
     n_kv = k.shape[1]
     group = n_heads // n_kv
     idx = torch.arange(length, device=q.device)
-    keys_ok = real & (idx[None, :] != sink[:, None])  # [B, T]: real keys that are not the sink
+    keys_ok = real & ~sinks  # [B, T]: real keys that are not a sink
     k_t = k.transpose(-1, -2)[:, :, None]  # [B, Hkv, 1, d, T]
     out = torch.zeros(batch, length, dtype=torch.float32, device=q.device)
 
@@ -167,6 +186,7 @@ def _layer_distance(
         if window is not None:
             allowed = allowed & (idx[None, :] > rows[:, None] - window)
         allowed = allowed[None] & real[:, None, :] & real[:, start:stop, None]  # [B, b, T]
+        allowed = allowed & (documents[:, None, :] == documents[:, start:stop, None])
         scores = scores.masked_fill(~allowed[:, None], torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1)  # [B, H, b, T]; rows with nothing allowed are zeroed next
         probs = probs * (allowed & keys_ok[:, None, :])[:, None]  # pads, future and sink column -> 0
@@ -198,6 +218,7 @@ def token_weights(
     tau: float = 0.2,
     lam: float = 0.5,
     query_block: int = 256,
+    position_ids: Tensor | None = None,
 ) -> Tensor:
     """Algorithm 1 on a reference causal LM, without ever holding its full [L, H, T, T] attention.
 
@@ -209,7 +230,9 @@ def token_weights(
     reference with "sdpa" (or flash) attention, since "eager" builds each layer's [B, H, T, T] map by itself.
 
     input_ids [B, T]; attention_mask [B, T] (1 real, 0 pad; left or right padding). Position ids follow the mask
-    (as in `generate()`), so a left-padded row gets the weights of the same sequence unpadded. Returns float32
+    (as in `generate()`), so a left-padded row gets the weights of the same sequence unpadded. Rows of packed
+    documents instead come with position_ids [B, T] restarting at 0 at each document (and no attention_mask): each
+    document then gets exactly the weights it would get alone (its own sink, no attention across). Returns float32
     w [B, T] on the input's device, 0 at padded tokens; w[:, t] belongs to query t (see the module docstring).
     """
     if query_block < 1:
@@ -217,10 +240,10 @@ def token_weights(
     base, attns = _decoder(model)
     batch, length = input_ids.shape
     device = input_ids.device
+    if attention_mask is not None and position_ids is not None:
+        raise ValueError("pass attention_mask (padded rows) or position_ids (packed documents), not both")
     real = _real_tokens(attention_mask, batch, length, device)  # [B, T]
-    positions = _positions(real)  # [B, T]
-    sink = _first_real(real)  # [B]
-    distance_positions = positions.float()
+    distance_positions, documents, sinks = _layout(real, position_ids)  # [B, T] each
     distance_sum = torch.zeros(batch, length, dtype=torch.float32, device=device)
     n_maps = 0
 
@@ -234,7 +257,16 @@ def token_weights(
             q, k = _queries_keys(module, hidden, rope)
             at = q.device  # the layer's device (models spread over devices by device_map)
             distance_sum += _layer_distance(
-                q, k, module.scaling, real.to(at), distance_positions.to(at), sink.to(at), window, tau, query_block
+                q,
+                k,
+                module.scaling,
+                real.to(at),
+                distance_positions.to(at),
+                documents.to(at),
+                sinks.to(at),
+                window,
+                tau,
+                query_block,
             ).to(device)
             n_maps += q.shape[1]
 
@@ -247,7 +279,7 @@ def token_weights(
         base(
             input_ids=input_ids,
             attention_mask=real.long() if attention_mask is not None else None,
-            position_ids=positions,
+            position_ids=distance_positions.long(),
             use_cache=False,
         )
     finally:

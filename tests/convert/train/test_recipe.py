@@ -8,7 +8,8 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from convert.train.__main__ import main
-from convert.train.recipe import STAGES, load_recipe, parse_recipe, run_recipe
+from convert.train.recipe import STAGES, load_recipe, parse_recipe
+from convert.train.stages import run_recipe
 
 RECIPES = sorted((Path(__file__).resolve().parents[3] / "recipes").glob("*.yaml"))
 MINIMAL = {"source": "Qwen/Qwen3-0.6B", "layers": [{"mixer": "raven", "layers": "0-23:5"}], "data": {"source": "x"}}
@@ -89,6 +90,7 @@ def test_pipeline_end_to_end_resumes_and_reruns_one_stage(tiny_sources, tmp_path
             "align": {"steps": 3, "batch_size": 2, "log_every": 1},
             "token_weights": {"enabled": True, "batch_size": 4, "query_block": 16},
             "train": {"steps": 3, "batch_size": 2, "trainable": "mixers+lora", "lora_rank": 2, "log_every": 1},
+            "extend": {"seq_len": 48, "steps": 2, "batch_size": 2, "log_every": 1},
             "evaluate": {
                 "tasks": ["passkey"],
                 "lengths": [400],
@@ -110,6 +112,8 @@ def test_pipeline_end_to_end_resumes_and_reruns_one_stage(tiny_sources, tmp_path
     rows = results["weights"]["shape"]
     assert rows[1] == 32 and rows[0] >= 2
     assert results["train"]["steps_this_run"] == 3 and results["train"]["model"] == "train/model"
+    assert results["train"]["val_ce"] > 0 and results["align"]["validation_after"] > 0
+    assert results["extend"]["seq_len"] == 48 and results["extend"]["model"] == "extend/model"
     assert (run / "evaluate" / "report.json").is_file()
     exported = tmp_path / "exported"
     model = AutoModelForCausalLM.from_pretrained(exported, trust_remote_code=True)
@@ -130,6 +134,16 @@ def test_pipeline_end_to_end_resumes_and_reruns_one_stage(tiny_sources, tmp_path
         if stage != "train":
             assert (run / stage / "DONE").stat().st_mtime_ns == stamps[stage]
     AutoModelForCausalLM.from_pretrained(run / "train" / "model", trust_remote_code=True)
+
+    # a changed recipe never reuses stale stages: the run stops naming the field, and --redo reruns from there
+    changed = recipe.model_copy(deep=True)
+    changed.train.lr = 1e-2
+    with pytest.raises(ValueError, match=r"stage 'train' .*different recipe \(changed: train.lr\).*--redo train"):
+        run_recipe(changed, run)
+    redone = run_recipe(changed, run, redo="train")
+    for stage in ("convert", "align", "weights"):
+        assert (run / stage / "DONE").stat().st_mtime_ns == stamps[stage]
+    assert redone["train"]["inputs"]["train"]["lr"] == 1e-2 and redone["train"]["steps_this_run"] == 3
 
 
 def test_a_stage_without_its_inputs_fails_clearly(tmp_path):

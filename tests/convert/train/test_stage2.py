@@ -1,5 +1,7 @@
 """Stage 2: continued training lowers the loss, touches only what it should, resumes exactly, stops on NaN."""
 
+import math
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -15,6 +17,8 @@ from convert.train.stage2 import (
     latest_checkpoint,
     merge_lora,
     mixer_layers,
+    model_inputs,
+    prediction_mask,
     train,
 )
 
@@ -64,6 +68,27 @@ def test_training_lowers_the_loss(teacher, tmp_path, trainable):
     assert set(history[0]) == {"step", "loss", "ce", "kd", "aux", "lr", "tokens_per_second"}
     assert mean_ce(student, data) < 0.9 * before
     assert latest_checkpoint(tmp_path)[1]["step"] == 30
+
+
+def test_validation_ce_is_reported_and_falls(teacher, tmp_path):
+    student, data, held_out = hybrid(teacher), rows(), rows(n=6, seed=1)
+    config = TrainConfig(steps=20, eval_every=10, eval_batches=2, **FAST)
+    history = train(student, teacher, data, config, tmp_path, validation=held_out)
+    scored = [r for r in history if "val_ce" in r]
+    assert [r["step"] for r in scored] == [10, 20]
+    assert scored[-1]["val_ce"] < scored[0]["val_ce"] and math.isfinite(scored[-1]["val_ce"])
+    assert student.training  # validation puts the model back in training mode
+
+
+def test_packed_documents_do_not_predict_across_boundaries():
+    batch = {
+        "input_ids": torch.tensor([[5, 6, 7, 8, 9]]),
+        "attention_mask": torch.ones(1, 5, dtype=torch.long),
+        "document_ids": torch.tensor([[0, 0, 1, 1, 1]]),
+        "position_ids": torch.tensor([[0, 1, 0, 1, 2]]),
+    }
+    assert prediction_mask(batch).tolist() == [[1, 0, 1, 1, 0]]  # token 1 ends a document; the last predicts nothing
+    assert "attention_mask" not in model_inputs(batch) and model_inputs(batch)["position_ids"] is batch["position_ids"]
 
 
 def test_token_weights_and_kd_are_logged(teacher, tmp_path):

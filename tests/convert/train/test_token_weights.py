@@ -172,3 +172,28 @@ def test_plot_writes_png(tmp_path):
     path = plot_token_weights(tokens, weights, tmp_path / "weights.png", title="SILA loss weights", line_chars=40)
     data = path.read_bytes()
     assert data.startswith(b"\x89PNG") and len(data) > 1000
+
+
+@pytest.mark.parametrize("query_block", [5, 64])
+def test_packed_documents_get_the_weights_they_get_alone(query_block):
+    """Rows of packed documents (position ids restarting at 0): every document has its own sink and attends only
+    within itself, so its weights equal those of the document alone, streamed and naive alike."""
+    model = tiny_model("llama", attn_implementation="sdpa")
+    lengths = [[11, 19, 7], [37]]
+    ids = random_ids(2, T, seed=5)
+    positions = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in lengths])
+    packed = token_weights(model, ids, position_ids=positions, query_block=query_block)
+    alone = torch.zeros_like(packed)
+    for b, row in enumerate(lengths):
+        start = 0
+        for n in row:
+            alone[b, start : start + n] = token_weights(model, ids[b : b + 1, start : start + n])[0]
+            start += n
+    assert rel_err(packed, alone) < 1e-5
+    assert alone[0, 11] == 0 and alone[0, 30] == 0  # each document's first token is its own sink
+    assert not torch.allclose(token_weights(model, ids)[0, 11:], alone[0, 11:])  # packing changes the answer
+    eager = tiny_model("llama")
+    with torch.no_grad():
+        maps = eager(ids, position_ids=positions, use_cache=False, output_attentions=True).attentions
+    naive = token_weights_naive(maps, position_ids=positions)
+    assert rel_err(naive, token_weights(eager, ids, position_ids=positions)) < 1e-5

@@ -1,0 +1,468 @@
+"""The recipe pipeline: stages that convert, align, weight, train, extend, evaluate and export, resumable.
+
+    recipe = load_recipe("recipes/smollm2-raven.yaml")
+    summary = run_recipe(recipe, "runs/smollm2-raven")            # every stage, in order
+    run_recipe(recipe, "runs/smollm2-raven", stages=["train"])     # one stage, on the earlier stages' outputs
+    run_recipe(recipe, "runs/smollm2-raven", redo="train")         # rerun train and every later stage
+
+Stages, in order: convert, align, weights, train, extend, evaluate, export. Stage S writes under RUN_DIR/S/ and,
+last and atomically, RUN_DIR/S/DONE (JSON: the stage's summary, including "model", the latest complete model
+directory after the stage, and its fingerprint). A stage whose DONE exists is skipped, so an interrupted run
+continues where it stopped (train and extend also resume from their own checkpoints). A stage turned off by the
+recipe (steps 0, token weights disabled, extend/evaluate/export null) still writes DONE with "skipped": true.
+Running a stage needs the DONE of every stage before it; a missing one is an error naming it.
+
+A stage's fingerprint hashes the recipe fields it reads and the fingerprints of the stages before it. When a DONE
+was written under another fingerprint (the recipe changed since), the run stops and names the changed fields
+instead of silently reusing stale results; `redo` (CLI: --redo STAGE) deletes that stage and every later one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from convert.train.recipe import STAGES, Recipe
+
+MARKER = "DONE"
+
+# The recipe fields each stage reads (its own settings and what shapes its inputs).
+STAGE_FIELDS = {
+    "convert": ("source", "layers", "mixer_settings", "sliding_window", "window_layers", "dtype", "seed"),
+    "align": ("data", "align"),
+    "weights": ("data", "token_weights", "train.steps"),
+    "train": ("data", "train"),
+    "extend": ("data", "token_weights", "extend"),
+    "evaluate": ("evaluate",),
+    "export": ("export",),
+}
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _write_json_atomic(data: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, default=str)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_done(run_dir: Path, stage: str) -> dict | None:
+    marker = Path(run_dir) / stage / MARKER
+    return json.loads(marker.read_text()) if marker.is_file() else None
+
+
+def stage_inputs(recipe: Recipe, stage: str) -> dict:
+    """{"field.path": value} of the recipe fields `stage` reads (JSON-ready)."""
+    data = recipe.model_dump(mode="json")
+    inputs = {}
+    for path in STAGE_FIELDS[stage]:
+        value = data
+        for key in path.split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+        inputs[path] = value
+    return inputs
+
+
+def fingerprints(recipe: Recipe) -> dict[str, str]:
+    """{stage: hash of its inputs and of every earlier stage's fingerprint}."""
+    out, previous = {}, ""
+    for stage in STAGES:
+        text = previous + json.dumps(stage_inputs(recipe, stage), sort_keys=True)
+        out[stage] = previous = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return out
+
+
+def _changed_fields(old: dict, new: dict) -> list[str]:
+    """Dotted paths where two JSON values differ."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [
+            f"{k}.{sub}" if sub else k
+            for k in sorted(set(old) | set(new))
+            for sub in _changed_fields(old.get(k), new.get(k))
+        ]
+    return [] if old == new else [""]
+
+
+def _stale(run_dir: Path, stage: str, done: dict, recipe: Recipe, prints: dict[str, str]) -> str | None:
+    """Why `stage`'s DONE no longer matches the recipe (a message naming the changed fields), or None."""
+    if done.get("fingerprint", prints[stage]) == prints[stage]:
+        return None
+    changed = []
+    for earlier in STAGES[: STAGES.index(stage) + 1]:
+        recorded = (read_done(run_dir, earlier) or {}).get("inputs")
+        if recorded is not None:
+            changed += [p for p in _changed_fields(recorded, stage_inputs(recipe, earlier)) if p not in changed]
+    what = ", ".join(changed) or "an earlier stage's inputs"
+    return (
+        f"stage {stage!r} in {run_dir} ran under a different recipe (changed: {what}); rerun it and the later "
+        f"stages with --redo {stage}, or use another --run-dir"
+    )
+
+
+def _require(run_dir: Path, stage: str) -> dict:
+    """DONE of every stage before `stage`, all present, else a ValueError naming the first missing one."""
+    done = {}
+    for earlier in STAGES[: STAGES.index(stage)]:
+        summary = read_done(run_dir, earlier)
+        if summary is None:
+            raise ValueError(
+                f"stage {stage!r} needs the outputs of stage {earlier!r}, but {run_dir / earlier / MARKER} is "
+                f"missing; run it first (--stages {earlier}) or run the whole recipe"
+            )
+        done[earlier] = summary
+    return done
+
+
+def _latest_model(run_dir: Path, done: dict) -> Path:
+    for stage in reversed(list(done)):
+        if done[stage].get("model"):
+            return run_dir / done[stage]["model"]
+    raise ValueError(f"no model directory in {run_dir}: run the convert stage first")
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _load_teacher(recipe: Recipe):
+    from convert.sources import Source
+
+    return Source.resolve(recipe.source).load_model(recipe.dtype).to(_device()).eval().requires_grad_(False)
+
+
+def _load_hybrid(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), trust_remote_code=True).to(_device())
+
+
+def _dataset(recipe: Recipe, run_dir: Path, model_dir: Path, seq_len: int | None = None):
+    """(train, val) packed with the converted model's tokenizer (same for every stage, so the cache is shared),
+    into rows of data.seq_len tokens or of `seq_len`."""
+    from transformers import AutoTokenizer
+
+    from convert.train.data import build_dataset
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    d = recipe.data
+    return build_dataset(
+        d.source,
+        tokenizer,
+        seq_len or d.seq_len,
+        d.cache_dir or run_dir / "cache",
+        validation_fraction=d.validation_fraction,
+        max_documents=d.max_documents,
+        seed=d.seed,
+        text_field=d.text_field,
+    )
+
+
+def _save_model(model, model_dir_from: Path, out: Path, base_model: str) -> None:
+    """A complete model dir at `out` (atomic): weights of `model`, code and tokenizer of `model_dir_from`."""
+    from transformers import AutoTokenizer
+
+    from convert.export import save_hybrid
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir_from))
+    save_hybrid(model.cpu(), tokenizer, out, base_model=base_model, overwrite=True)
+
+
+def _copy_atomic(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.partial"))
+    try:
+        shutil.rmtree(tmp)
+        shutil.copytree(src, tmp)
+        if dst.exists():
+            old = dst.parent / f".{dst.name}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(dst, old)
+            os.replace(tmp, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _stage_convert(recipe: Recipe, run_dir: Path, done: dict) -> dict:
+    from convert.pipeline import ConvertRequest, convert_model
+
+    out = run_dir / "convert" / "model"
+    request = ConvertRequest(
+        out=out,
+        assignments=[(a.mixer, a.layers) for a in recipe.layers],
+        src=recipe.source,
+        mixer_settings=recipe.mixer_settings,
+        sliding_window=recipe.sliding_window,
+        window_layers=recipe.window_layers,
+        dtype=recipe.dtype,
+        seed=recipe.seed,
+        overwrite=True,
+    )
+    convert_model(request, log=lambda m: log(f"[convert] {m}"))
+    return {"model": "convert/model", "layers": [[a.mixer, a.layers] for a in recipe.layers]}
+
+
+def _stage_align(recipe: Recipe, run_dir: Path, done: dict) -> dict:
+    from convert.train.align import align, validation_losses
+    from convert.train.data import batch_iterator
+
+    settings, model_dir = recipe.align, _latest_model(run_dir, done)
+    if settings.steps == 0:
+        return {"skipped": True, "model": str(model_dir.relative_to(run_dir))}
+    train_rows, val_rows = _dataset(recipe, run_dir, model_dir)
+    teacher, hybrid = _load_teacher(recipe), _load_hybrid(model_dir)
+    batches = batch_iterator(train_rows, settings.batch_size, settings.seed)
+    held_out = _held_out_batches(val_rows, settings.batch_size, settings.seed)
+    before = validation_losses(teacher, hybrid, held_out) if held_out else None
+    history = align(
+        teacher,
+        hybrid,
+        batches,
+        settings.steps,
+        lr=settings.lr,
+        weight_decay=settings.weight_decay,
+        grad_clip=settings.grad_clip,
+        warmup_steps=settings.warmup_steps,
+        log_every=settings.log_every,
+    )
+    after = validation_losses(teacher, hybrid, held_out) if held_out else None
+    _save_model(hybrid, model_dir, run_dir / "align" / "model", recipe.source)
+    final = history[-1]
+    _write_json_atomic({"history": history}, run_dir / "align" / "history.json")
+    if after is not None:
+        worst = sorted(after["layers"], key=lambda i: -after["layers"][i])[:3]
+        log(
+            f"[align] validation MSE {before['loss']:.4g} -> {after['loss']:.4g}; worst layers "
+            + ", ".join(f"{i}: {after['layers'][i]:.4g}" for i in worst)
+        )
+    return {
+        "model": "align/model",
+        "steps": len(history),
+        "final_loss": final["loss"],
+        "final_layer_losses": {str(k): v for k, v in final["layers"].items()},
+        "first_layer_losses": {str(k): v for k, v in history[0]["layers"].items()},
+        "tokens_per_second": final["tokens_per_second"],
+        "validation_before": None if before is None else before["loss"],
+        "validation_after": None if after is None else after["loss"],
+        "validation_layers_after": None if after is None else {str(k): v for k, v in after["layers"].items()},
+    }
+
+
+def _stage_weights(recipe: Recipe, run_dir: Path, done: dict) -> dict:
+    from convert.train.data import save_atomic
+    from convert.train.token_weights import token_weights
+
+    settings = recipe.token_weights
+    if not settings.enabled or recipe.train.steps == 0:
+        return {"skipped": True}
+    train_rows, _ = _dataset(recipe, run_dir, run_dir / done["convert"]["model"])
+    teacher = _load_teacher(recipe)
+    device = next(teacher.parameters()).device
+    parts, n, clock = [], len(train_rows), time.perf_counter()
+    with torch.no_grad():
+        for start in range(0, n, settings.batch_size):
+            batch = train_rows.batch(torch.arange(start, min(start + settings.batch_size, n)))
+            w = token_weights(
+                teacher,
+                batch["input_ids"].to(device),
+                position_ids=batch["position_ids"].to(device),  # packed documents: each weighted on its own
+                tau=settings.tau,
+                lam=settings.lam,
+                query_block=settings.query_block,
+            )
+            parts.append(w.cpu())
+            log(f"[weights] rows {min(start + settings.batch_size, n)}/{n} ({time.perf_counter() - clock:.0f} s)")
+    weights = torch.cat(parts)  # [len(train_rows), T], row i belongs to train_rows[i]
+    save_atomic(weights, run_dir / "weights" / "weights.pt")
+    return {
+        "file": "weights/weights.pt",
+        "shape": list(weights.shape),
+        "mean": weights.mean().item(),
+        "max": weights.max().item(),
+    }
+
+
+def _stage_train(recipe: Recipe, run_dir: Path, done: dict) -> dict:
+    from convert.train.stage2 import TrainConfig, train
+
+    settings, model_dir = recipe.train, _latest_model(run_dir, done)
+    if settings.steps == 0:
+        return {"skipped": True, "model": str(model_dir.relative_to(run_dir))}
+    train_rows, val_rows = _dataset(recipe, run_dir, run_dir / done["convert"]["model"])
+    weights = None
+    if not done["weights"].get("skipped"):
+        weights = torch.load(run_dir / done["weights"]["file"], weights_only=True)
+        if tuple(weights.shape) != (len(train_rows), train_rows.seq_len):
+            raise ValueError(
+                f"{run_dir / done['weights']['file']} has shape {tuple(weights.shape)} but the training data has "
+                f"{len(train_rows)} rows of {train_rows.seq_len}: delete {run_dir / 'weights'} and rerun weights"
+            )
+    config = TrainConfig(**settings.model_dump())
+    teacher = _load_teacher(recipe) if config.kd_weight > 0 else None
+    student = _load_hybrid(model_dir)
+    validation = val_rows if len(val_rows) else None
+    history = train(
+        student, teacher, train_rows, config, run_dir / "train", token_weights=weights, validation=validation
+    )
+    return _finish_training(student, config, history, model_dir, run_dir, "train", recipe.source)
+
+
+def _finish_training(student, config, history, model_dir: Path, run_dir: Path, stage: str, base_model: str) -> dict:
+    """Merge LoRA, save the model under RUN_DIR/stage/model, and summarise the run."""
+    from convert.train.stage2 import latest_checkpoint, merge_lora
+
+    if config.trainable == "mixers+lora":
+        merge_lora(student)
+    _save_model(student, model_dir, run_dir / stage / "model", base_model)
+    summary = {"model": f"{stage}/model", "steps": config.steps, "steps_this_run": len(history)}
+    if history:
+        summary |= {k: history[-1][k] for k in ("loss", "ce", "kd", "aux", "tokens_per_second")}
+        summary["val_ce"] = history[-1].get("val_ce")
+        _write_json_atomic({"history": history}, run_dir / stage / "history.json")
+    elif latest_checkpoint(run_dir / stage):
+        summary["resumed_from"] = str(latest_checkpoint(run_dir / stage)[0])
+    return summary
+
+
+def _stage_extend(recipe: Recipe, run_dir: Path, done: dict) -> dict:
+    from convert.train.stage2 import TrainConfig, train
+    from convert.train.token_weights import token_weights
+
+    settings, model_dir = recipe.extend, _latest_model(run_dir, done)
+    if settings is None:
+        return {"skipped": True, "model": str(model_dir.relative_to(run_dir))}
+    train_rows, val_rows = _dataset(recipe, run_dir, run_dir / done["convert"]["model"], settings.seq_len)
+    config = TrainConfig(**settings.model_dump(exclude={"seq_len"}))
+    weighted = recipe.token_weights.enabled
+    teacher = _load_teacher(recipe) if config.kd_weight > 0 or weighted else None
+    weights = None
+    if weighted:
+        tw = recipe.token_weights
+
+        def weights(batch):  # [B, T] from the teacher at this length, as each batch is drawn
+            return token_weights(
+                teacher,
+                batch["input_ids"],
+                position_ids=batch["position_ids"],
+                tau=tw.tau,
+                lam=tw.lam,
+                query_block=tw.query_block,
+            )
+
+    student = _load_hybrid(model_dir)
+    validation = val_rows if len(val_rows) else None
+    history = train(
+        student, teacher, train_rows, config, run_dir / "extend", token_weights=weights, validation=validation
+    )
+    return _finish_training(student, config, history, model_dir, run_dir, "extend", recipe.source) | {
+        "seq_len": settings.seq_len
+    }
+
+
+def _stage_evaluate(recipe: Recipe, run_dir: Path, done: dict) -> dict:
+    from convert.evaluate.report import EvalRequest, evaluate_model
+
+    model_dir = _latest_model(run_dir, done)
+    if recipe.evaluate is None:
+        return {"skipped": True, "model": str(model_dir.relative_to(run_dir))}
+    out = run_dir / "evaluate"
+    request = EvalRequest(model=str(model_dir), out=out, **recipe.evaluate.model_dump())
+    report = evaluate_model(request, log=lambda m: log(f"[evaluate] {m}"))
+    return {"model": str(model_dir.relative_to(run_dir)), "report": "evaluate/report.json", **report.get("run", {})}
+
+
+def _stage_export(recipe: Recipe, run_dir: Path, done: dict) -> dict:
+    model_dir = _latest_model(run_dir, done)
+    if recipe.export is None:
+        return {"skipped": True, "model": str(model_dir.relative_to(run_dir))}
+    target = Path(recipe.export.dir)
+    _copy_atomic(model_dir, target)
+    return {"model": str(model_dir.relative_to(run_dir)), "exported_to": str(target)}
+
+
+RUNNERS = {
+    "convert": _stage_convert,
+    "align": _stage_align,
+    "weights": _stage_weights,
+    "train": _stage_train,
+    "extend": _stage_extend,
+    "evaluate": _stage_evaluate,
+    "export": _stage_export,
+}
+
+
+def _held_out_batches(rows, batch_size: int, seed: int, count: int = 4) -> list[dict]:
+    """Up to `count` fixed batches of held-out rows (fewer rows than batch_size: one smaller batch)."""
+    from convert.train.data import batch_iterator
+
+    if not len(rows):
+        return []
+    iterator = batch_iterator(rows, min(batch_size, len(rows)), seed, epochs=1)
+    return [batch for _, batch in zip(range(count), iterator)]
+
+
+def run_recipe(recipe: Recipe, run_dir: str | Path, stages: list[str] | None = None, redo: str | None = None) -> dict:
+    """Run `stages` (default: all, in order) of `recipe` into `run_dir`, skipping those whose DONE exists.
+
+    `redo` deletes that stage's outputs and every later stage's first (checkpoints included), so they run again.
+    Returns {stage: summary} for the stages asked for (a skipped stage's summary is read from its DONE).
+    """
+    run_dir = Path(run_dir).resolve()
+    wanted = list(STAGES) if stages is None else list(stages)
+    unknown = [s for s in wanted + ([redo] if redo else []) if s not in STAGES]
+    if unknown:
+        raise ValueError(f"unknown stage(s) {unknown}; allowed: {', '.join(STAGES)}")
+    wanted = [s for s in STAGES if s in wanted]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if redo:
+        for stage in STAGES[STAGES.index(redo) :]:
+            if (run_dir / stage).exists():
+                log(f"[{stage}] --redo {redo}: deleting {run_dir / stage}")
+                shutil.rmtree(run_dir / stage)
+    _write_json_atomic(recipe.model_dump(mode="json"), run_dir / "recipe.json")
+    prints = fingerprints(recipe)
+    results = {}
+    for stage in wanted:
+        existing = read_done(run_dir, stage)
+        if existing is not None:
+            reason = _stale(run_dir, stage, existing, recipe, prints)
+            if reason:
+                raise ValueError(reason)
+            log(f"[{stage}] done already ({run_dir / stage / MARKER}); skipping")
+            results[stage] = existing
+            continue
+        done = _require(run_dir, stage)
+        for earlier, summary in done.items():
+            reason = _stale(run_dir, earlier, summary, recipe, prints)
+            if reason:
+                raise ValueError(reason)
+        log(f"[{stage}] starting")
+        clock = time.perf_counter()
+        (run_dir / stage).mkdir(parents=True, exist_ok=True)
+        summary = RUNNERS[stage](recipe, run_dir, done)
+        summary["seconds"] = round(time.perf_counter() - clock, 3)
+        summary |= {"fingerprint": prints[stage], "inputs": stage_inputs(recipe, stage)}
+        _write_json_atomic(summary, run_dir / stage / MARKER)
+        state = "skipped (turned off by the recipe)" if summary.get("skipped") else f"done in {summary['seconds']} s"
+        log(f"[{stage}] {state}")
+        results[stage] = summary
+    return results
