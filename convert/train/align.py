@@ -113,6 +113,7 @@ def align(
     grad_clip: float | None = 1.0,
     warmup_steps: int = 0,
     log_every: int = 10,
+    mixed_precision: str = "no",
 ) -> list[dict]:
     """Train the mixers of `hybrid` to match `teacher`'s attention for `steps` batches ({"input_ids", and either
     "position_ids" for packed documents or an optional "attention_mask"}); returns one record per step:
@@ -120,10 +121,15 @@ def align(
 
     Only mixer parameters receive gradients (others are frozen for the duration and restored after). The learning
     rate warms up linearly over `warmup_steps`, then follows a cosine to 10% of `lr`. A non-finite loss stops the
-    run with an error naming the step and layers, before any optimiser step applies it.
+    run with an error naming the step and layers, before any optimiser step applies it. mixed_precision "bf16" runs
+    the teacher and the mixers under bfloat16 autocast (weights and optimizer state stay in their own dtype).
     """
     if steps < 1:
         raise ValueError(f"steps = {steps} is not allowed; expected an integer >= 1")
+    if mixed_precision not in ("no", "bf16"):
+        raise ValueError(f"mixed_precision = {mixed_precision!r} is not allowed; expected 'no' or 'bf16'")
+    device_type = next(hybrid.parameters()).device.type
+    autocast = torch.autocast(device_type, dtype=torch.bfloat16, enabled=mixed_precision == "bf16")
     teacher.eval()
     was_training = hybrid.training
     hybrid.train()
@@ -146,7 +152,8 @@ def align(
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step)
             inputs = _inputs(batch, teacher.device)
-            losses = alignment_losses(teacher, hybrid, **inputs)
+            with autocast:
+                losses = alignment_losses(teacher, hybrid, **inputs)
             bad = [i for i, loss in losses.items() if not torch.isfinite(loss)]
             if bad:
                 raise FloatingPointError(f"alignment loss is not finite at step {step} in layer(s) {bad}")

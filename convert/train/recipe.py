@@ -63,6 +63,7 @@ class AlignSettings(_Strict):
     grad_clip: float | None = Field(1.0, gt=0)
     seed: int = 0
     log_every: int = Field(10, ge=0)
+    mixed_precision: Literal["no", "bf16"] = "no"
 
 
 class TokenWeightSettings(_Strict):

@@ -243,6 +243,7 @@ def _stage_align(recipe: Recipe, run_dir: Path, done: dict) -> dict:
         grad_clip=settings.grad_clip,
         warmup_steps=settings.warmup_steps,
         log_every=settings.log_every,
+        mixed_precision=settings.mixed_precision,
     )
     after = validation_losses(teacher, hybrid, held_out) if held_out else None
     _save_model(hybrid, model_dir, run_dir / "align" / "model", recipe.source)
