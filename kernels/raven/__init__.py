@@ -1,0 +1,7 @@
+"""Triton kernels for Raven: `chunk_raven` (training and prefill, with backward), `fused_recurrent_raven` (decode),
+and `naive_raven`, the PyTorch reference both are tested against."""
+
+from .chunk import chunk_raven
+from .naive import naive_raven
+
+__all__ = ["chunk_raven", "naive_raven"]

@@ -1,0 +1,93 @@
+"""In-chunk terms of the Raven two-pass form, as Triton device functions shared by the forward and backward kernels.
+
+Within a chunk of BT tokens, g_t is the cumulative log-retention since the chunk start (per slot, non-increasing in
+t) and w_t = 1 - exp(log_f_t). Every in-chunk term weighs token s as seen from token t >= s by
+exp(g_t - g_s) w_s. The chunk is cut into sub-chunks of BC tokens: a pair (t, s) in different sub-chunks factors
+through a reference row r between them, exp(g_t - g_r) exp(g_r - g_s), both factors <= 1, so it becomes a matrix
+product; a pair in the same sub-chunk is summed exactly, one source row s of every sub-chunk at a time. No
+exponent is ever positive, however strong the decay.
+
+Tiles are [BT, BM]: rows are tokens of the chunk (the first L valid; terms of the others are masked to 0),
+columns the slots o_m of one block of slots.
+p_g / p_w point at row 0 of the chunk for this head and slot 0; `stride` is their distance between tokens.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def raven_read_m(b_A, b_g, b_w, p_g, p_w, stride, L, o_m, m_m, BT: tl.constexpr, BC: tl.constexpr):
+    """out[t, m] = sum_{s <= t} A[t, s] exp(g_t - g_s)[m] w_s[m]: the in-chunk slot logits (A = q k^T) or
+    their gradient through the value pass (A = do v^T). b_A: [BT, BT]; returns [BT, BM] float32."""
+    o_t = tl.arange(0, BT)
+    b_o = tl.zeros(b_g.shape, dtype=tl.float32)
+    for i in tl.static_range(1, BT // BC):
+        b_gr = tl.load(p_g + (i * BC - 1) * stride + o_m, mask=m_m & (o_m * 0 + L > i * BC - 1), other=0.0)  # [BM]
+        row = (o_t >= i * BC) & (o_t < i * BC + BC) & (o_t < L)
+        col = (o_t < i * BC) & (o_t < L)
+        b_qd = tl.where(row[:, None], tl.exp(tl.where(row[:, None], b_g - b_gr[None, :], 0.0)), 0.0)
+        b_kd = tl.where(col[:, None], b_w * tl.exp(tl.where(col[:, None], b_gr[None, :] - b_g, 0.0)), 0.0)
+        b_o += b_qd * tl.dot(b_A, b_kd)
+    for j in range(BC):
+        o_s = (o_t // BC) * BC + j  # [BT] the source row of each target row
+        m_s = (o_s <= o_t) & (o_t < L)
+        p_s = o_s[:, None] * stride + o_m[None, :]
+        b_gs = tl.load(p_g + p_s, mask=m_s[:, None] & m_m[None, :], other=0.0)
+        b_ws = tl.load(p_w + p_s, mask=m_s[:, None] & m_m[None, :], other=0.0)
+        b_a = tl.sum(tl.where(o_t[None, :] == o_s[:, None], b_A, 0.0), 1)  # [BT] A[t, s(t)]
+        b_o += tl.where(m_s[:, None], b_a[:, None] * tl.exp(b_g - b_gs) * b_ws, 0.0)
+    return b_o
+
+
+@triton.jit
+def raven_mix(b_P, b_g, b_w, p_g, p_w, stride, L, o_m, m_m, BT: tl.constexpr, BC: tl.constexpr):
+    """B[t, s] = sum_m P[t, m] exp(g_t - g_s)[m] w_s[m] for s <= t, over this block of slots: the in-chunk token
+    mixing of the value pass (P = softmax weights) or of dq (P = logit gradients). Returns [BT, BT] float32."""
+    o_t = tl.arange(0, BT)
+    b_B = tl.zeros([BT, BT], dtype=tl.float32)
+    for i in tl.static_range(1, BT // BC):
+        b_gr = tl.load(p_g + (i * BC - 1) * stride + o_m, mask=m_m & (o_m * 0 + L > i * BC - 1), other=0.0)
+        row = (o_t >= i * BC) & (o_t < i * BC + BC) & (o_t < L)
+        col = (o_t < i * BC) & (o_t < L)
+        b_qd = tl.where(row[:, None], b_P * tl.exp(tl.where(row[:, None], b_g - b_gr[None, :], 0.0)), 0.0)
+        b_kd = tl.where(col[:, None], b_w * tl.exp(tl.where(col[:, None], b_gr[None, :] - b_g, 0.0)), 0.0)
+        b_B += tl.dot(b_qd, tl.trans(b_kd))
+    for j in range(BC):
+        o_s = (o_t // BC) * BC + j
+        m_s = (o_s <= o_t) & (o_t < L)
+        p_s = o_s[:, None] * stride + o_m[None, :]
+        b_gs = tl.load(p_g + p_s, mask=m_s[:, None] & m_m[None, :], other=0.0)
+        b_ws = tl.load(p_w + p_s, mask=m_s[:, None] & m_m[None, :], other=0.0)
+        b_c = tl.sum(tl.where(m_s[:, None], b_P * tl.exp(b_g - b_gs) * b_ws, 0.0), 1)  # [BT]
+        b_B += tl.where(o_t[None, :] == o_s[:, None], b_c[:, None], 0.0)
+    return b_B
+
+
+@triton.jit
+def raven_write_m(
+    b_C, b_P, b_g, p_P, stride_P, p_g, stride, L, o_m, m_m, BT: tl.constexpr, BC: tl.constexpr
+):
+    """dw[s, m] = sum_{t >= s} C[t, s] P[t, m] exp(g_t - g_s)[m]: the gradient of the written weights w_s from
+    the in-chunk reads (C = q k^T with P = logit gradients, or C = do v^T with P = softmax weights).
+    b_C: [BT, BT] indexed [t, s]; b_P: [BT, BM] indexed [t, m], also at p_P (row stride stride_P) for the
+    same-sub-chunk rows. Returns [BT, BM] float32 indexed [s, m]."""
+    o_t = tl.arange(0, BT)
+    b_dw = tl.zeros(b_g.shape, dtype=tl.float32)
+    b_Ct = tl.trans(b_C)  # [s, t]
+    for i in tl.static_range(0, BT // BC - 1):
+        r = i * BC + BC - 1  # last row of sub-chunk i: the reference for its sources
+        b_gr = tl.load(p_g + r * stride + o_m, mask=m_m & (o_m * 0 + L > r), other=0.0)
+        row = (o_t >= i * BC) & (o_t <= r) & (o_t < L)
+        col = (o_t > r) & (o_t < L)
+        b_sd = tl.where(row[:, None], tl.exp(tl.where(row[:, None], b_gr[None, :] - b_g, 0.0)), 0.0)
+        b_td = tl.where(col[:, None], b_P * tl.exp(tl.where(col[:, None], b_g - b_gr[None, :], 0.0)), 0.0)
+        b_dw += b_sd * tl.dot(b_Ct, b_td)
+    for j in range(BC):
+        o_r = (o_t // BC) * BC + j  # [BT] the reading row of each source row
+        m_r = (o_r >= o_t) & (o_r < L)
+        b_gt = tl.load(p_g + o_r[:, None] * stride + o_m[None, :], mask=m_r[:, None] & m_m[None, :], other=0.0)
+        b_Pt = tl.load(p_P + o_r[:, None] * stride_P + o_m[None, :], mask=m_r[:, None] & m_m[None, :], other=0.0)
+        b_c = tl.sum(tl.where(o_t[None, :] == o_r[:, None], b_Ct, 0.0), 1)  # [BT] C[t(s), s]
+        b_dw += tl.where(m_r[:, None], b_c[:, None] * b_Pt * tl.exp(b_gt - b_g), 0.0)
+    return b_dw
