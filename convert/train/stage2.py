@@ -304,7 +304,7 @@ def train(
     checkpoint there. `teacher` (frozen) is only run when config.kd_weight > 0 and may then not be None.
 
     Returns one record per step run by this call: {"step", "loss", "ce", "kd", "aux", "lr", "tokens_per_second"}
-    ("step" is 1-based; loss parts are means over the step's micro-batches on this process), plus "val_ce" at the
+    ("step" is 1-based; loss parts are means over the step's micro-batches and processes), plus "val_ce" at the
     steps where `validation` (held-out rows, like `dataset`) was scored: every `eval_every` steps and at the end.
     """
     from accelerate import Accelerator
@@ -402,6 +402,9 @@ def train(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+        keys = sorted(sums)  # loss parts averaged over processes: the global batch's, whatever the GPU count
+        means = accelerator.reduce(torch.tensor([sums[k] for k in keys], device=device), reduction="mean")
+        sums = dict(zip(keys, means.tolist()))
         step_tokens = int(accelerator.reduce(torch.tensor(local_tokens, device=device), reduction="sum"))
         tokens_seen += step_tokens
         timed_tokens += step_tokens

@@ -15,6 +15,10 @@ Running a stage needs the DONE of every stage before it; a missing one is an err
 A stage's fingerprint hashes the recipe fields it reads and the fingerprints of the stages before it. When a DONE
 was written under another fingerprint (the recipe changed since), the run stops and names the changed fields
 instead of silently reusing stale results; `redo` (CLI: --redo STAGE) deletes that stage and every later one.
+
+Several GPUs: run the stages before train in one process, then
+    accelerate launch --num_processes 2 -m convert.train RECIPE --run-dir DIR --stages train
+train and extend are data parallel (train.batch_size rows per process); only the main process writes files.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch
 from convert.train.recipe import STAGES, Recipe
 
 MARKER = "DONE"
+DATA_PARALLEL = ("train", "extend")  # the stages that run under `accelerate launch` on several processes
 
 # The recipe fields each stage reads (its own settings and what shapes its inputs).
 STAGE_FIELDS = {
@@ -136,8 +141,18 @@ def _latest_model(run_dir: Path, done: dict) -> Path:
     raise ValueError(f"no model directory in {run_dir}: run the convert stage first")
 
 
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch / torchrun
+
+
+def _is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def _device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))  # one GPU per process under a launcher
 
 
 def _load_teacher(recipe: Recipe):
@@ -328,17 +343,19 @@ def _stage_train(recipe: Recipe, run_dir: Path, done: dict) -> dict:
 
 
 def _finish_training(student, config, history, model_dir: Path, run_dir: Path, stage: str, base_model: str) -> dict:
-    """Merge LoRA, save the model under RUN_DIR/stage/model, and summarise the run."""
+    """Merge LoRA, save the model under RUN_DIR/stage/model (main process only), and summarise the run."""
     from convert.train.stage2 import latest_checkpoint, merge_lora
 
     if config.trainable == "mixers+lora":
         merge_lora(student)
-    _save_model(student, model_dir, run_dir / stage / "model", base_model)
+    if _is_main_process():
+        _save_model(student, model_dir, run_dir / stage / "model", base_model)
     summary = {"model": f"{stage}/model", "steps": config.steps, "steps_this_run": len(history)}
     if history:
         summary |= {k: history[-1][k] for k in ("loss", "ce", "kd", "aux", "tokens_per_second")}
         summary["val_ce"] = history[-1].get("val_ce")
-        _write_json_atomic({"history": history}, run_dir / stage / "history.json")
+        if _is_main_process():
+            _write_json_atomic({"history": history}, run_dir / stage / "history.json")
     elif latest_checkpoint(run_dir / stage):
         summary["resumed_from"] = str(latest_checkpoint(run_dir / stage)[0])
     return summary
@@ -433,13 +450,20 @@ def run_recipe(recipe: Recipe, run_dir: str | Path, stages: list[str] | None = N
     if unknown:
         raise ValueError(f"unknown stage(s) {unknown}; allowed: {', '.join(STAGES)}")
     wanted = [s for s in STAGES if s in wanted]
+    several = [s for s in wanted if s not in DATA_PARALLEL]
+    if _world_size() > 1 and (several or redo):
+        raise ValueError(
+            f"under a multi-process launch only the {'/'.join(DATA_PARALLEL)} stages run (with --stages), without "
+            f"--redo; run {several or 'the others'} in one process first"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     if redo:
         for stage in STAGES[STAGES.index(redo) :]:
             if (run_dir / stage).exists():
                 log(f"[{stage}] --redo {redo}: deleting {run_dir / stage}")
                 shutil.rmtree(run_dir / stage)
-    _write_json_atomic(recipe.model_dump(mode="json"), run_dir / "recipe.json")
+    if _is_main_process():
+        _write_json_atomic(recipe.model_dump(mode="json"), run_dir / "recipe.json")
     prints = fingerprints(recipe)
     results = {}
     for stage in wanted:
@@ -462,7 +486,8 @@ def run_recipe(recipe: Recipe, run_dir: str | Path, stages: list[str] | None = N
         summary = RUNNERS[stage](recipe, run_dir, done)
         summary["seconds"] = round(time.perf_counter() - clock, 3)
         summary |= {"fingerprint": prints[stage], "inputs": stage_inputs(recipe, stage)}
-        _write_json_atomic(summary, run_dir / stage / MARKER)
+        if _is_main_process():
+            _write_json_atomic(summary, run_dir / stage / MARKER)
         state = "skipped (turned off by the recipe)" if summary.get("skipped") else f"done in {summary['seconds']} s"
         log(f"[{stage}] {state}")
         results[stage] = summary

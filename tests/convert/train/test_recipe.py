@@ -152,3 +152,9 @@ def test_a_stage_without_its_inputs_fails_clearly(tmp_path):
         run_recipe(recipe, tmp_path / "run", stages=["align"])
     with pytest.raises(ValueError, match="unknown stage"):
         run_recipe(recipe, tmp_path / "run", stages=["distill"])
+
+
+def test_a_multi_process_launch_runs_only_the_data_parallel_stages(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"only the train/extend stages run.*\['convert', 'align'"):
+        run_recipe(parse_recipe(MINIMAL), tmp_path / "run")
