@@ -1,4 +1,4 @@
-"""`python -m convert.train RECIPE.yaml --run-dir DIR [--stages align,train] [--redo STAGE]`: run a recipe."""
+"""`python -m convert.train RECIPE.yaml --run-dir DIR [--stages align,train] [--redo STAGE] [--set key=value]`."""
 
 from __future__ import annotations
 
@@ -20,10 +20,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--redo", default=None, choices=STAGES, help="delete this stage's and every later stage's outputs, then run"
     )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe field before validation, e.g. --set train.steps=20 --set evaluate=null",
+    )
     args = parser.parse_args(argv)
     stages = None if args.stages is None else [s.strip() for s in args.stages.split(",") if s.strip()]
     try:
-        recipe = load_recipe(args.recipe)
+        recipe = load_recipe(args.recipe, args.overrides)
         run_recipe(recipe, args.run_dir, stages, redo=args.redo)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)

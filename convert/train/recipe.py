@@ -216,11 +216,38 @@ def parse_recipe(data, base: str | Path | None = None, name: str = "recipe") -> 
     return resolve_paths(recipe, base)
 
 
-def load_recipe(path: str | Path) -> Recipe:
-    """Read and validate a YAML recipe; relative paths resolve against the current working directory."""
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """A copy of recipe mapping `data` with "dotted.key=YAML value" overrides applied (as torchtune's CLI does):
+    `train.steps=20`, `evaluate=null`, `layers=[{mixer: sse, layers: "0-29:2"}]`. Validation comes after."""
+    import copy
+
+    data = copy.deepcopy(data)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ValueError(f"override {item!r} is not of the form dotted.key=value (e.g. train.steps=20)")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ValueError(f"override {item!r}: the value is not valid YAML: {err}") from None
+        *parents, last = key.split(".")
+        node = data
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}  # e.g. extend.steps=10 where the recipe has no extend
+            node = node[part]
+        node[last] = value
+    return data
+
+
+def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
+    """Read and validate a YAML recipe, after `overrides` (see apply_overrides); relative paths resolve against
+    the current working directory."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
         raise ValueError(f"{path}: not valid YAML: {err}") from None
-    return parse_recipe(data, name=str(path))
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of recipe fields, got {type(data).__name__}")
+    return parse_recipe(apply_overrides(data, list(overrides)), name=str(path))

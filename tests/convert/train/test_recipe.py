@@ -158,3 +158,16 @@ def test_a_multi_process_launch_runs_only_the_data_parallel_stages(tmp_path, mon
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match=r"only the train/extend stages run.*\['convert', 'align'"):
         run_recipe(parse_recipe(MINIMAL), tmp_path / "run")
+
+
+def test_overrides_apply_before_validation(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(MINIMAL | {"evaluate": {"samples": 2}}))
+    recipe = load_recipe(path, ["train.steps=20", "evaluate=null", "extend.seq_len=64", "extend.steps=3"])
+    assert recipe.train.steps == 20 and recipe.evaluate is None and recipe.extend.seq_len == 64
+    with pytest.raises(ValueError, match=r"train.steps: Input should be greater than or equal to 0"):
+        load_recipe(path, ["train.steps=-1"])
+    with pytest.raises(ValueError, match=r"override 'train.steps' is not of the form dotted.key=value"):
+        load_recipe(path, ["train.steps"])
+    with pytest.raises(ValueError, match=r"train.stepz: Extra inputs are not permitted"):
+        load_recipe(path, ["train.stepz=3"])
