@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .backend import kernel_module
 from .common import Mixer, MixerSettings, RMSNorm, init_fresh_parameters
 
 SILAState = tuple[torch.Tensor, torch.Tensor]  # (M [B, H_kv, d_v, d_k] float32, conv tail [B, conv_size - 1, C])
@@ -383,7 +384,10 @@ class SILAMixer(Mixer):
         alpha = alpha.view(B, T, Hkv, H // Hkv)  # [B, T, H_kv, G]
         mask = padding_mask.bool() if padding_mask is not None else None
         args = (q, k, v, alpha, beta_x, gamma_x, self.beta_state_weight, self.gamma_state_weight, memory, mask)
-        if T == 1 and memory is not None:
+        kernels = kernel_module("sila", q)
+        if kernels is not None:  # Triton: one fused recurrent kernel for training, prefill and decode steps
+            o, memory = kernels.fused_recurrent_sila(*args, output_final_state=True)
+        elif T == 1 and memory is not None:
             o, memory = sila_recurrent(*args)
         else:
             o, memory = sila_chunked(*args, chunk_size=self.settings.chunk_size)

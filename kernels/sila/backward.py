@@ -1,0 +1,211 @@
+"""SILA backward: a reverse sweep carrying dM on chip between two chunk-parallel kernels.
+
+Per step (u_t = beta_t (v_t - r_t), r_t = M_{t-1} k_t, du_t = dM_t k_t):
+
+    dM_{t-1} = gamma_t dM_t + sum_g do_{t,g} q_{t,g}^T + dr_t k_t^T,  dr_t = dpb_t w_beta + dpg_t w_gamma - beta_t du_t
+    dpb_t = du_t . (v_t - r_t) sigmoid'(pb_t),        dpg_t = <dM_t, M_{t-1}> phi'(pg_t)
+
+The sweep never rebuilds M_{t-1} (it is not invertible: gamma can be ~0). It only needs the scalar
+<dM_t, M_{t-1}>, and gamma_t <dM_t, M_{t-1}> = h_t - u_t . du_t with h_t = <dM_t, M_t>, which obeys
+
+    h_{t-1} = gamma_t <dM_t, M_{t-1}> + sum_g do_{t,g} . M_{t-1} q_{t,g} + dr_t . r_t;
+
+since phi'(pg) = gamma (1 - e^2) / (1 + e^2), dpg_t needs no division by gamma. h is reset to <dM, checkpoint> at
+every chunk end, so rounding cannot build up. The products with M_{t-1} itself (dq_t = M_{t-1}^T do_t + ...,
+dk_t = M_{t-1}^T dr_t + ..., and do_t . M_{t-1} q_t) come from the chunk form in the parallel kernels:
+`sila_bwd_kernel_dq` before the sweep, `sila_bwd_kernel_dkv` after it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import common
+from .common import _add_pair, load_chunk, memory_transposed_times, sequence_bounds, sila_gates
+
+
+@triton.jit
+def sila_bwd_kernel_dq(
+    q, k, v, alpha, beta_x, gamma_x, mask, r, s, states, do, dq, dalpha, c, cu_seqlens, state_offsets,
+    chunk_indices, T, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr, HAS_MASK: tl.constexpr, IS_VARLEN: tl.constexpr,
+):  # fmt: skip
+    i_n, i_c, i_h = common.chunk_program(chunk_indices, IS_VARLEN)
+    bos, T_n, state_base = sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK, IS_VARLEN)
+    b_S, b_k, b_v, b_u, b_start, b_D, rows, m_t = load_chunk(
+        k, v, r, s, beta_x, gamma_x, mask, states, bos, T_n, state_base, i_c, i_h, H, K, V, BK, BV, CHUNK, HAS_MASK
+    )
+    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
+    m_tk, m_tv = m_t[:, None] & (o_k < K)[None, :], m_t[:, None] & (o_v < V)[None, :]
+    b_c = tl.zeros([CHUNK], dtype=tl.float32)  # sum_g do_{t,g} . M_{t-1} q_{t,g}
+    for i_g in tl.static_range(G):
+        b_q = tl.load(q + (rows[:, None] * G + i_g) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_do = tl.load(do + (rows[:, None] * G + i_g) * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_a = tl.load(alpha + rows * G + i_g, mask=m_t, other=0.0).to(tl.float32)
+        b_dq = memory_transposed_times(b_do, b_S, b_u, b_k, b_start, b_D, PRECISION)  # [C, BK] M_{t-1}^T do_t
+        b_c += tl.sum(b_q * b_dq, axis=1)
+        b_dov = tl.sum(b_do * b_v, axis=1)
+        b_dq += (b_a * b_dov)[:, None] * b_k
+        tl.store(dq + (rows[:, None] * G + i_g) * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
+        b_da = tl.sum(b_q * b_k, axis=1) * b_dov
+        tl.store(dalpha + rows * G + i_g, b_da.to(dalpha.dtype.element_ty), mask=m_t)
+    tl.store(c + rows, b_c, mask=m_t)
+
+
+@triton.jit
+def load_bwd_step(
+    k, v, r, s, beta_x, gamma_x, mask, c, bos, t, T_n, i_h, o_k, o_v,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, HAS_MASK: tl.constexpr,
+):  # fmt: skip
+    """Step t's inputs of the reverse sweep (zeros and not live outside [0, T_n))."""
+    valid = (t >= 0) & (t < T_n)
+    t_k, t_v = t + 0 * o_k, t + 0 * o_v  # t per lane: the interpreter mistypes a scalar mask broadcast to a vector
+    m_k = (o_k < K) & (t_k >= 0) & (t_k < T_n)
+    m_v = (o_v < V) & (t_v >= 0) & (t_v < T_n)
+    row = (bos + t) * H + i_h
+    b_k = tl.load(k + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_v = tl.load(v + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+    b_r = tl.load(r + row * V + o_v, mask=m_v, other=0.0)
+    b_sb = tl.load(s + 2 * row, mask=valid, other=0.0)
+    b_sg = tl.load(s + 2 * row + 1, mask=valid, other=0.0)
+    b_bx = tl.load(beta_x + row, mask=valid, other=0.0).to(tl.float32)
+    b_gx = tl.load(gamma_x + row, mask=valid, other=0.0).to(tl.float32)
+    b_c = tl.load(c + row, mask=valid, other=0.0)
+    b_live = valid
+    if HAS_MASK:
+        b_live = tl.load(mask + bos + t, mask=valid, other=0) != 0
+    return b_k, b_v, b_r, b_sb, b_sg, b_bx, b_gx, b_c, b_live
+
+
+@triton.jit
+def sila_bwd_kernel_recurrent(
+    q, k, v, beta_x, gamma_x, w_beta, w_gamma, mask, r, s, states, c, do, dht, dh0, dr, dk_part, dv_part, dbx, dgx,
+    dw, cu_seqlens, state_offsets, T, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+    HAS_MASK: tl.constexpr, IS_VARLEN: tl.constexpr,
+):  # fmt: skip
+    i_n, i_h = tl.program_id(0), tl.program_id(1)
+    bos, T_n, state_base = sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK, IS_VARLEN)
+    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_kv = m_v[:, None] & m_k[None, :]
+    o_mem = o_v[:, None] * K + o_k[None, :]
+    b_wb = tl.load(w_beta + i_h * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+    b_wg = tl.load(w_gamma + i_h * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+    b_dM = tl.zeros([BV, BK], dtype=tl.float32)
+    if USE_DHT:
+        b_dM += tl.load(dht + (i_n * H + i_h).to(tl.int64) * V * K + o_mem, mask=m_kv, other=0.0)
+    b_dwb = tl.zeros([BV], dtype=tl.float32)
+    b_dwg = tl.zeros([BV], dtype=tl.float32)
+    b_h = tl.full([], 0.0, tl.float32)  # h_t = <dM_t, M_t>
+    b_k, b_v, b_r, b_sb, b_sg, b_bx, b_gx, b_c, b_live = load_bwd_step(
+        k, v, r, s, beta_x, gamma_x, mask, c, bos, T_n - 1, T_n, i_h, o_k, o_v, H, K, V, HAS_MASK
+    )
+    for i in range(0, T_n):
+        t = T_n - 1 - i
+        n_k, n_v, n_r, n_sb, n_sg, n_bx, n_gx, n_c, n_live = load_bwd_step(
+            k, v, r, s, beta_x, gamma_x, mask, c, bos, t - 1, T_n, i_h, o_k, o_v, H, K, V, HAS_MASK
+        )
+        row = (bos + t) * H + i_h
+        if ((t + 1) % CHUNK == 0) | (t == T_n - 1):  # M_t is the next checkpoint: restart h from it
+            p_S = states + ((state_base + t // CHUNK + 1) * H + i_h) * V * K + o_mem
+            b_h = tl.sum(b_dM * tl.load(p_S, mask=m_kv, other=0.0))
+        b_beta, b_gamma, b_sig, b_slope = sila_gates(b_sb, b_sg, b_bx, b_gx, b_live)
+        b_du = tl.sum(b_dM * b_k[None, :], axis=1)  # [BV] dM_t k_t
+        b_dv_, b_dr_ = tl.reduce((b_du * b_v, b_du * b_r), 0, _add_pair)
+        b_dbeta = b_dv_ - b_dr_
+        b_gd = b_h - b_beta * b_dbeta  # gamma_t <dM_t, M_{t-1}>
+        b_dpb = tl.where(b_live, b_dbeta * b_sig * (1 - b_sig), 0.0)
+        b_dpg = b_gd * b_slope
+        b_dr = b_dpb * b_wb + b_dpg * b_wg - b_beta * b_du
+        b_u = b_beta * (b_v - b_r)
+        b_dk = tl.sum(b_dM * b_u[:, None], axis=0)  # [BK] dM_t^T u_t
+        b_h = b_gd + b_c - b_beta * b_dr_ + b_dpb * b_sb + b_dpg * b_sg
+        b_dwb += b_dpb * b_r
+        b_dwg += b_dpg * b_r
+        b_dM = b_gamma * b_dM + b_dr[:, None] * b_k[None, :]
+        for i_g in tl.static_range(G):
+            b_q = tl.load(q + (row * G + i_g) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_do = tl.load(do + (row * G + i_g) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            b_dM += b_do[:, None] * b_q[None, :]
+        tl.store(dr + row * V + o_v, b_dr, mask=m_v)
+        tl.store(dv_part + row * V + o_v, b_beta * b_du, mask=m_v)
+        tl.store(dk_part + row * K + o_k, b_dk, mask=m_k)
+        tl.store(dbx + row, b_dpb.to(dbx.dtype.element_ty))
+        tl.store(dgx + row, b_dpg.to(dgx.dtype.element_ty))
+        b_k, b_v, b_r, b_sb, b_sg, b_bx, b_gx, b_c, b_live = n_k, n_v, n_r, n_sb, n_sg, n_bx, n_gx, n_c, n_live
+    if STORE_DH0:
+        tl.store(dh0 + (i_n * H + i_h).to(tl.int64) * V * K + o_mem, b_dM, mask=m_kv)
+    p_dw = dw + ((i_n * H + i_h) * 2).to(tl.int64) * V + o_v
+    tl.store(p_dw, b_dwb, mask=m_v)
+    tl.store(p_dw + V, b_dwg, mask=m_v)
+
+
+@triton.jit
+def sila_bwd_kernel_dkv(
+    q, k, v, alpha, beta_x, gamma_x, mask, r, s, states, do, dr, dk_part, dv_part, dk, dv, cu_seqlens,
+    state_offsets, chunk_indices, T, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr, HAS_MASK: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):  # fmt: skip
+    i_n, i_c, i_h = common.chunk_program(chunk_indices, IS_VARLEN)
+    bos, T_n, state_base = sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK, IS_VARLEN)
+    b_S, b_k, b_v, b_u, b_start, b_D, rows, m_t = load_chunk(
+        k, v, r, s, beta_x, gamma_x, mask, states, bos, T_n, state_base, i_c, i_h, H, K, V, BK, BV, CHUNK, HAS_MASK
+    )
+    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
+    m_tk, m_tv = m_t[:, None] & (o_k < K)[None, :], m_t[:, None] & (o_v < V)[None, :]
+    b_dr = tl.load(dr + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+    b_dk = memory_transposed_times(b_dr, b_S, b_u, b_k, b_start, b_D, PRECISION)  # [C, BK] M_{t-1}^T dr_t
+    b_dk += tl.load(dk_part + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_dv = tl.load(dv_part + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+    for i_g in tl.static_range(G):
+        b_q = tl.load(q + (rows[:, None] * G + i_g) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_do = tl.load(do + (rows[:, None] * G + i_g) * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_a = tl.load(alpha + rows * G + i_g, mask=m_t, other=0.0).to(tl.float32)
+        b_dk += (b_a * tl.sum(b_do * b_v, axis=1))[:, None] * b_q
+        b_dv += (b_a * tl.sum(b_q * b_k, axis=1))[:, None] * b_do
+    tl.store(dk + rows[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    tl.store(dv + rows[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_tv)
+
+
+def sila_bwd(q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, initial_state, mask, cu_seqlens, chunk_size, saved, do, dht):
+    """Gradients of q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma and the initial state (None if it was None)."""
+    B, T, H, G, K = q.shape
+    V = v.shape[-1]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    states, r, s, offsets, indices, n_chunks = saved
+    cfg = common.launch_settings(K, V)
+    blocks = dict(H=H, G=G, K=K, V=V, BK=cfg["BK"], BV=cfg["BV"], CHUNK=chunk_size)
+    flags = dict(HAS_MASK=mask is not None, IS_VARLEN=cu_seqlens is not None, num_warps=cfg["num_warps"])
+    grid = (n_chunks, H) if cu_seqlens is not None else (n_chunks, N, H)
+    parallel = dict(PRECISION=common.DOT_PRECISION, **blocks, **flags)
+
+    dq, dalpha = common.new_output(q.shape, q), common.new_output(alpha.shape, alpha)
+    c = common.new_output((B, T, H), q, torch.float32)  # sum_g do_{t,g} . M_{t-1} q_{t,g}
+    if n_chunks > 0:
+        sila_bwd_kernel_dq[grid](
+            q, k, v, alpha, beta_x, gamma_x, mask, r, s, states, do, dq, dalpha, c, cu_seqlens, offsets, indices, T,
+            **parallel,
+        )  # fmt: skip
+    dr = common.new_output((B, T, H, V), q, torch.float32)
+    dk_part = common.new_output((B, T, H, K), q, torch.float32)
+    dv_part = common.new_output((B, T, H, V), q, torch.float32)
+    dbx, dgx = common.new_output(beta_x.shape, beta_x), common.new_output(gamma_x.shape, gamma_x)
+    dw = common.new_output((N, H, 2, V), q, torch.float32)
+    dh0 = common.new_output((N, H, V, K), q, torch.float32) if initial_state is not None else None
+    sila_bwd_kernel_recurrent[(N, H)](
+        q, k, v, beta_x, gamma_x, w_beta, w_gamma, mask, r, s, states, c, do, dht, dh0, dr, dk_part, dv_part, dbx,
+        dgx, dw, cu_seqlens, offsets, T, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, **blocks, **flags,
+    )  # fmt: skip
+    dk, dv = common.new_output(k.shape, k), common.new_output(v.shape, v)
+    if n_chunks > 0:
+        sila_bwd_kernel_dkv[grid](
+            q, k, v, alpha, beta_x, gamma_x, mask, r, s, states, do, dr, dk_part, dv_part, dk, dv, cu_seqlens,
+            offsets, indices, T, **parallel,
+        )  # fmt: skip
+    dw = dw.sum(0)  # [H, 2, V]
+    dh0 = dh0.to(initial_state.dtype) if dh0 is not None else None
+    return dq, dk, dv, dalpha, dbx, dgx, dw[:, 0].to(w_beta.dtype), dw[:, 1].to(w_gamma.dtype), dh0

@@ -1,0 +1,148 @@
+"""Pieces shared by the SILA kernels: the gates, sequence bounds, the chunk form of the memory, host-side layout.
+
+The sequential kernels keep the [V, K] memory on chip and also save, every CHUNK steps, the memory entering the
+chunk (a checkpoint S). Inside a chunk that starts from S, with u_s = beta_s (v_s - M_{s-1} k_s) and
+G_t = sum_{r <= t} log gamma_r counted from the chunk start,
+
+    M_{t-1} = exp(G_{t-1}) S + sum_{s < t} exp(G_{t-1} - G_s) u_s k_s^T,
+
+so every product of M_{t-1} with a per-step vector (the reads M_{t-1} q_t, and M_{t-1}^T x_t in the backward
+pass) is a few chunk-sized matrix products, computed in parallel over chunks once the sequential kernel has saved
+M_{t-1} k_t and the gate pre-activations.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2 = math.log(2.0)
+DOT_PRECISION = "tf32x3"  # fp32-accurate products on tensor cores (3 tf32 passes)
+
+
+@triton.jit
+def _add_pair(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def sila_gates(b_sb, b_sg, b_bx, b_gx, b_live):
+    """beta = sigmoid(pb), gamma = phi(pg) (1 and 0 at padding), with phi as raven_layers.sila.sila_phi.
+
+    Also returns sigmoid(pb) and (1 - e^2) / (1 + e^2), e = exp(min(pg, 0)): phi'(pg) = gamma times the latter.
+    """
+    b_sig = tl.sigmoid(b_sb + b_bx)
+    b_e = tl.exp(tl.minimum(b_sg + b_gx, 0.0))
+    b_e2 = b_e * b_e
+    b_beta = tl.where(b_live, b_sig, 0.0)
+    b_gamma = tl.where(b_live, 2 * b_e / (1 + b_e2), 1.0)
+    b_slope = tl.where(b_live, (1 - b_e2) / (1 + b_e2), 0.0)
+    return b_beta, b_gamma, b_sig, b_slope
+
+
+@triton.jit
+def sila_log_gamma(b_pg, b_live):
+    """log phi(pg) = log 2 + x - log(1 + e^{2x}) on x = min(pg, 0); 0 at padding. Finite wherever pg is."""
+    b_x = tl.minimum(b_pg, 0.0)
+    b_lg = 0.6931471805599453 + b_x - tl.log(1 + tl.exp(2 * b_x))
+    return tl.where(b_live & (b_pg < 0), b_lg, 0.0)
+
+
+@triton.jit
+def sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """First row of sequence i_n in the flattened [N * T] time axis, its length, and its first checkpoint."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_n = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+        state_base = tl.load(state_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_n = T
+        state_base = i_n.to(tl.int64) * (tl.cdiv(T, CHUNK) + 1)
+    return bos, T_n, state_base
+
+
+@triton.jit
+def chunk_program(chunk_indices, IS_VARLEN: tl.constexpr):
+    """(sequence, chunk within it, head) for this program of a chunk-parallel grid (chunks, H) or (chunks, N, H)."""
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + 2 * tl.program_id(0))
+        i_c = tl.load(chunk_indices + 2 * tl.program_id(0) + 1)
+        i_h = tl.program_id(1)
+    else:
+        i_c, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    return i_n, i_c, i_h
+
+
+@triton.jit
+def load_chunk(
+    k, v, r, s, beta_x, gamma_x, mask, states, bos, T_n, state_base, i_c, i_h,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    CHUNK: tl.constexpr, HAS_MASK: tl.constexpr,
+):  # fmt: skip
+    """What the chunk form needs: S [BV, BK], k [C, BK], v and u [C, BV], exp(G_{t-1}) [C], the decays [C, C]."""
+    o_t = i_c * CHUNK + tl.arange(0, CHUNK)
+    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
+    m_t, m_k, m_v = o_t < T_n, o_k < K, o_v < V
+    rows = (bos + o_t) * H + i_h  # [C] rows of the [N * T, H] layout
+    p_S = states + ((state_base + i_c) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :]
+    b_S = tl.load(p_S, mask=m_v[:, None] & m_k[None, :], other=0.0)
+    m_tk, m_tv = m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :]
+    b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+    b_r = tl.load(r + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+    b_sb = tl.load(s + 2 * rows, mask=m_t, other=0.0)
+    b_sg = tl.load(s + 2 * rows + 1, mask=m_t, other=0.0)
+    b_bx = tl.load(beta_x + rows, mask=m_t, other=0.0).to(tl.float32)
+    b_gx = tl.load(gamma_x + rows, mask=m_t, other=0.0).to(tl.float32)
+    b_live = m_t
+    if HAS_MASK:
+        b_live = b_live & (tl.load(mask + bos + o_t, mask=m_t, other=0) != 0)
+    b_beta, _, _, _ = sila_gates(b_sb, b_sg, b_bx, b_gx, b_live)
+    b_u = b_beta[:, None] * (b_v - b_r)  # [C, BV]
+    b_lg = sila_log_gamma(b_sg + b_gx, b_live)
+    # G_t in float64: differences of long cumulative sums would lose |G| * eps in float32
+    b_G = tl.cumsum(b_lg.to(tl.float64), 0)
+    b_Gp = b_G - b_lg.to(tl.float64)  # G_{t-1}
+    o_s = tl.arange(0, CHUNK)
+    strict = o_s[None, :] < o_s[:, None]  # s < t
+    b_D = tl.exp(tl.where(strict, (b_Gp[:, None] - b_G[None, :]).to(tl.float32), float("-inf")))  # [C, C]
+    b_start = tl.exp(b_Gp.to(tl.float32))  # [C] exp(G_{t-1}), the decay of S up to the read at t
+    return b_S, b_k, b_v, b_u, b_start, b_D, rows, m_t
+
+
+@triton.jit
+def memory_transposed_times(b_x, b_S, b_u, b_k, b_start, b_D, PRECISION: tl.constexpr):
+    """Rows M_{t-1}^T x_t [C, BK] for rows x_t [C, BV], by the chunk form."""
+    b_A = tl.dot(b_x, tl.trans(b_u), input_precision=PRECISION) * b_D  # [C, C] decayed x_t . u_s
+    b_y = tl.dot(b_A, b_k, input_precision=PRECISION)
+    return b_y + b_start[:, None] * tl.dot(b_x, b_S, input_precision=PRECISION)
+
+
+def launch_settings(K: int, V: int) -> dict:
+    """Block sizes and warps by head dim: one program holds a whole [V, K] memory in registers."""
+    BK, BV = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
+    return dict(BK=BK, BV=BV, num_warps=8 if BK * BV >= 128 * 128 else 4)
+
+
+def varlen_layout(cu_seqlens: torch.Tensor | None, N: int, T: int, chunk: int):
+    """Checkpoint offsets per sequence [N], (sequence, chunk) per chunk program [C_total, 2] and the counts."""
+    if cu_seqlens is None:
+        n_chunks = triton.cdiv(T, chunk)
+        return None, None, N * (n_chunks + 1), n_chunks
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    chunks = (lens + chunk - 1) // chunk  # [N]
+    offsets = torch.cumsum(chunks + 1, 0) - (chunks + 1)
+    seq = torch.repeat_interleave(torch.arange(N, device=lens.device), chunks)
+    first = torch.repeat_interleave(torch.cumsum(chunks, 0) - chunks, chunks)
+    within = torch.arange(seq.numel(), device=lens.device) - first
+    indices = torch.stack([seq, within], dim=1).to(torch.int32).contiguous()
+    return offsets.to(torch.int32), indices, int((chunks + 1).sum()), indices.shape[0]
+
+
+def new_output(shape: tuple, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Every buffer a kernel writes; the tests replace this to poison them."""
+    return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)

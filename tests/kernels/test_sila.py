@@ -1,0 +1,159 @@
+"""SILA Triton kernels against `sila_recurrent`: outputs, final memory and every gradient (interpreted on CPU)."""
+
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from kernels.sila import common, fused_recurrent_sila, naive_recurrent_sila
+from raven_layers.backend import use_backend
+from raven_layers.sila import SILAMixer, SILASettings, l2_normalize
+
+NAMES = ("q", "k", "v", "alpha", "beta_x", "gamma_x", "w_beta", "w_gamma", "initial_state")
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Every buffer the kernels write starts as NaN (integers as -1), so an element left unwritten fails."""
+    real = common.new_output
+
+    def poisoned(shape, like, dtype=None):
+        out = real(shape, like, dtype)
+        return out.fill_(math.nan if out.is_floating_point() else -1)
+
+    monkeypatch.setattr(common, "new_output", poisoned)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def random_inputs(B, T, H, G, d, seed=0, N=None, device="cpu", gate_scale=1.0):
+    """q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, M_0 [N, H, d, d]; gates on both sides of phi's kink."""
+    g = torch.Generator().manual_seed(seed)
+    q = l2_normalize(torch.randn(B, T, H, G, d, generator=g))
+    k = l2_normalize(torch.randn(B, T, H, d, generator=g))
+    v = torch.randn(B, T, H, d, generator=g)
+    alpha = torch.rand(B, T, H, G, generator=g)
+    beta_x = torch.randn(B, T, H, generator=g)
+    gamma_x = gate_scale * (2 * torch.randn(B, T, H, generator=g) - 1)
+    w_beta = torch.randn(H, d, generator=g)
+    w_gamma = gate_scale * torch.randn(H, d, generator=g)
+    state = 0.3 * torch.randn(N or B, H, d, d, generator=g)
+    return [x.to(device) for x in (q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, state)]
+
+
+def run_both(inputs, mask=None, cu_seqlens=None, with_state=True, chunk_size=16, dtype=None):
+    """Outputs, final memory and gradients of a loss on both, from the kernel and from the reference."""
+    results = []
+    for kernel in (True, False):
+        leaves = [x.clone().to(dtype or x.dtype).requires_grad_() for x in inputs]
+        h0 = leaves[-1] if with_state else None
+        if kernel:
+            o, ht = fused_recurrent_sila(*leaves[:-1], h0, mask, True, cu_seqlens, chunk_size=chunk_size)
+        else:
+            args = [x.float() for x in leaves[:-1]]
+            o, ht = naive_recurrent_sila(*args, None if h0 is None else h0.float(), mask, cu_seqlens)
+        weights = torch.linspace(-1, 1, o.numel(), device=o.device).view(o.shape)
+        (o.float() * weights).sum().add((ht * ht.detach().sin()).sum()).backward()
+        grads = [x.grad for x in (leaves if with_state else leaves[:-1])]
+        results.append([o, ht, *grads])
+    return results
+
+
+def assert_all_close(kernel, reference, tol=1e-4):
+    for name, a, b in zip(("o", "final_state", *NAMES), kernel, reference):
+        assert a.shape == b.shape, name
+        assert torch.isfinite(a).all(), f"{name} has non-finite entries"
+        assert rel_err(a, b) < tol, f"{name}: relative error {rel_err(a, b):.2e}"
+
+
+@pytest.mark.parametrize(
+    "T, G, d, with_state, with_mask",
+    [(37, 2, 16, True, True), (19, 1, 32, False, False), (33, 3, 16, True, False), (16, 1, 16, False, True)],
+)
+def test_matches_reference(T, G, d, with_state, with_mask):
+    inputs = random_inputs(2, T, 2, G, d, seed=T)
+    mask = None
+    if with_mask:  # padding at the start of one row (left-padded batch) and scattered in the other
+        mask = torch.rand(2, T, generator=torch.Generator().manual_seed(1)) > 0.3
+        mask[1, :5] = False
+    kernel, reference = run_both(inputs, mask=mask, with_state=with_state)
+    assert_all_close(kernel, reference)
+
+
+def test_variable_length_sequences():
+    cu_seqlens = torch.tensor([0, 5, 21, 21, 40], dtype=torch.int32)  # one empty sequence
+    inputs = random_inputs(1, 40, 2, 2, 16, seed=3, N=4)
+    kernel, reference = run_both(inputs, cu_seqlens=cu_seqlens)
+    assert_all_close(kernel, reference)
+
+
+def test_gates_near_the_kink_and_near_zero():
+    inputs = random_inputs(1, 24, 2, 1, 16, seed=5, gate_scale=1e-3)  # pre-activations of gamma around 0
+    gamma_x = inputs[5].clone()
+    gamma_x[:, 12:] = -60.0  # then gamma ~ 1e-26: the memory is not invertible there
+    inputs[5] = gamma_x
+    kernel, reference = run_both(inputs)
+    assert_all_close(kernel, reference)
+
+
+@pytest.mark.parametrize("with_grad", [False, True])
+def test_decode_step(with_grad):
+    q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, state = random_inputs(3, 1, 2, 2, 16, seed=7)
+    with torch.set_grad_enabled(with_grad):
+        o, ht = fused_recurrent_sila(q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, state.requires_grad_(with_grad),
+                                     output_final_state=True)  # fmt: skip
+    o_ref, ht_ref = naive_recurrent_sila(q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, state)
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(ht, ht_ref) < 1e-5
+
+
+def test_rejects_bad_arguments():
+    q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, state = random_inputs(2, 4, 2, 1, 16)
+    with pytest.raises(ValueError, match="k must have shape"):
+        fused_recurrent_sila(q, k[:, :3], v, alpha, beta_x, gamma_x, w_beta, w_gamma)
+    with pytest.raises(ValueError, match="B must be 1"):
+        fused_recurrent_sila(q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, cu_seqlens=torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match="mask must be a bool tensor"):
+        fused_recurrent_sila(q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, mask=torch.ones(2, 4))
+    with pytest.raises(ValueError, match="chunk_size"):
+        fused_recurrent_sila(q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, chunk_size=24)
+
+
+def test_mixer_triton_matches_torch():
+    config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         intermediate_size=64, vocab_size=32)  # fmt: skip
+    torch.manual_seed(0)
+    mixer = SILAMixer(config, 0, SILASettings(chunk_size=8))
+    with torch.no_grad():  # non-trivial gates: the fresh ones are constants
+        for name in ("beta_state_weight", "gamma_state_weight", "beta_weight", "gamma_weight", "alpha_weight"):
+            getattr(mixer, name).normal_(std=0.3)
+    x = torch.randn(2, 21, 32)
+    padding = torch.ones(2, 21, dtype=torch.bool)
+    padding[1, :4] = False
+    runs = {}
+    for backend in ("triton", "torch"):
+        mixer.zero_grad()
+        with use_backend(backend):
+            y, _ = mixer(x, padding_mask=padding)
+            y.square().sum().backward()
+        runs[backend] = (y.detach(), {n: p.grad.clone() for n, p in mixer.named_parameters() if p.grad is not None})
+    (y_t, g_t), (y_r, g_r) = runs["triton"], runs["torch"]
+    assert rel_err(y_t, y_r) < 1e-4
+    assert g_t.keys() == g_r.keys() and "gamma_state_weight" in g_t
+    for name in g_r:
+        assert rel_err(g_t[name], g_r[name]) < 1e-4, name
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("d, G", [(64, 3), (128, 2)])
+def test_bf16_on_gpu(d, G):
+    cu_seqlens = torch.tensor([0, 300, 700, 1000], dtype=torch.int32, device="cuda")
+    inputs = random_inputs(1, 1000, 4, G, d, seed=11, N=3, device="cuda")
+    kernel, reference = run_both(inputs, cu_seqlens=cu_seqlens, chunk_size=64, dtype=torch.bfloat16)
+    for i, (name, a, b) in enumerate(zip(("o", "final_state", *NAMES), kernel, reference)):
+        assert torch.isfinite(a).all(), name
+        assert rel_err(a, b) < (5e-3 if i < 2 else 1e-2), f"{name}: relative error {rel_err(a, b):.2e}"
