@@ -117,7 +117,8 @@ def align(
 ) -> list[dict]:
     """Train the mixers of `hybrid` to match `teacher`'s attention for `steps` batches ({"input_ids", and either
     "position_ids" for packed documents or an optional "attention_mask"}); returns one record per step:
-    {"step", "loss", "layers": {layer: mse}, "tokens_per_second"}.
+    {"step", "loss", "layers": {layer: mse}, "tokens_per_second"} (the rate counts from the end of step 0, which
+    compiles kernels).
 
     Only mixer parameters receive gradients (others are frozen for the duration and restored after). The learning
     rate warms up linearly over `warmup_steps`, then follows a cosine to 10% of `lr`. A non-finite loss stops the
@@ -165,11 +166,14 @@ def align(
             optimizer.step()
             mask = inputs.get("attention_mask")
             tokens += int(mask.sum()) if mask is not None else inputs["input_ids"].numel()
-            rate = tokens / max(time.perf_counter() - start, 1e-9)
+            now = time.perf_counter()
+            rate = tokens / max(now - start, 1e-9)
+            if step == 0:  # the first step compiles kernels and allocates: the rate counts from its end
+                start, tokens = now, 0
             record = {"step": step, "loss": total.item(), "layers": {i: v.item() for i, v in losses.items()}}
             history.append(record | {"tokens_per_second": rate, "lr": lr_at(step)})
             if log_every and (step % log_every == 0 or step == steps - 1):
-                eta = (steps - step - 1) * (time.perf_counter() - start) / (step + 1)
+                eta = (steps - step - 1) * (now - start) / max(step, 1)
                 print(
                     f"[align] step {step + 1}/{steps} loss {total.item():.4g} | {rate:,.0f} tok/s | ETA {eta:.0f}s",
                     file=sys.stderr,

@@ -304,7 +304,8 @@ def train(
     checkpoint there. `teacher` (frozen) is only run when config.kd_weight > 0 and may then not be None.
 
     Returns one record per step run by this call: {"step", "loss", "ce", "kd", "aux", "lr", "tokens_per_second"}
-    ("step" is 1-based; loss parts are means over the step's micro-batches and processes), plus "val_ce" at the
+    ("step" is 1-based; loss parts are means over the step's micro-batches and processes; the rate counts from the end
+    of the first step, which compiles kernels, and leaves out validation), plus "val_ce" at the
     steps where `validation` (held-out rows, like `dataset`) was scored: every `eval_every` steps and at the end.
     """
     from accelerate import Accelerator
@@ -410,19 +411,23 @@ def train(
         timed_tokens += step_tokens
         elapsed = max(time.perf_counter() - clock, 1e-9)
         rate = timed_tokens / elapsed
+        if step == start_step + 1:  # the first step compiles kernels and allocates: the rate counts from its end
+            clock, timed_tokens = time.perf_counter(), 0
         record = {"step": step, **sums, "lr": lr, "tokens_per_second": rate}
         history.append(record)
         if tracker:
             accelerator.log({k: v for k, v in record.items() if k != "step"}, step=step)
         if config.log_every and (step % config.log_every == 0 or step == config.steps):
-            eta = (config.steps - step) * elapsed / (step - start_step)
+            eta = (config.steps - step) * elapsed / max(step - start_step - 1, 1)
             accelerator.print(
                 f"[stage2] step {step}/{config.steps} loss {sums['loss']:.4g} (ce {sums['ce']:.4g} kd {sums['kd']:.4g}"
                 f" aux {sums['aux']:.4g}) lr {lr:.3g} | {rate:,.0f} tok/s | ETA {eta:.0f}s",
                 file=sys.stderr,
             )
         if validation is not None and (step == config.steps or (config.eval_every and step % config.eval_every == 0)):
+            paused = time.perf_counter()
             record["val_ce"] = validation_ce(model, validation, config, accelerator)
+            clock += time.perf_counter() - paused  # validation time is not training throughput
             accelerator.print(f"[stage2] step {step} validation CE {record['val_ce']:.4g}", file=sys.stderr)
             if tracker:
                 accelerator.log({"val_ce": record["val_ce"]}, step=step)
