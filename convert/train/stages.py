@@ -284,8 +284,10 @@ def _stage_align(recipe: Recipe, run_dir: Path, done: dict) -> dict:
 
 
 def _stage_weights(recipe: Recipe, run_dir: Path, done: dict) -> dict:
+    from transformers import AutoTokenizer
+
     from convert.train.data import save_atomic
-    from convert.train.token_weights import token_weights
+    from convert.train.token_weights import plot_token_weights, token_weights
 
     settings = recipe.token_weights
     if not settings.enabled or recipe.train.steps == 0:
@@ -306,10 +308,22 @@ def _stage_weights(recipe: Recipe, run_dir: Path, done: dict) -> dict:
                 query_block=settings.query_block,
             )
             parts.append(w.cpu())
-            log(f"[weights] rows {min(start + settings.batch_size, n)}/{n} ({time.perf_counter() - clock:.0f} s)")
+            done_rows, elapsed = min(start + settings.batch_size, n), time.perf_counter() - clock
+            rate = done_rows * train_rows.seq_len / max(elapsed, 1e-9)
+            eta = (n - done_rows) * elapsed / done_rows
+            log(f"[weights] rows {done_rows}/{n} | {rate:,.0f} tok/s | ETA {eta:.0f}s")
     weights = torch.cat(parts)  # [len(train_rows), T], row i belongs to train_rows[i]
     save_atomic(weights, run_dir / "weights" / "weights.pt")
+    tokenizer = AutoTokenizer.from_pretrained(str(run_dir / done["convert"]["model"]))
+    shown = train_rows[0]["input_ids"][:400]
+    plot_token_weights(
+        tokenizer.convert_ids_to_tokens(shown.tolist()),
+        weights[0, : len(shown)],
+        run_dir / "weights" / "weights.png",
+        title="token loss weights of the first training row (darker: retrieves from further back)",
+    )
     return {
+        "picture": "weights/weights.png",
         "file": "weights/weights.pt",
         "shape": list(weights.shape),
         "mean": weights.mean().item(),

@@ -109,6 +109,7 @@ def test_pipeline_end_to_end_resumes_and_reruns_one_stage(tiny_sources, tmp_path
     for stage in STAGES:
         assert json.loads((run / stage / "DONE").read_text()) == results[stage]
     assert set(results["align"]["final_layer_losses"]) == {"1", "2"}
+    assert (run / results["weights"]["picture"]).stat().st_size > 1000
     rows = results["weights"]["shape"]
     assert rows[1] == 32 and rows[0] >= 2
     assert results["train"]["steps_this_run"] == 3 and results["train"]["model"] == "train/model"
