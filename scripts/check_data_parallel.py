@@ -21,13 +21,19 @@ from pathlib import Path
 import yaml
 
 
-def recipe(src: str, data: str, batch_size: int, steps: int, seq_len: int) -> dict:
+def recipe(src: str, data: str, batch_size: int, steps: int, seq_len: int, cache: Path) -> dict:
     return {
         "source": src,
         "layers": [{"mixer": "raven", "layers": "1-29:2"}],
         "mixer_settings": {"raven": {"num_slots": 64, "top_k": 8, "gumbel": False}},
         "dtype": "float32",
-        "data": {"source": data, "seq_len": seq_len, "validation_fraction": 0.01},
+        "data": {
+            "source": data,
+            "seq_len": seq_len,
+            "validation_fraction": 0.01,
+            "max_documents": 1500,
+            "cache_dir": str(cache),  # tokenised once, by the first run
+        },
         "train": {
             "steps": steps,
             "batch_size": batch_size,
@@ -62,7 +68,7 @@ def main() -> int:
     for procs, (_, batch) in runs.items():
         path = out / f"recipe-{procs}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(yaml.safe_dump(recipe(args.src, args.data, batch, args.steps, args.seq_len)))
+        path.write_text(yaml.safe_dump(recipe(args.src, args.data, batch, args.steps, args.seq_len, out / "cache")))
     first_dir = runs[1][0]
     run(
         [
