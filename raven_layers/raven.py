@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .backend import kernel_module
 from .common import Mixer, MixerSettings, RMSNorm, init_fresh_parameters
 
 RavenState = tuple[torch.Tensor, torch.Tensor]  # (S^k, S^v), each [B, H_kv, M, d], float32
@@ -229,8 +230,10 @@ class RavenMixer(Mixer):
             names |= {"q_norm.weight", "k_norm.weight"}
         return names
 
-    def write_gates(self, x: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
-        """log of the per-slot retention, a_t * r_t: [B, T, H_kv, M], zero outside the top-K slots and at padding."""
+    def route(
+        self, x: torch.Tensor, padding_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The router's choice: log-decay a [B, T, H_kv] (0 at padding), slots idx [B, T, H_kv, K], weights r."""
         B, T, _ = x.shape
         s = self.settings
         dtype = torch.promote_types(x.dtype, torch.float32)  # routing in float32 at least, even for bf16 models
@@ -244,10 +247,15 @@ class RavenMixer(Mixer):
             -F.softplus(F.linear(x, self.decay_weight, self.decay_bias).to(dtype))
             * self.decay_log_scale.to(dtype).exp()
         )
-        log_f = torch.zeros_like(logits).scatter(-1, idx, a.unsqueeze(-1) * r)
         if padding_mask is not None:  # padding neither writes nor decays
-            log_f = log_f * padding_mask[:, :, None, None].to(log_f.dtype)
-        return log_f
+            a = a * padding_mask[:, :, None].to(a.dtype)
+        return a, idx, r
+
+    def write_gates(self, x: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
+        """log of the per-slot retention, a_t * r_t: [B, T, H_kv, M], zero outside the top-K slots and at padding."""
+        a, idx, r = self.route(x, padding_mask)
+        log_f = r.new_zeros(*idx.shape[:-1], self.settings.num_slots)
+        return log_f.scatter(-1, idx, a.unsqueeze(-1) * r)
 
     def forward(
         self,
@@ -269,9 +277,15 @@ class RavenMixer(Mixer):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.settings.feature_map == "silu":
             q, k = F.silu(q), F.silu(k)
-        log_f = self.write_gates(x, padding_mask)
-
         state = self.load_state(past_key_values)
+        kernels = kernel_module("raven", q)
+        if kernels is not None:  # Triton: the router's choice goes to the kernels, which build the gates on chip
+            a, idx, r = self.route(x, padding_mask)
+            run = kernels.fused_recurrent_raven if T == 1 and state is not None else kernels.chunk_raven
+            o, new_state = run(q, k, v, a, idx, r, self.scale, self.settings.num_slots, state, True)
+            self.save_state(past_key_values, new_state, num_tokens=T)
+            return self.project_out(o.to(x.dtype).reshape(B, T, H * d), x)
+        log_f = self.write_gates(x, padding_mask)
         if T == 1 and state is not None:
             o, new_state = raven_recurrent(q, k, v, log_f, self.scale, state)
         else:

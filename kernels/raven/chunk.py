@@ -280,7 +280,7 @@ def chunk_raven_bwd(q, k, v, a, idx, r, scale, M, h0, o, lse, do, dht, chunks):
     dlf_sum = e.new_empty(NC, H, M)
     raven_bwd_kernel_dkv[(NC, H)](
         q, k, v, do, g, w, dhk, dhv, p, ds, e, dk, dv, dlf, dlf_sum, chunks["bos"], chunks["len"],
-        H, G, M, D, BT, BC, BM, BD, num_warps=warps,
+        H, G, M, D, BT, BC, min(BM, 32) if D > 64 else BM, BD, num_warps=warps,  # within shared memory at d = 128
     )
     # Carry each chunk's total into the earlier chunks of its sequence; the final states' own read comes last.
     suffix = torch.nn.functional.pad(dlf_sum.double().flip(0).cumsum(0).flip(0), (0, 0, 0, 0, 0, 1))  # [NC+1, H, M]

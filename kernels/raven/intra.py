@@ -25,7 +25,7 @@ def raven_read_m(b_A, b_g, b_w, p_g, p_w, stride, L, o_m, m_m, BT: tl.constexpr,
     for i in tl.static_range(1, BT // BC):
         b_gr = tl.load(p_g + (i * BC - 1) * stride + o_m, mask=m_m & (o_m * 0 + L > i * BC - 1), other=0.0)  # [BM]
         row = (o_t >= i * BC) & (o_t < i * BC + BC) & (o_t < L)
-        col = (o_t < i * BC) & (o_t < L)
+        col = (o_t < i * BC) & (o_t * 0 + L > i * BC)  # sources, when sub-chunk i has rows at all
         b_qd = tl.where(row[:, None], tl.exp(tl.where(row[:, None], b_g - b_gr[None, :], 0.0)), 0.0)
         b_kd = tl.where(col[:, None], b_w * tl.exp(tl.where(col[:, None], b_gr[None, :] - b_g, 0.0)), 0.0)
         b_o += b_qd * tl.dot(b_A, b_kd)
@@ -49,7 +49,7 @@ def raven_mix(b_P, b_g, b_w, p_g, p_w, stride, L, o_m, m_m, BT: tl.constexpr, BC
     for i in tl.static_range(1, BT // BC):
         b_gr = tl.load(p_g + (i * BC - 1) * stride + o_m, mask=m_m & (o_m * 0 + L > i * BC - 1), other=0.0)
         row = (o_t >= i * BC) & (o_t < i * BC + BC) & (o_t < L)
-        col = (o_t < i * BC) & (o_t < L)
+        col = (o_t < i * BC) & (o_t * 0 + L > i * BC)  # sources, when sub-chunk i has rows at all
         b_qd = tl.where(row[:, None], b_P * tl.exp(tl.where(row[:, None], b_g - b_gr[None, :], 0.0)), 0.0)
         b_kd = tl.where(col[:, None], b_w * tl.exp(tl.where(col[:, None], b_gr[None, :] - b_g, 0.0)), 0.0)
         b_B += tl.dot(b_qd, tl.trans(b_kd))
@@ -78,7 +78,7 @@ def raven_write_m(
     for i in tl.static_range(0, BT // BC - 1):
         r = i * BC + BC - 1  # last row of sub-chunk i: the reference for its sources
         b_gr = tl.load(p_g + r * stride + o_m, mask=m_m & (o_m * 0 + L > r), other=0.0)
-        row = (o_t >= i * BC) & (o_t <= r) & (o_t < L)
+        row = (o_t >= i * BC) & (o_t <= r) & (o_t * 0 + L > r + 1)  # sources, when later rows read them
         col = (o_t > r) & (o_t < L)
         b_sd = tl.where(row[:, None], tl.exp(tl.where(row[:, None], b_gr[None, :] - b_g, 0.0)), 0.0)
         b_td = tl.where(col[:, None], b_P * tl.exp(tl.where(col[:, None], b_g - b_gr[None, :], 0.0)), 0.0)

@@ -1,0 +1,193 @@
+"""Raven kernels against the step-by-step reference: outputs, final states and every gradient; decode steps; the
+mixer under the Triton and the PyTorch backends. On CPU the kernels run in the Triton interpreter."""
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from kernels.raven import chunk_raven, fused_recurrent_raven, naive_raven
+from raven_layers import RavenMixer, RavenSettings
+from raven_layers.backend import use_backend
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch):
+    """Every float tensor the kernels allocate starts as NaN, so an element they forget to write fails the test."""
+    empty_like, new_empty = torch.empty_like, torch.Tensor.new_empty
+
+    def nan_fill(x):
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: nan_fill(empty_like(*a, **kw)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda *a, **kw: nan_fill(new_empty(*a, **kw)))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def random_inputs(B, T, H, G, d, M, K, dtype=torch.float32, decay=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, G, d, generator=g)
+    k = torch.randn(B, T, H, d, generator=g)
+    v = torch.randn(B, T, H, d, generator=g)
+    a = -decay * torch.rand(B, T, H, generator=g)
+    idx = torch.rand(B, T, H, M, generator=g).topk(K, dim=-1).indices
+    r = torch.rand(B, T, H, K, generator=g)
+    r = r / r.sum(-1, keepdim=True)
+    q, k, v = (x.to(DEVICE, dtype) for x in (q, k, v))
+    return q, k, v, a.to(DEVICE), idx.to(DEVICE), r.to(DEVICE)
+
+
+def random_state(N, H, M, d, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(N, H, M, d, generator=g).to(DEVICE) for _ in range(2))
+
+
+def run_both(inputs, scale, M, state, cu_seqlens=None):
+    """Kernel and float64 reference on the same leaves; the same random loss on both. Returns outputs and grads."""
+    q, k, v, a, idx, r = inputs
+    results = []
+    for fn, dtype in ((chunk_raven, None), (naive_raven, torch.float64)):
+        leaves = [x.detach().clone().to(dtype or x.dtype).requires_grad_() for x in (q, k, v, a, r)]
+        h0 = None if state is None else tuple(s.detach().clone().to(dtype or s.dtype).requires_grad_() for s in state)
+        if fn is chunk_raven:
+            o, (hk, hv) = fn(*leaves[:4], idx, leaves[4], scale, M, h0, True, cu_seqlens)
+        else:
+            o, (hk, hv) = fn(*leaves[:4], idx, leaves[4], scale, h0, cu_seqlens, num_slots=M)
+        torch.manual_seed(7)
+        w_o, w_k = (torch.randn(x.shape, device=DEVICE).to(x.dtype) for x in (o, hk))
+        loss = (o * w_o).sum() + (hk * w_k).sum() + (hv.pow(2)).sum()
+        loss.backward()
+        grads = [x.grad for x in leaves] + ([s.grad for s in h0] if h0 is not None else [])
+        results.append((o, hk, hv, grads))
+    return results
+
+
+def assert_match(results, tol=1e-4):
+    (o, hk, hv, grads), (o_ref, hk_ref, hv_ref, grads_ref) = results
+    assert torch.isfinite(o).all()
+    for name, x, ref in [("o", o, o_ref), ("S^k", hk, hk_ref), ("S^v", hv, hv_ref)]:
+        assert rel_err(x, ref) < tol, name
+    for name, x, ref in zip(["q", "k", "v", "a", "r", "S^k_0", "S^v_0"], grads, grads_ref):
+        assert rel_err(x, ref) < tol, f"grad {name}"
+
+
+@pytest.mark.parametrize(
+    "T, G, M, K, with_state",
+    [(70, 1, 32, 4, True), (37, 2, 16, 3, False)],  # lengths not multiples of the chunk (64) or sub-chunk (16)
+)
+def test_chunk_matches_reference(T, G, M, K, with_state):
+    B, H, d = 2, 1, 16
+    inputs = random_inputs(B, T, H, G, d, M, K, seed=T)
+    state = random_state(B, H, M, d) if with_state else None
+    assert_match(run_both(inputs, 0.4, M, state))
+
+
+def test_chunk_is_stable_under_strong_decay():
+    # whole slots wiped within a sub-chunk: every exponent the kernels take must stay <= 0
+    inputs = random_inputs(1, 40, 1, 1, 16, 16, 8, decay=60.0)
+    assert_match(run_both(inputs, 0.4, 16, None))
+
+
+def test_chunk_varlen_matches_reference_per_sequence():
+    lengths = [5, 66, 17]
+    cu_seqlens = torch.tensor([0, 5, 71, 88], device=DEVICE)
+    H, G, d, M, K = 1, 2, 16, 16, 4
+    inputs = random_inputs(1, sum(lengths), H, G, d, M, K, seed=3)
+    assert_match(run_both(inputs, 0.3, M, random_state(len(lengths), H, M, d), cu_seqlens))
+
+
+def test_decode_steps_match_reference():
+    B, T, H, G, d, M, K = 2, 5, 2, 2, 16, 16, 4
+    q, k, v, a, idx, r = random_inputs(B, T, H, G, d, M, K, seed=5)
+    state = random_state(B, H, M, d)
+    o_ref, (hk_ref, hv_ref) = naive_raven(q, k, v, a, idx, r, 0.5, state, num_slots=M)
+    live = tuple(s.clone() for s in state)
+    outputs = []
+    for t in range(T):  # one token at a time, the state updated in place
+        o, final = fused_recurrent_raven(
+            q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], a[:, t : t + 1], idx[:, t : t + 1],
+            r[:, t : t + 1], 0.5, M, live, output_final_state=True,
+        )
+        assert final[0] is live[0]
+        outputs.append(o)
+    assert rel_err(torch.cat(outputs, 1), o_ref) < 1e-5
+    assert rel_err(live[0], hk_ref) < 1e-5 and rel_err(live[1], hv_ref) < 1e-5
+
+
+def test_decode_varlen_several_tokens():
+    cu_seqlens = torch.tensor([0, 3, 4], device=DEVICE)
+    q, k, v, a, idx, r = random_inputs(1, 4, 1, 1, 16, 32, 8, seed=6)
+    o_ref, (hk_ref, _) = naive_raven(q, k, v, a, idx, r, 0.5, None, cu_seqlens, num_slots=32)
+    o, (hk, _) = fused_recurrent_raven(q, k, v, a, idx, r, 0.5, 32, None, True, cu_seqlens)
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(hk, hk_ref) < 1e-5
+
+
+def test_bad_arguments_are_named():
+    q, k, v, a, idx, r = random_inputs(1, 4, 1, 1, 16, 16, 4)
+    with pytest.raises(ValueError, match="top-K = 4"):
+        chunk_raven(q, k, v, a, idx, r, 1.0, 3)
+    with pytest.raises(ValueError, match="initial state S\\^k"):
+        chunk_raven(q, k, v, a, idx, r, 1.0, 16, (torch.zeros(1, 1, 8, 16), torch.zeros(1, 1, 8, 16)))
+    with pytest.raises(ValueError, match="contiguous float32"):
+        state = random_state(1, 1, 16, 16)
+        fused_recurrent_raven(q, k, v, a, idx, r, 1.0, 16, (state[0].double(), state[1]), True)
+
+
+class TinyCache:
+    """What the mixer asks of a cache: one state per layer."""
+
+    def __init__(self):
+        self.states = {}
+
+    def get_mixer_state(self, layer_idx):
+        return self.states.get(layer_idx)
+
+    def set_mixer_state(self, layer_idx, state, num_tokens):
+        self.states[layer_idx] = state
+
+
+def test_mixer_triton_matches_torch():
+    config = LlamaConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    torch.manual_seed(0)
+    mixer = RavenMixer(config, 0, RavenSettings(num_slots=16, top_k=4)).to(DEVICE).eval()
+    with torch.no_grad():
+        mixer.decay_weight.normal_(std=0.1)
+        mixer.gate_weight.normal_(std=0.1)
+    x = torch.randn(1, 19, 32, device=DEVICE)
+    mask = torch.ones(1, 19, dtype=torch.bool, device=DEVICE)
+    mask[:, :2] = False  # left padding
+    results = []
+    for backend in ("triton", "torch"):
+        mixer.zero_grad()
+        cache = TinyCache()
+        with use_backend(backend):
+            out, _ = mixer(x[:, :18], past_key_values=cache, padding_mask=mask[:, :18])
+            with torch.no_grad():
+                step, _ = mixer(x[:, 18:], past_key_values=cache)
+        out.pow(2).sum().backward()
+        results.append((out, step, {n: p.grad.clone() for n, p in mixer.named_parameters() if p.grad is not None}))
+    (out, step, grads), (out_ref, step_ref, grads_ref) = results
+    assert rel_err(out[:, 2:], out_ref[:, 2:]) < 1e-4 and rel_err(step, step_ref) < 1e-4
+    assert grads.keys() == grads_ref.keys() and "router_weight" in grads
+    for name in grads:
+        assert rel_err(grads[name], grads_ref[name]) < 1e-4, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("d, M, K", [(64, 64, 8), (128, 256, 32)])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunk_bf16_at_size(d, M, K, with_state):
+    B, T, H, G = 2, 1000, 4, 1
+    inputs = random_inputs(B, T, H, G, d, M, K, dtype=torch.bfloat16, seed=d)
+    state = random_state(B, H, M, d) if with_state else None
+    (o, hk, hv, grads), (o_ref, hk_ref, hv_ref, grads_ref) = run_both(inputs, d**-0.5, M, state)
+    assert rel_err(o, o_ref) < 5e-3 and rel_err(hk, hk_ref) < 5e-3 and rel_err(hv, hv_ref) < 5e-3
+    for name, x, ref in zip(["q", "k", "v", "a", "r", "S^k_0", "S^v_0"], grads, grads_ref):
+        assert rel_err(x, ref) < 1e-2, f"grad {name}"
+
+
