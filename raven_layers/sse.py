@@ -37,11 +37,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .backend import kernel_module
 from .common import Mixer, MixerSettings, RMSNorm, init_fresh_parameters
 
 SSEState = tuple[torch.Tensor]  # (S,), S: [B, H_kv, P, c, d] float32; partitions 0..N-1 routed, N the shared one
@@ -228,12 +230,16 @@ def chunk_gla_reference(q, k, v, log_g, scale: float, initial_state=None, cu_seq
     return o, (state.view(B, H, K, V) if cu_seqlens is None else state)
 
 
-def sse_masking(q, k, v, log_g, idx, num_partitions: int, scale: float, initial_state=None, chunk_size: int = 16):
+def sse_masking(
+    q, k, v, log_g, idx, num_partitions: int, scale: float, initial_state=None, chunk_size: int = 16, gla=None
+):
     """Masking form of `sse_recurrent` (paper Algorithm 1; same arguments and results).
 
     Every token is replicated over the P partitions; a partition the token does not touch gets q = k = 0 and a
     log-gate of 0, so the token neither reads, writes nor decays it. Partitions are merged into the head dimension
     (head h * P + i) and one chunked GLA runs over all of them; the shared partition is just one more head.
+    `gla(q, k, v, log_g, scale, initial_state=, cu_seqlens=)` -> (o, final state) runs it: `chunk_gla_reference`
+    with `chunk_size` when None (the Triton kernel passes its own).
     """
     B, T, H, G, M, c = q.shape
     d, P = v.shape[-1], num_partitions
@@ -244,14 +250,15 @@ def sse_masking(q, k, v, log_g, idx, num_partitions: int, scale: float, initial_
     q_all = q_all.transpose(3, 4).reshape(B, T, H * P, G, c)  # [B, T, H*P, G, c]
     v_all = v.unsqueeze(3).expand(B, T, H, P, d).reshape(B, T, H * P, d)  # [B, T, H*P, d]
     s0 = None if initial_state is None else initial_state.reshape(B, H * P, c, d)
-    o, state = chunk_gla_reference(
-        q_all, k_all.view(B, T, H * P, c), v_all, g_all.view(B, T, H * P, c), scale, s0, None, chunk_size
-    )
+    gla = gla or partial(chunk_gla_reference, chunk_size=chunk_size)
+    o, state = gla(q_all, k_all.view(B, T, H * P, c), v_all, g_all.view(B, T, H * P, c), scale, initial_state=s0)
     return o.view(B, T, H, P, G, d).sum(3), state.view(B, H, P, c, d)
 
 
-def sse_varlen(q, k, v, log_g, idx, num_partitions: int, scale: float, initial_state=None, chunk_size: int = 16):
-    """Varlen form of `sse_recurrent` (paper Algorithm 2; same arguments and results).
+def sse_varlen(
+    q, k, v, log_g, idx, num_partitions: int, scale: float, initial_state=None, chunk_size: int = 16, gla=None
+):
+    """Varlen form of `sse_recurrent` (paper Algorithm 2; same arguments and results; `gla` as in `sse_masking`).
 
     Each (batch row, kv head) is a sample with its own routing. Its (token, partition) entries are reordered by
     partition, then time, so every (sample, partition) becomes one segment of a single packed sequence with its
@@ -272,9 +279,9 @@ def sse_varlen(q, k, v, log_g, idx, num_partitions: int, scale: float, initial_s
     k_e, g_e = k.reshape(-1, c)[order], log_g.reshape(-1, c)[order]  # [E, c]
     v_e = v.unsqueeze(3).expand(B, T, H, M, d).reshape(-1, d)[order]  # [E, d]
     s0 = None if initial_state is None else initial_state.reshape(B * H * P, 1, c, d)
-    o_e, state = chunk_gla_reference(
-        q_e[None, :, None], k_e[None, :, None], v_e[None, :, None], g_e[None, :, None], scale, s0, cu, chunk_size
-    )
+    gla = gla or partial(chunk_gla_reference, chunk_size=chunk_size)
+    packed = (x[None, :, None] for x in (q_e, k_e, v_e, g_e))  # one sequence of E entries, one head
+    o_e, state = gla(*packed, scale, initial_state=s0, cu_seqlens=cu)
     o = o_e.new_zeros(order.numel(), G, d).index_copy(0, order, o_e[0, :, 0])  # [E, G, d] back in entry order
     return o.view(B, T, H, M, G, d).sum(3), state.view(B, H, P, c, d)
 
@@ -446,11 +453,15 @@ class SSEMixer(Mixer):
         state = self.load_state(past_key_values)
         initial = state[0] if state is not None else None
         args = (q, k, v, log_g, idx, self.num_partitions, self.scale, initial)
+        kernels = kernel_module("sse", q)
         if T == 1 and state is not None:
-            o, new_state = sse_recurrent(*args)
+            o, new_state = kernels.fused_recurrent_sse(*args) if kernels else sse_recurrent(*args)
         else:
             varlen = s.implementation == "varlen" or (s.implementation == "auto" and T >= VARLEN_MIN_TOKENS)
-            o, new_state = (sse_varlen if varlen else sse_masking)(*args, chunk_size=s.chunk_size)
+            if kernels:
+                o, new_state = kernels.chunk_sse(*args, implementation="varlen" if varlen else "masking")
+            else:
+                o, new_state = (sse_varlen if varlen else sse_masking)(*args, chunk_size=s.chunk_size)
         self.save_state(past_key_values, (new_state,), num_tokens=T)
 
         o = o.to(x.dtype)  # [B, T, H_kv, G, d]

@@ -1,0 +1,557 @@
+"""Chunked gated linear attention with a per-key-channel gate, variable-length segments and GQA (Triton).
+
+    S_t = diag(exp(log_g_t)) S_{t-1} + k_t^T v_t,    o_t = scale q_t S_t
+
+Every sequence (a batch row, or a segment of `cu_seqlens`) is cut into chunks of BT = 64 tokens that never cross
+a sequence boundary; the chunk list is built on the device (one host sync reads its length). Forward: the
+chunk-local cumulative gate b (`sse_fwd_kernel_cumsum`), the state entering every chunk by a scan over each
+sequence's chunks (`sse_fwd_kernel_h`), then all chunks in parallel (`sse_fwd_kernel_o`). Backward: a reverse scan
+for the gradient of the state leaving every chunk (`sse_bwd_kernel_dh`), then all chunks in parallel
+(`sse_bwd_kernel_dqkvg`). Empty sequences run no chunk: their state passes through, and so does its gradient.
+
+Inside a chunk token t reads token s <= t through exp(b_t - b_s). Sub-chunks of BC = 16 rows split this: across
+sub-chunks the factor is split at the boundary between them, exp(b_t - b_ref) exp(b_ref - b_s), two non-positive
+exponents, so a matrix product applies; inside a sub-chunk it is formed element by element. Rows past the end of a
+sequence read b at its last token, so no exponent anywhere is positive and strong decay cannot overflow.
+
+The gate's gradient uses d b_t = q_t dq_t - k_t dk_t (summed over query heads), reverse-summed within the chunk,
+plus rowsum(dS ⊙ S) of the state leaving the chunk, obtained as exp(b_last) rowsum(dS ⊙ S_enter) + sum_s k_s dk_s
+over the chunk-to-state part of dk.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from raven_layers.sse import sse_masking, sse_varlen
+
+BT = 64  # chunk length
+BC = 16  # sub-chunk length
+POISON = False  # tests set it: outputs start as NaN
+
+
+@triton.jit
+def sse_fwd_kernel_cumsum(
+    g, gc, cu, chunk_seq, chunk_pos, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr
+):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_s = tl.load(chunk_seq + i_c)
+    bos = tl.load(cu + i_s).to(tl.int64) + tl.load(chunk_pos + i_c).to(tl.int64) * BT
+    n = tl.load(cu + i_s + 1).to(tl.int64) - bos
+    o_t, o_k = tl.arange(0, BT), tl.arange(0, BK)
+    mask = (o_t < n)[:, None] & (o_k < K)[None, :]
+    offs = ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :]
+    b_g = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)  # [BT, BK]
+    tl.store(gc + offs, tl.cumsum(b_g, axis=0), mask=mask)
+
+
+@triton.jit
+def sse_fwd_kernel_h(
+    k,
+    v,
+    gc,
+    h0,
+    hs,
+    ht,
+    cu,
+    chunk_off,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    USE_H0: tl.constexpr,
+):
+    i_sh, i_k, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_s, i_h = i_sh // H, i_sh % H
+    seq_bos = tl.load(cu + i_s).to(tl.int64)
+    eos = tl.load(cu + i_s + 1).to(tl.int64)
+    c0 = tl.load(chunk_off + i_s).to(tl.int64)
+    n_chunks = tl.load(chunk_off + i_s + 1).to(tl.int64) - c0
+    o_t = tl.arange(0, BT)
+    o_k, o_v = i_k * BK + tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    offs_kv = o_k[:, None] * V + o_v[None, :]  # [BK, BV] inside one [K, V] state
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_h += tl.load(h0 + i_sh.to(tl.int64) * K * V + offs_kv, mask=m_kv, other=0.0)
+    for i in range(n_chunks):
+        bos = seq_bos + i * BT
+        last = tl.minimum(eos - bos, BT) - 1
+        tl.store(hs + ((c0 + i) * H + i_h) * K * V + offs_kv, b_h, mask=m_kv)
+        m_t = o_t < eos - bos
+        b_k = tl.load(
+            k + ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0
+        ).to(tl.float32)  # [BT, BK]
+        b_b = tl.load(
+            gc + ((bos + tl.minimum(o_t, last))[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
+        )  # [BT, BK]
+        b_bl = tl.load(gc + ((bos + last) * H + i_h) * K + o_k, mask=m_k, other=0.0)  # [BK]
+        b_v = tl.load(
+            v + ((bos + o_t)[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0
+        )  # [BT, BV]
+        b_kg = (b_k * tl.exp(b_bl[None, :] - b_b)).to(k.dtype.element_ty)
+        b_h = b_h * tl.exp(b_bl)[:, None] + tl.dot(tl.trans(b_kg), b_v.to(k.dtype.element_ty))
+    tl.store(ht + i_sh.to(tl.int64) * K * V + offs_kv, b_h, mask=m_kv)
+
+
+@triton.jit
+def sse_fwd_kernel_o(
+    q,
+    k,
+    v,
+    gc,
+    hs,
+    o,
+    cu,
+    chunk_seq,
+    chunk_pos,
+    scale,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+):
+    i_c, i_hg = tl.program_id(0), tl.program_id(1)
+    i_h = i_hg // G
+    i_s = tl.load(chunk_seq + i_c)
+    bos = tl.load(cu + i_s).to(tl.int64) + tl.load(chunk_pos + i_c).to(tl.int64) * BT
+    n = tl.load(cu + i_s + 1).to(tl.int64) - bos
+    last = tl.minimum(n, BT) - 1
+    DT = q.dtype.element_ty
+    o_t, o_r, o_k, o_v = tl.arange(0, BT), tl.arange(0, BC), tl.arange(0, BK), tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_t = o_t < n
+    b_k = tl.load(
+        k + ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0
+    ).to(tl.float32)  # [BT, BK]
+    b_b = tl.load(
+        gc + ((bos + tl.minimum(o_t, last))[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
+    )  # [BT, BK]
+    b_v = tl.load(
+        v + ((bos + o_t)[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0
+    ).to(DT)  # [BT, BV]
+    b_h = tl.load(
+        hs + (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
+        mask=m_k[:, None] & m_v[None, :],
+        other=0.0,
+    ).to(DT)  # [BK, BV]
+    for i in tl.static_range(BT // BC):
+        rows = i * BC + o_r
+        m_r = rows < n
+        b_q = tl.load(
+            q + ((bos + rows)[:, None] * (H * G) + i_hg) * K + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0
+        ).to(tl.float32)  # [BC, BK]
+        b_bi = tl.load(
+            gc + ((bos + tl.minimum(rows, last))[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
+        )  # [BC, BK]
+        b_o = tl.dot((b_q * tl.exp(b_bi)).to(DT), b_h)  # [BC, BV]
+        b_A = tl.zeros([BC, BT], dtype=tl.float32)  # A[t, s] for the rows t of this sub-chunk
+        if i > 0:  # earlier sub-chunks, split at the row before this one
+            b_ref = tl.load(gc + ((bos + tl.minimum(i * BC - 1, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+            b_kg = b_k * tl.exp(tl.where((o_t < i * BC)[:, None], b_ref[None, :] - b_b, float("-inf")))
+            b_A += tl.dot((b_q * tl.exp(b_bi - b_ref[None, :])).to(DT), tl.trans(b_kg.to(DT)))
+        for j in range(BC):
+            col = i * BC + j
+            b_kj = tl.load(k + ((bos + col) * H + i_h) * K + o_k, mask=o_k < tl.where(col < n, K, 0), other=0.0).to(
+                tl.float32
+            )
+            b_bj = tl.load(gc + ((bos + tl.minimum(col, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+            b_e = tl.exp(tl.where((o_r >= j)[:, None], b_bi - b_bj[None, :], float("-inf")))  # [BC, BK]
+            b_a = tl.sum(b_q * b_kj[None, :] * b_e, axis=1)  # [BC]
+            b_A = tl.where((o_t == col)[None, :], b_a[:, None], b_A)
+        b_o += tl.dot(b_A.to(DT), b_v)
+        tl.store(
+            o + ((bos + rows)[:, None] * (H * G) + i_hg) * V + o_v[None, :],
+            (b_o * scale).to(o.dtype.element_ty),
+            mask=m_r[:, None] & m_v[None, :],
+        )
+
+
+@triton.jit
+def sse_bwd_kernel_dh(
+    q,
+    do,
+    gc,
+    dht,
+    dhs,
+    dh0,
+    cu,
+    chunk_off,
+    scale,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    USE_DHT: tl.constexpr,
+    USE_H0: tl.constexpr,
+):
+    i_sh, i_k, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_s, i_h = i_sh // H, i_sh % H
+    seq_bos = tl.load(cu + i_s).to(tl.int64)
+    eos = tl.load(cu + i_s + 1).to(tl.int64)
+    c0 = tl.load(chunk_off + i_s).to(tl.int64)
+    n_chunks = tl.load(chunk_off + i_s + 1).to(tl.int64) - c0
+    DT = q.dtype.element_ty
+    o_t = tl.arange(0, BT)
+    o_k, o_v = i_k * BK + tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    offs_kv = o_k[:, None] * V + o_v[None, :]
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DHT:
+        b_dh += tl.load(dht + i_sh.to(tl.int64) * K * V + offs_kv, mask=m_kv, other=0.0)
+    for ii in range(n_chunks):
+        i = n_chunks - 1 - ii
+        bos = seq_bos + i * BT
+        last = tl.minimum(eos - bos, BT) - 1
+        tl.store(dhs + ((c0 + i) * H + i_h) * K * V + offs_kv, b_dh, mask=m_kv)  # gradient of the state leaving i
+        m_t = o_t < eos - bos
+        b_b = tl.load(
+            gc + ((bos + tl.minimum(o_t, last))[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
+        )  # [BT, BK]
+        b_bl = tl.load(gc + ((bos + last) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+        b_dh *= tl.exp(b_bl)[:, None]
+        for i_g in range(G):
+            i_hg = i_h * G + i_g
+            b_q = tl.load(
+                q + ((bos + o_t)[:, None] * (H * G) + i_hg) * K + o_k[None, :],
+                mask=m_t[:, None] & m_k[None, :],
+                other=0.0,
+            ).to(tl.float32)  # [BT, BK]
+            b_do = tl.load(
+                do + ((bos + o_t)[:, None] * (H * G) + i_hg) * V + o_v[None, :],
+                mask=m_t[:, None] & m_v[None, :],
+                other=0.0,
+            ).to(DT)  # [BT, BV]
+            b_dh += tl.dot(tl.trans((b_q * tl.exp(b_b) * scale).to(DT)), b_do)
+    if USE_H0:
+        tl.store(dh0 + i_sh.to(tl.int64) * K * V + offs_kv, b_dh, mask=m_kv)
+
+
+@triton.jit
+def sse_bwd_kernel_dqkvg(
+    q,
+    k,
+    v,
+    gc,
+    hs,
+    do,
+    dhs,
+    dq,
+    dk,
+    dv,
+    dg,
+    cu,
+    chunk_seq,
+    chunk_pos,
+    scale,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_s = tl.load(chunk_seq + i_c)
+    bos = tl.load(cu + i_s).to(tl.int64) + tl.load(chunk_pos + i_c).to(tl.int64) * BT
+    n = tl.load(cu + i_s + 1).to(tl.int64) - bos
+    last = tl.minimum(n, BT) - 1
+    DT = q.dtype.element_ty
+    o_t, o_r, o_k, o_v = tl.arange(0, BT), tl.arange(0, BC), tl.arange(0, BK), tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_t = o_t < n
+    offs_kv = (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+    b_h = tl.load(hs + offs_kv, mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV] state entering
+    b_dh = tl.load(dhs + offs_kv, mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV] grad of state leaving
+    b_bl = tl.load(gc + ((bos + last) * H + i_h) * K + o_k, mask=m_k, other=0.0)  # [BK]
+    b_k = tl.load(
+        k + ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0
+    ).to(tl.float32)  # [BT, BK]
+    b_b = tl.load(
+        gc + ((bos + tl.minimum(o_t, last))[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
+    )  # [BT, BK]
+    b_v = tl.load(
+        v + ((bos + o_t)[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0
+    ).to(DT)  # [BT, BV]
+    b_hT, b_dhT = tl.trans(b_h.to(DT)), tl.trans(b_dh.to(DT))  # [BV, BK]
+    # Gate gradient common to the whole chunk: rowsum(dS ⊙ S) of the state leaving it.
+    b_dk_state = tl.dot(b_v, b_dhT) * tl.exp(b_bl[None, :] - b_b)  # [BT, BK]
+    b_run = tl.exp(b_bl) * tl.sum(b_dh * b_h, axis=1) + tl.sum(b_k * b_dk_state, axis=0)  # [BK]
+    for ii in tl.static_range(BT // BC):
+        i = BT // BC - 1 - ii
+        rows = i * BC + o_r
+        m_r = rows < n
+        m_rk = m_r[:, None] & m_k[None, :]
+        m_rv = m_r[:, None] & m_v[None, :]
+        offs_rk = ((bos + rows)[:, None] * H + i_h) * K + o_k[None, :]
+        offs_rv = ((bos + rows)[:, None] * H + i_h) * V + o_v[None, :]
+        b_ki = tl.load(k + offs_rk, mask=m_rk, other=0.0).to(tl.float32)  # [BC, BK]
+        b_bi = tl.load(
+            gc + ((bos + tl.minimum(rows, last))[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
+        )  # [BC, BK]
+        b_vi = tl.load(v + offs_rv, mask=m_rv, other=0.0).to(DT)  # [BC, BV]
+        b_ei = tl.exp(b_bl[None, :] - b_bi)
+        b_dk = tl.dot(b_vi, b_dhT) * b_ei  # [BC, BK]
+        b_dv = tl.dot((b_ki * b_ei).to(DT), b_dh.to(DT))  # [BC, BV]
+        b_qdq = tl.zeros([BC, BK], dtype=tl.float32)
+        b_ref_k = tl.load(gc + ((bos + tl.minimum(i * BC + BC - 1, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+        for i_g in range(G):
+            i_hg = i_h * G + i_g
+            offs_rqk = ((bos + rows)[:, None] * (H * G) + i_hg) * K + o_k[None, :]
+            b_qi = tl.load(q + offs_rqk, mask=m_rk, other=0.0).to(tl.float32)  # [BC, BK]
+            b_doi = tl.load(do + ((bos + rows)[:, None] * (H * G) + i_hg) * V + o_v[None, :], mask=m_rv, other=0.0).to(
+                DT
+            )  # [BC, BV]
+            # dq of the rows of this sub-chunk: from the entering state, then from earlier tokens
+            b_dq = tl.dot(b_doi, b_hT) * tl.exp(b_bi) * scale  # [BC, BK]
+            b_dA = tl.dot(b_doi, tl.trans(b_v)) * scale  # [BC, BT] dA[t, s], t in this sub-chunk
+            if i > 0:
+                b_ref = tl.load(gc + ((bos + tl.minimum(i * BC - 1, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+                b_kg = b_k * tl.exp(tl.where((o_t < i * BC)[:, None], b_ref[None, :] - b_b, float("-inf")))
+                b_dq += tl.dot(b_dA.to(DT), b_kg.to(DT)) * tl.exp(b_bi - b_ref[None, :])
+            for j in range(BC):
+                col = i * BC + j
+                b_kj = tl.load(k + ((bos + col) * H + i_h) * K + o_k, mask=o_k < tl.where(col < n, K, 0), other=0.0).to(
+                    tl.float32
+                )
+                b_bj = tl.load(gc + ((bos + tl.minimum(col, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+                b_e = tl.exp(tl.where((o_r >= j)[:, None], b_bi - b_bj[None, :], float("-inf")))
+                b_a = tl.sum(tl.where((o_t == col)[None, :], b_dA, 0.0), axis=1)  # [BC]
+                b_dq += b_a[:, None] * b_kj[None, :] * b_e
+            tl.store(dq + offs_rqk, b_dq.to(dq.dtype.element_ty), mask=m_rk)
+            b_qdq += b_qi * b_dq
+            # dk, dv of the columns of this sub-chunk: from later tokens t of the chunk
+            b_qf = tl.load(
+                q + ((bos + o_t)[:, None] * (H * G) + i_hg) * K + o_k[None, :],
+                mask=m_t[:, None] & m_k[None, :],
+                other=0.0,
+            ).to(tl.float32)  # [BT, BK]
+            b_dof = tl.load(
+                do + ((bos + o_t)[:, None] * (H * G) + i_hg) * V + o_v[None, :],
+                mask=m_t[:, None] & m_v[None, :],
+                other=0.0,
+            ).to(DT)  # [BT, BV]
+            b_dAT = tl.dot(b_vi, tl.trans(b_dof)) * scale  # [BC, BT] dA[t, s], s in this sub-chunk
+            b_AT = tl.zeros([BC, BT], dtype=tl.float32)  # A[t, s], s in this sub-chunk
+            if i < BT // BC - 1:  # later sub-chunks, split at the last row of this one
+                b_qg = b_qf * tl.exp(tl.where((o_t >= i * BC + BC)[:, None], b_b - b_ref_k[None, :], float("-inf")))
+                b_kg = b_ki * tl.exp(b_ref_k[None, :] - b_bi)
+                b_dk += tl.dot(b_dAT.to(DT), b_qg.to(DT)) * tl.exp(b_ref_k[None, :] - b_bi)
+                b_AT += tl.dot(b_kg.to(DT), tl.trans(b_qg.to(DT)))
+            for j in range(BC):
+                row = i * BC + j
+                b_qj = tl.load(
+                    q + ((bos + row) * (H * G) + i_hg) * K + o_k, mask=o_k < tl.where(row < n, K, 0), other=0.0
+                ).to(tl.float32)
+                b_bj = tl.load(gc + ((bos + tl.minimum(row, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+                b_qe = b_qj[None, :] * tl.exp(tl.where((o_r <= j)[:, None], b_bj[None, :] - b_bi, float("-inf")))
+                b_a = tl.sum(tl.where((o_t == row)[None, :], b_dAT, 0.0), axis=1)  # [BC]
+                b_dk += b_a[:, None] * b_qe
+                b_AT = tl.where((o_t == row)[None, :], tl.sum(b_ki * b_qe, axis=1)[:, None], b_AT)
+            b_dv += tl.dot(b_AT.to(DT), b_dof) * scale
+        tl.store(dk + offs_rk, b_dk.to(dk.dtype.element_ty), mask=m_rk)
+        tl.store(dv + offs_rv, b_dv.to(dv.dtype.element_ty), mask=m_rv)
+        b_db = b_qdq - b_ki * b_dk  # [BC, BK]
+        b_sum = tl.sum(b_db, axis=0)
+        b_dg = b_sum[None, :] - tl.cumsum(b_db, axis=0) + b_db + b_run[None, :]  # reverse cumsum, later rows added
+        b_run += b_sum
+        tl.store(dg + offs_rk, b_dg.to(dg.dtype.element_ty), mask=m_rk)
+
+
+def _block(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def _chunk_layout(B: int, T: int, cu_seqlens, device):
+    """cu [S+1] int32, chunk_seq / chunk_pos [Nc] (sequence and index in it of each chunk), chunk_off [S+1], Nc."""
+    if cu_seqlens is None:  # each batch row is one sequence of the packed [B * T] stream
+        cu = torch.arange(B + 1, device=device, dtype=torch.int32) * T
+        n_chunks = torch.full((B,), triton.cdiv(T, BT), device=device, dtype=torch.int32)
+    else:
+        cu = cu_seqlens.to(device=device, dtype=torch.int32)
+        n_chunks = (cu.diff() + BT - 1) // BT
+    chunk_off = torch.nn.functional.pad(n_chunks.cumsum(0, dtype=torch.int32), (1, 0))
+    total = B * triton.cdiv(T, BT) if cu_seqlens is None else int(chunk_off[-1])  # the one host sync
+    seqs = torch.arange(cu.numel() - 1, device=device, dtype=torch.int32)
+    chunk_seq = torch.repeat_interleave(seqs, n_chunks.long(), output_size=total)
+    chunk_pos = torch.arange(total, device=device, dtype=torch.int32) - chunk_off[chunk_seq.long()]
+    return cu, chunk_seq, chunk_pos, chunk_off, total
+
+
+def _new(shape, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An output buffer; NaN-filled when POISON is set (tests), so an element a kernel fails to write shows."""
+    out = torch.empty(shape, device=like.device, dtype=dtype)
+    return out.fill_(float("nan")) if POISON else out
+
+
+class ChunkGLAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, log_g, scale, initial_state, cu_seqlens):
+        B, T, H, G, K = q.shape
+        V, L, dev = v.shape[-1], B * T, q.device
+        BK, BV = _block(K), _block(V)
+        q, k, v, log_g = (x.reshape(L, *x.shape[2:]).contiguous() for x in (q, k, v, log_g))
+        cu, chunk_seq, chunk_pos, chunk_off, Nc = _chunk_layout(B, T, cu_seqlens, dev)
+        S = cu.numel() - 1
+        h0 = None if initial_state is None else initial_state.float().reshape(S, H, K, V).contiguous()
+        gc = torch.empty(L, H, K, device=dev, dtype=torch.float32)  # chunk-local cumulative log-gate
+        hs = torch.empty(Nc, H, K, V, device=dev, dtype=torch.float32)  # state entering each chunk
+        ht = torch.empty(S, H, K, V, device=dev, dtype=torch.float32)
+        o = _new((L, H, G, V), q, q.dtype)
+        if Nc:
+            sse_fwd_kernel_cumsum[(Nc, H)](log_g, gc, cu, chunk_seq, chunk_pos, H, K, BT, BK)
+        hk, hv = min(BK, 64), min(BV, 64)
+        if S:
+            sse_fwd_kernel_h[(S * H, BK // hk, BV // hv)](
+                k, v, gc, h0, hs, ht, cu, chunk_off, H, K, V, BT, hk, hv, h0 is not None, num_warps=4
+            )
+        if Nc:
+            sse_fwd_kernel_o[(Nc, H * G)](
+                q, k, v, gc, hs, o, cu, chunk_seq, chunk_pos, scale, H, G, K, V, BT, BC, BK, BV, num_warps=4
+            )
+        ctx.save_for_backward(q, k, v, gc, hs, cu, chunk_seq, chunk_pos, chunk_off)
+        ctx.meta = (B, T, scale, initial_state is not None, log_g.dtype, None if h0 is None else initial_state.dtype)
+        return o.view(B, T, H, G, V), ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, gc, hs, cu, chunk_seq, chunk_pos, chunk_off = ctx.saved_tensors
+        B, T, scale, use_h0, g_dtype, h0_dtype = ctx.meta
+        L, H, G, K = q.shape
+        V, S, Nc, dev = v.shape[-1], cu.numel() - 1, hs.shape[0], q.device
+        BK, BV = _block(K), _block(V)
+        do = torch.zeros(L, H, G, V, device=dev, dtype=q.dtype) if do is None else do.reshape(L, H, G, V).contiguous()
+        dht = None if dht is None else dht.float().reshape(S, H, K, V).contiguous()
+        dhs = torch.empty_like(hs)
+        dh0 = torch.empty(S, H, K, V, device=dev, dtype=torch.float32) if use_h0 else None
+        hk, hv = min(BK, 64), min(BV, 64)
+        if S:
+            sse_bwd_kernel_dh[(S * H, BK // hk, BV // hv)](
+                q,
+                do,
+                gc,
+                dht,
+                dhs,
+                dh0,
+                cu,
+                chunk_off,
+                scale,
+                H,
+                G,
+                K,
+                V,
+                BT,
+                hk,
+                hv,
+                dht is not None,
+                use_h0,
+                num_warps=4,
+            )
+        dq, dk, dv = (_new(x.shape, x, x.dtype) for x in (q, k, v))
+        dg = _new((L, H, K), q, g_dtype)
+        if Nc:
+            sse_bwd_kernel_dqkvg[(Nc, H)](
+                q,
+                k,
+                v,
+                gc,
+                hs,
+                do,
+                dhs,
+                dq,
+                dk,
+                dv,
+                dg,
+                cu,
+                chunk_seq,
+                chunk_pos,
+                scale,
+                H,
+                G,
+                K,
+                V,
+                BT,
+                BC,
+                BK,
+                BV,
+                num_warps=4,
+            )
+        shape = (B, T, H)
+        dh0 = None if dh0 is None else dh0.to(h0_dtype)
+        return dq.view(*shape, G, K), dk.view(*shape, K), dv.view(*shape, V), dg.view(*shape, K), None, dh0, None
+
+
+def chunk_gla(q, k, v, log_g, scale: float, initial_state=None, output_final_state: bool = False, cu_seqlens=None):
+    """Chunked gated linear attention with a per-key-channel gate (the kernel of `gla_recurrent`).
+
+    Args:
+        q: [B, T, H, G, K], G query heads per state head; k, log_g: [B, T, H, K] (log_g <= 0); v: [B, T, H, V].
+            float32, bfloat16 or float16; matrix products run in q's dtype (tf32 for float32 on GPUs).
+        scale: factor of the read, o_t = scale q_t S_t.
+        initial_state: [B, H, K, V] ([S, H, K, V] with cu_seqlens); zeros when None. Differentiable.
+        output_final_state: also return the final state.
+        cu_seqlens: [S + 1] offsets of S sequences packed along T (then B == 1); empty sequences allowed.
+
+    Returns:
+        o: [B, T, H, G, V] in q's dtype, and the final state [B, H, K, V] ([S, H, K, V]) float32, or None.
+    """
+    if q.dim() != 5 or k.dim() != 4 or q.shape[:3] != k.shape[:3] or v.shape[:3] != k.shape[:3]:
+        raise ValueError(
+            f"chunk_gla expects q [B, T, H, G, K], k and log_g [B, T, H, K], v [B, T, H, V]; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if log_g.shape != k.shape or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"chunk_gla: log_g {tuple(log_g.shape)} and q's last dim must match k {tuple(k.shape)}")
+    allowed = (torch.float32, torch.bfloat16, torch.float16)
+    if q.dtype not in allowed:
+        raise ValueError(f"chunk_gla: q.dtype = {q.dtype} is not supported; allowed: {list(allowed)}")
+    if max(k.shape[-1], v.shape[-1]) > 256:
+        raise ValueError(f"chunk_gla: K = {k.shape[-1]}, V = {v.shape[-1]}; allowed: at most 256 each")
+    if cu_seqlens is not None and q.shape[0] != 1:
+        raise ValueError(f"cu_seqlens needs a batch of 1 packed sequence, got batch {q.shape[0]}")
+    o, final = ChunkGLAFunction.apply(q, k, v, log_g, float(scale), initial_state, cu_seqlens)
+    return o, final if output_final_state else None
+
+
+def _gla(q, k, v, log_g, scale: float, initial_state=None, cu_seqlens=None):
+    return chunk_gla(q, k, v, log_g, scale, initial_state, True, cu_seqlens)
+
+
+IMPLEMENTATIONS = {"varlen": sse_varlen, "masking": sse_masking}
+
+
+def chunk_sse(q, k, v, log_g, idx, num_partitions: int, scale: float, initial_state=None, implementation="varlen"):
+    """SSE's parallel forms on `chunk_gla`: the regrouping of `sse_varlen` (paper Algorithm 2: every (batch row,
+    kv head, partition) one segment of a single packed sequence) or `sse_masking` (Algorithm 1: every partition a
+    head), same arguments and results as those.
+
+    Args:
+        q: [B, T, H, G, M, c]; k, log_g: [B, T, H, M, c]; v: [B, T, H, d]; idx: [B, T, H, M] in [0, P), the M
+            distinct partitions each token touches (see `sse_recurrent`).
+        num_partitions: P, partitions of the state (routed + shared).
+        initial_state: [B, H, P, c, d]; zeros when None. Differentiable.
+        implementation: "varlen" or "masking".
+
+    Returns:
+        o: [B, T, H, G, d] in q's dtype and the final state [B, H, P, c, d] float32.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"chunk_sse: implementation = {implementation!r} is not allowed; allowed: {list(IMPLEMENTATIONS)}"
+        )
+    return IMPLEMENTATIONS[implementation](q, k, v, log_g, idx, num_partitions, scale, initial_state, gla=_gla)

@@ -1,0 +1,218 @@
+"""SSE kernels against the PyTorch references: chunked GLA, the masking and varlen SSE forms, the decode step, and
+the mixer under the triton and torch backends. On CPU the kernels run under the Triton interpreter (small sizes)."""
+
+import pytest
+import torch
+
+from kernels.sse import chunk as chunk_module
+from kernels.sse import chunk_gla, chunk_sse, fused_recurrent_sse
+from kernels.sse.naive import chunk_gla_reference, gla_recurrent, sse_masking, sse_recurrent, sse_varlen
+from raven_layers.backend import use_backend
+from tests.raven_layers.test_sse import CONFIG, FakeCache, random_gla, random_sse, tiny_mixer
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    monkeypatch.setattr(chunk_module, "POISON", True)  # kernel outputs start as NaN: an unwritten element fails
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def run_with_grads(fn, inputs, state):
+    """Outputs of fn and the gradients of every input (and the initial state) under a loss using both results."""
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    s0 = None if state is None else state.clone().requires_grad_()
+    o, s = fn(*leaves, s0)
+    (o.sin().sum() + (s**2).sum()).backward()
+    return o, s, [x.grad for x in leaves] + ([] if s0 is None else [s0.grad])
+
+
+def assert_all_close(got, ref, tol, grad_tol=None, names=("q", "k", "v", "log_g", "initial_state")):
+    o, s, grads = got
+    o_ref, s_ref, grads_ref = ref
+    assert rel_err(o, o_ref) < tol and rel_err(s, s_ref) < tol
+    assert len(grads) == len(grads_ref)
+    for name, g, g_ref in zip(names, grads, grads_ref):
+        assert torch.isfinite(g).all() and rel_err(g, g_ref) < (grad_tol or tol), name
+
+
+@pytest.mark.parametrize(
+    ("B", "T", "H", "G", "K", "V", "with_state"),
+    [(1, 1, 1, 1, 16, 16, True), (1, 70, 2, 2, 16, 32, True), (1, 65, 1, 3, 32, 16, False), (2, 33, 1, 1, 8, 5, True)],
+)
+def test_chunk_gla_matches_recurrence(B, T, H, G, K, V, with_state):
+    q, k, v, log_g = random_gla(B, T, H, G, K, V, seed=T)
+    state = torch.randn(B, H, K, V) if with_state else None
+    got = run_with_grads(lambda *a: chunk_gla(*a[:4], 0.3, a[4], output_final_state=True), (q, k, v, log_g), state)
+    ref = run_with_grads(lambda *a: gla_recurrent(*a[:4], 0.3, a[4]), (q, k, v, log_g), state)
+    assert got[0].shape == (B, T, H, G, V) and got[1].shape == (B, H, K, V) and got[1].dtype == torch.float32
+    assert_all_close(got, ref, 1e-5)
+
+
+@pytest.mark.parametrize("with_state", [True])
+def test_chunk_gla_varlen_with_empty_and_single_token_segments(with_state):
+    lengths = [5, 0, 1, 66, 0, 3]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    q, k, v, log_g = random_gla(1, sum(lengths), 1, 2, 16, 16, seed=1)
+    state = torch.randn(len(lengths), 1, 16, 16) if with_state else None
+    got = run_with_grads(lambda *a: chunk_gla(*a[:4], 0.3, a[4], True, cu), (q, k, v, log_g), state)
+    ref = run_with_grads(lambda *a: gla_recurrent(*a[:4], 0.3, a[4], cu), (q, k, v, log_g), state)
+    assert_all_close(got, ref, 1e-5)
+    if with_state:  # an empty segment passes its state and the state's gradient through
+        assert torch.equal(got[1][1], state[1])
+        assert torch.equal(got[2][4][1], 2 * state[1])
+
+
+def test_chunk_gla_is_stable_under_strong_decay():
+    q, k, v, log_g = random_gla(1, 70, 1, 1, 16, 16, seed=2)
+    log_g = log_g * 200  # whole channels wiped within a sub-chunk
+    got = run_with_grads(lambda *a: chunk_gla(*a[:4], 0.3, a[4], True), (q, k, v, log_g), None)
+    ref = run_with_grads(lambda *a: gla_recurrent(*a[:4], 0.3, a[4]), (q, k, v, log_g), None)
+    assert_all_close(got, ref, 1e-5, grad_tol=1e-3)  # d log_g = q dq - k dk cancels: float32 rounding shows
+
+
+def test_chunk_gla_without_final_state():
+    q, k, v, log_g = random_gla(1, 9, 1, 1, 16, 16)
+    o, final = chunk_gla(q, k, v, log_g, 0.5)
+    assert final is None and rel_err(o, gla_recurrent(q, k, v, log_g, 0.5)[0]) < 1e-5
+
+
+def test_chunk_gla_names_bad_inputs():
+    q, k, v, log_g = random_gla(2, 4, 1, 1, 16, 16)
+    with pytest.raises(ValueError, match="cu_seqlens needs a batch of 1"):
+        chunk_gla(q, k, v, log_g, 1.0, cu_seqlens=torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match=r"q.dtype = torch.float64 is not supported"):
+        chunk_gla(q.double(), k, v, log_g, 1.0)
+
+
+@pytest.mark.parametrize("implementation", ["varlen", "masking"])
+@pytest.mark.parametrize(("N", "k", "k_read", "shared", "with_state"), [(4, 1, 1, True, True), (3, 2, 3, False, False)])
+def test_chunk_sse_matches_recurrence(implementation, N, k, k_read, shared, with_state):
+    B, T, H, G, c, d = 2, 19, 1, 2, 16, 16
+    q, keys, v, log_g, idx, P = random_sse(B, T, H, G, c, d, N, k, k_read, shared, seed=N + k)
+    state = torch.randn(B, H, P, c, d) if with_state else None
+
+    def kernel(*a):
+        return chunk_sse(*a[:4], idx, P, 0.35, a[4], implementation=implementation)
+
+    got = run_with_grads(kernel, (q, keys, v, log_g), state)
+    ref = run_with_grads(lambda *a: sse_recurrent(*a[:4], idx, P, 0.35, a[4]), (q, keys, v, log_g), state)
+    assert_all_close(got, ref, 1e-5)
+
+
+def test_chunk_sse_names_a_bad_implementation():
+    q, keys, v, log_g, idx, P = random_sse(1, 3, 1, 1, 16, 16, 4, 1, 1, True)
+    with pytest.raises(ValueError, match=r"implementation = 'dense' is not allowed; allowed: \['varlen', 'masking'\]"):
+        chunk_sse(q, keys, v, log_g, idx, P, 1.0, implementation="dense")
+
+
+@pytest.mark.parametrize(("T", "G", "c", "d"), [(1, 1, 16, 16), (1, 3, 8, 40), (5, 2, 16, 16)])
+def test_fused_recurrent_sse_matches_recurrence(T, G, c, d):
+    q, keys, v, log_g, idx, P = random_sse(2, T, 2, G, c, d, 4, 2, 3, True, seed=T)
+    state = torch.randn(2, 2, P, c, d)
+    o_ref, s_ref = sse_recurrent(q, keys, v, log_g, idx, P, 0.35, state)
+    o, s = fused_recurrent_sse(q, keys, v, log_g, idx, P, 0.35, state.clone())
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
+    touched = torch.zeros(2, 2, P, dtype=torch.bool)
+    touched.scatter_(2, idx.transpose(1, 2).flatten(2), True)
+    assert torch.equal(s[~touched], state[~touched])  # partitions no token selected are untouched
+    o_zero, s_zero = fused_recurrent_sse(q, keys, v, log_g, idx, P, 0.35, None)
+    o_zero_ref, s_zero_ref = sse_recurrent(q, keys, v, log_g, idx, P, 0.35)
+    assert rel_err(o_zero, o_zero_ref) < 1e-5 and rel_err(s_zero, s_zero_ref) < 1e-5
+
+
+def test_fused_recurrent_sse_updates_the_state_in_place():
+    q, keys, v, log_g, idx, P = random_sse(1, 1, 1, 1, 16, 16, 4, 1, 1, True)
+    state = torch.randn(1, 1, P, 16, 16)
+    _, s = fused_recurrent_sse(q, keys, v, log_g, idx, P, 1.0, state)
+    assert s is state
+
+
+@pytest.mark.parametrize("implementation", ["masking", "varlen"])
+def test_mixer_runs_the_kernels_like_the_torch_forms(implementation):
+    torch.manual_seed(0)
+    x = torch.randn(2, 13, CONFIG.hidden_size)
+    results = {}
+    for backend in ("torch", "triton"):
+        mixer = tiny_mixer(implementation=implementation).train()
+        with use_backend(backend):
+            out, _ = mixer(x)
+            out.square().sum().backward()
+        results[backend] = out, {name: p.grad for name, p in mixer.named_parameters()}
+    out_ref, grads_ref = results["torch"]
+    out, grads = results["triton"]
+    assert rel_err(out, out_ref) < 1e-5
+    noise = grads_ref.pop("partition_weight")  # rounding noise both ways: e_t only shifts a softmax (eq. 11)
+    assert noise.abs().max() < 1e-4 and grads["partition_weight"].abs().max() < 1e-4
+    for name, g_ref in grads_ref.items():
+        assert rel_err(grads[name], g_ref) < 1e-4, name
+
+
+def test_mixer_prefill_and_decode_with_the_kernels():
+    mixer = tiny_mixer()
+    torch.manual_seed(0)
+    x = torch.randn(2, 11, CONFIG.hidden_size)
+    outs = {}
+    for backend in ("torch", "triton"):
+        cache = FakeCache()
+        with use_backend(backend), torch.no_grad():
+            steps = [mixer(x[:, :8], past_key_values=cache)[0]]
+            steps += [mixer(x[:, t : t + 1], past_key_values=cache)[0] for t in range(8, 11)]
+        outs[backend] = torch.cat(steps, dim=1), cache.state[0]
+    assert rel_err(outs["triton"][0], outs["torch"][0]) < 1e-5
+    assert rel_err(outs["triton"][1], outs["torch"][1]) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_chunk_gla_bf16_on_gpu(varlen):
+    B, T, H, G, K, V = (1, 3000, 4, 2, 128, 128) if varlen else (2, 1000, 4, 2, 128, 128)
+    q, k, v, log_g = (x.cuda() for x in random_gla(B, T, H, G, K, V, seed=3))
+    q, k = q * K**-0.5, k * K**-0.5
+    cu = torch.tensor([0, 0, 1, 700, 701, 2100, 2100, 3000], device="cuda") if varlen else None
+    S = B if cu is None else cu.numel() - 1
+    state = torch.randn(S, H, K, V, device="cuda")
+    bf = [x.bfloat16() for x in (q, k, v)] + [log_g]
+    got = run_with_grads(lambda *a: chunk_gla(*a[:4], K**-0.5, a[4], True, cu), bf, state)
+    ref = run_with_grads(lambda *a: chunk_gla_reference(*a[:4], K**-0.5, a[4], cu), [x.float() for x in bf], state)
+    o, s, grads = got
+    assert rel_err(o, ref[0]) < 5e-3 and rel_err(s, ref[1]) < 5e-3
+    for name, g, g_ref in zip(("q", "k", "v", "log_g", "initial_state"), grads, ref[2]):
+        assert rel_err(g, g_ref) < 1e-2, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("implementation", ["varlen", "masking"])
+def test_chunk_sse_bf16_on_gpu(implementation):
+    B, T, H, G, c, d = 2, 1000, 4, 1, 128, 128
+    q, keys, v, log_g, idx, P = (
+        x.cuda() if torch.is_tensor(x) else x for x in random_sse(B, T, H, G, c, d, 4, 1, 1, True)
+    )
+    state = torch.randn(B, H, P, c, d, device="cuda")
+    bf = [q.bfloat16(), keys.bfloat16(), v.bfloat16(), log_g]
+
+    def ref_fn(*a):
+        return (sse_varlen if implementation == "varlen" else sse_masking)(*a[:4], idx, P, c**-0.5, a[4])
+
+    got = run_with_grads(lambda *a: chunk_sse(*a[:4], idx, P, c**-0.5, a[4], implementation=implementation), bf, state)
+    ref = run_with_grads(ref_fn, [x.float() for x in bf], state)
+    o, s, grads = got
+    assert rel_err(o, ref[0]) < 5e-3 and rel_err(s, ref[1]) < 5e-3
+    for name, g, g_ref in zip(("q", "k", "v", "log_g", "initial_state"), grads, ref[2]):
+        assert rel_err(g, g_ref) < 1e-2, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fused_recurrent_sse_on_gpu():
+    q, keys, v, log_g, idx, P = (
+        x.cuda() if torch.is_tensor(x) else x for x in random_sse(64, 1, 16, 1, 128, 128, 4, 1, 1, True)
+    )
+    state = torch.randn(64, 16, P, 128, 128, device="cuda")
+    o_ref, s_ref = sse_recurrent(q, keys, v, log_g, idx, P, 128**-0.5, state)
+    o, s = fused_recurrent_sse(q, keys, v, log_g, idx, P, 128**-0.5, state)
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
