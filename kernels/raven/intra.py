@@ -17,6 +17,19 @@ import triton.language as tl
 
 
 @triton.jit
+def raven_rows(p_g, p_w, stride, j, L, o_m, m_m, BT: tl.constexpr, BC: tl.constexpr):
+    """Row j of every sub-chunk, broadcast over that sub-chunk's rows: g and w [BT, BM] at row (t // BC) BC + j."""
+    o_s = tl.arange(0, BT // BC) * BC + j  # [NS]
+    mask = (o_s < L)[:, None] & m_m[None, :]
+    b_g = tl.load(p_g + o_s[:, None] * stride + o_m[None, :], mask=mask, other=0.0)  # [NS, BM]
+    b_w = tl.load(p_w + o_s[:, None] * stride + o_m[None, :], mask=mask, other=0.0)
+    shape: tl.constexpr = [BT // BC, BC, b_g.shape[1]]
+    b_g = tl.reshape(tl.broadcast_to(b_g[:, None, :], shape), [BT, b_g.shape[1]])
+    b_w = tl.reshape(tl.broadcast_to(b_w[:, None, :], shape), [BT, b_w.shape[1]])
+    return b_g, b_w
+
+
+@triton.jit
 def raven_read_m(b_A, b_g, b_w, p_g, p_w, stride, L, o_m, m_m, BT: tl.constexpr, BC: tl.constexpr):
     """out[t, m] = sum_{s <= t} A[t, s] exp(g_t - g_s)[m] w_s[m]: the in-chunk slot logits (A = q k^T) or
     their gradient through the value pass (A = do v^T). b_A: [BT, BT]; returns [BT, BM] float32."""
@@ -32,9 +45,7 @@ def raven_read_m(b_A, b_g, b_w, p_g, p_w, stride, L, o_m, m_m, BT: tl.constexpr,
     for j in range(BC):
         o_s = (o_t // BC) * BC + j  # [BT] the source row of each target row
         m_s = (o_s <= o_t) & (o_t < L)
-        p_s = o_s[:, None] * stride + o_m[None, :]
-        b_gs = tl.load(p_g + p_s, mask=m_s[:, None] & m_m[None, :], other=0.0)
-        b_ws = tl.load(p_w + p_s, mask=m_s[:, None] & m_m[None, :], other=0.0)
+        b_gs, b_ws = raven_rows(p_g, p_w, stride, j, L, o_m, m_m, BT, BC)
         b_a = tl.sum(tl.where(o_t[None, :] == o_s[:, None], b_A, 0.0), 1)  # [BT] A[t, s(t)]
         b_o += tl.where(m_s[:, None], b_a[:, None] * tl.exp(b_g - b_gs) * b_ws, 0.0)
     return b_o
@@ -56,9 +67,7 @@ def raven_mix(b_P, b_g, b_w, p_g, p_w, stride, L, o_m, m_m, BT: tl.constexpr, BC
     for j in range(BC):
         o_s = (o_t // BC) * BC + j
         m_s = (o_s <= o_t) & (o_t < L)
-        p_s = o_s[:, None] * stride + o_m[None, :]
-        b_gs = tl.load(p_g + p_s, mask=m_s[:, None] & m_m[None, :], other=0.0)
-        b_ws = tl.load(p_w + p_s, mask=m_s[:, None] & m_m[None, :], other=0.0)
+        b_gs, b_ws = raven_rows(p_g, p_w, stride, j, L, o_m, m_m, BT, BC)
         b_c = tl.sum(tl.where(m_s[:, None], b_P * tl.exp(b_g - b_gs) * b_ws, 0.0), 1)  # [BT]
         b_B += tl.where(o_t[None, :] == o_s[:, None], b_c[:, None], 0.0)
     return b_B
