@@ -29,22 +29,22 @@ from .common import _add_pair, load_chunk, memory_transposed_times, sequence_bou
 @triton.jit
 def sila_bwd_kernel_dq(
     q, k, v, alpha, beta_x, gamma_x, mask, r, s, states, do, dq, dalpha, c, cu_seqlens, state_offsets,
-    chunk_indices, T, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr, HAS_MASK: tl.constexpr, IS_VARLEN: tl.constexpr,
+    chunk_indices, T, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_MASK: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
     i_n, i_c, i_h = common.chunk_program(chunk_indices, IS_VARLEN)
     bos, T_n, state_base = sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK, IS_VARLEN)
     b_S, b_k, b_v, b_u, b_start, b_D, rows, m_t = load_chunk(
-        k, v, r, s, beta_x, gamma_x, mask, states, bos, T_n, state_base, i_c, i_h, H, K, V, BK, BV, CHUNK, HAS_MASK
+        k, v, r, s, beta_x, gamma_x, mask, states, bos, T_n, state_base, i_c, i_h, H, K, V, CHUNK, HAS_MASK
     )
-    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
-    m_tk, m_tv = m_t[:, None] & (o_k < K)[None, :], m_t[:, None] & (o_v < V)[None, :]
+    o_k, o_v = tl.arange(0, K), tl.arange(0, V)
+    m_tk, m_tv = m_t[:, None], m_t[:, None]
     b_c = tl.zeros([CHUNK], dtype=tl.float32)  # sum_g do_{t,g} . M_{t-1} q_{t,g}
     for i_g in tl.static_range(G):
         b_q = tl.load(q + (rows[:, None] * G + i_g) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_do = tl.load(do + (rows[:, None] * G + i_g) * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         b_a = tl.load(alpha + rows * G + i_g, mask=m_t, other=0.0).to(tl.float32)
-        b_dq = memory_transposed_times(b_do, b_S, b_u, b_k, b_start, b_D, PRECISION)  # [C, BK] M_{t-1}^T do_t
+        b_dq = memory_transposed_times(b_do, b_S, b_u, b_k, b_start, b_D, PRECISION)  # [C, K] M_{t-1}^T do_t
         b_c += tl.sum(b_q * b_dq, axis=1)
         b_dov = tl.sum(b_do * b_v, axis=1)
         b_dq += (b_a * b_dov)[:, None] * b_k
@@ -55,19 +55,51 @@ def sila_bwd_kernel_dq(
 
 
 @triton.jit
+def sila_bwd_kernel_dmo(
+    q, k, beta_x, gamma_x, mask, s, do, dE, duE, cu_seqlens, state_offsets, chunk_indices, T, H: tl.constexpr,
+    G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_MASK: tl.constexpr, IS_VARLEN: tl.constexpr,
+):  # fmt: skip
+    """The outputs' share of dM, E_s = sum_g do_{s,g} q_{s,g}^T, taken out of the sweep chunk by chunk.
+
+    Within a chunk, dM_t holds sum_{s > t} exp(G_{s-1} - G_t) E_s: the sweep gets its product with k_t as duE_t,
+    and the whole chunk's share at the chunk start, dE = sum_s exp(G_{s-1}) E_s, once.
+    """
+    i_n, i_c, i_h = common.chunk_program(chunk_indices, IS_VARLEN)
+    bos, T_n, state_base = sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK, IS_VARLEN)
+    rows, m_t, b_live = common.chunk_rows(mask, bos, T_n, i_c, i_h, H, CHUNK, HAS_MASK)
+    b_start, b_D = common.chunk_decays(s, gamma_x, rows, m_t, b_live, CHUNK)
+    o_k, o_v = tl.arange(0, K), tl.arange(0, V)
+    b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
+    b_F = tl.trans(b_D)  # [C, C] exp(G_{s-1} - G_t) for s > t
+    b_dE = tl.zeros([V, K], dtype=tl.float32)
+    b_duE = tl.zeros([CHUNK, V], dtype=tl.float32)
+    for i_g in tl.static_range(G):
+        b_q = tl.load(q + (rows[:, None] * G + i_g) * K + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
+        b_do = tl.load(do + (rows[:, None] * G + i_g) * V + o_v[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
+        b_A = tl.dot(b_k, tl.trans(b_q), input_precision=PRECISION) * b_F  # [C, C] k_t . q_s, decayed
+        b_duE += tl.dot(b_A, b_do, input_precision=PRECISION)
+        b_dE += tl.dot(tl.trans(b_do * b_start[:, None]), b_q, input_precision=PRECISION)
+    tl.store(duE + rows[:, None] * V + o_v[None, :], b_duE, mask=m_t[:, None])
+    p_dE = dE + ((state_base + i_c) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :]
+    tl.store(p_dE, b_dE)
+
+
+@triton.jit
 def load_bwd_step(
-    k, v, r, s, beta_x, gamma_x, mask, c, bos, t, T_n, i_h, o_k, o_v,
+    k, v, r, s, beta_x, gamma_x, mask, c, duE, bos, t, T_n, i_h, o_k, o_v,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, HAS_MASK: tl.constexpr,
 ):  # fmt: skip
     """Step t's inputs of the reverse sweep (zeros and not live outside [0, T_n))."""
     valid = (t >= 0) & (t < T_n)
     t_k, t_v = t + 0 * o_k, t + 0 * o_v  # t per lane: the interpreter mistypes a scalar mask broadcast to a vector
-    m_k = (o_k < K) & (t_k >= 0) & (t_k < T_n)
-    m_v = (o_v < V) & (t_v >= 0) & (t_v < T_n)
+    m_k = (t_k >= 0) & (t_k < T_n)
+    m_v = (t_v >= 0) & (t_v < T_n)
     row = (bos + t) * H + i_h
     b_k = tl.load(k + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_v = tl.load(v + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
     b_r = tl.load(r + row * V + o_v, mask=m_v, other=0.0)
+    b_duE = tl.load(duE + row * V + o_v, mask=m_v, other=0.0)
     b_sb = tl.load(s + 2 * row, mask=valid, other=0.0)
     b_sg = tl.load(s + 2 * row + 1, mask=valid, other=0.0)
     b_bx = tl.load(beta_x + row, mask=valid, other=0.0).to(tl.float32)
@@ -76,44 +108,40 @@ def load_bwd_step(
     b_live = valid
     if HAS_MASK:
         b_live = tl.load(mask + bos + t, mask=valid, other=0) != 0
-    return b_k, b_v, b_r, b_sb, b_sg, b_bx, b_gx, b_c, b_live
+    return b_k, b_v, b_r, b_duE, b_sb, b_sg, b_bx, b_gx, b_c, b_live
 
 
 @triton.jit
 def sila_bwd_kernel_recurrent(
-    q, k, v, beta_x, gamma_x, w_beta, w_gamma, mask, r, s, states, c, do, dht, dh0, dr, dk_part, dv_part, dbx, dgx,
-    dw, cu_seqlens, state_offsets, T, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-    HAS_MASK: tl.constexpr, IS_VARLEN: tl.constexpr,
+    k, v, beta_x, gamma_x, w_beta, w_gamma, mask, r, s, states, c, dE, duE, dht, dh0, dr, dk_part, dv_part, dbx,
+    dgx, dw, cu_seqlens, state_offsets, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr,
+    STORE_DH0: tl.constexpr, HAS_MASK: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
     i_n, i_h = tl.program_id(0), tl.program_id(1)
     bos, T_n, state_base = sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK, IS_VARLEN)
-    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_kv = m_v[:, None] & m_k[None, :]
+    o_k, o_v = tl.arange(0, K), tl.arange(0, V)
     o_mem = o_v[:, None] * K + o_k[None, :]
-    b_wb = tl.load(w_beta + i_h * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-    b_wg = tl.load(w_gamma + i_h * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-    b_dM = tl.zeros([BV, BK], dtype=tl.float32)
-    if USE_DHT:
-        b_dM += tl.load(dht + (i_n * H + i_h).to(tl.int64) * V * K + o_mem, mask=m_kv, other=0.0)
-    b_dwb = tl.zeros([BV], dtype=tl.float32)
-    b_dwg = tl.zeros([BV], dtype=tl.float32)
+    b_wb = tl.load(w_beta + i_h * V + o_v).to(tl.float32)
+    b_wg = tl.load(w_gamma + i_h * V + o_v).to(tl.float32)
+    # dM_t without the outputs' share from later steps of its own chunk (added back through duE_t and dE)
+    b_dM = tl.load(dht + (i_n * H + i_h).to(tl.int64) * V * K + o_mem)  # zeros when the final state has no grad
+    b_dwb = tl.zeros([V], dtype=tl.float32)
+    b_dwg = tl.zeros([V], dtype=tl.float32)
     b_h = tl.full([], 0.0, tl.float32)  # h_t = <dM_t, M_t>
-    b_k, b_v, b_r, b_sb, b_sg, b_bx, b_gx, b_c, b_live = load_bwd_step(
-        k, v, r, s, beta_x, gamma_x, mask, c, bos, T_n - 1, T_n, i_h, o_k, o_v, H, K, V, HAS_MASK
+    b_k, b_v, b_r, b_duE, b_sb, b_sg, b_bx, b_gx, b_c, b_live = load_bwd_step(
+        k, v, r, s, beta_x, gamma_x, mask, c, duE, bos, T_n - 1, T_n, i_h, o_k, o_v, H, K, V, HAS_MASK
     )
     for i in range(0, T_n):
         t = T_n - 1 - i
-        n_k, n_v, n_r, n_sb, n_sg, n_bx, n_gx, n_c, n_live = load_bwd_step(
-            k, v, r, s, beta_x, gamma_x, mask, c, bos, t - 1, T_n, i_h, o_k, o_v, H, K, V, HAS_MASK
+        n_k, n_v, n_r, n_duE, n_sb, n_sg, n_bx, n_gx, n_c, n_live = load_bwd_step(
+            k, v, r, s, beta_x, gamma_x, mask, c, duE, bos, t - 1, T_n, i_h, o_k, o_v, H, K, V, HAS_MASK
         )
         row = (bos + t) * H + i_h
         if ((t + 1) % CHUNK == 0) | (t == T_n - 1):  # M_t is the next checkpoint: restart h from it
             p_S = states + ((state_base + t // CHUNK + 1) * H + i_h) * V * K + o_mem
-            b_h = tl.sum(b_dM * tl.load(p_S, mask=m_kv, other=0.0))
+            b_h = tl.sum(b_dM * tl.load(p_S))
         b_beta, b_gamma, b_sig, b_slope = sila_gates(b_sb, b_sg, b_bx, b_gx, b_live)
-        b_du = tl.sum(b_dM * b_k[None, :], axis=1)  # [BV] dM_t k_t
+        b_du = tl.sum(b_dM * b_k[None, :], axis=1) + b_duE  # [V] dM_t k_t
         b_dv_, b_dr_ = tl.reduce((b_du * b_v, b_du * b_r), 0, _add_pair)
         b_dbeta = b_dv_ - b_dr_
         b_gd = b_h - b_beta * b_dbeta  # gamma_t <dM_t, M_{t-1}>
@@ -121,64 +149,68 @@ def sila_bwd_kernel_recurrent(
         b_dpg = b_gd * b_slope
         b_dr = b_dpb * b_wb + b_dpg * b_wg - b_beta * b_du
         b_u = b_beta * (b_v - b_r)
-        b_dk = tl.sum(b_dM * b_u[:, None], axis=0)  # [BK] dM_t^T u_t
+        b_dk = tl.sum(b_dM * b_u[:, None], axis=0)  # [K] dM_t^T u_t less the outputs' share (in the dkv kernel)
         b_h = b_gd + b_c - b_beta * b_dr_ + b_dpb * b_sb + b_dpg * b_sg
         b_dwb += b_dpb * b_r
         b_dwg += b_dpg * b_r
         b_dM = b_gamma * b_dM + b_dr[:, None] * b_k[None, :]
-        for i_g in tl.static_range(G):
-            b_q = tl.load(q + (row * G + i_g) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            b_do = tl.load(do + (row * G + i_g) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-            b_dM += b_do[:, None] * b_q[None, :]
-        tl.store(dr + row * V + o_v, b_dr, mask=m_v)
-        tl.store(dv_part + row * V + o_v, b_beta * b_du, mask=m_v)
-        tl.store(dk_part + row * K + o_k, b_dk, mask=m_k)
+        if t % CHUNK == 0:  # leaving the chunk: its outputs' share joins dM
+            b_dM += tl.load(dE + ((state_base + t // CHUNK) * H + i_h) * V * K + o_mem)
+        tl.store(dr + row * V + o_v, b_dr)
+        tl.store(dv_part + row * V + o_v, b_beta * b_du)
+        tl.store(dk_part + row * K + o_k, b_dk)
         tl.store(dbx + row, b_dpb.to(dbx.dtype.element_ty))
         tl.store(dgx + row, b_dpg.to(dgx.dtype.element_ty))
-        b_k, b_v, b_r, b_sb, b_sg, b_bx, b_gx, b_c, b_live = n_k, n_v, n_r, n_sb, n_sg, n_bx, n_gx, n_c, n_live
+        b_k, b_v, b_r, b_duE, b_live = n_k, n_v, n_r, n_duE, n_live
+        b_sb, b_sg, b_bx, b_gx, b_c = n_sb, n_sg, n_bx, n_gx, n_c
     if STORE_DH0:
-        tl.store(dh0 + (i_n * H + i_h).to(tl.int64) * V * K + o_mem, b_dM, mask=m_kv)
+        tl.store(dh0 + (i_n * H + i_h).to(tl.int64) * V * K + o_mem, b_dM)
     p_dw = dw + ((i_n * H + i_h) * 2).to(tl.int64) * V + o_v
-    tl.store(p_dw, b_dwb, mask=m_v)
-    tl.store(p_dw + V, b_dwg, mask=m_v)
+    tl.store(p_dw, b_dwb)
+    tl.store(p_dw + V, b_dwg)
 
 
 @triton.jit
 def sila_bwd_kernel_dkv(
     q, k, v, alpha, beta_x, gamma_x, mask, r, s, states, do, dr, dk_part, dv_part, dk, dv, cu_seqlens,
     state_offsets, chunk_indices, T, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr, HAS_MASK: tl.constexpr,
+    CHUNK: tl.constexpr, PRECISION: tl.constexpr, HAS_MASK: tl.constexpr,
     IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
     i_n, i_c, i_h = common.chunk_program(chunk_indices, IS_VARLEN)
     bos, T_n, state_base = sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK, IS_VARLEN)
     b_S, b_k, b_v, b_u, b_start, b_D, rows, m_t = load_chunk(
-        k, v, r, s, beta_x, gamma_x, mask, states, bos, T_n, state_base, i_c, i_h, H, K, V, BK, BV, CHUNK, HAS_MASK
+        k, v, r, s, beta_x, gamma_x, mask, states, bos, T_n, state_base, i_c, i_h, H, K, V, CHUNK, HAS_MASK
     )
-    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
-    m_tk, m_tv = m_t[:, None] & (o_k < K)[None, :], m_t[:, None] & (o_v < V)[None, :]
+    o_k, o_v = tl.arange(0, K), tl.arange(0, V)
+    m_tk, m_tv = m_t[:, None], m_t[:, None]
     b_dr = tl.load(dr + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-    b_dk = memory_transposed_times(b_dr, b_S, b_u, b_k, b_start, b_D, PRECISION)  # [C, BK] M_{t-1}^T dr_t
+    b_dk = memory_transposed_times(b_dr, b_S, b_u, b_k, b_start, b_D, PRECISION)  # [C, K] M_{t-1}^T dr_t
     b_dk += tl.load(dk_part + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
     b_dv = tl.load(dv_part + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+    b_F = tl.trans(b_D)  # [C, C] exp(G_{s-1} - G_t) for s > t
     for i_g in tl.static_range(G):
         b_q = tl.load(q + (rows[:, None] * G + i_g) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_do = tl.load(do + (rows[:, None] * G + i_g) * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         b_a = tl.load(alpha + rows * G + i_g, mask=m_t, other=0.0).to(tl.float32)
+        b_A = tl.dot(b_u, tl.trans(b_do), input_precision=PRECISION) * b_F  # [C, C] u_t . do_s, decayed, s > t
+        b_dk += tl.dot(b_A, b_q, input_precision=PRECISION)  # the outputs' share of dM_t^T u_t
         b_dk += (b_a * tl.sum(b_do * b_v, axis=1))[:, None] * b_q
         b_dv += (b_a * tl.sum(b_q * b_k, axis=1))[:, None] * b_do
     tl.store(dk + rows[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
     tl.store(dv + rows[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_tv)
 
 
-def sila_bwd(q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, initial_state, mask, cu_seqlens, chunk_size, saved, do, dht):
+def sila_bwd(
+    q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, initial_state, mask, cu_seqlens, chunk_size, saved, do, dht
+):
     """Gradients of q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma and the initial state (None if it was None)."""
     B, T, H, G, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     states, r, s, offsets, indices, n_chunks = saved
     cfg = common.launch_settings(K, V)
-    blocks = dict(H=H, G=G, K=K, V=V, BK=cfg["BK"], BV=cfg["BV"], CHUNK=chunk_size)
+    blocks = dict(H=H, G=G, K=K, V=V, CHUNK=chunk_size)
     flags = dict(HAS_MASK=mask is not None, IS_VARLEN=cu_seqlens is not None, num_warps=cfg["num_warps"])
     grid = (n_chunks, H) if cu_seqlens is not None else (n_chunks, N, H)
     parallel = dict(PRECISION=common.DOT_PRECISION, **blocks, **flags)
@@ -196,9 +228,17 @@ def sila_bwd(q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, initial_state, ma
     dbx, dgx = common.new_output(beta_x.shape, beta_x), common.new_output(gamma_x.shape, gamma_x)
     dw = common.new_output((N, H, 2, V), q, torch.float32)
     dh0 = common.new_output((N, H, V, K), q, torch.float32) if initial_state is not None else None
+    if dht is None:
+        dht = torch.zeros(N, H, V, K, device=q.device)
+    dE = common.new_output(states.shape, q, torch.float32)  # per chunk, sum_s exp(G_{s-1}) sum_g do q^T
+    duE = common.new_output((B, T, H, V), q, torch.float32)
+    if n_chunks > 0:
+        sila_bwd_kernel_dmo[grid](
+            q, k, beta_x, gamma_x, mask, s, do, dE, duE, cu_seqlens, offsets, indices, T, **parallel
+        )  # fmt: skip
     sila_bwd_kernel_recurrent[(N, H)](
-        q, k, v, beta_x, gamma_x, w_beta, w_gamma, mask, r, s, states, c, do, dht, dh0, dr, dk_part, dv_part, dbx,
-        dgx, dw, cu_seqlens, offsets, T, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, **blocks, **flags,
+        k, v, beta_x, gamma_x, w_beta, w_gamma, mask, r, s, states, c, dE, duE, dht, dh0, dr, dk_part, dv_part, dbx,
+        dgx, dw, cu_seqlens, offsets, T, H=H, K=K, V=V, CHUNK=chunk_size, STORE_DH0=dh0 is not None, **flags,
     )  # fmt: skip
     dk, dv = common.new_output(k.shape, k), common.new_output(v.shape, v)
     if n_chunks > 0:

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 LOG2 = math.log(2.0)
-DOT_PRECISION = "tf32x3"  # fp32-accurate products on tensor cores (3 tf32 passes)
+DOT_PRECISION = "tf32"  # tensor cores; "tf32x3" is fp32-accurate but spills registers at d = 128
 
 
 @triton.jit
@@ -60,7 +60,7 @@ def sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK: tl.constexpr, IS_V
         state_base = tl.load(state_offsets + i_n).to(tl.int64)
     else:
         bos = i_n.to(tl.int64) * T
-        T_n = T
+        T_n = T + 0 * i_n  # a tensor even where T == 1 is specialised to a constant
         state_base = i_n.to(tl.int64) * (tl.cdiv(T, CHUNK) + 1)
     return bos, T_n, state_base
 
@@ -78,54 +78,63 @@ def chunk_program(chunk_indices, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def load_chunk(
-    k, v, r, s, beta_x, gamma_x, mask, states, bos, T_n, state_base, i_c, i_h,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    CHUNK: tl.constexpr, HAS_MASK: tl.constexpr,
-):  # fmt: skip
-    """What the chunk form needs: S [BV, BK], k [C, BK], v and u [C, BV], exp(G_{t-1}) [C], the decays [C, C]."""
+def chunk_rows(mask, bos, T_n, i_c, i_h, H: tl.constexpr, CHUNK: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Rows of chunk i_c in the [N * T, H] layout [C], which are in the sequence, and which are real tokens."""
     o_t = i_c * CHUNK + tl.arange(0, CHUNK)
-    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
-    m_t, m_k, m_v = o_t < T_n, o_k < K, o_v < V
-    rows = (bos + o_t) * H + i_h  # [C] rows of the [N * T, H] layout
-    p_S = states + ((state_base + i_c) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :]
-    b_S = tl.load(p_S, mask=m_v[:, None] & m_k[None, :], other=0.0)
-    m_tk, m_tv = m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :]
-    b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-    b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-    b_r = tl.load(r + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-    b_sb = tl.load(s + 2 * rows, mask=m_t, other=0.0)
-    b_sg = tl.load(s + 2 * rows + 1, mask=m_t, other=0.0)
-    b_bx = tl.load(beta_x + rows, mask=m_t, other=0.0).to(tl.float32)
-    b_gx = tl.load(gamma_x + rows, mask=m_t, other=0.0).to(tl.float32)
+    m_t = o_t < T_n
     b_live = m_t
     if HAS_MASK:
         b_live = b_live & (tl.load(mask + bos + o_t, mask=m_t, other=0) != 0)
-    b_beta, _, _, _ = sila_gates(b_sb, b_sg, b_bx, b_gx, b_live)
-    b_u = b_beta[:, None] * (b_v - b_r)  # [C, BV]
+    return (bos + o_t) * H + i_h, m_t, b_live
+
+
+@triton.jit
+def chunk_decays(s, gamma_x, rows, m_t, b_live, CHUNK: tl.constexpr):
+    """exp(G_{t-1}) [C], the decay of the chunk's entering memory up to step t, and D [C, C] = exp(G_{t-1} - G_s)
+    for s < t (0 elsewhere), with G_t = sum_{r <= t} log gamma_r from the chunk start."""
+    b_sg = tl.load(s + 2 * rows + 1, mask=m_t, other=0.0)
+    b_gx = tl.load(gamma_x + rows, mask=m_t, other=0.0).to(tl.float32)
     b_lg = sila_log_gamma(b_sg + b_gx, b_live)
     # G_t in float64: differences of long cumulative sums would lose |G| * eps in float32
     b_G = tl.cumsum(b_lg.to(tl.float64), 0)
     b_Gp = b_G - b_lg.to(tl.float64)  # G_{t-1}
     o_s = tl.arange(0, CHUNK)
     strict = o_s[None, :] < o_s[:, None]  # s < t
-    b_D = tl.exp(tl.where(strict, (b_Gp[:, None] - b_G[None, :]).to(tl.float32), float("-inf")))  # [C, C]
-    b_start = tl.exp(b_Gp.to(tl.float32))  # [C] exp(G_{t-1}), the decay of S up to the read at t
+    b_D = tl.exp(tl.where(strict, (b_Gp[:, None] - b_G[None, :]).to(tl.float32), float("-inf")))
+    return tl.exp(b_Gp.to(tl.float32)), b_D
+
+
+@triton.jit
+def load_chunk(
+    k, v, r, s, beta_x, gamma_x, mask, states, bos, T_n, state_base, i_c, i_h,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr, HAS_MASK: tl.constexpr,
+):  # fmt: skip
+    """What the chunk form needs: S [V, K], k [C, K], v and u [C, V], exp(G_{t-1}) [C], the decays D [C, C]."""
+    rows, m_t, b_live = chunk_rows(mask, bos, T_n, i_c, i_h, H, CHUNK, HAS_MASK)
+    o_k, o_v = tl.arange(0, K), tl.arange(0, V)
+    b_S = tl.load(states + ((state_base + i_c) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :])
+    b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
+    b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
+    b_r = tl.load(r + rows[:, None] * V + o_v[None, :], mask=m_t[:, None], other=0.0)
+    b_sb = tl.load(s + 2 * rows, mask=m_t, other=0.0)
+    b_bx = tl.load(beta_x + rows, mask=m_t, other=0.0).to(tl.float32)
+    b_beta = tl.where(b_live, tl.sigmoid(b_sb + b_bx), 0.0)
+    b_u = b_beta[:, None] * (b_v - b_r)  # [C, V]
+    b_start, b_D = chunk_decays(s, gamma_x, rows, m_t, b_live, CHUNK)
     return b_S, b_k, b_v, b_u, b_start, b_D, rows, m_t
 
 
 @triton.jit
 def memory_transposed_times(b_x, b_S, b_u, b_k, b_start, b_D, PRECISION: tl.constexpr):
-    """Rows M_{t-1}^T x_t [C, BK] for rows x_t [C, BV], by the chunk form."""
+    """Rows M_{t-1}^T x_t [C, K] for rows x_t [C, V], by the chunk form."""
     b_A = tl.dot(b_x, tl.trans(b_u), input_precision=PRECISION) * b_D  # [C, C] decayed x_t . u_s
     b_y = tl.dot(b_A, b_k, input_precision=PRECISION)
     return b_y + b_start[:, None] * tl.dot(b_x, b_S, input_precision=PRECISION)
 
 
 def launch_settings(K: int, V: int) -> dict:
-    """Block sizes and warps by head dim: one program holds a whole [V, K] memory in registers."""
-    BK, BV = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
-    return dict(BK=BK, BV=BV, num_warps=8 if BK * BV >= 128 * 128 else 4)
+    """Warps by head dim: one program of the recurrent kernels holds a whole [V, K] memory in registers."""
+    return dict(num_warps=8 if K * V >= 128 * 128 else 4)
 
 
 def varlen_layout(cu_seqlens: torch.Tensor | None, N: int, T: int, chunk: int):

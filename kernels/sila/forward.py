@@ -22,11 +22,11 @@ def load_step(
     k, v, beta_x, gamma_x, mask, bos, t, T_n, i_h, o_k, o_v,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, HAS_MASK: tl.constexpr,
 ):  # fmt: skip
-    """k_t [BK], v_t [BV], the gate inputs and whether step t is a real token (False past the end)."""
+    """k_t [K], v_t [V], the gate inputs and whether step t is a real token (False past the end)."""
     valid = (t >= 0) & (t < T_n)
     t_k, t_v = t + 0 * o_k, t + 0 * o_v  # t per lane: the interpreter mistypes a scalar mask broadcast to a vector
-    m_k = (o_k < K) & (t_k >= 0) & (t_k < T_n)
-    m_v = (o_v < V) & (t_v >= 0) & (t_v < T_n)
+    m_k = (t_k >= 0) & (t_k < T_n)
+    m_v = (t_v >= 0) & (t_v < T_n)
     row = (bos + t) * H + i_h
     b_k = tl.load(k + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_v = tl.load(v + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
@@ -41,21 +41,18 @@ def load_step(
 @triton.jit
 def sila_fwd_kernel_recurrent(
     q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, h0, mask, o, ht, states, r, s, cu_seqlens, state_offsets, T,
-    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    CHUNK: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE: tl.constexpr,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr, STORE_HT: tl.constexpr,
+    SAVE: tl.constexpr,
     INLINE_OUTPUT: tl.constexpr, HAS_MASK: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
     i_n, i_h = tl.program_id(0), tl.program_id(1)
     bos, T_n, state_base = sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK, IS_VARLEN)
-    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_kv = m_v[:, None] & m_k[None, :]
-    o_mem = o_v[:, None] * K + o_k[None, :]  # [BV, BK] offsets inside one [V, K] memory
-    b_wb = tl.load(w_beta + i_h * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-    b_wg = tl.load(w_gamma + i_h * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-    b_M = tl.zeros([BV, BK], dtype=tl.float32)
-    if USE_H0:
-        b_M += tl.load(h0 + (i_n * H + i_h).to(tl.int64) * V * K + o_mem, mask=m_kv, other=0.0)
+    o_k, o_v = tl.arange(0, K), tl.arange(0, V)
+    o_mem = o_v[:, None] * K + o_k[None, :]  # [V, K] offsets inside one [V, K] memory
+    b_wb = tl.load(w_beta + i_h * V + o_v).to(tl.float32)
+    b_wg = tl.load(w_gamma + i_h * V + o_v).to(tl.float32)
+    # always loaded (zeros when there is no initial state): the load fixes a vectorised register layout for M
+    b_M = tl.load(h0 + (i_n * H + i_h).to(tl.int64) * V * K + o_mem)
     # step t's inputs are loaded during step t - 1, so their latency hides behind its arithmetic
     b_k, b_v, b_bx, b_gx, b_live = load_step(k, v, beta_x, gamma_x, mask, bos, 0, T_n, i_h, o_k, o_v, H, K, V, HAS_MASK)
     for t in range(0, T_n):
@@ -65,42 +62,42 @@ def sila_fwd_kernel_recurrent(
         row = (bos + t) * H + i_h
         if SAVE:
             if t % CHUNK == 0:
-                tl.store(states + ((state_base + t // CHUNK) * H + i_h) * V * K + o_mem, b_M, mask=m_kv)
-        b_r = tl.sum(b_M * b_k[None, :], axis=1)  # [BV] M_{t-1} k_t
+                tl.store(states + ((state_base + t // CHUNK) * H + i_h) * V * K + o_mem, b_M)
+        b_r = tl.sum(b_M * b_k[None, :], axis=1)  # [V] M_{t-1} k_t
         b_sb, b_sg = tl.reduce((b_r * b_wb, b_r * b_wg), 0, _add_pair)
         b_beta, b_gamma, _, _ = sila_gates(b_sb, b_sg, b_bx, b_gx, b_live)
         if INLINE_OUTPUT:
             for i_g in tl.static_range(G):
-                b_q = tl.load(q + (row * G + i_g) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+                b_q = tl.load(q + (row * G + i_g) * K + o_k).to(tl.float32)
                 b_a = tl.load(alpha + row * G + i_g).to(tl.float32)
                 b_o = tl.sum(b_M * b_q[None, :], axis=1) + b_a * tl.sum(b_k * b_q) * b_v
-                tl.store(o + (row * G + i_g) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+                tl.store(o + (row * G + i_g) * V + o_v, b_o.to(o.dtype.element_ty))
         if SAVE:
-            tl.store(r + row * V + o_v, b_r, mask=m_v)
+            tl.store(r + row * V + o_v, b_r)
             tl.store(s + 2 * row, b_sb)
             tl.store(s + 2 * row + 1, b_sg)
         b_u = b_beta * (b_v - b_r)
         b_M = b_gamma * b_M + b_u[:, None] * b_k[None, :]
         b_k, b_v, b_bx, b_gx, b_live = n_k, n_v, n_bx, n_gx, n_live
     if SAVE:
-        tl.store(states + ((state_base + tl.cdiv(T_n, CHUNK)) * H + i_h) * V * K + o_mem, b_M, mask=m_kv)
+        tl.store(states + ((state_base + tl.cdiv(T_n, CHUNK)) * H + i_h) * V * K + o_mem, b_M)
     if STORE_HT:
-        tl.store(ht + (i_n * H + i_h).to(tl.int64) * V * K + o_mem, b_M, mask=m_kv)
+        tl.store(ht + (i_n * H + i_h).to(tl.int64) * V * K + o_mem, b_M)
 
 
 @triton.jit
 def sila_fwd_kernel_output(
     q, k, v, alpha, beta_x, gamma_x, mask, r, s, states, o, cu_seqlens, state_offsets, chunk_indices, T,
-    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    CHUNK: tl.constexpr, PRECISION: tl.constexpr, HAS_MASK: tl.constexpr, IS_VARLEN: tl.constexpr,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_MASK: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
     i_n, i_c, i_h = common.chunk_program(chunk_indices, IS_VARLEN)
     bos, T_n, state_base = sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK, IS_VARLEN)
     b_S, b_k, b_v, b_u, b_start, b_D, rows, m_t = load_chunk(
-        k, v, r, s, beta_x, gamma_x, mask, states, bos, T_n, state_base, i_c, i_h, H, K, V, BK, BV, CHUNK, HAS_MASK
+        k, v, r, s, beta_x, gamma_x, mask, states, bos, T_n, state_base, i_c, i_h, H, K, V, CHUNK, HAS_MASK
     )
-    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
-    m_tk, m_tv = m_t[:, None] & (o_k < K)[None, :], m_t[:, None] & (o_v < V)[None, :]
+    o_k, o_v = tl.arange(0, K), tl.arange(0, V)
+    m_tk, m_tv = m_t[:, None], m_t[:, None]
     for i_g in tl.static_range(G):
         b_q = tl.load(q + (rows[:, None] * G + i_g) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_a = tl.load(alpha + rows * G + i_g, mask=m_t, other=0.0).to(tl.float32)
@@ -130,16 +127,18 @@ def sila_fwd(
         r = common.new_output((B, T, H, V), q, torch.float32)  # M_{t-1} k_t
         s = common.new_output((B, T, H, 2), q, torch.float32)  # w_beta . M_{t-1} k_t and w_gamma . M_{t-1} k_t
     flags = dict(HAS_MASK=mask is not None, IS_VARLEN=cu_seqlens is not None)
+    if initial_state is None:
+        initial_state = torch.zeros(N, H, V, K, device=q.device)
     sila_fwd_kernel_recurrent[(N, H)](
         q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, initial_state, mask, o, ht, states, r, s, cu_seqlens, offsets,
-        T, H=H, G=G, K=K, V=V, BK=cfg["BK"], BV=cfg["BV"], CHUNK=chunk_size, USE_H0=initial_state is not None,
+        T, H=H, G=G, K=K, V=V, CHUNK=chunk_size,
         STORE_HT=output_final_state, SAVE=not inline, INLINE_OUTPUT=inline, num_warps=cfg["num_warps"], **flags,
     )  # fmt: skip
     if not inline and n_chunks > 0:
         grid = (n_chunks, H) if cu_seqlens is not None else (n_chunks, N, H)
         sila_fwd_kernel_output[grid](
             q, k, v, alpha, beta_x, gamma_x, mask, r, s, states, o, cu_seqlens, offsets, indices, T,
-            H=H, G=G, K=K, V=V, BK=cfg["BK"], BV=cfg["BV"], CHUNK=chunk_size, PRECISION=common.DOT_PRECISION,
+            H=H, G=G, K=K, V=V, CHUNK=chunk_size, PRECISION=common.DOT_PRECISION,
             num_warps=cfg["num_warps"], **flags,
         )  # fmt: skip
     return o, ht, (states, r, s, offsets, indices, n_chunks)

@@ -7,7 +7,7 @@ import torch
 from .backward import sila_bwd
 from .forward import sila_fwd
 
-CHUNK_SIZE = 64  # steps between saved memories; the chunk-parallel kernels work on [CHUNK, CHUNK] tiles
+CHUNK_SIZE = 32  # steps between saved memories; the chunk-parallel kernels work on [CHUNK, d] tiles
 
 
 class FusedRecurrentSILAFunction(torch.autograd.Function):
@@ -54,6 +54,9 @@ def _check(q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, initial_state, mask
     for name, (x, shape) in expected.items():
         if tuple(x.shape) != shape:
             raise ValueError(f"{name} must have shape {shape} (from q {tuple(q.shape)}), got {tuple(x.shape)}")
+    for name, dim in (("d_k", K), ("d_v", V)):
+        if dim < 16 or dim & (dim - 1):
+            raise ValueError(f"{name} must be a power of two >= 16 (the memory is one register tile), got {dim}")
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"with cu_seqlens the sequences are packed along T: B must be 1, got B = {B}")

@@ -1,0 +1,113 @@
+"""GPU timings of `fused_recurrent_sila` beside fla's peers: `python -m kernels.sila.benchmark` (needs CUDA and fla).
+
+Prints, per head dim, the median forward and forward+backward times (triton.testing.do_bench after a warm-up),
+the first-call time, the share of each kernel, and one decoding step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from kernels.sila import common, fused_recurrent_sila
+
+
+def sila_inputs(B, T, H, d, G=1, dtype=torch.bfloat16):
+    dev = "cuda"
+    q = F.normalize(torch.randn(B, T, H, G, d, device=dev), dim=-1).to(dtype)
+    k = F.normalize(torch.randn(B, T, H, d, device=dev), dim=-1).to(dtype)
+    v = torch.randn(B, T, H, d, device=dev).to(dtype)
+    alpha = torch.rand(B, T, H, G, device=dev)
+    beta_x, gamma_x = torch.randn(B, T, H, device=dev), torch.randn(B, T, H, device=dev) - 1
+    w_beta, w_gamma = 0.1 * torch.randn(H, d, device=dev), 0.1 * torch.randn(H, d, device=dev)
+    return [x.requires_grad_() for x in (q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma)]
+
+
+def fla_inputs(B, T, H, d, dtype=torch.bfloat16):
+    q, k = (F.normalize(torch.randn(B, T, H, d, device="cuda"), dim=-1).to(dtype) for _ in range(2))
+    v = torch.randn(B, T, H, d, device="cuda", dtype=dtype)
+    g = F.logsigmoid(torch.randn(B, T, H, d, device="cuda")) / 16
+    beta = torch.rand(B, T, H, device="cuda", dtype=dtype)
+    return [x.requires_grad_() for x in (q, k, v, g, beta)]
+
+
+def timings(fn, inputs):
+    """(forward ms, forward+backward ms) medians; the output's gradient is fixed beforehand."""
+    out = fn(*inputs)[0]
+    grad = torch.randn_like(out)
+
+    def fwd():
+        with torch.no_grad():
+            fn(*inputs)
+
+    def fwd_bwd():
+        fn(*inputs)[0].backward(grad)
+
+    for f in (fwd, fwd_bwd):  # warm-up: compilation and autotuning stay out of the timings
+        f()
+    torch.cuda.synchronize()
+    return do_bench(fwd, return_mode="median"), do_bench(fwd_bwd, return_mode="median")
+
+
+def kernel_shares(fn, inputs):
+    """Per-kernel CUDA time of one forward+backward, from the profiler."""
+    grad = torch.randn_like(fn(*inputs)[0])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn(*inputs)[0].backward(grad)
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / 1e3) for e in prof.key_averages() if "sila" in e.key]
+    return ", ".join(f"{name} {ms:.2f}" for name, ms in sorted(rows, key=lambda r: -r[1]))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--dims", type=int, nargs="+", default=[128, 64])
+    parser.add_argument("--warps", type=int, nargs="*", default=[], help="also time these num_warps")
+    args = parser.parse_args()
+    B, T, H = args.batch, args.length, args.heads
+    from fla.ops.delta_rule import fused_recurrent_delta_rule
+    from fla.ops.gla import chunk_gla
+
+    rows = []
+    for d in args.dims:
+        x = sila_inputs(B, T, H, d)
+        start = time.perf_counter()
+        fused_recurrent_sila(*x)[0].backward(torch.ones(B, T, H, 1, d, device="cuda", dtype=torch.bfloat16))
+        torch.cuda.synchronize()
+        first = time.perf_counter() - start
+        torch.cuda.reset_peak_memory_stats()
+        rows.append((f"sila fused_recurrent d={d}", *timings(fused_recurrent_sila, x), f"{first:.1f} s"))
+        print(rows[-1], f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB", flush=True)
+        print(f"d={d} kernels (ms):", kernel_shares(fused_recurrent_sila, x), flush=True)
+        default = common.launch_settings
+        for warps in args.warps:
+            common.launch_settings = lambda K, V, w=warps, default=default: {**default(K, V), "num_warps": w}
+            rows.append((f"sila num_warps={warps} d={d}", *timings(fused_recurrent_sila, x), ""))
+            common.launch_settings = default
+        q, k, v, g, beta = fla_inputs(B, T, H, d)
+        rows.append((f"fla chunk_gla d={d}", *timings(lambda *a: chunk_gla(*a), (q, k, v, g)), ""))
+        print(rows[-1], flush=True)
+        rows.append(
+            (f"fla fused_recurrent_delta_rule d={d}", *timings(fused_recurrent_delta_rule, (q, k, v, beta)), "")
+        )
+        print(rows[-1], flush=True)
+
+    step = [x.detach() for x in sila_inputs(64, 1, H, 128)]
+    state = torch.randn(64, H, 128, 128, device="cuda")
+    decode = do_bench(lambda: fused_recurrent_sila(*step, state, output_final_state=True), return_mode="median")
+    print(f"\nB={B} T={T} H={H}, bf16, median ms ({torch.cuda.get_device_name()})")
+    print(f"{'kernel':42s} {'forward':>9s} {'fwd+bwd':>9s} {'first call':>11s}")
+    for name, f, fb, first in rows:
+        print(f"{name:42s} {f:9.3f} {fb:9.3f} {first:>11s}")
+    print(f"{'sila decode step B=64 H=16 d=128':42s} {decode * 1e3:8.1f} us")
+
+
+if __name__ == "__main__":
+    main()
