@@ -213,7 +213,9 @@ def gates(a, idx, r, chunks, M):
     g = a.new_empty(T, H, M, dtype=torch.float32)
     w = torch.empty_like(g)
     NC = chunks["bos"].numel()
-    raven_fwd_kernel_gate[(triton.cdiv(M, BM), NC, H)](a, idx, r, g, w, chunks["bos"], chunks["len"], H, M, K, BT, BM)
+    raven_fwd_kernel_gate[(NC, H)](
+        a, idx, r, g, w, chunks["bos"], chunks["len"], H, M, K, BT, BM, triton.next_power_of_2(K), num_warps=4
+    )
     return g, w
 
 

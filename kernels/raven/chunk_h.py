@@ -8,27 +8,35 @@ import triton.language as tl
 @triton.jit
 def raven_fwd_kernel_gate(
     a, idx, r, g, w, chunk_bos, chunk_len, H: tl.constexpr, M: tl.constexpr, K: tl.constexpr,
-    BT: tl.constexpr, BM: tl.constexpr
+    BT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr
 ):
-    """g [T, H, M]: cumulative log-retention within the chunk; w [T, H, M]: 1 - exp(log_f), exact for tiny writes."""
-    i_m, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """g [T, H, M]: cumulative log-retention within the chunk; w [T, H, M]: 1 - exp(log_f), exact for tiny writes.
+    log_f is scattered into g (zeros, then a_t r_t[j] at slot idx_t[j]), then read back a block of slots at a time."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, L = tl.load(chunk_bos + i_c), tl.load(chunk_len + i_c)
     o_t = tl.arange(0, BT)
-    o_m = i_m * BM + tl.arange(0, BM)
-    m_t, m_m = o_t < L, o_m < M
-    b_a = tl.load(a + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [BT]
-    b_lf = tl.zeros([BT, BM], dtype=tl.float32)
-    for j in range(K):
-        i_j = tl.load(idx + ((bos + o_t) * H + i_h) * K + j, mask=m_t, other=-1)  # [BT]
-        b_r = tl.load(r + ((bos + o_t) * H + i_h) * K + j, mask=m_t, other=0.0).to(tl.float32)
-        b_lf += tl.where(i_j[:, None] == o_m[None, :], (b_a * b_r)[:, None], 0.0)
-    b_g = tl.cumsum(b_lf, axis=0)
-    series = -b_lf * (1.0 + b_lf * (0.5 + b_lf * (1.0 / 6.0 + b_lf * (1.0 / 24.0 + b_lf / 120.0))))
-    b_w = tl.where(b_lf > -0.1, series, 1.0 - tl.exp(b_lf))
-    p = ((bos + o_t[:, None]) * H + i_h) * M + o_m[None, :]
-    mask = m_t[:, None] & m_m[None, :]
-    tl.store(g + p, b_g, mask=mask)
-    tl.store(w + p, b_w, mask=mask)
+    m_t = o_t < L
+    p_t = ((bos + o_t) * H + i_h) * M  # [BT] row starts in g and w
+    for i_m in range(tl.cdiv(M, BM)):
+        o_m = i_m * BM + tl.arange(0, BM)
+        mask = m_t[:, None] & (o_m < M)[None, :]
+        tl.store(g + p_t[:, None] + o_m[None, :], tl.zeros([BT, BM], dtype=tl.float32), mask=mask)
+    tl.debug_barrier()
+    o_k = tl.arange(0, BK)
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    p_tk = ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :]
+    b_i = tl.load(idx + p_tk, mask=m_tk, other=0)
+    b_a = tl.load(a + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    b_lfk = b_a[:, None] * tl.load(r + p_tk, mask=m_tk, other=0.0).to(tl.float32)  # [BT, BK]
+    tl.store(g + p_t[:, None] + b_i, b_lfk, mask=m_tk)
+    tl.debug_barrier()
+    for i_m in range(tl.cdiv(M, BM)):
+        o_m = i_m * BM + tl.arange(0, BM)
+        mask = m_t[:, None] & (o_m < M)[None, :]
+        b_lf = tl.load(g + p_t[:, None] + o_m[None, :], mask=mask, other=0.0)  # [BT, BM]
+        series = -b_lf * (1.0 + b_lf * (0.5 + b_lf * (1.0 / 6.0 + b_lf * (1.0 / 24.0 + b_lf / 120.0))))
+        tl.store(w + p_t[:, None] + o_m[None, :], tl.where(b_lf > -0.1, series, 1.0 - tl.exp(b_lf)), mask=mask)
+        tl.store(g + p_t[:, None] + o_m[None, :], tl.cumsum(b_lf, axis=0), mask=mask)
 
 
 @triton.jit

@@ -10,6 +10,7 @@ from raven_layers import RavenMixer, RavenSettings
 from raven_layers.backend import use_backend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = 1e-4 if DEVICE == "cpu" else 5e-3  # float32 inputs: exact under the interpreter, tf32 tl.dot on the GPU
 
 
 @pytest.fixture(autouse=True)
@@ -66,7 +67,7 @@ def run_both(inputs, scale, M, state, cu_seqlens=None):
     return results
 
 
-def assert_match(results, tol=1e-4):
+def assert_match(results, tol=TOL):
     (o, hk, hv, grads), (o_ref, hk_ref, hv_ref, grads_ref) = results
     assert torch.isfinite(o).all()
     for name, x, ref in [("o", o, o_ref), ("S^k", hk, hk_ref), ("S^v", hv, hv_ref)]:
@@ -171,10 +172,10 @@ def test_mixer_triton_matches_torch():
         out.pow(2).sum().backward()
         results.append((out, step, {n: p.grad.clone() for n, p in mixer.named_parameters() if p.grad is not None}))
     (out, step, grads), (out_ref, step_ref, grads_ref) = results
-    assert rel_err(out[:, 2:], out_ref[:, 2:]) < 1e-4 and rel_err(step, step_ref) < 1e-4
+    assert rel_err(out[:, 2:], out_ref[:, 2:]) < TOL and rel_err(step, step_ref) < TOL
     assert grads.keys() == grads_ref.keys() and "router_weight" in grads
     for name in grads:
-        assert rel_err(grads[name], grads_ref[name]) < 1e-4, name
+        assert rel_err(grads[name], grads_ref[name]) < TOL, name
 
 
 @pytest.mark.gpu
