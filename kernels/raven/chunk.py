@@ -21,9 +21,26 @@ BT, BC = 64, 16  # chunk and sub-chunk lengths
 
 @triton.jit
 def raven_fwd_kernel_o(
-    q, k, v, g, w, hk, hv, o, lse, chunk_bos, chunk_len, scale,
-    H: tl.constexpr, G: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr
+    q,
+    k,
+    v,
+    g,
+    w,
+    hk,
+    hv,
+    o,
+    lse,
+    chunk_bos,
+    chunk_len,
+    scale,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    M: tl.constexpr,
+    D: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BM: tl.constexpr,
+    BD: tl.constexpr,
 ):
     i_c, i_hg = tl.program_id(0), tl.program_id(1)
     i_h = i_hg // G
@@ -70,9 +87,31 @@ def raven_fwd_kernel_o(
 
 @triton.jit
 def raven_bwd_kernel_dq(
-    q, k, v, do, g, w, hk, hv, lse, delta, dq, p, ds, e, chunk_bos, chunk_len, scale,
-    H: tl.constexpr, G: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr
+    q,
+    k,
+    v,
+    do,
+    g,
+    w,
+    hk,
+    hv,
+    lse,
+    delta,
+    dq,
+    p,
+    ds,
+    e,
+    chunk_bos,
+    chunk_len,
+    scale,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    M: tl.constexpr,
+    D: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BM: tl.constexpr,
+    BD: tl.constexpr,
 ):
     """dq, and per token and slot the softmax weights p, the logit gradients ds and e = ds s + p dp (the gate
     gradient's read terms), each [T, H * G, M], for the kernels that follow."""
@@ -123,9 +162,31 @@ def raven_bwd_kernel_dq(
 
 @triton.jit
 def raven_bwd_kernel_dkv(
-    q, k, v, do, g, w, dhk, dhv, p, ds, e, dk, dv, dlf, dlf_sum, chunk_bos, chunk_len,
-    H: tl.constexpr, G: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr
+    q,
+    k,
+    v,
+    do,
+    g,
+    w,
+    dhk,
+    dhv,
+    p,
+    ds,
+    e,
+    dk,
+    dv,
+    dlf,
+    dlf_sum,
+    chunk_bos,
+    chunk_len,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    M: tl.constexpr,
+    D: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BM: tl.constexpr,
+    BD: tl.constexpr,
 ):
     """dk, dv, and the gradient of log_f summed over the rest of the chunk (dlf [T, H, M]) with the chunk totals
     (dlf_sum [NC, H, M]) that carry it into earlier chunks."""
@@ -230,8 +291,28 @@ def states(k, v, g, w, h0, chunks, M, output_final_state):
     ht = (k.new_empty(N, H, M, D, dtype=torch.float32), k.new_empty(N, H, M, D, dtype=torch.float32))
     h0 = h0 if h0 is not None else (None, None)
     raven_fwd_kernel_h[(triton.cdiv(M, BM), triton.cdiv(D, BD), N * H)](
-        k, v, g, w, h0[0], h0[1], hk, hv, ht[0], ht[1], chunks["bos"], chunks["len"], chunks["seq_chunks"],
-        H, M, D, BT, BM, BD, h0[0] is not None, output_final_state, num_warps=4,
+        k,
+        v,
+        g,
+        w,
+        h0[0],
+        h0[1],
+        hk,
+        hv,
+        ht[0],
+        ht[1],
+        chunks["bos"],
+        chunks["len"],
+        chunks["seq_chunks"],
+        H,
+        M,
+        D,
+        BT,
+        BM,
+        BD,
+        h0[0] is not None,
+        output_final_state,
+        num_warps=4,
     )
     return hk, hv, (ht if output_final_state else None)
 
@@ -246,7 +327,26 @@ def chunk_raven_fwd(q, k, v, a, idx, r, scale, M, h0, output_final_state, chunks
     o = torch.empty_like(q)
     lse = q.new_empty(T, HG, dtype=torch.float32)
     raven_fwd_kernel_o[(chunks["bos"].numel(), HG)](
-        q, k, v, g, w, hk, hv, o, lse, chunks["bos"], chunks["len"], scale, H, G, M, D, BT, BC, BM, BD,
+        q,
+        k,
+        v,
+        g,
+        w,
+        hk,
+        hv,
+        o,
+        lse,
+        chunks["bos"],
+        chunks["len"],
+        scale,
+        H,
+        G,
+        M,
+        D,
+        BT,
+        BC,
+        BM,
+        BD,
         num_warps=8 if D > 64 else 4,
     )
     return o, lse, ht
@@ -265,8 +365,32 @@ def chunk_raven_bwd(q, k, v, a, idx, r, scale, M, h0, o, lse, do, dht, chunks):
     p, ds, e = (q.new_empty(T, HG, M, dtype=torch.float32) for _ in range(3))
     warps = 8 if D > 64 else 4
     raven_bwd_kernel_dq[(NC, HG)](
-        q, k, v, do, g, w, hk, hv, lse, delta, dq, p, ds, e, chunks["bos"], chunks["len"], scale,
-        H, G, M, D, BT, BC, BM, BD, num_warps=warps,
+        q,
+        k,
+        v,
+        do,
+        g,
+        w,
+        hk,
+        hv,
+        lse,
+        delta,
+        dq,
+        p,
+        ds,
+        e,
+        chunks["bos"],
+        chunks["len"],
+        scale,
+        H,
+        G,
+        M,
+        D,
+        BT,
+        BC,
+        BM,
+        BD,
+        num_warps=warps,
     )
     del hk, hv
     dhk, dhv = (q.new_empty(NC, H, M, D, dtype=torch.float32) for _ in range(2))
@@ -274,15 +398,61 @@ def chunk_raven_bwd(q, k, v, a, idx, r, scale, M, h0, o, lse, do, dht, chunks):
     dht_k, dht_v = dht if dht is not None else (None, None)
     BDh = min(BD, 64)
     raven_bwd_kernel_dh[(triton.cdiv(M, BM), triton.cdiv(D, BDh), N * H)](
-        q, do, ds, p, g, dht_k, dht_v, dhk, dhv, dh0[0], dh0[1], chunks["bos"], chunks["len"], chunks["seq_chunks"],
-        H, G, M, D, BT, BM, BDh, dht is not None, h0 is not None, num_warps=4,
+        q,
+        do,
+        ds,
+        p,
+        g,
+        dht_k,
+        dht_v,
+        dhk,
+        dhv,
+        dh0[0],
+        dh0[1],
+        chunks["bos"],
+        chunks["len"],
+        chunks["seq_chunks"],
+        H,
+        G,
+        M,
+        D,
+        BT,
+        BM,
+        BDh,
+        dht is not None,
+        h0 is not None,
+        num_warps=4,
     )
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dlf = e.new_empty(T, H, M)
     dlf_sum = e.new_empty(NC, H, M)
     raven_bwd_kernel_dkv[(NC, H)](
-        q, k, v, do, g, w, dhk, dhv, p, ds, e, dk, dv, dlf, dlf_sum, chunks["bos"], chunks["len"],
-        H, G, M, D, BT, BC, min(BM, 32) if D > 64 else BM, BD, num_warps=warps,  # within shared memory at d = 128
+        q,
+        k,
+        v,
+        do,
+        g,
+        w,
+        dhk,
+        dhv,
+        p,
+        ds,
+        e,
+        dk,
+        dv,
+        dlf,
+        dlf_sum,
+        chunks["bos"],
+        chunks["len"],
+        H,
+        G,
+        M,
+        D,
+        BT,
+        BC,
+        min(BM, 32) if D > 64 else BM,
+        BD,
+        num_warps=warps,  # within shared memory at d = 128
     )
     # Carry each chunk's total into the earlier chunks of its sequence; the final states' own read comes last.
     suffix = torch.nn.functional.pad(dlf_sum.double().flip(0).cumsum(0).flip(0), (0, 0, 0, 0, 0, 1))  # [NC+1, H, M]
@@ -336,9 +506,18 @@ class ChunkRavenFunction(torch.autograd.Function):
         )
         dh0k, dh0v = (dh0[0].to(ctx.h0_dtypes[0]), dh0[1].to(ctx.h0_dtypes[1])) if has_h0 else (None, None)
         return (
-            dq.view(B, T, H, G, D), dk.view(B, T, H, D), dv.view(B, T, H, D),
-            da.view(B, T, H).to(a_dtype), None, dr.view(B, T, H, K).to(r_dtype),
-            None, None, dh0k, dh0v, None, None,
+            dq.view(B, T, H, G, D),
+            dk.view(B, T, H, D),
+            dv.view(B, T, H, D),
+            da.view(B, T, H).to(a_dtype),
+            None,
+            dr.view(B, T, H, K).to(r_dtype),
+            None,
+            None,
+            dh0k,
+            dh0v,
+            None,
+            None,
         )
 
 

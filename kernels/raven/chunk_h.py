@@ -7,8 +7,19 @@ import triton.language as tl
 
 @triton.jit
 def raven_fwd_kernel_gate(
-    a, idx, r, g, w, chunk_bos, chunk_len, H: tl.constexpr, M: tl.constexpr, K: tl.constexpr,
-    BT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr
+    a,
+    idx,
+    r,
+    g,
+    w,
+    chunk_bos,
+    chunk_len,
+    H: tl.constexpr,
+    M: tl.constexpr,
+    K: tl.constexpr,
+    BT: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
 ):
     """g [T, H, M]: cumulative log-retention within the chunk; w [T, H, M]: 1 - exp(log_f), exact for tiny writes.
     log_f is scattered into g (zeros, then a_t r_t[j] at slot idx_t[j]), then read back a block of slots at a time."""
@@ -41,9 +52,27 @@ def raven_fwd_kernel_gate(
 
 @triton.jit
 def raven_fwd_kernel_h(
-    k, v, g, w, h0k, h0v, hk, hv, htk, htv, chunk_bos, chunk_len, seq_chunks,
-    H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
-    USE_H0: tl.constexpr, STORE_HT: tl.constexpr
+    k,
+    v,
+    g,
+    w,
+    h0k,
+    h0v,
+    hk,
+    hv,
+    htk,
+    htv,
+    chunk_bos,
+    chunk_len,
+    seq_chunks,
+    H: tl.constexpr,
+    M: tl.constexpr,
+    D: tl.constexpr,
+    BT: tl.constexpr,
+    BM: tl.constexpr,
+    BD: tl.constexpr,
+    USE_H0: tl.constexpr,
+    STORE_HT: tl.constexpr,
 ):
     """hk/hv [NC, H, M, D]: the states entering each chunk; htk/htv [N, H, M, D]: the final states."""
     i_m, i_d, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -85,9 +114,29 @@ def raven_fwd_kernel_h(
 
 @triton.jit
 def raven_bwd_kernel_dh(
-    q, do, ds, p, g, dhtk, dhtv, dhk, dhv, dh0k, dh0v, chunk_bos, chunk_len, seq_chunks,
-    H: tl.constexpr, G: tl.constexpr, M: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr,
-    BD: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr
+    q,
+    do,
+    ds,
+    p,
+    g,
+    dhtk,
+    dhtv,
+    dhk,
+    dhv,
+    dh0k,
+    dh0v,
+    chunk_bos,
+    chunk_len,
+    seq_chunks,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    M: tl.constexpr,
+    D: tl.constexpr,
+    BT: tl.constexpr,
+    BM: tl.constexpr,
+    BD: tl.constexpr,
+    USE_DHT: tl.constexpr,
+    STORE_DH0: tl.constexpr,
 ):
     """dhk/dhv [NC, H, M, D]: gradients of the states leaving each chunk; dh0k/dh0v [N, H, M, D]: of the initial
     states. The logits read S^k with weights ds against q, the outputs read S^v with weights p against do."""

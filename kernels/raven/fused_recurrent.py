@@ -12,9 +12,28 @@ from .utils import check_inputs
 
 @triton.jit
 def raven_fwd_kernel_fused_recurrent(
-    q, k, v, a, idx, r, sk, sv, o, cu_seqlens, scale, T,
-    H: tl.constexpr, G: tl.constexpr, M: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
-    BG: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr
+    q,
+    k,
+    v,
+    a,
+    idx,
+    r,
+    sk,
+    sv,
+    o,
+    cu_seqlens,
+    scale,
+    T,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    M: tl.constexpr,
+    D: tl.constexpr,
+    K: tl.constexpr,
+    BG: tl.constexpr,
+    BM: tl.constexpr,
+    BD: tl.constexpr,
+    BK: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -94,15 +113,38 @@ def fused_recurrent_raven(
         initial_state = (q.new_zeros(N, H, M, D, dtype=torch.float32), q.new_zeros(N, H, M, D, dtype=torch.float32))
     for name, s in zip(("S^k", "S^v"), initial_state):
         if s.dtype != torch.float32 or not s.is_contiguous():
-            raise ValueError(f"initial state {name} is updated in place: it must be contiguous float32, "
-                             f"got {s.dtype}{'' if s.is_contiguous() else ', not contiguous'}")
+            raise ValueError(
+                f"initial state {name} is updated in place: it must be contiguous float32, "
+                f"got {s.dtype}{'' if s.is_contiguous() else ', not contiguous'}"
+            )
     q, k, v, a, r = (x.contiguous() for x in (q, k, v, a, r))
     idx = idx.to(torch.int32).contiguous()
     o = torch.empty_like(q)
     BG, BD = triton.next_power_of_2(G), triton.next_power_of_2(D)
     BM = max(1, min(64, triton.next_power_of_2(M), 8192 // (BG * BD)))
     raven_fwd_kernel_fused_recurrent[(N * H,)](
-        q, k, v, a, idx, r, initial_state[0], initial_state[1], o, cu_seqlens, float(scale), T,
-        H, G, M, D, K, BG, BM, BD, triton.next_power_of_2(K), cu_seqlens is not None, num_warps=4,
+        q,
+        k,
+        v,
+        a,
+        idx,
+        r,
+        initial_state[0],
+        initial_state[1],
+        o,
+        cu_seqlens,
+        float(scale),
+        T,
+        H,
+        G,
+        M,
+        D,
+        K,
+        BG,
+        BM,
+        BD,
+        triton.next_power_of_2(K),
+        cu_seqlens is not None,
+        num_warps=4,
     )
     return o, (initial_state if output_final_state else None)

@@ -74,9 +74,7 @@ def raven_mix(b_P, b_g, b_w, p_g, p_w, stride, L, o_m, m_m, BT: tl.constexpr, BC
 
 
 @triton.jit
-def raven_write_m(
-    b_C, b_P, b_g, p_P, stride_P, p_g, stride, L, o_m, m_m, BT: tl.constexpr, BC: tl.constexpr
-):
+def raven_write_m(b_C, b_P, b_g, p_P, stride_P, p_g, stride, L, o_m, m_m, BT: tl.constexpr, BC: tl.constexpr):
     """dw[s, m] = sum_{t >= s} C[t, s] P[t, m] exp(g_t - g_s)[m]: the gradient of the written weights w_s from
     the in-chunk reads (C = q k^T with P = logit gradients, or C = do v^T with P = softmax weights).
     b_C: [BT, BT] indexed [t, s]; b_P: [BT, BM] indexed [t, m], also at p_P (row stride stride_P) for the

@@ -49,9 +49,7 @@ def naive_raven(
     bounds = cu_seqlens.tolist()
     for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
         state = None if initial_state is None else (initial_state[0][n : n + 1], initial_state[1][n : n + 1])
-        o, (s_k, s_v) = raven_recurrent(
-            q[:, bos:eos], k[:, bos:eos], v[:, bos:eos], log_f[:, bos:eos], scale, state
-        )
+        o, (s_k, s_v) = raven_recurrent(q[:, bos:eos], k[:, bos:eos], v[:, bos:eos], log_f[:, bos:eos], scale, state)
         outputs.append(o)
         finals_k.append(s_k)
         finals_v.append(s_v)

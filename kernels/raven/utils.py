@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 
 def check_inputs(q, k, v, a, idx, r, num_slots, initial_state, cu_seqlens) -> None:
     """Raise a ValueError naming the first argument whose shape or value the kernels do not accept."""
@@ -14,8 +12,9 @@ def check_inputs(q, k, v, a, idx, r, num_slots, initial_state, cu_seqlens) -> No
         if tuple(x.shape) != shape:
             raise ValueError(f"{name} must be {list(shape)} to match q {list(q.shape)}, got {list(x.shape)}")
     if idx.dim() != 4 or tuple(idx.shape[:3]) != (B, T, H) or tuple(r.shape) != tuple(idx.shape):
-        raise ValueError(f"idx and r must both be [B, T, H, K] = [{B}, {T}, {H}, K], got {list(idx.shape)} "
-                         f"and {list(r.shape)}")
+        raise ValueError(
+            f"idx and r must both be [B, T, H, K] = [{B}, {T}, {H}, K], got {list(idx.shape)} and {list(r.shape)}"
+        )
     if idx.dtype.is_floating_point:
         raise ValueError(f"idx must hold integer slot indices, got dtype {idx.dtype}")
     if not 1 <= idx.shape[-1] <= num_slots:
@@ -30,5 +29,6 @@ def check_inputs(q, k, v, a, idx, r, num_slots, initial_state, cu_seqlens) -> No
     if initial_state is not None:
         for name, s in zip(("S^k", "S^v"), initial_state):
             if tuple(s.shape) != (N, H, num_slots, D):
-                raise ValueError(f"initial state {name} must be [N, H, M, d] = {[N, H, num_slots, D]}, "
-                                 f"got {list(s.shape)}")
+                raise ValueError(
+                    f"initial state {name} must be [N, H, M, d] = {[N, H, num_slots, D]}, got {list(s.shape)}"
+                )

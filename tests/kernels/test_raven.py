@@ -110,8 +110,16 @@ def test_decode_steps_match_reference():
     outputs = []
     for t in range(T):  # one token at a time, the state updated in place
         o, final = fused_recurrent_raven(
-            q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], a[:, t : t + 1], idx[:, t : t + 1],
-            r[:, t : t + 1], 0.5, M, live, output_final_state=True,
+            q[:, t : t + 1],
+            k[:, t : t + 1],
+            v[:, t : t + 1],
+            a[:, t : t + 1],
+            idx[:, t : t + 1],
+            r[:, t : t + 1],
+            0.5,
+            M,
+            live,
+            output_final_state=True,
         )
         assert final[0] is live[0]
         outputs.append(o)
@@ -190,5 +198,3 @@ def test_chunk_bf16_at_size(d, M, K, with_state):
     assert rel_err(o, o_ref) < 5e-3 and rel_err(hk, hk_ref) < 5e-3 and rel_err(hv, hv_ref) < 5e-3
     for name, x, ref in zip(["q", "k", "v", "a", "r", "S^k_0", "S^v_0"], grads, grads_ref):
         assert rel_err(x, ref) < 1e-2, f"grad {name}"
-
-
