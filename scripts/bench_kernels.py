@@ -8,7 +8,8 @@ tokens/s of forward+backward, the peak memory a forward+backward adds on top of 
 seconds (compilation and autotuning included). Decode cases time one step and report the bandwidth of the state
 bytes read and written. Peers are measured in the same run on the same inputs:
 - Raven (M slots, top-K): ours `chunk_raven` vs fla `chunk_gsa` with the dense gates g = log-retention,
-  s = 1 - exp(g) (the Gated Slot Attention form of the same recurrence).
+  s = 1 - exp(g) (the Gated Slot Attention form of the same recurrence; only with --with-fla-gsa, since it
+  compiles and autotunes for minutes: ../shared/README.md has its numbers from the same H100 type).
 - SSE n4k1 (+ shared partition, varlen): ours `chunk_sse` vs fla `chunk_gla` at the same H and D (dense lower
   bound); also ours `chunk_gla` alone.
 - SILA: ours `fused_recurrent_sila` vs fla `chunk_gla` and `fused_recurrent_delta_rule`.
@@ -228,6 +229,7 @@ def copy_bandwidth() -> float:
 
 
 FLA = None
+WITH_GSA = False  # fla's chunk_gsa compiles and autotunes for minutes before its first call returns
 
 
 def training_cases(only: set[str]) -> list[tuple[str, str, str, Callable, tuple]]:
@@ -239,7 +241,7 @@ def training_cases(only: set[str]) -> list[tuple[str, str, str, Callable, tuple]
         if "raven" in only:
             for M, K in ((256, 32), (64, 8)):
                 cases.append(("raven", f"ours chunk_raven M={M} top-{K}", shape, case_raven_ours, (B, T, M, K)))
-                if FLA:
+                if FLA and WITH_GSA:
                     cases.append(("raven", f"fla chunk_gsa M={M} (dense gates)", shape, case_raven_fla, (B, T, M, K)))
         if "sse" in only:
             cases.append(("sse", "ours chunk_sse n4k1 + shared (varlen)", shape, case_sse_ours, (B, T)))
@@ -254,12 +256,14 @@ def training_cases(only: set[str]) -> list[tuple[str, str, str, Callable, tuple]
 
 
 def main() -> None:
-    global FLA
+    global FLA, WITH_GSA
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="sdpa,raven,sse,sila,decode", help="comma-separated groups")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"subset of {list(SHAPES)}")
     parser.add_argument("--json", default=None, help="also write every number here")
+    parser.add_argument("--with-fla-gsa", action="store_true", help="also time fla's chunk_gsa (minutes to compile)")
     args = parser.parse_args()
+    WITH_GSA = args.with_fla_gsa
     only = set(args.only.split(","))
     for name in list(SHAPES):
         if name not in args.shapes.split(","):
