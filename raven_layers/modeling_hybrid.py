@@ -138,6 +138,8 @@ class HybridModel(HybridPreTrainedModel):
         packed = None
         if attention_mask is None and position_ids is not None and past == 0 and T > 1:
             packed = find_packed_documents(position_ids.expand(B, -1))  # transformers' convention for packing
+            if packed is not None:  # rows of several documents have no single continuation to cache
+                past_key_values, use_cache = None, False
         if attention_mask is not None and T > 1 and bool(attention_mask.all()):
             attention_mask = None  # no padding: every layer can take its fast path (not checked per decode step)
         if position_ids is None:

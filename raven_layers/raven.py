@@ -265,7 +265,8 @@ class RavenMixer(Mixer):
         cu_seqlens: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
-        if cu_seqlens is not None:  # packed documents: each starts from an empty state
+        kernels = kernel_module("raven", hidden_states)
+        if cu_seqlens is not None and kernels is None:  # packed documents, each from an empty state
             return self.forward_packed(hidden_states, cu_seqlens)
         x = hidden_states  # [B, T, hidden]
         B, T, _ = x.shape
@@ -278,9 +279,12 @@ class RavenMixer(Mixer):
         if self.settings.feature_map == "silu":
             q, k = F.silu(q), F.silu(k)
         state = self.load_state(past_key_values)
-        kernels = kernel_module("raven", q)
         if kernels is not None:  # Triton: the router's choice goes to the kernels, which build the gates on chip
             a, idx, r = self.route(x, padding_mask)
+            if cu_seqlens is not None:  # packed documents: one sequence of B * T tokens cut at cu_seqlens
+                packed = (t.flatten(0, 1).unsqueeze(0) for t in (q, k, v, a, idx, r))
+                o, _ = kernels.chunk_raven(*packed, self.scale, self.settings.num_slots, cu_seqlens=cu_seqlens)
+                return self.project_out(o.to(x.dtype).reshape(B, T, H * d), x)
             run = kernels.fused_recurrent_raven if T == 1 and state is not None else kernels.chunk_raven
             o, new_state = run(q, k, v, a, idx, r, self.scale, self.settings.num_slots, state, True)
             self.save_state(past_key_values, new_state, num_tokens=T)

@@ -340,6 +340,21 @@ class SILAMixer(Mixer):
         out = F.conv1d(full.transpose(1, 2), self.conv_weight.to(x.dtype).unsqueeze(1), groups=Cn)
         return out.transpose(1, 2), full[:, T:].clone()
 
+    def short_conv_packed(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """`short_conv` of packed documents x [B, T, C] (offsets cu_seqlens in the flattened B * T tokens): every
+        document starts from a zero tail, so no input reaches across a boundary."""
+        B, T, Cn = x.shape
+        K = self.settings.conv_size
+        flat = torch.arange(B * T, device=x.device)
+        doc = torch.searchsorted(cu_seqlens.to(flat.dtype), flat, right=True) - 1
+        offset = (flat - cu_seqlens.to(flat.dtype)[doc]).view(B, T, 1)  # tokens since the document start
+        weight = self.conv_weight.to(x.dtype)  # [C, K]: tap K - 1 - j multiplies x_{t - j}
+        out = x * weight[:, K - 1]
+        for j in range(1, min(K, T)):
+            shifted = F.pad(x, (0, 0, j, 0))[:, :T]  # x_{t - j}
+            out = out + shifted * weight[:, K - 1 - j] * (offset >= j).to(x.dtype)
+        return out
+
     def gate_inputs(self, x: torch.Tensor):
         """The input parts of the gates, in float32 at least: beta_x, gamma_x [B, T, H_kv] and alpha [B, T, H]."""
         weight = torch.cat([self.beta_weight, self.gamma_weight, self.alpha_weight])
@@ -357,7 +372,8 @@ class SILAMixer(Mixer):
         cu_seqlens: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
-        if cu_seqlens is not None:  # packed documents: each starts from an empty state
+        kernels = kernel_module("sila", hidden_states)
+        if cu_seqlens is not None and kernels is None:  # packed documents, each from an empty state
             return self.forward_packed(hidden_states, cu_seqlens)
         x = hidden_states  # [B, T, hidden]
         B, T, _ = x.shape
@@ -372,7 +388,10 @@ class SILAMixer(Mixer):
         qkv = torch.cat([q, k, v], dim=-1)  # [B, T, (H + 2 H_kv) d]
         if padding_mask is not None:  # padding must not reach the convolution windows of real tokens
             qkv = qkv * padding_mask.unsqueeze(-1).to(qkv.dtype)
-        qkv, tail = self.short_conv(qkv, tail)
+        if cu_seqlens is None:
+            qkv, tail = self.short_conv(qkv, tail)
+        else:
+            qkv = self.short_conv_packed(qkv, cu_seqlens)
         if self.settings.feature_map == "silu":
             qkv = F.silu(qkv)
         q, k, v = qkv.split([H * d, Hkv * d, Hkv * d], dim=-1)
@@ -384,7 +403,10 @@ class SILAMixer(Mixer):
         alpha = alpha.view(B, T, Hkv, H // Hkv)  # [B, T, H_kv, G]
         mask = padding_mask.bool() if padding_mask is not None else None
         args = (q, k, v, alpha, beta_x, gamma_x, self.beta_state_weight, self.gamma_state_weight, memory, mask)
-        kernels = kernel_module("sila", q)
+        if cu_seqlens is not None:  # packed documents: one sequence of B * T tokens cut at cu_seqlens
+            packed = [t.flatten(0, 1).unsqueeze(0) for t in args[:6]]
+            o, _ = kernels.fused_recurrent_sila(*packed, *args[6:8], cu_seqlens=cu_seqlens)
+            return self.project_out(o.to(x.dtype).reshape(B, T, H * d), x)
         if kernels is not None:  # Triton: one fused recurrent kernel for training, prefill and decode steps
             o, memory = kernels.fused_recurrent_sila(*args, output_final_state=True)
         elif T == 1 and memory is not None:
