@@ -30,12 +30,12 @@ from raven_layers.sse import sse_masking, sse_varlen
 BT = 64  # chunk length
 BC = 16  # sub-chunk length
 POISON = False  # tests set it: outputs start as NaN
+WARPS = {"h": 4, "o": 4, "dh": 4, "dqkvg": 4}  # fixed launch configs (kernels/sse/NOTES.md)
+LOW_PRECISION_STATES = True  # bf16/fp16 inputs: per-chunk states (and their grads) stored in that dtype, half the bytes
 
 
 @triton.jit
-def sse_fwd_kernel_cumsum(
-    g, gc, cu, chunk_seq, chunk_pos, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr
-):
+def sse_fwd_kernel_cumsum(g, gc, cu, chunk_seq, chunk_pos, H, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_s = tl.load(chunk_seq + i_c)
     bos = tl.load(cu + i_s).to(tl.int64) + tl.load(chunk_pos + i_c).to(tl.int64) * BT
@@ -57,7 +57,7 @@ def sse_fwd_kernel_h(
     ht,
     cu,
     chunk_off,
-    H: tl.constexpr,
+    H,
     K: tl.constexpr,
     V: tl.constexpr,
     BT: tl.constexpr,
@@ -82,7 +82,7 @@ def sse_fwd_kernel_h(
     for i in range(n_chunks):
         bos = seq_bos + i * BT
         last = tl.minimum(eos - bos, BT) - 1
-        tl.store(hs + ((c0 + i) * H + i_h) * K * V + offs_kv, b_h, mask=m_kv)
+        tl.store(hs + ((c0 + i) * H + i_h) * K * V + offs_kv, b_h.to(hs.dtype.element_ty), mask=m_kv)
         m_t = o_t < eos - bos
         b_k = tl.load(
             k + ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0
@@ -111,7 +111,7 @@ def sse_fwd_kernel_o(
     chunk_seq,
     chunk_pos,
     scale,
-    H: tl.constexpr,
+    H,
     G: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
@@ -187,7 +187,7 @@ def sse_bwd_kernel_dh(
     cu,
     chunk_off,
     scale,
-    H: tl.constexpr,
+    H,
     G: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
@@ -216,7 +216,7 @@ def sse_bwd_kernel_dh(
         i = n_chunks - 1 - ii
         bos = seq_bos + i * BT
         last = tl.minimum(eos - bos, BT) - 1
-        tl.store(dhs + ((c0 + i) * H + i_h) * K * V + offs_kv, b_dh, mask=m_kv)  # gradient of the state leaving i
+        tl.store(dhs + ((c0 + i) * H + i_h) * K * V + offs_kv, b_dh.to(dhs.dtype.element_ty), mask=m_kv)
         m_t = o_t < eos - bos
         b_b = tl.load(
             gc + ((bos + tl.minimum(o_t, last))[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
@@ -257,7 +257,7 @@ def sse_bwd_kernel_dqkvg(
     chunk_seq,
     chunk_pos,
     scale,
-    H: tl.constexpr,
+    H,
     G: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
@@ -276,8 +276,8 @@ def sse_bwd_kernel_dqkvg(
     m_k, m_v = o_k < K, o_v < V
     m_t = o_t < n
     offs_kv = (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-    b_h = tl.load(hs + offs_kv, mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV] state entering
-    b_dh = tl.load(dhs + offs_kv, mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV] grad of state leaving
+    b_h = tl.load(hs + offs_kv, mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BK, BV] entering
+    b_dh = tl.load(dhs + offs_kv, mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # grad of leaving
     b_bl = tl.load(gc + ((bos + last) * H + i_h) * K + o_k, mask=m_k, other=0.0)  # [BK]
     b_k = tl.load(
         k + ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0
@@ -393,6 +393,11 @@ def _chunk_layout(B: int, T: int, cu_seqlens, device):
     return cu, chunk_seq, chunk_pos, chunk_off, total
 
 
+def _state_dtype(q: torch.Tensor) -> torch.dtype:
+    """dtype of the per-chunk states kept between kernels; the scans themselves accumulate in float32."""
+    return q.dtype if LOW_PRECISION_STATES and q.dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
 def _new(shape, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An output buffer; NaN-filled when POISON is set (tests), so an element a kernel fails to write shows."""
     out = torch.empty(shape, device=like.device, dtype=dtype)
@@ -410,7 +415,7 @@ class ChunkGLAFunction(torch.autograd.Function):
         S = cu.numel() - 1
         h0 = None if initial_state is None else initial_state.float().reshape(S, H, K, V).contiguous()
         gc = torch.empty(L, H, K, device=dev, dtype=torch.float32)  # chunk-local cumulative log-gate
-        hs = torch.empty(Nc, H, K, V, device=dev, dtype=torch.float32)  # state entering each chunk
+        hs = torch.empty(Nc, H, K, V, device=dev, dtype=_state_dtype(q))  # state entering each chunk
         ht = torch.empty(S, H, K, V, device=dev, dtype=torch.float32)
         o = _new((L, H, G, V), q, q.dtype)
         if Nc:
@@ -418,11 +423,11 @@ class ChunkGLAFunction(torch.autograd.Function):
         hk, hv = min(BK, 64), min(BV, 64)
         if S:
             sse_fwd_kernel_h[(S * H, BK // hk, BV // hv)](
-                k, v, gc, h0, hs, ht, cu, chunk_off, H, K, V, BT, hk, hv, h0 is not None, num_warps=4
+                k, v, gc, h0, hs, ht, cu, chunk_off, H, K, V, BT, hk, hv, h0 is not None, num_warps=WARPS["h"]
             )
         if Nc:
             sse_fwd_kernel_o[(Nc, H * G)](
-                q, k, v, gc, hs, o, cu, chunk_seq, chunk_pos, scale, H, G, K, V, BT, BC, BK, BV, num_warps=4
+                q, k, v, gc, hs, o, cu, chunk_seq, chunk_pos, scale, H, G, K, V, BT, BC, BK, BV, num_warps=WARPS["o"]
             )
         ctx.save_for_backward(q, k, v, gc, hs, cu, chunk_seq, chunk_pos, chunk_off)
         ctx.meta = (B, T, scale, initial_state is not None, log_g.dtype, None if h0 is None else initial_state.dtype)
@@ -460,7 +465,7 @@ class ChunkGLAFunction(torch.autograd.Function):
                 hv,
                 dht is not None,
                 use_h0,
-                num_warps=4,
+                num_warps=WARPS["dh"],
             )
         dq, dk, dv = (_new(x.shape, x, x.dtype) for x in (q, k, v))
         dg = _new((L, H, K), q, g_dtype)
@@ -489,7 +494,7 @@ class ChunkGLAFunction(torch.autograd.Function):
                 BC,
                 BK,
                 BV,
-                num_warps=4,
+                num_warps=WARPS["dqkvg"],
             )
         shape = (B, T, H)
         dh0 = None if dh0 is None else dh0.to(h0_dtype)

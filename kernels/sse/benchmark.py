@@ -1,0 +1,156 @@
+"""GPU timings of the SSE kernels beside fla's `chunk_gla`: `python -m kernels.sse.benchmark` (needs CUDA; fla
+optional). B=4, T=4096, H=16, c = d = 128, bf16 q/k/v, float32 log-gates, by default.
+
+Prints the median forward and forward+backward times (triton.testing.do_bench after a warm-up) and the first-call
+time of: fla's dense chunk_gla, this chunk_gla on the same inputs, SSE n4k1 with the shared partition through
+chunk_sse (varlen and masking, regrouping included) and through chunk_gla alone on the regrouped entries; the
+per-kernel CUDA time of one SSE forward+backward; one decoding step (B=64) against sse_recurrent; and the
+forward+backward time under other warp counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from kernels.sse import chunk as chunk_module
+from kernels.sse import chunk_gla, chunk_sse, fused_recurrent_sse
+from kernels.sse.naive import sse_recurrent
+
+
+def timings(fn, inputs):
+    """(first call s, forward ms, forward+backward ms); the output's gradient is fixed beforehand."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn(*inputs)[0]
+    torch.cuda.synchronize()
+    first = time.perf_counter() - start
+    grad = torch.randn_like(out)
+
+    def fwd():
+        with torch.no_grad():
+            fn(*inputs)
+
+    def fwd_bwd():
+        fn(*inputs)[0].backward(grad)
+
+    fwd_bwd()
+    torch.cuda.synchronize()
+    leaves = [x for x in inputs if torch.is_tensor(x) and x.requires_grad]
+    return first, do_bench(fwd, return_mode="median"), do_bench(fwd_bwd, grad_to_none=leaves, return_mode="median")
+
+
+def sse_inputs(B, T, H, c, d, N=4, dtype=torch.bfloat16, seed=0):
+    """n{N}k1 with the shared partition, as SSEMixer builds them: entry 0 the routed partition, entry 1 shared."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    idx = torch.randint(0, N, (B, T, H, 1), device="cuda", generator=g)
+    idx = torch.cat([idx, torch.full_like(idx, N)], dim=-1)  # [B, T, H, 2]
+    q = torch.randn(B, T, H, 1, 2, c, device="cuda", generator=g) * c**-0.5
+    k = torch.randn(B, T, H, 2, c, device="cuda", generator=g).softmax(-1)
+    v = torch.randn(B, T, H, d, device="cuda", generator=g)
+    log_g = F.logsigmoid(torch.randn(B, T, H, 1, c, device="cuda", generator=g) + 4).expand(B, T, H, 2, c) / 16
+    leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)] + [log_g.contiguous().requires_grad_()]
+    return leaves, idx, N + 1
+
+
+def gla_inputs(B, T, H, D, dtype=torch.bfloat16):
+    q, k = (torch.randn(B, T, H, D, device="cuda") * D**-0.5 for _ in range(2))
+    v = torch.randn(B, T, H, D, device="cuda")
+    g = F.logsigmoid(torch.randn(B, T, H, D, device="cuda") + 4) / 16
+    return [x.to(dtype).requires_grad_() for x in (q, k, v)] + [g.requires_grad_()]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--warps", default="8", help="other warp counts to try for the o and dqkvg kernels")
+    p.add_argument("--fla-only", action="store_true", help="time fla's chunk_gla alone (its first call autotunes)")
+    args = p.parse_args(argv)
+    B, T, H, D = args.batch, args.seq_len, args.heads, args.dim
+    rows = []
+
+    def report(name, result):
+        rows.append((name, *result))
+        print(f"{name:44s} first {result[0]:7.2f} s  fwd {result[1]:7.3f} ms  fwd+bwd {result[2]:7.3f} ms", flush=True)
+
+    dense = gla_inputs(B, T, H, D)
+    if args.fla_only:
+        from fla.ops.gla import chunk_gla as fla_chunk_gla
+
+        report("fla chunk_gla (dense)", timings(lambda q, k, v, g: fla_chunk_gla(q, k, v, g, D**-0.5), dense))
+        return
+    report(
+        "chunk_gla (dense)",
+        timings(lambda q, k, v, g: chunk_gla(q.unsqueeze(3), k, v, g, D**-0.5), dense),
+    )
+    leaves, idx, P = sse_inputs(B, T, H, D, D)
+    for impl in ("varlen", "masking"):
+        fn = lambda q, k, v, g, impl=impl: chunk_sse(q, k, v, g, idx, P, D**-0.5, implementation=impl)  # noqa: E731
+        report(f"SSE n4k1+shared chunk_sse ({impl})", timings(fn, leaves))
+
+    # chunk_gla alone on the entries regrouped as sse_varlen does (its cu_seqlens and order)
+    segment = (torch.arange(B * H, device="cuda").view(B, 1, H, 1) * P + idx).flatten()
+    order = (segment * T + torch.arange(T, device="cuda").view(1, T, 1, 1).expand(B, T, H, 2).flatten()).argsort()
+    cu = F.pad(torch.bincount(segment, minlength=B * H * P).cumsum(0), (1, 0))
+    q, k, v, g = leaves
+    packed = [
+        q.detach().transpose(3, 4).reshape(-1, 1, D)[order][None, :, None].requires_grad_(),
+        k.detach().reshape(-1, D)[order][None, :, None].requires_grad_(),
+        v.detach().unsqueeze(3).expand(B, T, H, 2, D).reshape(-1, D)[order][None, :, None].requires_grad_(),
+        g.detach().reshape(-1, D)[order][None, :, None].requires_grad_(),
+    ]
+    report("chunk_gla on the regrouped SSE entries", timings(lambda *a: chunk_gla(*a, D**-0.5, None, True, cu), packed))
+
+    fn = lambda q, k, v, g: chunk_sse(q, k, v, g, idx, P, D**-0.5)  # noqa: E731
+    grad = torch.randn(B, T, H, 1, D, device="cuda", dtype=torch.bfloat16)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn(*leaves)[0].backward(grad)
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in events) / 1e3
+    print(f"one SSE varlen forward+backward, per kernel (ms of {total:.2f} device ms):")
+    for e in events[:16]:
+        print(f"  {e.device_time_total / 1e3:7.3f} x{e.count:<3d} {e.key[:90]}")
+    print(flush=True)
+
+    saved = chunk_module.LOW_PRECISION_STATES
+    chunk_module.LOW_PRECISION_STATES = False
+    report("SSE varlen, float32 per-chunk states", timings(fn, leaves))
+    chunk_module.LOW_PRECISION_STATES = saved
+
+    for warps in (int(w) for w in args.warps.split(",")):
+        for kernel in ("o", "dqkvg"):
+            saved = dict(chunk_module.WARPS)
+            chunk_module.WARPS[kernel] = warps
+            report(f"SSE varlen, {kernel} kernel at {warps} warps", timings(fn, leaves))
+            chunk_module.WARPS.update(saved)
+
+    Bd = 64
+    dec, idx_d, P = sse_inputs(Bd, 1, H, D, D, dtype=torch.float32)
+    dec = [x.detach() for x in dec]
+    state = torch.randn(Bd, H, P, D, D, device="cuda")
+    o_ref, s_ref = sse_recurrent(*dec, idx_d, P, D**-0.5, state)
+    o, s = fused_recurrent_sse(*dec, idx_d, P, D**-0.5, state.clone())
+    err = max(((o - o_ref).norm() / o_ref.norm()).item(), ((s - s_ref).norm() / s_ref.norm()).item())
+    ms_kernel = do_bench(lambda: fused_recurrent_sse(*dec, idx_d, P, D**-0.5, state), return_mode="median")
+    ms_torch = do_bench(lambda: sse_recurrent(*dec, idx_d, P, D**-0.5, state), return_mode="median")
+    print(
+        f"decode B={Bd} H={H} c=d={D} n4k1+shared: fused_recurrent_sse {ms_kernel * 1e3:.1f} us, "
+        f"sse_recurrent {ms_torch * 1e3:.1f} us, rel err {err:.1e}"
+    )
+
+    print(f"\nB={B} T={T} H={H} D={D} bf16 on {torch.cuda.get_device_name()}")
+    print(f"{'':44s} {'first s':>8s} {'fwd ms':>8s} {'fwd+bwd ms':>11s}")
+    for name, first, f, fb in rows:
+        print(f"{name:44s} {first:8.2f} {f:8.3f} {fb:11.3f}")
+
+
+if __name__ == "__main__":
+    main()
