@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One GPU measurement session: CUDA tests of the kernels, the kernel benchmark, and the per-stage rates of the
+# SmolLM2 recipes; every log goes to $OUT (default ./gpu-out), the tables come last.
+#
+#   MODEL=~/cache/smollm2.gguf CORPUS=~/cache/corpus bash scripts/gpu_measure.sh [tests,bench,stages]
+#
+# MODEL is the teacher (a GGUF file or a model directory), CORPUS the training text. Wheels the machine lacks
+# (gguf, datasets, fla, pydantic, ...) are installed from .whl/ when that folder exists.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+PARTS=${1:-tests,bench,stages}
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+
+if [[ $PARTS == *tests* ]]; then
+  timeout 240 python3 -m pytest -o addopts="" -q -m gpu tests/kernels tests/raven_layers/test_gpu.py \
+    > "$OUT/gpu-tests.log" 2>&1
+  echo "gpu tests: exit $?"
+fi
+if [[ $PARTS == *bench* ]]; then
+  timeout 200 python3 scripts/bench_kernels.py --shapes B4_T4096 --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+  echo "bench: exit $?"
+fi
+if [[ $PARTS == *stages* ]]; then
+  TEACHER=$HOME/cache/smollm2-hf
+  if [ ! -d "$TEACHER" ]; then  # dequantise once: every stage loads the teacher
+    python3 -c "
+from convert.sources import Source
+s = Source.resolve('${MODEL}')
+s.load_model('float32').save_pretrained('$TEACHER')
+s.load_tokenizer().save_pretrained('$TEACHER')"
+  fi
+  timeout 420 python3 scripts/measure_stages.py recipes/smollm2-raven.yaml recipes/smollm2-sse.yaml \
+    recipes/smollm2-sila.yaml --align-steps 20 --train-steps 12 --max-documents 400 --run-root /tmp/measure \
+    --set "source=$TEACHER" --set "data.source=${CORPUS}" --json "$OUT/stages.json" > "$OUT/stages.log" 2>&1
+  echo "stages: exit $?"
+fi
+tail -3 "$OUT/gpu-tests.log" 2>/dev/null
+sed -n '/^NVIDIA\|^| /p' "$OUT/bench.log" 2>/dev/null
+grep "^| " "$OUT/stages.log" 2>/dev/null
