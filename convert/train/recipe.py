@@ -65,6 +65,11 @@ class AlignSettings(_Strict):
     log_every: int = Field(10, ge=0)
     mixed_precision: Literal["no", "bf16"] = "no"
 
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no(cls, value):
+        return "no" if value is False else value  # YAML reads a bare `no` as false
+
 
 class TokenWeightSettings(_Strict):
     enabled: bool = False

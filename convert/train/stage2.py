@@ -89,6 +89,11 @@ class TrainConfig(BaseModel):
     seed: int = 0
     log_every: int = Field(10, ge=0, description="steps between progress lines; 0: none")
 
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no(cls, value):
+        return "no" if value is False else value  # YAML reads a bare `no` as false
+
     @field_validator("lora_targets")
     @classmethod
     def _names(cls, value: list[str]) -> list[str]:

@@ -166,6 +166,8 @@ def test_overrides_apply_before_validation(tmp_path):
     path.write_text(yaml.safe_dump(MINIMAL | {"evaluate": {"samples": 2}}))
     recipe = load_recipe(path, ["train.steps=20", "evaluate=null", "extend.seq_len=64", "extend.steps=3"])
     assert recipe.train.steps == 20 and recipe.evaluate is None and recipe.extend.seq_len == 64
+    no = load_recipe(path, ["train.mixed_precision=no", "align.mixed_precision=no"])  # YAML's `no` is false
+    assert no.train.mixed_precision == "no" and no.align.mixed_precision == "no"
     with pytest.raises(ValueError, match=r"train.steps: Input should be greater than or equal to 0"):
         load_recipe(path, ["train.steps=-1"])
     with pytest.raises(ValueError, match=r"override 'train.steps' is not of the form dotted.key=value"):
