@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .chunk_h import raven_bwd_kernel_dh, raven_fwd_kernel_gate, raven_fwd_kernel_h
-from .intra import raven_mix, raven_read_m, raven_write_m
+from .intra import raven_factors, raven_mix, raven_read_m, raven_write_m
 from .utils import check_inputs
 
 BT, BC = 64, 16  # chunk and sub-chunk lengths
@@ -52,7 +52,7 @@ def raven_fwd_kernel_o(
     p_kd = ((bos + o_t[:, None]) * H + i_h) * D + o_d[None, :]
     b_q = tl.load(q + p_qd, mask=m_td, other=0.0)
     b_k = tl.load(k + p_kd, mask=m_td, other=0.0)
-    b_A = tl.dot(b_q, tl.trans(b_k))  # [BT, BT]
+    b_A = tl.where(o_t[:, None] >= o_t[None, :], tl.dot(b_q, tl.trans(b_k)), 0.0)  # [BT, BT] causal q k^T
     b_q = b_q.to(tl.float32)
     p_g, p_w = g + (bos * H + i_h) * M, w + (bos * H + i_h) * M
     p_h = (i_c * H + i_h) * M * D
@@ -67,9 +67,13 @@ def raven_fwd_kernel_o(
         m_md = m_m[:, None] & m_d[None, :]
         b_g = tl.load(p_g + o_t[:, None] * H * M + o_m[None, :], mask=m_tm, other=0.0)  # [BT, BM]
         b_w = tl.load(p_w + o_t[:, None] * H * M + o_m[None, :], mask=m_tm, other=0.0)
+        b_gl = tl.load(p_g + (L - 1) * H * M + o_m, mask=m_m, other=0.0)
+        fast, b_qg, b_kg = raven_factors(b_g, b_gl, m_tm)
+        b_kg *= b_w
         b_eg = tl.exp(b_g)
         b_hk = tl.load(hk + p_h + o_m[:, None] * D + o_d[None, :], mask=m_md, other=0.0)  # [BM, BD]
-        b_s = b_eg * tl.dot(b_q, tl.trans(b_hk)) + raven_read_m(b_A, b_g, b_w, p_g, p_w, H * M, L, o_m, m_m, BT, BC)
+        b_s = b_eg * tl.dot(b_q, tl.trans(b_hk))
+        b_s += raven_read_m(b_A, b_g, b_w, b_qg, b_kg, fast, p_g, p_w, H * M, L, o_m, m_m, BT, BC)
         b_s = tl.where(m_m[None, :], b_s * scale, float("-inf"))
         b_mn = tl.maximum(b_mx, tl.max(b_s, 1))
         b_alpha = tl.exp(b_mx - b_mn)
@@ -77,7 +81,7 @@ def raven_fwd_kernel_o(
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
         b_hv = tl.load(hv + p_h + o_m[:, None] * D + o_d[None, :], mask=m_md, other=0.0)
         b_o = b_o * b_alpha[:, None] + tl.dot(b_p * b_eg, b_hv)
-        b_B = b_B * b_alpha[:, None] + raven_mix(b_p, b_g, b_w, p_g, p_w, H * M, L, o_m, m_m, BT, BC)
+        b_B = b_B * b_alpha[:, None] + raven_mix(b_p, b_g, b_w, b_qg, b_kg, fast, p_g, p_w, H * M, L, o_m, m_m, BT, BC)
         b_mx = b_mn
     b_v = tl.load(v + p_kd, mask=m_td, other=0.0).to(tl.float32)
     b_o = (b_o + tl.dot(b_B, b_v)) / b_l[:, None]
@@ -127,8 +131,9 @@ def raven_bwd_kernel_dq(
     b_k = tl.load(k + p_kd, mask=m_td, other=0.0)
     b_v = tl.load(v + p_kd, mask=m_td, other=0.0)
     b_do = tl.load(do + p_qd, mask=m_td, other=0.0)
-    b_A = tl.dot(b_q, tl.trans(b_k))  # [BT, BT] q k^T
-    b_C = tl.dot(b_do, tl.trans(b_v))  # [BT, BT] do v^T
+    m_c = o_t[:, None] >= o_t[None, :]
+    b_A = tl.where(m_c, tl.dot(b_q, tl.trans(b_k)), 0.0)  # [BT, BT] causal q k^T
+    b_C = tl.where(m_c, tl.dot(b_do, tl.trans(b_v)), 0.0)  # [BT, BT] causal do v^T
     b_q, b_do = b_q.to(tl.float32), b_do.to(tl.float32)
     b_lse = tl.load(lse + (bos + o_t) * H * G + i_hg, mask=m_t, other=0.0)
     b_delta = tl.load(delta + (bos + o_t) * H * G + i_hg, mask=m_t, other=0.0)
@@ -143,19 +148,24 @@ def raven_bwd_kernel_dq(
         m_md = m_m[:, None] & m_d[None, :]
         b_g = tl.load(p_g + o_t[:, None] * H * M + o_m[None, :], mask=m_tm, other=0.0)
         b_w = tl.load(p_w + o_t[:, None] * H * M + o_m[None, :], mask=m_tm, other=0.0)
+        b_gl = tl.load(p_g + (L - 1) * H * M + o_m, mask=m_m, other=0.0)
+        fast, b_qg, b_kg = raven_factors(b_g, b_gl, m_tm)
+        b_kg *= b_w
         b_eg = tl.exp(b_g)
         b_hk = tl.load(hk + p_h + o_m[:, None] * D + o_d[None, :], mask=m_md, other=0.0)
         b_hv = tl.load(hv + p_h + o_m[:, None] * D + o_d[None, :], mask=m_md, other=0.0)
-        b_s = b_eg * tl.dot(b_q, tl.trans(b_hk)) + raven_read_m(b_A, b_g, b_w, p_g, p_w, H * M, L, o_m, m_m, BT, BC)
+        b_s = b_eg * tl.dot(b_q, tl.trans(b_hk))
+        b_s += raven_read_m(b_A, b_g, b_w, b_qg, b_kg, fast, p_g, p_w, H * M, L, o_m, m_m, BT, BC)
         b_p = tl.where(m_tm, tl.exp(b_s * scale - b_lse[:, None]), 0.0)
-        b_dp = b_eg * tl.dot(b_do, tl.trans(b_hv)) + raven_read_m(b_C, b_g, b_w, p_g, p_w, H * M, L, o_m, m_m, BT, BC)
+        b_dp = b_eg * tl.dot(b_do, tl.trans(b_hv))
+        b_dp += raven_read_m(b_C, b_g, b_w, b_qg, b_kg, fast, p_g, p_w, H * M, L, o_m, m_m, BT, BC)
         b_ds = scale * b_p * (b_dp - b_delta[:, None])
         p_tm = ((bos + o_t[:, None]) * H * G + i_hg) * M + o_m[None, :]
         tl.store(p + p_tm, b_p, mask=m_tm)
         tl.store(ds + p_tm, b_ds, mask=m_tm)
         tl.store(e + p_tm, b_ds * b_s + b_p * b_dp, mask=m_tm)
         b_dq += tl.dot(b_ds * b_eg, b_hk)
-        b_B += raven_mix(b_ds, b_g, b_w, p_g, p_w, H * M, L, o_m, m_m, BT, BC)
+        b_B += raven_mix(b_ds, b_g, b_w, b_qg, b_kg, fast, p_g, p_w, H * M, L, o_m, m_m, BT, BC)
     b_dq += tl.dot(b_B, b_k.to(tl.float32))
     tl.store(dq + p_qd, b_dq.to(dq.dtype.element_ty), mask=m_td)
 
@@ -211,6 +221,8 @@ def raven_bwd_kernel_dkv(
         b_w = tl.load(p_w + o_t[:, None] * H * M + o_m[None, :], mask=m_tm, other=0.0)
         b_gl = tl.load(p_g + (L - 1) * H * M + o_m, mask=m_m, other=0.0)
         b_dec = tl.where(m_tm, tl.exp(b_gl[None, :] - b_g), 0.0)  # [BT, BM] decay from each token to chunk end
+        fast, b_qg, b_ig = raven_factors(b_g, b_gl, m_tm)
+        b_kg = b_w * b_ig
         b_dhk = tl.load(dhk + p_h + o_m[:, None] * D + o_d[None, :], mask=m_md, other=0.0)
         b_dhv = tl.load(dhv + p_h + o_m[:, None] * D + o_d[None, :], mask=m_md, other=0.0)
         b_dk += tl.dot(b_w * b_dec, b_dhk)
@@ -222,19 +234,19 @@ def raven_bwd_kernel_dkv(
             p_qd = ((bos + o_t[:, None]) * H * G + i_hg) * D + o_d[None, :]
             b_q = tl.load(q + p_qd, mask=m_td, other=0.0)
             b_do = tl.load(do + p_qd, mask=m_td, other=0.0)
-            b_A = tl.dot(b_q, tl.trans(b_k))
-            b_C = tl.dot(b_do, tl.trans(b_v))
+            b_A = tl.where(o_t[:, None] >= o_t[None, :], tl.dot(b_q, tl.trans(b_k)), 0.0)  # causal
+            b_C = tl.where(o_t[:, None] >= o_t[None, :], tl.dot(b_do, tl.trans(b_v)), 0.0)
             p_P, p_S = p + (bos * H * G + i_hg) * M, ds + (bos * H * G + i_hg) * M
             p_tm = o_t[:, None] * H * G * M + o_m[None, :]
             b_p = tl.load(p_P + p_tm, mask=m_tm, other=0.0)
             b_ds = tl.load(p_S + p_tm, mask=m_tm, other=0.0)
             b_e += tl.load(e + (bos * H * G + i_hg) * M + p_tm, mask=m_tm, other=0.0)
-            b_Bp = raven_mix(b_p, b_g, b_w, p_g, p_w, H * M, L, o_m, m_m, BT, BC)
-            b_Bs = raven_mix(b_ds, b_g, b_w, p_g, p_w, H * M, L, o_m, m_m, BT, BC)
+            b_Bp = raven_mix(b_p, b_g, b_w, b_qg, b_kg, fast, p_g, p_w, H * M, L, o_m, m_m, BT, BC)
+            b_Bs = raven_mix(b_ds, b_g, b_w, b_qg, b_kg, fast, p_g, p_w, H * M, L, o_m, m_m, BT, BC)
             b_dv += tl.dot(tl.trans(b_Bp), b_do.to(tl.float32))
             b_dk += tl.dot(tl.trans(b_Bs), b_q.to(tl.float32))
-            b_dw += raven_write_m(b_C, b_p, b_g, p_P, H * G * M, p_g, H * M, L, o_m, m_m, BT, BC)
-            b_dw += raven_write_m(b_A, b_ds, b_g, p_S, H * G * M, p_g, H * M, L, o_m, m_m, BT, BC)
+            b_dw += raven_write_m(b_C, b_p, b_g, b_qg, b_ig, fast, p_P, H * G * M, p_g, H * M, L, o_m, m_m, BT, BC)
+            b_dw += raven_write_m(b_A, b_ds, b_g, b_qg, b_ig, fast, p_S, H * G * M, p_g, H * M, L, o_m, m_m, BT, BC)
         b_dgc = tl.where(m_tm, b_e - b_w * b_dw, 0.0)  # gradient of the cumulative log-retention
         b_tot = tl.sum(b_dgc, 0)
         b_dlf = b_tot[None, :] - tl.cumsum(b_dgc, 0) + b_dgc - (1.0 - b_w) * b_dw  # suffix sums, and through w
@@ -267,6 +279,23 @@ def block_sizes(M: int, D: int) -> tuple[int, int]:
     return min(64, max(16, triton.next_power_of_2(M))), max(16, triton.next_power_of_2(D))
 
 
+def launch_config(D: int) -> dict[str, tuple[int, int, int]]:
+    """(slots per block, warps, pipeline stages) of the per-chunk kernels, fixed by head dim."""
+    return {
+        "o": (64, 8 if D > 64 else 4, 3),
+        "dq": (64, 8 if D > 64 else 4, 3),
+        "dkv": (32 if D > 64 else 64, 8 if D > 64 else 4, 3),
+    }
+
+
+def scan_blocks(M: int, D: int, NH: int) -> tuple[int, int]:
+    """Slots and head-dim columns per program of the sequential scans: small enough for ~2 programs per SM."""
+    BM, BD = block_sizes(M, D)
+    BM = min(BM, 32)
+    BD = min(BD, 64 if triton.cdiv(M, BM) * triton.cdiv(D, 64) * NH >= 256 else 32)
+    return BM, BD
+
+
 def gates(a, idx, r, chunks, M):
     """g, w [T, H, M] float32: per-slot cumulative log-retention within each chunk, and 1 - exp(log_f)."""
     T, H, K = idx.shape
@@ -284,8 +313,7 @@ def states(k, v, g, w, h0, chunks, M, output_final_state):
     """hk, hv [NC, H, M, D]: the states entering each chunk; and the final states [N, H, M, D] or None."""
     T, H, D = k.shape
     N, NC = chunks["seq_chunks"].numel() - 1, chunks["bos"].numel()
-    BM, BD = block_sizes(M, D)
-    BD = min(BD, 64)
+    BM, BD = scan_blocks(M, D, N * H)
     hk = k.new_empty(NC, H, M, D, dtype=torch.float32)
     hv = torch.empty_like(hk)
     ht = (k.new_empty(N, H, M, D, dtype=torch.float32), k.new_empty(N, H, M, D, dtype=torch.float32))
@@ -323,7 +351,9 @@ def chunk_raven_fwd(q, k, v, a, idx, r, scale, M, h0, output_final_state, chunks
     G = HG // H
     g, w = gates(a, idx, r, chunks, M)
     hk, hv, ht = states(k, v, g, w, h0, chunks, M, output_final_state)
-    BM, BD = block_sizes(M, D)
+    _, BD = block_sizes(M, D)
+    BM, warps, stages = launch_config(D)["o"]
+    BM = min(BM, block_sizes(M, D)[0])
     o = torch.empty_like(q)
     lse = q.new_empty(T, HG, dtype=torch.float32)
     raven_fwd_kernel_o[(chunks["bos"].numel(), HG)](
@@ -347,7 +377,8 @@ def chunk_raven_fwd(q, k, v, a, idx, r, scale, M, h0, output_final_state, chunks
         BC,
         BM,
         BD,
-        num_warps=8 if D > 64 else 4,
+        num_warps=warps,
+        num_stages=stages,
     )
     return o, lse, ht
 
@@ -363,7 +394,7 @@ def chunk_raven_bwd(q, k, v, a, idx, r, scale, M, h0, o, lse, do, dht, chunks):
     delta = (do.float() * o.float()).sum(-1)  # [T, H * G] = sum_m p dp, as in attention
     dq = torch.empty_like(q)
     p, ds, e = (q.new_empty(T, HG, M, dtype=torch.float32) for _ in range(3))
-    warps = 8 if D > 64 else 4
+    BMq, warps, stages = launch_config(D)["dq"]
     raven_bwd_kernel_dq[(NC, HG)](
         q,
         k,
@@ -388,16 +419,17 @@ def chunk_raven_bwd(q, k, v, a, idx, r, scale, M, h0, o, lse, do, dht, chunks):
         D,
         BT,
         BC,
-        BM,
+        min(BMq, BM),
         BD,
         num_warps=warps,
+        num_stages=stages,
     )
     del hk, hv
     dhk, dhv = (q.new_empty(NC, H, M, D, dtype=torch.float32) for _ in range(2))
     dh0 = (torch.empty_like(h0[0]), torch.empty_like(h0[1])) if h0 is not None else (None, None)
     dht_k, dht_v = dht if dht is not None else (None, None)
-    BDh = min(BD, 64)
-    raven_bwd_kernel_dh[(triton.cdiv(M, BM), triton.cdiv(D, BDh), N * H)](
+    BMh, BDh = scan_blocks(M, D, N * H)
+    raven_bwd_kernel_dh[(triton.cdiv(M, BMh), triton.cdiv(D, BDh), N * H)](
         q,
         do,
         ds,
@@ -417,7 +449,7 @@ def chunk_raven_bwd(q, k, v, a, idx, r, scale, M, h0, o, lse, do, dht, chunks):
         M,
         D,
         BT,
-        BM,
+        BMh,
         BDh,
         dht is not None,
         h0 is not None,
@@ -426,6 +458,7 @@ def chunk_raven_bwd(q, k, v, a, idx, r, scale, M, h0, o, lse, do, dht, chunks):
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dlf = e.new_empty(T, H, M)
     dlf_sum = e.new_empty(NC, H, M)
+    BMk, warps_k, stages_k = launch_config(D)["dkv"]
     raven_bwd_kernel_dkv[(NC, H)](
         q,
         k,
@@ -450,9 +483,10 @@ def chunk_raven_bwd(q, k, v, a, idx, r, scale, M, h0, o, lse, do, dht, chunks):
         D,
         BT,
         BC,
-        min(BM, 32) if D > 64 else BM,
+        min(BMk, BM),
         BD,
-        num_warps=warps,  # within shared memory at d = 128
+        num_warps=warps_k,
+        num_stages=stages_k,
     )
     # Carry each chunk's total into the earlier chunks of its sequence; the final states' own read comes last.
     suffix = torch.nn.functional.pad(dlf_sum.double().flip(0).cumsum(0).flip(0), (0, 0, 0, 0, 0, 1))  # [NC+1, H, M]

@@ -7,6 +7,11 @@ through a reference row r between them, exp(g_t - g_r) exp(g_r - g_s), both fact
 product; a pair in the same sub-chunk is summed exactly, one source row s of every sub-chunk at a time. No
 exponent is ever positive, however strong the decay.
 
+That exact form is the slow path. When a block of slots decays by at most RANGE nats over the whole chunk (the
+common case), every pair factors through one per-slot reference at half the chunk's decay,
+exp(g_t - ref) exp(ref - g_s), both factors within exp(RANGE / 2), and each term is a single causal matrix product
+(the fast path; `fast` below is that test, made per chunk and block of slots).
+
 Tiles are [BT, BM]: rows are tokens of the chunk (the first L valid; terms of the others are masked to 0),
 columns the slots o_m of one block of slots.
 p_g / p_w point at row 0 of the chunk for this head and slot 0; `stride` is their distance between tokens.
@@ -14,6 +19,19 @@ p_g / p_w point at row 0 of the chunk for this head and slot 0; `stride` is thei
 
 import triton
 import triton.language as tl
+
+RANGE = tl.constexpr(120.0)  # largest in-chunk decay (nats) of a block of slots on the fast path: factors within e^60
+
+
+@triton.jit
+def raven_factors(b_g, b_gl, m_tm):
+    """Whether the fast path holds for this block of slots (b_gl: g at the chunk's last row, [BM]), and its factors
+    exp(g - ref), exp(ref - g) [BT, BM] (0 at masked entries; clamped so that they stay finite on the slow path)."""
+    fast = tl.min(b_gl, 0) >= -RANGE
+    b_ref = 0.5 * b_gl[None, :]
+    b_qg = tl.where(m_tm, tl.exp(tl.minimum(b_g - b_ref, 80.0)), 0.0)
+    b_ig = tl.where(m_tm, tl.exp(tl.minimum(b_ref - b_g, 80.0)), 0.0)
+    return fast, b_qg, b_ig
 
 
 @triton.jit
@@ -30,7 +48,7 @@ def raven_rows(p_g, p_w, stride, j, L, o_m, m_m, BT: tl.constexpr, BC: tl.conste
 
 
 @triton.jit
-def raven_read_m(b_A, b_g, b_w, p_g, p_w, stride, L, o_m, m_m, BT: tl.constexpr, BC: tl.constexpr):
+def raven_read_m_exact(b_A, b_g, b_w, p_g, p_w, stride, L, o_m, m_m, BT: tl.constexpr, BC: tl.constexpr):
     """out[t, m] = sum_{s <= t} A[t, s] exp(g_t - g_s)[m] w_s[m]: the in-chunk slot logits (A = q k^T) or
     their gradient through the value pass (A = do v^T). b_A: [BT, BT]; returns [BT, BM] float32."""
     o_t = tl.arange(0, BT)
@@ -52,7 +70,7 @@ def raven_read_m(b_A, b_g, b_w, p_g, p_w, stride, L, o_m, m_m, BT: tl.constexpr,
 
 
 @triton.jit
-def raven_mix(b_P, b_g, b_w, p_g, p_w, stride, L, o_m, m_m, BT: tl.constexpr, BC: tl.constexpr):
+def raven_mix_exact(b_P, b_g, b_w, p_g, p_w, stride, L, o_m, m_m, BT: tl.constexpr, BC: tl.constexpr):
     """B[t, s] = sum_m P[t, m] exp(g_t - g_s)[m] w_s[m] for s <= t, over this block of slots: the in-chunk token
     mixing of the value pass (P = softmax weights) or of dq (P = logit gradients). Returns [BT, BT] float32."""
     o_t = tl.arange(0, BT)
@@ -74,7 +92,7 @@ def raven_mix(b_P, b_g, b_w, p_g, p_w, stride, L, o_m, m_m, BT: tl.constexpr, BC
 
 
 @triton.jit
-def raven_write_m(b_C, b_P, b_g, p_P, stride_P, p_g, stride, L, o_m, m_m, BT: tl.constexpr, BC: tl.constexpr):
+def raven_write_m_exact(b_C, b_P, b_g, p_P, stride_P, p_g, stride, L, o_m, m_m, BT: tl.constexpr, BC: tl.constexpr):
     """dw[s, m] = sum_{t >= s} C[t, s] P[t, m] exp(g_t - g_s)[m]: the gradient of the written weights w_s from
     the in-chunk reads (C = q k^T with P = logit gradients, or C = do v^T with P = softmax weights).
     b_C: [BT, BT] indexed [t, s]; b_P: [BT, BM] indexed [t, m], also at p_P (row stride stride_P) for the
@@ -97,4 +115,37 @@ def raven_write_m(b_C, b_P, b_g, p_P, stride_P, p_g, stride, L, o_m, m_m, BT: tl
         b_Pt = tl.load(p_P + o_r[:, None] * stride_P + o_m[None, :], mask=m_r[:, None] & m_m[None, :], other=0.0)
         b_c = tl.sum(tl.where(o_t[None, :] == o_r[:, None], b_Ct, 0.0), 1)  # [BT] C[t(s), s]
         b_dw += tl.where(m_r[:, None], b_c[:, None] * b_Pt * tl.exp(b_gt - b_g), 0.0)
+    return b_dw
+
+
+@triton.jit
+def raven_read_m(b_A, b_g, b_w, b_qg, b_kg, fast, p_g, p_w, stride, L, o_m, m_m, BT: tl.constexpr, BC: tl.constexpr):
+    """raven_read_m_exact, as one product on the fast path (b_A causal, b_kg = w exp(ref - g))."""
+    if fast:
+        b_o = b_qg * tl.dot(b_A, b_kg)
+    else:
+        b_o = raven_read_m_exact(b_A, b_g, b_w, p_g, p_w, stride, L, o_m, m_m, BT, BC)
+    return b_o
+
+
+@triton.jit
+def raven_mix(b_P, b_g, b_w, b_qg, b_kg, fast, p_g, p_w, stride, L, o_m, m_m, BT: tl.constexpr, BC: tl.constexpr):
+    """raven_mix_exact, as one product on the fast path."""
+    if fast:
+        o_t = tl.arange(0, BT)
+        b_B = tl.where(o_t[:, None] >= o_t[None, :], tl.dot(b_P * b_qg, tl.trans(b_kg)), 0.0)
+    else:
+        b_B = raven_mix_exact(b_P, b_g, b_w, p_g, p_w, stride, L, o_m, m_m, BT, BC)
+    return b_B
+
+
+@triton.jit
+def raven_write_m(
+    b_C, b_P, b_g, b_qg, b_ig, fast, p_P, stride_P, p_g, stride, L, o_m, m_m, BT: tl.constexpr, BC: tl.constexpr
+):
+    """raven_write_m_exact, as one product on the fast path (b_C causal)."""
+    if fast:
+        b_dw = b_ig * tl.dot(tl.trans(b_C), b_P * b_qg)
+    else:
+        b_dw = raven_write_m_exact(b_C, b_P, b_g, p_P, stride_P, p_g, stride, L, o_m, m_m, BT, BC)
     return b_dw

@@ -88,9 +88,16 @@ def test_chunk_matches_reference(T, G, M, K, with_state):
 
 
 def test_chunk_is_stable_under_strong_decay():
-    # whole slots wiped within a sub-chunk: every exponent the kernels take must stay <= 0
+    # whole slots wiped within a sub-chunk: no exponent the kernels take may overflow
     inputs = random_inputs(1, 40, 1, 1, 16, 16, 8, decay=60.0)
     assert_match(run_both(inputs, 0.4, 16, None))
+
+
+def test_chunk_mixes_fast_and_exact_paths():
+    # the middle chunk decays too strongly for the factored (fast) in-chunk path, its neighbours do not
+    q, k, v, a, idx, r = random_inputs(1, 150, 1, 1, 16, 16, 4, seed=9)
+    a[:, 64:128] *= 200.0
+    assert_match(run_both((q, k, v, a, idx, r), 0.4, 16, random_state(1, 1, 16, 16)))
 
 
 def test_chunk_varlen_matches_reference_per_sequence():

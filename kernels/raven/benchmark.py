@@ -1,0 +1,114 @@
+"""Time chunk_raven at the target shapes: forward, forward+backward, per-kernel times, first call, peak memory,
+and the share of (chunk, slot block) pairs on the exact in-chunk path. Launch variants override launch_config.
+
+    PYTHONPATH=$PWD python3 kernels/raven/benchmark.py [--variants]
+"""
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from kernels.raven import chunk as raven_chunk
+from kernels.raven import chunk_raven
+
+H, D = 16, 128
+SHAPES = [(4, 4096, 256, 32), (1, 32768, 64, 8)]  # B, T, M, K
+VARIANTS = {
+    "stages1": lambda D: {"o": (64, 8, 1), "dq": (64, 8, 1), "dkv": (32, 8, 1)},
+    "bm32": lambda D: {"o": (32, 8, 1), "dq": (32, 8, 1), "dkv": (32, 8, 1)},
+    "w4": lambda D: {"o": (32, 4, 1), "dq": (32, 4, 1), "dkv": (16, 4, 1)},
+}
+
+
+def inputs(B, T, M, K):
+    """As scripts/bench_kernels.py: a = -4 softplus(randn), r = normalised sigmoid of the top-K router logits."""
+    torch.manual_seed(0)
+    q = torch.randn(B, T, H, 1, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    a = (-F.softplus(torch.randn(B, T, H, device="cuda")) * 4.0).requires_grad_()
+    top, idx = torch.randn(B, T, H, M, device="cuda").sigmoid().topk(K, dim=-1)
+    r = (top / top.sum(-1, keepdim=True)).requires_grad_()
+    return q, k, v, a, idx, r
+
+
+def exact_share(a, idx, r, M, BM=64, BT=64, RANGE=120.0):
+    """Share of (chunk, head, slot block) whose in-chunk decay exceeds RANGE (they take the exact path)."""
+    B, T, Hh, K = idx.shape
+    log_f = torch.zeros(B, T, Hh, M, device=a.device).scatter(-1, idx, a.detach()[..., None] * r.detach())
+    tot = F.pad(log_f, (0, 0, 0, 0, 0, (-T) % BT)).view(B, -1, BT, Hh, M).sum(2)  # [B, NC, H, M]
+    return (tot.view(B, -1, Hh, M // min(BM, M), min(BM, M)).amin(-1) < -RANGE).float().mean().item()
+
+
+def profile(fn, n=3):
+    """Mean CUDA time per call of each kernel over n calls of fn, in ms."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0))
+        if t > 0:
+            rows.append((t / n / 1e3, e.key[:60]))
+    return sorted(rows, reverse=True)[:12]
+
+
+def case(B, T, M, K, variant, show_profile):
+    if variant is not None:
+        raven_chunk.launch_config = VARIANTS[variant]
+    q, k, v, a, idx, r = inputs(B, T, M, K)
+    do = torch.randn_like(q)
+
+    def fwd():
+        with torch.no_grad():
+            return chunk_raven(q, k, v, a, idx, r, D**-0.5, M)[0]
+
+    def fwd_bwd():
+        o = chunk_raven(q, k, v, a, idx, r, D**-0.5, M)[0]
+        o.backward(do)
+
+    t0 = time.time()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    first = time.time() - t0
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    t_f = triton.testing.do_bench(fwd, warmup=10, rep=60, return_mode="median")
+    t_fb = triton.testing.do_bench(fwd_bwd, warmup=10, rep=100, return_mode="median", grad_to_none=[q, k, v, a, r])
+    name = f"M={M} top-{K} B={B} T={T} [{variant or 'default'}]"
+    print(
+        f"{name:44s} fwd {t_f:7.2f} ms  fwd+bwd {t_fb:7.2f} ms  first call {first:5.1f} s  peak {peak:5.2f} GiB  "
+        f"exact-path share {exact_share(a, idx, r, M):.3f}",
+        flush=True,
+    )
+    if show_profile:
+        for ms, key in profile(fwd_bwd):
+            print(f"    {ms:7.3f} ms  {key}", flush=True)
+    return name, t_f, t_fb
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--variants", action="store_true", help="also time the launch variants")
+    args = parser.parse_args()
+    default = raven_chunk.launch_config
+    results = []
+    for B, T, M, K in SHAPES:
+        raven_chunk.launch_config = default
+        results.append(case(B, T, M, K, None, True))
+        if args.variants:
+            for name in VARIANTS:
+                results.append(case(B, T, M, K, name, False))
+    print("\n| case | fwd ms | fwd+bwd ms |\n| --- | --- | --- |")
+    for name, t_f, t_fb in results:
+        print(f"| {name} | {t_f:.2f} | {t_fb:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
