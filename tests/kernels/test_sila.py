@@ -13,12 +13,17 @@ from raven_layers.sila import SILAMixer, SILASettings, l2_normalize
 NAMES = ("q", "k", "v", "alpha", "beta_x", "gamma_x", "w_beta", "w_gamma", "initial_state")
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = 3e-3 if torch.cuda.is_available() else 1e-4  # the chunk-form products run in tf32 on the GPU
 
 
 @pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    """Every buffer the kernels write starts as NaN (integers as -1), so an element left unwritten fails."""
+def poisoned_outputs(monkeypatch, request):
+    """Every buffer the kernels write starts as NaN (integers as -1), so an element left unwritten fails.
+
+    Compiled on a GPU, the float32 tests take the chunk products in full float32 (the default, tf32, would blur
+    gradients that vanish exactly, e.g. at gamma ~ 0); the bf16 tests keep the production setting.
+    """
+    if torch.cuda.is_available() and "gpu" not in request.keywords:
+        monkeypatch.setattr(common, "DOT_PRECISION", "ieee")
     real = common.new_output
 
     def poisoned(shape, like, dtype=None):
@@ -65,7 +70,7 @@ def run_both(inputs, mask=None, cu_seqlens=None, with_state=True, chunk_size=16,
     return results
 
 
-def assert_all_close(kernel, reference, tol=TOL):
+def assert_all_close(kernel, reference, tol=1e-4):
     for name, a, b in zip(("o", "final_state", *NAMES), kernel, reference):
         assert a.shape == b.shape, name
         assert torch.isfinite(a).all(), f"{name} has non-finite entries"
@@ -110,7 +115,7 @@ def test_decode_step(with_grad):
         o, ht = fused_recurrent_sila(q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, state.requires_grad_(with_grad),
                                      output_final_state=True)  # fmt: skip
     o_ref, ht_ref = naive_recurrent_sila(q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, state)
-    assert rel_err(o, o_ref) < 1e-5 and rel_err(ht, ht_ref) < 1e-5  # read on chip, no tf32
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(ht, ht_ref) < 1e-5
 
 
 def test_rejects_bad_arguments():
@@ -147,10 +152,10 @@ def test_mixer_triton_matches_torch():
             y.square().sum().backward()
         runs[backend] = (y.detach(), {n: p.grad.clone() for n, p in mixer.named_parameters() if p.grad is not None})
     (y_t, g_t), (y_r, g_r) = runs["triton"], runs["torch"]
-    assert rel_err(y_t, y_r) < TOL
+    assert rel_err(y_t, y_r) < 1e-4
     assert g_t.keys() == g_r.keys() and "gamma_state_weight" in g_t
     for name in g_r:
-        assert rel_err(g_t[name], g_r[name]) < TOL, name
+        assert rel_err(g_t[name], g_r[name]) < 1e-4, name
 
 
 @pytest.mark.gpu
