@@ -1,7 +1,7 @@
 """Time chunk_raven at the target shapes: forward, forward+backward, per-kernel times, first call, peak memory,
 and the share of (chunk, slot block) pairs on the exact in-chunk path. Launch variants override launch_config.
 
-    PYTHONPATH=$PWD python3 kernels/raven/benchmark.py [--variants]
+    PYTHONPATH=$PWD python3 kernels/raven/benchmark.py [--variants bm32,w4]
 """
 
 import argparse
@@ -95,16 +95,15 @@ def case(B, T, M, K, variant, show_profile):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--variants", action="store_true", help="also time the launch variants")
+    parser.add_argument("--variants", default="", help="comma-separated launch variants to time as well")
     args = parser.parse_args()
     default = raven_chunk.launch_config
     results = []
     for B, T, M, K in SHAPES:
         raven_chunk.launch_config = default
         results.append(case(B, T, M, K, None, True))
-        if args.variants:
-            for name in VARIANTS:
-                results.append(case(B, T, M, K, name, False))
+        for name in filter(None, args.variants.split(",")):
+            results.append(case(B, T, M, K, name, False))
     print("\n| case | fwd ms | fwd+bwd ms |\n| --- | --- | --- |")
     for name, t_f, t_fb in results:
         print(f"| {name} | {t_f:.2f} | {t_fb:.2f} |")
