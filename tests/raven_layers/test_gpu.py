@@ -5,6 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from convert import build_hybrid, plan_layers
+from raven_layers.backend import use_backend
 from tests.conftest import tiny_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -24,9 +25,11 @@ def hybrid():
     return model.cuda()
 
 
-def test_prefill_then_decode_equals_full_forward_on_cuda(hybrid):
+@pytest.mark.parametrize("backend, tolerance", [("torch", 1e-5), ("triton", 5e-3)])
+def test_prefill_then_decode_equals_full_forward_on_cuda(hybrid, backend, tolerance):
+    """Exact in float32 on the PyTorch path; the kernels' matrix products run in tf32 (about 1e-3)."""
     ids = torch.randint(3, 100, (3, 45), device="cuda")
-    with torch.no_grad():
+    with torch.no_grad(), use_backend(backend):
         full = hybrid(ids).logits
         out = hybrid(ids[:, :37], use_cache=True)
         steps, cache = [out.logits], out.past_key_values
@@ -34,7 +37,7 @@ def test_prefill_then_decode_equals_full_forward_on_cuda(hybrid):
             out = hybrid(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
             steps.append(out.logits)
     decoded = torch.cat(steps, dim=1)
-    assert ((decoded - full).norm() / full.norm()).item() < 1e-5
+    assert ((decoded - full).norm() / full.norm()).item() < tolerance
 
 
 def test_bfloat16_generation_and_training_step(hybrid):
