@@ -36,9 +36,6 @@ def ids():
     return torch.randperm(120, generator=torch.Generator().manual_seed(1))[:T] + 3
 
 
-# --- capture -----------------------------------------------------------------------------------------------------
-
-
 def test_capture_gets_each_mixer_input_and_leaves_no_hooks(model, ids):
     inputs, out = A.capture_mixer_inputs(model, ids)
     assert sorted(inputs) == [RAVEN, SSE, SILA]
@@ -47,9 +44,6 @@ def test_capture_gets_each_mixer_input_and_leaves_no_hooks(model, ids):
     torch.testing.assert_close(inputs[RAVEN], layer0.input_layernorm(model.model.embed_tokens(ids[None])))
     assert out.logits.shape == (1, T, model.config.vocab_size)
     assert all(not layer.self_attn._forward_pre_hooks for layer in model.model.layers)
-
-
-# --- Raven -------------------------------------------------------------------------------------------------------
 
 
 def test_raven_writes_top_k_slots_and_esl_sums_to_top_k(model, ids):
@@ -103,9 +97,6 @@ def test_token_span_mask_finds_every_occurrence():
     assert mask.tolist() == [False, True, True, False, True, True, False]
 
 
-# --- SILA --------------------------------------------------------------------------------------------------------
-
-
 def test_sila_recomputed_inputs_reproduce_the_mixer(model, ids):
     """The recurrence inputs the analysis rebuilds are the mixer's own: they give back its output exactly."""
     mixer = model.model.layers[SILA].self_attn
@@ -139,9 +130,6 @@ def test_sila_gate_trace_is_the_exact_input_gate(model, ids):
         assert not torch.allclose(beta, torch.sigmoid(bx[0]), atol=1e-4)
 
 
-# --- SSE ---------------------------------------------------------------------------------------------------------
-
-
 def test_sse_usage_sums_to_top_k(model, ids):
     usage = A.sse_partition_usage(model, ids, SSE)
     assert usage.shape == (2, 4)
@@ -168,9 +156,6 @@ def test_a_rank_one_state_has_entropy_zero(model, ids):
     assert (A.singular_value_entropy(u @ v).abs() < 1e-6).all()
     torch.testing.assert_close(A.singular_value_entropy(torch.eye(16)), torch.tensor(1.0))
     assert A.singular_value_entropy(torch.zeros(4, 4)).isnan()
-
-
-# --- plots and errors --------------------------------------------------------------------------------------------
 
 
 def test_every_plot_writes_a_png(model, ids, tmp_path):

@@ -37,9 +37,6 @@ def random_ids(batch, length, seed=1):
     return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-# --- hand-made attention maps ---------------------------------------------------------------------------------
-
-
 def one_hot_rows(length, rows: dict[int, dict[int, float]]):
     """[1, 1, 1, T, T] attention maps: row t holds the given {key: probability}; other rows attend to themselves."""
     a = torch.eye(length)
@@ -86,9 +83,6 @@ def test_naive_padding_moves_the_sink_and_zeroes_pads():
     assert w[0, 4] == 0  # key 2 is the first real token: the sink
     assert w[0, 7].item() == pytest.approx(math.log(0.5 * (0.5 * 4 + 0.5 * 2) + 1))
     assert torch.all(w[0, :2] == 0)
-
-
-# --- streamed computation on tiny models -----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
@@ -146,9 +140,6 @@ def test_any_attention_implementation_and_training_flag_restored():
     ids = random_ids(1, T)
     assert rel_err(token_weights(sdpa, ids, query_block=4), token_weights(eager, ids)) < 1e-5
     assert sdpa.training
-
-
-# --- schedule and plot -----------------------------------------------------------------------------------------
 
 
 def test_schedule_weights():
