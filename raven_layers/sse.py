@@ -231,7 +231,17 @@ def chunk_gla_reference(q, k, v, log_g, scale: float, initial_state=None, cu_seq
 
 
 def sse_masking(
-    q, k, v, log_g, idx, num_partitions: int, scale: float, initial_state=None, chunk_size: int = 16, gla=None
+    q,
+    k,
+    v,
+    log_g,
+    idx,
+    num_partitions: int,
+    scale: float,
+    initial_state=None,
+    chunk_size: int = 16,
+    gla=None,
+    cu_seqlens=None,
 ):
     """Masking form of `sse_recurrent` (paper Algorithm 1; same arguments and results).
 
@@ -239,7 +249,8 @@ def sse_masking(
     log-gate of 0, so the token neither reads, writes nor decays it. Partitions are merged into the head dimension
     (head h * P + i) and one chunked GLA runs over all of them; the shared partition is just one more head.
     `gla(q, k, v, log_g, scale, initial_state=, cu_seqlens=)` -> (o, final state) runs it: `chunk_gla_reference`
-    with `chunk_size` when None (the Triton kernel passes its own).
+    with `chunk_size` when None (the Triton kernel passes its own). cu_seqlens [S + 1] packs S documents along T
+    (B == 1): each starts from its own state (initial_state [S, H, P, c, d]), and the final state is [S, H, P, c, d].
     """
     B, T, H, G, M, c = q.shape
     d, P = v.shape[-1], num_partitions
@@ -249,41 +260,70 @@ def sse_masking(
     q_all = q.new_zeros(B, T, H, G, P, c).scatter(4, at.unsqueeze(3).expand(B, T, H, G, M, c), q)
     q_all = q_all.transpose(3, 4).reshape(B, T, H * P, G, c)  # [B, T, H*P, G, c]
     v_all = v.unsqueeze(3).expand(B, T, H, P, d).reshape(B, T, H * P, d)  # [B, T, H*P, d]
-    s0 = None if initial_state is None else initial_state.reshape(B, H * P, c, d)
+    S = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    s0 = None if initial_state is None else initial_state.reshape(S, H * P, c, d)
     gla = gla or partial(chunk_gla_reference, chunk_size=chunk_size)
-    o, state = gla(q_all, k_all.view(B, T, H * P, c), v_all, g_all.view(B, T, H * P, c), scale, initial_state=s0)
-    return o.view(B, T, H, P, G, d).sum(3), state.view(B, H, P, c, d)
+    o, state = gla(
+        q_all,
+        k_all.view(B, T, H * P, c),
+        v_all,
+        g_all.view(B, T, H * P, c),
+        scale,
+        initial_state=s0,
+        cu_seqlens=cu_seqlens,
+    )
+    return o.view(B, T, H, P, G, d).sum(3), state.view(S, H, P, c, d)
 
 
 def sse_varlen(
-    q, k, v, log_g, idx, num_partitions: int, scale: float, initial_state=None, chunk_size: int = 16, gla=None
+    q,
+    k,
+    v,
+    log_g,
+    idx,
+    num_partitions: int,
+    scale: float,
+    initial_state=None,
+    chunk_size: int = 16,
+    gla=None,
+    cu_seqlens=None,
 ):
-    """Varlen form of `sse_recurrent` (paper Algorithm 2; same arguments and results; `gla` as in `sse_masking`).
+    """Varlen form of `sse_recurrent` (paper Algorithm 2; same arguments and results; `gla` and `cu_seqlens` as in
+    `sse_masking`).
 
-    Each (batch row, kv head) is a sample with its own routing. Its (token, partition) entries are reordered by
-    partition, then time, so every (sample, partition) becomes one segment of a single packed sequence with its
-    own cu_seqlens and initial state, and one chunked GLA processes only the tokens each partition received. The
-    shared partition, last of each sample, is the sample's tokens in their own order concatenated after the routed
-    segments along the sequence dimension, so it costs no second call. Outputs are scattered back and summed.
+    Each (batch row or packed document, kv head) is a sample with its own routing. Its (token, partition) entries
+    are reordered by partition, then time, so every (sample, partition) becomes one segment of a single packed
+    sequence with its own cu_seqlens and initial state, and one chunked GLA processes only the tokens each
+    partition received. The shared partition, last of each sample, is the sample's tokens in their own order
+    concatenated after the routed segments along the sequence dimension, so it costs no second call. Outputs are
+    scattered back and summed.
     """
     B, T, H, G, M, c = q.shape
     d, P, dev = v.shape[-1], num_partitions, q.device
-    sample = torch.arange(B, device=dev)[:, None, None, None] * H + torch.arange(H, device=dev)[:, None]
-    segment = sample * P + idx  # [B, T, H, M] segment of each entry: (b, h, partition)
+    if cu_seqlens is None:  # a document per batch row
+        S, document = B, torch.arange(B, device=dev)[:, None]  # [B, 1]
+    else:
+        if B != 1:
+            raise ValueError(f"cu_seqlens needs a batch of 1 packed sequence, got batch {B}")
+        S = cu_seqlens.numel() - 1
+        tokens = torch.arange(T, device=dev)
+        document = torch.searchsorted(cu_seqlens.to(dev, torch.long), tokens, right=True)[None] - 1  # [1, T]
+    sample = document[:, :, None, None] * H + torch.arange(H, device=dev)[:, None]  # [B, T|1, H, 1]
+    segment = sample * P + idx  # [B, T, H, M] segment of each entry: (document, h, partition)
     time = torch.arange(T, device=dev)[:, None, None]
     order = (segment * T + time).flatten().argsort()  # [E] entries by segment, then time
-    lengths = torch.bincount(segment.flatten(), minlength=B * H * P)  # [B*H*P], empty partitions included
+    lengths = torch.bincount(segment.flatten(), minlength=S * H * P)  # [S*H*P], empty partitions included
     cu = F.pad(lengths.cumsum(0), (1, 0))
 
     q_e = q.transpose(3, 4).reshape(-1, G, c)[order]  # [E, G, c]
     k_e, g_e = k.reshape(-1, c)[order], log_g.reshape(-1, c)[order]  # [E, c]
     v_e = v.unsqueeze(3).expand(B, T, H, M, d).reshape(-1, d)[order]  # [E, d]
-    s0 = None if initial_state is None else initial_state.reshape(B * H * P, 1, c, d)
+    s0 = None if initial_state is None else initial_state.reshape(S * H * P, 1, c, d)
     gla = gla or partial(chunk_gla_reference, chunk_size=chunk_size)
     packed = (x[None, :, None] for x in (q_e, k_e, v_e, g_e))  # one sequence of E entries, one head
     o_e, state = gla(*packed, scale, initial_state=s0, cu_seqlens=cu)
     o = o_e.new_zeros(order.numel(), G, d).index_copy(0, order, o_e[0, :, 0])  # [E, G, d] back in entry order
-    return o.view(B, T, H, M, G, d).sum(3), state.view(B, H, P, c, d)
+    return o.view(B, T, H, M, G, d).sum(3), state.view(S, H, P, c, d)
 
 
 class SSEMixer(Mixer):
@@ -439,8 +479,6 @@ class SSEMixer(Mixer):
         cu_seqlens: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
-        if cu_seqlens is not None:  # packed documents: each starts from an empty state
-            return self.forward_packed(hidden_states, cu_seqlens)
         x = hidden_states  # [B, T, hidden]
         B, T, _ = x.shape
         s = self.settings
@@ -454,15 +492,24 @@ class SSEMixer(Mixer):
         initial = state[0] if state is not None else None
         args = (q, k, v, log_g, idx, self.num_partitions, self.scale, initial)
         kernels = kernel_module("sse", q)
-        if T == 1 and state is not None:
-            o, new_state = kernels.fused_recurrent_sse(*args) if kernels else sse_recurrent(*args)
-        else:
-            varlen = s.implementation == "varlen" or (s.implementation == "auto" and T >= VARLEN_MIN_TOKENS)
+        varlen = s.implementation == "varlen" or (s.implementation == "auto" and T >= VARLEN_MIN_TOKENS)
+        if cu_seqlens is not None:  # packed documents: one sequence of B * T tokens, each document from zero
+            packed = [t.flatten(0, 1).unsqueeze(0) for t in (q, k, v, log_g, idx)]
+            form = "varlen" if varlen else "masking"
             if kernels:
-                o, new_state = kernels.chunk_sse(*args, implementation="varlen" if varlen else "masking")
+                o, _ = kernels.chunk_sse(*packed, *args[5:], implementation=form, cu_seqlens=cu_seqlens)
             else:
-                o, new_state = (sse_varlen if varlen else sse_masking)(*args, chunk_size=s.chunk_size)
-        self.save_state(past_key_values, (new_state,), num_tokens=T)
+                run = sse_varlen if varlen else sse_masking
+                o, _ = run(*packed, *args[5:], chunk_size=s.chunk_size, cu_seqlens=cu_seqlens)
+            o = o.view(B, T, *o.shape[2:])
+        elif T == 1 and state is not None:
+            o, new_state = kernels.fused_recurrent_sse(*args) if kernels else sse_recurrent(*args)
+        elif kernels:
+            o, new_state = kernels.chunk_sse(*args, implementation="varlen" if varlen else "masking")
+        else:
+            o, new_state = (sse_varlen if varlen else sse_masking)(*args, chunk_size=s.chunk_size)
+        if cu_seqlens is None:
+            self.save_state(past_key_values, (new_state,), num_tokens=T)
 
         o = o.to(x.dtype)  # [B, T, H_kv, G, d]
         if s.output_norm:

@@ -540,7 +540,9 @@ def _gla(q, k, v, log_g, scale: float, initial_state=None, cu_seqlens=None):
 IMPLEMENTATIONS = {"varlen": sse_varlen, "masking": sse_masking}
 
 
-def chunk_sse(q, k, v, log_g, idx, num_partitions: int, scale: float, initial_state=None, implementation="varlen"):
+def chunk_sse(
+    q, k, v, log_g, idx, num_partitions: int, scale: float, initial_state=None, implementation="varlen", cu_seqlens=None
+):
     """SSE's parallel forms on `chunk_gla`: the regrouping of `sse_varlen` (paper Algorithm 2: every (batch row,
     kv head, partition) one segment of a single packed sequence) or `sse_masking` (Algorithm 1: every partition a
     head), same arguments and results as those.
@@ -551,6 +553,8 @@ def chunk_sse(q, k, v, log_g, idx, num_partitions: int, scale: float, initial_st
         num_partitions: P, partitions of the state (routed + shared).
         initial_state: [B, H, P, c, d]; zeros when None. Differentiable.
         implementation: "varlen" or "masking".
+        cu_seqlens: [S + 1] offsets of S documents packed along T (B == 1); each starts from its own state
+            (initial_state [S, H, P, c, d]), and the final state is [S, H, P, c, d].
 
     Returns:
         o: [B, T, H, G, d] in q's dtype and the final state [B, H, P, c, d] float32.
@@ -559,4 +563,5 @@ def chunk_sse(q, k, v, log_g, idx, num_partitions: int, scale: float, initial_st
         raise ValueError(
             f"chunk_sse: implementation = {implementation!r} is not allowed; allowed: {list(IMPLEMENTATIONS)}"
         )
-    return IMPLEMENTATIONS[implementation](q, k, v, log_g, idx, num_partitions, scale, initial_state, gla=_gla)
+    form = IMPLEMENTATIONS[implementation]
+    return form(q, k, v, log_g, idx, num_partitions, scale, initial_state, gla=_gla, cu_seqlens=cu_seqlens)

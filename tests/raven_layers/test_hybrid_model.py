@@ -207,13 +207,14 @@ def test_packing_is_found_the_way_transformers_finds_it():
 
 
 def test_packed_documents_under_the_kernels(tiny_sources):
-    """The Raven and SILA kernels take packed documents directly (cu_seqlens; SILA's convolution restarts at each
-    document): the same logits as each document alone on the PyTorch path, and gradients reach the mixers."""
+    """The kernels take packed documents directly (cu_seqlens; SILA's convolution restarts at each document, SSE
+    regroups by (document, head, partition)): the same logits as each document alone on the PyTorch path, and
+    gradients reach the mixers."""
     from raven_layers.backend import use_backend
 
     source = AutoModelForCausalLM.from_pretrained(tiny_sources["llama"]).eval()
-    kinds = plan_layers([("raven", "1"), ("sila", "2")], source.config.num_hidden_layers)
-    model = build_hybrid(source, kinds, {"raven": SETTINGS["raven"], "sila": SETTINGS["sila"]})
+    kinds = plan_layers([("raven", "1"), ("sila", "2"), ("sse", "3")], source.config.num_hidden_layers)
+    model = build_hybrid(source, kinds, SETTINGS)
     with torch.no_grad():  # move the identity-initialised convolution taps and gates off their special values
         for _, mixer in mixers(model):
             for name in sorted(mixer.fresh_parameter_names()):

@@ -309,3 +309,19 @@ def test_unknown_setting_lists_the_allowed_ones():
     with pytest.raises(ValueError, match=expected):
         SSESettings.from_dict({"partitions": 3})
     assert SSESettings.from_dict(SSESettings(top_k=2).to_dict()) == SSESettings(top_k=2)
+
+
+@pytest.mark.parametrize("form", sorted(PARALLEL))
+def test_packed_documents_each_start_from_their_own_state(form):
+    """cu_seqlens packs documents along T (batch 1): each equals sse_recurrent on that document alone, from its own
+    initial state, with its own final state; 1-token documents included."""
+    lengths = [5, 1, 12, 7]
+    q, keys, v, log_g, idx, P = random_sse(1, sum(lengths), 2, 2, 8, 6, 4, 1, 1, True, seed=3)
+    states = torch.randn(len(lengths), 2, P, 8, 6, generator=torch.Generator().manual_seed(4))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    o, final = PARALLEL[form](q, keys, v, log_g, idx, P, 0.3, states, chunk_size=4, cu_seqlens=cu)
+    for i, (lo, hi) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        part = [x[:, lo:hi] for x in (q, keys, v, log_g, idx)]
+        o_ref, s_ref = sse_recurrent(*part, P, 0.3, states[i : i + 1])
+        torch.testing.assert_close(o[:, lo:hi], o_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(final[i : i + 1], s_ref, rtol=1e-5, atol=1e-5)
