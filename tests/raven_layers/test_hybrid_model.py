@@ -127,8 +127,16 @@ def test_gradient_checkpointing(hybrid):
     hybrid.train()
     try:
         ids = torch.randint(3, 100, (1, 9))
-        out = hybrid(ids, labels=ids, use_cache=False)
+        positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4]])  # two packed documents: cu_seqlens survives too
+        torch.manual_seed(0)  # the same router noise for both forwards
+        out = hybrid(ids, position_ids=positions, labels=ids, use_cache=False)
         assert out.aux_loss is not None and out.aux_loss.requires_grad  # SSE's balance loss survives checkpointing
+        disable()
+        torch.manual_seed(0)
+        with torch.no_grad():
+            plain = hybrid(ids, position_ids=positions, use_cache=False).logits
+        enable()
+        torch.testing.assert_close(out.logits.detach(), plain)  # the packing reached every layer
         out.loss.backward()
         for i, mixer in mixers(hybrid):
             for name in mixer.fresh_parameter_names():
