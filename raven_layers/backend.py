@@ -1,6 +1,6 @@
 """Which implementation the mixers run: the toolkit's Triton kernels (package `kernels`) or the PyTorch forms.
 
-    RAVEN_BACKEND=auto    kernels for CUDA tensors when the toolkit's `kernels` package imports, PyTorch otherwise
+    RAVEN_BACKEND=auto    kernels for CUDA tensors (not float64) when the toolkit's `kernels` imports, else PyTorch
     RAVEN_BACKEND=triton  kernels always (on CPU only under TRITON_INTERPRET=1); an error if they cannot import
     RAVEN_BACKEND=torch   the PyTorch forms always (debugging, reference runs)
 
@@ -77,4 +77,4 @@ def kernel_module(mixer: str, like: torch.Tensor) -> ModuleType | None:
                 f"{ENV_VAR}=triton but kernels.{mixer} cannot be imported: install the toolkit (pip install -e .)"
             )
         return module
-    return module if like.is_cuda else None
+    return module if like.is_cuda and like.dtype != torch.float64 else None  # the kernels compute in float32
