@@ -122,8 +122,9 @@ class Mixer(nn.Module):
         """The mixer run on each packed document on its own, so that no state crosses a document boundary.
 
         hidden_states [B, T, hidden] holds documents back to back; cu_seqlens [S + 1] are their offsets in the
-        flattened [B * T] stream (see packing.py). The documents are re-batched as [S, L_max] rows with right
-        padding, which writes nothing: the general path, for the PyTorch forms. Kernels take cu_seqlens directly.
+        flattened [B * T] stream (see modeling_hybrid.find_packed_documents). The documents are re-batched as
+        [S, L_max] rows with right padding, which writes nothing: the general path, for the PyTorch forms.
+        Kernels take cu_seqlens directly.
         """
         rows, mask, where = to_rows(hidden_states, cu_seqlens)  # [S, L, hidden], [S, L]
         out, _ = self(rows, padding_mask=mask)
