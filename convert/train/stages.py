@@ -43,7 +43,7 @@ DATA_PARALLEL = ("train", "extend")  # the stages that run under `accelerate lau
 STAGE_FIELDS = {
     "convert": ("source", "layers", "mixer_settings", "sliding_window", "window_layers", "dtype", "seed"),
     "align": ("data", "align"),
-    "weights": ("data", "token_weights", "train.steps"),
+    "weights": ("data", "token_weights"),
     "train": ("data", "train"),
     "extend": ("data", "token_weights", "extend"),
     "evaluate": ("evaluate",),
@@ -108,15 +108,18 @@ def _stale(run_dir: Path, stage: str, done: dict, recipe: Recipe, prints: dict[s
     """Why `stage`'s DONE no longer matches the recipe (a message naming the changed fields), or None."""
     if done.get("fingerprint", prints[stage]) == prints[stage]:
         return None
-    changed = []
+    changed, first = [], stage
     for earlier in STAGES[: STAGES.index(stage) + 1]:
         recorded = (read_done(run_dir, earlier) or {}).get("inputs")
         if recorded is not None:
-            changed += [p for p in _changed_fields(recorded, stage_inputs(recipe, earlier)) if p not in changed]
+            new = [p for p in _changed_fields(recorded, stage_inputs(recipe, earlier)) if p not in changed]
+            if new and not changed:
+                first = earlier  # the earliest stage whose own settings changed
+            changed += new
     what = ", ".join(changed) or "an earlier stage's inputs"
     return (
-        f"stage {stage!r} in {run_dir} ran under a different recipe (changed: {what}); rerun it and the later "
-        f"stages with --redo {stage}, or use another --run-dir"
+        f"stage {stage!r} in {run_dir} ran under a different recipe (changed: {what}); rerun from there with "
+        f"--redo {first}, or use another --run-dir"
     )
 
 
@@ -290,7 +293,7 @@ def _stage_weights(recipe: Recipe, run_dir: Path, done: dict) -> dict:
     from convert.train.token_weights import plot_token_weights, token_weights
 
     settings = recipe.token_weights
-    if not settings.enabled or recipe.train.steps == 0:
+    if not settings.enabled:
         return {"skipped": True}
     train_rows, _ = _dataset(recipe, run_dir, run_dir / done["convert"]["model"])
     teacher = _load_teacher(recipe)

@@ -141,6 +141,8 @@ def test_pipeline_end_to_end_resumes_and_reruns_one_stage(tiny_sources, tmp_path
     changed.train.lr = 1e-2
     with pytest.raises(ValueError, match=r"stage 'train' .*different recipe \(changed: train.lr\).*--redo train"):
         run_recipe(changed, run)
+    with pytest.raises(ValueError, match=r"stage 'evaluate' .*\(changed: train.lr\).*--redo train"):
+        run_recipe(changed, run, stages=["evaluate"])  # a later stage points back at the one whose settings moved
     redone = run_recipe(changed, run, redo="train")
     for stage in ("convert", "align", "weights"):
         assert (run / stage / "DONE").stat().st_mtime_ns == stamps[stage]
