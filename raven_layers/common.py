@@ -137,13 +137,21 @@ class Mixer(nn.Module):
         return self.o_proj(o), None
 
 
+def document_positions(cu_seqlens: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each of `num_tokens` packed tokens (offsets cu_seqlens [S + 1]): its document [N] and its position within
+    that document [N] (0 at the document's first token)."""
+    bounds = cu_seqlens.to(torch.long)
+    tokens = torch.arange(num_tokens, device=cu_seqlens.device)
+    doc = torch.searchsorted(bounds, tokens, right=True) - 1  # [N]
+    return doc, tokens - bounds[doc]
+
+
 def to_rows(x: torch.Tensor, cu_seqlens: torch.Tensor):
     """Packed documents x [B, T, ...] (offsets cu_seqlens [S + 1] into the flattened B * T tokens) as right-padded
     rows [S, L_max, ...]; also the mask of real entries [S, L_max] and where each token went (for `from_rows`)."""
     flat = x.flatten(0, 1)  # [B * T, ...]
     lengths = cu_seqlens.diff()  # [S]
-    doc = torch.repeat_interleave(torch.arange(lengths.numel(), device=x.device), lengths)  # [B * T]
-    offset = torch.arange(flat.shape[0], device=x.device) - cu_seqlens[doc]
+    doc, offset = document_positions(cu_seqlens, flat.shape[0])  # [B * T] each
     L = int(lengths.max())
     rows = flat.new_zeros(lengths.numel(), L, *flat.shape[1:])
     rows[doc, offset] = flat

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .backend import kernel_module
-from .common import Mixer, MixerSettings, RMSNorm, init_fresh_parameters
+from .common import Mixer, MixerSettings, RMSNorm, document_positions, init_fresh_parameters
 
 SILAState = tuple[torch.Tensor, torch.Tensor]  # (M [B, H_kv, d_v, d_k] float32, conv tail [B, conv_size - 1, C])
 
@@ -345,9 +345,7 @@ class SILAMixer(Mixer):
         document starts from a zero tail, so no input reaches across a boundary."""
         B, T, Cn = x.shape
         K = self.settings.conv_size
-        flat = torch.arange(B * T, device=x.device)
-        doc = torch.searchsorted(cu_seqlens.to(flat.dtype), flat, right=True) - 1
-        offset = (flat - cu_seqlens.to(flat.dtype)[doc]).view(B, T, 1)  # tokens since the document start
+        offset = document_positions(cu_seqlens, B * T)[1].view(B, T, 1)  # tokens since the document start
         weight = self.conv_weight.to(x.dtype)  # [C, K]: tap K - 1 - j multiplies x_{t - j}
         out = x * weight[:, K - 1]
         for j in range(1, min(K, T)):

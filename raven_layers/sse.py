@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .backend import kernel_module
-from .common import Mixer, MixerSettings, RMSNorm, init_fresh_parameters
+from .common import Mixer, MixerSettings, RMSNorm, document_positions, init_fresh_parameters
 
 SSEState = tuple[torch.Tensor]  # (S,), S: [B, H_kv, P, c, d] float32; partitions 0..N-1 routed, N the shared one
 
@@ -306,8 +306,7 @@ def sse_varlen(
         if B != 1:
             raise ValueError(f"cu_seqlens needs a batch of 1 packed sequence, got batch {B}")
         S = cu_seqlens.numel() - 1
-        tokens = torch.arange(T, device=dev)
-        document = torch.searchsorted(cu_seqlens.to(dev, torch.long), tokens, right=True)[None] - 1  # [1, T]
+        document = document_positions(cu_seqlens.to(dev), T)[0][None]  # [1, T]
     sample = document[:, :, None, None] * H + torch.arange(H, device=dev)[:, None]  # [B, T|1, H, 1]
     segment = sample * P + idx  # [B, T, H, M] segment of each entry: (document, h, partition)
     time = torch.arange(T, device=dev)[:, None, None]

@@ -11,12 +11,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 PARTS=${1:-tests,bench,stages}
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
+source scripts/device_env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 
 if [[ $PARTS == *tests* ]]; then
@@ -29,14 +24,8 @@ if [[ $PARTS == *bench* ]]; then
   echo "bench: exit $?"
 fi
 if [[ $PARTS == *stages* ]]; then
-  TEACHER=$HOME/cache/smollm2-hf
-  if [ ! -d "$TEACHER" ]; then  # dequantise once: every stage loads the teacher
-    python3 -c "
-from convert.sources import Source
-s = Source.resolve('${MODEL}')
-s.load_model('float32').save_pretrained('$TEACHER')
-s.load_tokenizer().save_pretrained('$TEACHER')"
-  fi
+  TEACHER=$HOME/cache/teacher-hf
+  dequantised_teacher "$MODEL" "$TEACHER" || exit 1
   timeout 420 python3 scripts/measure_stages.py recipes/smollm2-raven.yaml recipes/smollm2-sse.yaml \
     recipes/smollm2-sila.yaml --align-steps 20 --train-steps 12 --max-documents 400 --run-root /tmp/measure \
     --set "source=$TEACHER" --set "data.source=${CORPUS}" --json "$OUT/stages.json" > "$OUT/stages.log" 2>&1

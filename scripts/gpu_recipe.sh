@@ -17,20 +17,9 @@ shift 2
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 RUN_DIR=${RUN_DIR:-$HOME/runs/$(basename "$recipe" .yaml)}
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
+source scripts/device_env.sh
 TEACHER=$HOME/cache/teacher-hf
-if [ ! -d "$TEACHER" ]; then
-  python3 -c "
-from convert.sources import Source
-s = Source.resolve('${MODEL}')
-s.load_model('float32').save_pretrained('$TEACHER')
-s.load_tokenizer().save_pretrained('$TEACHER')" || exit 1
-fi
+dequantised_teacher "$MODEL" "$TEACHER" || exit 1
 overrides=(--set "source=$TEACHER" --set "data.source=${CORPUS}" --set "export=null")
 if [ -n "${ESSAYS:-}" ]; then
   overrides+=(--set "evaluate.haystack_dir=$ESSAYS" --set "evaluate.ppl_data=$ESSAYS")

@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from convert.layer_spec import ACCEPTED_FORMS, LayerSpecError, parse_layer_spec
-from convert.train.stage2 import TrainConfig
+from convert.train.stage2 import MixedPrecision, TrainConfig
 
 STAGES = ("convert", "align", "weights", "train", "extend", "evaluate", "export")
 MIXERS = ("raven", "sse", "sila")
@@ -63,12 +63,7 @@ class AlignSettings(_Strict):
     grad_clip: float | None = Field(1.0, gt=0)
     seed: int = 0
     log_every: int = Field(10, ge=0)
-    mixed_precision: Literal["no", "bf16"] = "no"
-
-    @field_validator("mixed_precision", mode="before")
-    @classmethod
-    def _yaml_no(cls, value):
-        return "no" if value is False else value  # YAML reads a bare `no` as false
+    mixed_precision: MixedPrecision = "no"
 
 
 class TokenWeightSettings(_Strict):

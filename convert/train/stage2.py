@@ -45,17 +45,19 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from torch import nn
 from torch.utils.data import Dataset
 
 from convert.train.data import PackedDataset, batch_iterator
 from convert.train.token_weights import schedule_weights
 
+# "no" or "bf16"; YAML reads a bare `no` as false, which means "no" here
+MixedPrecision = Annotated[Literal["no", "bf16"], BeforeValidator(lambda v: "no" if v is False else v)]
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CHECKPOINTS = "checkpoints"
 META = "stage2.json"
@@ -81,18 +83,13 @@ class TrainConfig(BaseModel):
     kd_weight: float = Field(0.0, ge=0)
     kd_temperature: float = Field(1.0, gt=0)
     token_weight_tau: float = Field(1e9, gt=0, description="tokens; see schedule_weights")
-    mixed_precision: Literal["no", "bf16"] = "no"
+    mixed_precision: MixedPrecision = "no"
     gradient_checkpointing: bool = False
     save_every: int = Field(500, ge=1)
     eval_every: int = Field(0, ge=0, description="steps between validation passes; 0: only at the end")
     eval_batches: int = Field(8, ge=1, description="validation micro-batches per pass")
     seed: int = 0
     log_every: int = Field(10, ge=0, description="steps between progress lines; 0: none")
-
-    @field_validator("mixed_precision", mode="before")
-    @classmethod
-    def _yaml_no(cls, value):
-        return "no" if value is False else value  # YAML reads a bare `no` as false
 
     @field_validator("lora_targets")
     @classmethod

@@ -28,17 +28,37 @@ def mixers(model):
     ]
 
 
+@torch.no_grad()
+def perturb_fresh_parameters(model):
+    """Untrained gates start at special values (identity convolutions, zero gates); move them so that the tests see
+    every parameter at work."""
+    for _, mixer in mixers(model):
+        for name in sorted(mixer.fresh_parameter_names()):  # sorted: the same draws in every process
+            param = mixer.get_parameter(name)
+            param.add_(0.05 * torch.randn_like(param))
+    return model
+
+
+def packed_documents(lengths: list[list[int]], seed: int):
+    """Random documents of the given lengths packed into rows: (documents per row, ids [B, T], position ids)."""
+    g = torch.Generator().manual_seed(seed)
+    docs = [[torch.randint(3, 100, (1, n), generator=g) for n in row] for row in lengths]
+    ids = torch.cat([torch.cat(row, dim=1) for row in docs])
+    positions = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in lengths])
+    return docs, ids, positions
+
+
+@torch.no_grad()
+def logits_alone(model, docs) -> torch.Tensor:
+    """Each document's logits when it runs on its own, laid out as in the packed rows."""
+    return torch.cat([torch.cat([model(d, use_cache=False).logits for d in row], dim=1) for row in docs])
+
+
 @pytest.fixture(scope="module", params=sorted(ASSIGNMENTS))
 def hybrid(request, tiny_sources):
     source = AutoModelForCausalLM.from_pretrained(tiny_sources[request.param]).eval()
     kinds = plan_layers(ASSIGNMENTS[request.param], source.config.num_hidden_layers)
-    model = build_hybrid(source, kinds, {k: v for k, v in SETTINGS.items() if k in kinds})
-    with torch.no_grad():  # untrained gates start at special values; move them so the tests see every parameter
-        for _, mixer in mixers(model):
-            for name in sorted(mixer.fresh_parameter_names()):  # sorted: the same draws in every process
-                param = mixer.get_parameter(name)
-                param.add_(0.05 * torch.randn_like(param))
-    return model
+    return perturb_fresh_parameters(build_hybrid(source, kinds, {k: v for k, v in SETTINGS.items() if k in kinds}))
 
 
 def test_prefill_then_decode_equals_full_forward(hybrid):
@@ -188,14 +208,10 @@ def test_loss_includes_the_balance_loss(hybrid):
 def test_packed_documents_equal_separate_forwards(hybrid):
     """Rows holding several documents (position ids restarting at 0) give each document exactly the logits it
     gets alone: no attention and no mixer state crosses a boundary, and gradients still reach the mixers."""
-    g = torch.Generator().manual_seed(7)
-    lengths = [[5, 9, 4], [18]]  # 18 > the mistral window of 8; 1-token documents are checked below
-    docs = [[torch.randint(3, 100, (1, n), generator=g) for n in row] for row in lengths]
-    ids = torch.cat([torch.cat(row, dim=1) for row in docs])  # [2, 18]
-    positions = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in lengths])
+    # 18 > the mistral window of 8; 1-token documents are in the kernels' test below
+    docs, ids, positions = packed_documents([[5, 9, 4], [18]], seed=7)  # ids [2, 18]
     packed = hybrid(ids, position_ids=positions, use_cache=False).logits
-    with torch.no_grad():
-        alone = torch.cat([torch.cat([hybrid(d, use_cache=False).logits for d in row], dim=1) for row in docs])
+    alone = logits_alone(hybrid, docs)
     torch.testing.assert_close(packed.detach(), alone, rtol=1e-4, atol=1e-5)
     with torch.no_grad():  # the same tokens read as one sequence per row differ: the test can fail
         assert not torch.allclose(hybrid(ids, use_cache=False).logits[0, 5:], alone[0, 5:], atol=1e-3)
@@ -222,18 +238,10 @@ def test_packed_documents_under_the_kernels(tiny_sources):
 
     source = AutoModelForCausalLM.from_pretrained(tiny_sources["llama"]).eval()
     kinds = plan_layers([("raven", "1"), ("sila", "2"), ("sse", "3")], source.config.num_hidden_layers)
-    model = build_hybrid(source, kinds, SETTINGS)
-    with torch.no_grad():  # move the identity-initialised convolution taps and gates off their special values
-        for _, mixer in mixers(model):
-            for name in sorted(mixer.fresh_parameter_names()):
-                mixer.get_parameter(name).add_(0.05 * torch.randn_like(mixer.get_parameter(name)))
-    g = torch.Generator().manual_seed(3)
-    lengths = [[7, 2, 9], [1, 17]]
-    docs = [[torch.randint(3, 100, (1, n), generator=g) for n in row] for row in lengths]
-    ids = torch.cat([torch.cat(row, dim=1) for row in docs])  # [2, 18]
-    positions = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in lengths])
-    with torch.no_grad(), use_backend("torch"):
-        alone = torch.cat([torch.cat([model(d, use_cache=False).logits for d in row], dim=1) for row in docs])
+    model = perturb_fresh_parameters(build_hybrid(source, kinds, SETTINGS))
+    docs, ids, positions = packed_documents([[7, 2, 9], [1, 17]], seed=3)  # ids [2, 18]
+    with use_backend("torch"):
+        alone = logits_alone(model, docs)
     with use_backend("triton"):
         packed = model(ids, position_ids=positions, use_cache=False).logits
     torch.testing.assert_close(packed.detach(), alone, rtol=1e-4, atol=1e-4)
