@@ -229,6 +229,18 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    def set_attention_window(self, window: int | None) -> None:
+        """Make every kept attention layer attend within the last `window` tokens (None: full causal attention).
+
+        Mixer layers are unchanged. With a window at most the source's trained context, the kept layers never see
+        a RoPE distance they were not trained on, the configuration the Raven paper found to generalise in length.
+        Takes effect for the next forward pass and the caches made after it; saving the model keeps it.
+        """
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"attention window {window!r} not allowed; expected an integer >= 1 or None")
+        self.config.attention_windows = [window if kind == "attention" else None for kind in self.config.layer_mixers]
+        self.model.windows = layer_windows(self.config)
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

@@ -1,8 +1,11 @@
-# Sourced by the device scripts (gpu_measure.sh, gpu_recipe.sh): the Python path with the wheels the device image
-# lacks (installed from .whl/ when it exists), and `dequantised_teacher MODEL DIR`, which saves the teacher once
-# as a plain model directory that every stage then loads quickly.
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null
+# Sourced by the device scripts (gpu_measure.sh, gpu_recipe.sh, gpu_results.sh): the Python path with the wheels
+# the device image lacks (installed once from .whl/ into /tmp/site), and `dequantised_teacher MODEL DIR`, which
+# saves the teacher once as a plain model directory that every stage then loads quickly.
+if [ -d .whl ] && [ ! -f /tmp/site/.installed ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null &&
+    touch /tmp/site/.installed
+fi
+if [ -d /tmp/site ]; then
   export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD

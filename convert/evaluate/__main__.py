@@ -60,6 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", help="cuda, cpu, ... (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--attention-window",
+        type=int,
+        default=None,
+        help="a hybrid's kept attention layers attend within this many tokens (default: as converted)",
+    )
     args = p.parse_args(argv)
     args.chat_template = {"off": False, "on": True, "auto": None}[args.chat_template]
     try:

@@ -48,6 +48,8 @@ class EvalRequest:
     dtype: str = "auto"
     device: str | None = None
     seed: int = 0
+    # a hybrid's kept attention layers attend within this many tokens (None: as the model was converted)
+    attention_window: int | None = None
 
 
 def _write_json(data, path: Path) -> None:
@@ -113,6 +115,13 @@ def evaluate_model(request: EvalRequest, log=print) -> dict:
     out = Path(request.out)
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_for_evaluation(request.model, request.dtype, request.device)
+    if request.attention_window is not None:
+        if not hasattr(model, "set_attention_window"):
+            raise ValueError(
+                f"attention_window={request.attention_window} applies to converted hybrids only; "
+                f"{request.model!r} is a {type(model).__name__}"
+            )
+        model.set_attention_window(request.attention_window)
     name = Path(request.model).name or request.model
     report = {"request": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(request).items()}}
     report["run"] = run_info(model)

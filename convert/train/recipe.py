@@ -110,6 +110,7 @@ class EvaluateSettings(_Strict):
     picture_length: int = Field(1024, ge=1)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     seed: int = 0
+    attention_window: int | None = Field(None, ge=1)  # kept attention layers as sliding windows at evaluation
 
     @field_validator("lengths", "ppl_lengths", "speed_lengths")
     @classmethod

@@ -248,3 +248,28 @@ def test_packed_documents_under_the_kernels(tiny_sources):
     packed.float().pow(2).mean().backward()
     for _, mixer in mixers(model):
         assert mixer.q_proj.weight.grad.abs().sum() > 0
+
+
+def test_set_attention_window_equals_converting_with_it(tiny_sources):
+    source = AutoModelForCausalLM.from_pretrained(tiny_sources["llama"]).eval()
+    kinds = plan_layers(ASSIGNMENTS["llama"], source.config.num_hidden_layers)
+    settings = {k: v for k, v in SETTINGS.items() if k in kinds}
+    windows = [5 if kind == "attention" else None for kind in kinds]
+    torch.manual_seed(0)
+    converted = perturb_fresh_parameters(build_hybrid(source, kinds, settings, attention_windows=windows))
+    later = build_hybrid(source, kinds, settings)
+    later.load_state_dict(converted.state_dict())
+    ids = torch.randint(3, 100, (2, 13), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = later(ids).logits
+        later.set_attention_window(5)
+        windowed = later(ids).logits
+        out = later(ids[:, :9], use_cache=True)  # the cache made after the change keeps only the window
+        steps = [out.logits, later(ids[:, 9:], past_key_values=out.past_key_values, use_cache=True).logits]
+    assert later.config.attention_windows == windows
+    torch.testing.assert_close(windowed, converted(ids).logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), windowed, rtol=1e-4, atol=1e-5)
+    assert (windowed - full).abs().max() > 1e-3  # 13 tokens > 5: the window changes the attention layers
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="attention window"):
+            later.set_attention_window(bad)

@@ -39,8 +39,9 @@ def test_hybrid_report_has_every_part_and_picture(tiny_sources, tmp_path, haysta
     assert convert_main(args) == 0
     (tmp_path / "text.txt").write_text(" ".join(PARAGRAPHS) * 20)
     out = tmp_path / "eval"
-    report = run_eval(model_dir, out, haystack, "--ppl-data", str(tmp_path / "text.txt"), "--ppl-lengths", "64")
-    assert report["request"]["lengths"] == [700]
+    extra = ["--ppl-data", str(tmp_path / "text.txt"), "--ppl-lengths", "64", "--attention-window", "512"]
+    report = run_eval(model_dir, out, haystack, *extra)
+    assert report["request"]["lengths"] == [700] and report["request"]["attention_window"] == 512
     assert set(report["retrieval"]) == {"passkey/standard", "niah_single_2/standard"}
     assert all(0 <= t["accuracy"] <= 1 and t["n"] == 2 for t in report["retrieval"].values())
     assert report["perplexity"]["results"][0]["context_length"] == 64
@@ -68,3 +69,10 @@ def test_bad_task_is_named(tmp_path, capsys):
         eval_main(["model", "--out", str(tmp_path), "--tasks", "passkey,needle"])
     assert exit_info.value.code == 2
     assert "['needle'] not allowed; choose from ['niah_multikey'" in capsys.readouterr().err
+
+
+def test_attention_window_needs_a_hybrid(tiny_sources, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        eval_main([str(tiny_sources["llama"]), "--out", str(tmp_path), "--attention-window", "64"])
+    assert exit_info.value.code == 2
+    assert "attention_window=64 applies to converted hybrids only" in capsys.readouterr().err

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The runs behind docs/RESULTS.md (issue 6): the teacher's evaluation and the SmolLM2 recipes of each mixer, as
+# background jobs on one H100 (scripts/gpu_jobs.sh), so several share the GPU and outlive a 10-minute device call.
+#
+#   MODEL=~/cache/smollm2.gguf CORPUS=~/cache/corpus ESSAYS=~/cache/essays bash scripts/gpu_results.sh start teacher raven sila
+#   bash scripts/gpu_jobs.sh wait 540        # in each later call, until the jobs end
+#   bash scripts/gpu_jobs.sh collect         # $OUT/runs.tar.gz: stage summaries, reports, pictures; logs.tar.gz
+#
+# RECIPE_ARGS adds overrides to every run (a smoke test: RECIPE_ARGS="--set align.steps=2 ...").
+# Jobs (each one run directory under ~/runs, with the recipe's own settings and these paths):
+#   teacher       the teacher, evaluated with the recipes' evaluate settings
+#   raven|sse|sila  recipes/smollm2-<mixer>.yaml, every stage but export
+#   raven-sw      (after raven) the trained Raven hybrid evaluated with its kept attention layers as 4K sliding windows (training
+#                 at 2K context is the same with or without a 4K window, so only the evaluation differs)
+#   sila-uniform  SILA's ablation: its aligned model trained with uniform token weights (started by the sila job)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/device_env.sh
+export TEACHER=$HOME/cache/teacher-hf RUNS=${RUNS:-$HOME/runs}
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # several jobs share the GPU's memory
+
+recipe() {  # recipe MIXER RUN [ARGS...]: the SmolLM2 recipe of MIXER into ~/runs/RUN
+  read -ra extra <<< "${RECIPE_ARGS:-}"
+  python3 -m convert.train "recipes/smollm2-$1.yaml" --run-dir "$RUNS/$2" --set "source=$TEACHER" \
+    --set "data.source=$CORPUS" --set export=null --set "evaluate.haystack_dir=$ESSAYS" \
+    --set "evaluate.ppl_data=$ESSAYS" "${extra[@]}" "${@:3}"
+}
+
+run() {
+  case $1 in
+  teacher)
+    python3 - <<'PY'
+import os
+import shlex
+from pathlib import Path
+
+from convert.evaluate.report import EvalRequest, evaluate_model
+from convert.train.recipe import load_recipe
+
+essays = os.environ["ESSAYS"]
+extra = shlex.split(os.environ.get("RECIPE_ARGS", ""))
+overrides = [f"evaluate.haystack_dir={essays}", f"evaluate.ppl_data={essays}"]
+overrides += [value for flag, value in zip(extra, extra[1:]) if flag == "--set"]
+recipe = load_recipe("recipes/smollm2-raven.yaml", overrides)
+out = Path(os.environ["RUNS"]) / "teacher" / "evaluate"
+evaluate_model(EvalRequest(model=os.environ["TEACHER"], out=out, **recipe.evaluate.model_dump()))
+PY
+    ;;
+  raven)
+    recipe raven raven && run raven-sw
+    ;;
+  sse)
+    recipe sse sse
+    ;;
+  raven-sw)
+    rm -rf "$RUNS/raven-sw" && cp -a "$RUNS/raven" "$RUNS/raven-sw" &&
+      recipe raven raven-sw --stages evaluate --redo evaluate --set evaluate.attention_window=4096
+    ;;
+  sila)
+    recipe sila sila --stages convert,align || return 1
+    rm -rf "$RUNS/sila-uniform" && cp -a "$RUNS/sila" "$RUNS/sila-uniform" &&
+      bash scripts/gpu_jobs.sh start sila-uniform "bash scripts/gpu_results.sh run sila-uniform"
+    recipe sila sila
+    ;;
+  sila-uniform)
+    recipe sila sila-uniform --set token_weights.enabled=false
+    ;;
+  *)
+    echo "unknown job $1; jobs: teacher raven sse sila raven-sw sila-uniform" >&2
+    return 2
+    ;;
+  esac
+}
+
+case ${1:-} in
+start)
+  dequantised_teacher "$MODEL" "$TEACHER" || exit 1
+  for job in "${@:2}"; do
+    bash scripts/gpu_jobs.sh start "$job" "bash scripts/gpu_results.sh run $job"
+  done
+  ;;
+run)
+  run "$2"
+  ;;
+*)
+  echo "usage: bash scripts/gpu_results.sh start JOB... | run JOB" >&2
+  exit 2
+  ;;
+esac
