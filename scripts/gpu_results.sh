@@ -12,7 +12,8 @@
 #   raven|sse|sila  recipes/smollm2-<mixer>.yaml, every stage but export
 #   raven-sw      (after raven) the trained Raven hybrid evaluated with its kept attention layers as 4K sliding windows (training
 #                 at 2K context is the same with or without a 4K window, so only the evaluation differs)
-#   sila-uniform  SILA's ablation: its aligned model trained with uniform token weights (started by the sila job)
+#   sila-uniform  SILA's ablation: its aligned model trained with uniform token weights (started by the sila job
+#                 unless ABLATION=0)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/device_env.sh
@@ -58,8 +59,10 @@ PY
     ;;
   sila)
     recipe sila sila --stages convert,align || return 1
-    rm -rf "$RUNS/sila-uniform" && cp -a "$RUNS/sila" "$RUNS/sila-uniform" &&
-      bash scripts/gpu_jobs.sh start sila-uniform "bash scripts/gpu_results.sh run sila-uniform"
+    if [ "${ABLATION:-1}" = 1 ]; then
+      rm -rf "$RUNS/sila-uniform" && cp -a "$RUNS/sila" "$RUNS/sila-uniform" &&
+        bash scripts/gpu_jobs.sh start sila-uniform "bash scripts/gpu_results.sh run sila-uniform"
+    fi
     recipe sila sila
     ;;
   sila-uniform)
