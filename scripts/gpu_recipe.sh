@@ -20,11 +20,8 @@ RUN_DIR=${RUN_DIR:-$HOME/runs/$(basename "$recipe" .yaml)}
 source scripts/device_env.sh
 TEACHER=$HOME/cache/teacher-hf
 dequantised_teacher "$MODEL" "$TEACHER" || exit 1
-overrides=(--set "source=$TEACHER" --set "data.source=${CORPUS}" --set "export=null")
-if [ -n "${ESSAYS:-}" ]; then
-  overrides+=(--set "evaluate.haystack_dir=$ESSAYS" --set "evaluate.ppl_data=$ESSAYS")
-fi
-python3 -m convert.train "$recipe" --run-dir "$RUN_DIR" --stages "$stages" "${overrides[@]}" "$@" \
+local_paths
+python3 -m convert.train "$recipe" --run-dir "$RUN_DIR" --stages "$stages" "${LOCAL_PATHS[@]}" "$@" \
   > "$OUT/stages.log" 2>&1
 status=$?
 python3 - "$RUN_DIR" "$OUT" <<'EOF'

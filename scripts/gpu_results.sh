@@ -22,9 +22,8 @@ export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # several jobs share th
 
 recipe() {  # recipe MIXER RUN [ARGS...]: the SmolLM2 recipe of MIXER into ~/runs/RUN
   read -ra extra <<< "${RECIPE_ARGS:-}"
-  python3 -m convert.train "recipes/smollm2-$1.yaml" --run-dir "$RUNS/$2" --set "source=$TEACHER" \
-    --set "data.source=$CORPUS" --set export=null --set "evaluate.haystack_dir=$ESSAYS" \
-    --set "evaluate.ppl_data=$ESSAYS" "${extra[@]}" "${@:3}"
+  local_paths
+  python3 -m convert.train "recipes/smollm2-$1.yaml" --run-dir "$RUNS/$2" "${LOCAL_PATHS[@]}" "${extra[@]}" "${@:3}"
 }
 
 run() {
