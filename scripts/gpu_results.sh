@@ -9,9 +9,10 @@
 # RECIPE_ARGS adds overrides to every run (a smoke test: RECIPE_ARGS="--set align.steps=2 ...").
 # Jobs (each one run directory under ~/runs, with the recipe's own settings and these paths):
 #   teacher       the teacher, evaluated with the recipes' evaluate settings
-#   raven|sse|sila  recipes/smollm2-<mixer>.yaml, every stage but export
-#   raven-sw      (after raven) the trained Raven hybrid evaluated with its kept attention layers as 4K sliding windows (training
-#                 at 2K context is the same with or without a 4K window, so only the evaluation differs)
+#   raven|sse|sila  recipes/smollm2-<mixer>.yaml, every stage but export; after training, the trained model is
+#                 loaded and generates in a process without the toolkit (scripts/clean_load.sh -> RUN/load_check.json)
+#                 Before its own evaluation, RUN-sw: the trained hybrid evaluated with its kept attention layers as
+#                 4K sliding windows (training at 2K context is the same with or without a 4K window)
 #   sila-uniform  SILA's ablation: its aligned model trained with uniform token weights (started by the sila job
 #                 unless ABLATION=0)
 set -uo pipefail
@@ -24,6 +25,14 @@ recipe() {  # recipe MIXER RUN [ARGS...]: the SmolLM2 recipe of MIXER into ~/run
   read -ra extra <<< "${RECIPE_ARGS:-}"
   local_paths
   python3 -m convert.train "recipes/smollm2-$1.yaml" --run-dir "$RUNS/$2" "${LOCAL_PATHS[@]}" "${extra[@]}" "${@:3}"
+}
+
+trained() {  # trained MIXER RUN: train RUN, check that its model loads without the toolkit, evaluate it windowed and as is
+  recipe "$1" "$2" --stages convert,align,weights,train,extend || return 1
+  bash scripts/clean_load.sh "$RUNS/$2/train/model" "$RUNS/$2/load_check.json"
+  rm -rf "$RUNS/$2-sw" && cp -a "$RUNS/$2" "$RUNS/$2-sw" &&
+    recipe "$1" "$2-sw" --stages evaluate --redo evaluate --set evaluate.attention_window=4096
+  recipe "$1" "$2"
 }
 
 run() {
@@ -46,15 +55,8 @@ out = Path(os.environ["RUNS"]) / "teacher" / "evaluate"
 evaluate_model(EvalRequest(model=os.environ["TEACHER"], out=out, **recipe.evaluate.model_dump()))
 PY
     ;;
-  raven)
-    recipe raven raven && run raven-sw
-    ;;
-  sse)
-    recipe sse sse
-    ;;
-  raven-sw)
-    rm -rf "$RUNS/raven-sw" && cp -a "$RUNS/raven" "$RUNS/raven-sw" &&
-      recipe raven raven-sw --stages evaluate --redo evaluate --set evaluate.attention_window=4096
+  raven | sse)
+    trained "$1" "$1"
     ;;
   sila)
     recipe sila sila --stages convert,align || return 1
@@ -62,13 +64,13 @@ PY
       rm -rf "$RUNS/sila-uniform" && cp -a "$RUNS/sila" "$RUNS/sila-uniform" &&
         bash scripts/gpu_jobs.sh start sila-uniform "bash scripts/gpu_results.sh run sila-uniform"
     fi
-    recipe sila sila
+    trained sila sila
     ;;
   sila-uniform)
     recipe sila sila-uniform --set token_weights.enabled=false
     ;;
   *)
-    echo "unknown job $1; jobs: teacher raven sse sila raven-sw sila-uniform" >&2
+    echo "unknown job $1; jobs: teacher raven sse sila sila-uniform" >&2
     return 2
     ;;
   esac
