@@ -5,8 +5,8 @@
 
 Every case times forward and forward+backward (median of triton.testing.do_bench, after a warm-up), reports
 tokens/s of forward+backward, the peak memory a forward+backward adds on top of its inputs, and the first call's
-seconds (compilation and autotuning included). Decode cases time one step and report the bandwidth of the state
-bytes read and written. Peers are measured in the same run on the same inputs:
+seconds (compilation and autotuning included). Decode cases time one step and report the bytes each implementation
+must move (the state it reads plus what it writes back) per second, against a device-to-device copy's. Peers are measured in the same run on the same inputs:
 - Raven (M slots, top-K): ours `chunk_raven` vs fla `chunk_gsa` with the dense gates g = log-retention,
   s = 1 - exp(g) (the Gated Slot Attention form of the same recurrence; only with --with-fla-gsa, since it
   compiles and autotunes for minutes: ../shared/README.md has its numbers from the same H100 type).
@@ -297,10 +297,11 @@ def main() -> None:
     if "decode" in only:
         B = 64
         for M, K in ((256, 32), (64, 8)):
-            state_bytes = 2 * 2 * B * H * M * D * 4  # S^k and S^v, float32, read and written
-            decode.append(("ours fused_recurrent_raven", M, decode_raven_ours, state_bytes, (B, M, K)))
+            slot = 2 * B * H * D * 4  # one slot of S^k and S^v, float32, over the batch and heads
+            # ours reads every slot once and rewrites the K selected ones in place; fla reads and writes them all
+            decode.append(("ours fused_recurrent_raven", M, decode_raven_ours, slot * (M + K), (B, M, K)))
             if FLA:
-                decode.append(("fla fused_recurrent_gsa", M, decode_raven_fla, state_bytes, (B, M, K)))
+                decode.append(("fla fused_recurrent_gsa", M, decode_raven_fla, slot * 2 * M, (B, M, K)))
         for context in (4096, 16384):
             decode.append(
                 (f"torch SDPA, bf16 KV cache {context}", None, decode_sdpa, 2 * B * H * context * D * 2, (B, context))
@@ -334,7 +335,7 @@ def main() -> None:
                 f"{r['tok_s'] / 1e6:.2f} | {r['peak_mib']:.0f} | {r['first_s']:.1f} |"
             )
     if drows:
-        print("\n| decode step, B=64 | M | us | state TB/s | of copy bandwidth |")
+        print("\n| decode step, B=64 | M | us | state bytes moved, TB/s | of copy bandwidth |")
         print("| --- | --- | --- | --- | --- |")
         for r in drows:
             if "error" in r:
