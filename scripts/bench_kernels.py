@@ -6,7 +6,8 @@
 Every case times forward and forward+backward (median of triton.testing.do_bench, after a warm-up), reports
 tokens/s of forward+backward, the peak memory a forward+backward adds on top of its inputs, and the first call's
 seconds (compilation and autotuning included). Decode cases time one step and report the bytes each implementation
-must move (the state it reads plus what it writes back) per second, against a device-to-device copy's. Peers are measured in the same run on the same inputs:
+must move (the state it reads plus what it writes back) per second, against a device-to-device copy's. Peers are
+measured in the same run on the same inputs:
 - Raven (M slots, top-K): ours `chunk_raven` vs fla `chunk_gsa` with the dense gates g = log-retention,
   s = 1 - exp(g) (the Gated Slot Attention form of the same recurrence; only with --with-fla-gsa, since it
   compiles and autotunes for minutes: ../shared/README.md has its numbers from the same H100 type).

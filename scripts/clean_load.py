@@ -46,7 +46,10 @@ def generate(model, tokenizer, text: str, new_tokens: int) -> dict:
 def main(model_dir: str, out_file: str) -> None:
     visible = [name for name in TOOLKIT_PACKAGES if importlib.util.find_spec(name) is not None]
     if visible:
-        raise SystemExit(f"the toolkit's packages {visible} are importable: run this through clean_load.sh")
+        raise SystemExit(
+            f"the toolkit's packages {visible} are importable here, so this would not test a clean environment: run "
+            "it through scripts/clean_load.sh (which hides an editable install) or where the toolkit is not installed"
+        )
     start = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

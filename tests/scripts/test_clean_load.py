@@ -1,0 +1,36 @@
+"""scripts/clean_load.sh: a converted model loads and generates where the toolkit cannot be imported."""
+
+import json
+import subprocess
+from pathlib import Path
+
+from convert.cli import main
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "clean_load.sh"
+
+
+def run(model: Path, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), str(model), str(out)], capture_output=True, text=True, timeout=600)
+
+
+def test_converted_model_loads_and_generates_without_the_toolkit(tiny_sources, tmp_path):
+    model = tmp_path / "hybrid"
+    args = ["--src", str(tiny_sources["llama"]), "--out", str(model), "--mixer", "sila", "--layers", "0"]
+    assert main(args + ["--mixer", "raven", "--layers", "2", "--raven-num-slots", "8", "--raven-top-k", "2"]) == 0
+    proc = run(model, tmp_path / "check.json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((tmp_path / "check.json").read_text())
+    assert record["problems"] == []
+    assert record["module"].startswith("transformers_modules")
+    assert record["layer_mixers"][:3] == ["sila", "attention", "raven"]
+    short, long = record["short"], record["long"]
+    assert short["new_tokens"] == long["new_tokens"] == 16 and long["prompt_tokens"] > 20 * short["prompt_tokens"]
+    assert short["state_bytes"]["mixer"] == long["state_bytes"]["mixer"] > 0
+    assert long["state_bytes"]["attention"] > short["state_bytes"]["attention"]
+
+
+def test_a_plain_model_is_refused_by_name(tiny_sources, tmp_path):
+    proc = run(tiny_sources["llama"], tmp_path / "check.json")
+    assert proc.returncode != 0
+    assert "LlamaForCausalLM, not a hybrid" in proc.stderr
+    assert not (tmp_path / "check.json").exists()
