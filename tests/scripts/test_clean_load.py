@@ -1,7 +1,9 @@
 """scripts/clean_load.sh: a converted model loads and generates where the toolkit cannot be imported."""
 
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 from convert.cli import main
@@ -10,7 +12,10 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "clean_load.sh"
 
 
 def run(model: Path, out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), str(model), str(out)], capture_output=True, text=True, timeout=600)
+    env = os.environ | {"PYTHON": sys.executable}
+    return subprocess.run(
+        ["bash", str(SCRIPT), str(model), str(out)], env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 def test_converted_model_loads_and_generates_without_the_toolkit(tiny_sources, tmp_path):
