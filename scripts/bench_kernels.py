@@ -152,34 +152,10 @@ def case_sdpa(B, T):
 
 def measure(build: Callable, *args) -> dict:
     """Times and memory of one training case: build() -> (forward function, leaf inputs)."""
-    from triton.testing import do_bench
+    from kernels.timing import time_training
 
-    torch.cuda.synchronize()
     fn, inputs = build(*args)
-    grad = None
-
-    def fwd_bwd():
-        nonlocal grad
-        out = fn()
-        if grad is None:
-            grad = torch.randn_like(out)
-        out.backward(grad)
-
-    clock = time.perf_counter()
-    fwd_bwd()
-    torch.cuda.synchronize()
-    first = time.perf_counter() - clock
-    for x in inputs:
-        x.grad = None
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fwd_bwd()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    with torch.no_grad():
-        fwd = do_bench(fn, warmup=25, rep=100, return_mode="median")
-    both = do_bench(fwd_bwd, warmup=25, rep=100, grad_to_none=inputs, return_mode="median")
-    return {"fwd_ms": fwd, "fwd_bwd_ms": both, "peak_mib": peak / 2**20, "first_s": first}
+    return time_training(fn, inputs)
 
 
 def measure_decode(build: Callable, state_bytes: int, *args) -> dict:

@@ -5,14 +5,13 @@ and the share of (chunk, slot block) pairs on the exact in-chunk path. Launch va
 """
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from kernels.raven import chunk as raven_chunk
 from kernels.raven import chunk_raven
+from kernels.timing import time_training
 
 H, D = 16, 128
 SHAPES = [(4, 4096, 256, 32), (1, 32768, 64, 8)]  # B, T, M, K
@@ -42,54 +41,20 @@ def exact_share(a, idx, r, M, BM=64, BT=64, RANGE=120.0):
     return (tot.view(B, -1, Hh, M // min(BM, M), min(BM, M)).amin(-1) < -RANGE).float().mean().item()
 
 
-def profile(fn, n=3):
-    """Mean CUDA time per call of each kernel over n calls of fn, in ms."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        t = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0))
-        if t > 0:
-            rows.append((t / n / 1e3, e.key[:60]))
-    return sorted(rows, reverse=True)[:12]
-
-
 def case(B, T, M, K, variant, show_profile):
     if variant is not None:
         raven_chunk.launch_config = VARIANTS[variant]
     q, k, v, a, idx, r = inputs(B, T, M, K)
-    do = torch.randn_like(q)
-
-    def fwd():
-        with torch.no_grad():
-            return chunk_raven(q, k, v, a, idx, r, D**-0.5, M)[0]
-
-    def fwd_bwd():
-        o = chunk_raven(q, k, v, a, idx, r, D**-0.5, M)[0]
-        o.backward(do)
-
-    t0 = time.time()
-    fwd_bwd()
-    torch.cuda.synchronize()
-    first = time.time() - t0
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fwd_bwd()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    t_f = triton.testing.do_bench(fwd, warmup=10, rep=60, return_mode="median")
-    t_fb = triton.testing.do_bench(fwd_bwd, warmup=10, rep=100, return_mode="median", grad_to_none=[q, k, v, a, r])
+    t = time_training(lambda: chunk_raven(q, k, v, a, idx, r, D**-0.5, M)[0], [q, k, v, a, r], profile=show_profile)
+    t_f, t_fb = t["fwd_ms"], t["fwd_bwd_ms"]
     name = f"M={M} top-{K} B={B} T={T} [{variant or 'default'}]"
     print(
-        f"{name:44s} fwd {t_f:7.2f} ms  fwd+bwd {t_fb:7.2f} ms  first call {first:5.1f} s  peak {peak:5.2f} GiB  "
-        f"exact-path share {exact_share(a, idx, r, M):.3f}",
+        f"{name:44s} fwd {t_f:7.2f} ms  fwd+bwd {t_fb:7.2f} ms  first call {t['first_s']:5.1f} s  "
+        f"peak {t['peak_mib'] / 1024:5.2f} GiB  exact-path share {exact_share(a, idx, r, M):.3f}",
         flush=True,
     )
-    if show_profile:
-        for ms, key in profile(fwd_bwd):
-            print(f"    {ms:7.3f} ms  {key}", flush=True)
+    for ms, _, key in t.get("kernels", [])[:12]:
+        print(f"    {ms:7.3f} ms  {key[:60]}", flush=True)
     return name, t_f, t_fb
 
 

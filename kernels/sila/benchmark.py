@@ -7,13 +7,13 @@ the first-call time, the share of each kernel, and one decoding step.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
 from kernels.sila import common, fused_recurrent_sila
+from kernels.timing import time_call
 
 
 def sila_inputs(B, T, H, d, G=1, dtype=torch.bfloat16):
@@ -35,32 +35,8 @@ def fla_inputs(B, T, H, d, dtype=torch.bfloat16):
     return [x.requires_grad_() for x in (q, k, v, g, beta)]
 
 
-def timings(fn, inputs):
-    """(forward ms, forward+backward ms) medians; the output's gradient is fixed beforehand."""
-    out = fn(*inputs)[0]
-    grad = torch.randn_like(out)
-
-    def fwd():
-        with torch.no_grad():
-            fn(*inputs)
-
-    def fwd_bwd():
-        fn(*inputs)[0].backward(grad)
-
-    for f in (fwd, fwd_bwd):  # warm-up: compilation and autotuning stay out of the timings
-        f()
-    torch.cuda.synchronize()
-    return do_bench(fwd, return_mode="median"), do_bench(fwd_bwd, return_mode="median")
-
-
-def kernel_shares(fn, inputs):
-    """Per-kernel CUDA time of one forward+backward, from the profiler."""
-    grad = torch.randn_like(fn(*inputs)[0])
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn(*inputs)[0].backward(grad)
-        torch.cuda.synchronize()
-    rows = [(e.key, e.device_time_total / 1e3) for e in prof.key_averages() if "sila" in e.key]
-    return ", ".join(f"{name} {ms:.2f}" for name, ms in sorted(rows, key=lambda r: -r[1]))
+def row(name, t):
+    return name, t["fwd_ms"], t["fwd_bwd_ms"], f"{t['first_s']:.1f} s"
 
 
 def main():
@@ -78,18 +54,15 @@ def main():
     rows = []
     for d in args.dims:  # SILA first: a run cut short by the peers' compilation still has these
         x = sila_inputs(B, T, H, d)
-        start = time.perf_counter()
-        fused_recurrent_sila(*x)[0].backward(torch.ones(B, T, H, 1, d, device="cuda", dtype=torch.bfloat16))
-        torch.cuda.synchronize()
-        first = time.perf_counter() - start
-        torch.cuda.reset_peak_memory_stats()
-        rows.append((f"sila fused_recurrent d={d}", *timings(fused_recurrent_sila, x), f"{first:.1f} s"))
-        print(rows[-1], f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB", flush=True)
-        print(f"d={d} kernels (ms):", kernel_shares(fused_recurrent_sila, x), flush=True)
+        t = time_call(fused_recurrent_sila, x, profile=True)
+        rows.append(row(f"sila fused_recurrent d={d}", t))
+        print(rows[-1], f"peak memory {t['peak_mib'] / 1024:.2f} GiB (on top of the inputs)", flush=True)
+        shares = ", ".join(f"{name} {ms:.2f}" for ms, _, name in t["kernels"] if "sila" in name)
+        print(f"d={d} kernels (ms):", shares, flush=True)
         default = common.launch_settings
         for warps in args.warps:
             common.launch_settings = lambda K, V, w=warps, default=default: {**default(K, V), "num_warps": w}
-            rows.append((f"sila num_warps={warps} d={d}", *timings(fused_recurrent_sila, x), ""))
+            rows.append(row(f"sila num_warps={warps} d={d}", time_call(fused_recurrent_sila, x)))
             common.launch_settings = default
     step = [x.detach() for x in sila_inputs(64, 1, H, 128)]
     state = torch.randn(64, H, 128, 128, device="cuda")
@@ -97,10 +70,10 @@ def main():
     print(f"sila decode step B=64 H={H} d=128: {decode * 1e3:.1f} us", flush=True)
     for d in args.dims:
         q, k, v, g, beta = fla_inputs(B, T, H, d)
-        rows.append((f"fla chunk_gla d={d}", *timings(lambda *a: chunk_gla(*a), (q, k, v, g)), ""))
+        rows.append(row(f"fla chunk_gla d={d}", time_call(lambda *a: chunk_gla(*a), (q, k, v, g))))
         print(rows[-1], flush=True)
         rows.append(
-            (f"fla fused_recurrent_delta_rule d={d}", *timings(fused_recurrent_delta_rule, (q, k, v, beta)), "")
+            row(f"fla fused_recurrent_delta_rule d={d}", time_call(fused_recurrent_delta_rule, (q, k, v, beta)))
         )
         print(rows[-1], flush=True)
 

@@ -11,7 +11,6 @@ forward+backward time under other warp counts.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
@@ -20,28 +19,7 @@ from triton.testing import do_bench
 from kernels.sse import chunk as chunk_module
 from kernels.sse import chunk_gla, chunk_sse, fused_recurrent_sse
 from kernels.sse.naive import sse_recurrent
-
-
-def timings(fn, inputs):
-    """(first call s, forward ms, forward+backward ms); the output's gradient is fixed beforehand."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = fn(*inputs)[0]
-    torch.cuda.synchronize()
-    first = time.perf_counter() - start
-    grad = torch.randn_like(out)
-
-    def fwd():
-        with torch.no_grad():
-            fn(*inputs)
-
-    def fwd_bwd():
-        fn(*inputs)[0].backward(grad)
-
-    fwd_bwd()
-    torch.cuda.synchronize()
-    leaves = [x for x in inputs if torch.is_tensor(x) and x.requires_grad]
-    return first, do_bench(fwd, return_mode="median"), do_bench(fwd_bwd, grad_to_none=leaves, return_mode="median")
+from kernels.timing import kernel_times, time_call
 
 
 def sse_inputs(B, T, H, c, d, N=4, dtype=torch.bfloat16, seed=0):
@@ -76,24 +54,25 @@ def main(argv: list[str] | None = None) -> None:
     B, T, H, D = args.batch, args.seq_len, args.heads, args.dim
     rows = []
 
-    def report(name, result):
-        rows.append((name, *result))
-        print(f"{name:44s} first {result[0]:7.2f} s  fwd {result[1]:7.3f} ms  fwd+bwd {result[2]:7.3f} ms", flush=True)
+    def report(name, t):
+        rows.append((name, t["first_s"], t["fwd_ms"], t["fwd_bwd_ms"]))
+        first, fwd, both = rows[-1][1:]
+        print(f"{name:44s} first {first:7.2f} s  fwd {fwd:7.3f} ms  fwd+bwd {both:7.3f} ms", flush=True)
 
     dense = gla_inputs(B, T, H, D)
     if args.fla_only:
         from fla.ops.gla import chunk_gla as fla_chunk_gla
 
-        report("fla chunk_gla (dense)", timings(lambda q, k, v, g: fla_chunk_gla(q, k, v, g, D**-0.5), dense))
+        report("fla chunk_gla (dense)", time_call(lambda q, k, v, g: fla_chunk_gla(q, k, v, g, D**-0.5), dense))
         return
     report(
         "chunk_gla (dense)",
-        timings(lambda q, k, v, g: chunk_gla(q.unsqueeze(3), k, v, g, D**-0.5), dense),
+        time_call(lambda q, k, v, g: chunk_gla(q.unsqueeze(3), k, v, g, D**-0.5), dense),
     )
     leaves, idx, P = sse_inputs(B, T, H, D, D)
     for impl in ("varlen", "masking"):
         fn = lambda q, k, v, g, impl=impl: chunk_sse(q, k, v, g, idx, P, D**-0.5, implementation=impl)  # noqa: E731
-        report(f"SSE n4k1+shared chunk_sse ({impl})", timings(fn, leaves))
+        report(f"SSE n4k1+shared chunk_sse ({impl})", time_call(fn, leaves))
 
     # chunk_gla alone on the entries regrouped as sse_varlen does (its cu_seqlens and order)
     segment = (torch.arange(B * H, device="cuda").view(B, 1, H, 1) * P + idx).flatten()
@@ -106,30 +85,28 @@ def main(argv: list[str] | None = None) -> None:
         v.detach().unsqueeze(3).expand(B, T, H, 2, D).reshape(-1, D)[order][None, :, None].requires_grad_(),
         g.detach().reshape(-1, D)[order][None, :, None].requires_grad_(),
     ]
-    report("chunk_gla on the regrouped SSE entries", timings(lambda *a: chunk_gla(*a, D**-0.5, None, True, cu), packed))
+    report(
+        "chunk_gla on the regrouped SSE entries", time_call(lambda *a: chunk_gla(*a, D**-0.5, None, True, cu), packed)
+    )
 
     fn = lambda q, k, v, g: chunk_sse(q, k, v, g, idx, P, D**-0.5)  # noqa: E731
     grad = torch.randn(B, T, H, 1, D, device="cuda", dtype=torch.bfloat16)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn(*leaves)[0].backward(grad)
-        torch.cuda.synchronize()
-    events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
-    total = sum(e.device_time_total for e in events) / 1e3
-    print(f"one SSE varlen forward+backward, per kernel (ms of {total:.2f} device ms):")
-    for e in events[:16]:
-        print(f"  {e.device_time_total / 1e3:7.3f} x{e.count:<3d} {e.key[:90]}")
+    kernels = kernel_times(lambda: fn(*leaves)[0].backward(grad))
+    print(f"one SSE varlen forward+backward, per kernel (ms of {sum(r[0] for r in kernels):.2f} device ms):")
+    for ms, count, name in kernels[:16]:
+        print(f"  {ms:7.3f} x{count:<3.0f} {name[:90]}")
     print(flush=True)
 
     saved = chunk_module.LOW_PRECISION_STATES
     chunk_module.LOW_PRECISION_STATES = False
-    report("SSE varlen, float32 per-chunk states", timings(fn, leaves))
+    report("SSE varlen, float32 per-chunk states", time_call(fn, leaves))
     chunk_module.LOW_PRECISION_STATES = saved
 
     for warps in (int(w) for w in args.warps.split(",")):
         for kernel in ("o", "dqkvg"):
             saved = dict(chunk_module.WARPS)
             chunk_module.WARPS[kernel] = warps
-            report(f"SSE varlen, {kernel} kernel at {warps} warps", timings(fn, leaves))
+            report(f"SSE varlen, {kernel} kernel at {warps} warps", time_call(fn, leaves))
             chunk_module.WARPS.update(saved)
 
     Bd = 64
