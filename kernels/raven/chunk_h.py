@@ -102,11 +102,11 @@ def raven_fwd_kernel_h(
         b_dec = tl.where(m_tm, b_w * tl.exp(b_gl[None, :] - b_g), 0.0)  # weight of each write at the chunk end
         p_td = ((bos + o_t[:, None]) * H + i_h) * D + o_d[None, :]
         m_td = m_t[:, None] & m_d[None, :]
-        b_k = tl.load(k + p_td, mask=m_td, other=0.0).to(tl.float32)
-        b_v = tl.load(v + p_td, mask=m_td, other=0.0).to(tl.float32)
+        b_k = tl.load(k + p_td, mask=m_td, other=0.0)  # [BT, BD]
+        b_v = tl.load(v + p_td, mask=m_td, other=0.0)
         b_f = tl.exp(b_gl)[:, None]
-        b_sk = b_sk * b_f + tl.dot(tl.trans(b_dec), b_k)
-        b_sv = b_sv * b_f + tl.dot(tl.trans(b_dec), b_v)
+        b_sk = b_sk * b_f + tl.dot(tl.trans(b_dec.to(b_k.dtype)), b_k)
+        b_sv = b_sv * b_f + tl.dot(tl.trans(b_dec.to(b_v.dtype)), b_v)
     if STORE_HT:
         tl.store(htk + i_n * H * M * D + p_md, b_sk, mask=m_md)
         tl.store(htv + i_n * H * M * D + p_md, b_sv, mask=m_md)
@@ -173,10 +173,10 @@ def raven_bwd_kernel_dh(
             p_td = ((bos + o_t[:, None]) * H * G + i_hg) * D + o_d[None, :]
             b_ds = tl.load(ds + p_tm, mask=m_tm, other=0.0)
             b_p = tl.load(p + p_tm, mask=m_tm, other=0.0)
-            b_q = tl.load(q + p_td, mask=m_td, other=0.0).to(tl.float32)
-            b_do = tl.load(do + p_td, mask=m_td, other=0.0).to(tl.float32)
-            b_dk += tl.dot(tl.trans(b_ds * b_eg), b_q)
-            b_dv += tl.dot(tl.trans(b_p * b_eg), b_do)
+            b_q = tl.load(q + p_td, mask=m_td, other=0.0)  # [BT, BD]
+            b_do = tl.load(do + p_td, mask=m_td, other=0.0)
+            b_dk += tl.dot(tl.trans((b_ds * b_eg).to(b_q.dtype)), b_q)
+            b_dv += tl.dot(tl.trans((b_p * b_eg).to(b_do.dtype)), b_do)
     if STORE_DH0:
         tl.store(dh0k + i_n * H * M * D + p_md, b_dk, mask=m_md)
         tl.store(dh0v + i_n * H * M * D + p_md, b_dv, mask=m_md)

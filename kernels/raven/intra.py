@@ -20,14 +20,17 @@ p_g / p_w point at row 0 of the chunk for this head and slot 0; `stride` is thei
 import triton
 import triton.language as tl
 
-RANGE = tl.constexpr(120.0)  # largest in-chunk decay (nats) of a block of slots on the fast path: factors within e^60
+RANGE_NATS = 120.0  # largest in-chunk decay (nats) of a block of slots on the fast path: factors within e^60
+RANGE = tl.constexpr(RANGE_NATS)
 
 
 @triton.jit
-def raven_factors(b_g, b_gl, m_tm):
+def raven_factors(b_g, b_gl, m_tm, EXACT: tl.constexpr):
     """Whether the fast path holds for this block of slots (b_gl: g at the chunk's last row, [BM]), and its factors
-    exp(g - ref), exp(ref - g) [BT, BM] (0 at masked entries; clamped so that they stay finite on the slow path)."""
-    fast = tl.min(b_gl, 0) >= -RANGE
+    exp(g - ref), exp(ref - g) [BT, BM] (0 at masked entries; clamped so that they stay finite on the slow path).
+    Without EXACT (no slot of the batch decays by more than RANGE in a chunk) `fast` is constant true, and the
+    compiler drops the exact forms: they hold most of the registers."""
+    fast = (tl.min(b_gl, 0) >= -RANGE) | (not EXACT)
     b_ref = 0.5 * b_gl[None, :]
     b_qg = tl.where(m_tm, tl.exp(tl.minimum(b_g - b_ref, 80.0)), 0.0)
     b_ig = tl.where(m_tm, tl.exp(tl.minimum(b_ref - b_g, 80.0)), 0.0)
@@ -52,6 +55,7 @@ def raven_read_m_exact(b_A, b_g, b_w, p_g, p_w, stride, L, o_m, m_m, BT: tl.cons
     """out[t, m] = sum_{s <= t} A[t, s] exp(g_t - g_s)[m] w_s[m]: the in-chunk slot logits (A = q k^T) or
     their gradient through the value pass (A = do v^T). b_A: [BT, BT]; returns [BT, BM] float32."""
     o_t = tl.arange(0, BT)
+    b_A = b_A.to(tl.float32)
     b_o = tl.zeros(b_g.shape, dtype=tl.float32)
     for i in tl.static_range(1, BT // BC):
         b_gr = tl.load(p_g + (i * BC - 1) * stride + o_m, mask=m_m & (o_m * 0 + L > i * BC - 1), other=0.0)  # [BM]
@@ -99,7 +103,7 @@ def raven_write_m_exact(b_C, b_P, b_g, p_P, stride_P, p_g, stride, L, o_m, m_m, 
     same-sub-chunk rows. Returns [BT, BM] float32 indexed [s, m]."""
     o_t = tl.arange(0, BT)
     b_dw = tl.zeros(b_g.shape, dtype=tl.float32)
-    b_Ct = tl.trans(b_C)  # [s, t]
+    b_Ct = tl.trans(b_C).to(tl.float32)  # [s, t]
     for i in tl.static_range(0, BT // BC - 1):
         r = i * BC + BC - 1  # last row of sub-chunk i: the reference for its sources
         b_gr = tl.load(p_g + r * stride + o_m, mask=m_m & (o_m * 0 + L > r), other=0.0)
@@ -120,7 +124,8 @@ def raven_write_m_exact(b_C, b_P, b_g, p_P, stride_P, p_g, stride, L, o_m, m_m, 
 
 @triton.jit
 def raven_read_m(b_A, b_g, b_w, b_qg, b_kg, fast, p_g, p_w, stride, L, o_m, m_m, BT: tl.constexpr, BC: tl.constexpr):
-    """raven_read_m_exact, as one product on the fast path (b_A causal, b_kg = w exp(ref - g))."""
+    """raven_read_m_exact, as one product on the fast path (b_A causal, b_kg = w exp(ref - g), both in the dtype
+    of the tl.dot operands)."""
     if fast:
         b_o = b_qg * tl.dot(b_A, b_kg)
     else:
@@ -133,7 +138,7 @@ def raven_mix(b_P, b_g, b_w, b_qg, b_kg, fast, p_g, p_w, stride, L, o_m, m_m, BT
     """raven_mix_exact, as one product on the fast path."""
     if fast:
         o_t = tl.arange(0, BT)
-        b_B = tl.where(o_t[:, None] >= o_t[None, :], tl.dot(b_P * b_qg, tl.trans(b_kg)), 0.0)
+        b_B = tl.where(o_t[:, None] >= o_t[None, :], tl.dot((b_P * b_qg).to(b_kg.dtype), tl.trans(b_kg)), 0.0)
     else:
         b_B = raven_mix_exact(b_P, b_g, b_w, p_g, p_w, stride, L, o_m, m_m, BT, BC)
     return b_B
@@ -145,7 +150,7 @@ def raven_write_m(
 ):
     """raven_write_m_exact, as one product on the fast path (b_C causal)."""
     if fast:
-        b_dw = b_ig * tl.dot(tl.trans(b_C), b_P * b_qg)
+        b_dw = b_ig * tl.dot(tl.trans(b_C), (b_P * b_qg).to(b_C.dtype))
     else:
         b_dw = raven_write_m_exact(b_C, b_P, b_g, p_P, stride_P, p_g, stride, L, o_m, m_m, BT, BC)
     return b_dw
