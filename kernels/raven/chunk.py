@@ -54,7 +54,7 @@ def raven_fwd_kernel_o(
     p_kd = ((bos + o_t[:, None]) * H + i_h) * D + o_d[None, :]
     b_q = tl.load(q + p_qd, mask=m_td, other=0.0)  # [BT, BD] in the input dtype: every tl.dot takes it
     b_k = tl.load(k + p_kd, mask=m_td, other=0.0)
-    b_A = tl.where(o_t[:, None] >= o_t[None, :], tl.dot(b_q, tl.trans(b_k)), 0.0).to(b_q.dtype)  # [BT, BT] causal
+    b_A = tl.where(o_t[:, None] >= o_t[None, :], tl.dot(b_q, tl.trans(b_k)), 0.0)  # [BT, BT] causal, float32 (*)
     p_g, p_w = g + (bos * H + i_h) * M, w + (bos * H + i_h) * M
     p_h = (i_c * H + i_h) * M * D
     b_mx = tl.full([BT], float("-inf"), dtype=tl.float32)
@@ -114,11 +114,10 @@ def block_sizes(M: int, D: int) -> tuple[int, int]:
 
 
 def launch_config(D: int) -> dict[str, tuple[int, int, int]]:
-    """(slots per block, warps, pipeline stages) of the per-chunk kernels, fixed by head dim: the sizes that keep
-    each kernel's tiles in registers (ptxas, sm_90: dq still spills a few hundred bytes); one stage, as more need
-    over 227 KB of shared memory at d = 128."""
-    warps = 8 if D > 64 else 4
-    return {"o": (32, warps, 1), "dq": (16, warps, 1), "dkv": (32, 8, 1), "dlf": (32, warps, 1)}
+    """(slots per block, warps, pipeline stages) of the per-chunk kernels: the sizes that keep each kernel's tiles
+    in registers at d = 128 (ptxas, sm_90; dq still spills a few hundred bytes). One stage, as more need over
+    227 KB of shared memory at d = 128."""
+    return {"o": (32, 8, 1), "dq": (16, 8, 1), "dkv": (32, 8, 1), "dlf": (32, 8, 1)}
 
 
 def scan_blocks(M: int, D: int, NH: int) -> tuple[int, int]:

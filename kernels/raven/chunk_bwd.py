@@ -1,6 +1,10 @@
 """The per-chunk backward kernels of chunk_raven: dq with the softmax weights and logit gradients (dq), dk and dv
 (dkv), and the gradient of the gates (dlf), one slot block per program. Every tl.dot takes its operands in the
-input dtype (bf16 on the GPU) and accumulates in float32; gates, logits and their sums stay float32."""
+input dtype (bf16 on the GPU) and accumulates in float32; gates, logits and their sums stay float32.
+
+(*) The in-chunk score tiles q k^T and do v^T stay float32 (tf32 products): as bf16 register operands of the
+products with the slot factors, Triton 3.6 reads past shared memory on sm_90 (compute-sanitizer; the pattern of
+triton-lang/triton#11366)."""
 
 import triton
 import triton.language as tl
@@ -50,8 +54,8 @@ def raven_bwd_kernel_dq(
     b_q = tl.load(q + p_qd, mask=m_td, other=0.0)  # [BT, BD]
     b_do = tl.load(do + p_qd, mask=m_td, other=0.0)
     m_c = o_t[:, None] >= o_t[None, :]
-    b_A = tl.where(m_c, tl.dot(b_q, tl.trans(tl.load(k + p_kd, mask=m_td, other=0.0))), 0.0).to(b_q.dtype)
-    b_C = tl.where(m_c, tl.dot(b_do, tl.trans(tl.load(v + p_kd, mask=m_td, other=0.0))), 0.0).to(b_q.dtype)
+    b_A = tl.where(m_c, tl.dot(b_q, tl.trans(tl.load(k + p_kd, mask=m_td, other=0.0))), 0.0)  # [BT, BT] float32 (*)
+    b_C = tl.where(m_c, tl.dot(b_do, tl.trans(tl.load(v + p_kd, mask=m_td, other=0.0))), 0.0)
     b_lse = tl.load(lse + (bos + o_t) * H * G + i_hg, mask=m_t, other=0.0)
     b_delta = tl.load(delta + (bos + o_t) * H * G + i_hg, mask=m_t, other=0.0)
     p_g, p_w = g + (bos * H + i_h) * M, w + (bos * H + i_h) * M
@@ -216,8 +220,8 @@ def raven_bwd_kernel_dlf(
         p_qd = ((bos + o_t[:, None]) * H * G + i_hg) * D + o_d[None, :]
         b_q = tl.load(q + p_qd, mask=m_td, other=0.0)
         b_do = tl.load(do + p_qd, mask=m_td, other=0.0)
-        b_A = tl.where(m_c, tl.dot(b_q, tl.trans(b_k)), 0.0).to(b_k.dtype)  # [BT, BT] causal q k^T
-        b_C = tl.where(m_c, tl.dot(b_do, tl.trans(b_v)), 0.0).to(b_k.dtype)  # causal do v^T
+        b_A = tl.where(m_c, tl.dot(b_q, tl.trans(b_k)), 0.0)  # [BT, BT] causal q k^T, float32 (*)
+        b_C = tl.where(m_c, tl.dot(b_do, tl.trans(b_v)), 0.0)  # causal do v^T
         p_P, p_S = p + (bos * H * G + i_hg) * M, ds + (bos * H * G + i_hg) * M
         p_tm = o_t[:, None] * H * G * M + o_m[None, :]
         b_p = tl.load(p_P + p_tm, mask=m_tm, other=0.0).to(tl.float32)

@@ -124,10 +124,9 @@ def raven_write_m_exact(b_C, b_P, b_g, p_P, stride_P, p_g, stride, L, o_m, m_m, 
 
 @triton.jit
 def raven_read_m(b_A, b_g, b_w, b_qg, b_kg, fast, p_g, p_w, stride, L, o_m, m_m, BT: tl.constexpr, BC: tl.constexpr):
-    """raven_read_m_exact, as one product on the fast path (b_A causal, b_kg = w exp(ref - g), both in the dtype
-    of the tl.dot operands)."""
+    """raven_read_m_exact, as one product on the fast path (b_A causal, b_kg = w exp(ref - g))."""
     if fast:
-        b_o = b_qg * tl.dot(b_A, b_kg)
+        b_o = b_qg * tl.dot(b_A, b_kg.to(b_A.dtype))
     else:
         b_o = raven_read_m_exact(b_A, b_g, b_w, p_g, p_w, stride, L, o_m, m_m, BT, BC)
     return b_o
