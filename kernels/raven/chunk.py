@@ -232,13 +232,10 @@ def chunk_raven_bwd(q, k, v, a, idx, r, scale, M, h0, o, lse, do, dht, chunks, e
     shape = dict(H=H, G=HG // H, M=M, D=D, exact=exact)
     g, w = gates(a, idx, r, chunks, M)
     hk, hv, ht = states(k, v, g, w, h0, chunks, M, dht is not None)
-    delta = (do.float() * o.float()).sum(-1)  # [T, H * G] = sum_m p dp, as in attention
     dq = torch.empty_like(q)
     p, ds = (q.new_empty(T, HG, M) for _ in range(2))  # only ever tl.dot operands: the input dtype
     e = q.new_empty(T, HG, M, dtype=torch.float32)
-    per_chunk(
-        raven_bwd_kernel_dq, "dq", (q, k, v, do, g, w, hk, hv, lse, delta, dq, p, ds, e), (scale,), chunks, HG, shape
-    )
+    per_chunk(raven_bwd_kernel_dq, "dq", (q, k, v, do, o, g, w, hk, hv, lse, dq, p, ds, e), (scale,), chunks, HG, shape)
     del hk, hv
     dhk, dhv = (k.new_empty(NC, H, M, D) for _ in range(2))
     dh0 = (torch.empty_like(h0[0]), torch.empty_like(h0[1])) if h0 is not None else (None, None)

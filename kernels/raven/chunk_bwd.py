@@ -18,12 +18,12 @@ def raven_bwd_kernel_dq(
     k,
     v,
     do,
+    o,
     g,
     w,
     hk,
     hv,
     lse,
-    delta,
     dq,
     p,
     ds,
@@ -57,7 +57,7 @@ def raven_bwd_kernel_dq(
     b_A = tl.where(m_c, tl.dot(b_q, tl.trans(tl.load(k + p_kd, mask=m_td, other=0.0))), 0.0)  # [BT, BT] float32 (*)
     b_C = tl.where(m_c, tl.dot(b_do, tl.trans(tl.load(v + p_kd, mask=m_td, other=0.0))), 0.0)
     b_lse = tl.load(lse + (bos + o_t) * H * G + i_hg, mask=m_t, other=0.0)
-    b_delta = tl.load(delta + (bos + o_t) * H * G + i_hg, mask=m_t, other=0.0)
+    b_delta = tl.sum(b_do.to(tl.float32) * tl.load(o + p_qd, mask=m_td, other=0.0).to(tl.float32), 1)  # sum_m p dp
     p_g, p_w = g + (bos * H + i_h) * M, w + (bos * H + i_h) * M
     p_h = (i_c * H + i_h) * M * D
     b_dq = tl.zeros([BT, BD], dtype=tl.float32)
