@@ -1,7 +1,7 @@
 """Time chunk_raven at the target shapes: forward, forward+backward, per-kernel times, first call, peak memory,
 and the share of (chunk, slot block) pairs on the exact in-chunk path. Launch variants override launch_config.
 
-    PYTHONPATH=$PWD python3 kernels/raven/benchmark.py [--variants st1,st2,dq32]
+    PYTHONPATH=$PWD python3 kernels/raven/benchmark.py [--variants st1,dlf32,dlf4]
 """
 
 import argparse
@@ -17,8 +17,8 @@ H, D = 16, 128
 SHAPES = [(4, 4096, 256, 32), (1, 32768, 64, 8)]  # B, T, M, K
 VARIANTS = {
     "st1": lambda D: {"o": (32, 8, 1), "dq": (16, 8, 1), "dkv": (32, 8, 1), "dlf": (32, 8, 1)},
-    "st2": lambda D: {"o": (32, 8, 2), "dq": (16, 8, 2), "dkv": (32, 8, 2), "dlf": (32, 8, 1)},
-    "dq32": lambda D: {"o": (32, 8, 3), "dq": (32, 8, 3), "dkv": (32, 8, 3), "dlf": (32, 8, 1)},
+    "dlf32": lambda D: {"o": (32, 8, 3), "dq": (16, 8, 3), "dkv": (32, 8, 3), "dlf": (32, 8, 1)},
+    "dlf4": lambda D: {"o": (32, 8, 3), "dq": (16, 8, 3), "dkv": (32, 8, 3), "dlf": (32, 4, 1)},
 }
 
 
