@@ -3,7 +3,8 @@
 Forward: gates from the router (chunk_h.raven_fwd_kernel_gate), states entering every chunk (raven_fwd_kernel_h),
 then per chunk and query head the two passes fused over blocks of slots with an online softmax: the key pass
 gives a block of slot logits, the value pass reads that block at once, rescaled as the running maximum grows
-(raven_fwd_kernel_o). Only the inputs, the output and its logsumexp are kept; backward recomputes the rest.
+(raven_fwd_kernel_o). Only the inputs, the output and its logsumexp are kept; backward recomputes the rest
+(gates, states) and runs the per-chunk kernels of chunk_bwd.py.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def raven_fwd_kernel_o(
     p_kd = ((bos + o_t[:, None]) * H + i_h) * D + o_d[None, :]
     b_q = tl.load(q + p_qd, mask=m_td, other=0.0)  # [BT, BD] in the input dtype: every tl.dot takes it
     b_k = tl.load(k + p_kd, mask=m_td, other=0.0)
-    b_A = tl.where(o_t[:, None] >= o_t[None, :], tl.dot(b_q, tl.trans(b_k)), 0.0)  # [BT, BT] causal, float32 (*)
+    b_A = tl.where(o_t[:, None] >= o_t[None, :], tl.dot(b_q, tl.trans(b_k)), 0.0)  # [BT, BT] float32: chunk_bwd.py
     p_g, p_w = g + (bos * H + i_h) * M, w + (bos * H + i_h) * M
     p_h = (i_c * H + i_h) * M * D
     b_mx = tl.full([BT], float("-inf"), dtype=tl.float32)
