@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from kernels.raven import chunk as raven_chunk
 from kernels.raven import chunk_raven
+from kernels.raven.intra import RANGE_NATS
 from kernels.timing import time_training
 
 H, D = 16, 128
@@ -33,8 +34,9 @@ def inputs(B, T, M, K):
     return q, k, v, a, idx, r
 
 
-def exact_share(a, idx, r, M, BM=64, BT=64, RANGE=120.0):
-    """Share of (chunk, head, slot block) whose in-chunk decay exceeds RANGE (they take the exact path)."""
+def exact_share(a, idx, r, M, BM=32, BT=raven_chunk.BT, RANGE=RANGE_NATS):
+    """Share of (chunk, head, slot block) whose in-chunk decay exceeds RANGE (they take the exact path; any at all
+    compiles the kernels with the exact forms)."""
     B, T, Hh, K = idx.shape
     log_f = torch.zeros(B, T, Hh, M, device=a.device).scatter(-1, idx, a.detach()[..., None] * r.detach())
     tot = F.pad(log_f, (0, 0, 0, 0, 0, (-T) % BT)).view(B, -1, BT, Hh, M).sum(2)  # [B, NC, H, M]

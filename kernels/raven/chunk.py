@@ -15,7 +15,7 @@ import triton.language as tl
 
 from .chunk_bwd import raven_bwd_kernel_dkv, raven_bwd_kernel_dlf, raven_bwd_kernel_dq
 from .chunk_h import raven_bwd_kernel_dh, raven_fwd_kernel_gate, raven_fwd_kernel_h
-from .intra import RANGE_NATS, raven_factors, raven_mix, raven_read_m
+from .intra import RANGE_NATS, raven_mix, raven_read_m, raven_slot_block
 from .utils import check_inputs
 
 BT, BC = 64, 16  # chunk and sub-chunk lengths
@@ -64,13 +64,8 @@ def raven_fwd_kernel_o(
     b_B = tl.zeros([BT, BT], dtype=tl.float32)
     for i_m in range(tl.cdiv(M, BM)):
         o_m = i_m * BM + tl.arange(0, BM)
-        m_m = o_m < M
-        m_tm = m_t[:, None] & m_m[None, :]
+        m_m, m_tm, b_g, b_w, b_gl, fast, b_qg, b_kg = raven_slot_block(p_g, p_w, H * M, L, o_t, m_t, o_m, M, EXACT)
         m_md = m_m[:, None] & m_d[None, :]
-        b_g = tl.load(p_g + o_t[:, None] * H * M + o_m[None, :], mask=m_tm, other=0.0)  # [BT, BM]
-        b_w = tl.load(p_w + o_t[:, None] * H * M + o_m[None, :], mask=m_tm, other=0.0)
-        b_gl = tl.load(p_g + (L - 1) * H * M + o_m, mask=m_m, other=0.0)
-        fast, b_qg, b_kg = raven_factors(b_g, b_gl, m_tm, EXACT)
         b_kg = (b_kg * b_w).to(b_q.dtype)
         b_eg = tl.exp(b_g)
         b_hk = tl.load(hk + p_h + o_m[:, None] * D + o_d[None, :], mask=m_md, other=0.0)  # [BM, BD]

@@ -9,7 +9,7 @@ triton-lang/triton#11366)."""
 import triton
 import triton.language as tl
 
-from .intra import raven_factors, raven_mix, raven_read_m, raven_write_m
+from .intra import raven_mix, raven_read_m, raven_slot_block, raven_write_m
 
 
 @triton.jit
@@ -64,13 +64,8 @@ def raven_bwd_kernel_dq(
     b_B = tl.zeros([BT, BT], dtype=tl.float32)
     for i_m in range(tl.cdiv(M, BM)):
         o_m = i_m * BM + tl.arange(0, BM)
-        m_m = o_m < M
-        m_tm = m_t[:, None] & m_m[None, :]
+        m_m, m_tm, b_g, b_w, b_gl, fast, b_qg, b_kg = raven_slot_block(p_g, p_w, H * M, L, o_t, m_t, o_m, M, EXACT)
         m_md = m_m[:, None] & m_d[None, :]
-        b_g = tl.load(p_g + o_t[:, None] * H * M + o_m[None, :], mask=m_tm, other=0.0)  # [BT, BM]
-        b_w = tl.load(p_w + o_t[:, None] * H * M + o_m[None, :], mask=m_tm, other=0.0)
-        b_gl = tl.load(p_g + (L - 1) * H * M + o_m, mask=m_m, other=0.0)
-        fast, b_qg, b_kg = raven_factors(b_g, b_gl, m_tm, EXACT)
         b_kg = (b_kg * b_w).to(b_q.dtype)
         b_eg = tl.exp(b_g)
         b_hk = tl.load(hk + p_h + o_m[:, None] * D + o_d[None, :], mask=m_md, other=0.0)  # [BM, BD]
@@ -134,11 +129,7 @@ def raven_bwd_kernel_dkv(
         b_Bs = tl.zeros([BT, BT], dtype=tl.float32)
         for i_m in range(tl.cdiv(M, BM)):
             o_m = i_m * BM + tl.arange(0, BM)
-            m_m = o_m < M
-            m_tm = m_t[:, None] & m_m[None, :]
-            b_g = tl.load(p_g + o_t[:, None] * H * M + o_m[None, :], mask=m_tm, other=0.0)  # [BT, BM]
-            b_w = tl.load(p_w + o_t[:, None] * H * M + o_m[None, :], mask=m_tm, other=0.0)
-            b_gl = tl.load(p_g + (L - 1) * H * M + o_m, mask=m_m, other=0.0)
+            m_m, m_tm, b_g, b_w, b_gl, fast, b_qg, b_kg = raven_slot_block(p_g, p_w, H * M, L, o_t, m_t, o_m, M, EXACT)
             if i_g == 0:  # the state part, once
                 m_md = m_m[:, None] & m_d[None, :]
                 b_dhk = tl.load(dhk + p_h + o_m[:, None] * D + o_d[None, :], mask=m_md, other=0.0)  # [BM, BD]
@@ -146,7 +137,6 @@ def raven_bwd_kernel_dkv(
                 b_wd = tl.where(m_tm, b_w * tl.exp(b_gl[None, :] - b_g), 0.0).to(b_dhk.dtype)  # weight at chunk end
                 b_dk += tl.dot(b_wd, b_dhk)
                 b_dv += tl.dot(b_wd, b_dhv)
-            fast, b_qg, b_kg = raven_factors(b_g, b_gl, m_tm, EXACT)
             b_kg = (b_kg * b_w).to(dk.dtype.element_ty)
             p_tm = o_t[:, None] * H * G * M + o_m[None, :]
             b_p = tl.load(p_P + p_tm, mask=m_tm, other=0.0).to(tl.float32)
@@ -196,18 +186,14 @@ def raven_bwd_kernel_dlf(
     bos, L = tl.load(chunk_bos + i_c), tl.load(chunk_len + i_c)
     o_t, o_d = tl.arange(0, BT), tl.arange(0, BD)
     o_m = i_m * BM + tl.arange(0, BM)
-    m_t, m_d, m_m = o_t < L, o_d < D, o_m < M
+    m_t, m_d = o_t < L, o_d < D
     m_td = m_t[:, None] & m_d[None, :]
-    m_tm = m_t[:, None] & m_m[None, :]
-    m_md = m_m[:, None] & m_d[None, :]
     p_kd = ((bos + o_t[:, None]) * H + i_h) * D + o_d[None, :]
     b_k = tl.load(k + p_kd, mask=m_td, other=0.0)  # [BT, BD]
     b_v = tl.load(v + p_kd, mask=m_td, other=0.0)
     p_g, p_w = g + (bos * H + i_h) * M, w + (bos * H + i_h) * M
-    b_g = tl.load(p_g + o_t[:, None] * H * M + o_m[None, :], mask=m_tm, other=0.0)  # [BT, BM]
-    b_w = tl.load(p_w + o_t[:, None] * H * M + o_m[None, :], mask=m_tm, other=0.0)
-    b_gl = tl.load(p_g + (L - 1) * H * M + o_m, mask=m_m, other=0.0)
-    fast, b_qg, b_ig = raven_factors(b_g, b_gl, m_tm, EXACT)
+    m_m, m_tm, b_g, b_w, b_gl, fast, b_qg, b_ig = raven_slot_block(p_g, p_w, H * M, L, o_t, m_t, o_m, M, EXACT)
+    m_md = m_m[:, None] & m_d[None, :]
     p_h = (i_c * H + i_h) * M * D + o_m[:, None] * D + o_d[None, :]
     b_dhk = tl.load(dhk + p_h, mask=m_md, other=0.0)  # [BM, BD]
     b_dhv = tl.load(dhv + p_h, mask=m_md, other=0.0)

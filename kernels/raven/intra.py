@@ -25,16 +25,22 @@ RANGE = tl.constexpr(RANGE_NATS)
 
 
 @triton.jit
-def raven_factors(b_g, b_gl, m_tm, EXACT: tl.constexpr):
-    """Whether the fast path holds for this block of slots (b_gl: g at the chunk's last row, [BM]), and its factors
-    exp(g - ref), exp(ref - g) [BT, BM] (0 at masked entries; clamped so that they stay finite on the slow path).
-    Without EXACT (no slot of the batch decays by more than RANGE in a chunk) `fast` is constant true, and the
-    compiler drops the exact forms: they hold most of the registers."""
+def raven_slot_block(p_g, p_w, stride, L, o_t, m_t, o_m, M, EXACT: tl.constexpr):
+    """One block of slots o_m of the chunk: its masks m_m [BM] and m_tm [BT, BM], g and w [BT, BM], g at the chunk's
+    last row [BM], whether the fast path holds for it, and its factors exp(g - ref), exp(ref - g) [BT, BM] (0 at
+    masked entries; clamped so that they stay finite on the slow path). Without EXACT (no slot of the batch decays
+    by more than RANGE in a chunk) `fast` is constant true, and the compiler drops the exact forms: they hold most
+    of the registers."""
+    m_m = o_m < M
+    m_tm = m_t[:, None] & m_m[None, :]
+    b_g = tl.load(p_g + o_t[:, None] * stride + o_m[None, :], mask=m_tm, other=0.0)
+    b_w = tl.load(p_w + o_t[:, None] * stride + o_m[None, :], mask=m_tm, other=0.0)
+    b_gl = tl.load(p_g + (L - 1) * stride + o_m, mask=m_m, other=0.0)
     fast = (tl.min(b_gl, 0) >= -RANGE) | (not EXACT)
     b_ref = 0.5 * b_gl[None, :]
     b_qg = tl.where(m_tm, tl.exp(tl.minimum(b_g - b_ref, 80.0)), 0.0)
     b_ig = tl.where(m_tm, tl.exp(tl.minimum(b_ref - b_g, 80.0)), 0.0)
-    return fast, b_qg, b_ig
+    return m_m, m_tm, b_g, b_w, b_gl, fast, b_qg, b_ig
 
 
 @triton.jit
