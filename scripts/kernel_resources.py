@@ -3,7 +3,7 @@ compiled with Triton for Hopper under its launch_config and its cubin read with 
 Check a launch change here first: a spilling kernel is slow, and one that needs over 227 KB of shared memory does
 not launch.
 
-    python scripts/kernel_resources.py [--d 128] [--slots 256] [--kernels o,dq,dkv,dlf,h,dh]
+    python scripts/kernel_resources.py [--d 128] [--slots 256] [--kernels o,dq,dkv,dlf,h,dh,gate,dhc,scan]
 
 Prints one row per kernel: slots per block, warps, stages, registers per thread, stack bytes, shared bytes.
 """
@@ -34,9 +34,29 @@ KERNELS = {
     "dlf": chunk_bwd.raven_bwd_kernel_dlf,
     "h": chunk_h.raven_fwd_kernel_h,
     "dh": chunk_h.raven_bwd_kernel_dh,
+    "gate": chunk_h.raven_fwd_kernel_gate,
+    "dhc": chunk_h.raven_bwd_kernel_dhc,
+    "scan": chunk_h.raven_fwd_kernel_scan,
 }
-INPUT_DTYPE = {"q", "k", "v", "do", "o", "dq", "dk", "dv", "hk", "hv", "dhk", "dhv", "p", "ds"}  # bf16 in training
-INT32 = {"chunk_bos", "chunk_len", "seq_chunks"}
+INPUT_DTYPE = {
+    "q",
+    "k",
+    "v",
+    "do",
+    "o",
+    "dq",
+    "dk",
+    "dv",
+    "hk",
+    "hv",
+    "dhk",
+    "dhv",
+    "xk",
+    "xv",
+    "p",
+    "ds",
+}  # bf16 in training
+INT32 = {"chunk_bos", "chunk_len", "seq_chunks", "idx"}
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
@@ -70,7 +90,8 @@ def kernel_rows(D: int, M: int, names: list[str]) -> list[tuple]:
     """(name, slots per block, warps, stages, registers, stack, shared) of each kernel as chunk_raven launches it."""
     BM_max, BD = chunk.block_sizes(M, D)
     launch = chunk.launch_config(D)
-    BM_scan, BD_scan = chunk.scan_blocks(M, D, NH=64)
+    BP, BM_scan, BD_scan = chunk.scan_blocks(M, D)
+    BM_seq, BD_seq = chunk.seq_blocks(M, D, NH=64)
     for name in names:
         if name not in KERNELS:
             raise ValueError(f"--kernels: unknown kernel {name!r}; allowed: {', '.join(KERNELS)}")
@@ -79,10 +100,14 @@ def kernel_rows(D: int, M: int, names: list[str]) -> list[tuple]:
         if name in launch:
             BM, warps, stages = launch[name]
             BM, block_d = min(BM, BM_max), BD
-        else:  # the sequential scans (chunk.states, chunk_raven_bwd)
-            BM, warps, stages, block_d = BM_scan, 4, 1, BD_scan
-        constants = dict(H=16, G=1, M=M, D=D, BT=chunk.BT, BC=chunk.BC, BM=BM, BD=block_d, EXACT=False)
-        constants.update(USE_H0=False, STORE_HT=False, USE_DHT=False, STORE_DH0=False)
+        elif name == "scan":  # chunk.scan
+            BM, warps, stages, block_d = BM_scan, 4, 3, BD_scan
+        elif name in ("h", "dh"):  # chunk.sequential_states, chunk.state_grads
+            BM, warps, stages, block_d = BM_seq, 4, 3, BD_seq
+        else:  # the per-chunk state kernels (chunk.gates_and_states with contributions, chunk.state_grads)
+            BM, warps, stages, block_d = min(32, BM_max), 8 if name == "gate" else 4, 3, BD
+        constants = dict(H=16, G=1, M=M, K=32, D=D, BT=chunk.BT, BC=chunk.BC, BP=BP, BM=BM, BD=block_d, EXACT=False)
+        constants.update(BK=32, CONTRIB=True, REVERSE=False, USE_H0=True, STORE_HT=True, USE_DHT=True, STORE_DH0=True)
         used = resources(KERNELS[name], constants, warps, stages)
         rows.append((name, BM, warps, stages, used["registers"], used["stack"], used["shared"]))
     return rows

@@ -55,8 +55,11 @@ def case(B, T, M, K, variant, show_profile):
         f"peak {t['peak_mib'] / 1024:5.2f} GiB  exact-path share {exact_share(a, idx, r, M):.3f}",
         flush=True,
     )
-    for ms, _, key in t.get("kernels", [])[:12]:
-        print(f"    {ms:7.3f} ms  {key[:60]}", flush=True)
+    rows = t.get("kernels", [])
+    for ms, n, key in rows[:24]:
+        print(f"    {ms:7.3f} ms  x{n:<4g} {key[:60]}", flush=True)
+    if rows:
+        print(f"    {sum(r[0] for r in rows):7.3f} ms  on the GPU in all ({len(rows)} kernels)", flush=True)
     return name, t_f, t_fb
 
 

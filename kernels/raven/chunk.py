@@ -9,12 +9,20 @@ gives a block of slot logits, the value pass reads that block at once, rescaled 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
 from .chunk_bwd import raven_bwd_kernel_dkv, raven_bwd_kernel_dlf, raven_bwd_kernel_dq
-from .chunk_h import raven_bwd_kernel_dh, raven_fwd_kernel_gate, raven_fwd_kernel_h
+from .chunk_h import (
+    raven_bwd_kernel_dh,
+    raven_bwd_kernel_dhc,
+    raven_fwd_kernel_gate,
+    raven_fwd_kernel_h,
+    raven_fwd_kernel_scan,
+)
 from .intra import RANGE_NATS, raven_mix, raven_read_m, raven_slot_block
 from .utils import check_inputs
 
@@ -86,21 +94,32 @@ def raven_fwd_kernel_o(
     tl.store(lse + (bos + o_t) * H * G + i_hg, b_mx + tl.log(b_l), mask=m_t)
 
 
-def prepare_chunks(cu_seqlens: torch.Tensor) -> dict[str, torch.Tensor]:
+def prepare_chunks(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torch.device) -> dict[str, torch.Tensor]:
     """Chunks of BT tokens that never cross a sequence boundary: first token and length of each chunk [NC],
-    the first chunk of each sequence [N + 1], and the chunk of each token [T]."""
-    lens = cu_seqlens.diff()
-    counts = (lens + BT - 1) // BT
-    seq_chunks = torch.nn.functional.pad(counts.cumsum(0), (1, 0))
-    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), counts)  # [NC]
-    bos = cu_seqlens[seq] + (torch.arange(seq.numel(), device=lens.device) - seq_chunks[seq]) * BT
-    length = torch.minimum(cu_seqlens[seq + 1] - bos, torch.full_like(bos, BT))
+    the first chunk of each sequence [N + 1], the sequence of each chunk [NC] and the chunk of each token [B T].
+    B sequences of T tokens (cu_seqlens None) need no host sync; packed sequences one (the number of chunks)."""
+    if cu_seqlens is None:
+        per = triton.cdiv(T, BT)
+        c, t = torch.arange(B * per, device=device), torch.arange(B * T, device=device)
+        seq, j = c // per, c % per
+        bos, length = seq * T + j * BT, (T - j * BT).clamp(max=BT)
+        seq_chunks = torch.arange(B + 1, device=device) * per
+        token_chunk = (t // T) * per + (t % T) // BT
+    else:
+        lens = cu_seqlens.diff()
+        counts = (lens + BT - 1) // BT
+        seq_chunks = torch.nn.functional.pad(counts.cumsum(0), (1, 0))
+        NC = int(seq_chunks[-1])  # the host sync: output sizes below
+        seq = torch.repeat_interleave(torch.arange(lens.numel(), device=device), counts, output_size=NC)
+        bos = cu_seqlens[seq] + (torch.arange(NC, device=device) - seq_chunks[seq]) * BT
+        length = torch.minimum(cu_seqlens[seq + 1] - bos, torch.full_like(bos, BT))
+        token_chunk = torch.repeat_interleave(torch.arange(NC, device=device), length, output_size=B * T)
     return {
         "bos": bos.to(torch.int32),
         "len": length.to(torch.int32),
         "seq_chunks": seq_chunks.to(torch.int32),
         "seq": seq,
-        "token_chunk": torch.repeat_interleave(torch.arange(seq.numel(), device=lens.device), length),
+        "token_chunk": token_chunk,
     }
 
 
@@ -118,69 +137,130 @@ def launch_config(D: int) -> dict[str, tuple[int, int, int]]:
     return {"o": (32, 8, 3), "dq": (16, 8, 3), "dkv": (32, 8, 3), "dlf": (64, 8, 1)}
 
 
-def scan_blocks(M: int, D: int, NH: int) -> tuple[int, int]:
-    """Slots and head-dim columns per program of the sequential scans: small enough for ~2 programs per SM."""
+def scan_blocks(M: int, D: int) -> tuple[int, int, int]:
+    """Steps, slots and head-dim columns per program of the scan: 8 steps of [BM, BD] = 256 state entries in
+    flight per program, rows of up to 64 columns (128-byte lines in bf16)."""
+    BD = min(64, triton.next_power_of_2(D))
+    return 8, min(triton.next_power_of_2(M), max(1, 256 // BD)), BD
+
+
+def needs_exact(gl) -> Callable[[], bool]:
+    """Whether any slot decays by more than RANGE within a chunk (gl [NC, H, M], g at each chunk's last token), so
+    that the kernels must carry the exact in-chunk forms (intra.py). On the GPU the answer travels to the host
+    asynchronously: call the returned function after launching work that does not need it (the state scan), and
+    the GPU stays busy while the host waits."""
+    flag = gl.amin() < -RANGE_NATS if gl.numel() else torch.zeros((), dtype=torch.bool, device=gl.device)
+    if not flag.is_cuda:
+        return lambda: bool(flag)
+    host = torch.empty((), dtype=torch.bool, pin_memory=True)
+    host.copy_(flag, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def answer() -> bool:
+        done.synchronize()
+        return bool(host)
+
+    return answer
+
+
+def seq_blocks(M: int, D: int, NH: int) -> tuple[int, int]:
+    """Slots and head-dim columns per program of the sequential scans (raven_fwd_kernel_h, raven_bwd_kernel_dh):
+    small enough for ~2 programs per SM."""
     BM, BD = block_sizes(M, D)
     BM = min(BM, 32)
     BD = min(BD, 64 if triton.cdiv(M, BM) * triton.cdiv(D, 64) * NH >= 256 else 32)
     return BM, BD
 
 
-def gates(a, idx, r, chunks, M):
-    """g, w [T, H, M] float32: per-slot cumulative log-retention within each chunk, and 1 - exp(log_f)."""
-    T, H, K = idx.shape
-    BM, _ = block_sizes(M, 16)
-    g = a.new_empty(T, H, M, dtype=torch.float32)
-    w = torch.empty_like(g)
-    NC = chunks["bos"].numel()
-    raven_fwd_kernel_gate[(NC, H)](
-        a, idx, r, g, w, chunks["bos"], chunks["len"], H, M, K, BT, BM, triton.next_power_of_2(K), num_warps=4
+def split_scan(M: int, D: int, NH: int) -> bool:
+    """Whether to compute the states as per-chunk contributions and a scan (long sequences) rather than with one
+    sequential kernel: when that kernel would run under 256 programs (about two per SM), its chunk-to-chunk latency
+    dominates. At B = 1, T = 32768, M = 64 (128 programs) the split form takes the forward and backward scans from
+    1.1 and 0.9 ms to ~0.7 and ~0.8; at B = 4, T = 4096, M = 256 (1024 programs) the sequential kernel is faster
+    (0.44 ms against ~1.3: the contributions cost a write and a read of every state)."""
+    BM, BD = seq_blocks(M, D, NH)
+    return triton.cdiv(M, BM) * triton.cdiv(D, BD) * NH < 256
+
+
+def scan(xk, xv, gl, h0, chunks, store_final, reverse=False):
+    """raven_fwd_kernel_scan: the states (or, reversed, their gradients) [NC, H, M, D] in xk's dtype from the chunk
+    contributions xk, xv; and the final ones (initial ones, reversed) [N, H, M, D] float32, or None."""
+    NC, H, M, D = xk.shape
+    N = chunks["seq_chunks"].numel() - 1
+    BP, BM, BD = scan_blocks(M, D)
+    hk, hv = torch.empty_like(xk), torch.empty_like(xv)
+    ht = (xk.new_empty(N, H, M, D, dtype=torch.float32), xk.new_empty(N, H, M, D, dtype=torch.float32))
+    h0 = h0 if h0 is not None else (None, None)
+    grid = (triton.cdiv(M, BM) * triton.cdiv(D, BD), N * H)
+    raven_fwd_kernel_scan[grid](
+        xk, xv, gl, hk, hv, *h0, *ht, chunks["seq_chunks"], H, M, D, BP, BM, BD, reverse, h0[0] is not None, store_final
     )
-    return g, w
+    return hk, hv, (ht if store_final else None)
 
 
-def needs_exact(g, chunks) -> bool:
-    """Whether any slot decays by more than RANGE within a chunk, so that the kernels must carry the exact in-chunk
-    forms (intra.py); one host sync per forward."""
-    last = (chunks["bos"] + chunks["len"] - 1).long()
-    return bool(g[last].amin() < -RANGE_NATS) if g.numel() else False
-
-
-def states(k, v, g, w, h0, chunks, M, output_final_state):
-    """hk, hv [NC, H, M, D] in k's dtype (the operand dtype of every product that reads them): the states entering
-    each chunk; and the final states [N, H, M, D] float32 or None."""
+def sequential_states(k, v, g, w, h0, chunks, M, store_final):
+    """raven_fwd_kernel_h: hk, hv [NC, H, M, D] in k's dtype and the final states [N, H, M, D] float32 or None."""
     T, H, D = k.shape
     N, NC = chunks["seq_chunks"].numel() - 1, chunks["bos"].numel()
-    BM, BD = scan_blocks(M, D, N * H)
-    hk = k.new_empty(NC, H, M, D)
-    hv = torch.empty_like(hk)
+    BM, BD = seq_blocks(M, D, N * H)
+    hk, hv = k.new_empty(NC, H, M, D), k.new_empty(NC, H, M, D)
     ht = (k.new_empty(N, H, M, D, dtype=torch.float32), k.new_empty(N, H, M, D, dtype=torch.float32))
     h0 = h0 if h0 is not None else (None, None)
     raven_fwd_kernel_h[(triton.cdiv(M, BM), triton.cdiv(D, BD), N * H)](
-        k,
-        v,
-        g,
-        w,
-        h0[0],
-        h0[1],
-        hk,
-        hv,
-        ht[0],
-        ht[1],
-        chunks["bos"],
-        chunks["len"],
-        chunks["seq_chunks"],
-        H,
-        M,
-        D,
-        BT,
-        BM,
-        BD,
-        h0[0] is not None,
-        output_final_state,
-        num_warps=4,
-    )
-    return hk, hv, (ht if output_final_state else None)
+        k, v, g, w, *h0, hk, hv, *ht, chunks["bos"], chunks["len"], chunks["seq_chunks"], H, M, D, BT, BM, BD,
+        h0[0] is not None, store_final, num_warps=4,
+    )  # fmt: skip
+    return hk, hv, (ht if store_final else None)
+
+
+def gates_and_states(k, v, a, idx, r, h0, chunks, M, output_final_state):
+    """g, w [T, H, M] float32 (per-slot cumulative log-retention within each chunk, and 1 - exp(log_f)), built from
+    the router a r at idx; gl [NC, H, M] (g at each chunk's last token); hk, hv [NC, H, M, D] in k's dtype, the
+    states entering each chunk; the final states [N, H, M, D] float32 or None; and needs_exact's answer."""
+    T, H, D = k.shape
+    K = idx.shape[-1]
+    N, NC = chunks["seq_chunks"].numel() - 1, chunks["bos"].numel()
+    split = split_scan(M, D, N * H)
+    BM, BD = block_sizes(M, D)
+    BM = min(BM, 32) if split else BM  # the contributions' [BM, D] products: 32 slots at 8 warps
+    g = a.new_empty(T, H, M, dtype=torch.float32)
+    w = torch.empty_like(g)
+    gl = a.new_empty(NC, H, M, dtype=torch.float32)
+    xk, xv = (k.new_empty(NC, H, M, D) for _ in range(2)) if split else (None, None)
+    raven_fwd_kernel_gate[(NC, H)](
+        a, idx, r, k, v, g, w, gl, xk, xv, chunks["bos"], chunks["len"], H, M, K, D, BT, BM,
+        triton.next_power_of_2(K), BD, split, num_warps=8 if split else 4,
+    )  # fmt: skip
+    exact = needs_exact(gl)
+    if split:
+        hk, hv, ht = scan(xk, xv, gl, h0, chunks, output_final_state)
+    else:
+        hk, hv, ht = sequential_states(k, v, g, w, h0, chunks, M, output_final_state)
+    return g, w, gl, hk, hv, ht, exact
+
+
+def state_grads(q, do, ds, p, g, gl, dht, chunks, H, M, store_dh0):
+    """dhk, dhv [NC, H, M, D] in q's dtype: the gradients of the states leaving each chunk; and those of the initial
+    states [N, H, M, D] float32, or None."""
+    T, HG, D = q.shape
+    N, NC = chunks["seq_chunks"].numel() - 1, chunks["bos"].numel()
+    if split_scan(M, D, N * H):
+        BM, BD = min(32, block_sizes(M, D)[0]), block_sizes(M, D)[1]
+        xk, xv = (q.new_empty(NC, H, M, D) for _ in range(2))  # what each chunk's reads add
+        raven_bwd_kernel_dhc[(NC, H, triton.cdiv(M, BM))](
+            q, do, ds, p, g, xk, xv, chunks["bos"], chunks["len"], H, HG // H, M, D, BT, BM, BD, num_warps=4
+        )
+        return scan(xk, xv, gl, dht, chunks, store_dh0, reverse=True)
+    BM, BD = seq_blocks(M, D, N * H)
+    dhk, dhv = (q.new_empty(NC, H, M, D) for _ in range(2))
+    dh0 = (q.new_empty(N, H, M, D, dtype=torch.float32), q.new_empty(N, H, M, D, dtype=torch.float32))
+    dht = dht if dht is not None else (None, None)
+    raven_bwd_kernel_dh[(triton.cdiv(M, BM), triton.cdiv(D, BD), N * H)](
+        q, do, ds, p, g, *dht, dhk, dhv, *dh0, chunks["bos"], chunks["len"], chunks["seq_chunks"], H, HG // H, M, D,
+        BT, BM, BD, dht[0] is not None, store_dh0, num_warps=4,
+    )  # fmt: skip
+    return dhk, dhv, (dh0 if store_dh0 else None)
 
 
 def per_chunk(kernel, name, tensors, scalars, chunks, heads, shape, split_slots=False):
@@ -213,9 +293,8 @@ def per_chunk(kernel, name, tensors, scalars, chunks, heads, shape, split_slots=
 def chunk_raven_fwd(q, k, v, a, idx, r, scale, M, h0, output_final_state, chunks):
     T, HG, D = q.shape
     H = k.shape[1]
-    g, w = gates(a, idx, r, chunks, M)
-    exact = needs_exact(g, chunks)
-    hk, hv, ht = states(k, v, g, w, h0, chunks, M, output_final_state)
+    g, w, _, hk, hv, ht, exact = gates_and_states(k, v, a, idx, r, h0, chunks, M, output_final_state)
+    exact = exact()
     o = torch.empty_like(q)
     lse = q.new_empty(T, HG, dtype=torch.float32)
     shape = dict(H=H, G=HG // H, M=M, D=D, exact=exact)
@@ -225,46 +304,17 @@ def chunk_raven_fwd(q, k, v, a, idx, r, scale, M, h0, output_final_state, chunks
 
 def chunk_raven_bwd(q, k, v, a, idx, r, scale, M, h0, o, lse, do, dht, chunks, exact):
     T, HG, D = q.shape
-    H = k.shape[1]
-    N, NC = chunks["seq_chunks"].numel() - 1, chunks["bos"].numel()
+    H, NC = k.shape[1], chunks["bos"].numel()
     shape = dict(H=H, G=HG // H, M=M, D=D, exact=exact)
-    g, w = gates(a, idx, r, chunks, M)
-    hk, hv, ht = states(k, v, g, w, h0, chunks, M, dht is not None)
+    g, w, gl, hk, hv, ht, _ = gates_and_states(k, v, a, idx, r, h0, chunks, M, dht is not None)
     dq = torch.empty_like(q)
     p, ds = (q.new_empty(T, HG, M) for _ in range(2))  # only ever tl.dot operands: the input dtype
     e = q.new_empty(T, HG, M, dtype=torch.float32)
     per_chunk(raven_bwd_kernel_dq, "dq", (q, k, v, do, o, g, w, hk, hv, lse, dq, p, ds, e), (scale,), chunks, HG, shape)
     del hk, hv
-    dhk, dhv = (k.new_empty(NC, H, M, D) for _ in range(2))
-    dh0 = (torch.empty_like(h0[0]), torch.empty_like(h0[1])) if h0 is not None else (None, None)
+    dhk, dhv, dh0 = state_grads(q, do, ds, p, g, gl, dht, chunks, H, M, h0 is not None)
+    dh0 = dh0 if dh0 is not None else (None, None)
     dht_k, dht_v = dht if dht is not None else (None, None)
-    BMh, BDh = scan_blocks(M, D, N * H)
-    raven_bwd_kernel_dh[(triton.cdiv(M, BMh), triton.cdiv(D, BDh), N * H)](
-        q,
-        do,
-        ds,
-        p,
-        g,
-        dht_k,
-        dht_v,
-        dhk,
-        dhv,
-        dh0[0],
-        dh0[1],
-        chunks["bos"],
-        chunks["len"],
-        chunks["seq_chunks"],
-        H,
-        HG // H,
-        M,
-        D,
-        BT,
-        BMh,
-        BDh,
-        dht is not None,
-        h0 is not None,
-        num_warps=4,
-    )
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     per_chunk(raven_bwd_kernel_dkv, "dkv", (q, do, g, w, dhk, dhv, p, ds, dk, dv), (), chunks, H, shape)
     dlf = e.new_empty(T, H, M)
@@ -290,9 +340,7 @@ class ChunkRavenFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, a, idx, r, scale, num_slots, h0k, h0v, output_final_state, cu_seqlens):
         B, T, H, G, D = q.shape
         K = idx.shape[-1]
-        if cu_seqlens is None:
-            cu_seqlens = torch.arange(0, (B + 1) * T, T, device=q.device, dtype=torch.int64)
-        chunks = prepare_chunks(cu_seqlens.long())
+        chunks = prepare_chunks(None if cu_seqlens is None else cu_seqlens.long(), B, T, q.device)
         flat = (
             q.reshape(B * T, H * G, D).contiguous(),
             k.reshape(B * T, H, D).contiguous(),

@@ -1,5 +1,10 @@
-"""The states at chunk boundaries: the forward scan (S^k, S^v entering every chunk) and the backward scan (their
-gradients leaving every chunk), plus the gate kernel that builds each chunk's per-slot gates from the router."""
+"""The states at chunk boundaries. The gates come first (raven_fwd_kernel_gate, per chunk and head, from the
+router). Then, for batches with enough (sequence, head, slot block) programs, one sequential scan over the chunks
+that reads the gates and inputs and writes the states as it goes (raven_fwd_kernel_h; its gradient
+raven_bwd_kernel_dh). For long sequences with few programs that scan is latency-bound, so the work is split: each
+chunk's own contribution in parallel (the gate kernel with CONTRIB, raven_bwd_kernel_dhc for the gradients), then
+raven_fwd_kernel_scan turns contributions x_c into states, h_{c+1} = exp(gl_c) h_c + x_c, several chunks per step:
+forward for the states entering every chunk, reversed for the gradients of the states leaving it."""
 
 import triton
 import triton.language as tl
@@ -10,23 +15,33 @@ def raven_fwd_kernel_gate(
     a,
     idx,
     r,
+    k,
+    v,
     g,
     w,
+    gl,
+    xk,
+    xv,
     chunk_bos,
     chunk_len,
     H: tl.constexpr,
     M: tl.constexpr,
     K: tl.constexpr,
+    D: tl.constexpr,
     BT: tl.constexpr,
     BM: tl.constexpr,
     BK: tl.constexpr,
+    BD: tl.constexpr,
+    CONTRIB: tl.constexpr,
 ):
-    """g [T, H, M]: cumulative log-retention within the chunk; w [T, H, M]: 1 - exp(log_f), exact for tiny writes.
-    log_f is scattered into g (zeros, then a_t r_t[j] at slot idx_t[j]), then read back a block of slots at a time."""
+    """One chunk and head. g [T, H, M]: cumulative log-retention within the chunk; w [T, H, M]: 1 - exp(log_f),
+    exact for tiny writes; gl [NC, H, M]: g at the chunk's last token. log_f is scattered into g (zeros, then
+    a_t r_t[j] at slot idx_t[j]), then read back a block of slots at a time. With CONTRIB also xk, xv
+    [NC, H, M, D]: sum_t w_t exp(gl - g_t) k_t (and v_t), what the chunk writes into the state leaving it."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, L = tl.load(chunk_bos + i_c), tl.load(chunk_len + i_c)
-    o_t = tl.arange(0, BT)
-    m_t = o_t < L
+    o_t, o_d = tl.arange(0, BT), tl.arange(0, BD)
+    m_t, m_d = o_t < L, o_d < D
     p_t = ((bos + o_t) * H + i_h) * M  # [BT] row starts in g and w
     for i_m in range(tl.cdiv(M, BM)):
         o_m = i_m * BM + tl.arange(0, BM)
@@ -41,13 +56,28 @@ def raven_fwd_kernel_gate(
     b_lfk = b_a[:, None] * tl.load(r + p_tk, mask=m_tk, other=0.0).to(tl.float32)  # [BT, BK]
     tl.store(g + p_t[:, None] + b_i, b_lfk, mask=m_tk)
     tl.debug_barrier()
+    m_td = m_t[:, None] & m_d[None, :]
+    p_td = ((bos + o_t[:, None]) * H + i_h) * D + o_d[None, :]
     for i_m in range(tl.cdiv(M, BM)):
         o_m = i_m * BM + tl.arange(0, BM)
-        mask = m_t[:, None] & (o_m < M)[None, :]
-        b_lf = tl.load(g + p_t[:, None] + o_m[None, :], mask=mask, other=0.0)  # [BT, BM]
+        m_m = o_m < M
+        m_tm = m_t[:, None] & m_m[None, :]
+        b_lf = tl.load(g + p_t[:, None] + o_m[None, :], mask=m_tm, other=0.0)  # [BT, BM]
         series = -b_lf * (1.0 + b_lf * (0.5 + b_lf * (1.0 / 6.0 + b_lf * (1.0 / 24.0 + b_lf / 120.0))))
-        tl.store(w + p_t[:, None] + o_m[None, :], tl.where(b_lf > -0.1, series, 1.0 - tl.exp(b_lf)), mask=mask)
-        tl.store(g + p_t[:, None] + o_m[None, :], tl.cumsum(b_lf, axis=0), mask=mask)
+        b_w = tl.where(b_lf > -0.1, series, 1.0 - tl.exp(b_lf))
+        b_g = tl.cumsum(b_lf, axis=0)
+        b_gl = tl.sum(tl.where(o_t[:, None] == L - 1, b_g, 0.0), 0)  # [BM] the last row, bit for bit
+        tl.store(w + p_t[:, None] + o_m[None, :], b_w, mask=m_tm)
+        tl.store(g + p_t[:, None] + o_m[None, :], b_g, mask=m_tm)
+        tl.store(gl + (i_c * H + i_h) * M + o_m, b_gl, mask=m_m)
+        if CONTRIB:
+            b_k = tl.load(k + p_td, mask=m_td, other=0.0)  # [BT, BD]
+            b_v = tl.load(v + p_td, mask=m_td, other=0.0)
+            b_dec = tl.where(m_tm, b_w * tl.exp(b_gl[None, :] - b_g), 0.0).to(b_k.dtype)  # weight at the chunk end
+            p_md = ((i_c * H + i_h) * M + o_m[:, None]) * D + o_d[None, :]
+            m_md = m_m[:, None] & m_d[None, :]
+            tl.store(xk + p_md, tl.dot(tl.trans(b_dec), b_k).to(xk.dtype.element_ty), mask=m_md)
+            tl.store(xv + p_md, tl.dot(tl.trans(b_dec), b_v).to(xv.dtype.element_ty), mask=m_md)
 
 
 @triton.jit
@@ -180,3 +210,130 @@ def raven_bwd_kernel_dh(
     if STORE_DH0:
         tl.store(dh0k + i_n * H * M * D + p_md, b_dk, mask=m_md)
         tl.store(dh0v + i_n * H * M * D + p_md, b_dv, mask=m_md)
+
+
+@triton.jit
+def raven_bwd_kernel_dhc(
+    q,
+    do,
+    ds,
+    p,
+    g,
+    xk,
+    xv,
+    chunk_bos,
+    chunk_len,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    M: tl.constexpr,
+    D: tl.constexpr,
+    BT: tl.constexpr,
+    BM: tl.constexpr,
+    BD: tl.constexpr,
+):
+    """xk, xv [NC, H, M, D]: what the chunk's reads add to the gradients of the state entering it. The logits read
+    S^k with weights ds against q, the outputs read S^v with weights p against do, each decayed by exp(g)."""
+    i_c, i_h, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos, L = tl.load(chunk_bos + i_c), tl.load(chunk_len + i_c)
+    o_t, o_d = tl.arange(0, BT), tl.arange(0, BD)
+    o_m = i_m * BM + tl.arange(0, BM)
+    m_t, m_m, m_d = o_t < L, o_m < M, o_d < D
+    m_tm = m_t[:, None] & m_m[None, :]
+    m_td = m_t[:, None] & m_d[None, :]
+    b_g = tl.load(g + ((bos + o_t[:, None]) * H + i_h) * M + o_m[None, :], mask=m_tm, other=0.0)
+    b_eg = tl.where(m_tm, tl.exp(b_g), 0.0)  # [BT, BM] decay from the chunk start to each token
+    b_xk = tl.zeros([BM, BD], dtype=tl.float32)
+    b_xv = tl.zeros([BM, BD], dtype=tl.float32)
+    for i_g in range(G):
+        i_hg = i_h * G + i_g
+        p_tm = ((bos + o_t[:, None]) * H * G + i_hg) * M + o_m[None, :]
+        p_td = ((bos + o_t[:, None]) * H * G + i_hg) * D + o_d[None, :]
+        b_ds = tl.load(ds + p_tm, mask=m_tm, other=0.0).to(tl.float32)
+        b_p = tl.load(p + p_tm, mask=m_tm, other=0.0).to(tl.float32)
+        b_q = tl.load(q + p_td, mask=m_td, other=0.0)  # [BT, BD]
+        b_do = tl.load(do + p_td, mask=m_td, other=0.0)
+        b_xk += tl.dot(tl.trans((b_ds * b_eg).to(b_q.dtype)), b_q)
+        b_xv += tl.dot(tl.trans((b_p * b_eg).to(b_do.dtype)), b_do)
+    p_md = ((i_c * H + i_h) * M + o_m[:, None]) * D + o_d[None, :]
+    m_md = m_m[:, None] & m_d[None, :]
+    tl.store(xk + p_md, b_xk.to(xk.dtype.element_ty), mask=m_md)
+    tl.store(xv + p_md, b_xv.to(xv.dtype.element_ty), mask=m_md)
+
+
+@triton.jit
+def raven_scan_combine(a1, bk1, bv1, a2, bk2, bv2):
+    """Two steps h <- a h + b of the scan, the first (a1, b1) applied first."""
+    return a1 * a2, bk1 * a2 + bk2, bv1 * a2 + bv2
+
+
+@triton.jit
+def raven_fwd_kernel_scan(
+    xk,
+    xv,
+    gl,
+    hk,
+    hv,
+    h0k,
+    h0v,
+    htk,
+    htv,
+    seq_chunks,
+    H: tl.constexpr,
+    M: tl.constexpr,
+    D: tl.constexpr,
+    BP: tl.constexpr,
+    BM: tl.constexpr,
+    BD: tl.constexpr,
+    REVERSE: tl.constexpr,
+    USE_H0: tl.constexpr,
+    STORE_HT: tl.constexpr,
+):
+    """hk, hv [NC, H, M, D] (the states' dtype) from the contributions xk, xv (same shape): for one sequence, head and
+    block of slots and head-dim columns, step s of the scan stores the carry h at chunk c(s), then
+    h <- exp(gl_c(s)) h + x_c(s). Forward c(s) = first chunk + s: the states entering every chunk, h0 [N, H, M, D] the
+    initial states, ht the final ones. REVERSE (last chunk first): the gradients of the states leaving every chunk,
+    h0 the final states' gradients, ht the initial states'. BP steps at a time: their loads in flight together,
+    combined with an associative scan, float32 throughout."""
+    i_md, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    i_m, i_d = i_md % tl.cdiv(M, BM), i_md // tl.cdiv(M, BM)
+    o_p = tl.arange(0, BP)
+    o_m = i_m * BM + tl.arange(0, BM)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_m, m_d = o_m < M, o_d < D
+    m_md = m_m[:, None] & m_d[None, :]
+    p_hd = (i_h * M + o_m[:, None]) * D + o_d[None, :]  # [BM, BD]
+    p_md = p_hd[None, :, :]
+    b_ck = tl.zeros([BM, BD], dtype=tl.float32)  # the carry: h at the group's first step
+    b_cv = tl.zeros([BM, BD], dtype=tl.float32)
+    if USE_H0:
+        b_ck += tl.load(h0k + i_n * H * M * D + p_hd, mask=m_md, other=0.0)
+        b_cv += tl.load(h0v + i_n * H * M * D + p_hd, mask=m_md, other=0.0)
+    c0, c1 = tl.load(seq_chunks + i_n), tl.load(seq_chunks + i_n + 1)
+    n = c1 - c0
+    for i0 in range(0, n + 1, BP):
+        o_s = i0 + o_p  # [BP] steps; step n is the final state
+        o_c = c1 - 1 - o_s if REVERSE else c0 + o_s  # [BP] chunk of each step
+        o_e = o_c + 1 if REVERSE else o_c - 1  # the step before, whose update leads into step s (none at s = 0)
+        m_e = (o_s >= 1) & (o_s <= n)
+        m_em = m_e[:, None] & m_m[None, :]
+        b_f = tl.exp(tl.load(gl + (o_e[:, None] * H + i_h) * M + o_m[None, :], mask=m_em, other=0.0))  # [BP, BM]
+        p_e = o_e[:, None, None] * H * M * D + p_md
+        m_x = m_e[:, None, None] & m_md[None, :, :]
+        b_xk = tl.load(xk + p_e, mask=m_x, other=0.0).to(tl.float32)  # [BP, BM, BD]
+        b_xv = tl.load(xv + p_e, mask=m_x, other=0.0).to(tl.float32)
+        b_a = tl.broadcast_to(b_f[:, :, None], [BP, BM, BD])
+        b_a, b_xk, b_xv = tl.associative_scan((b_a, b_xk, b_xv), 0, raven_scan_combine)
+        b_hk = b_a * b_ck[None, :, :] + b_xk  # [BP, BM, BD] h at each step
+        b_hv = b_a * b_cv[None, :, :] + b_xv
+        p_s = o_c[:, None, None] * H * M * D + p_md
+        m_s = (o_s < n)[:, None, None] & m_md[None, :, :]
+        tl.store(hk + p_s, b_hk.to(hk.dtype.element_ty), mask=m_s)
+        tl.store(hv + p_s, b_hv.to(hv.dtype.element_ty), mask=m_s)
+        if STORE_HT:
+            m_t = (o_s == n)[:, None, None] & m_md[None, :, :]
+            tl.store(htk + i_n * H * M * D + p_md + 0 * p_s, b_hk, mask=m_t)
+            tl.store(htv + i_n * H * M * D + p_md + 0 * p_s, b_hv, mask=m_t)
+        last = (o_p == BP - 1)[:, None, None]
+        b_ck = tl.sum(tl.where(last, b_hk, 0.0), 0)
+        b_cv = tl.sum(tl.where(last, b_hv, 0.0), 0)

@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from kernels.raven import chunk as raven_chunk
 from kernels.raven import chunk_raven, fused_recurrent_raven, naive_raven
 from raven_layers import RavenMixer, RavenSettings
 from raven_layers.backend import use_backend
@@ -23,6 +24,12 @@ def poisoned(monkeypatch):
 
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: nan_fill(empty_like(*a, **kw)))
     monkeypatch.setattr(torch.Tensor, "new_empty", lambda *a, **kw: nan_fill(new_empty(*a, **kw)))
+
+
+@pytest.fixture(params=["split", "sequential"])
+def scan_form(request, monkeypatch):
+    """Both ways to the chunk states: contributions and a scan (long sequences), and the sequential kernels."""
+    monkeypatch.setattr(raven_chunk, "split_scan", lambda *shape: request.param == "split")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -80,7 +87,7 @@ def assert_match(results, tol=TOL):
     "T, G, M, K, with_state",
     [(70, 1, 32, 4, True), (37, 2, 16, 3, False)],  # lengths not multiples of the chunk (64) or sub-chunk (16)
 )
-def test_chunk_matches_reference(T, G, M, K, with_state):
+def test_chunk_matches_reference(T, G, M, K, with_state, scan_form):
     B, H, d = 2, 1, 16
     inputs = random_inputs(B, T, H, G, d, M, K, seed=T)
     state = random_state(B, H, M, d) if with_state else None
@@ -100,11 +107,20 @@ def test_chunk_mixes_fast_and_exact_paths():
     assert_match(run_both((q, k, v, a, idx, r), 0.4, 16, random_state(1, 1, 16, 16)))
 
 
-def test_chunk_varlen_matches_reference_per_sequence():
+def test_chunk_varlen_matches_reference_per_sequence(scan_form):
     lengths = [5, 66, 17]
     cu_seqlens = torch.tensor([0, 5, 71, 88], device=DEVICE)
     H, G, d, M, K = 1, 2, 16, 16, 4
     inputs = random_inputs(1, sum(lengths), H, G, d, M, K, seed=3)
+    assert_match(run_both(inputs, 0.3, M, random_state(len(lengths), H, M, d), cu_seqlens))
+
+
+def test_chunk_scans_many_chunks_per_sequence(scan_form):
+    # 9 chunks: the state scans combine 8 chunks at a time and carry between groups, forward and reversed
+    lengths = [520, 81]
+    cu_seqlens = torch.tensor([0, 520, 601], device=DEVICE)
+    H, G, d, M, K = 1, 1, 16, 16, 2
+    inputs = random_inputs(1, sum(lengths), H, G, d, M, K, decay=0.05, seed=4)
     assert_match(run_both(inputs, 0.3, M, random_state(len(lengths), H, M, d), cu_seqlens))
 
 
