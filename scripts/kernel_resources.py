@@ -90,7 +90,7 @@ def kernel_rows(D: int, M: int, names: list[str]) -> list[tuple]:
     """(name, slots per block, warps, stages, registers, stack, shared) of each kernel as chunk_raven launches it."""
     BM_max, BD = chunk.block_sizes(M, D)
     launch = chunk.launch_config(D)
-    BP, BM_scan, BD_scan = chunk.scan_blocks(M, D)
+    BP, BM_scan, BD_scan, warps_scan = chunk.scan_config(M, D)
     BM_seq, BD_seq = chunk.seq_blocks(M, D, NH=64)
     for name in names:
         if name not in KERNELS:
@@ -101,7 +101,7 @@ def kernel_rows(D: int, M: int, names: list[str]) -> list[tuple]:
             BM, warps, stages = launch[name]
             BM, block_d = min(BM, BM_max), BD
         elif name == "scan":  # chunk.scan
-            BM, warps, stages, block_d = BM_scan, 4, 3, BD_scan
+            BM, warps, stages, block_d = BM_scan, warps_scan, 3, BD_scan
         elif name in ("h", "dh"):  # chunk.sequential_states, chunk.state_grads
             BM, warps, stages, block_d = BM_seq, 4, 3, BD_seq
         else:  # the per-chunk state kernels (chunk.gates_and_states with contributions, chunk.state_grads)

@@ -1,7 +1,7 @@
 """Time chunk_raven at the target shapes: forward, forward+backward, per-kernel times, first call, peak memory,
 and the share of (chunk, slot block) pairs on the exact in-chunk path. Launch variants override launch_config.
 
-    PYTHONPATH=$PWD python3 kernels/raven/benchmark.py [--variants st1,dlf32,dlf4]
+    PYTHONPATH=$PWD python3 kernels/raven/benchmark.py [--variants st1,dlf32,dlf4,scan-w1,...]
 """
 
 import argparse
@@ -20,6 +20,14 @@ VARIANTS = {
     "st1": lambda D: {"o": (32, 8, 1), "dq": (16, 8, 1), "dkv": (32, 8, 1), "dlf": (32, 8, 1)},
     "dlf32": lambda D: {"o": (32, 8, 3), "dq": (16, 8, 3), "dkv": (32, 8, 3), "dlf": (32, 8, 1)},
     "dlf4": lambda D: {"o": (32, 8, 3), "dq": (16, 8, 3), "dkv": (32, 8, 3), "dlf": (32, 4, 1)},
+}
+SCAN_VARIANTS = {  # (steps, slots, head-dim columns, warps) of raven_fwd_kernel_scan, the long-sequence state scan
+    "scan-p2": lambda M, D: (2, 4, 64, 4),
+    "scan-p4": lambda M, D: (4, 4, 64, 4),
+    "scan-p4w2": lambda M, D: (4, 4, 64, 2),
+    "scan-p4m8": lambda M, D: (4, 8, 64, 4),
+    "scan-p8": lambda M, D: (8, 4, 64, 4),
+    "scan-p8w2": lambda M, D: (8, 4, 64, 2),
 }
 
 
@@ -44,7 +52,9 @@ def exact_share(a, idx, r, M, BM=32, BT=raven_chunk.BT, RANGE=RANGE_NATS):
 
 
 def case(B, T, M, K, variant, show_profile):
-    if variant is not None:
+    if variant in SCAN_VARIANTS:
+        raven_chunk.scan_config = SCAN_VARIANTS[variant]
+    elif variant is not None:
         raven_chunk.launch_config = VARIANTS[variant]
     q, k, v, a, idx, r = inputs(B, T, M, K)
     t = time_training(lambda: chunk_raven(q, k, v, a, idx, r, D**-0.5, M)[0], [q, k, v, a, r], profile=show_profile)
@@ -67,12 +77,15 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--variants", default="", help="comma-separated launch variants to time as well")
     args = parser.parse_args()
-    default = raven_chunk.launch_config
+    default, default_scan = raven_chunk.launch_config, raven_chunk.scan_config
     results = []
     for B, T, M, K in SHAPES:
-        raven_chunk.launch_config = default
+        raven_chunk.launch_config, raven_chunk.scan_config = default, default_scan
         results.append(case(B, T, M, K, None, True))
         for name in filter(None, args.variants.split(",")):
+            if name in SCAN_VARIANTS and not raven_chunk.split_scan(M, D, B * H):
+                continue
+            raven_chunk.launch_config, raven_chunk.scan_config = default, default_scan
             results.append(case(B, T, M, K, name, False))
     print("\n| case | fwd ms | fwd+bwd ms |\n| --- | --- | --- |")
     for name, t_f, t_fb in results:

@@ -137,11 +137,13 @@ def launch_config(D: int) -> dict[str, tuple[int, int, int]]:
     return {"o": (32, 8, 3), "dq": (16, 8, 3), "dkv": (32, 8, 3), "dlf": (64, 8, 1)}
 
 
-def scan_blocks(M: int, D: int) -> tuple[int, int, int]:
-    """Steps, slots and head-dim columns per program of the scan: 8 steps of [BM, BD] = 256 state entries in
-    flight per program, rows of up to 64 columns (128-byte lines in bf16)."""
+def scan_config(M: int, D: int) -> tuple[int, int, int, int]:
+    """Steps, slots and head-dim columns per program of the scan, and its warps: 4 steps of [BM, BD] = 256 state
+    entries in flight per program, rows of up to 64 columns (128-byte lines in bf16). At B = 1, T = 32768, M = 64
+    (kernels/raven/benchmark.py --variants scan-p2,scan-p8,...) 2 or 4 steps take fwd+bwd to 5.85-5.88 ms, 8 steps
+    6.24-6.31, 16 steps 6.73; 2 warps or 512-entry tiles 6.1-6.2."""
     BD = min(64, triton.next_power_of_2(D))
-    return 8, min(triton.next_power_of_2(M), max(1, 256 // BD)), BD
+    return 4, min(triton.next_power_of_2(M), max(1, 256 // BD)), BD, 4
 
 
 def needs_exact(gl) -> Callable[[], bool]:
@@ -188,14 +190,15 @@ def scan(xk, xv, gl, h0, chunks, store_final, reverse=False):
     contributions xk, xv; and the final ones (initial ones, reversed) [N, H, M, D] float32, or None."""
     NC, H, M, D = xk.shape
     N = chunks["seq_chunks"].numel() - 1
-    BP, BM, BD = scan_blocks(M, D)
+    BP, BM, BD, warps = scan_config(M, D)
     hk, hv = torch.empty_like(xk), torch.empty_like(xv)
     ht = (xk.new_empty(N, H, M, D, dtype=torch.float32), xk.new_empty(N, H, M, D, dtype=torch.float32))
     h0 = h0 if h0 is not None else (None, None)
     grid = (triton.cdiv(M, BM) * triton.cdiv(D, BD), N * H)
     raven_fwd_kernel_scan[grid](
-        xk, xv, gl, hk, hv, *h0, *ht, chunks["seq_chunks"], H, M, D, BP, BM, BD, reverse, h0[0] is not None, store_final
-    )
+        xk, xv, gl, hk, hv, *h0, *ht, chunks["seq_chunks"], H, M, D, BP, BM, BD,
+        reverse, h0[0] is not None, store_final, num_warps=warps,
+    )  # fmt: skip
     return hk, hv, (ht if store_final else None)
 
 

@@ -116,7 +116,7 @@ def test_chunk_varlen_matches_reference_per_sequence(scan_form):
 
 
 def test_chunk_scans_many_chunks_per_sequence(scan_form):
-    # 9 chunks: the state scans combine 8 chunks at a time and carry between groups, forward and reversed
+    # 9 chunks: the long-sequence scan combines a few chunks per step and carries between steps, both directions
     lengths = [520, 81]
     cu_seqlens = torch.tensor([0, 520, 601], device=DEVICE)
     H, G, d, M, K = 1, 1, 16, 16, 2
