@@ -104,7 +104,7 @@ def kernel_rows(D: int, M: int, names: list[str]) -> list[tuple]:
             BM, warps, stages, block_d = BM_scan, warps_scan, 3, BD_scan
         elif name in ("h", "dh"):  # chunk.sequential_states, chunk.state_grads
             BM, warps, stages, block_d = BM_seq, 4, 3, BD_seq
-        else:  # the per-chunk state kernels (chunk.gates_and_states with contributions, chunk.state_grads)
+        else:  # the per-chunk state kernels (chunk.gates with contributions, chunk.state_grads)
             BM, warps, stages, block_d = min(32, BM_max), 8 if name == "gate" else 4, 3, BD
         constants = dict(H=16, G=1, M=M, K=32, D=D, BT=chunk.BT, BC=chunk.BC, BP=BP, BM=BM, BD=block_d, EXACT=False)
         constants.update(BK=32, CONTRIB=True, REVERSE=False, USE_H0=True, STORE_HT=True, USE_DHT=True, STORE_DH0=True)

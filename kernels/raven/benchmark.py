@@ -23,7 +23,6 @@ VARIANTS = {
 }
 SCAN_VARIANTS = {  # (steps, slots, head-dim columns, warps) of raven_fwd_kernel_scan, the long-sequence state scan
     "scan-p2": lambda M, D: (2, 4, 64, 4),
-    "scan-p4": lambda M, D: (4, 4, 64, 4),
     "scan-p4w2": lambda M, D: (4, 4, 64, 2),
     "scan-p4m8": lambda M, D: (4, 8, 64, 4),
     "scan-p8": lambda M, D: (8, 4, 64, 4),

@@ -221,10 +221,10 @@ def sequential_states(k, v, g, w, h0, chunks, M, store_final):
     return hk, hv, (ht if store_final else None)
 
 
-def gates_and_states(k, v, a, idx, r, h0, chunks, M, output_final_state):
+def gates(k, v, a, idx, r, chunks, M):
     """g, w [T, H, M] float32 (per-slot cumulative log-retention within each chunk, and 1 - exp(log_f)), built from
-    the router a r at idx; gl [NC, H, M] (g at each chunk's last token); hk, hv [NC, H, M, D] in k's dtype, the
-    states entering each chunk; the final states [N, H, M, D] float32 or None; and needs_exact's answer."""
+    the router a r at idx; gl [NC, H, M] (g at each chunk's last token); and, where the states take the split form
+    (split_scan), each chunk's contributions xk, xv [NC, H, M, D] in k's dtype, else None."""
     T, H, D = k.shape
     K = idx.shape[-1]
     N, NC = chunks["seq_chunks"].numel() - 1, chunks["bos"].numel()
@@ -239,12 +239,15 @@ def gates_and_states(k, v, a, idx, r, h0, chunks, M, output_final_state):
         a, idx, r, k, v, g, w, gl, xk, xv, chunks["bos"], chunks["len"], H, M, K, D, BT, BM,
         triton.next_power_of_2(K), BD, split, num_warps=8 if split else 4,
     )  # fmt: skip
-    exact = needs_exact(gl)
-    if split:
-        hk, hv, ht = scan(xk, xv, gl, h0, chunks, output_final_state)
-    else:
-        hk, hv, ht = sequential_states(k, v, g, w, h0, chunks, M, output_final_state)
-    return g, w, gl, hk, hv, ht, exact
+    return g, w, gl, xk, xv
+
+
+def states(k, v, g, w, gl, xk, xv, h0, chunks, M, store_final):
+    """hk, hv [NC, H, M, D] in k's dtype, the states entering each chunk, and the final states [N, H, M, D] float32
+    or None: scanned from the contributions when gates() gave them, else by the sequential kernel."""
+    if xk is not None:
+        return scan(xk, xv, gl, h0, chunks, store_final)
+    return sequential_states(k, v, g, w, h0, chunks, M, store_final)
 
 
 def state_grads(q, do, ds, p, g, gl, dht, chunks, H, M, store_dh0):
@@ -300,8 +303,11 @@ def per_chunk(kernel, name, tensors, scalars, chunks, heads, shape, split_slots=
 def chunk_raven_fwd(q, k, v, a, idx, r, scale, M, h0, output_final_state, chunks):
     T, HG, D = q.shape
     H = k.shape[1]
-    g, w, _, hk, hv, ht, exact = gates_and_states(k, v, a, idx, r, h0, chunks, M, output_final_state)
-    exact = exact()
+    g, w, gl, xk, xv = gates(k, v, a, idx, r, chunks, M)
+    exact = needs_exact(gl)
+    hk, hv, ht = states(k, v, g, w, gl, xk, xv, h0, chunks, M, output_final_state)
+    del xk, xv
+    exact = exact()  # read once the scan is queued: the GPU stays busy while the host waits
     o = torch.empty_like(q)
     lse = q.new_empty(T, HG, dtype=torch.float32)
     shape = dict(H=H, G=HG // H, M=M, D=D, exact=exact)
@@ -313,7 +319,9 @@ def chunk_raven_bwd(q, k, v, a, idx, r, scale, M, h0, o, lse, do, dht, chunks, e
     T, HG, D = q.shape
     H, NC = k.shape[1], chunks["bos"].numel()
     shape = dict(H=H, G=HG // H, M=M, D=D, exact=exact)
-    g, w, gl, hk, hv, ht, _ = gates_and_states(k, v, a, idx, r, h0, chunks, M, dht is not None)
+    g, w, gl, xk, xv = gates(k, v, a, idx, r, chunks, M)
+    hk, hv, ht = states(k, v, g, w, gl, xk, xv, h0, chunks, M, dht is not None)
+    del xk, xv
     dq = torch.empty_like(q)
     p, ds = (q.new_empty(T, HG, M) for _ in range(2))  # only ever tl.dot operands: the input dtype
     e = q.new_empty(T, HG, M, dtype=torch.float32)

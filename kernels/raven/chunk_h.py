@@ -11,6 +11,34 @@ import triton.language as tl
 
 
 @triton.jit
+def raven_chunk_writes(b_g, b_w, b_gl, m_tm, b_k, b_v):
+    """What one chunk writes into the state leaving it, for a block of slots: sum_t w_t exp(gl - g_t) k_t (and v_t),
+    [BM, BD] float32 each, from g, w [BT, BM], gl [BM] and k, v [BT, BD]."""
+    b_dec = tl.where(m_tm, b_w * tl.exp(b_gl[None, :] - b_g), 0.0).to(b_k.dtype)  # weight of each write at the end
+    return tl.dot(tl.trans(b_dec), b_k), tl.dot(tl.trans(b_dec), b_v)
+
+
+@triton.jit
+def raven_chunk_reads(q, do, ds, p, b_eg, bos, i_h, o_t, o_m, o_d, m_tm, m_td, H, G, M, D):
+    """What one chunk's reads add to the gradients of the state entering it, for a block of slots: the logits read
+    S^k with weights ds against q, the outputs read S^v with weights p against do, each decayed by
+    b_eg = exp(g) [BT, BM] (0 at masked entries), summed over the G query heads. [BM, BD] float32 each."""
+    b_xk = tl.zeros([o_m.shape[0], o_d.shape[0]], dtype=tl.float32)
+    b_xv = tl.zeros([o_m.shape[0], o_d.shape[0]], dtype=tl.float32)
+    for i_g in range(G):
+        i_hg = i_h * G + i_g
+        p_tm = ((bos + o_t[:, None]) * H * G + i_hg) * M + o_m[None, :]
+        p_td = ((bos + o_t[:, None]) * H * G + i_hg) * D + o_d[None, :]
+        b_ds = tl.load(ds + p_tm, mask=m_tm, other=0.0).to(tl.float32)
+        b_p = tl.load(p + p_tm, mask=m_tm, other=0.0).to(tl.float32)
+        b_q = tl.load(q + p_td, mask=m_td, other=0.0)  # [BT, BD]
+        b_do = tl.load(do + p_td, mask=m_td, other=0.0)
+        b_xk += tl.dot(tl.trans((b_ds * b_eg).to(b_q.dtype)), b_q)
+        b_xv += tl.dot(tl.trans((b_p * b_eg).to(b_do.dtype)), b_do)
+    return b_xk, b_xv
+
+
+@triton.jit
 def raven_fwd_kernel_gate(
     a,
     idx,
@@ -73,11 +101,11 @@ def raven_fwd_kernel_gate(
         if CONTRIB:
             b_k = tl.load(k + p_td, mask=m_td, other=0.0)  # [BT, BD]
             b_v = tl.load(v + p_td, mask=m_td, other=0.0)
-            b_dec = tl.where(m_tm, b_w * tl.exp(b_gl[None, :] - b_g), 0.0).to(b_k.dtype)  # weight at the chunk end
+            b_xk, b_xv = raven_chunk_writes(b_g, b_w, b_gl, m_tm, b_k, b_v)
             p_md = ((i_c * H + i_h) * M + o_m[:, None]) * D + o_d[None, :]
             m_md = m_m[:, None] & m_d[None, :]
-            tl.store(xk + p_md, tl.dot(tl.trans(b_dec), b_k).to(xk.dtype.element_ty), mask=m_md)
-            tl.store(xv + p_md, tl.dot(tl.trans(b_dec), b_v).to(xv.dtype.element_ty), mask=m_md)
+            tl.store(xk + p_md, b_xk.to(xk.dtype.element_ty), mask=m_md)
+            tl.store(xv + p_md, b_xv.to(xv.dtype.element_ty), mask=m_md)
 
 
 @triton.jit
@@ -129,14 +157,14 @@ def raven_fwd_kernel_h(
         b_g = tl.load(g + p_tm, mask=m_tm, other=0.0)  # [BT, BM]
         b_w = tl.load(w + p_tm, mask=m_tm, other=0.0)
         b_gl = tl.load(g + ((bos + L - 1) * H + i_h) * M + o_m, mask=m_m, other=0.0)  # [BM]
-        b_dec = tl.where(m_tm, b_w * tl.exp(b_gl[None, :] - b_g), 0.0)  # weight of each write at the chunk end
         p_td = ((bos + o_t[:, None]) * H + i_h) * D + o_d[None, :]
         m_td = m_t[:, None] & m_d[None, :]
         b_k = tl.load(k + p_td, mask=m_td, other=0.0)  # [BT, BD]
         b_v = tl.load(v + p_td, mask=m_td, other=0.0)
+        b_xk, b_xv = raven_chunk_writes(b_g, b_w, b_gl, m_tm, b_k, b_v)
         b_f = tl.exp(b_gl)[:, None]
-        b_sk = b_sk * b_f + tl.dot(tl.trans(b_dec.to(b_k.dtype)), b_k)
-        b_sv = b_sv * b_f + tl.dot(tl.trans(b_dec.to(b_v.dtype)), b_v)
+        b_sk = b_sk * b_f + b_xk
+        b_sv = b_sv * b_f + b_xv
     if STORE_HT:
         tl.store(htk + i_n * H * M * D + p_md, b_sk, mask=m_md)
         tl.store(htv + i_n * H * M * D + p_md, b_sv, mask=m_md)
@@ -194,19 +222,10 @@ def raven_bwd_kernel_dh(
         m_td = m_t[:, None] & m_d[None, :]
         b_g = tl.load(g + ((bos + o_t[:, None]) * H + i_h) * M + o_m[None, :], mask=m_tm, other=0.0)
         b_gl = tl.load(g + ((bos + L - 1) * H + i_h) * M + o_m, mask=m_m, other=0.0)
-        b_eg = tl.exp(b_g)  # [BT, BM] decay from the chunk start to each token
-        b_dk *= tl.exp(b_gl)[:, None]
-        b_dv *= tl.exp(b_gl)[:, None]
-        for i_g in range(G):
-            i_hg = i_h * G + i_g
-            p_tm = ((bos + o_t[:, None]) * H * G + i_hg) * M + o_m[None, :]
-            p_td = ((bos + o_t[:, None]) * H * G + i_hg) * D + o_d[None, :]
-            b_ds = tl.load(ds + p_tm, mask=m_tm, other=0.0)
-            b_p = tl.load(p + p_tm, mask=m_tm, other=0.0)
-            b_q = tl.load(q + p_td, mask=m_td, other=0.0)  # [BT, BD]
-            b_do = tl.load(do + p_td, mask=m_td, other=0.0)
-            b_dk += tl.dot(tl.trans((b_ds * b_eg).to(b_q.dtype)), b_q)
-            b_dv += tl.dot(tl.trans((b_p * b_eg).to(b_do.dtype)), b_do)
+        b_eg = tl.where(m_tm, tl.exp(b_g), 0.0)  # [BT, BM] decay from the chunk start to each token
+        b_xk, b_xv = raven_chunk_reads(q, do, ds, p, b_eg, bos, i_h, o_t, o_m, o_d, m_tm, m_td, H, G, M, D)
+        b_dk = b_dk * tl.exp(b_gl)[:, None] + b_xk
+        b_dv = b_dv * tl.exp(b_gl)[:, None] + b_xv
     if STORE_DH0:
         tl.store(dh0k + i_n * H * M * D + p_md, b_dk, mask=m_md)
         tl.store(dh0v + i_n * H * M * D + p_md, b_dv, mask=m_md)
@@ -242,18 +261,7 @@ def raven_bwd_kernel_dhc(
     m_td = m_t[:, None] & m_d[None, :]
     b_g = tl.load(g + ((bos + o_t[:, None]) * H + i_h) * M + o_m[None, :], mask=m_tm, other=0.0)
     b_eg = tl.where(m_tm, tl.exp(b_g), 0.0)  # [BT, BM] decay from the chunk start to each token
-    b_xk = tl.zeros([BM, BD], dtype=tl.float32)
-    b_xv = tl.zeros([BM, BD], dtype=tl.float32)
-    for i_g in range(G):
-        i_hg = i_h * G + i_g
-        p_tm = ((bos + o_t[:, None]) * H * G + i_hg) * M + o_m[None, :]
-        p_td = ((bos + o_t[:, None]) * H * G + i_hg) * D + o_d[None, :]
-        b_ds = tl.load(ds + p_tm, mask=m_tm, other=0.0).to(tl.float32)
-        b_p = tl.load(p + p_tm, mask=m_tm, other=0.0).to(tl.float32)
-        b_q = tl.load(q + p_td, mask=m_td, other=0.0)  # [BT, BD]
-        b_do = tl.load(do + p_td, mask=m_td, other=0.0)
-        b_xk += tl.dot(tl.trans((b_ds * b_eg).to(b_q.dtype)), b_q)
-        b_xv += tl.dot(tl.trans((b_p * b_eg).to(b_do.dtype)), b_do)
+    b_xk, b_xv = raven_chunk_reads(q, do, ds, p, b_eg, bos, i_h, o_t, o_m, o_d, m_tm, m_td, H, G, M, D)
     p_md = ((i_c * H + i_h) * M + o_m[:, None]) * D + o_d[None, :]
     m_md = m_m[:, None] & m_d[None, :]
     tl.store(xk + p_md, b_xk.to(xk.dtype.element_ty), mask=m_md)
@@ -332,8 +340,9 @@ def raven_fwd_kernel_scan(
         tl.store(hv + p_s, b_hv.to(hv.dtype.element_ty), mask=m_s)
         if STORE_HT:
             m_t = (o_s == n)[:, None, None] & m_md[None, :, :]
-            tl.store(htk + i_n * H * M * D + p_md + 0 * p_s, b_hk, mask=m_t)
-            tl.store(htv + i_n * H * M * D + p_md + 0 * p_s, b_hv, mask=m_t)
+            p_t = tl.broadcast_to(i_n * H * M * D + p_md, [BP, BM, BD])  # only the row of step n is stored
+            tl.store(htk + p_t, b_hk, mask=m_t)
+            tl.store(htv + p_t, b_hv, mask=m_t)
         last = (o_p == BP - 1)[:, None, None]
         b_ck = tl.sum(tl.where(last, b_hk, 0.0), 0)
         b_cv = tl.sum(tl.where(last, b_hv, 0.0), 0)
