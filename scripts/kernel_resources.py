@@ -3,7 +3,7 @@ compiled with Triton for Hopper under its launch_config and its cubin read with 
 Check a launch change here first: a spilling kernel is slow, and one that needs over 227 KB of shared memory does
 not launch.
 
-    python scripts/kernel_resources.py [--d 128] [--slots 256] [--kernels o,dq,dkv,dlf,h,dh,gate,dhc,scan]
+    python scripts/kernel_resources.py [--d 128] [--slots 256] [--kernels o,dq,dkv,dlf,h,dh,gate,dhc,scan,decode]
 
 Prints one row per kernel: slots per block, warps, stages, registers per thread, stack bytes, shared bytes.
 """
@@ -25,7 +25,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.raven import chunk, chunk_bwd, chunk_h  # noqa: E402
+from kernels.raven import chunk, chunk_bwd, chunk_h, fused_recurrent  # noqa: E402
 
 KERNELS = {
     "o": chunk.raven_fwd_kernel_o,
@@ -37,6 +37,7 @@ KERNELS = {
     "gate": chunk_h.raven_fwd_kernel_gate,
     "dhc": chunk_h.raven_bwd_kernel_dhc,
     "scan": chunk_h.raven_fwd_kernel_scan,
+    "decode": fused_recurrent.raven_fwd_kernel_fused_recurrent,
 }
 INPUT_DTYPE = {
     "q",
@@ -56,7 +57,7 @@ INPUT_DTYPE = {
     "p",
     "ds",
 }  # bf16 in training
-INT32 = {"chunk_bos", "chunk_len", "seq_chunks", "idx"}
+INT32 = {"chunk_bos", "chunk_len", "seq_chunks", "idx", "cu_seqlens"}
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
@@ -69,6 +70,8 @@ def resources(fn, constants: dict, num_warps: int, num_stages: int) -> dict[str,
             constexprs[(i,)] = constants[name]
         elif name == "scale":
             signature[name] = "fp32"
+        elif name == "T":
+            signature[name] = "i32"
         else:
             signature[name] = "*i32" if name in INT32 else "*bf16" if name in INPUT_DTYPE else "*fp32"
     compiled = triton.compile(
@@ -104,10 +107,14 @@ def kernel_rows(D: int, M: int, names: list[str]) -> list[tuple]:
             BM, warps, stages, block_d = BM_scan, warps_scan, 3, BD_scan
         elif name in ("h", "dh"):  # chunk.sequential_states, chunk.state_grads
             BM, warps, stages, block_d = BM_seq, 4, 3, BD_seq
+        elif name == "decode":  # fused_recurrent_raven at batch 64, 16 heads
+            (BM, warps, NS), stages, block_d = fused_recurrent.decode_config(M, 1, D, 64 * 16), 3, BD
         else:  # the per-chunk state kernels (chunk.gates with contributions, chunk.state_grads)
             BM, warps, stages, block_d = min(32, BM_max), 8 if name == "gate" else 4, 3, BD
         constants = dict(H=16, G=1, M=M, K=32, D=D, BT=chunk.BT, BC=chunk.BC, BP=BP, BM=BM, BD=block_d, EXACT=False)
         constants.update(BK=32, CONTRIB=True, REVERSE=False, USE_H0=True, STORE_HT=True, USE_DHT=True, STORE_DH0=True)
+        if name == "decode":
+            constants.update(BG=1, NS=NS, IS_VARLEN=False)
         used = resources(KERNELS[name], constants, warps, stages)
         rows.append((name, BM, warps, stages, used["registers"], used["stack"], used["shared"]))
     return rows

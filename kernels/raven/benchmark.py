@@ -1,7 +1,8 @@
 """Time chunk_raven at the target shapes: forward, forward+backward, per-kernel times, first call, peak memory,
-and the share of (chunk, slot block) pairs on the exact in-chunk path. Launch variants override launch_config.
+and the share of (chunk, slot block) pairs on the exact in-chunk path. Launch variants override launch_config;
+"level0", "level1" time chunk_raven's other checkpoint levels (what the backward recomputes).
 
-    PYTHONPATH=$PWD python3 kernels/raven/benchmark.py [--variants st1,dlf32,dlf4,scan-w1,...]
+    PYTHONPATH=$PWD python3 kernels/raven/benchmark.py [--variants st1,dlf32,dlf4,scan-p2,level0,...]
 """
 
 import argparse
@@ -50,13 +51,21 @@ def exact_share(a, idx, r, M, BM=32, BT=raven_chunk.BT, RANGE=RANGE_NATS):
     return (tot.view(B, -1, Hh, M // min(BM, M), min(BM, M)).amin(-1) < -RANGE).float().mean().item()
 
 
+LEVELS = {"level0": 0, "level1": 1}
+
+
 def case(B, T, M, K, variant, show_profile):
+    level = LEVELS.get(variant, 2)
     if variant in SCAN_VARIANTS:
         raven_chunk.scan_config = SCAN_VARIANTS[variant]
-    elif variant is not None:
+    elif variant in VARIANTS:
         raven_chunk.launch_config = VARIANTS[variant]
     q, k, v, a, idx, r = inputs(B, T, M, K)
-    t = time_training(lambda: chunk_raven(q, k, v, a, idx, r, D**-0.5, M)[0], [q, k, v, a, r], profile=show_profile)
+
+    def run():
+        return chunk_raven(q, k, v, a, idx, r, D**-0.5, M, checkpoint_level=level)[0]
+
+    t = time_training(run, [q, k, v, a, r], profile=show_profile or variant in LEVELS)
     t_f, t_fb = t["fwd_ms"], t["fwd_bwd_ms"]
     name = f"M={M} top-{K} B={B} T={T} [{variant or 'default'}]"
     print(

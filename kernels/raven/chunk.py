@@ -221,14 +221,14 @@ def sequential_states(k, v, g, w, h0, chunks, M, store_final):
     return hk, hv, (ht if store_final else None)
 
 
-def gates(k, v, a, idx, r, chunks, M):
+def gates(k, v, a, idx, r, chunks, M, contributions=True):
     """g, w [T, H, M] float32 (per-slot cumulative log-retention within each chunk, and 1 - exp(log_f)), built from
-    the router a r at idx; gl [NC, H, M] (g at each chunk's last token); and, where the states take the split form
-    (split_scan), each chunk's contributions xk, xv [NC, H, M, D] in k's dtype, else None."""
+    the router a r at idx; gl [NC, H, M] (g at each chunk's last token); and, with contributions where the states
+    take the split form (split_scan), each chunk's contributions xk, xv [NC, H, M, D] in k's dtype, else None."""
     T, H, D = k.shape
     K = idx.shape[-1]
     N, NC = chunks["seq_chunks"].numel() - 1, chunks["bos"].numel()
-    split = split_scan(M, D, N * H)
+    split = contributions and split_scan(M, D, N * H)
     BM, BD = block_sizes(M, D)
     BM = min(BM, 32) if split else BM  # the contributions' [BM, D] products: 32 slots at 8 warps
     g = a.new_empty(T, H, M, dtype=torch.float32)
@@ -301,6 +301,8 @@ def per_chunk(kernel, name, tensors, scalars, chunks, heads, shape, split_slots=
 
 
 def chunk_raven_fwd(q, k, v, a, idx, r, scale, M, h0, output_final_state, chunks):
+    """o [T, HG, d], its logsumexp over slots [T, HG], the final states or None, whether the exact in-chunk forms
+    ran, and what the backward can reuse: the gates (g, w, gl) and the states entering each chunk (hk, hv)."""
     T, HG, D = q.shape
     H = k.shape[1]
     g, w, gl, xk, xv = gates(k, v, a, idx, r, chunks, M)
@@ -312,15 +314,20 @@ def chunk_raven_fwd(q, k, v, a, idx, r, scale, M, h0, output_final_state, chunks
     lse = q.new_empty(T, HG, dtype=torch.float32)
     shape = dict(H=H, G=HG // H, M=M, D=D, exact=exact)
     per_chunk(raven_fwd_kernel_o, "o", (q, k, v, g, w, hk, hv, o, lse), (scale,), chunks, HG, shape)
-    return o, lse, ht, exact
+    return o, lse, ht, exact, (g, w, gl), (hk, hv)
 
 
-def chunk_raven_bwd(q, k, v, a, idx, r, scale, M, h0, o, lse, do, dht, chunks, exact):
+def chunk_raven_bwd(q, k, v, a, idx, r, scale, M, h0, o, lse, do, dht, chunks, exact, kept_gates, kept_states):
+    """kept_gates (g, w, gl) and kept_states (hk, hv, and the final states when dht is given) as the forward gave
+    them, or None to recompute them."""
     T, HG, D = q.shape
     H, NC = k.shape[1], chunks["bos"].numel()
     shape = dict(H=H, G=HG // H, M=M, D=D, exact=exact)
-    g, w, gl, xk, xv = gates(k, v, a, idx, r, chunks, M)
-    hk, hv, ht = states(k, v, g, w, gl, xk, xv, h0, chunks, M, dht is not None)
+    if kept_gates is None:
+        g, w, gl, xk, xv = gates(k, v, a, idx, r, chunks, M, contributions=kept_states is None)
+    else:
+        (g, w, gl), xk, xv = kept_gates, None, None
+    hk, hv, ht = kept_states or states(k, v, g, w, gl, xk, xv, h0, chunks, M, dht is not None)
     del xk, xv
     dq = torch.empty_like(q)
     p, ds = (q.new_empty(T, HG, M) for _ in range(2))  # only ever tl.dot operands: the input dtype
@@ -352,7 +359,7 @@ def chunk_raven_bwd(q, k, v, a, idx, r, scale, M, h0, o, lse, do, dht, chunks, e
 
 class ChunkRavenFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, a, idx, r, scale, num_slots, h0k, h0v, output_final_state, cu_seqlens):
+    def forward(ctx, q, k, v, a, idx, r, scale, num_slots, h0k, h0v, output_final_state, cu_seqlens, level):
         B, T, H, G, D = q.shape
         K = idx.shape[-1]
         chunks = prepare_chunks(None if cu_seqlens is None else cu_seqlens.long(), B, T, q.device)
@@ -365,24 +372,32 @@ class ChunkRavenFunction(torch.autograd.Function):
             r.reshape(B * T, H, K).float().contiguous(),
         )
         h0 = None if h0k is None else (h0k.float().contiguous(), h0v.float().contiguous())
-        o, lse, ht, exact = chunk_raven_fwd(*flat, scale, num_slots, h0, output_final_state, chunks)
-        ctx.save_for_backward(*flat, o, lse, *(h0 if h0 is not None else ()))
-        ctx.meta = (scale, num_slots, chunks, exact, (B, T, H, G, D, K), a.dtype, r.dtype, h0k is not None)
+        o, lse, ht, exact, kept_gates, kept_states = chunk_raven_fwd(
+            *flat, scale, num_slots, h0, output_final_state, chunks
+        )
+        kept_gates = kept_gates if level == 0 else ()
+        kept_states = (*kept_states, *(ht or ())) if level <= 1 else ()
+        ctx.save_for_backward(*flat, o, lse, *(h0 or ()), *kept_gates, *kept_states)
+        ctx.meta = (scale, num_slots, chunks, exact, (B, T, H, G, D, K), a.dtype, r.dtype, h0k is not None, level)
         ctx.h0_dtypes = (h0k.dtype, h0v.dtype) if h0k is not None else None
         o = o.view(B, T, H, G, D)
         return (o, *ht) if output_final_state else (o, None, None)
 
     @staticmethod
     def backward(ctx, do, dhtk, dhtv):
-        scale, M, chunks, exact, (B, T, H, G, D, K), a_dtype, r_dtype, has_h0 = ctx.meta
-        q, k, v, a, idx, r, o, lse, *h0 = ctx.saved_tensors
+        scale, M, chunks, exact, (B, T, H, G, D, K), a_dtype, r_dtype, has_h0, level = ctx.meta
+        q, k, v, a, idx, r, o, lse, *rest = ctx.saved_tensors
+        h0, rest = (tuple(rest[:2]), rest[2:]) if has_h0 else (None, rest)
+        kept_gates, rest = (tuple(rest[:3]), rest[3:]) if level == 0 else (None, rest)
         dht = None
         if dhtk is not None or dhtv is not None:
             z = torch.zeros(chunks["seq_chunks"].numel() - 1, H, M, D, device=q.device, dtype=torch.float32)
             dht = (z if dhtk is None else dhtk.float().contiguous(), z if dhtv is None else dhtv.float().contiguous())
+        # the final states (kept whenever they were returned) only serve their own gradient's read
+        kept_states = (rest[0], rest[1], tuple(rest[2:4]) if dht is not None else None) if level <= 1 else None
         do = do.reshape(B * T, H * G, D).contiguous()
         dq, dk, dv, da, dr, dh0 = chunk_raven_bwd(
-            q, k, v, a, idx, r, scale, M, tuple(h0) if has_h0 else None, o, lse, do, dht, chunks, exact
+            q, k, v, a, idx, r, scale, M, h0, o, lse, do, dht, chunks, exact, kept_gates, kept_states
         )
         dh0k, dh0v = (dh0[0].to(ctx.h0_dtypes[0]), dh0[1].to(ctx.h0_dtypes[1])) if has_h0 else (None, None)
         return (
@@ -398,7 +413,15 @@ class ChunkRavenFunction(torch.autograd.Function):
             dh0v,
             None,
             None,
+            None,
         )
+
+
+CHECKPOINT_LEVELS = {
+    0: "keep the gates and the chunk states for the backward",
+    1: "keep the chunk states, recompute the gates",
+    2: "recompute the gates and the chunk states",
+}
 
 
 def chunk_raven(
@@ -413,6 +436,7 @@ def chunk_raven(
     initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    checkpoint_level: int = 2,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """Raven over whole sequences (training, prefill), differentiable in q, k, v, a, r and the initial state.
 
@@ -426,13 +450,19 @@ def chunk_raven(
         initial_state: (S^k, S^v), each [N, H, M, d] (N = B, or the number of sequences with cu_seqlens).
         output_final_state: also return the final states.
         cu_seqlens: [N + 1] offsets of sequences packed along T (B == 1); no chunk crosses a boundary.
+        checkpoint_level: what the backward recomputes, as fla's chunk_gsa: 2 the gates and the chunk states (least
+            memory), 1 the gates only (keeps the states, 2 x [NC, H, M, d] in k's dtype), 0 nothing (also keeps
+            g and w, 2 x [B T, H, M] float32). At M = 256, B = 4, T = 4096, H = 16, d = 128 each kept pair is
+            512 MiB per layer (docs/KERNELS.md has what each level saves in time).
 
     Returns:
         o [B, T, H, G, d] in q's dtype, and (S^k, S^v) each [N, H, M, d] float32 or None.
     """
     check_inputs(q, k, v, a, idx, r, num_slots, initial_state, cu_seqlens)
+    if checkpoint_level not in CHECKPOINT_LEVELS:
+        raise ValueError(f"checkpoint_level = {checkpoint_level!r} is not allowed; allowed: {CHECKPOINT_LEVELS}")
     h0k, h0v = initial_state if initial_state is not None else (None, None)
     o, htk, htv = ChunkRavenFunction.apply(
-        q, k, v, a, idx, r, float(scale), num_slots, h0k, h0v, output_final_state, cu_seqlens
+        q, k, v, a, idx, r, float(scale), num_slots, h0k, h0v, output_final_state, cu_seqlens, checkpoint_level
     )
     return o, ((htk, htv) if output_final_state else None)

@@ -7,6 +7,7 @@ from transformers import LlamaConfig
 
 from kernels.raven import chunk as raven_chunk
 from kernels.raven import chunk_raven, fused_recurrent_raven, naive_raven
+from kernels.raven import fused_recurrent as raven_fr
 from raven_layers import RavenMixer, RavenSettings
 from raven_layers.backend import use_backend
 
@@ -54,7 +55,7 @@ def random_state(N, H, M, d, seed=1):
     return tuple(torch.randn(N, H, M, d, generator=g).to(DEVICE) for _ in range(2))
 
 
-def run_both(inputs, scale, M, state, cu_seqlens=None):
+def run_both(inputs, scale, M, state, cu_seqlens=None, checkpoint_level=2):
     """Kernel and float64 reference on the same leaves; the same random loss on both. Returns outputs and grads."""
     q, k, v, a, idx, r = inputs
     results = []
@@ -62,7 +63,7 @@ def run_both(inputs, scale, M, state, cu_seqlens=None):
         leaves = [x.detach().clone().to(dtype or x.dtype).requires_grad_() for x in (q, k, v, a, r)]
         h0 = None if state is None else tuple(s.detach().clone().to(dtype or s.dtype).requires_grad_() for s in state)
         if fn is chunk_raven:
-            o, (hk, hv) = fn(*leaves[:4], idx, leaves[4], scale, M, h0, True, cu_seqlens)
+            o, (hk, hv) = fn(*leaves[:4], idx, leaves[4], scale, M, h0, True, cu_seqlens, checkpoint_level)
         else:
             o, (hk, hv) = fn(*leaves[:4], idx, leaves[4], scale, h0, cu_seqlens, num_slots=M)
         torch.manual_seed(7)
@@ -115,6 +116,14 @@ def test_chunk_varlen_matches_reference_per_sequence(scan_form):
     assert_match(run_both(inputs, 0.3, M, random_state(len(lengths), H, M, d), cu_seqlens))
 
 
+@pytest.mark.parametrize("level", [0, 1])
+def test_chunk_checkpoint_levels_match_reference(level, scan_form):
+    # the gates and states the forward keeps serve the backward as their recomputation would, final states included
+    cu_seqlens = torch.tensor([0, 70, 93], device=DEVICE)
+    inputs = random_inputs(1, 93, 1, 2, 16, 16, 4, seed=5)
+    assert_match(run_both(inputs, 0.3, 16, random_state(2, 1, 16, 16), cu_seqlens, checkpoint_level=level))
+
+
 def test_chunk_scans_many_chunks_per_sequence(scan_form):
     # 9 chunks: the long-sequence scan combines a few chunks per step and carries between steps, both directions
     lengths = [520, 81]
@@ -124,7 +133,14 @@ def test_chunk_scans_many_chunks_per_sequence(scan_form):
     assert_match(run_both(inputs, 0.3, M, random_state(len(lengths), H, M, d), cu_seqlens))
 
 
-def test_decode_steps_match_reference():
+@pytest.fixture(params=[1, 2, 4])
+def slot_shares(request, monkeypatch):
+    """Decode with each (sequence, head)'s slots over 1, 2 or 4 programs, in blocks of 8 (M = 16 with 4 shares
+    leaves two shares without slots)."""
+    monkeypatch.setattr(raven_fr, "decode_config", lambda M, G, D, NH: (8, 4, request.param))
+
+
+def test_decode_steps_match_reference(slot_shares):
     B, T, H, G, d, M, K = 2, 5, 2, 2, 16, 16, 4
     q, k, v, a, idx, r = random_inputs(B, T, H, G, d, M, K, seed=5)
     state = random_state(B, H, M, d)
@@ -150,7 +166,7 @@ def test_decode_steps_match_reference():
     assert rel_err(live[0], hk_ref) < 1e-5 and rel_err(live[1], hv_ref) < 1e-5
 
 
-def test_decode_varlen_several_tokens():
+def test_decode_varlen_several_tokens(slot_shares):
     cu_seqlens = torch.tensor([0, 3, 4], device=DEVICE)
     q, k, v, a, idx, r = random_inputs(1, 4, 1, 1, 16, 32, 8, seed=6)
     o_ref, (hk_ref, _) = naive_raven(q, k, v, a, idx, r, 0.5, None, cu_seqlens, num_slots=32)
@@ -164,6 +180,8 @@ def test_bad_arguments_are_named():
         chunk_raven(q, k, v, a, idx, r, 1.0, 3)
     with pytest.raises(ValueError, match="initial state S\\^k"):
         chunk_raven(q, k, v, a, idx, r, 1.0, 16, (torch.zeros(1, 1, 8, 16), torch.zeros(1, 1, 8, 16)))
+    with pytest.raises(ValueError, match="checkpoint_level = 3"):
+        chunk_raven(q, k, v, a, idx, r, 1.0, 16, checkpoint_level=3)
     with pytest.raises(ValueError, match="contiguous float32"):
         state = random_state(1, 1, 16, 16)
         fused_recurrent_raven(q, k, v, a, idx, r, 1.0, 16, (state[0].double(), state[1]), True)
@@ -212,12 +230,28 @@ def test_mixer_triton_matches_torch():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("d, M, K", [(64, 64, 8), (128, 256, 32)])
-@pytest.mark.parametrize("with_state", [False, True])
-def test_chunk_bf16_at_size(d, M, K, with_state):
+@pytest.mark.parametrize("with_state, level", [(False, 2), (True, 2), (True, 0)])
+def test_chunk_bf16_at_size(d, M, K, with_state, level):
     B, T, H, G = 2, 1000, 4, 1
     inputs = random_inputs(B, T, H, G, d, M, K, dtype=torch.bfloat16, seed=d)
     state = random_state(B, H, M, d) if with_state else None
-    (o, hk, hv, grads), (o_ref, hk_ref, hv_ref, grads_ref) = run_both(inputs, d**-0.5, M, state)
+    (o, hk, hv, grads), (o_ref, hk_ref, hv_ref, grads_ref) = run_both(inputs, d**-0.5, M, state, None, level)
     assert rel_err(o, o_ref) < 5e-3 and rel_err(hk, hk_ref) < 5e-3 and rel_err(hv, hv_ref) < 5e-3
     for name, x, ref in zip(["q", "k", "v", "a", "r", "S^k_0", "S^v_0"], grads, grads_ref):
         assert rel_err(x, ref) < 1e-2, f"grad {name}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("shares", [1, 2, 4])
+def test_decode_at_size(shares, monkeypatch):
+    B, H, G, d, M, K = 8, 4, 2, 128, 256, 32
+    block, warps, _ = raven_fr.decode_config(M, G, d, B * H)
+    monkeypatch.setattr(raven_fr, "decode_config", lambda *shape: (block, warps, shares))
+    q, k, v, a, idx, r = random_inputs(B, 1, H, G, d, M, K, dtype=torch.bfloat16, seed=11)
+    state = random_state(B, H, M, d)
+    ref_in = (x.float() for x in (q, k, v))
+    o_ref, (hk_ref, hv_ref) = naive_raven(*ref_in, a, idx, r, d**-0.5, state, num_slots=M)
+    live = tuple(s.clone() for s in state)
+    o, _ = fused_recurrent_raven(q, k, v, a, idx, r, d**-0.5, M, live)
+    assert rel_err(o, o_ref) < 5e-3 and rel_err(live[0], hk_ref) < 1e-5 and rel_err(live[1], hv_ref) < 1e-5
