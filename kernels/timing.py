@@ -54,6 +54,8 @@ def time_training(fn: Callable[[], torch.Tensor], leaves: Sequence[torch.Tensor]
     both = do_bench(fwd_bwd, warmup=25, rep=100, grad_to_none=list(leaves), return_mode="median")
     result = {"first_s": first, "peak_mib": peak / 2**20, "fwd_ms": fwd, "fwd_bwd_ms": both}
     if profile:
+        for x in leaves:  # as in the timed calls: gradients assigned, not accumulated
+            x.grad = None
         result["kernels"] = kernel_times(fwd_bwd)
     return result
 

@@ -47,6 +47,7 @@ class RavenSettings(MixerSettings):
     feature_map: str = "identity"  # "identity" keeps the teacher's q/k geometry; "silu" is the paper's block
     output_gate: bool = True  # o * 2 sigmoid(W_g x); W_g starts at zero so the gate starts as the identity
     chunk_size: int = 16  # chunk length of the parallel PyTorch form
+    checkpoint_level: int = 2  # Triton backward: 2 recomputes gates and chunk states, 1 keeps the states, 0 both
 
     FEATURE_MAPS = ("identity", "silu")
 
@@ -61,6 +62,8 @@ class RavenSettings(MixerSettings):
             self.fail("qk_norm", "true, false or null (follow the source attention)")
         if self.feature_map not in self.FEATURE_MAPS:
             self.fail("feature_map", f"one of {list(self.FEATURE_MAPS)}")
+        if not self.is_int(self.checkpoint_level) or self.checkpoint_level not in (0, 1, 2):
+            self.fail("checkpoint_level", "0 (fastest backward, most memory), 1 or 2 (least memory)")
 
 
 def _promote(q, k, v, log_f, initial_state, num_slots):
@@ -265,7 +268,7 @@ class RavenMixer(Mixer):
         cu_seqlens: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
-        kernels = kernel_module("raven", hidden_states)
+        kernels, s = kernel_module("raven", hidden_states), self.settings
         if cu_seqlens is not None and kernels is None:  # packed documents, each from an empty state
             return self.forward_packed(hidden_states, cu_seqlens)
         x = hidden_states  # [B, T, hidden]
@@ -283,10 +286,16 @@ class RavenMixer(Mixer):
             a, idx, r = self.route(x, padding_mask)
             if cu_seqlens is not None:  # packed documents: one sequence of B * T tokens cut at cu_seqlens
                 packed = (t.flatten(0, 1).unsqueeze(0) for t in (q, k, v, a, idx, r))
-                o, _ = kernels.chunk_raven(*packed, self.scale, self.settings.num_slots, cu_seqlens=cu_seqlens)
+                o, _ = kernels.chunk_raven(
+                    *packed, self.scale, s.num_slots, cu_seqlens=cu_seqlens, checkpoint_level=s.checkpoint_level
+                )
                 return self.project_out(o.to(x.dtype).reshape(B, T, H * d), x)
-            run = kernels.fused_recurrent_raven if T == 1 and state is not None else kernels.chunk_raven
-            o, new_state = run(q, k, v, a, idx, r, self.scale, self.settings.num_slots, state, True)
+            if T == 1 and state is not None:
+                o, new_state = kernels.fused_recurrent_raven(q, k, v, a, idx, r, self.scale, s.num_slots, state, True)
+            else:
+                o, new_state = kernels.chunk_raven(
+                    q, k, v, a, idx, r, self.scale, s.num_slots, state, True, checkpoint_level=s.checkpoint_level
+                )
             self.save_state(past_key_values, new_state, num_tokens=T)
             return self.project_out(o.to(x.dtype).reshape(B, T, H * d), x)
         log_f = self.write_gates(x, padding_mask)

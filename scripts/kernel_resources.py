@@ -1,5 +1,6 @@
-"""Registers, spill stack and shared memory of Raven's per-chunk kernels on sm_90, without a GPU: each kernel is
-compiled with Triton for Hopper under its launch_config and its cubin read with the cuobjdump that ships with Triton.
+"""Registers, spill stack and shared memory of Raven's per-chunk and decode kernels on sm_90, without a GPU: each
+kernel is compiled with Triton for Hopper under its launch settings and its cubin read with the cuobjdump that
+ships with Triton.
 Check a launch change here first: a spilling kernel is slow, and one that needs over 227 KB of shared memory does
 not launch.
 
@@ -108,13 +109,13 @@ def kernel_rows(D: int, M: int, names: list[str]) -> list[tuple]:
         elif name in ("h", "dh"):  # chunk.sequential_states, chunk.state_grads
             BM, warps, stages, block_d = BM_seq, 4, 3, BD_seq
         elif name == "decode":  # fused_recurrent_raven at batch 64, 16 heads
-            (BM, warps, NS), stages, block_d = fused_recurrent.decode_config(M, 1, D, 64 * 16), 3, BD
+            (BM, warps), stages, block_d = fused_recurrent.decode_config(M, 1, D), 3, BD
         else:  # the per-chunk state kernels (chunk.gates with contributions, chunk.state_grads)
             BM, warps, stages, block_d = min(32, BM_max), 8 if name == "gate" else 4, 3, BD
         constants = dict(H=16, G=1, M=M, K=32, D=D, BT=chunk.BT, BC=chunk.BC, BP=BP, BM=BM, BD=block_d, EXACT=False)
         constants.update(BK=32, CONTRIB=True, REVERSE=False, USE_H0=True, STORE_HT=True, USE_DHT=True, STORE_DH0=True)
         if name == "decode":
-            constants.update(BG=1, NS=NS, IS_VARLEN=False)
+            constants.update(BG=1, IS_VARLEN=False)
         used = resources(KERNELS[name], constants, warps, stages)
         rows.append((name, BM, warps, stages, used["registers"], used["stack"], used["shared"]))
     return rows

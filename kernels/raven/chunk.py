@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_bwd import raven_bwd_kernel_dkv, raven_bwd_kernel_dlf, raven_bwd_kernel_dq
+from .chunk_bwd import raven_bwd_kernel_dar, raven_bwd_kernel_dkv, raven_bwd_kernel_dlf, raven_bwd_kernel_dq
 from .chunk_h import (
     raven_bwd_kernel_dh,
     raven_bwd_kernel_dhc,
@@ -98,15 +98,14 @@ def raven_fwd_kernel_o(
 
 def prepare_chunks(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torch.device) -> dict[str, torch.Tensor]:
     """Chunks of BT tokens that never cross a sequence boundary: first token and length of each chunk [NC],
-    the first chunk of each sequence [N + 1], the sequence of each chunk [NC] and the chunk of each token [B T].
+    the first chunk of each sequence [N + 1] and the sequence of each chunk [NC].
     B sequences of T tokens (cu_seqlens None) need no host sync; packed sequences one (the number of chunks)."""
     if cu_seqlens is None:
         per = triton.cdiv(T, BT)
-        c, t = torch.arange(B * per, device=device), torch.arange(B * T, device=device)
+        c = torch.arange(B * per, device=device)
         seq, j = c // per, c % per
         bos, length = seq * T + j * BT, (T - j * BT).clamp(max=BT)
         seq_chunks = torch.arange(B + 1, device=device) * per
-        token_chunk = (t // T) * per + (t % T) // BT
     else:
         lens = cu_seqlens.diff()
         counts = (lens + BT - 1) // BT
@@ -115,13 +114,11 @@ def prepare_chunks(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torc
         seq = torch.repeat_interleave(torch.arange(lens.numel(), device=device), counts, output_size=NC)
         bos = cu_seqlens[seq] + (torch.arange(NC, device=device) - seq_chunks[seq]) * BT
         length = torch.minimum(cu_seqlens[seq + 1] - bos, torch.full_like(bos, BT))
-        token_chunk = torch.repeat_interleave(torch.arange(NC, device=device), length, output_size=B * T)
     return {
         "bos": bos.to(torch.int32),
         "len": length.to(torch.int32),
         "seq_chunks": seq_chunks.to(torch.int32),
         "seq": seq,
-        "token_chunk": token_chunk,
     }
 
 
@@ -350,10 +347,11 @@ def chunk_raven_bwd(q, k, v, a, idx, r, scale, M, h0, o, lse, do, dht, chunks, e
     carry = suffix[after] - suffix[chunks["seq_chunks"][seq + 1].long()]  # [NC, H, M]
     if dht is not None:
         carry = carry + ((dht_k * ht[0]).sum(-1) + (dht_v * ht[1]).sum(-1))[seq].double()
-    flat = (chunks["token_chunk"][:, None, None] * H + torch.arange(H, device=q.device)[None, :, None]) * M + idx
-    dl = dlf.gather(-1, idx.long()) + carry.float().flatten()[flat.long()]  # [T, H, K] d loss / d log_f at idx
-    da = (dl * r.float()).sum(-1)
-    dr = dl * a.float()[..., None]
+    da, dr = torch.empty_like(a), torch.empty_like(r)
+    K = idx.shape[-1]
+    raven_bwd_kernel_dar[(NC, H)](
+        a, idx, r, dlf, carry.float(), da, dr, chunks["bos"], chunks["len"], H, M, K, BT, triton.next_power_of_2(K)
+    )
     return dq, dk, dv, da, dr, dh0
 
 
@@ -368,7 +366,7 @@ class ChunkRavenFunction(torch.autograd.Function):
             k.reshape(B * T, H, D).contiguous(),
             v.reshape(B * T, H, D).contiguous(),
             a.reshape(B * T, H).float().contiguous(),
-            idx.reshape(B * T, H, K).to(torch.int32).contiguous(),
+            idx.reshape(B * T, H, K).to(idx.dtype if idx.dtype == torch.int64 else torch.int32).contiguous(),
             r.reshape(B * T, H, K).float().contiguous(),
         )
         h0 = None if h0k is None else (h0k.float().contiguous(), h0v.float().contiguous())
@@ -376,7 +374,8 @@ class ChunkRavenFunction(torch.autograd.Function):
             *flat, scale, num_slots, h0, output_final_state, chunks
         )
         kept_gates = kept_gates if level == 0 else ()
-        kept_states = (*kept_states, *(ht or ())) if level <= 1 else ()
+        # the final states are returned, and decoding updates them in place: the backward keeps its own copy
+        kept_states = (*kept_states, *(x.clone() for x in ht or ())) if level <= 1 else ()
         ctx.save_for_backward(*flat, o, lse, *(h0 or ()), *kept_gates, *kept_states)
         ctx.meta = (scale, num_slots, chunks, exact, (B, T, H, G, D, K), a.dtype, r.dtype, h0k is not None, level)
         ctx.h0_dtypes = (h0k.dtype, h0v.dtype) if h0k is not None else None

@@ -220,3 +220,37 @@ def raven_bwd_kernel_dlf(
     b_dlf = b_tot[None, :] - tl.cumsum(b_dgc, 0) + b_dgc - (1.0 - b_w) * b_dw  # suffix sums, and through w
     tl.store(dlf + ((bos + o_t[:, None]) * H + i_h) * M + o_m[None, :], b_dlf, mask=m_tm)
     tl.store(dlf_sum + (i_c * H + i_h) * M + o_m, b_tot, mask=m_m)
+
+
+@triton.jit
+def raven_bwd_kernel_dar(
+    a,
+    idx,
+    r,
+    dlf,
+    carry,
+    da,
+    dr,
+    chunk_bos,
+    chunk_len,
+    H: tl.constexpr,
+    M: tl.constexpr,
+    K: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """One chunk and head: the router's gradients from d loss / d log_f at the written slots, dl = dlf (the chunk's
+    own reads) + carry (every later chunk's, [NC, H, M]); log_f = a r gives da = sum_j dl_j r_j, dr_j = dl_j a."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos, L = tl.load(chunk_bos + i_c), tl.load(chunk_len + i_c)
+    o_t, o_k = tl.arange(0, BT), tl.arange(0, BK)
+    m_t = o_t < L
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    p_tk = ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :]
+    b_i = tl.load(idx + p_tk, mask=m_tk, other=0)  # [BT, BK]
+    b_dl = tl.load(dlf + ((bos + o_t[:, None]) * H + i_h) * M + b_i, mask=m_tk, other=0.0)
+    b_dl += tl.load(carry + (i_c * H + i_h) * M + b_i, mask=m_tk, other=0.0)
+    b_a = tl.load(a + (bos + o_t) * H + i_h, mask=m_t, other=0.0)  # [BT]
+    b_r = tl.load(r + p_tk, mask=m_tk, other=0.0)
+    tl.store(da + (bos + o_t) * H + i_h, tl.sum(b_dl * b_r, 1).to(da.dtype.element_ty), mask=m_t)
+    tl.store(dr + p_tk, (b_dl * b_a[:, None]).to(dr.dtype.element_ty), mask=m_tk)

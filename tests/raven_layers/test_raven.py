@@ -124,6 +124,10 @@ def test_initial_gate_is_identity():
         ({"feature_map": "relu"}, "raven.feature_map = 'relu' is not allowed; expected one of ['identity', 'silu']"),
         ({"chunk_size": 2.5}, "raven.chunk_size = 2.5 is not allowed; expected an integer >= 1"),
         ({"gumbel": "yes"}, "raven.gumbel = 'yes' is not allowed; expected true or false"),
+        (
+            {"checkpoint_level": 3},
+            "raven.checkpoint_level = 3 is not allowed; expected 0 (fastest backward, most memory), 1 or 2 (least memory)",
+        ),
     ],
 )
 def test_bad_settings_are_named(settings, message):

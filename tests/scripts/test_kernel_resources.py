@@ -11,7 +11,7 @@ import triton
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "kernel_resources.py"
 SHARED_LIMIT = 227 * 1024  # bytes of shared memory per block on sm_90
-KERNELS = ["o", "dq", "dkv", "dlf", "h", "dh", "gate", "dhc", "scan"]
+KERNELS = ["o", "dq", "dkv", "dlf", "h", "dh", "gate", "dhc", "scan", "decode"]
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
@@ -34,4 +34,4 @@ def test_training_kernels_fit_hopper_at_d128():
 def test_unknown_kernel_is_named():
     result = run_script("--kernels", "o,dx")
     assert result.returncode != 0
-    assert "unknown kernel 'dx'; allowed: o, dq, dkv, dlf, h, dh, gate, dhc, scan" in result.stderr
+    assert "unknown kernel 'dx'; allowed: o, dq, dkv, dlf, h, dh, gate, dhc, scan, decode" in result.stderr
