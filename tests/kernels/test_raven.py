@@ -123,6 +123,23 @@ def test_chunk_checkpoint_levels_match_reference(level, scan_form):
     assert_match(run_both(inputs, 0.3, 16, random_state(2, 1, 16, 16), cu_seqlens, checkpoint_level=level))
 
 
+def test_kept_final_states_survive_decoding():
+    # decoding goes on from the returned final states, updating them in place, before the backward runs
+    q, k, v, a, idx, r = random_inputs(1, 21, 1, 1, 16, 16, 4, seed=8)
+    grads = []
+    for level in (2, 0):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, a, r)]
+        o, (hk, hv) = chunk_raven(*leaves[:4], idx, leaves[4], 0.5, 16, None, True, checkpoint_level=level)
+        loss = o.sum() + (hk * torch.linspace(-1, 1, hk.numel(), device=DEVICE).view_as(hk)).sum()
+        with torch.no_grad():
+            step = (x[:, -1:].detach() for x in (q, k, v, a, idx, r))
+            fused_recurrent_raven(*step, 0.5, 16, (hk.detach(), hv.detach()))
+        loss.backward()
+        grads.append([x.grad for x in leaves])
+    for x, ref in zip(*grads):
+        assert rel_err(x, ref) < 1e-6
+
+
 def test_chunk_scans_many_chunks_per_sequence(scan_form):
     # 9 chunks: the long-sequence scan combines a few chunks per step and carries between steps, both directions
     lengths = [520, 81]
