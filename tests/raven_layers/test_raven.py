@@ -126,7 +126,8 @@ def test_initial_gate_is_identity():
         ({"gumbel": "yes"}, "raven.gumbel = 'yes' is not allowed; expected true or false"),
         (
             {"checkpoint_level": 3},
-            "raven.checkpoint_level = 3 is not allowed; expected 0 (fastest backward, most memory), 1 or 2 (least memory)",
+            "raven.checkpoint_level = 3 is not allowed; "
+            "expected 0 (fastest backward, most memory), 1 or 2 (least memory)",
         ),
     ],
 )
