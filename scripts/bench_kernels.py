@@ -8,7 +8,8 @@ tokens/s of forward+backward, the peak memory a forward+backward adds on top of 
 seconds (compilation and autotuning included). Decode cases time one step and report the bytes each implementation
 must move (the state it reads plus what it writes back) per second, against a device-to-device copy's. Peers are
 measured in the same run on the same inputs:
-- Raven (M slots, top-K): ours `chunk_raven` vs fla `chunk_gsa` with the dense gates g = log-retention,
+- Raven (M slots, top-K): ours `chunk_raven` (default checkpoint_level 2, and 0: gates and chunk states kept for
+  the backward) vs fla `chunk_gsa` (its default checkpoint_level 2) with the dense gates g = log-retention,
   s = 1 - exp(g) (the Gated Slot Attention form of the same recurrence; only with --with-fla-gsa, since it
   compiles and autotunes for minutes: ../shared/README.md has its numbers from the same H100 type).
 - SSE n4k1 (+ shared partition, varlen): ours `chunk_sse` vs fla `chunk_gla` at the same H and D (dense lower
@@ -68,11 +69,11 @@ def raven_inputs(B, T, M, K, G=1):
     return q, k, v, a, idx, r, log_f
 
 
-def case_raven_ours(B, T, M, K):
+def case_raven_ours(B, T, M, K, level=2):
     from kernels.raven import chunk_raven
 
     q, k, v, a, idx, r, _ = raven_inputs(B, T, M, K)
-    return lambda: chunk_raven(q, k, v, a, idx, r, D**-0.5, M)[0], [q, k, v, a, r]
+    return lambda: chunk_raven(q, k, v, a, idx, r, D**-0.5, M, checkpoint_level=level)[0], [q, k, v, a, r]
 
 
 def case_raven_fla(B, T, M, K):
@@ -218,6 +219,8 @@ def training_cases(only: set[str]) -> list[tuple[str, str, str, Callable, tuple]
         if "raven" in only:
             for M, K in ((256, 32), (64, 8)):
                 cases.append(("raven", f"ours chunk_raven M={M} top-{K}", shape, case_raven_ours, (B, T, M, K)))
+                label = f"ours chunk_raven M={M} top-{K} checkpoint_level=0"
+                cases.append(("raven", label, shape, case_raven_ours, (B, T, M, K, 0)))
                 if FLA and WITH_GSA:
                     cases.append(("raven", f"fla chunk_gsa M={M} (dense gates)", shape, case_raven_fla, (B, T, M, K)))
         if "sse" in only:
