@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--warps", default="8", help="other warp counts to try for the o, dq and dkvg kernels")
+    p.add_argument("--warps", default="8", help="other warp counts to try for the o and dqkvg kernels")
     p.add_argument("--fla-only", action="store_true", help="time fla's chunk_gla alone (its first call autotunes)")
     args = p.parse_args(argv)
     B, T, H, D = args.batch, args.seq_len, args.heads, args.dim
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     chunk_module.LOW_PRECISION_STATES = saved
 
     for warps in (int(w) for w in args.warps.split(",")):
-        for kernel in ("o", "dq", "dkvg"):
+        for kernel in ("o", "dqkvg"):
             saved = dict(chunk_module.WARPS)
             chunk_module.WARPS[kernel] = warps
             report(f"SSE varlen, {kernel} kernel at {warps} warps", time_call(fn, leaves))

@@ -6,10 +6,8 @@ Every sequence (a batch row, or a segment of `cu_seqlens`) is cut into chunks of
 a sequence boundary; the chunk list is built on the device (one host sync reads its length). Forward: the
 chunk-local cumulative gate b (`sse_fwd_kernel_cumsum`), the state entering every chunk by a scan over each
 sequence's chunks (`sse_fwd_kernel_h`), then all chunks in parallel (`sse_fwd_kernel_o`). Backward: a reverse scan
-for the gradient of the state leaving every chunk (`sse_bwd_kernel_dh`), then all chunks in parallel, dq first
-(`sse_bwd_kernel_dq`), then dk, dv and the gate (`sse_bwd_kernel_dkvg`): apart, each holds half the tiles (one
-kernel spilled ~6 KB per thread at c = d = 128). Empty sequences run no chunk: their state passes through, and so
-does its gradient.
+for the gradient of the state leaving every chunk (`sse_bwd_kernel_dh`), then all chunks in parallel
+(`sse_bwd_kernel_dqkvg`). Empty sequences run no chunk: their state passes through, and so does its gradient.
 
 Inside a chunk token t reads token s <= t through exp(b_t - b_s). Sub-chunks of BC = 16 rows split this: across
 sub-chunks the factor is split at the boundary between them, exp(b_t - b_ref) exp(b_ref - b_s), two non-positive
@@ -32,7 +30,7 @@ from raven_layers.sse import sse_masking, sse_varlen
 BT = 64  # chunk length
 BC = 16  # sub-chunk length
 POISON = False  # tests set it: outputs start as NaN
-WARPS = {"h": 4, "o": 4, "dh": 4, "dq": 8, "dkvg": 8}  # fixed launch configs (kernels/sse/NOTES.md)
+WARPS = {"h": 4, "o": 4, "dh": 4, "dqkvg": 4}  # fixed launch configs (kernels/sse/NOTES.md)
 LOW_PRECISION_STATES = True  # bf16/fp16 inputs: per-chunk states (and their grads) stored in that dtype, half the bytes
 
 
@@ -243,90 +241,7 @@ def sse_bwd_kernel_dh(
 
 
 @triton.jit
-def sse_bwd_kernel_dq(
-    q,
-    k,
-    v,
-    gc,
-    hs,
-    do,
-    dq,
-    qdq,
-    cu,
-    chunk_seq,
-    chunk_pos,
-    scale,
-    H,
-    G: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BT: tl.constexpr,
-    BC: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-):
-    """One chunk and state head: dq of its G query heads, and qdq [L, H, K] = sum_g q dq (the queries' share of the
-    gate gradient, which sse_bwd_kernel_dkvg completes)."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    i_s = tl.load(chunk_seq + i_c)
-    bos = tl.load(cu + i_s).to(tl.int64) + tl.load(chunk_pos + i_c).to(tl.int64) * BT
-    n = tl.load(cu + i_s + 1).to(tl.int64) - bos
-    last = tl.minimum(n, BT) - 1
-    DT = q.dtype.element_ty
-    o_t, o_r, o_k, o_v = tl.arange(0, BT), tl.arange(0, BC), tl.arange(0, BK), tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_t = o_t < n
-    p_kv = (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-    b_hT = tl.trans(tl.load(hs + p_kv, mask=m_k[:, None] & m_v[None, :], other=0.0).to(DT))  # [BV, BK] entering
-    b_k = tl.load(
-        k + ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0
-    ).to(DT)  # [BT, BK]
-    b_v = tl.load(
-        v + ((bos + o_t)[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0
-    ).to(DT)  # [BT, BV]
-    for i in range(BT // BC):
-        rows = i * BC + o_r
-        m_r = rows < n
-        m_rk = m_r[:, None] & m_k[None, :]
-        m_rv = m_r[:, None] & m_v[None, :]
-        b_bi = tl.load(
-            gc + ((bos + tl.minimum(rows, last))[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
-        )  # [BC, BK]
-        b_qdq = tl.zeros([BC, BK], dtype=tl.float32)
-        for i_g in range(G):
-            i_hg = i_h * G + i_g
-            offs_rqk = ((bos + rows)[:, None] * (H * G) + i_hg) * K + o_k[None, :]
-            b_doi = tl.load(do + ((bos + rows)[:, None] * (H * G) + i_hg) * V + o_v[None, :], mask=m_rv, other=0.0).to(
-                DT
-            )  # [BC, BV]
-            # from the entering state, then from earlier tokens of the chunk
-            b_dq = tl.dot(b_doi, b_hT) * tl.exp(b_bi) * scale  # [BC, BK]
-            b_dA = tl.dot(b_doi, tl.trans(b_v)) * scale  # [BC, BT] dA[t, s], t in this sub-chunk
-            if i > 0:
-                b_ref = tl.load(gc + ((bos + tl.minimum(i * BC - 1, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
-                b_b = tl.load(
-                    gc + ((bos + tl.minimum(o_t, last))[:, None] * H + i_h) * K + o_k[None, :],
-                    mask=m_k[None, :],
-                    other=0.0,
-                )  # [BT, BK]
-                b_kg = b_k * tl.exp(tl.where((o_t < i * BC)[:, None], b_ref[None, :] - b_b, float("-inf")))
-                b_dq += tl.dot(b_dA.to(DT), b_kg.to(DT)) * tl.exp(b_bi - b_ref[None, :])
-            for j in range(BC):
-                col = i * BC + j
-                b_kj = tl.load(k + ((bos + col) * H + i_h) * K + o_k, mask=o_k < tl.where(col < n, K, 0), other=0.0).to(
-                    tl.float32
-                )
-                b_bj = tl.load(gc + ((bos + tl.minimum(col, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
-                b_e = tl.exp(tl.where((o_r >= j)[:, None], b_bi - b_bj[None, :], float("-inf")))
-                b_a = tl.sum(tl.where((o_t == col)[None, :], b_dA, 0.0), axis=1)  # [BC]
-                b_dq += b_a[:, None] * b_kj[None, :] * b_e
-            tl.store(dq + offs_rqk, b_dq.to(dq.dtype.element_ty), mask=m_rk)
-            b_qdq += tl.load(q + offs_rqk, mask=m_rk, other=0.0).to(tl.float32) * b_dq
-        tl.store(qdq + ((bos + rows)[:, None] * H + i_h) * K + o_k[None, :], b_qdq, mask=m_rk)
-
-
-@triton.jit
-def sse_bwd_kernel_dkvg(
+def sse_bwd_kernel_dqkvg(
     q,
     k,
     v,
@@ -334,6 +249,7 @@ def sse_bwd_kernel_dkvg(
     hs,
     do,
     dhs,
+    dq,
     dk,
     dv,
     dg,
@@ -350,7 +266,6 @@ def sse_bwd_kernel_dkvg(
     BK: tl.constexpr,
     BV: tl.constexpr,
 ):
-    """One chunk and state head: dk, dv, and dg from them and the qdq that sse_bwd_kernel_dq left in dg."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_s = tl.load(chunk_seq + i_c)
     bos = tl.load(cu + i_s).to(tl.int64) + tl.load(chunk_pos + i_c).to(tl.int64) * BT
@@ -360,25 +275,24 @@ def sse_bwd_kernel_dkvg(
     o_t, o_r, o_k, o_v = tl.arange(0, BT), tl.arange(0, BC), tl.arange(0, BK), tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
     m_t = o_t < n
-    m_kv = m_k[:, None] & m_v[None, :]
-    p_kv = (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-    # The tiles of the whole chunk are loaded where they are used (again per sub-chunk): held across the loop,
-    # they spill.
-    b_dh = tl.load(dhs + p_kv, mask=m_kv, other=0.0).to(DT)  # [BK, BV] grad of the state leaving the chunk
+    offs_kv = (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+    b_h = tl.load(hs + offs_kv, mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BK, BV] entering
+    b_dh = tl.load(dhs + offs_kv, mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # grad of leaving
     b_bl = tl.load(gc + ((bos + last) * H + i_h) * K + o_k, mask=m_k, other=0.0)  # [BK]
+    b_k = tl.load(
+        k + ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0
+    ).to(tl.float32)  # [BT, BK]
     b_b = tl.load(
         gc + ((bos + tl.minimum(o_t, last))[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
     )  # [BT, BK]
-    # Gate gradient common to the whole chunk: rowsum(dS ⊙ S) of the state leaving it.
-    b_run = tl.exp(b_bl) * tl.sum(b_dh.to(tl.float32) * tl.load(hs + p_kv, mask=m_kv, other=0.0).to(tl.float32), 1)
-    b_kf = tl.load(
-        k + ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0
-    ).to(tl.float32)  # [BT, BK]
-    b_vf = tl.load(
+    b_v = tl.load(
         v + ((bos + o_t)[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0
     ).to(DT)  # [BT, BV]
-    b_run += tl.sum(b_kf * tl.dot(b_vf, tl.trans(b_dh)) * tl.exp(b_bl[None, :] - b_b), axis=0)  # [BK]
-    for ii in range(BT // BC):
+    b_hT, b_dhT = tl.trans(b_h.to(DT)), tl.trans(b_dh.to(DT))  # [BV, BK]
+    # Gate gradient common to the whole chunk: rowsum(dS ⊙ S) of the state leaving it.
+    b_dk_state = tl.dot(b_v, b_dhT) * tl.exp(b_bl[None, :] - b_b)  # [BT, BK]
+    b_run = tl.exp(b_bl) * tl.sum(b_dh * b_h, axis=1) + tl.sum(b_k * b_dk_state, axis=0)  # [BK]
+    for ii in tl.static_range(BT // BC):
         i = BT // BC - 1 - ii
         rows = i * BC + o_r
         m_r = rows < n
@@ -392,18 +306,41 @@ def sse_bwd_kernel_dkvg(
         )  # [BC, BK]
         b_vi = tl.load(v + offs_rv, mask=m_rv, other=0.0).to(DT)  # [BC, BV]
         b_ei = tl.exp(b_bl[None, :] - b_bi)
-        b_dh = tl.load(dhs + p_kv, mask=m_kv, other=0.0).to(DT)
-        b_dk = tl.dot(b_vi, tl.trans(b_dh)) * b_ei  # [BC, BK]
-        b_dv = tl.dot((b_ki * b_ei).to(DT), b_dh)  # [BC, BV]
+        b_dk = tl.dot(b_vi, b_dhT) * b_ei  # [BC, BK]
+        b_dv = tl.dot((b_ki * b_ei).to(DT), b_dh.to(DT))  # [BC, BV]
+        b_qdq = tl.zeros([BC, BK], dtype=tl.float32)
         b_ref_k = tl.load(gc + ((bos + tl.minimum(i * BC + BC - 1, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
         for i_g in range(G):
             i_hg = i_h * G + i_g
-            # from later tokens t of the chunk
+            offs_rqk = ((bos + rows)[:, None] * (H * G) + i_hg) * K + o_k[None, :]
+            b_qi = tl.load(q + offs_rqk, mask=m_rk, other=0.0).to(tl.float32)  # [BC, BK]
+            b_doi = tl.load(do + ((bos + rows)[:, None] * (H * G) + i_hg) * V + o_v[None, :], mask=m_rv, other=0.0).to(
+                DT
+            )  # [BC, BV]
+            # dq of the rows of this sub-chunk: from the entering state, then from earlier tokens
+            b_dq = tl.dot(b_doi, b_hT) * tl.exp(b_bi) * scale  # [BC, BK]
+            b_dA = tl.dot(b_doi, tl.trans(b_v)) * scale  # [BC, BT] dA[t, s], t in this sub-chunk
+            if i > 0:
+                b_ref = tl.load(gc + ((bos + tl.minimum(i * BC - 1, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+                b_kg = b_k * tl.exp(tl.where((o_t < i * BC)[:, None], b_ref[None, :] - b_b, float("-inf")))
+                b_dq += tl.dot(b_dA.to(DT), b_kg.to(DT)) * tl.exp(b_bi - b_ref[None, :])
+            for j in range(BC):
+                col = i * BC + j
+                b_kj = tl.load(k + ((bos + col) * H + i_h) * K + o_k, mask=o_k < tl.where(col < n, K, 0), other=0.0).to(
+                    tl.float32
+                )
+                b_bj = tl.load(gc + ((bos + tl.minimum(col, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+                b_e = tl.exp(tl.where((o_r >= j)[:, None], b_bi - b_bj[None, :], float("-inf")))
+                b_a = tl.sum(tl.where((o_t == col)[None, :], b_dA, 0.0), axis=1)  # [BC]
+                b_dq += b_a[:, None] * b_kj[None, :] * b_e
+            tl.store(dq + offs_rqk, b_dq.to(dq.dtype.element_ty), mask=m_rk)
+            b_qdq += b_qi * b_dq
+            # dk, dv of the columns of this sub-chunk: from later tokens t of the chunk
             b_qf = tl.load(
                 q + ((bos + o_t)[:, None] * (H * G) + i_hg) * K + o_k[None, :],
                 mask=m_t[:, None] & m_k[None, :],
                 other=0.0,
-            )  # [BT, BK]
+            ).to(tl.float32)  # [BT, BK]
             b_dof = tl.load(
                 do + ((bos + o_t)[:, None] * (H * G) + i_hg) * V + o_v[None, :],
                 mask=m_t[:, None] & m_v[None, :],
@@ -412,11 +349,6 @@ def sse_bwd_kernel_dkvg(
             b_dAT = tl.dot(b_vi, tl.trans(b_dof)) * scale  # [BC, BT] dA[t, s], s in this sub-chunk
             b_AT = tl.zeros([BC, BT], dtype=tl.float32)  # A[t, s], s in this sub-chunk
             if i < BT // BC - 1:  # later sub-chunks, split at the last row of this one
-                b_b = tl.load(
-                    gc + ((bos + tl.minimum(o_t, last))[:, None] * H + i_h) * K + o_k[None, :],
-                    mask=m_k[None, :],
-                    other=0.0,
-                )  # [BT, BK]
                 b_qg = b_qf * tl.exp(tl.where((o_t >= i * BC + BC)[:, None], b_b - b_ref_k[None, :], float("-inf")))
                 b_kg = b_ki * tl.exp(b_ref_k[None, :] - b_bi)
                 b_dk += tl.dot(b_dAT.to(DT), b_qg.to(DT)) * tl.exp(b_ref_k[None, :] - b_bi)
@@ -434,7 +366,7 @@ def sse_bwd_kernel_dkvg(
             b_dv += tl.dot(b_AT.to(DT), b_dof) * scale
         tl.store(dk + offs_rk, b_dk.to(dk.dtype.element_ty), mask=m_rk)
         tl.store(dv + offs_rv, b_dv.to(dv.dtype.element_ty), mask=m_rv)
-        b_db = tl.load(dg + offs_rk, mask=m_rk, other=0.0) - b_ki * b_dk  # [BC, BK] qdq - k dk
+        b_db = b_qdq - b_ki * b_dk  # [BC, BK]
         b_sum = tl.sum(b_db, axis=0)
         b_dg = b_sum[None, :] - tl.cumsum(b_db, axis=0) + b_db + b_run[None, :]  # reverse cumsum, later rows added
         b_run += b_sum
@@ -536,12 +468,34 @@ class ChunkGLAFunction(torch.autograd.Function):
                 num_warps=WARPS["dh"],
             )
         dq, dk, dv = (_new(x.shape, x, x.dtype) for x in (q, k, v))
-        dg = _new((L, H, K), q, torch.float32)  # q dq from the dq kernel, then the gate gradient itself
+        dg = _new((L, H, K), q, g_dtype)
         if Nc:
-            args = (cu, chunk_seq, chunk_pos, scale, H, G, K, V, BT, BC, BK, BV)
-            sse_bwd_kernel_dq[(Nc, H)](q, k, v, gc, hs, do, dq, dg, *args, num_warps=WARPS["dq"])
-            sse_bwd_kernel_dkvg[(Nc, H)](q, k, v, gc, hs, do, dhs, dk, dv, dg, *args, num_warps=WARPS["dkvg"])
-        dg = dg.to(g_dtype)
+            sse_bwd_kernel_dqkvg[(Nc, H)](
+                q,
+                k,
+                v,
+                gc,
+                hs,
+                do,
+                dhs,
+                dq,
+                dk,
+                dv,
+                dg,
+                cu,
+                chunk_seq,
+                chunk_pos,
+                scale,
+                H,
+                G,
+                K,
+                V,
+                BT,
+                BC,
+                BK,
+                BV,
+                num_warps=WARPS["dqkvg"],
+            )
         shape = (B, T, H)
         dh0 = None if dh0 is None else dh0.to(h0_dtype)
         return dq.view(*shape, G, K), dk.view(*shape, K), dv.view(*shape, V), dg.view(*shape, K), None, dh0, None
