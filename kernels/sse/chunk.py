@@ -107,6 +107,7 @@ def sse_fwd_kernel_o(
     gc,
     hs,
     o,
+    A,
     cu,
     chunk_seq,
     chunk_pos,
@@ -119,7 +120,10 @@ def sse_fwd_kernel_o(
     BC: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    STORE_A: tl.constexpr,
 ):
+    """One chunk and query head: o, and with STORE_A the in-chunk scores A [L, H G, BT] (row t: A[t, s] over the
+    chunk's columns s, zero for s > t) in q's dtype, which the backward's dv takes as they are."""
     i_c, i_hg = tl.program_id(0), tl.program_id(1)
     i_h = i_hg // G
     i_s = tl.load(chunk_seq + i_c)
@@ -169,6 +173,9 @@ def sse_fwd_kernel_o(
             b_a = tl.sum(b_q * b_kj[None, :] * b_e, axis=1)  # [BC]
             b_A = tl.where((o_t == col)[None, :], b_a[:, None], b_A)
         b_o += tl.dot(b_A.to(DT), b_v)
+        if STORE_A:
+            p_A = A + ((bos + rows)[:, None] * (H * G) + i_hg) * BT + o_t[None, :]
+            tl.store(p_A, b_A.to(A.dtype.element_ty), mask=m_r[:, None])
         tl.store(
             o + ((bos + rows)[:, None] * (H * G) + i_hg) * V + o_v[None, :],
             (b_o * scale).to(o.dtype.element_ty),
@@ -249,6 +256,8 @@ def sse_bwd_kernel_dqkvg(
     hs,
     do,
     dhs,
+    A,
+    dA,
     dq,
     dk,
     dv,
@@ -289,6 +298,17 @@ def sse_bwd_kernel_dqkvg(
         v + ((bos + o_t)[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0
     ).to(DT)  # [BT, BV]
     b_hT, b_dhT = tl.trans(b_h.to(DT)), tl.trans(b_dh.to(DT))  # [BV, BK]
+    # dA[t, s] = scale do_t v_s of each query head, staged in memory: the sub-chunk loops read its rows and columns
+    # (a column of a register tile would cost a cross-thread reduction per step).
+    p_dA = dA + (i_c.to(tl.int64) * H + i_h) * G * BT * BT
+    for i_g in range(G):
+        b_do = tl.load(
+            do + ((bos + o_t)[:, None] * (H * G) + i_h * G + i_g) * V + o_v[None, :],
+            mask=m_t[:, None] & m_v[None, :],
+            other=0.0,
+        ).to(DT)  # [BT, BV]
+        tl.store(p_dA + (i_g * BT + o_t[:, None]) * BT + o_t[None, :], tl.dot(b_do, tl.trans(b_v)) * scale)
+    tl.debug_barrier()
     # Gate gradient common to the whole chunk: rowsum(dS ⊙ S) of the state leaving it.
     b_dk_state = tl.dot(b_v, b_dhT) * tl.exp(b_bl[None, :] - b_b)  # [BT, BK]
     b_run = tl.exp(b_bl) * tl.sum(b_dh * b_h, axis=1) + tl.sum(b_k * b_dk_state, axis=0)  # [BK]
@@ -319,7 +339,8 @@ def sse_bwd_kernel_dqkvg(
             )  # [BC, BV]
             # dq of the rows of this sub-chunk: from the entering state, then from earlier tokens
             b_dq = tl.dot(b_doi, b_hT) * tl.exp(b_bi) * scale  # [BC, BK]
-            b_dA = tl.dot(b_doi, tl.trans(b_v)) * scale  # [BC, BT] dA[t, s], t in this sub-chunk
+            p_dAg = p_dA + i_g * BT * BT
+            b_dA = tl.load(p_dAg + rows[:, None] * BT + o_t[None, :])  # [BC, BT] dA[t, s], t in this sub-chunk
             if i > 0:
                 b_ref = tl.load(gc + ((bos + tl.minimum(i * BC - 1, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
                 b_kg = b_k * tl.exp(tl.where((o_t < i * BC)[:, None], b_ref[None, :] - b_b, float("-inf")))
@@ -331,7 +352,7 @@ def sse_bwd_kernel_dqkvg(
                 )
                 b_bj = tl.load(gc + ((bos + tl.minimum(col, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
                 b_e = tl.exp(tl.where((o_r >= j)[:, None], b_bi - b_bj[None, :], float("-inf")))
-                b_a = tl.sum(tl.where((o_t == col)[None, :], b_dA, 0.0), axis=1)  # [BC]
+                b_a = tl.load(p_dAg + rows * BT + col)  # [BC] dA[t, col]
                 b_dq += b_a[:, None] * b_kj[None, :] * b_e
             tl.store(dq + offs_rqk, b_dq.to(dq.dtype.element_ty), mask=m_rk)
             b_qdq += b_qi * b_dq
@@ -346,13 +367,10 @@ def sse_bwd_kernel_dqkvg(
                 mask=m_t[:, None] & m_v[None, :],
                 other=0.0,
             ).to(DT)  # [BT, BV]
-            b_dAT = tl.dot(b_vi, tl.trans(b_dof)) * scale  # [BC, BT] dA[t, s], s in this sub-chunk
-            b_AT = tl.zeros([BC, BT], dtype=tl.float32)  # A[t, s], s in this sub-chunk
+            b_dAT = tl.load(p_dAg + o_t[None, :] * BT + rows[:, None])  # [BC, BT] dA[t, s], s in this sub-chunk
             if i < BT // BC - 1:  # later sub-chunks, split at the last row of this one
                 b_qg = b_qf * tl.exp(tl.where((o_t >= i * BC + BC)[:, None], b_b - b_ref_k[None, :], float("-inf")))
-                b_kg = b_ki * tl.exp(b_ref_k[None, :] - b_bi)
                 b_dk += tl.dot(b_dAT.to(DT), b_qg.to(DT)) * tl.exp(b_ref_k[None, :] - b_bi)
-                b_AT += tl.dot(b_kg.to(DT), tl.trans(b_qg.to(DT)))
             for j in range(BC):
                 row = i * BC + j
                 b_qj = tl.load(
@@ -360,10 +378,12 @@ def sse_bwd_kernel_dqkvg(
                 ).to(tl.float32)
                 b_bj = tl.load(gc + ((bos + tl.minimum(row, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
                 b_qe = b_qj[None, :] * tl.exp(tl.where((o_r <= j)[:, None], b_bj[None, :] - b_bi, float("-inf")))
-                b_a = tl.sum(tl.where((o_t == row)[None, :], b_dAT, 0.0), axis=1)  # [BC]
+                b_a = tl.load(p_dAg + row * BT + rows)  # [BC] dA[row, s]
                 b_dk += b_a[:, None] * b_qe
-                b_AT = tl.where((o_t == row)[None, :], tl.sum(b_ki * b_qe, axis=1)[:, None], b_AT)
-            b_dv += tl.dot(b_AT.to(DT), b_dof) * scale
+            b_AT = tl.load(
+                A + ((bos + o_t)[None, :] * (H * G) + i_hg) * BT + rows[:, None], mask=m_t[None, :], other=0.0
+            )  # [BC, BT] A[t, s], s in this sub-chunk, as the forward stored it
+            b_dv += tl.dot(b_AT, b_dof) * scale
         tl.store(dk + offs_rk, b_dk.to(dk.dtype.element_ty), mask=m_rk)
         tl.store(dv + offs_rv, b_dv.to(dv.dtype.element_ty), mask=m_rv)
         b_db = b_qdq - b_ki * b_dk  # [BC, BK]
@@ -418,6 +438,8 @@ class ChunkGLAFunction(torch.autograd.Function):
         hs = torch.empty(Nc, H, K, V, device=dev, dtype=_state_dtype(q))  # state entering each chunk
         ht = torch.empty(S, H, K, V, device=dev, dtype=torch.float32)
         o = _new((L, H, G, V), q, q.dtype)
+        store_A = any(ctx.needs_input_grad[:4])
+        A = _new((L, H * G, BT), q, q.dtype) if store_A else None  # in-chunk scores, for the backward's dv
         if Nc:
             sse_fwd_kernel_cumsum[(Nc, H)](log_g, gc, cu, chunk_seq, chunk_pos, H, K, BT, BK)
         hk, hv = min(BK, 64), min(BV, 64)
@@ -427,15 +449,35 @@ class ChunkGLAFunction(torch.autograd.Function):
             )
         if Nc:
             sse_fwd_kernel_o[(Nc, H * G)](
-                q, k, v, gc, hs, o, cu, chunk_seq, chunk_pos, scale, H, G, K, V, BT, BC, BK, BV, num_warps=WARPS["o"]
+                q,
+                k,
+                v,
+                gc,
+                hs,
+                o,
+                A,
+                cu,
+                chunk_seq,
+                chunk_pos,
+                scale,
+                H,
+                G,
+                K,
+                V,
+                BT,
+                BC,
+                BK,
+                BV,
+                store_A,
+                num_warps=WARPS["o"],
             )
-        ctx.save_for_backward(q, k, v, gc, hs, cu, chunk_seq, chunk_pos, chunk_off)
+        ctx.save_for_backward(q, k, v, gc, hs, A, cu, chunk_seq, chunk_pos, chunk_off)
         ctx.meta = (B, T, scale, initial_state is not None, log_g.dtype, None if h0 is None else initial_state.dtype)
         return o.view(B, T, H, G, V), ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, gc, hs, cu, chunk_seq, chunk_pos, chunk_off = ctx.saved_tensors
+        q, k, v, gc, hs, A, cu, chunk_seq, chunk_pos, chunk_off = ctx.saved_tensors
         B, T, scale, use_h0, g_dtype, h0_dtype = ctx.meta
         L, H, G, K = q.shape
         V, S, Nc, dev = v.shape[-1], cu.numel() - 1, hs.shape[0], q.device
@@ -469,6 +511,7 @@ class ChunkGLAFunction(torch.autograd.Function):
             )
         dq, dk, dv = (_new(x.shape, x, x.dtype) for x in (q, k, v))
         dg = _new((L, H, K), q, g_dtype)
+        dA = torch.empty(Nc, H, G, BT, BT, device=dev, dtype=torch.float32)  # staging of do v^T per chunk
         if Nc:
             sse_bwd_kernel_dqkvg[(Nc, H)](
                 q,
@@ -478,6 +521,8 @@ class ChunkGLAFunction(torch.autograd.Function):
                 hs,
                 do,
                 dhs,
+                A,
+                dA,
                 dq,
                 dk,
                 dv,
