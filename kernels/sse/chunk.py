@@ -48,6 +48,15 @@ def sse_fwd_kernel_cumsum(g, gc, cu, chunk_seq, chunk_pos, H, K: tl.constexpr, B
 
 
 @triton.jit
+def sse_row(x, gc, bos, t, n, last, HX, i_hx, K: tl.constexpr, o_k, G: tl.constexpr = 1):
+    """Row t of a chunk: x [BK] float32 (x has HX heads; zeros past the sequence's end) and the cumulative gate
+    [BK] of its state head i_hx // G (read at the last token past the end)."""
+    b_x = tl.load(x + ((bos + t) * HX + i_hx) * K + o_k, mask=o_k < tl.where(t < n, K, 0), other=0.0)
+    b_g = tl.load(gc + ((bos + tl.minimum(t, last)) * (HX // G) + i_hx // G) * K + o_k, mask=o_k < K, other=0.0)
+    return b_x.to(tl.float32), b_g
+
+
+@triton.jit
 def sse_fwd_kernel_h(
     k,
     v,
@@ -163,15 +172,14 @@ def sse_fwd_kernel_o(
             b_ref = tl.load(gc + ((bos + tl.minimum(i * BC - 1, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
             b_kg = b_k * tl.exp(tl.where((o_t < i * BC)[:, None], b_ref[None, :] - b_b, float("-inf")))
             b_A += tl.dot((b_q * tl.exp(b_bi - b_ref[None, :])).to(DT), tl.trans(b_kg.to(DT)))
+        b_kj, b_bj = sse_row(k, gc, bos, i * BC, n, last, H, i_h, K, o_k)
         for j in range(BC):
             col = i * BC + j
-            b_kj = tl.load(k + ((bos + col) * H + i_h) * K + o_k, mask=o_k < tl.where(col < n, K, 0), other=0.0).to(
-                tl.float32
-            )
-            b_bj = tl.load(gc + ((bos + tl.minimum(col, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+            b_kn, b_bn = sse_row(k, gc, bos, col + 1, n, last, H, i_h, K, o_k)  # in flight during this step
             b_e = tl.exp(tl.where((o_r >= j)[:, None], b_bi - b_bj[None, :], float("-inf")))  # [BC, BK]
             b_a = tl.sum(b_q * b_kj[None, :] * b_e, axis=1)  # [BC]
             b_A = tl.where((o_t == col)[None, :], b_a[:, None], b_A)
+            b_kj, b_bj = b_kn, b_bn
         b_o += tl.dot(b_A.to(DT), b_v)
         if STORE_A:
             p_A = A + ((bos + rows)[:, None] * (H * G) + i_hg) * BT + o_t[None, :]
@@ -345,15 +353,15 @@ def sse_bwd_kernel_dqkvg(
                 b_ref = tl.load(gc + ((bos + tl.minimum(i * BC - 1, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
                 b_kg = b_k * tl.exp(tl.where((o_t < i * BC)[:, None], b_ref[None, :] - b_b, float("-inf")))
                 b_dq += tl.dot(b_dA.to(DT), b_kg.to(DT)) * tl.exp(b_bi - b_ref[None, :])
+            b_kj, b_bj = sse_row(k, gc, bos, i * BC, n, last, H, i_h, K, o_k)
+            b_a = tl.load(p_dAg + rows * BT + i * BC)  # [BC] dA[t, col]
             for j in range(BC):
                 col = i * BC + j
-                b_kj = tl.load(k + ((bos + col) * H + i_h) * K + o_k, mask=o_k < tl.where(col < n, K, 0), other=0.0).to(
-                    tl.float32
-                )
-                b_bj = tl.load(gc + ((bos + tl.minimum(col, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+                b_kn, b_bn = sse_row(k, gc, bos, col + 1, n, last, H, i_h, K, o_k)  # in flight during this step
+                b_an = tl.load(p_dAg + rows * BT + col + 1, mask=(o_r * 0 + j) < BC - 1, other=0.0)
                 b_e = tl.exp(tl.where((o_r >= j)[:, None], b_bi - b_bj[None, :], float("-inf")))
-                b_a = tl.load(p_dAg + rows * BT + col)  # [BC] dA[t, col]
                 b_dq += b_a[:, None] * b_kj[None, :] * b_e
+                b_kj, b_bj, b_a = b_kn, b_bn, b_an
             tl.store(dq + offs_rqk, b_dq.to(dq.dtype.element_ty), mask=m_rk)
             b_qdq += b_qi * b_dq
             # dk, dv of the columns of this sub-chunk: from later tokens t of the chunk
@@ -371,15 +379,15 @@ def sse_bwd_kernel_dqkvg(
             if i < BT // BC - 1:  # later sub-chunks, split at the last row of this one
                 b_qg = b_qf * tl.exp(tl.where((o_t >= i * BC + BC)[:, None], b_b - b_ref_k[None, :], float("-inf")))
                 b_dk += tl.dot(b_dAT.to(DT), b_qg.to(DT)) * tl.exp(b_ref_k[None, :] - b_bi)
+            b_qj, b_bj = sse_row(q, gc, bos, i * BC, n, last, H * G, i_hg, K, o_k, G)
+            b_a = tl.load(p_dAg + i * BC * BT + rows)  # [BC] dA[row, s]
             for j in range(BC):
                 row = i * BC + j
-                b_qj = tl.load(
-                    q + ((bos + row) * (H * G) + i_hg) * K + o_k, mask=o_k < tl.where(row < n, K, 0), other=0.0
-                ).to(tl.float32)
-                b_bj = tl.load(gc + ((bos + tl.minimum(row, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+                b_qn, b_bn = sse_row(q, gc, bos, row + 1, n, last, H * G, i_hg, K, o_k, G)  # in flight meanwhile
+                b_an = tl.load(p_dAg + (row + 1) * BT + rows, mask=(o_r * 0 + j) < BC - 1, other=0.0)
                 b_qe = b_qj[None, :] * tl.exp(tl.where((o_r <= j)[:, None], b_bj[None, :] - b_bi, float("-inf")))
-                b_a = tl.load(p_dAg + row * BT + rows)  # [BC] dA[row, s]
                 b_dk += b_a[:, None] * b_qe
+                b_qj, b_bj, b_a = b_qn, b_bn, b_an
             b_AT = tl.load(
                 A + ((bos + o_t)[None, :] * (H * G) + i_hg) * BT + rows[:, None], mask=m_t[None, :], other=0.0
             )  # [BC, BT] A[t, s], s in this sub-chunk, as the forward stored it
