@@ -6,8 +6,11 @@ Every sequence (a batch row, or a segment of `cu_seqlens`) is cut into chunks of
 a sequence boundary; the chunk list is built on the device (one host sync reads its length). Forward: the
 chunk-local cumulative gate b (`sse_fwd_kernel_cumsum`), the state entering every chunk by a scan over each
 sequence's chunks (`sse_fwd_kernel_h`), then all chunks in parallel (`sse_fwd_kernel_o`). Backward: a reverse scan
-for the gradient of the state leaving every chunk (`sse_bwd_kernel_dh`), then all chunks in parallel
-(`sse_bwd_kernel_dqkvg`). Empty sequences run no chunk: their state passes through, and so does its gradient.
+for the gradient of the state leaving every chunk (`sse_bwd_kernel_dh`), do v^T per chunk (`sse_bwd_kernel_dA`),
+then all sub-chunks in parallel (`sse_bwd_kernel_dqkvg`), and the gate gradient's reverse sums within each chunk
+(`sse_bwd_kernel_dg`). The output and gradient kernels run one program per sub-chunk: their 16-step loops over a
+sub-chunk's rows are serial, so more programs share them. Empty sequences run no chunk: their state passes
+through, and so does its gradient.
 
 Inside a chunk token t reads token s <= t through exp(b_t - b_s). Sub-chunks of BC = 16 rows split this: across
 sub-chunks the factor is split at the boundary between them, exp(b_t - b_ref) exp(b_ref - b_s), two non-positive
@@ -131,9 +134,10 @@ def sse_fwd_kernel_o(
     BV: tl.constexpr,
     STORE_A: tl.constexpr,
 ):
-    """One chunk and query head: o, and with STORE_A the in-chunk scores A [L, H G, BT] (row t: A[t, s] over the
-    chunk's columns s, zero for s > t) in q's dtype, which the backward's dv takes as they are."""
-    i_c, i_hg = tl.program_id(0), tl.program_id(1)
+    """One sub-chunk i of a chunk, and query head: o of its rows, and with STORE_A their in-chunk scores
+    A [L, H G, BT] (row t: A[t, s] over the chunk's columns s, zero for s > t) in q's dtype, which the backward's
+    dv takes as they are."""
+    i_c, i_hg, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hg // G
     i_s = tl.load(chunk_seq + i_c)
     bos = tl.load(cu + i_s).to(tl.int64) + tl.load(chunk_pos + i_c).to(tl.int64) * BT
@@ -143,12 +147,6 @@ def sse_fwd_kernel_o(
     o_t, o_r, o_k, o_v = tl.arange(0, BT), tl.arange(0, BC), tl.arange(0, BK), tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
     m_t = o_t < n
-    b_k = tl.load(
-        k + ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0
-    ).to(tl.float32)  # [BT, BK]
-    b_b = tl.load(
-        gc + ((bos + tl.minimum(o_t, last))[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
-    )  # [BT, BK]
     b_v = tl.load(
         v + ((bos + o_t)[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0
     ).to(DT)  # [BT, BV]
@@ -157,38 +155,43 @@ def sse_fwd_kernel_o(
         mask=m_k[:, None] & m_v[None, :],
         other=0.0,
     ).to(DT)  # [BK, BV]
-    for i in tl.static_range(BT // BC):
-        rows = i * BC + o_r
-        m_r = rows < n
-        b_q = tl.load(
-            q + ((bos + rows)[:, None] * (H * G) + i_hg) * K + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0
-        ).to(tl.float32)  # [BC, BK]
-        b_bi = tl.load(
-            gc + ((bos + tl.minimum(rows, last))[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
-        )  # [BC, BK]
-        b_o = tl.dot((b_q * tl.exp(b_bi)).to(DT), b_h)  # [BC, BV]
-        b_A = tl.zeros([BC, BT], dtype=tl.float32)  # A[t, s] for the rows t of this sub-chunk
-        if i > 0:  # earlier sub-chunks, split at the row before this one
-            b_ref = tl.load(gc + ((bos + tl.minimum(i * BC - 1, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
-            b_kg = b_k * tl.exp(tl.where((o_t < i * BC)[:, None], b_ref[None, :] - b_b, float("-inf")))
-            b_A += tl.dot((b_q * tl.exp(b_bi - b_ref[None, :])).to(DT), tl.trans(b_kg.to(DT)))
-        b_kj, b_bj = sse_row(k, gc, bos, i * BC, n, last, H, i_h, K, o_k)
-        for j in range(BC):
-            col = i * BC + j
-            b_kn, b_bn = sse_row(k, gc, bos, col + 1, n, last, H, i_h, K, o_k)  # in flight during this step
-            b_e = tl.exp(tl.where((o_r >= j)[:, None], b_bi - b_bj[None, :], float("-inf")))  # [BC, BK]
-            b_a = tl.sum(b_q * b_kj[None, :] * b_e, axis=1)  # [BC]
-            b_A = tl.where((o_t == col)[None, :], b_a[:, None], b_A)
-            b_kj, b_bj = b_kn, b_bn
-        b_o += tl.dot(b_A.to(DT), b_v)
-        if STORE_A:
-            p_A = A + ((bos + rows)[:, None] * (H * G) + i_hg) * BT + o_t[None, :]
-            tl.store(p_A, b_A.to(A.dtype.element_ty), mask=m_r[:, None])
-        tl.store(
-            o + ((bos + rows)[:, None] * (H * G) + i_hg) * V + o_v[None, :],
-            (b_o * scale).to(o.dtype.element_ty),
-            mask=m_r[:, None] & m_v[None, :],
-        )
+    rows = i * BC + o_r
+    m_r = rows < n
+    b_q = tl.load(
+        q + ((bos + rows)[:, None] * (H * G) + i_hg) * K + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0
+    ).to(tl.float32)  # [BC, BK]
+    b_bi = tl.load(
+        gc + ((bos + tl.minimum(rows, last))[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
+    )  # [BC, BK]
+    b_o = tl.dot((b_q * tl.exp(b_bi)).to(DT), b_h)  # [BC, BV]
+    b_A = tl.zeros([BC, BT], dtype=tl.float32)  # A[t, s] for the rows t of this sub-chunk
+    if i > 0:  # earlier sub-chunks, split at the row before this one
+        b_ref = tl.load(gc + ((bos + tl.minimum(i * BC - 1, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+        b_k = tl.load(
+            k + ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0
+        ).to(tl.float32)  # [BT, BK]
+        b_b = tl.load(
+            gc + ((bos + tl.minimum(o_t, last))[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
+        )  # [BT, BK]
+        b_kg = b_k * tl.exp(tl.where((o_t < i * BC)[:, None], b_ref[None, :] - b_b, float("-inf")))
+        b_A += tl.dot((b_q * tl.exp(b_bi - b_ref[None, :])).to(DT), tl.trans(b_kg.to(DT)))
+    b_kj, b_bj = sse_row(k, gc, bos, i * BC, n, last, H, i_h, K, o_k)
+    for j in range(BC):
+        col = i * BC + j
+        b_kn, b_bn = sse_row(k, gc, bos, col + 1, n, last, H, i_h, K, o_k)  # in flight during this step
+        b_e = tl.exp(tl.where((o_r >= j)[:, None], b_bi - b_bj[None, :], float("-inf")))  # [BC, BK]
+        b_a = tl.sum(b_q * b_kj[None, :] * b_e, axis=1)  # [BC]
+        b_A = tl.where((o_t == col)[None, :], b_a[:, None], b_A)
+        b_kj, b_bj = b_kn, b_bn
+    b_o += tl.dot(b_A.to(DT), b_v)
+    if STORE_A:
+        p_A = A + ((bos + rows)[:, None] * (H * G) + i_hg) * BT + o_t[None, :]
+        tl.store(p_A, b_A.to(A.dtype.element_ty), mask=m_r[:, None])
+    tl.store(
+        o + ((bos + rows)[:, None] * (H * G) + i_hg) * V + o_v[None, :],
+        (b_o * scale).to(o.dtype.element_ty),
+        mask=m_r[:, None] & m_v[None, :],
+    )
 
 
 @triton.jit
@@ -256,6 +259,24 @@ def sse_bwd_kernel_dh(
 
 
 @triton.jit
+def sse_bwd_kernel_dA(
+    v, do, dA, cu, chunk_seq, chunk_pos, scale, H, G: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr
+):
+    """One chunk and query head: dA [Nc, H G, BT, BT] float32, dA[t, s] = scale do_t v_s, unmasked."""
+    i_c, i_hg = tl.program_id(0), tl.program_id(1)
+    i_h = i_hg // G
+    i_s = tl.load(chunk_seq + i_c)
+    bos = tl.load(cu + i_s).to(tl.int64) + tl.load(chunk_pos + i_c).to(tl.int64) * BT
+    n = tl.load(cu + i_s + 1).to(tl.int64) - bos
+    o_t, o_v = tl.arange(0, BT), tl.arange(0, BV)
+    m_tv = (o_t < n)[:, None] & (o_v < V)[None, :]
+    b_do = tl.load(do + ((bos + o_t)[:, None] * (H * G) + i_hg) * V + o_v[None, :], mask=m_tv, other=0.0)
+    b_v = tl.load(v + ((bos + o_t)[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.0).to(b_do.dtype)
+    p_dA = dA + (i_c.to(tl.int64) * H * G + i_hg) * BT * BT + o_t[:, None] * BT + o_t[None, :]
+    tl.store(p_dA, tl.dot(b_do, tl.trans(b_v)) * scale)
+
+
+@triton.jit
 def sse_bwd_kernel_dqkvg(
     q,
     k,
@@ -269,7 +290,8 @@ def sse_bwd_kernel_dqkvg(
     dq,
     dk,
     dv,
-    dg,
+    db,
+    run,
     cu,
     chunk_seq,
     chunk_pos,
@@ -283,7 +305,10 @@ def sse_bwd_kernel_dqkvg(
     BK: tl.constexpr,
     BV: tl.constexpr,
 ):
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    """One sub-chunk i of a chunk, and state head: dq, dk, dv of its rows, and for the gate gradient (finished by
+    sse_bwd_kernel_dg) db = sum_g q dq - k dk of its rows [L, H, K] and its share of the chunk-wide term,
+    run [Nc, H, BT // BC, K]."""
+    i_c, i_h, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_s = tl.load(chunk_seq + i_c)
     bos = tl.load(cu + i_s).to(tl.int64) + tl.load(chunk_pos + i_c).to(tl.int64) * BT
     n = tl.load(cu + i_s + 1).to(tl.int64) - bos
@@ -292,113 +317,117 @@ def sse_bwd_kernel_dqkvg(
     o_t, o_r, o_k, o_v = tl.arange(0, BT), tl.arange(0, BC), tl.arange(0, BK), tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
     m_t = o_t < n
+    rows = i * BC + o_r
+    m_r = rows < n
+    m_rk = m_r[:, None] & m_k[None, :]
+    m_rv = m_r[:, None] & m_v[None, :]
+    m_kv = m_k[:, None] & m_v[None, :]
     offs_kv = (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-    b_h = tl.load(hs + offs_kv, mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BK, BV] entering
-    b_dh = tl.load(dhs + offs_kv, mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # grad of leaving
+    offs_rk = ((bos + rows)[:, None] * H + i_h) * K + o_k[None, :]
+    offs_rv = ((bos + rows)[:, None] * H + i_h) * V + o_v[None, :]
+    b_dh = tl.load(dhs + offs_kv, mask=m_kv, other=0.0).to(DT)  # [BK, BV] grad of the state leaving the chunk
     b_bl = tl.load(gc + ((bos + last) * H + i_h) * K + o_k, mask=m_k, other=0.0)  # [BK]
-    b_k = tl.load(
-        k + ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0
-    ).to(tl.float32)  # [BT, BK]
-    b_b = tl.load(
-        gc + ((bos + tl.minimum(o_t, last))[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
-    )  # [BT, BK]
-    b_v = tl.load(
-        v + ((bos + o_t)[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0
-    ).to(DT)  # [BT, BV]
-    b_hT, b_dhT = tl.trans(b_h.to(DT)), tl.trans(b_dh.to(DT))  # [BV, BK]
-    # dA[t, s] = scale do_t v_s of each query head, staged in memory: the sub-chunk loops read its rows and columns
-    # (a column of a register tile would cost a cross-thread reduction per step).
-    p_dA = dA + (i_c.to(tl.int64) * H + i_h) * G * BT * BT
+    b_ki = tl.load(k + offs_rk, mask=m_rk, other=0.0).to(tl.float32)  # [BC, BK]
+    b_bi = tl.load(
+        gc + ((bos + tl.minimum(rows, last))[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
+    )  # [BC, BK]
+    b_vi = tl.load(v + offs_rv, mask=m_rv, other=0.0).to(DT)  # [BC, BV]
+    b_ei = tl.exp(b_bl[None, :] - b_bi)
+    b_dk = tl.dot(b_vi, tl.trans(b_dh)) * b_ei  # [BC, BK] from the state leaving the chunk
+    # The gate's chunk-wide term: sum over the chunk of k dk_state, and once per chunk rowsum(dS ⊙ S).
+    b_run = tl.sum(b_ki * b_dk, axis=0)  # [BK]
+    if i == 0:
+        b_h = tl.load(hs + offs_kv, mask=m_kv, other=0.0).to(tl.float32)
+        b_run += tl.exp(b_bl) * tl.sum(b_dh.to(tl.float32) * b_h, axis=1)
+    tl.store(run + ((i_c.to(tl.int64) * H + i_h) * (BT // BC) + i) * K + o_k, b_run, mask=m_k)
+    b_dv = tl.dot((b_ki * b_ei).to(DT), b_dh)  # [BC, BV]
+    b_qdq = tl.zeros([BC, BK], dtype=tl.float32)
+    b_ref_k = tl.load(gc + ((bos + tl.minimum(i * BC + BC - 1, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
     for i_g in range(G):
-        b_do = tl.load(
-            do + ((bos + o_t)[:, None] * (H * G) + i_h * G + i_g) * V + o_v[None, :],
-            mask=m_t[:, None] & m_v[None, :],
-            other=0.0,
-        ).to(DT)  # [BT, BV]
-        tl.store(p_dA + (i_g * BT + o_t[:, None]) * BT + o_t[None, :], tl.dot(b_do, tl.trans(b_v)) * scale)
-    tl.debug_barrier()
-    # Gate gradient common to the whole chunk: rowsum(dS ⊙ S) of the state leaving it.
-    b_dk_state = tl.dot(b_v, b_dhT) * tl.exp(b_bl[None, :] - b_b)  # [BT, BK]
-    b_run = tl.exp(b_bl) * tl.sum(b_dh * b_h, axis=1) + tl.sum(b_k * b_dk_state, axis=0)  # [BK]
-    for ii in tl.static_range(BT // BC):
-        i = BT // BC - 1 - ii
-        rows = i * BC + o_r
-        m_r = rows < n
-        m_rk = m_r[:, None] & m_k[None, :]
-        m_rv = m_r[:, None] & m_v[None, :]
-        offs_rk = ((bos + rows)[:, None] * H + i_h) * K + o_k[None, :]
-        offs_rv = ((bos + rows)[:, None] * H + i_h) * V + o_v[None, :]
-        b_ki = tl.load(k + offs_rk, mask=m_rk, other=0.0).to(tl.float32)  # [BC, BK]
-        b_bi = tl.load(
-            gc + ((bos + tl.minimum(rows, last))[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
-        )  # [BC, BK]
-        b_vi = tl.load(v + offs_rv, mask=m_rv, other=0.0).to(DT)  # [BC, BV]
-        b_ei = tl.exp(b_bl[None, :] - b_bi)
-        b_dk = tl.dot(b_vi, b_dhT) * b_ei  # [BC, BK]
-        b_dv = tl.dot((b_ki * b_ei).to(DT), b_dh.to(DT))  # [BC, BV]
-        b_qdq = tl.zeros([BC, BK], dtype=tl.float32)
-        b_ref_k = tl.load(gc + ((bos + tl.minimum(i * BC + BC - 1, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
-        for i_g in range(G):
-            i_hg = i_h * G + i_g
-            offs_rqk = ((bos + rows)[:, None] * (H * G) + i_hg) * K + o_k[None, :]
-            b_qi = tl.load(q + offs_rqk, mask=m_rk, other=0.0).to(tl.float32)  # [BC, BK]
-            b_doi = tl.load(do + ((bos + rows)[:, None] * (H * G) + i_hg) * V + o_v[None, :], mask=m_rv, other=0.0).to(
-                DT
-            )  # [BC, BV]
-            # dq of the rows of this sub-chunk: from the entering state, then from earlier tokens
-            b_dq = tl.dot(b_doi, b_hT) * tl.exp(b_bi) * scale  # [BC, BK]
-            p_dAg = p_dA + i_g * BT * BT
+        i_hg = i_h * G + i_g
+        p_dAg = dA + (i_c.to(tl.int64) * H * G + i_hg) * BT * BT  # [BT, BT] do v^T (sse_bwd_kernel_dA)
+        offs_rqk = ((bos + rows)[:, None] * (H * G) + i_hg) * K + o_k[None, :]
+        b_qi = tl.load(q + offs_rqk, mask=m_rk, other=0.0).to(tl.float32)  # [BC, BK]
+        b_doi = tl.load(do + ((bos + rows)[:, None] * (H * G) + i_hg) * V + o_v[None, :], mask=m_rv, other=0.0).to(
+            DT
+        )  # [BC, BV]
+        # dq of the rows of this sub-chunk: from the entering state, then from earlier tokens
+        b_hT = tl.trans(tl.load(hs + offs_kv, mask=m_kv, other=0.0).to(DT))  # [BV, BK]
+        b_dq = tl.dot(b_doi, b_hT) * tl.exp(b_bi) * scale  # [BC, BK]
+        if i > 0:  # earlier sub-chunks, split at the row before this one
             b_dA = tl.load(p_dAg + rows[:, None] * BT + o_t[None, :])  # [BC, BT] dA[t, s], t in this sub-chunk
-            if i > 0:
-                b_ref = tl.load(gc + ((bos + tl.minimum(i * BC - 1, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
-                b_kg = b_k * tl.exp(tl.where((o_t < i * BC)[:, None], b_ref[None, :] - b_b, float("-inf")))
-                b_dq += tl.dot(b_dA.to(DT), b_kg.to(DT)) * tl.exp(b_bi - b_ref[None, :])
-            b_kj, b_bj = sse_row(k, gc, bos, i * BC, n, last, H, i_h, K, o_k)
-            b_a = tl.load(p_dAg + rows * BT + i * BC)  # [BC] dA[t, col]
-            for j in range(BC):
-                col = i * BC + j
-                b_kn, b_bn = sse_row(k, gc, bos, col + 1, n, last, H, i_h, K, o_k)  # in flight during this step
-                b_an = tl.load(p_dAg + rows * BT + col + 1, mask=(o_r * 0 + j) < BC - 1, other=0.0)
-                b_e = tl.exp(tl.where((o_r >= j)[:, None], b_bi - b_bj[None, :], float("-inf")))
-                b_dq += b_a[:, None] * b_kj[None, :] * b_e
-                b_kj, b_bj, b_a = b_kn, b_bn, b_an
-            tl.store(dq + offs_rqk, b_dq.to(dq.dtype.element_ty), mask=m_rk)
-            b_qdq += b_qi * b_dq
-            # dk, dv of the columns of this sub-chunk: from later tokens t of the chunk
+            b_ref = tl.load(gc + ((bos + tl.minimum(i * BC - 1, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+            b_k = tl.load(
+                k + ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0
+            )  # [BT, BK]
+            b_b = tl.load(
+                gc + ((bos + tl.minimum(o_t, last))[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
+            )  # [BT, BK]
+            b_kg = b_k * tl.exp(tl.where((o_t < i * BC)[:, None], b_ref[None, :] - b_b, float("-inf")))
+            b_dq += tl.dot(b_dA.to(DT), b_kg.to(DT)) * tl.exp(b_bi - b_ref[None, :])
+        b_kj, b_bj = sse_row(k, gc, bos, i * BC, n, last, H, i_h, K, o_k)
+        b_a = tl.load(p_dAg + rows * BT + i * BC)  # [BC] dA[t, col]
+        for j in range(BC):
+            col = i * BC + j
+            b_kn, b_bn = sse_row(k, gc, bos, col + 1, n, last, H, i_h, K, o_k)  # in flight during this step
+            b_an = tl.load(p_dAg + rows * BT + col + 1, mask=(o_r * 0 + j) < BC - 1, other=0.0)
+            b_e = tl.exp(tl.where((o_r >= j)[:, None], b_bi - b_bj[None, :], float("-inf")))
+            b_dq += b_a[:, None] * b_kj[None, :] * b_e
+            b_kj, b_bj, b_a = b_kn, b_bn, b_an
+        tl.store(dq + offs_rqk, b_dq.to(dq.dtype.element_ty), mask=m_rk)
+        b_qdq += b_qi * b_dq
+        # dk, dv of the columns of this sub-chunk: from later tokens t of the chunk
+        b_dof = tl.load(
+            do + ((bos + o_t)[:, None] * (H * G) + i_hg) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0
+        ).to(DT)  # [BT, BV]
+        if i < BT // BC - 1:  # later sub-chunks, split at the last row of this one
+            b_dAT = tl.load(p_dAg + o_t[None, :] * BT + rows[:, None])  # [BC, BT] dA[t, s], s in this sub-chunk
             b_qf = tl.load(
                 q + ((bos + o_t)[:, None] * (H * G) + i_hg) * K + o_k[None, :],
                 mask=m_t[:, None] & m_k[None, :],
                 other=0.0,
-            ).to(tl.float32)  # [BT, BK]
-            b_dof = tl.load(
-                do + ((bos + o_t)[:, None] * (H * G) + i_hg) * V + o_v[None, :],
-                mask=m_t[:, None] & m_v[None, :],
-                other=0.0,
-            ).to(DT)  # [BT, BV]
-            b_dAT = tl.load(p_dAg + o_t[None, :] * BT + rows[:, None])  # [BC, BT] dA[t, s], s in this sub-chunk
-            if i < BT // BC - 1:  # later sub-chunks, split at the last row of this one
-                b_qg = b_qf * tl.exp(tl.where((o_t >= i * BC + BC)[:, None], b_b - b_ref_k[None, :], float("-inf")))
-                b_dk += tl.dot(b_dAT.to(DT), b_qg.to(DT)) * tl.exp(b_ref_k[None, :] - b_bi)
-            b_qj, b_bj = sse_row(q, gc, bos, i * BC, n, last, H * G, i_hg, K, o_k, G)
-            b_a = tl.load(p_dAg + i * BC * BT + rows)  # [BC] dA[row, s]
-            for j in range(BC):
-                row = i * BC + j
-                b_qn, b_bn = sse_row(q, gc, bos, row + 1, n, last, H * G, i_hg, K, o_k, G)  # in flight meanwhile
-                b_an = tl.load(p_dAg + (row + 1) * BT + rows, mask=(o_r * 0 + j) < BC - 1, other=0.0)
-                b_qe = b_qj[None, :] * tl.exp(tl.where((o_r <= j)[:, None], b_bj[None, :] - b_bi, float("-inf")))
-                b_dk += b_a[:, None] * b_qe
-                b_qj, b_bj, b_a = b_qn, b_bn, b_an
-            b_AT = tl.load(
-                A + ((bos + o_t)[None, :] * (H * G) + i_hg) * BT + rows[:, None], mask=m_t[None, :], other=0.0
-            )  # [BC, BT] A[t, s], s in this sub-chunk, as the forward stored it
-            b_dv += tl.dot(b_AT, b_dof) * scale
-        tl.store(dk + offs_rk, b_dk.to(dk.dtype.element_ty), mask=m_rk)
-        tl.store(dv + offs_rv, b_dv.to(dv.dtype.element_ty), mask=m_rv)
-        b_db = b_qdq - b_ki * b_dk  # [BC, BK]
-        b_sum = tl.sum(b_db, axis=0)
-        b_dg = b_sum[None, :] - tl.cumsum(b_db, axis=0) + b_db + b_run[None, :]  # reverse cumsum, later rows added
-        b_run += b_sum
-        tl.store(dg + offs_rk, b_dg.to(dg.dtype.element_ty), mask=m_rk)
+            )  # [BT, BK]
+            b_b = tl.load(
+                gc + ((bos + tl.minimum(o_t, last))[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
+            )  # [BT, BK]
+            b_qg = b_qf * tl.exp(tl.where((o_t >= i * BC + BC)[:, None], b_b - b_ref_k[None, :], float("-inf")))
+            b_dk += tl.dot(b_dAT.to(DT), b_qg.to(DT)) * tl.exp(b_ref_k[None, :] - b_bi)
+        b_qj, b_bj = sse_row(q, gc, bos, i * BC, n, last, H * G, i_hg, K, o_k, G)
+        b_a = tl.load(p_dAg + i * BC * BT + rows)  # [BC] dA[row, s]
+        for j in range(BC):
+            row = i * BC + j
+            b_qn, b_bn = sse_row(q, gc, bos, row + 1, n, last, H * G, i_hg, K, o_k, G)  # in flight meanwhile
+            b_an = tl.load(p_dAg + (row + 1) * BT + rows, mask=(o_r * 0 + j) < BC - 1, other=0.0)
+            b_qe = b_qj[None, :] * tl.exp(tl.where((o_r <= j)[:, None], b_bj[None, :] - b_bi, float("-inf")))
+            b_dk += b_a[:, None] * b_qe
+            b_qj, b_bj, b_a = b_qn, b_bn, b_an
+        b_AT = tl.load(
+            A + ((bos + o_t)[None, :] * (H * G) + i_hg) * BT + rows[:, None], mask=m_t[None, :], other=0.0
+        )  # [BC, BT] A[t, s], s in this sub-chunk, as the forward stored it
+        b_dv += tl.dot(b_AT, b_dof) * scale
+    tl.store(dk + offs_rk, b_dk.to(dk.dtype.element_ty), mask=m_rk)
+    tl.store(dv + offs_rv, b_dv.to(dv.dtype.element_ty), mask=m_rv)
+    tl.store(db + offs_rk, b_qdq - b_ki * b_dk, mask=m_rk)
+
+
+@triton.jit
+def sse_bwd_kernel_dg(
+    db, run, dg, cu, chunk_seq, chunk_pos, H, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr
+):
+    """One chunk and state head: dg_t = sum_{s >= t in the chunk} db_s + the chunk-wide term (its sub-chunks'
+    shares in run summed)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_s = tl.load(chunk_seq + i_c)
+    bos = tl.load(cu + i_s).to(tl.int64) + tl.load(chunk_pos + i_c).to(tl.int64) * BT
+    n = tl.load(cu + i_s + 1).to(tl.int64) - bos
+    o_t, o_i, o_k = tl.arange(0, BT), tl.arange(0, BT // BC), tl.arange(0, BK)
+    m_tk = (o_t < n)[:, None] & (o_k < K)[None, :]
+    offs = ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :]
+    b_db = tl.load(db + offs, mask=m_tk, other=0.0)  # [BT, BK]
+    p_run = run + ((i_c.to(tl.int64) * H + i_h) * (BT // BC) + o_i[:, None]) * K + o_k[None, :]
+    b_run = tl.sum(tl.load(p_run, mask=(o_k < K)[None, :], other=0.0), axis=0)  # [BK]
+    b_dg = tl.sum(b_db, axis=0)[None, :] - tl.cumsum(b_db, axis=0) + b_db + b_run[None, :]
+    tl.store(dg + offs, b_dg.to(dg.dtype.element_ty), mask=m_tk)
 
 
 def _block(n: int) -> int:
@@ -456,7 +485,7 @@ class ChunkGLAFunction(torch.autograd.Function):
                 k, v, gc, h0, hs, ht, cu, chunk_off, H, K, V, BT, hk, hv, h0 is not None, num_warps=WARPS["h"]
             )
         if Nc:
-            sse_fwd_kernel_o[(Nc, H * G)](
+            sse_fwd_kernel_o[(Nc, H * G, BT // BC)](
                 q,
                 k,
                 v,
@@ -519,36 +548,18 @@ class ChunkGLAFunction(torch.autograd.Function):
             )
         dq, dk, dv = (_new(x.shape, x, x.dtype) for x in (q, k, v))
         dg = _new((L, H, K), q, g_dtype)
-        dA = torch.empty(Nc, H, G, BT, BT, device=dev, dtype=torch.float32)  # staging of do v^T per chunk
         if Nc:
-            sse_bwd_kernel_dqkvg[(Nc, H)](
-                q,
-                k,
-                v,
-                gc,
-                hs,
-                do,
-                dhs,
-                A,
-                dA,
-                dq,
-                dk,
-                dv,
-                dg,
-                cu,
-                chunk_seq,
-                chunk_pos,
-                scale,
-                H,
-                G,
-                K,
-                V,
-                BT,
-                BC,
-                BK,
-                BV,
+            NS = BT // BC
+            dA = torch.empty(Nc, H * G, BT, BT, device=dev, dtype=torch.float32)  # do v^T per chunk
+            db = torch.empty(L, H, K, device=dev, dtype=torch.float32)  # sum_g q dq - k dk
+            run = torch.empty(Nc, H, NS, K, device=dev, dtype=torch.float32)  # chunk-wide gate term, per sub-chunk
+            layout = (cu, chunk_seq, chunk_pos, scale, H)
+            sse_bwd_kernel_dA[(Nc, H * G)](v, do, dA, *layout, G, V, BT, BV)
+            sse_bwd_kernel_dqkvg[(Nc, H, NS)](
+                q, k, v, gc, hs, do, dhs, A, dA, dq, dk, dv, db, run, *layout, G, K, V, BT, BC, BK, BV,
                 num_warps=WARPS["dqkvg"],
-            )
+            )  # fmt: skip
+            sse_bwd_kernel_dg[(Nc, H)](db, run, dg, cu, chunk_seq, chunk_pos, H, K, BT, BC, BK)
         shape = (B, T, H)
         dh0 = None if dh0 is None else dh0.to(h0_dtype)
         return dq.view(*shape, G, K), dk.view(*shape, K), dv.view(*shape, V), dg.view(*shape, K), None, dh0, None
