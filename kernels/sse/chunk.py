@@ -551,7 +551,8 @@ class ChunkGLAFunction(torch.autograd.Function):
         if Nc:
             NS = BT // BC
             dA = torch.empty(Nc, H * G, BT, BT, device=dev, dtype=torch.float32)  # do v^T per chunk
-            db = torch.empty(L, H, K, device=dev, dtype=torch.float32)  # sum_g q dq - k dk
+            # sum_g q dq - k dk; sse_bwd_kernel_dg turns it into dg in place when dg is float32
+            db = dg if dg.dtype == torch.float32 else torch.empty(L, H, K, device=dev, dtype=torch.float32)
             run = torch.empty(Nc, H, NS, K, device=dev, dtype=torch.float32)  # chunk-wide gate term, per sub-chunk
             layout = (cu, chunk_seq, chunk_pos, scale, H)
             sse_bwd_kernel_dA[(Nc, H * G)](v, do, dA, *layout, G, V, BT, BV)
