@@ -452,7 +452,7 @@ def chunk_raven(
         checkpoint_level: what the backward recomputes, as fla's chunk_gsa: 2 the gates and the chunk states (least
             memory), 1 the gates only (keeps the states, 2 x [NC, H, M, d] in k's dtype), 0 nothing (also keeps
             g and w, 2 x [B T, H, M] float32). At M = 256, B = 4, T = 4096, H = 16, d = 128 each kept pair is
-            512 MiB per layer (docs/KERNELS.md has what each level saves in time).
+            512 MiB per layer, held until its backward (docs/KERNELS.md has what each level saves in time).
 
     Returns:
         o [B, T, H, G, d] in q's dtype, and (S^k, S^v) each [N, H, M, d] float32 or None.
