@@ -73,6 +73,16 @@ def test_chunk_gla_is_stable_under_strong_decay():
     assert_all_close(got, ref, 1e-5, grad_tol=1e-3)  # d log_g = q dq - k dk cancels: float32 rounding shows
 
 
+def test_chunk_gla_bf16_gates():
+    # a bf16 log_g: its gradient leaves in bf16, through a float32 buffer of the in-chunk sums
+    q, k, v, log_g = random_gla(1, 70, 1, 1, 16, 16, seed=3)
+    log_g = log_g.bfloat16()
+    got = run_with_grads(lambda *a: chunk_gla(*a[:4], 0.3, a[4], True), (q, k, v, log_g), None)
+    ref = run_with_grads(lambda *a: gla_recurrent(*a[:3], a[3].float(), 0.3, a[4]), (q, k, v, log_g), None)
+    assert got[2][3].dtype == torch.bfloat16
+    assert_all_close(got, ref, 1e-5, grad_tol=1e-2)
+
+
 def test_chunk_gla_without_final_state():
     q, k, v, log_g = random_gla(1, 9, 1, 1, 16, 16)
     o, final = chunk_gla(q, k, v, log_g, 0.5)
