@@ -55,6 +55,7 @@ INPUT_DTYPE = {
     "dhv",
     "xk",
     "xv",
+    "w",
     "p",
     "ds",
 }  # bf16 in training
