@@ -55,7 +55,6 @@ INPUT_DTYPE = {
     "dhv",
     "xk",
     "xv",
-    "w",
     "p",
     "ds",
 }  # bf16 in training

@@ -219,8 +219,7 @@ def sequential_states(k, v, g, w, h0, chunks, M, store_final):
 
 
 def gates(k, v, a, idx, r, chunks, M, contributions=True):
-    """g [T, H, M] float32 and w [T, H, M] in k's dtype (per-slot cumulative log-retention within each chunk, and
-    1 - exp(log_f)), built from
+    """g, w [T, H, M] float32 (per-slot cumulative log-retention within each chunk, and 1 - exp(log_f)), built from
     the router a r at idx; gl [NC, H, M] (g at each chunk's last token); and, with contributions where the states
     take the split form (split_scan), each chunk's contributions xk, xv [NC, H, M, D] in k's dtype, else None."""
     T, H, D = k.shape
@@ -230,7 +229,7 @@ def gates(k, v, a, idx, r, chunks, M, contributions=True):
     BM, BD = block_sizes(M, D)
     BM = min(BM, 32) if split else BM  # the contributions' [BM, D] products: 32 slots at 8 warps
     g = a.new_empty(T, H, M, dtype=torch.float32)
-    w = k.new_empty(T, H, M)  # in the input dtype: read by five kernels, its bytes count (kernels/raven/NOTES.md)
+    w = torch.empty_like(g)
     gl = a.new_empty(NC, H, M, dtype=torch.float32)
     xk, xv = (k.new_empty(NC, H, M, D) for _ in range(2)) if split else (None, None)
     raven_fwd_kernel_gate[(NC, H)](

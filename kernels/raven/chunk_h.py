@@ -62,9 +62,9 @@ def raven_fwd_kernel_gate(
     BD: tl.constexpr,
     CONTRIB: tl.constexpr,
 ):
-    """One chunk and head. g [T, H, M]: cumulative log-retention within the chunk; w [T, H, M] (in k's dtype):
-    1 - exp(log_f), exact for tiny writes; gl [NC, H, M]: g at the chunk's last token. log_f is scattered into g
-    (zeros, then a_t r_t[j] at slot idx_t[j]), then read back a block of slots at a time. With CONTRIB also xk, xv
+    """One chunk and head. g [T, H, M]: cumulative log-retention within the chunk; w [T, H, M]: 1 - exp(log_f),
+    exact for tiny writes; gl [NC, H, M]: g at the chunk's last token. log_f is scattered into g (zeros, then
+    a_t r_t[j] at slot idx_t[j]), then read back a block of slots at a time. With CONTRIB also xk, xv
     [NC, H, M, D]: sum_t w_t exp(gl - g_t) k_t (and v_t), what the chunk writes into the state leaving it."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, L = tl.load(chunk_bos + i_c), tl.load(chunk_len + i_c)
@@ -92,7 +92,7 @@ def raven_fwd_kernel_gate(
         m_tm = m_t[:, None] & m_m[None, :]
         b_lf = tl.load(g + p_t[:, None] + o_m[None, :], mask=m_tm, other=0.0)  # [BT, BM]
         series = -b_lf * (1.0 + b_lf * (0.5 + b_lf * (1.0 / 6.0 + b_lf * (1.0 / 24.0 + b_lf / 120.0))))
-        b_w = tl.where(b_lf > -0.1, series, 1.0 - tl.exp(b_lf)).to(w.dtype.element_ty).to(tl.float32)  # as read
+        b_w = tl.where(b_lf > -0.1, series, 1.0 - tl.exp(b_lf))
         b_g = tl.cumsum(b_lf, axis=0)
         b_gl = tl.sum(tl.where(o_t[:, None] == L - 1, b_g, 0.0), 0)  # [BM] the last row, bit for bit
         tl.store(w + p_t[:, None] + o_m[None, :], b_w, mask=m_tm)
@@ -155,7 +155,7 @@ def raven_fwd_kernel_h(
         p_tm = ((bos + o_t[:, None]) * H + i_h) * M + o_m[None, :]
         m_tm = m_t[:, None] & m_m[None, :]
         b_g = tl.load(g + p_tm, mask=m_tm, other=0.0)  # [BT, BM]
-        b_w = tl.load(w + p_tm, mask=m_tm, other=0.0).to(tl.float32)
+        b_w = tl.load(w + p_tm, mask=m_tm, other=0.0)
         b_gl = tl.load(g + ((bos + L - 1) * H + i_h) * M + o_m, mask=m_m, other=0.0)  # [BM]
         p_td = ((bos + o_t[:, None]) * H + i_h) * D + o_d[None, :]
         m_td = m_t[:, None] & m_d[None, :]

@@ -34,7 +34,7 @@ def raven_slot_block(p_g, p_w, stride, L, o_t, m_t, o_m, M, EXACT: tl.constexpr)
     m_m = o_m < M
     m_tm = m_t[:, None] & m_m[None, :]
     b_g = tl.load(p_g + o_t[:, None] * stride + o_m[None, :], mask=m_tm, other=0.0)
-    b_w = tl.load(p_w + o_t[:, None] * stride + o_m[None, :], mask=m_tm, other=0.0).to(tl.float32)
+    b_w = tl.load(p_w + o_t[:, None] * stride + o_m[None, :], mask=m_tm, other=0.0)
     b_gl = tl.load(p_g + (L - 1) * stride + o_m, mask=m_m, other=0.0)
     fast = (tl.min(b_gl, 0) >= -RANGE) | (not EXACT)
     b_ref = 0.5 * b_gl[None, :]
@@ -49,7 +49,7 @@ def raven_rows(p_g, p_w, stride, j, L, o_m, m_m, BT: tl.constexpr, BC: tl.conste
     o_s = tl.arange(0, BT // BC) * BC + j  # [NS]
     mask = (o_s < L)[:, None] & m_m[None, :]
     b_g = tl.load(p_g + o_s[:, None] * stride + o_m[None, :], mask=mask, other=0.0)  # [NS, BM]
-    b_w = tl.load(p_w + o_s[:, None] * stride + o_m[None, :], mask=mask, other=0.0).to(tl.float32)
+    b_w = tl.load(p_w + o_s[:, None] * stride + o_m[None, :], mask=mask, other=0.0)
     shape: tl.constexpr = [BT // BC, BC, b_g.shape[1]]
     b_g = tl.reshape(tl.broadcast_to(b_g[:, None, :], shape), [BT, b_g.shape[1]])
     b_w = tl.reshape(tl.broadcast_to(b_w[:, None, :], shape), [BT, b_w.shape[1]])
