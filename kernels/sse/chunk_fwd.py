@@ -1,0 +1,162 @@
+"""Forward kernels of chunk_gla (kernels/sse/chunk.py has the algorithm): the chunk-local cumulative gate, the
+states entering every chunk, and the output of every sub-chunk."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def sse_fwd_kernel_cumsum(g, gc, cu, chunk_seq, chunk_pos, H, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_s = tl.load(chunk_seq + i_c)
+    bos = tl.load(cu + i_s).to(tl.int64) + tl.load(chunk_pos + i_c).to(tl.int64) * BT
+    n = tl.load(cu + i_s + 1).to(tl.int64) - bos
+    o_t, o_k = tl.arange(0, BT), tl.arange(0, BK)
+    mask = (o_t < n)[:, None] & (o_k < K)[None, :]
+    offs = ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :]
+    b_g = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)  # [BT, BK]
+    tl.store(gc + offs, tl.cumsum(b_g, axis=0), mask=mask)
+
+
+@triton.jit
+def sse_row(x, gc, bos, t, n, last, HX, i_hx, K: tl.constexpr, o_k, G: tl.constexpr = 1):
+    """Row t of a chunk: x [BK] float32 (x has HX heads; zeros past the sequence's end) and the cumulative gate
+    [BK] of its state head i_hx // G (read at the last token past the end)."""
+    b_x = tl.load(x + ((bos + t) * HX + i_hx) * K + o_k, mask=o_k < tl.where(t < n, K, 0), other=0.0)
+    b_g = tl.load(gc + ((bos + tl.minimum(t, last)) * (HX // G) + i_hx // G) * K + o_k, mask=o_k < K, other=0.0)
+    return b_x.to(tl.float32), b_g
+
+
+@triton.jit
+def sse_fwd_kernel_h(
+    k,
+    v,
+    gc,
+    h0,
+    hs,
+    ht,
+    cu,
+    chunk_off,
+    H,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    USE_H0: tl.constexpr,
+):
+    i_sh, i_k, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_s, i_h = i_sh // H, i_sh % H
+    seq_bos = tl.load(cu + i_s).to(tl.int64)
+    eos = tl.load(cu + i_s + 1).to(tl.int64)
+    c0 = tl.load(chunk_off + i_s).to(tl.int64)
+    n_chunks = tl.load(chunk_off + i_s + 1).to(tl.int64) - c0
+    o_t = tl.arange(0, BT)
+    o_k, o_v = i_k * BK + tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    offs_kv = o_k[:, None] * V + o_v[None, :]  # [BK, BV] inside one [K, V] state
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_h += tl.load(h0 + i_sh.to(tl.int64) * K * V + offs_kv, mask=m_kv, other=0.0)
+    for i in range(n_chunks):
+        bos = seq_bos + i * BT
+        last = tl.minimum(eos - bos, BT) - 1
+        tl.store(hs + ((c0 + i) * H + i_h) * K * V + offs_kv, b_h.to(hs.dtype.element_ty), mask=m_kv)
+        m_t = o_t < eos - bos
+        b_k = tl.load(
+            k + ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0
+        ).to(tl.float32)  # [BT, BK]
+        b_b = tl.load(
+            gc + ((bos + tl.minimum(o_t, last))[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
+        )  # [BT, BK]
+        b_bl = tl.load(gc + ((bos + last) * H + i_h) * K + o_k, mask=m_k, other=0.0)  # [BK]
+        b_v = tl.load(
+            v + ((bos + o_t)[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0
+        )  # [BT, BV]
+        b_kg = (b_k * tl.exp(b_bl[None, :] - b_b)).to(k.dtype.element_ty)
+        b_h = b_h * tl.exp(b_bl)[:, None] + tl.dot(tl.trans(b_kg), b_v.to(k.dtype.element_ty))
+    tl.store(ht + i_sh.to(tl.int64) * K * V + offs_kv, b_h, mask=m_kv)
+
+
+@triton.jit
+def sse_fwd_kernel_o(
+    q,
+    k,
+    v,
+    gc,
+    hs,
+    o,
+    A,
+    cu,
+    chunk_seq,
+    chunk_pos,
+    scale,
+    H,
+    G: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    STORE_A: tl.constexpr,
+):
+    """One sub-chunk i of a chunk, and query head: o of its rows, and with STORE_A their in-chunk scores
+    A [L, H G, BT] (row t: A[t, s] over the chunk's columns s, zero for s > t) in q's dtype, which the backward's
+    dv takes as they are."""
+    i_c, i_hg, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hg // G
+    i_s = tl.load(chunk_seq + i_c)
+    bos = tl.load(cu + i_s).to(tl.int64) + tl.load(chunk_pos + i_c).to(tl.int64) * BT
+    n = tl.load(cu + i_s + 1).to(tl.int64) - bos
+    last = tl.minimum(n, BT) - 1
+    DT = q.dtype.element_ty
+    o_t, o_r, o_k, o_v = tl.arange(0, BT), tl.arange(0, BC), tl.arange(0, BK), tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_t = o_t < n
+    b_v = tl.load(
+        v + ((bos + o_t)[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0
+    ).to(DT)  # [BT, BV]
+    b_h = tl.load(
+        hs + (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
+        mask=m_k[:, None] & m_v[None, :],
+        other=0.0,
+    ).to(DT)  # [BK, BV]
+    rows = i * BC + o_r
+    m_r = rows < n
+    b_q = tl.load(
+        q + ((bos + rows)[:, None] * (H * G) + i_hg) * K + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0
+    ).to(tl.float32)  # [BC, BK]
+    b_bi = tl.load(
+        gc + ((bos + tl.minimum(rows, last))[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
+    )  # [BC, BK]
+    b_o = tl.dot((b_q * tl.exp(b_bi)).to(DT), b_h)  # [BC, BV]
+    b_A = tl.zeros([BC, BT], dtype=tl.float32)  # A[t, s] for the rows t of this sub-chunk
+    if i > 0:  # earlier sub-chunks, split at the row before this one
+        b_ref = tl.load(gc + ((bos + tl.minimum(i * BC - 1, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+        b_k = tl.load(
+            k + ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0
+        ).to(tl.float32)  # [BT, BK]
+        b_b = tl.load(
+            gc + ((bos + tl.minimum(o_t, last))[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
+        )  # [BT, BK]
+        b_kg = b_k * tl.exp(tl.where((o_t < i * BC)[:, None], b_ref[None, :] - b_b, float("-inf")))
+        b_A += tl.dot((b_q * tl.exp(b_bi - b_ref[None, :])).to(DT), tl.trans(b_kg.to(DT)))
+    b_kj, b_bj = sse_row(k, gc, bos, i * BC, n, last, H, i_h, K, o_k)
+    for j in range(BC):
+        col = i * BC + j
+        b_kn, b_bn = sse_row(k, gc, bos, col + 1, n, last, H, i_h, K, o_k)  # in flight during this step
+        b_e = tl.exp(tl.where((o_r >= j)[:, None], b_bi - b_bj[None, :], float("-inf")))  # [BC, BK]
+        b_a = tl.sum(b_q * b_kj[None, :] * b_e, axis=1)  # [BC]
+        b_A = tl.where((o_t == col)[None, :], b_a[:, None], b_A)
+        b_kj, b_bj = b_kn, b_bn
+    b_o += tl.dot(b_A.to(DT), b_v)
+    if STORE_A:
+        p_A = A + ((bos + rows)[:, None] * (H * G) + i_hg) * BT + o_t[None, :]
+        tl.store(p_A, b_A.to(A.dtype.element_ty), mask=m_r[:, None])
+    tl.store(
+        o + ((bos + rows)[:, None] * (H * G) + i_hg) * V + o_v[None, :],
+        (b_o * scale).to(o.dtype.element_ty),
+        mask=m_r[:, None] & m_v[None, :],
+    )
