@@ -2,6 +2,7 @@
 
     python scripts/bench_kernels.py                      # all cases, both shapes; a markdown table last
     python scripts/bench_kernels.py --only raven --json out.json
+    python scripts/bench_kernels.py --only sse --without-fla     # ours alone: no fla compilation
 
 Every case times forward and forward+backward (median of triton.testing.do_bench, after a warm-up), reports
 tokens/s of forward+backward, the peak memory a forward+backward adds on top of its inputs, and the first call's
@@ -242,13 +243,14 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"subset of {list(SHAPES)}")
     parser.add_argument("--json", default=None, help="also write every number here")
     parser.add_argument("--with-fla-gsa", action="store_true", help="also time fla's chunk_gsa (minutes to compile)")
+    parser.add_argument("--without-fla", action="store_true", help="time no fla peer (its chunk_gla compiles ~5 min)")
     args = parser.parse_args()
     WITH_GSA = args.with_fla_gsa
     only = set(args.only.split(","))
     for name in list(SHAPES):
         if name not in args.shapes.split(","):
             del SHAPES[name]
-    FLA = fla_ops()
+    FLA = None if args.without_fla else fla_ops()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     import triton
