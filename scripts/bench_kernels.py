@@ -2,7 +2,7 @@
 
     python scripts/bench_kernels.py                      # all cases, both shapes; a markdown table last
     python scripts/bench_kernels.py --only raven --json out.json
-    python scripts/bench_kernels.py --only sse --without-fla# ours alone: no fla compilation
+    python scripts/bench_kernels.py --only sse --without-fla  # ours alone, no fla compilation
 
 Every case times forward and forward+backward (median of triton.testing.do_bench, after a warm-up), reports
 tokens/s of forward+backward, the peak memory a forward+backward adds on top of its inputs, and the first call's
