@@ -315,16 +315,20 @@ def chunk_raven_fwd(q, k, v, a, idx, r, scale, M, h0, output_final_state, chunks
 
 
 def chunk_raven_bwd(q, k, v, a, idx, r, scale, M, h0, o, lse, do, dht, chunks, exact, kept_gates, kept_states):
-    """kept_gates (g, w, gl) and kept_states (hk, hv, and the final states when dht is given) as the forward gave
-    them, or None to recompute them."""
+    """kept_gates (g, w, gl) and kept_states (hk, hv) as the forward gave them, or None to recompute them. The
+    final states' own gradient (dht) reads the final states, which are not kept: with dht the states are rebuilt."""
     T, HG, D = q.shape
     H, NC = k.shape[1], chunks["bos"].numel()
     shape = dict(H=H, G=HG // H, M=M, D=D, exact=exact)
+    rebuild = kept_states is None or dht is not None
     if kept_gates is None:
-        g, w, gl, xk, xv = gates(k, v, a, idx, r, chunks, M, contributions=kept_states is None)
+        g, w, gl, xk, xv = gates(k, v, a, idx, r, chunks, M, contributions=rebuild)
     else:
         (g, w, gl), xk, xv = kept_gates, None, None
-    hk, hv, ht = kept_states or states(k, v, g, w, gl, xk, xv, h0, chunks, M, dht is not None)
+    if rebuild:
+        hk, hv, ht = states(k, v, g, w, gl, xk, xv, h0, chunks, M, dht is not None)
+    else:
+        (hk, hv), ht = kept_states, None
     del xk, xv
     dq = torch.empty_like(q)
     p, ds = (q.new_empty(T, HG, M) for _ in range(2))  # only ever tl.dot operands: the input dtype
@@ -374,8 +378,7 @@ class ChunkRavenFunction(torch.autograd.Function):
             *flat, scale, num_slots, h0, output_final_state, chunks
         )
         kept_gates = kept_gates if level == 0 else ()
-        # the final states are returned, and decoding updates them in place: the backward keeps its own copy
-        kept_states = (*kept_states, *(x.clone() for x in ht or ())) if level <= 1 else ()
+        kept_states = kept_states if level <= 1 else ()
         ctx.save_for_backward(*flat, o, lse, *(h0 or ()), *kept_gates, *kept_states)
         ctx.meta = (scale, num_slots, chunks, exact, (B, T, H, G, D, K), a.dtype, r.dtype, h0k is not None, level)
         ctx.h0_dtypes = (h0k.dtype, h0v.dtype) if h0k is not None else None
@@ -392,8 +395,7 @@ class ChunkRavenFunction(torch.autograd.Function):
         if dhtk is not None or dhtv is not None:
             z = torch.zeros(chunks["seq_chunks"].numel() - 1, H, M, D, device=q.device, dtype=torch.float32)
             dht = (z if dhtk is None else dhtk.float().contiguous(), z if dhtv is None else dhtv.float().contiguous())
-        # the final states (kept whenever they were returned) only serve their own gradient's read
-        kept_states = (rest[0], rest[1], tuple(rest[2:4]) if dht is not None else None) if level <= 1 else None
+        kept_states = tuple(rest[:2]) if level <= 1 else None
         do = do.reshape(B * T, H * G, D).contiguous()
         dq, dk, dv, da, dr, dh0 = chunk_raven_bwd(
             q, k, v, a, idx, r, scale, M, h0, o, lse, do, dht, chunks, exact, kept_gates, kept_states
