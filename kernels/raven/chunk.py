@@ -26,7 +26,7 @@ from .chunk_h import (
     raven_fwd_kernel_scan,
 )
 from .intra import RANGE_NATS, raven_mix, raven_read_m, raven_slot_block
-from .utils import check_inputs
+from .utils import check_inputs, slot_indices
 
 BT, BC = 64, 16  # chunk and sub-chunk lengths
 
@@ -370,7 +370,7 @@ class ChunkRavenFunction(torch.autograd.Function):
             k.reshape(B * T, H, D).contiguous(),
             v.reshape(B * T, H, D).contiguous(),
             a.reshape(B * T, H).float().contiguous(),
-            idx.reshape(B * T, H, K).to(idx.dtype if idx.dtype == torch.int64 else torch.int32).contiguous(),
+            slot_indices(idx.reshape(B * T, H, K)),
             r.reshape(B * T, H, K).float().contiguous(),
         )
         h0 = None if h0k is None else (h0k.float().contiguous(), h0v.float().contiguous())

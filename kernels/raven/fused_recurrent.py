@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import check_inputs
+from .utils import check_inputs, slot_indices
 
 
 def decode_config(M: int, G: int, D: int) -> tuple[int, int]:
@@ -127,7 +127,7 @@ def fused_recurrent_raven(
                 f"got {s.dtype}{'' if s.is_contiguous() else ', not contiguous'}"
             )
     q, k, v, a, r = (x.contiguous() for x in (q, k, v, a, r))
-    idx = (idx if idx.dtype in (torch.int32, torch.int64) else idx.to(torch.int32)).contiguous()  # no cast per step
+    idx = slot_indices(idx)
     o = torch.empty_like(q)
     BG, BD = triton.next_power_of_2(G), triton.next_power_of_2(D)
     BM, warps = decode_config(M, G, D)

@@ -1,6 +1,14 @@
-"""Argument checks shared by the Raven kernels' public functions."""
+"""Argument checks and conversions shared by the Raven kernels' public functions."""
 
 from __future__ import annotations
+
+import torch
+
+
+def slot_indices(idx: torch.Tensor) -> torch.Tensor:
+    """idx as the kernels read it, contiguous: int32 and int64 (topk's) as they are, so that no cast kernel runs per
+    call; other integer dtypes as int32."""
+    return (idx if idx.dtype in (torch.int32, torch.int64) else idx.to(torch.int32)).contiguous()
 
 
 def check_inputs(q, k, v, a, idx, r, num_slots, initial_state, cu_seqlens) -> None:
