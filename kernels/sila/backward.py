@@ -12,8 +12,9 @@ The sweep never rebuilds M_{t-1} (it is not invertible: gamma can be ~0). It onl
 
 since phi'(pg) = gamma (1 - e^2) / (1 + e^2), dpg_t needs no division by gamma. h is reset to <dM, checkpoint> at
 every chunk end, so rounding cannot build up. The products with M_{t-1} itself (dq_t = M_{t-1}^T do_t + ...,
-dk_t = M_{t-1}^T dr_t + ..., and do_t . M_{t-1} q_t) come from the chunk form in the parallel kernels:
-`sila_bwd_kernel_dq` before the sweep, `sila_bwd_kernel_dkv` after it.
+dk_t = M_{t-1}^T dr_t + ..., and do_t . M_{t-1} q_t) and with dM_t (dk_t's dM_t^T u_t, from dM at the chunk's end)
+come from the chunk form in the parallel kernels: `sila_bwd_kernel_dq` before the sweep, `sila_bwd_kernel_dkv`
+after it. So the sweep's only per-step outputs are du_t and the two gate gradients.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def sila_bwd_kernel_dq(
 ):  # fmt: skip
     i_n, i_c, i_h = common.chunk_program(chunk_indices, IS_VARLEN)
     bos, T_n, state_base = sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK, IS_VARLEN)
-    b_S, b_k, b_v, b_u, b_start, b_D, rows, m_t = load_chunk(
+    b_S, b_k, b_v, _, b_u, _, b_start, b_D, _, rows, m_t = load_chunk(
         k, v, r, s, beta_x, gamma_x, mask, states, bos, T_n, state_base, i_c, i_h, H, K, V, CHUNK, HAS_MASK
     )
     o_k, o_v = tl.arange(0, K), tl.arange(0, V)
@@ -68,7 +69,7 @@ def sila_bwd_kernel_dmo(
     i_n, i_c, i_h = common.chunk_program(chunk_indices, IS_VARLEN)
     bos, T_n, state_base = sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK, IS_VARLEN)
     rows, m_t, b_live = common.chunk_rows(mask, bos, T_n, i_c, i_h, H, CHUNK, HAS_MASK)
-    b_start, b_D = common.chunk_decays(s, gamma_x, rows, m_t, b_live, CHUNK)
+    b_start, b_D, _ = common.chunk_decays(s, gamma_x, rows, m_t, b_live, CHUNK)
     o_k, o_v = tl.arange(0, K), tl.arange(0, V)
     b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
     b_F = tl.trans(b_D)  # [C, C] exp(G_{s-1} - G_t) for s > t
@@ -113,10 +114,12 @@ def load_bwd_step(
 
 @triton.jit
 def sila_bwd_kernel_recurrent(
-    k, v, beta_x, gamma_x, w_beta, w_gamma, mask, r, s, states, c, dE, duE, dht, dh0, dr, dk_part, dv_part, dbx,
-    dgx, dw, cu_seqlens, state_offsets, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr,
+    k, v, beta_x, gamma_x, w_beta, w_gamma, mask, r, s, states, c, dE, duE, dht, dh0, du, dp, cu_seqlens,
+    state_offsets, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr,
     STORE_DH0: tl.constexpr, HAS_MASK: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
+    """The reverse sweep: du_t and the gate gradients per step, and dM at every chunk's end (into the dE slot
+    after the chunk's, read by then), from which `sila_bwd_kernel_dkv` forms dM_t^T u_t by the chunk form."""
     i_n, i_h = tl.program_id(0), tl.program_id(1)
     bos, T_n, state_base = sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK, IS_VARLEN)
     o_k, o_v = tl.arange(0, K), tl.arange(0, V)
@@ -125,8 +128,6 @@ def sila_bwd_kernel_recurrent(
     b_wg = tl.load(w_gamma + i_h * V + o_v).to(tl.float32)
     # dM_t without the outputs' share from later steps of its own chunk (added back through duE_t and dE)
     b_dM = tl.load(dht + (i_n * H + i_h).to(tl.int64) * V * K + o_mem)  # zeros when the final state has no grad
-    b_dwb = tl.zeros([V], dtype=tl.float32)
-    b_dwg = tl.zeros([V], dtype=tl.float32)
     b_h = tl.full([], 0.0, tl.float32)  # h_t = <dM_t, M_t>
     b_k, b_v, b_r, b_duE, b_sb, b_sg, b_bx, b_gx, b_c, b_live = load_bwd_step(
         k, v, r, s, beta_x, gamma_x, mask, c, duE, bos, T_n - 1, T_n, i_h, o_k, o_v, H, K, V, HAS_MASK
@@ -137,9 +138,10 @@ def sila_bwd_kernel_recurrent(
             k, v, r, s, beta_x, gamma_x, mask, c, duE, bos, t - 1, T_n, i_h, o_k, o_v, H, K, V, HAS_MASK
         )
         row = (bos + t) * H + i_h
-        if ((t + 1) % CHUNK == 0) | (t == T_n - 1):  # M_t is the next checkpoint: restart h from it
-            p_S = states + ((state_base + t // CHUNK + 1) * H + i_h) * V * K + o_mem
-            b_h = tl.sum(b_dM * tl.load(p_S))
+        if ((t + 1) % CHUNK == 0) | (t == T_n - 1):  # the chunk's last step: M_t is the next checkpoint
+            p_end = ((state_base + t // CHUNK + 1) * H + i_h) * V * K + o_mem
+            b_h = tl.sum(b_dM * tl.load(states + p_end))  # restart h from it
+            tl.store(dE + p_end, b_dM)
         b_beta, b_gamma, b_sig, b_slope = sila_gates(b_sb, b_sg, b_bx, b_gx, b_live)
         b_du = tl.sum(b_dM * b_k[None, :], axis=1) + b_duE  # [V] dM_t k_t
         b_dv_, b_dr_ = tl.reduce((b_du * b_v, b_du * b_r), 0, _add_pair)
@@ -148,46 +150,51 @@ def sila_bwd_kernel_recurrent(
         b_dpb = tl.where(b_live, b_dbeta * b_sig * (1 - b_sig), 0.0)
         b_dpg = b_gd * b_slope
         b_dr = b_dpb * b_wb + b_dpg * b_wg - b_beta * b_du
-        b_u = b_beta * (b_v - b_r)
-        b_dk = tl.sum(b_dM * b_u[:, None], axis=0)  # [K] dM_t^T u_t less the outputs' share (in the dkv kernel)
         b_h = b_gd + b_c - b_beta * b_dr_ + b_dpb * b_sb + b_dpg * b_sg
-        b_dwb += b_dpb * b_r
-        b_dwg += b_dpg * b_r
         b_dM = b_gamma * b_dM + b_dr[:, None] * b_k[None, :]
         if t % CHUNK == 0:  # leaving the chunk: its outputs' share joins dM
             b_dM += tl.load(dE + ((state_base + t // CHUNK) * H + i_h) * V * K + o_mem)
-        tl.store(dr + row * V + o_v, b_dr)
-        tl.store(dv_part + row * V + o_v, b_beta * b_du)
-        tl.store(dk_part + row * K + o_k, b_dk)
-        tl.store(dbx + row, b_dpb.to(dbx.dtype.element_ty))
-        tl.store(dgx + row, b_dpg.to(dgx.dtype.element_ty))
+        tl.store(du + row * V + o_v, b_du)
+        tl.store(dp + 2 * row, b_dpb)
+        tl.store(dp + 2 * row + 1, b_dpg)
         b_k, b_v, b_r, b_duE, b_live = n_k, n_v, n_r, n_duE, n_live
         b_sb, b_sg, b_bx, b_gx, b_c = n_sb, n_sg, n_bx, n_gx, n_c
     if STORE_DH0:
         tl.store(dh0 + (i_n * H + i_h).to(tl.int64) * V * K + o_mem, b_dM)
-    p_dw = dw + ((i_n * H + i_h) * 2).to(tl.int64) * V + o_v
-    tl.store(p_dw, b_dwb)
-    tl.store(p_dw + V, b_dwg)
 
 
 @triton.jit
 def sila_bwd_kernel_dkv(
-    q, k, v, alpha, beta_x, gamma_x, mask, r, s, states, do, dr, dk_part, dv_part, dk, dv, cu_seqlens,
-    state_offsets, chunk_indices, T, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    CHUNK: tl.constexpr, PRECISION: tl.constexpr, HAS_MASK: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, mask, r, s, states, dM, do, du, dp, dk, dv, dbx, dgx, dw,
+    cu_seqlens, state_offsets, chunk_indices, T, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
+    V: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr, HAS_MASK: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
+    """dk, dv, the gate inputs' gradients and the chunk's share of dw_beta, dw_gamma.
+
+    With the sweep's dM (no outputs' share of the chunk) dM_t = exp(G_last - G_t) dM_last
+    + sum_{s > t} exp(G_{s-1} - G_t) dr_s k_s^T, so dM_t^T u_t and M_{t-1}^T dr_t are chunk products.
+    """
     i_n, i_c, i_h = common.chunk_program(chunk_indices, IS_VARLEN)
+    i_p = tl.program_id(0) if IS_VARLEN else tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
     bos, T_n, state_base = sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK, IS_VARLEN)
-    b_S, b_k, b_v, b_u, b_start, b_D, rows, m_t = load_chunk(
+    b_S, b_k, b_v, b_r, b_u, b_beta, b_start, b_D, b_tail, rows, m_t = load_chunk(
         k, v, r, s, beta_x, gamma_x, mask, states, bos, T_n, state_base, i_c, i_h, H, K, V, CHUNK, HAS_MASK
     )
     o_k, o_v = tl.arange(0, K), tl.arange(0, V)
     m_tk, m_tv = m_t[:, None], m_t[:, None]
-    b_dr = tl.load(dr + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-    b_dk = memory_transposed_times(b_dr, b_S, b_u, b_k, b_start, b_D, PRECISION)  # [C, K] M_{t-1}^T dr_t
-    b_dk += tl.load(dk_part + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_dv = tl.load(dv_part + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+    b_du = tl.load(du + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+    b_dpb = tl.load(dp + 2 * rows, mask=m_t, other=0.0)
+    b_dpg = tl.load(dp + 2 * rows + 1, mask=m_t, other=0.0)
+    b_wb = tl.load(w_beta + i_h * V + o_v).to(tl.float32)
+    b_wg = tl.load(w_gamma + i_h * V + o_v).to(tl.float32)
+    b_dr = b_dpb[:, None] * b_wb[None, :] + b_dpg[:, None] * b_wg[None, :] - b_beta[:, None] * b_du  # [C, V]
+    # [C, C] dr_t . u_s decayed for s < t (M_{t-1}^T dr_t), and its transpose for s > t (dM_t^T u_t)
+    b_X = tl.dot(b_dr, tl.trans(b_u), input_precision=PRECISION) * b_D
+    b_dk = tl.dot(b_X + tl.trans(b_X), b_k, input_precision=PRECISION)
+    b_dk += b_start[:, None] * tl.dot(b_dr, b_S, input_precision=PRECISION)
+    b_dMl = tl.load(dM + ((state_base + i_c + 1) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :])
+    b_dk += b_tail[:, None] * tl.dot(b_u, b_dMl, input_precision=PRECISION)
+    b_dv = b_beta[:, None] * b_du
     b_F = tl.trans(b_D)  # [C, C] exp(G_{s-1} - G_t) for s > t
     for i_g in tl.static_range(G):
         b_q = tl.load(q + (rows[:, None] * G + i_g) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
@@ -199,6 +206,11 @@ def sila_bwd_kernel_dkv(
         b_dv += (b_a * tl.sum(b_q * b_k, axis=1))[:, None] * b_do
     tl.store(dk + rows[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
     tl.store(dv + rows[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_tv)
+    tl.store(dbx + rows, b_dpb.to(dbx.dtype.element_ty), mask=m_t)
+    tl.store(dgx + rows, b_dpg.to(dgx.dtype.element_ty), mask=m_t)
+    p_dw = dw + (i_p * H + i_h).to(tl.int64) * 2 * V + o_v
+    tl.store(p_dw, tl.sum(b_dpb[:, None] * b_r, axis=0))
+    tl.store(p_dw + V, tl.sum(b_dpg[:, None] * b_r, axis=0))
 
 
 def sila_bwd(
@@ -211,9 +223,9 @@ def sila_bwd(
     states, r, s, offsets, indices, n_chunks = saved
     cfg = common.launch_settings(K, V)
     blocks = dict(H=H, G=G, K=K, V=V, CHUNK=chunk_size)
-    flags = dict(HAS_MASK=mask is not None, IS_VARLEN=cu_seqlens is not None, num_warps=cfg["num_warps"])
+    flags = dict(HAS_MASK=mask is not None, IS_VARLEN=cu_seqlens is not None)
     grid = (n_chunks, H) if cu_seqlens is not None else (n_chunks, N, H)
-    parallel = dict(PRECISION=common.DOT_PRECISION, **blocks, **flags)
+    parallel = dict(PRECISION=common.DOT_PRECISION, num_warps=cfg["chunk"], **blocks, **flags)
 
     dq, dalpha = common.new_output(q.shape, q), common.new_output(alpha.shape, alpha)
     c = common.new_output((B, T, H), q, torch.float32)  # sum_g do_{t,g} . M_{t-1} q_{t,g}
@@ -222,29 +234,31 @@ def sila_bwd(
             q, k, v, alpha, beta_x, gamma_x, mask, r, s, states, do, dq, dalpha, c, cu_seqlens, offsets, indices, T,
             **parallel,
         )  # fmt: skip
-    dr = common.new_output((B, T, H, V), q, torch.float32)
-    dk_part = common.new_output((B, T, H, K), q, torch.float32)
-    dv_part = common.new_output((B, T, H, V), q, torch.float32)
-    dbx, dgx = common.new_output(beta_x.shape, beta_x), common.new_output(gamma_x.shape, gamma_x)
-    dw = common.new_output((N, H, 2, V), q, torch.float32)
+    du = common.new_output((B, T, H, V), q, torch.float32)  # dM_t k_t
+    dp = common.new_output((B, T, H, 2), q, torch.float32)  # gradients of the gate pre-activations
     dh0 = common.new_output((N, H, V, K), q, torch.float32) if initial_state is not None else None
     if dht is None:
         dht = torch.zeros(N, H, V, K, device=q.device)
-    dE = common.new_output(states.shape, q, torch.float32)  # per chunk, sum_s exp(G_{s-1}) sum_g do q^T
+    # slot c: chunk c's outputs' share, sum_s exp(G_{s-1}) sum_g do q^T; the sweep then leaves dM at chunk c's end
+    # in slot c + 1, once it has read that slot
+    dE = common.new_output(states.shape, q, torch.float32)
     duE = common.new_output((B, T, H, V), q, torch.float32)
     if n_chunks > 0:
         sila_bwd_kernel_dmo[grid](
             q, k, beta_x, gamma_x, mask, s, do, dE, duE, cu_seqlens, offsets, indices, T, **parallel
         )  # fmt: skip
     sila_bwd_kernel_recurrent[(N, H)](
-        k, v, beta_x, gamma_x, w_beta, w_gamma, mask, r, s, states, c, dE, duE, dht, dh0, dr, dk_part, dv_part, dbx,
-        dgx, dw, cu_seqlens, offsets, T, H=H, K=K, V=V, CHUNK=chunk_size, STORE_DH0=dh0 is not None, **flags,
+        k, v, beta_x, gamma_x, w_beta, w_gamma, mask, r, s, states, c, dE, duE, dht, dh0, du, dp, cu_seqlens,
+        offsets, T, H=H, K=K, V=V, CHUNK=chunk_size, STORE_DH0=dh0 is not None, num_warps=cfg["sweep"], **flags,
     )  # fmt: skip
     dk, dv = common.new_output(k.shape, k), common.new_output(v.shape, v)
+    dbx, dgx = common.new_output(beta_x.shape, beta_x), common.new_output(gamma_x.shape, gamma_x)
+    n_programs = n_chunks if cu_seqlens is not None else N * n_chunks
+    dw = common.new_output((n_programs, H, 2, V), q, torch.float32)  # per chunk
     if n_chunks > 0:
         sila_bwd_kernel_dkv[grid](
-            q, k, v, alpha, beta_x, gamma_x, mask, r, s, states, do, dr, dk_part, dv_part, dk, dv, cu_seqlens,
-            offsets, indices, T, **parallel,
+            q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, mask, r, s, states, dE, do, du, dp, dk, dv, dbx, dgx,
+            dw, cu_seqlens, offsets, indices, T, **parallel,
         )  # fmt: skip
     dw = dw.sum(0)  # [H, 2, V]
     dh0 = dh0.to(initial_state.dtype) if dh0 is not None else None

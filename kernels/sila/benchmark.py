@@ -1,4 +1,6 @@
-"""GPU timings of `fused_recurrent_sila` beside fla's peers: `python -m kernels.sila.benchmark` (needs CUDA and fla).
+"""GPU timings of `fused_recurrent_sila` beside fla's peers (needs CUDA; fla unless --without-fla):
+
+    python -m kernels.sila.benchmark [--dims 128] [--sweep-warps 4 16] [--chunk-warps 4] [--without-fla]
 
 Prints, per head dim, the median forward and forward+backward times (triton.testing.do_bench after a warm-up),
 the first-call time, the share of each kernel, and one decoding step.
@@ -45,11 +47,11 @@ def main():
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--dims", type=int, nargs="+", default=[128, 64])
-    parser.add_argument("--warps", type=int, nargs="*", default=[], help="also time these num_warps")
+    parser.add_argument("--sweep-warps", type=int, nargs="*", default=[], help="also time the sequential kernels so")
+    parser.add_argument("--chunk-warps", type=int, nargs="*", default=[], help="also time the chunk kernels so")
+    parser.add_argument("--without-fla", action="store_true", help="time no fla peer (chunk_gla compiles ~5 min)")
     args = parser.parse_args()
     B, T, H = args.batch, args.length, args.heads
-    from fla.ops.delta_rule import fused_recurrent_delta_rule
-    from fla.ops.gla import chunk_gla
 
     rows = []
     for d in args.dims:  # SILA first: a run cut short by the peers' compilation still has these
@@ -60,15 +62,22 @@ def main():
         shares = ", ".join(f"{name} {ms:.2f}" for ms, _, name in t["kernels"] if "sila" in name)
         print(f"d={d} kernels (ms):", shares, flush=True)
         default = common.launch_settings
-        for warps in args.warps:
-            common.launch_settings = lambda K, V, w=warps, default=default: {**default(K, V), "num_warps": w}
-            rows.append(row(f"sila num_warps={warps} d={d}", time_call(fused_recurrent_sila, x)))
-            common.launch_settings = default
+        for kind, choices in (("sweep", args.sweep_warps), ("chunk", args.chunk_warps)):
+            for warps in choices:
+                common.launch_settings = lambda K, V, kind=kind, w=warps, base=default: {**base(K, V), kind: w}
+                t = time_call(fused_recurrent_sila, x, profile=True)
+                rows.append(row(f"sila {kind} num_warps={warps} d={d}", t))
+                shares = ", ".join(f"{name} {ms:.2f}" for ms, _, name in t["kernels"] if "sila" in name)
+                print(rows[-1], "kernels (ms):", shares, flush=True)
+                common.launch_settings = default
     step = [x.detach() for x in sila_inputs(64, 1, H, 128)]
     state = torch.randn(64, H, 128, 128, device="cuda")
     decode = do_bench(lambda: fused_recurrent_sila(*step, state, output_final_state=True), return_mode="median")
     print(f"sila decode step B=64 H={H} d=128: {decode * 1e3:.1f} us", flush=True)
-    for d in args.dims:
+    for d in [] if args.without_fla else args.dims:
+        from fla.ops.delta_rule import fused_recurrent_delta_rule
+        from fla.ops.gla import chunk_gla
+
         q, k, v, g, beta = fla_inputs(B, T, H, d)
         rows.append(row(f"fla chunk_gla d={d}", time_call(lambda *a: chunk_gla(*a), (q, k, v, g))))
         print(rows[-1], flush=True)

@@ -90,8 +90,9 @@ def chunk_rows(mask, bos, T_n, i_c, i_h, H: tl.constexpr, CHUNK: tl.constexpr, H
 
 @triton.jit
 def chunk_decays(s, gamma_x, rows, m_t, b_live, CHUNK: tl.constexpr):
-    """exp(G_{t-1}) [C], the decay of the chunk's entering memory up to step t, and D [C, C] = exp(G_{t-1} - G_s)
-    for s < t (0 elsewhere), with G_t = sum_{r <= t} log gamma_r from the chunk start."""
+    """exp(G_{t-1}) [C], the decay of the chunk's entering memory up to step t, D [C, C] = exp(G_{t-1} - G_s)
+    for s < t (0 elsewhere), and exp(G_last - G_t) [C], the decay from step t to the chunk's end, with
+    G_t = sum_{r <= t} log gamma_r from the chunk start."""
     b_sg = tl.load(s + 2 * rows + 1, mask=m_t, other=0.0)
     b_gx = tl.load(gamma_x + rows, mask=m_t, other=0.0).to(tl.float32)
     b_lg = sila_log_gamma(b_sg + b_gx, b_live)
@@ -101,7 +102,8 @@ def chunk_decays(s, gamma_x, rows, m_t, b_live, CHUNK: tl.constexpr):
     o_s = tl.arange(0, CHUNK)
     strict = o_s[None, :] < o_s[:, None]  # s < t
     b_D = tl.exp(tl.where(strict, (b_Gp[:, None] - b_G[None, :]).to(tl.float32), float("-inf")))
-    return tl.exp(b_Gp.to(tl.float32)), b_D
+    b_tail = tl.exp((tl.sum(b_lg.to(tl.float64), 0) - b_G).to(tl.float32))
+    return tl.exp(b_Gp.to(tl.float32)), b_D, b_tail
 
 
 @triton.jit
@@ -109,7 +111,7 @@ def load_chunk(
     k, v, r, s, beta_x, gamma_x, mask, states, bos, T_n, state_base, i_c, i_h,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr, HAS_MASK: tl.constexpr,
 ):  # fmt: skip
-    """What the chunk form needs: S [V, K], k [C, K], v and u [C, V], exp(G_{t-1}) [C], the decays D [C, C]."""
+    """What the chunk form needs: S [V, K], k [C, K], v, r and u [C, V], beta [C], the decays (chunk_decays)."""
     rows, m_t, b_live = chunk_rows(mask, bos, T_n, i_c, i_h, H, CHUNK, HAS_MASK)
     o_k, o_v = tl.arange(0, K), tl.arange(0, V)
     b_S = tl.load(states + ((state_base + i_c) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :])
@@ -120,8 +122,8 @@ def load_chunk(
     b_bx = tl.load(beta_x + rows, mask=m_t, other=0.0).to(tl.float32)
     b_beta = tl.where(b_live, tl.sigmoid(b_sb + b_bx), 0.0)
     b_u = b_beta[:, None] * (b_v - b_r)  # [C, V]
-    b_start, b_D = chunk_decays(s, gamma_x, rows, m_t, b_live, CHUNK)
-    return b_S, b_k, b_v, b_u, b_start, b_D, rows, m_t
+    b_start, b_D, b_tail = chunk_decays(s, gamma_x, rows, m_t, b_live, CHUNK)
+    return b_S, b_k, b_v, b_r, b_u, b_beta, b_start, b_D, b_tail, rows, m_t
 
 
 @triton.jit
@@ -133,8 +135,10 @@ def memory_transposed_times(b_x, b_S, b_u, b_k, b_start, b_D, PRECISION: tl.cons
 
 
 def launch_settings(K: int, V: int) -> dict:
-    """Warps by head dim: one program of the recurrent kernels holds a whole [V, K] memory in registers."""
-    return dict(num_warps=8 if K * V >= 128 * 128 else 4)
+    """Warps of the sequential kernels ("sweep", one program holds a whole [V, K] memory in registers) and of the
+    chunk-parallel ones ("chunk"), by head dim."""
+    warps = 8 if K * V >= 128 * 128 else 4
+    return {"sweep": warps, "chunk": warps}
 
 
 def varlen_layout(cu_seqlens: torch.Tensor | None, N: int, T: int, chunk: int):

@@ -93,7 +93,7 @@ def sila_fwd_kernel_output(
 ):  # fmt: skip
     i_n, i_c, i_h = common.chunk_program(chunk_indices, IS_VARLEN)
     bos, T_n, state_base = sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK, IS_VARLEN)
-    b_S, b_k, b_v, b_u, b_start, b_D, rows, m_t = load_chunk(
+    b_S, b_k, b_v, _, b_u, _, b_start, b_D, _, rows, m_t = load_chunk(
         k, v, r, s, beta_x, gamma_x, mask, states, bos, T_n, state_base, i_c, i_h, H, K, V, CHUNK, HAS_MASK
     )
     o_k, o_v = tl.arange(0, K), tl.arange(0, V)
@@ -132,13 +132,13 @@ def sila_fwd(
     sila_fwd_kernel_recurrent[(N, H)](
         q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, initial_state, mask, o, ht, states, r, s, cu_seqlens, offsets,
         T, H=H, G=G, K=K, V=V, CHUNK=chunk_size,
-        STORE_HT=output_final_state, SAVE=not inline, INLINE_OUTPUT=inline, num_warps=cfg["num_warps"], **flags,
+        STORE_HT=output_final_state, SAVE=not inline, INLINE_OUTPUT=inline, num_warps=cfg["sweep"], **flags,
     )  # fmt: skip
     if not inline and n_chunks > 0:
         grid = (n_chunks, H) if cu_seqlens is not None else (n_chunks, N, H)
         sila_fwd_kernel_output[grid](
             q, k, v, alpha, beta_x, gamma_x, mask, r, s, states, o, cu_seqlens, offsets, indices, T,
             H=H, G=G, K=K, V=V, CHUNK=chunk_size, PRECISION=common.DOT_PRECISION,
-            num_warps=cfg["num_warps"], **flags,
+            num_warps=cfg["chunk"], **flags,
         )  # fmt: skip
     return o, ht, (states, r, s, offsets, indices, n_chunks)
