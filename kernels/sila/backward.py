@@ -24,23 +24,46 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import _add_pair, load_chunk, memory_transposed_times, sequence_bounds, sila_gates
+from .common import _add_pair, load_chunk, memory_slot, memory_transposed_times, sequence_bounds, sila_gates
 
 
 @triton.jit
 def sila_bwd_kernel_dq(
-    q, k, v, alpha, beta_x, gamma_x, mask, r, s, states, do, dq, dalpha, c, cu_seqlens, state_offsets,
+    q, k, v, alpha, beta_x, gamma_x, mask, r, s, states, do, dq, dalpha, c, dE, duE, cu_seqlens, state_offsets,
     chunk_indices, T, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr,
     PRECISION: tl.constexpr, HAS_MASK: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
+    """Everything the outputs' gradient gives before the sweep: dq, dalpha, c_t = sum_g do_{t,g} . M_{t-1} q_{t,g},
+    and the outputs' share of dM, E_s = sum_g do_{s,g} q_{s,g}^T, taken out of the sweep chunk by chunk.
+
+    Within a chunk, dM_t holds sum_{s > t} exp(G_{s-1} - G_t) E_s: the sweep gets its product with k_t as duE_t,
+    and the whole chunk's share at the chunk start, dE = sum_s exp(G_{s-1}) E_s, once.
+    """
     i_n, i_c, i_h = common.chunk_program(chunk_indices, IS_VARLEN)
     bos, T_n, state_base = sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK, IS_VARLEN)
-    b_S, b_k, b_v, _, b_u, _, b_start, b_D, _, rows, m_t = load_chunk(
-        k, v, r, s, beta_x, gamma_x, mask, states, bos, T_n, state_base, i_c, i_h, H, K, V, CHUNK, HAS_MASK
-    )
     o_k, o_v = tl.arange(0, K), tl.arange(0, V)
+    # the outputs' share first, stored before the checkpoint is loaded: [V, K] dE and S are never live together
+    rows, m_t, b_live = common.chunk_rows(mask, bos, T_n, i_c, i_h, H, CHUNK, HAS_MASK)
     m_tk, m_tv = m_t[:, None], m_t[:, None]
-    b_c = tl.zeros([CHUNK], dtype=tl.float32)  # sum_g do_{t,g} . M_{t-1} q_{t,g}
+    b_start, b_D, _ = common.chunk_decays(s, gamma_x, rows, m_t, b_live, CHUNK)
+    b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    b_F = tl.trans(b_D)  # [C, C] exp(G_{s-1} - G_t) for s > t
+    b_dE = tl.zeros([V, K], dtype=tl.float32)
+    b_duE = tl.zeros([CHUNK, V], dtype=tl.float32)
+    for i_g in tl.static_range(G):
+        b_q = tl.load(q + (rows[:, None] * G + i_g) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_do = tl.load(do + (rows[:, None] * G + i_g) * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_A = tl.dot(b_k, tl.trans(b_q), input_precision=PRECISION) * b_F  # [C, C] k_t . q_s, decayed
+        b_duE += tl.dot(b_A, b_do, input_precision=PRECISION)
+        b_dE += tl.dot(tl.trans(b_do * b_start[:, None]), b_q, input_precision=PRECISION)
+    tl.store(duE + rows[:, None] * V + o_v[None, :], b_duE, mask=m_tv)
+    tl.store(memory_slot(dE, state_base, i_c, i_h, H, K, V), b_dE)
+
+    b_k, b_v, _, b_u, _, b_start, b_D, _, rows, m_t = load_chunk(
+        k, v, r, s, beta_x, gamma_x, mask, bos, T_n, i_c, i_h, H, K, V, CHUNK, HAS_MASK
+    )
+    b_S = tl.load(memory_slot(states, state_base, i_c, i_h, H, K, V))
+    b_c = tl.zeros([CHUNK], dtype=tl.float32)
     for i_g in tl.static_range(G):
         b_q = tl.load(q + (rows[:, None] * G + i_g) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_do = tl.load(do + (rows[:, None] * G + i_g) * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
@@ -53,37 +76,6 @@ def sila_bwd_kernel_dq(
         b_da = tl.sum(b_q * b_k, axis=1) * b_dov
         tl.store(dalpha + rows * G + i_g, b_da.to(dalpha.dtype.element_ty), mask=m_t)
     tl.store(c + rows, b_c, mask=m_t)
-
-
-@triton.jit
-def sila_bwd_kernel_dmo(
-    q, k, beta_x, gamma_x, mask, s, do, dE, duE, cu_seqlens, state_offsets, chunk_indices, T, H: tl.constexpr,
-    G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_MASK: tl.constexpr, IS_VARLEN: tl.constexpr,
-):  # fmt: skip
-    """The outputs' share of dM, E_s = sum_g do_{s,g} q_{s,g}^T, taken out of the sweep chunk by chunk.
-
-    Within a chunk, dM_t holds sum_{s > t} exp(G_{s-1} - G_t) E_s: the sweep gets its product with k_t as duE_t,
-    and the whole chunk's share at the chunk start, dE = sum_s exp(G_{s-1}) E_s, once.
-    """
-    i_n, i_c, i_h = common.chunk_program(chunk_indices, IS_VARLEN)
-    bos, T_n, state_base = sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK, IS_VARLEN)
-    rows, m_t, b_live = common.chunk_rows(mask, bos, T_n, i_c, i_h, H, CHUNK, HAS_MASK)
-    b_start, b_D, _ = common.chunk_decays(s, gamma_x, rows, m_t, b_live, CHUNK)
-    o_k, o_v = tl.arange(0, K), tl.arange(0, V)
-    b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
-    b_F = tl.trans(b_D)  # [C, C] exp(G_{s-1} - G_t) for s > t
-    b_dE = tl.zeros([V, K], dtype=tl.float32)
-    b_duE = tl.zeros([CHUNK, V], dtype=tl.float32)
-    for i_g in tl.static_range(G):
-        b_q = tl.load(q + (rows[:, None] * G + i_g) * K + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
-        b_do = tl.load(do + (rows[:, None] * G + i_g) * V + o_v[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
-        b_A = tl.dot(b_k, tl.trans(b_q), input_precision=PRECISION) * b_F  # [C, C] k_t . q_s, decayed
-        b_duE += tl.dot(b_A, b_do, input_precision=PRECISION)
-        b_dE += tl.dot(tl.trans(b_do * b_start[:, None]), b_q, input_precision=PRECISION)
-    tl.store(duE + rows[:, None] * V + o_v[None, :], b_duE, mask=m_t[:, None])
-    p_dE = dE + ((state_base + i_c) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :]
-    tl.store(p_dE, b_dE)
 
 
 @triton.jit
@@ -139,9 +131,8 @@ def sila_bwd_kernel_recurrent(
         )
         row = (bos + t) * H + i_h
         if ((t + 1) % CHUNK == 0) | (t == T_n - 1):  # the chunk's last step: M_t is the next checkpoint
-            p_end = ((state_base + t // CHUNK + 1) * H + i_h) * V * K + o_mem
-            b_h = tl.sum(b_dM * tl.load(states + p_end))  # restart h from it
-            tl.store(dE + p_end, b_dM)
+            b_h = tl.sum(b_dM * tl.load(memory_slot(states, state_base, t // CHUNK + 1, i_h, H, K, V)))  # restart h
+            tl.store(memory_slot(dE, state_base, t // CHUNK + 1, i_h, H, K, V), b_dM)
         b_beta, b_gamma, b_sig, b_slope = sila_gates(b_sb, b_sg, b_bx, b_gx, b_live)
         b_du = tl.sum(b_dM * b_k[None, :], axis=1) + b_duE  # [V] dM_t k_t
         b_dv_, b_dr_ = tl.reduce((b_du * b_v, b_du * b_r), 0, _add_pair)
@@ -153,7 +144,7 @@ def sila_bwd_kernel_recurrent(
         b_h = b_gd + b_c - b_beta * b_dr_ + b_dpb * b_sb + b_dpg * b_sg
         b_dM = b_gamma * b_dM + b_dr[:, None] * b_k[None, :]
         if t % CHUNK == 0:  # leaving the chunk: its outputs' share joins dM
-            b_dM += tl.load(dE + ((state_base + t // CHUNK) * H + i_h) * V * K + o_mem)
+            b_dM += tl.load(memory_slot(dE, state_base, t // CHUNK, i_h, H, K, V))
         tl.store(du + row * V + o_v, b_du)
         tl.store(dp + 2 * row, b_dpb)
         tl.store(dp + 2 * row + 1, b_dpg)
@@ -177,8 +168,8 @@ def sila_bwd_kernel_dkv(
     i_n, i_c, i_h = common.chunk_program(chunk_indices, IS_VARLEN)
     i_p = tl.program_id(0) if IS_VARLEN else tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
     bos, T_n, state_base = sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK, IS_VARLEN)
-    b_S, b_k, b_v, b_r, b_u, b_beta, b_start, b_D, b_tail, rows, m_t = load_chunk(
-        k, v, r, s, beta_x, gamma_x, mask, states, bos, T_n, state_base, i_c, i_h, H, K, V, CHUNK, HAS_MASK
+    b_k, b_v, b_r, b_u, b_beta, b_start, b_D, b_tail, rows, m_t = load_chunk(
+        k, v, r, s, beta_x, gamma_x, mask, bos, T_n, i_c, i_h, H, K, V, CHUNK, HAS_MASK
     )
     o_k, o_v = tl.arange(0, K), tl.arange(0, V)
     m_tk, m_tv = m_t[:, None], m_t[:, None]
@@ -187,12 +178,18 @@ def sila_bwd_kernel_dkv(
     b_dpg = tl.load(dp + 2 * rows + 1, mask=m_t, other=0.0)
     b_wb = tl.load(w_beta + i_h * V + o_v).to(tl.float32)
     b_wg = tl.load(w_gamma + i_h * V + o_v).to(tl.float32)
+    tl.store(dbx + rows, b_dpb.to(dbx.dtype.element_ty), mask=m_t)
+    tl.store(dgx + rows, b_dpg.to(dgx.dtype.element_ty), mask=m_t)
+    p_dw = dw + (i_p * H + i_h).to(tl.int64) * 2 * V + o_v
+    tl.store(p_dw, tl.sum(b_dpb[:, None] * b_r, axis=0))
+    tl.store(p_dw + V, tl.sum(b_dpg[:, None] * b_r, axis=0))
     b_dr = b_dpb[:, None] * b_wb[None, :] + b_dpg[:, None] * b_wg[None, :] - b_beta[:, None] * b_du  # [C, V]
     # [C, C] dr_t . u_s decayed for s < t (M_{t-1}^T dr_t), and its transpose for s > t (dM_t^T u_t)
     b_X = tl.dot(b_dr, tl.trans(b_u), input_precision=PRECISION) * b_D
     b_dk = tl.dot(b_X + tl.trans(b_X), b_k, input_precision=PRECISION)
+    b_S = tl.load(memory_slot(states, state_base, i_c, i_h, H, K, V))
     b_dk += b_start[:, None] * tl.dot(b_dr, b_S, input_precision=PRECISION)
-    b_dMl = tl.load(dM + ((state_base + i_c + 1) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :])
+    b_dMl = tl.load(memory_slot(dM, state_base, i_c + 1, i_h, H, K, V))  # dM at the chunk's end
     b_dk += b_tail[:, None] * tl.dot(b_u, b_dMl, input_precision=PRECISION)
     b_dv = b_beta[:, None] * b_du
     b_F = tl.trans(b_D)  # [C, C] exp(G_{s-1} - G_t) for s > t
@@ -206,11 +203,6 @@ def sila_bwd_kernel_dkv(
         b_dv += (b_a * tl.sum(b_q * b_k, axis=1))[:, None] * b_do
     tl.store(dk + rows[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
     tl.store(dv + rows[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_tv)
-    tl.store(dbx + rows, b_dpb.to(dbx.dtype.element_ty), mask=m_t)
-    tl.store(dgx + rows, b_dpg.to(dgx.dtype.element_ty), mask=m_t)
-    p_dw = dw + (i_p * H + i_h).to(tl.int64) * 2 * V + o_v
-    tl.store(p_dw, tl.sum(b_dpb[:, None] * b_r, axis=0))
-    tl.store(p_dw + V, tl.sum(b_dpg[:, None] * b_r, axis=0))
 
 
 def sila_bwd(
@@ -229,24 +221,20 @@ def sila_bwd(
 
     dq, dalpha = common.new_output(q.shape, q), common.new_output(alpha.shape, alpha)
     c = common.new_output((B, T, H), q, torch.float32)  # sum_g do_{t,g} . M_{t-1} q_{t,g}
+    # slot c: chunk c's outputs' share, sum_s exp(G_{s-1}) sum_g do q^T; the sweep then leaves dM at chunk c's end
+    # in slot c + 1, once it has read that slot
+    dE = common.new_output(states.shape, q, torch.float32)
+    duE = common.new_output((B, T, H, V), q, torch.float32)
     if n_chunks > 0:
         sila_bwd_kernel_dq[grid](
-            q, k, v, alpha, beta_x, gamma_x, mask, r, s, states, do, dq, dalpha, c, cu_seqlens, offsets, indices, T,
-            **parallel,
+            q, k, v, alpha, beta_x, gamma_x, mask, r, s, states, do, dq, dalpha, c, dE, duE, cu_seqlens, offsets,
+            indices, T, **parallel,
         )  # fmt: skip
     du = common.new_output((B, T, H, V), q, torch.float32)  # dM_t k_t
     dp = common.new_output((B, T, H, 2), q, torch.float32)  # gradients of the gate pre-activations
     dh0 = common.new_output((N, H, V, K), q, torch.float32) if initial_state is not None else None
     if dht is None:
         dht = torch.zeros(N, H, V, K, device=q.device)
-    # slot c: chunk c's outputs' share, sum_s exp(G_{s-1}) sum_g do q^T; the sweep then leaves dM at chunk c's end
-    # in slot c + 1, once it has read that slot
-    dE = common.new_output(states.shape, q, torch.float32)
-    duE = common.new_output((B, T, H, V), q, torch.float32)
-    if n_chunks > 0:
-        sila_bwd_kernel_dmo[grid](
-            q, k, beta_x, gamma_x, mask, s, do, dE, duE, cu_seqlens, offsets, indices, T, **parallel
-        )  # fmt: skip
     sila_bwd_kernel_recurrent[(N, H)](
         k, v, beta_x, gamma_x, w_beta, w_gamma, mask, r, s, states, c, dE, duE, dht, dh0, du, dp, cu_seqlens,
         offsets, T, H=H, K=K, V=V, CHUNK=chunk_size, STORE_DH0=dh0 is not None, num_warps=cfg["sweep"], **flags,

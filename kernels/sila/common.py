@@ -107,14 +107,19 @@ def chunk_decays(s, gamma_x, rows, m_t, b_live, CHUNK: tl.constexpr):
 
 
 @triton.jit
+def memory_slot(base, state_base, i_c, i_h, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """Pointers [V, K] to slot i_c of a per-chunk memory buffer [slots, H, V, K] (checkpoints, dE), head i_h."""
+    return base + ((state_base + i_c) * H + i_h) * V * K + tl.arange(0, V)[:, None] * K + tl.arange(0, K)[None, :]
+
+
+@triton.jit
 def load_chunk(
-    k, v, r, s, beta_x, gamma_x, mask, states, bos, T_n, state_base, i_c, i_h,
+    k, v, r, s, beta_x, gamma_x, mask, bos, T_n, i_c, i_h,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr, HAS_MASK: tl.constexpr,
 ):  # fmt: skip
-    """What the chunk form needs: S [V, K], k [C, K], v, r and u [C, V], beta [C], the decays (chunk_decays)."""
+    """What the chunk form needs besides the checkpoint: k [C, K], v, r and u [C, V], beta [C], the decays."""
     rows, m_t, b_live = chunk_rows(mask, bos, T_n, i_c, i_h, H, CHUNK, HAS_MASK)
     o_k, o_v = tl.arange(0, K), tl.arange(0, V)
-    b_S = tl.load(states + ((state_base + i_c) * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :])
     b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
     b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
     b_r = tl.load(r + rows[:, None] * V + o_v[None, :], mask=m_t[:, None], other=0.0)
@@ -123,7 +128,7 @@ def load_chunk(
     b_beta = tl.where(b_live, tl.sigmoid(b_sb + b_bx), 0.0)
     b_u = b_beta[:, None] * (b_v - b_r)  # [C, V]
     b_start, b_D, b_tail = chunk_decays(s, gamma_x, rows, m_t, b_live, CHUNK)
-    return b_S, b_k, b_v, b_r, b_u, b_beta, b_start, b_D, b_tail, rows, m_t
+    return b_k, b_v, b_r, b_u, b_beta, b_start, b_D, b_tail, rows, m_t
 
 
 @triton.jit

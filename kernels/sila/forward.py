@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import _add_pair, load_chunk, sequence_bounds, sila_gates
+from .common import _add_pair, load_chunk, memory_slot, sequence_bounds, sila_gates
 
 
 @triton.jit
@@ -62,7 +62,7 @@ def sila_fwd_kernel_recurrent(
         row = (bos + t) * H + i_h
         if SAVE:
             if t % CHUNK == 0:
-                tl.store(states + ((state_base + t // CHUNK) * H + i_h) * V * K + o_mem, b_M)
+                tl.store(memory_slot(states, state_base, t // CHUNK, i_h, H, K, V), b_M)
         b_r = tl.sum(b_M * b_k[None, :], axis=1)  # [V] M_{t-1} k_t
         b_sb, b_sg = tl.reduce((b_r * b_wb, b_r * b_wg), 0, _add_pair)
         b_beta, b_gamma, _, _ = sila_gates(b_sb, b_sg, b_bx, b_gx, b_live)
@@ -80,7 +80,7 @@ def sila_fwd_kernel_recurrent(
         b_M = b_gamma * b_M + b_u[:, None] * b_k[None, :]
         b_k, b_v, b_bx, b_gx, b_live = n_k, n_v, n_bx, n_gx, n_live
     if SAVE:
-        tl.store(states + ((state_base + tl.cdiv(T_n, CHUNK)) * H + i_h) * V * K + o_mem, b_M)
+        tl.store(memory_slot(states, state_base, tl.cdiv(T_n, CHUNK), i_h, H, K, V), b_M)
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * V * K + o_mem, b_M)
 
@@ -93,9 +93,10 @@ def sila_fwd_kernel_output(
 ):  # fmt: skip
     i_n, i_c, i_h = common.chunk_program(chunk_indices, IS_VARLEN)
     bos, T_n, state_base = sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK, IS_VARLEN)
-    b_S, b_k, b_v, _, b_u, _, b_start, b_D, _, rows, m_t = load_chunk(
-        k, v, r, s, beta_x, gamma_x, mask, states, bos, T_n, state_base, i_c, i_h, H, K, V, CHUNK, HAS_MASK
+    b_k, b_v, _, b_u, _, b_start, b_D, _, rows, m_t = load_chunk(
+        k, v, r, s, beta_x, gamma_x, mask, bos, T_n, i_c, i_h, H, K, V, CHUNK, HAS_MASK
     )
+    b_S = tl.load(memory_slot(states, state_base, i_c, i_h, H, K, V))
     o_k, o_v = tl.arange(0, K), tl.arange(0, V)
     m_tk, m_tv = m_t[:, None], m_t[:, None]
     for i_g in tl.static_range(G):

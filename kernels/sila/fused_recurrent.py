@@ -7,7 +7,7 @@ import torch
 from .backward import sila_bwd
 from .forward import sila_fwd
 
-CHUNK_SIZE = 32  # steps between saved memories; the chunk-parallel kernels work on [CHUNK, d] tiles
+CHUNK_SIZE = 64  # steps between saved memories; the chunk-parallel kernels work on [CHUNK, d] tiles
 
 
 class FusedRecurrentSILAFunction(torch.autograd.Function):
