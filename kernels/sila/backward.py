@@ -24,7 +24,16 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import _add_pair, load_chunk, memory_slot, memory_transposed_times, sequence_bounds, sila_gates
+from .common import (
+    _add_pair,
+    load_chunk,
+    memory_slot,
+    memory_transposed_times,
+    sequence_bounds,
+    sila_gates,
+    slot_start,
+    sweep_offsets,
+)
 
 
 @triton.jit
@@ -83,7 +92,7 @@ def load_bwd_step(
     k, v, r, s, beta_x, gamma_x, mask, c, duE, bos, t, T_n, i_h, o_k, o_v,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, HAS_MASK: tl.constexpr,
 ):  # fmt: skip
-    """Step t's inputs of the reverse sweep (zeros and not live outside [0, T_n))."""
+    """Step t's inputs of the reverse sweep, k_t at offsets o_k (zeros and not live outside [0, T_n))."""
     valid = (t >= 0) & (t < T_n)
     t_k, t_v = t + 0 * o_k, t + 0 * o_v  # t per lane: the interpreter mistypes a scalar mask broadcast to a vector
     m_k = (t_k >= 0) & (t_k < T_n)
@@ -107,34 +116,36 @@ def load_bwd_step(
 @triton.jit
 def sila_bwd_kernel_recurrent(
     k, v, beta_x, gamma_x, w_beta, w_gamma, mask, r, s, states, c, dE, duE, dht, dh0, du, dp, cu_seqlens,
-    state_offsets, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr,
+    state_offsets, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KB: tl.constexpr, CHUNK: tl.constexpr,
     STORE_DH0: tl.constexpr, HAS_MASK: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
     """The reverse sweep: du_t and the gate gradients per step, and dM at every chunk's end (into the dE slot
-    after the chunk's, read by then), from which `sila_bwd_kernel_dkv` forms dM_t^T u_t by the chunk form."""
+    after the chunk's, read by then), from which `sila_bwd_kernel_dkv` forms dM_t^T u_t by the chunk form.
+    dM is held as [V, NB, KB], d_k in NB blocks of KB (common.sweep_offsets)."""
     i_n, i_h = tl.program_id(0), tl.program_id(1)
     bos, T_n, state_base = sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK, IS_VARLEN)
-    o_k, o_v = tl.arange(0, K), tl.arange(0, V)
-    o_mem = o_v[:, None] * K + o_k[None, :]
+    o_v = tl.arange(0, V)
+    o_kb, o_mem = sweep_offsets(K, V, KB)  # [NB, KB], [V, NB, KB]
     b_wb = tl.load(w_beta + i_h * V + o_v).to(tl.float32)
     b_wg = tl.load(w_gamma + i_h * V + o_v).to(tl.float32)
     # dM_t without the outputs' share from later steps of its own chunk (added back through duE_t and dE)
     b_dM = tl.load(dht + (i_n * H + i_h).to(tl.int64) * V * K + o_mem)  # zeros when the final state has no grad
     b_h = tl.full([], 0.0, tl.float32)  # h_t = <dM_t, M_t>
     b_k, b_v, b_r, b_duE, b_sb, b_sg, b_bx, b_gx, b_c, b_live = load_bwd_step(
-        k, v, r, s, beta_x, gamma_x, mask, c, duE, bos, T_n - 1, T_n, i_h, o_k, o_v, H, K, V, HAS_MASK
+        k, v, r, s, beta_x, gamma_x, mask, c, duE, bos, T_n - 1, T_n, i_h, o_kb, o_v, H, K, V, HAS_MASK
     )
     for i in range(0, T_n):
         t = T_n - 1 - i
         n_k, n_v, n_r, n_duE, n_sb, n_sg, n_bx, n_gx, n_c, n_live = load_bwd_step(
-            k, v, r, s, beta_x, gamma_x, mask, c, duE, bos, t - 1, T_n, i_h, o_k, o_v, H, K, V, HAS_MASK
+            k, v, r, s, beta_x, gamma_x, mask, c, duE, bos, t - 1, T_n, i_h, o_kb, o_v, H, K, V, HAS_MASK
         )
         row = (bos + t) * H + i_h
         if ((t + 1) % CHUNK == 0) | (t == T_n - 1):  # the chunk's last step: M_t is the next checkpoint
-            b_h = tl.sum(b_dM * tl.load(memory_slot(states, state_base, t // CHUNK + 1, i_h, H, K, V)))  # restart h
-            tl.store(memory_slot(dE, state_base, t // CHUNK + 1, i_h, H, K, V), b_dM)
+            o_end = slot_start(state_base, t // CHUNK + 1, i_h, H, K, V) + o_mem
+            b_h = tl.sum(tl.sum(tl.sum(b_dM * tl.load(states + o_end), axis=2), axis=1), axis=0)  # restart h
+            tl.store(dE + o_end, b_dM)
         b_beta, b_gamma, b_sig, b_slope = sila_gates(b_sb, b_sg, b_bx, b_gx, b_live)
-        b_du = tl.sum(b_dM * b_k[None, :], axis=1) + b_duE  # [V] dM_t k_t
+        b_du = tl.sum(tl.sum(b_dM * b_k[None, :, :], axis=1), axis=1) + b_duE  # [V] dM_t k_t
         b_dv_, b_dr_ = tl.reduce((b_du * b_v, b_du * b_r), 0, _add_pair)
         b_dbeta = b_dv_ - b_dr_
         b_gd = b_h - b_beta * b_dbeta  # gamma_t <dM_t, M_{t-1}>
@@ -142,9 +153,9 @@ def sila_bwd_kernel_recurrent(
         b_dpg = b_gd * b_slope
         b_dr = b_dpb * b_wb + b_dpg * b_wg - b_beta * b_du
         b_h = b_gd + b_c - b_beta * b_dr_ + b_dpb * b_sb + b_dpg * b_sg
-        b_dM = b_gamma * b_dM + b_dr[:, None] * b_k[None, :]
+        b_dM = b_gamma * b_dM + b_dr[:, None, None] * b_k[None, :, :]
         if t % CHUNK == 0:  # leaving the chunk: its outputs' share joins dM
-            b_dM += tl.load(memory_slot(dE, state_base, t // CHUNK, i_h, H, K, V))
+            b_dM += tl.load(dE + slot_start(state_base, t // CHUNK, i_h, H, K, V) + o_mem)
         tl.store(du + row * V + o_v, b_du)
         tl.store(dp + 2 * row, b_dpb)
         tl.store(dp + 2 * row + 1, b_dpg)
@@ -237,7 +248,8 @@ def sila_bwd(
         dht = torch.zeros(N, H, V, K, device=q.device)
     sila_bwd_kernel_recurrent[(N, H)](
         k, v, beta_x, gamma_x, w_beta, w_gamma, mask, r, s, states, c, dE, duE, dht, dh0, du, dp, cu_seqlens,
-        offsets, T, H=H, K=K, V=V, CHUNK=chunk_size, STORE_DH0=dh0 is not None, num_warps=cfg["sweep"], **flags,
+        offsets, T, H=H, K=K, V=V, KB=common.sweep_block(K), CHUNK=chunk_size, STORE_DH0=dh0 is not None,
+        num_warps=cfg["sweep"], **flags,
     )  # fmt: skip
     dk, dv = common.new_output(k.shape, k), common.new_output(v.shape, v)
     dbx, dgx = common.new_output(beta_x.shape, beta_x), common.new_output(gamma_x.shape, gamma_x)

@@ -107,9 +107,27 @@ def chunk_decays(s, gamma_x, rows, m_t, b_live, CHUNK: tl.constexpr):
 
 
 @triton.jit
+def sweep_offsets(K: tl.constexpr, V: tl.constexpr, KB: tl.constexpr):
+    """Offsets of d_k in blocks of KB, [K // KB, KB], and of one [V, K] memory held as [V, K // KB, KB].
+
+    The sequential kernels hold M so: with KB-wide rows a warp's lanes span both V (4) and K (8), so a [V] vector is
+    4 values per thread (16 with whole rows) and a sum over K takes 3 shuffle steps (5 with whole rows).
+    """
+    o_kb = tl.arange(0, K // KB)[:, None] * KB + tl.arange(0, KB)[None, :]
+    return o_kb, tl.arange(0, V)[:, None, None] * K + o_kb[None, :, :]
+
+
+@triton.jit
+def slot_start(state_base, i_c, i_h, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """Offset of slot i_c, head i_h in a per-chunk memory buffer [slots, H, V, K] (checkpoints, dE)."""
+    return ((state_base + i_c) * H + i_h) * V * K
+
+
+@triton.jit
 def memory_slot(base, state_base, i_c, i_h, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
-    """Pointers [V, K] to slot i_c of a per-chunk memory buffer [slots, H, V, K] (checkpoints, dE), head i_h."""
-    return base + ((state_base + i_c) * H + i_h) * V * K + tl.arange(0, V)[:, None] * K + tl.arange(0, K)[None, :]
+    """Pointers [V, K] to slot i_c of a per-chunk memory buffer [slots, H, V, K], head i_h."""
+    o_mem = tl.arange(0, V)[:, None] * K + tl.arange(0, K)[None, :]
+    return base + slot_start(state_base, i_c, i_h, H, K, V) + o_mem
 
 
 @triton.jit
@@ -137,6 +155,11 @@ def memory_transposed_times(b_x, b_S, b_u, b_k, b_start, b_D, PRECISION: tl.cons
     b_A = tl.dot(b_x, tl.trans(b_u), input_precision=PRECISION) * b_D  # [C, C] decayed x_t . u_s
     b_y = tl.dot(b_A, b_k, input_precision=PRECISION)
     return b_y + b_start[:, None] * tl.dot(b_x, b_S, input_precision=PRECISION)
+
+
+def sweep_block(K: int) -> int:
+    """KB of `sweep_offsets` for head dim K."""
+    return min(K, 32)
 
 
 def launch_settings(K: int, V: int) -> dict:

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import _add_pair, load_chunk, memory_slot, sequence_bounds, sila_gates
+from .common import _add_pair, load_chunk, memory_slot, sequence_bounds, sila_gates, slot_start, sweep_offsets
 
 
 @triton.jit
@@ -22,7 +22,7 @@ def load_step(
     k, v, beta_x, gamma_x, mask, bos, t, T_n, i_h, o_k, o_v,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, HAS_MASK: tl.constexpr,
 ):  # fmt: skip
-    """k_t [K], v_t [V], the gate inputs and whether step t is a real token (False past the end)."""
+    """k_t (at offsets o_k), v_t [V], the gate inputs and whether step t is a real token (False past the end)."""
     valid = (t >= 0) & (t < T_n)
     t_k, t_v = t + 0 * o_k, t + 0 * o_v  # t per lane: the interpreter mistypes a scalar mask broadcast to a vector
     m_k = (t_k >= 0) & (t_k < T_n)
@@ -40,47 +40,63 @@ def load_step(
 
 @triton.jit
 def sila_fwd_kernel_recurrent(
-    q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, h0, mask, o, ht, states, r, s, cu_seqlens, state_offsets, T,
-    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr, STORE_HT: tl.constexpr,
-    SAVE: tl.constexpr,
-    INLINE_OUTPUT: tl.constexpr, HAS_MASK: tl.constexpr, IS_VARLEN: tl.constexpr,
+    q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, vw, h0, mask, o, ht, states, r, s, cu_seqlens, state_offsets, T,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KB: tl.constexpr, CHUNK: tl.constexpr,
+    STORE_HT: tl.constexpr, SAVE: tl.constexpr, INLINE_OUTPUT: tl.constexpr, HAS_MASK: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
+    """M is held as [V, NB, KB], d_k in NB blocks of KB (common.sweep_offsets)."""
     i_n, i_h = tl.program_id(0), tl.program_id(1)
     bos, T_n, state_base = sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK, IS_VARLEN)
-    o_k, o_v = tl.arange(0, K), tl.arange(0, V)
-    o_mem = o_v[:, None] * K + o_k[None, :]  # [V, K] offsets inside one [V, K] memory
+    o_v = tl.arange(0, V)
+    o_kb, o_mem = sweep_offsets(K, V, KB)  # [NB, KB], [V, NB, KB]
     b_wb = tl.load(w_beta + i_h * V + o_v).to(tl.float32)
     b_wg = tl.load(w_gamma + i_h * V + o_v).to(tl.float32)
-    # always loaded (zeros when there is no initial state): the load fixes a vectorised register layout for M
     b_M = tl.load(h0 + (i_n * H + i_h).to(tl.int64) * V * K + o_mem)
     # step t's inputs are loaded during step t - 1, so their latency hides behind its arithmetic
-    b_k, b_v, b_bx, b_gx, b_live = load_step(k, v, beta_x, gamma_x, mask, bos, 0, T_n, i_h, o_k, o_v, H, K, V, HAS_MASK)
+    b_k, b_v, b_bx, b_gx, b_live = load_step(
+        k, v, beta_x, gamma_x, mask, bos, 0, T_n, i_h, o_kb, o_v, H, K, V, HAS_MASK
+    )
+    # z = M^T w_beta, M^T w_gamma [NB, KB]: with them the gates' w . M k is a sum over K, within a warp, and no sum
+    # over V (across warps) sits in the step's chain; made exact again from M at every checkpoint
+    if SAVE:
+        b_zb, b_zg = tl.reduce((b_M * b_wb[:, None, None], b_M * b_wg[:, None, None]), 0, _add_pair)
     for t in range(0, T_n):
         n_k, n_v, n_bx, n_gx, n_live = load_step(
-            k, v, beta_x, gamma_x, mask, bos, t + 1, T_n, i_h, o_k, o_v, H, K, V, HAS_MASK
+            k, v, beta_x, gamma_x, mask, bos, t + 1, T_n, i_h, o_kb, o_v, H, K, V, HAS_MASK
         )
         row = (bos + t) * H + i_h
         if SAVE:
             if t % CHUNK == 0:
-                tl.store(memory_slot(states, state_base, t // CHUNK, i_h, H, K, V), b_M)
-        b_r = tl.sum(b_M * b_k[None, :], axis=1)  # [V] M_{t-1} k_t
-        b_sb, b_sg = tl.reduce((b_r * b_wb, b_r * b_wg), 0, _add_pair)
+                tl.store(states + slot_start(state_base, t // CHUNK, i_h, H, K, V) + o_mem, b_M)
+                b_zb, b_zg = tl.reduce((b_M * b_wb[:, None, None], b_M * b_wg[:, None, None]), 0, _add_pair)
+        b_r = tl.sum(tl.sum(b_M * b_k[None, :, :], axis=1), axis=1)  # [V] M_{t-1} k_t
+        if SAVE:
+            b_sb, b_sg = tl.reduce(tl.reduce((b_zb * b_k, b_zg * b_k), 1, _add_pair), 0, _add_pair)
+        else:  # a decode step: one step, no z
+            b_sb, b_sg = tl.reduce((b_r * b_wb, b_r * b_wg), 0, _add_pair)
         b_beta, b_gamma, _, _ = sila_gates(b_sb, b_sg, b_bx, b_gx, b_live)
         if INLINE_OUTPUT:
             for i_g in tl.static_range(G):
-                b_q = tl.load(q + (row * G + i_g) * K + o_k).to(tl.float32)
+                b_q = tl.load(q + (row * G + i_g) * K + o_kb).to(tl.float32)
                 b_a = tl.load(alpha + row * G + i_g).to(tl.float32)
-                b_o = tl.sum(b_M * b_q[None, :], axis=1) + b_a * tl.sum(b_k * b_q) * b_v
+                b_qk = tl.sum(tl.sum(b_k * b_q, axis=1), axis=0)
+                b_o = tl.sum(tl.sum(b_M * b_q[None, :, :], axis=1), axis=1) + b_a * b_qk * b_v
                 tl.store(o + (row * G + i_g) * V + o_v, b_o.to(o.dtype.element_ty))
         if SAVE:
             tl.store(r + row * V + o_v, b_r)
             tl.store(s + 2 * row, b_sb)
             tl.store(s + 2 * row + 1, b_sg)
         b_u = b_beta * (b_v - b_r)
-        b_M = b_gamma * b_M + b_u[:, None] * b_k[None, :]
+        b_M = b_gamma * b_M + b_u[:, None, None] * b_k[None, :, :]
+        if SAVE:  # M_t^T w = gamma M_{t-1}^T w + (u . w) k, with u . w = beta (v . w - r . w): scalars only
+            b_vwb = tl.load(vw + 2 * row)
+            b_vwg = tl.load(vw + 2 * row + 1)
+            b_zb = b_gamma * b_zb + (b_beta * (b_vwb - b_sb)) * b_k
+            b_zg = b_gamma * b_zg + (b_beta * (b_vwg - b_sg)) * b_k
         b_k, b_v, b_bx, b_gx, b_live = n_k, n_v, n_bx, n_gx, n_live
     if SAVE:
-        tl.store(memory_slot(states, state_base, tl.cdiv(T_n, CHUNK), i_h, H, K, V), b_M)
+        tl.store(states + slot_start(state_base, tl.cdiv(T_n, CHUNK), i_h, H, K, V) + o_mem, b_M)
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * V * K + o_mem, b_M)
 
@@ -130,9 +146,13 @@ def sila_fwd(
     flags = dict(HAS_MASK=mask is not None, IS_VARLEN=cu_seqlens is not None)
     if initial_state is None:
         initial_state = torch.zeros(N, H, V, K, device=q.device)
+    vw = None
+    if not inline:  # v_t . w_beta, v_t . w_gamma [B, T, H, 2]
+        vw = torch.einsum("bthv,hjv->bthj", v.float(), torch.stack((w_beta, w_gamma), 1).float()).contiguous()
     sila_fwd_kernel_recurrent[(N, H)](
-        q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, initial_state, mask, o, ht, states, r, s, cu_seqlens, offsets,
-        T, H=H, G=G, K=K, V=V, CHUNK=chunk_size,
+        q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, vw, initial_state, mask, o, ht, states, r, s, cu_seqlens,
+        offsets,
+        T, H=H, G=G, K=K, V=V, KB=common.sweep_block(K), CHUNK=chunk_size,
         STORE_HT=output_final_state, SAVE=not inline, INLINE_OUTPUT=inline, num_warps=cfg["sweep"], **flags,
     )  # fmt: skip
     if not inline and n_chunks > 0:

@@ -105,7 +105,8 @@ def test_gates_near_the_kink_and_near_zero():
     gamma_x[:, 12:] = -60.0  # then gamma ~ 1e-26: the memory is not invertible there
     inputs[5] = gamma_x
     kernel, reference = run_both(inputs)
-    assert_all_close(kernel, reference)
+    # gamma_x's gradient is small here (norm ~1e-2) against O(1) terms, so float32 rounding (~1e-6) is ~2e-4 of it
+    assert_all_close(kernel, reference, tol=5e-4)
 
 
 @pytest.mark.parametrize("with_grad", [False, True])
