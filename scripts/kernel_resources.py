@@ -1,12 +1,12 @@
-"""Registers, spill stack and shared memory of Raven's per-chunk and decode kernels on sm_90, without a GPU: each
-kernel is compiled with Triton for Hopper under its launch settings and its cubin read with the cuobjdump that
-ships with Triton.
-Check a launch change here first: a spilling kernel is slow, and one that needs over 227 KB of shared memory does
-not launch.
+"""Registers, spill stack and shared memory of Raven's per-chunk and decode kernels and SILA's kernels on sm_90,
+without a GPU: each kernel is compiled with Triton for Hopper under its launch settings and its cubin read with
+the cuobjdump that ships with Triton.
+Check a launch or layout change here first: a spilling kernel is slow, and one that needs over 227 KB of shared
+memory does not launch.
 
-    python scripts/kernel_resources.py [--d 128] [--slots 256] [--kernels o,dq,dkv,dlf,h,dh,gate,dhc,scan,decode]
+    python scripts/kernel_resources.py [--d 128] [--slots 256] [--kernels o,dq,...,sila_fwd,sila_bwd,...]
 
-Prints one row per kernel: slots per block, warps, stages, registers per thread, stack bytes, shared bytes.
+Prints one row per kernel: slots per block (Raven), warps, stages, registers per thread, stack bytes, shared bytes.
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.raven import chunk, chunk_bwd, chunk_h, fused_recurrent  # noqa: E402
+from kernels.sila import backward as sila_backward  # noqa: E402
+from kernels.sila import common as sila_common  # noqa: E402
+from kernels.sila import forward as sila_forward  # noqa: E402
+from kernels.sila.fused_recurrent import CHUNK_SIZE as SILA_CHUNK  # noqa: E402
 
 KERNELS = {
     "o": chunk.raven_fwd_kernel_o,
@@ -39,6 +43,11 @@ KERNELS = {
     "dhc": chunk_h.raven_bwd_kernel_dhc,
     "scan": chunk_h.raven_fwd_kernel_scan,
     "decode": fused_recurrent.raven_fwd_kernel_fused_recurrent,
+    "sila_fwd": sila_forward.sila_fwd_kernel_recurrent,  # the training sweep (SAVE), not the decode step
+    "sila_o": sila_forward.sila_fwd_kernel_output,
+    "sila_dq": sila_backward.sila_bwd_kernel_dq,
+    "sila_bwd": sila_backward.sila_bwd_kernel_recurrent,
+    "sila_dkv": sila_backward.sila_bwd_kernel_dkv,
 }
 INPUT_DTYPE = {
     "q",
@@ -58,13 +67,17 @@ INPUT_DTYPE = {
     "p",
     "ds",
 }  # bf16 in training
-INT32 = {"chunk_bos", "chunk_len", "seq_chunks", "idx", "cu_seqlens"}
+INT32 = {"chunk_bos", "chunk_len", "seq_chunks", "idx", "cu_seqlens", "state_offsets", "chunk_indices"}
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
 def resources(fn, constants: dict, num_warps: int, num_stages: int) -> dict[str, int]:
-    """Compile `fn` for sm_90 with these constexpr values (every other argument a pointer or a float scale)."""
-    signature, constexprs = {}, {}
+    """Compile `fn` for sm_90 with these constexpr values (every other argument a pointer or a float scale).
+
+    Pointers are marked 16-byte aligned, as the launcher marks torch's allocations: without that Triton cannot
+    vectorise the loads and the compiled kernel is not the one that runs.
+    """
+    signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(inspect.signature(fn.fn).parameters):
         if name in constants:
             signature[name] = "constexpr"
@@ -75,9 +88,11 @@ def resources(fn, constants: dict, num_warps: int, num_stages: int) -> dict[str,
             signature[name] = "i32"
         else:
             signature[name] = "*i32" if name in INT32 else "*bf16" if name in INPUT_DTYPE else "*fp32"
+            signature[name] = "*u8" if name == "mask" else signature[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
     compiled = triton.compile(
-        ASTSource(fn, signature, constexprs),
-        target=GPUTarget("cuda", 90, 128),
+        ASTSource(fn, signature, constexprs, attrs),
+        target=GPUTarget("cuda", 90, 32),
         options={"num_warps": num_warps, "num_stages": num_stages},
     )
     with tempfile.TemporaryDirectory() as tmp:
@@ -101,6 +116,9 @@ def kernel_rows(D: int, M: int, names: list[str]) -> list[tuple]:
             raise ValueError(f"--kernels: unknown kernel {name!r}; allowed: {', '.join(KERNELS)}")
     rows = []
     for name in names:
+        if name.startswith("sila_"):
+            rows.append(sila_row(name, D))
+            continue
         if name in launch:
             BM, warps, stages = launch[name]
             BM, block_d = min(BM, BM_max), BD
@@ -119,6 +137,16 @@ def kernel_rows(D: int, M: int, names: list[str]) -> list[tuple]:
         used = resources(KERNELS[name], constants, warps, stages)
         rows.append((name, BM, warps, stages, used["registers"], used["stack"], used["shared"]))
     return rows
+
+
+def sila_row(name: str, D: int) -> tuple:
+    """(name, "-", warps, stages, registers, stack, shared) of a SILA kernel as fused_recurrent_sila launches it at
+    d_k = d_v = D, no mask, fixed-length batch, one query head per key head."""
+    warps = sila_common.launch_settings(D, D)["sweep" if name in ("sila_fwd", "sila_bwd") else "chunk"]
+    constants = dict(H=16, G=1, K=D, V=D, KB=sila_common.sweep_block(D), CHUNK=SILA_CHUNK, PRECISION="tf32")
+    constants.update(STORE_HT=False, SAVE=True, INLINE_OUTPUT=False, STORE_DH0=False, HAS_MASK=False, IS_VARLEN=False)
+    used = resources(KERNELS[name], constants, warps, 1)
+    return (name, "-", warps, 1, used["registers"], used["stack"], used["shared"])
 
 
 def main() -> None:
