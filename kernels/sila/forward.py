@@ -151,8 +151,7 @@ def sila_fwd(
         vw = torch.einsum("bthv,hjv->bthj", v.float(), torch.stack((w_beta, w_gamma), 1).float()).contiguous()
     sila_fwd_kernel_recurrent[(N, H)](
         q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, vw, initial_state, mask, o, ht, states, r, s, cu_seqlens,
-        offsets,
-        T, H=H, G=G, K=K, V=V, KB=common.sweep_block(K), CHUNK=chunk_size,
+        offsets, T, H=H, G=G, K=K, V=V, KB=common.sweep_block(K), CHUNK=chunk_size,
         STORE_HT=output_final_state, SAVE=not inline, INLINE_OUTPUT=inline, num_warps=cfg["sweep"], **flags,
     )  # fmt: skip
     if not inline and n_chunks > 0:
