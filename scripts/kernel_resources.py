@@ -68,6 +68,7 @@ INPUT_DTYPE = {
     "ds",
 }  # bf16 in training
 INT32 = {"chunk_bos", "chunk_len", "seq_chunks", "idx", "cu_seqlens", "state_offsets", "chunk_indices"}
+POINTER_TYPES = {**{n: "*bf16" for n in INPUT_DTYPE}, **{n: "*i32" for n in INT32}, "mask": "*u8"}
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
@@ -87,8 +88,7 @@ def resources(fn, constants: dict, num_warps: int, num_stages: int) -> dict[str,
         elif name == "T":
             signature[name] = "i32"
         else:
-            signature[name] = "*i32" if name in INT32 else "*bf16" if name in INPUT_DTYPE else "*fp32"
-            signature[name] = "*u8" if name == "mask" else signature[name]
+            signature[name] = POINTER_TYPES.get(name, "*fp32")
             attrs[(i,)] = [["tt.divisibility", 16]]
     compiled = triton.compile(
         ASTSource(fn, signature, constexprs, attrs),

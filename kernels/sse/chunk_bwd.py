@@ -4,7 +4,7 @@ every chunk, do v^T per chunk, dq, dk, dv of every sub-chunk, and the gate gradi
 import triton
 import triton.language as tl
 
-from .chunk_fwd import sse_row
+from .chunk_fwd import sse_gate_tile, sse_row
 
 
 @triton.jit
@@ -49,9 +49,7 @@ def sse_bwd_kernel_dh(
         last = tl.minimum(eos - bos, BT) - 1
         tl.store(dhs + ((c0 + i) * H + i_h) * K * V + offs_kv, b_dh.to(dhs.dtype.element_ty), mask=m_kv)
         m_t = o_t < eos - bos
-        b_b = tl.load(
-            gc + ((bos + tl.minimum(o_t, last))[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
-        )  # [BT, BK]
+        b_b = sse_gate_tile(gc, bos, o_t, last, H, i_h, K, o_k, m_k)  # [BT, BK]
         b_bl = tl.load(gc + ((bos + last) * H + i_h) * K + o_k, mask=m_k, other=0.0)
         b_dh *= tl.exp(b_bl)[:, None]
         for i_g in range(G):
@@ -173,9 +171,7 @@ def sse_bwd_kernel_dqkvg(
             b_k = tl.load(
                 k + ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0
             )  # [BT, BK]
-            b_b = tl.load(
-                gc + ((bos + tl.minimum(o_t, last))[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
-            )  # [BT, BK]
+            b_b = sse_gate_tile(gc, bos, o_t, last, H, i_h, K, o_k, m_k)  # [BT, BK]
             b_kg = b_k * tl.exp(tl.where((o_t < i * BC)[:, None], b_ref[None, :] - b_b, float("-inf")))
             b_dq += tl.dot(b_dA.to(DT), b_kg.to(DT)) * tl.exp(b_bi - b_ref[None, :])
         b_kj, b_bj = sse_row(k, gc, bos, i * BC, n, last, H, i_h, K, o_k)
@@ -200,9 +196,7 @@ def sse_bwd_kernel_dqkvg(
                 mask=m_t[:, None] & m_k[None, :],
                 other=0.0,
             )  # [BT, BK]
-            b_b = tl.load(
-                gc + ((bos + tl.minimum(o_t, last))[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
-            )  # [BT, BK]
+            b_b = sse_gate_tile(gc, bos, o_t, last, H, i_h, K, o_k, m_k)  # [BT, BK]
             b_qg = b_qf * tl.exp(tl.where((o_t >= i * BC + BC)[:, None], b_b - b_ref_k[None, :], float("-inf")))
             b_dk += tl.dot(b_dAT.to(DT), b_qg.to(DT)) * tl.exp(b_ref_k[None, :] - b_bi)
         b_qj, b_bj = sse_row(q, gc, bos, i * BC, n, last, H * G, i_hg, K, o_k, G)

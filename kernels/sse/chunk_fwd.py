@@ -28,6 +28,14 @@ def sse_row(x, gc, bos, t, n, last, HX, i_hx, K: tl.constexpr, o_k, G: tl.conste
 
 
 @triton.jit
+def sse_gate_tile(gc, bos, o_t, last, H, i_h, K: tl.constexpr, o_k, m_k):
+    """The cumulative gate of the chunk's rows o_t [BT, BK] for state head i_h (rows past the end read the last)."""
+    return tl.load(
+        gc + ((bos + tl.minimum(o_t, last))[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
+    )
+
+
+@triton.jit
 def sse_fwd_kernel_h(
     k,
     v,
@@ -67,9 +75,7 @@ def sse_fwd_kernel_h(
         b_k = tl.load(
             k + ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0
         ).to(tl.float32)  # [BT, BK]
-        b_b = tl.load(
-            gc + ((bos + tl.minimum(o_t, last))[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
-        )  # [BT, BK]
+        b_b = sse_gate_tile(gc, bos, o_t, last, H, i_h, K, o_k, m_k)  # [BT, BK]
         b_bl = tl.load(gc + ((bos + last) * H + i_h) * K + o_k, mask=m_k, other=0.0)  # [BK]
         b_v = tl.load(
             v + ((bos + o_t)[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0
@@ -138,9 +144,7 @@ def sse_fwd_kernel_o(
         b_k = tl.load(
             k + ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0
         ).to(tl.float32)  # [BT, BK]
-        b_b = tl.load(
-            gc + ((bos + tl.minimum(o_t, last))[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
-        )  # [BT, BK]
+        b_b = sse_gate_tile(gc, bos, o_t, last, H, i_h, K, o_k, m_k)  # [BT, BK]
         b_kg = b_k * tl.exp(tl.where((o_t < i * BC)[:, None], b_ref[None, :] - b_b, float("-inf")))
         b_A += tl.dot((b_q * tl.exp(b_bi - b_ref[None, :])).to(DT), tl.trans(b_kg.to(DT)))
     b_kj, b_bj = sse_row(k, gc, bos, i * BC, n, last, H, i_h, K, o_k)
