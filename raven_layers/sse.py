@@ -275,6 +275,26 @@ def sse_masking(
     return o.view(B, T, H, P, G, d).sum(3), state.view(S, H, P, c, d)
 
 
+def varlen_entries(idx: torch.Tensor, num_partitions: int, cu_seqlens=None):
+    """The entry order of the varlen form: order [E] (E = B T H M) lists the flat (b, t, h, m) entries of idx
+    [B, T, H, M] by segment (document, kv head, partition), then time; cu [S H P + 1] bounds the segments (empty
+    ones included) and S counts the documents (the batch rows without cu_seqlens)."""
+    B, T, H, M = idx.shape
+    P, dev = num_partitions, idx.device
+    if cu_seqlens is None:  # a document per batch row
+        S, document = B, torch.arange(B, device=dev)[:, None]  # [B, 1]
+    else:
+        if B != 1:
+            raise ValueError(f"cu_seqlens needs a batch of 1 packed sequence, got batch {B}")
+        S = cu_seqlens.numel() - 1
+        document = document_positions(cu_seqlens.to(dev), T)[0][None]  # [1, T]
+    sample = document[:, :, None, None] * H + torch.arange(H, device=dev)[:, None]  # [B, T|1, H, 1]
+    segment = (sample * P + idx).flatten()  # [E] segment of each entry: (document, h, partition)
+    order = segment.argsort(stable=True)  # entries are flat in time order within a segment: stable keeps it
+    lengths = torch.bincount(segment, minlength=S * H * P)  # [S*H*P], empty partitions included
+    return order, F.pad(lengths.cumsum(0), (1, 0)), S
+
+
 def sse_varlen(
     q,
     k,
@@ -299,21 +319,8 @@ def sse_varlen(
     scattered back and summed.
     """
     B, T, H, G, M, c = q.shape
-    d, P, dev = v.shape[-1], num_partitions, q.device
-    if cu_seqlens is None:  # a document per batch row
-        S, document = B, torch.arange(B, device=dev)[:, None]  # [B, 1]
-    else:
-        if B != 1:
-            raise ValueError(f"cu_seqlens needs a batch of 1 packed sequence, got batch {B}")
-        S = cu_seqlens.numel() - 1
-        document = document_positions(cu_seqlens.to(dev), T)[0][None]  # [1, T]
-    sample = document[:, :, None, None] * H + torch.arange(H, device=dev)[:, None]  # [B, T|1, H, 1]
-    segment = sample * P + idx  # [B, T, H, M] segment of each entry: (document, h, partition)
-    time = torch.arange(T, device=dev)[:, None, None]
-    order = (segment * T + time).flatten().argsort()  # [E] entries by segment, then time
-    lengths = torch.bincount(segment.flatten(), minlength=S * H * P)  # [S*H*P], empty partitions included
-    cu = F.pad(lengths.cumsum(0), (1, 0))
-
+    d, P = v.shape[-1], num_partitions
+    order, cu, S = varlen_entries(idx, P, cu_seqlens)
     q_e = q.transpose(3, 4).reshape(-1, G, c)[order]  # [E, G, c]
     k_e, g_e = k.reshape(-1, c)[order], log_g.reshape(-1, c)[order]  # [E, c]
     v_e = v.unsqueeze(3).expand(B, T, H, M, d).reshape(-1, d)[order]  # [E, d]

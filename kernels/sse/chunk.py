@@ -24,10 +24,12 @@ over the chunk-to-state part of dk.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import triton
 
-from raven_layers.sse import sse_masking, sse_varlen
+from raven_layers.sse import sse_masking, varlen_entries
 
 from .chunk_bwd import sse_bwd_kernel_dA, sse_bwd_kernel_dg, sse_bwd_kernel_dh, sse_bwd_kernel_dqkvg
 from .chunk_fwd import sse_fwd_kernel_cumsum, sse_fwd_kernel_h, sse_fwd_kernel_o
@@ -71,108 +73,86 @@ def _new(shape, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class ChunkGLAFunction(torch.autograd.Function):
+    """Dense: q [B, T, H, G, K], k and log_g [B, T, H, K], v [B, T, H, V]; the packed positions are the B T rows.
+    Gather (SSE's entries, src given): q [R, G, M, K], k and log_g [R M, K], v [R, V]; packed position p (one head)
+    reads k row src[p] and that row's token r // M; o comes back [R, G, V], summed over each token's M entries."""
+
     @staticmethod
-    def forward(ctx, q, k, v, log_g, scale, initial_state, cu_seqlens):
-        B, T, H, G, K = q.shape
-        V, L, dev = v.shape[-1], B * T, q.device
-        BK, BV = _block(K), _block(V)
-        q, k, v, log_g = (x.reshape(L, *x.shape[2:]).contiguous() for x in (q, k, v, log_g))
+    def forward(ctx, q, k, v, log_g, scale, initial_state, cu_seqlens, src=None):
+        dev, gather = q.device, src is not None
+        if gather:
+            R, G, M, K = q.shape
+            B, T, H, L = 1, src.numel(), 1, src.numel()
+        else:
+            B, T, H, G, K = q.shape
+            M, L = 1, B * T
+        V, BK, BV = v.shape[-1], _block(K), _block(v.shape[-1])
+        q, k, v, log_g = (x.contiguous() for x in (q, k, v, log_g))
         cu, chunk_seq, chunk_pos, chunk_off, Nc = _chunk_layout(B, T, cu_seqlens, dev)
         S = cu.numel() - 1
         h0 = None if initial_state is None else initial_state.float().reshape(S, H, K, V).contiguous()
-        gc = torch.empty(L, H, K, device=dev, dtype=torch.float32)  # chunk-local cumulative log-gate
+        gc = torch.empty(L, H, K, device=dev, dtype=torch.float32)  # chunk-local cumulative log-gate, by position
         hs = torch.empty(Nc, H, K, V, device=dev, dtype=_state_dtype(q))  # state entering each chunk
         ht = torch.empty(S, H, K, V, device=dev, dtype=torch.float32)
-        o = _new((L, H, G, V), q, q.dtype)
+        o = _new((k.numel() // K, G, V), q, q.dtype)  # one row per input row of k (per entry with a gather)
         store_A = any(ctx.needs_input_grad[:4])
         A = _new((L, H * G, BT), q, q.dtype) if store_A else None  # in-chunk scores, for the backward's dv
         if Nc:
-            sse_fwd_kernel_cumsum[(Nc, H)](log_g, gc, cu, chunk_seq, chunk_pos, H, K, BT, BK)
+            sse_fwd_kernel_cumsum[(Nc, H)](log_g, gc, src, cu, chunk_seq, chunk_pos, H, K, BT, BK, gather)
         hk, hv = min(BK, 64), min(BV, 64)
         if S:
             sse_fwd_kernel_h[(S * H, BK // hk, BV // hv)](
-                k, v, gc, h0, hs, ht, cu, chunk_off, H, K, V, BT, hk, hv, h0 is not None, num_warps=WARPS["h"]
-            )
+                k, v, gc, h0, hs, ht, src, cu, chunk_off, H, K, V, BT, hk, hv, M, h0 is not None, gather,
+                num_warps=WARPS["h"],
+            )  # fmt: skip
         if Nc:
             sse_fwd_kernel_o[(Nc, H * G, BT // BC)](
-                q,
-                k,
-                v,
-                gc,
-                hs,
-                o,
-                A,
-                cu,
-                chunk_seq,
-                chunk_pos,
-                scale,
-                H,
-                G,
-                K,
-                V,
-                BT,
-                BC,
-                BK,
-                BV,
-                store_A,
-                num_warps=WARPS["o"],
-            )
-        ctx.save_for_backward(q, k, v, gc, hs, A, cu, chunk_seq, chunk_pos, chunk_off)
-        ctx.meta = (B, T, scale, initial_state is not None, log_g.dtype, None if h0 is None else initial_state.dtype)
-        return o.view(B, T, H, G, V), ht
+                q, k, v, gc, hs, o, A, src, cu, chunk_seq, chunk_pos, scale, H, G, K, V, BT, BC, BK, BV, M, store_A,
+                gather, num_warps=WARPS["o"],
+            )  # fmt: skip
+        ctx.save_for_backward(q, k, v, gc, hs, A, src, cu, chunk_seq, chunk_pos, chunk_off)
+        h0_dtype = None if h0 is None else initial_state.dtype
+        o_shape = (q.shape[0], G, V) if gather else (B, T, H, G, V)
+        ctx.meta = (o_shape, k.shape, v.shape, M, scale, initial_state is not None, log_g.dtype, h0_dtype)
+        return (o.view(-1, M, G, V).sum(1) if gather else o.view(o_shape)), ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, gc, hs, A, cu, chunk_seq, chunk_pos, chunk_off = ctx.saved_tensors
-        B, T, scale, use_h0, g_dtype, h0_dtype = ctx.meta
-        L, H, G, K = q.shape
-        V, S, Nc, dev = v.shape[-1], cu.numel() - 1, hs.shape[0], q.device
+        q, k, v, gc, hs, A, src, cu, chunk_seq, chunk_pos, chunk_off = ctx.saved_tensors
+        o_shape, k_shape, v_shape, M, scale, use_h0, g_dtype, h0_dtype = ctx.meta
+        (L, H, K), (G, V), gather = gc.shape, o_shape[-2:], src is not None
+        S, Nc, dev = cu.numel() - 1, hs.shape[0], q.device
         BK, BV = _block(K), _block(V)
-        do = torch.zeros(L, H, G, V, device=dev, dtype=q.dtype) if do is None else do.reshape(L, H, G, V).contiguous()
+        do = torch.zeros(o_shape, device=dev, dtype=q.dtype) if do is None else do.contiguous()
         dht = None if dht is None else dht.float().reshape(S, H, K, V).contiguous()
         dhs = torch.empty_like(hs)
         dh0 = torch.empty(S, H, K, V, device=dev, dtype=torch.float32) if use_h0 else None
         hk, hv = min(BK, 64), min(BV, 64)
         if S:
             sse_bwd_kernel_dh[(S * H, BK // hk, BV // hv)](
-                q,
-                do,
-                gc,
-                dht,
-                dhs,
-                dh0,
-                cu,
-                chunk_off,
-                scale,
-                H,
-                G,
-                K,
-                V,
-                BT,
-                hk,
-                hv,
-                dht is not None,
-                use_h0,
-                num_warps=WARPS["dh"],
-            )
-        dq, dk, dv = (_new(x.shape, x, x.dtype) for x in (q, k, v))
-        dg = _new((L, H, K), q, g_dtype)
+                q, do, gc, dht, dhs, dh0, src, cu, chunk_off, scale, H, G, K, V, BT, hk, hv, M, dht is not None,
+                use_h0, gather, num_warps=WARPS["dh"],
+            )  # fmt: skip
+        dq, dk = _new(q.shape, q, q.dtype), _new(k.shape, k, k.dtype)
+        dv = _new((k.numel() // K, V), v, v.dtype)  # per input row of k: summed over M below
+        dg = _new(k.shape, q, g_dtype)
         if Nc:
             NS = BT // BC
             dA = torch.empty(Nc, H * G, BT, BT, device=dev, dtype=torch.float32)  # do v^T per chunk
-            # sum_g q dq - k dk; sse_bwd_kernel_dg turns it into dg in place when dg is float32
-            db = dg if dg.dtype == torch.float32 else torch.empty(L, H, K, device=dev, dtype=torch.float32)
+            # sum_g q dq - k dk by position; without a gather sse_bwd_kernel_dg turns it into dg in place
+            in_place = dg.dtype == torch.float32 and not gather
+            db = dg if in_place else torch.empty(L, H, K, device=dev, dtype=torch.float32)
             run = torch.empty(Nc, H, NS, K, device=dev, dtype=torch.float32)  # chunk-wide gate term, per sub-chunk
-            layout = (cu, chunk_seq, chunk_pos, scale, H)
-            sse_bwd_kernel_dA[(Nc, H * G)](v, do, dA, *layout, G, V, BT, BV)
+            layout = (src, cu, chunk_seq, chunk_pos, scale, H)
+            sse_bwd_kernel_dA[(Nc, H * G)](v, do, dA, *layout, G, V, BT, BV, M, gather)
             sse_bwd_kernel_dqkvg[(Nc, H, NS)](
-                q, k, v, gc, hs, do, dhs, A, dA, dq, dk, dv, db, run, *layout, G, K, V, BT, BC, BK, BV,
+                q, k, v, gc, hs, do, dhs, A, dA, dq, dk, dv, db, run, *layout, G, K, V, BT, BC, BK, BV, M, gather,
                 num_warps=WARPS["dqkvg"],
             )  # fmt: skip
-            sse_bwd_kernel_dg[(Nc, H)](db, run, dg, cu, chunk_seq, chunk_pos, H, K, BT, BC, BK)
-        shape = (B, T, H)
+            sse_bwd_kernel_dg[(Nc, H)](db, run, dg, src, cu, chunk_seq, chunk_pos, H, K, BT, BC, BK, gather)
+        dv = dv.view(-1, M, V).sum(1).view(v_shape) if gather else dv.view(v_shape)
         dh0 = None if dh0 is None else dh0.to(h0_dtype)
-        return dq.view(*shape, G, K), dk.view(*shape, K), dv.view(*shape, V), dg.view(*shape, K), None, dh0, None
+        return dq, dk.view(k_shape), dv, dg.view(k_shape), None, dh0, None, None
 
 
 def chunk_gla(q, k, v, log_g, scale: float, initial_state=None, output_final_state: bool = False, cu_seqlens=None):
@@ -211,15 +191,27 @@ def _gla(q, k, v, log_g, scale: float, initial_state=None, cu_seqlens=None):
     return chunk_gla(q, k, v, log_g, scale, initial_state, True, cu_seqlens)
 
 
-IMPLEMENTATIONS = {"varlen": sse_varlen, "masking": sse_masking}
+def _sse_varlen(q, k, v, log_g, idx, num_partitions: int, scale: float, initial_state=None, cu_seqlens=None):
+    """`sse_varlen` with the regrouping inside the kernels: they read every entry's rows in place through the entry
+    order (`varlen_entries`), and o and the gradients come back in the inputs' layout, with no gathered copies."""
+    B, T, H, G, M, c = q.shape
+    d, P = v.shape[-1], num_partitions
+    order, cu, S = varlen_entries(idx, P, cu_seqlens)
+    s0 = None if initial_state is None else initial_state.reshape(S * H * P, 1, c, d)
+    rows = (q.reshape(-1, G, M, c), k.reshape(-1, c), v.reshape(-1, d), log_g.reshape(-1, c))
+    o, state = ChunkGLAFunction.apply(*rows, float(scale), s0, cu, order.to(torch.int32))
+    return o.view(B, T, H, G, d), state.view(S, H, P, c, d)
+
+
+IMPLEMENTATIONS = {"varlen": _sse_varlen, "masking": partial(sse_masking, gla=_gla)}
 
 
 def chunk_sse(
     q, k, v, log_g, idx, num_partitions: int, scale: float, initial_state=None, implementation="varlen", cu_seqlens=None
 ):
-    """SSE's parallel forms on `chunk_gla`: the regrouping of `sse_varlen` (paper Algorithm 2: every (batch row,
-    kv head, partition) one segment of a single packed sequence) or `sse_masking` (Algorithm 1: every partition a
-    head), same arguments and results as those.
+    """SSE's parallel forms on `chunk_gla`'s kernels: `sse_varlen` (paper Algorithm 2: every (batch row, kv head,
+    partition) one segment of a single packed sequence, the kernels reading the entries in place) or `sse_masking`
+    (Algorithm 1: every partition a head), same arguments and results as those.
 
     Args:
         q: [B, T, H, G, M, c]; k, log_g: [B, T, H, M, c]; v: [B, T, H, d]; idx: [B, T, H, M] in [0, P), the M
@@ -237,5 +229,10 @@ def chunk_sse(
         raise ValueError(
             f"chunk_sse: implementation = {implementation!r} is not allowed; allowed: {list(IMPLEMENTATIONS)}"
         )
+    allowed = (torch.float32, torch.bfloat16, torch.float16)
+    if q.dtype not in allowed:
+        raise ValueError(f"chunk_sse: q.dtype = {q.dtype} is not supported; allowed: {list(allowed)}")
+    if max(k.shape[-1], v.shape[-1]) > 256:
+        raise ValueError(f"chunk_sse: c = {k.shape[-1]}, d = {v.shape[-1]}; allowed: at most 256 each")
     form = IMPLEMENTATIONS[implementation]
-    return form(q, k, v, log_g, idx, num_partitions, scale, initial_state, gla=_gla, cu_seqlens=cu_seqlens)
+    return form(q, k, v, log_g, idx, num_partitions, scale, initial_state, cu_seqlens=cu_seqlens)

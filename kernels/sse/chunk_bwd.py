@@ -4,7 +4,7 @@ every chunk, do v^T per chunk, dq, dk, dv of every sub-chunk, and the gate gradi
 import triton
 import triton.language as tl
 
-from .chunk_fwd import sse_gate_tile, sse_row
+from .chunk_fwd import sse_gate_tile, sse_qrow, sse_row, sse_src
 
 
 @triton.jit
@@ -15,6 +15,7 @@ def sse_bwd_kernel_dh(
     dht,
     dhs,
     dh0,
+    src,
     cu,
     chunk_off,
     scale,
@@ -25,8 +26,10 @@ def sse_bwd_kernel_dh(
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    M: tl.constexpr,
     USE_DHT: tl.constexpr,
     USE_H0: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
     i_sh, i_k, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_s, i_h = i_sh // H, i_sh % H
@@ -52,17 +55,13 @@ def sse_bwd_kernel_dh(
         b_b = sse_gate_tile(gc, bos, o_t, last, H, i_h, K, o_k, m_k)  # [BT, BK]
         b_bl = tl.load(gc + ((bos + last) * H + i_h) * K + o_k, mask=m_k, other=0.0)
         b_dh *= tl.exp(b_bl)[:, None]
+        r_t = sse_src(src, bos + tl.minimum(o_t, last), H, i_h, GATHER)  # [BT]
         for i_g in range(G):
-            i_hg = i_h * G + i_g
             b_q = tl.load(
-                q + ((bos + o_t)[:, None] * (H * G) + i_hg) * K + o_k[None, :],
-                mask=m_t[:, None] & m_k[None, :],
-                other=0.0,
+                q + sse_qrow(r_t, i_g, G, M)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0
             ).to(tl.float32)  # [BT, BK]
             b_do = tl.load(
-                do + ((bos + o_t)[:, None] * (H * G) + i_hg) * V + o_v[None, :],
-                mask=m_t[:, None] & m_v[None, :],
-                other=0.0,
+                do + ((r_t // M) * G + i_g)[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0
             ).to(DT)  # [BT, BV]
             b_dh += tl.dot(tl.trans((b_q * tl.exp(b_b) * scale).to(DT)), b_do)
     if USE_H0:
@@ -71,18 +70,33 @@ def sse_bwd_kernel_dh(
 
 @triton.jit
 def sse_bwd_kernel_dA(
-    v, do, dA, cu, chunk_seq, chunk_pos, scale, H, G: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr
+    v,
+    do,
+    dA,
+    src,
+    cu,
+    chunk_seq,
+    chunk_pos,
+    scale,
+    H,
+    G: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BV: tl.constexpr,
+    M: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
     """One chunk and query head: dA [Nc, H G, BT, BT] float32, dA[t, s] = scale do_t v_s, unmasked."""
     i_c, i_hg = tl.program_id(0), tl.program_id(1)
-    i_h = i_hg // G
+    i_h, i_g = i_hg // G, i_hg % G
     i_s = tl.load(chunk_seq + i_c)
     bos = tl.load(cu + i_s).to(tl.int64) + tl.load(chunk_pos + i_c).to(tl.int64) * BT
     n = tl.load(cu + i_s + 1).to(tl.int64) - bos
     o_t, o_v = tl.arange(0, BT), tl.arange(0, BV)
     m_tv = (o_t < n)[:, None] & (o_v < V)[None, :]
-    b_do = tl.load(do + ((bos + o_t)[:, None] * (H * G) + i_hg) * V + o_v[None, :], mask=m_tv, other=0.0)
-    b_v = tl.load(v + ((bos + o_t)[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.0).to(b_do.dtype)
+    r_v = sse_src(src, bos + tl.minimum(o_t, n - 1), H, i_h, GATHER) // M  # [BT] rows of v
+    b_do = tl.load(do + (r_v * G + i_g)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+    b_v = tl.load(v + r_v[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(b_do.dtype)
     p_dA = dA + (i_c.to(tl.int64) * H * G + i_hg) * BT * BT + o_t[:, None] * BT + o_t[None, :]
     tl.store(p_dA, tl.dot(b_do, tl.trans(b_v)) * scale)
 
@@ -103,6 +117,7 @@ def sse_bwd_kernel_dqkvg(
     dv,
     db,
     run,
+    src,
     cu,
     chunk_seq,
     chunk_pos,
@@ -115,10 +130,12 @@ def sse_bwd_kernel_dqkvg(
     BC: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    M: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
     """One sub-chunk i of a chunk, and state head: dq, dk, dv of its rows, and for the gate gradient (finished by
     sse_bwd_kernel_dg) db = sum_g q dq - k dk of its rows [L, H, K] and its share of the chunk-wide term,
-    run [Nc, H, BT // BC, K]."""
+    run [Nc, H, BT // BC, K]. dv is per input row of k (the host sums it over M)."""
     i_c, i_h, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_s = tl.load(chunk_seq + i_c)
     bos = tl.load(cu + i_s).to(tl.int64) + tl.load(chunk_pos + i_c).to(tl.int64) * BT
@@ -134,15 +151,17 @@ def sse_bwd_kernel_dqkvg(
     m_rv = m_r[:, None] & m_v[None, :]
     m_kv = m_k[:, None] & m_v[None, :]
     offs_kv = (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-    offs_rk = ((bos + rows)[:, None] * H + i_h) * K + o_k[None, :]
-    offs_rv = ((bos + rows)[:, None] * H + i_h) * V + o_v[None, :]
+    r_t = sse_src(src, bos + tl.minimum(o_t, last), H, i_h, GATHER)  # [BT] input rows of the chunk
+    r_r = sse_src(src, bos + tl.minimum(rows, last), H, i_h, GATHER)  # [BC] and of this sub-chunk
+    offs_rk = r_r[:, None] * K + o_k[None, :]
+    offs_rv = r_r[:, None] * V + o_v[None, :]
     b_dh = tl.load(dhs + offs_kv, mask=m_kv, other=0.0).to(DT)  # [BK, BV] grad of the state leaving the chunk
     b_bl = tl.load(gc + ((bos + last) * H + i_h) * K + o_k, mask=m_k, other=0.0)  # [BK]
     b_ki = tl.load(k + offs_rk, mask=m_rk, other=0.0).to(tl.float32)  # [BC, BK]
     b_bi = tl.load(
         gc + ((bos + tl.minimum(rows, last))[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
     )  # [BC, BK]
-    b_vi = tl.load(v + offs_rv, mask=m_rv, other=0.0).to(DT)  # [BC, BV]
+    b_vi = tl.load(v + (r_r // M)[:, None] * V + o_v[None, :], mask=m_rv, other=0.0).to(DT)  # [BC, BV]
     b_ei = tl.exp(b_bl[None, :] - b_bi)
     b_dk = tl.dot(b_vi, tl.trans(b_dh)) * b_ei  # [BC, BK] from the state leaving the chunk
     # The gate's chunk-wide term: sum over the chunk of k dk_state, and once per chunk rowsum(dS ⊙ S).
@@ -157,28 +176,24 @@ def sse_bwd_kernel_dqkvg(
     for i_g in range(G):
         i_hg = i_h * G + i_g
         p_dAg = dA + (i_c.to(tl.int64) * H * G + i_hg) * BT * BT  # [BT, BT] do v^T (sse_bwd_kernel_dA)
-        offs_rqk = ((bos + rows)[:, None] * (H * G) + i_hg) * K + o_k[None, :]
+        offs_rqk = sse_qrow(r_r, i_g, G, M)[:, None] * K + o_k[None, :]
         b_qi = tl.load(q + offs_rqk, mask=m_rk, other=0.0).to(tl.float32)  # [BC, BK]
-        b_doi = tl.load(do + ((bos + rows)[:, None] * (H * G) + i_hg) * V + o_v[None, :], mask=m_rv, other=0.0).to(
-            DT
-        )  # [BC, BV]
+        b_doi = tl.load(do + ((r_r // M) * G + i_g)[:, None] * V + o_v[None, :], mask=m_rv, other=0.0).to(DT)
         # dq of the rows of this sub-chunk: from the entering state, then from earlier tokens
         b_hT = tl.trans(tl.load(hs + offs_kv, mask=m_kv, other=0.0).to(DT))  # [BV, BK]
         b_dq = tl.dot(b_doi, b_hT) * tl.exp(b_bi) * scale  # [BC, BK]
         if i > 0:  # earlier sub-chunks, split at the row before this one
             b_dA = tl.load(p_dAg + rows[:, None] * BT + o_t[None, :])  # [BC, BT] dA[t, s], t in this sub-chunk
             b_ref = tl.load(gc + ((bos + tl.minimum(i * BC - 1, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
-            b_k = tl.load(
-                k + ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0
-            )  # [BT, BK]
+            b_k = tl.load(k + r_t[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
             b_b = sse_gate_tile(gc, bos, o_t, last, H, i_h, K, o_k, m_k)  # [BT, BK]
             b_kg = b_k * tl.exp(tl.where((o_t < i * BC)[:, None], b_ref[None, :] - b_b, float("-inf")))
             b_dq += tl.dot(b_dA.to(DT), b_kg.to(DT)) * tl.exp(b_bi - b_ref[None, :])
-        b_kj, b_bj = sse_row(k, gc, bos, i * BC, n, last, H, i_h, K, o_k)
+        b_kj, b_bj = sse_row(k, src, gc, bos, i * BC, n, last, H, i_h, i_g, K, o_k, G, M, False, GATHER)
         b_a = tl.load(p_dAg + rows * BT + i * BC)  # [BC] dA[t, col]
         for j in range(BC):
             col = i * BC + j
-            b_kn, b_bn = sse_row(k, gc, bos, col + 1, n, last, H, i_h, K, o_k)  # in flight during this step
+            b_kn, b_bn = sse_row(k, src, gc, bos, col + 1, n, last, H, i_h, i_g, K, o_k, G, M, False, GATHER)
             b_an = tl.load(p_dAg + rows * BT + col + 1, mask=(o_r * 0 + j) < BC - 1, other=0.0)
             b_e = tl.exp(tl.where((o_r >= j)[:, None], b_bi - b_bj[None, :], float("-inf")))
             b_dq += b_a[:, None] * b_kj[None, :] * b_e
@@ -187,23 +202,21 @@ def sse_bwd_kernel_dqkvg(
         b_qdq += b_qi * b_dq
         # dk, dv of the columns of this sub-chunk: from later tokens t of the chunk
         b_dof = tl.load(
-            do + ((bos + o_t)[:, None] * (H * G) + i_hg) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0
+            do + ((r_t // M) * G + i_g)[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0
         ).to(DT)  # [BT, BV]
         if i < BT // BC - 1:  # later sub-chunks, split at the last row of this one
             b_dAT = tl.load(p_dAg + o_t[None, :] * BT + rows[:, None])  # [BC, BT] dA[t, s], s in this sub-chunk
             b_qf = tl.load(
-                q + ((bos + o_t)[:, None] * (H * G) + i_hg) * K + o_k[None, :],
-                mask=m_t[:, None] & m_k[None, :],
-                other=0.0,
+                q + sse_qrow(r_t, i_g, G, M)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0
             )  # [BT, BK]
             b_b = sse_gate_tile(gc, bos, o_t, last, H, i_h, K, o_k, m_k)  # [BT, BK]
             b_qg = b_qf * tl.exp(tl.where((o_t >= i * BC + BC)[:, None], b_b - b_ref_k[None, :], float("-inf")))
             b_dk += tl.dot(b_dAT.to(DT), b_qg.to(DT)) * tl.exp(b_ref_k[None, :] - b_bi)
-        b_qj, b_bj = sse_row(q, gc, bos, i * BC, n, last, H * G, i_hg, K, o_k, G)
+        b_qj, b_bj = sse_row(q, src, gc, bos, i * BC, n, last, H, i_h, i_g, K, o_k, G, M, True, GATHER)
         b_a = tl.load(p_dAg + i * BC * BT + rows)  # [BC] dA[row, s]
         for j in range(BC):
             row = i * BC + j
-            b_qn, b_bn = sse_row(q, gc, bos, row + 1, n, last, H * G, i_hg, K, o_k, G)  # in flight meanwhile
+            b_qn, b_bn = sse_row(q, src, gc, bos, row + 1, n, last, H, i_h, i_g, K, o_k, G, M, True, GATHER)
             b_an = tl.load(p_dAg + (row + 1) * BT + rows, mask=(o_r * 0 + j) < BC - 1, other=0.0)
             b_qe = b_qj[None, :] * tl.exp(tl.where((o_r <= j)[:, None], b_bj[None, :] - b_bi, float("-inf")))
             b_dk += b_a[:, None] * b_qe
@@ -214,12 +227,25 @@ def sse_bwd_kernel_dqkvg(
         b_dv += tl.dot(b_AT, b_dof) * scale
     tl.store(dk + offs_rk, b_dk.to(dk.dtype.element_ty), mask=m_rk)
     tl.store(dv + offs_rv, b_dv.to(dv.dtype.element_ty), mask=m_rv)
-    tl.store(db + offs_rk, b_qdq - b_ki * b_dk, mask=m_rk)
+    p_db = db + ((bos + rows)[:, None] * H + i_h) * K + o_k[None, :]
+    tl.store(p_db, b_qdq - b_ki * b_dk, mask=m_rk)
 
 
 @triton.jit
 def sse_bwd_kernel_dg(
-    db, run, dg, cu, chunk_seq, chunk_pos, H, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr
+    db,
+    run,
+    dg,
+    src,
+    cu,
+    chunk_seq,
+    chunk_pos,
+    H,
+    K: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BK: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
     """One chunk and state head: dg_t = sum_{s >= t in the chunk} db_s + the chunk-wide term (its sub-chunks'
     shares in run summed)."""
@@ -234,4 +260,5 @@ def sse_bwd_kernel_dg(
     p_run = run + ((i_c.to(tl.int64) * H + i_h) * (BT // BC) + o_i[:, None]) * K + o_k[None, :]
     b_run = tl.sum(tl.load(p_run, mask=(o_k < K)[None, :], other=0.0), axis=0)  # [BK]
     b_dg = tl.sum(b_db, axis=0)[None, :] - tl.cumsum(b_db, axis=0) + b_db + b_run[None, :]
-    tl.store(dg + offs, b_dg.to(dg.dtype.element_ty), mask=m_tk)
+    r_t = sse_src(src, bos + tl.minimum(o_t, n - 1), H, i_h, GATHER)  # [BT]
+    tl.store(dg + r_t[:, None] * K + o_k[None, :], b_dg.to(dg.dtype.element_ty), mask=m_tk)

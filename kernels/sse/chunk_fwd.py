@@ -1,29 +1,72 @@
 """Forward kernels of chunk_gla (kernels/sse/chunk.py has the algorithm): the chunk-local cumulative gate, the
-states entering every chunk, and the output of every sub-chunk."""
+states entering every chunk, and the output of every sub-chunk.
+
+Rows: the kernels walk packed positions p (chunks, sequences), and every buffer they make (gc, A, states) is
+indexed by position. The inputs and their gradients are indexed by `r = sse_src(...)`: p H + i_h, or with GATHER
+(SSE's entries, H = 1) src[p], a row of k and log_g laid out [R, M, K]; then v sits at row r // M, q at
+`sse_qrow(r, g)`, and o at r G + g (one output per entry, summed over M by the host)."""
 
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def sse_fwd_kernel_cumsum(g, gc, cu, chunk_seq, chunk_pos, H, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+def sse_fwd_kernel_cumsum(
+    g, gc, src, cu, chunk_seq, chunk_pos, H, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr
+):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_s = tl.load(chunk_seq + i_c)
     bos = tl.load(cu + i_s).to(tl.int64) + tl.load(chunk_pos + i_c).to(tl.int64) * BT
     n = tl.load(cu + i_s + 1).to(tl.int64) - bos
     o_t, o_k = tl.arange(0, BT), tl.arange(0, BK)
     mask = (o_t < n)[:, None] & (o_k < K)[None, :]
-    offs = ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :]
-    b_g = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)  # [BT, BK]
-    tl.store(gc + offs, tl.cumsum(b_g, axis=0), mask=mask)
+    r_t = sse_src(src, bos + tl.minimum(o_t, n - 1), H, i_h, GATHER)  # [BT]
+    b_g = tl.load(g + r_t[:, None] * K + o_k[None, :], mask=mask, other=0.0).to(tl.float32)  # [BT, BK]
+    tl.store(gc + ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :], tl.cumsum(b_g, axis=0), mask=mask)
 
 
 @triton.jit
-def sse_row(x, gc, bos, t, n, last, HX, i_hx, K: tl.constexpr, o_k, G: tl.constexpr = 1):
-    """Row t of a chunk: x [BK] float32 (x has HX heads; zeros past the sequence's end) and the cumulative gate
-    [BK] of its state head i_hx // G (read at the last token past the end)."""
-    b_x = tl.load(x + ((bos + t) * HX + i_hx) * K + o_k, mask=o_k < tl.where(t < n, K, 0), other=0.0)
-    b_g = tl.load(gc + ((bos + tl.minimum(t, last)) * (HX // G) + i_hx // G) * K + o_k, mask=o_k < K, other=0.0)
+def sse_src(src, pos, H, i_h, GATHER: tl.constexpr):
+    """Input row of packed position pos (scalar or vector, < L) for state head i_h."""
+    if GATHER:
+        return tl.load(src + pos).to(tl.int64)
+    else:
+        return pos * H + i_h
+
+
+@triton.jit
+def sse_qrow(r, i_g, G: tl.constexpr, M: tl.constexpr):
+    """Row of q (and dq) [R, G, M, K] for input row r and query head i_g of its group; r G + i_g when M = 1."""
+    return ((r // M) * G + i_g) * M + r % M
+
+
+@triton.jit
+def sse_row(
+    x,
+    src,
+    gc,
+    bos,
+    t,
+    n,
+    last,
+    H,
+    i_h,
+    i_g,
+    K: tl.constexpr,
+    o_k,
+    G: tl.constexpr,
+    M: tl.constexpr,
+    IS_Q: tl.constexpr,
+    GATHER: tl.constexpr,
+):
+    """Row t of a chunk: k (or q of head i_g with IS_Q) [BK] float32, zeros past the sequence's end, and the
+    cumulative gate [BK] of state head i_h (read at the last token past the end)."""
+    p = bos + tl.minimum(t, last)
+    r = sse_src(src, p, H, i_h, GATHER)
+    if IS_Q:
+        r = sse_qrow(r, i_g, G, M)
+    b_x = tl.load(x + r * K + o_k, mask=o_k < tl.where(t < n, K, 0), other=0.0)
+    b_g = tl.load(gc + (p * H + i_h) * K + o_k, mask=o_k < K, other=0.0)
     return b_x.to(tl.float32), b_g
 
 
@@ -43,6 +86,7 @@ def sse_fwd_kernel_h(
     h0,
     hs,
     ht,
+    src,
     cu,
     chunk_off,
     H,
@@ -51,7 +95,9 @@ def sse_fwd_kernel_h(
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    M: tl.constexpr,
     USE_H0: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
     i_sh, i_k, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_s, i_h = i_sh // H, i_sh % H
@@ -72,14 +118,11 @@ def sse_fwd_kernel_h(
         last = tl.minimum(eos - bos, BT) - 1
         tl.store(hs + ((c0 + i) * H + i_h) * K * V + offs_kv, b_h.to(hs.dtype.element_ty), mask=m_kv)
         m_t = o_t < eos - bos
-        b_k = tl.load(
-            k + ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0
-        ).to(tl.float32)  # [BT, BK]
+        r_t = sse_src(src, bos + tl.minimum(o_t, last), H, i_h, GATHER)  # [BT]
+        b_k = tl.load(k + r_t[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_b = sse_gate_tile(gc, bos, o_t, last, H, i_h, K, o_k, m_k)  # [BT, BK]
         b_bl = tl.load(gc + ((bos + last) * H + i_h) * K + o_k, mask=m_k, other=0.0)  # [BK]
-        b_v = tl.load(
-            v + ((bos + o_t)[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0
-        )  # [BT, BV]
+        b_v = tl.load(v + (r_t // M)[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
         b_kg = (b_k * tl.exp(b_bl[None, :] - b_b)).to(k.dtype.element_ty)
         b_h = b_h * tl.exp(b_bl)[:, None] + tl.dot(tl.trans(b_kg), b_v.to(k.dtype.element_ty))
     tl.store(ht + i_sh.to(tl.int64) * K * V + offs_kv, b_h, mask=m_kv)
@@ -94,6 +137,7 @@ def sse_fwd_kernel_o(
     hs,
     o,
     A,
+    src,
     cu,
     chunk_seq,
     chunk_pos,
@@ -106,13 +150,15 @@ def sse_fwd_kernel_o(
     BC: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    M: tl.constexpr,
     STORE_A: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
     """One sub-chunk i of a chunk, and query head: o of its rows, and with STORE_A their in-chunk scores
     A [L, H G, BT] (row t: A[t, s] over the chunk's columns s, zero for s > t) in q's dtype, which the backward's
     dv takes as they are."""
     i_c, i_hg, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_h = i_hg // G
+    i_h, i_g = i_hg // G, i_hg % G
     i_s = tl.load(chunk_seq + i_c)
     bos = tl.load(cu + i_s).to(tl.int64) + tl.load(chunk_pos + i_c).to(tl.int64) * BT
     n = tl.load(cu + i_s + 1).to(tl.int64) - bos
@@ -121,9 +167,8 @@ def sse_fwd_kernel_o(
     o_t, o_r, o_k, o_v = tl.arange(0, BT), tl.arange(0, BC), tl.arange(0, BK), tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
     m_t = o_t < n
-    b_v = tl.load(
-        v + ((bos + o_t)[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0
-    ).to(DT)  # [BT, BV]
+    r_t = sse_src(src, bos + tl.minimum(o_t, last), H, i_h, GATHER)  # [BT]
+    b_v = tl.load(v + (r_t // M)[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(DT)
     b_h = tl.load(
         hs + (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
         mask=m_k[:, None] & m_v[None, :],
@@ -131,8 +176,9 @@ def sse_fwd_kernel_o(
     ).to(DT)  # [BK, BV]
     rows = i * BC + o_r
     m_r = rows < n
+    r_r = sse_src(src, bos + tl.minimum(rows, last), H, i_h, GATHER)  # [BC]
     b_q = tl.load(
-        q + ((bos + rows)[:, None] * (H * G) + i_hg) * K + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0
+        q + sse_qrow(r_r, i_g, G, M)[:, None] * K + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0
     ).to(tl.float32)  # [BC, BK]
     b_bi = tl.load(
         gc + ((bos + tl.minimum(rows, last))[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0.0
@@ -141,16 +187,14 @@ def sse_fwd_kernel_o(
     b_A = tl.zeros([BC, BT], dtype=tl.float32)  # A[t, s] for the rows t of this sub-chunk
     if i > 0:  # earlier sub-chunks, split at the row before this one
         b_ref = tl.load(gc + ((bos + tl.minimum(i * BC - 1, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
-        b_k = tl.load(
-            k + ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0
-        ).to(tl.float32)  # [BT, BK]
+        b_k = tl.load(k + r_t[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_b = sse_gate_tile(gc, bos, o_t, last, H, i_h, K, o_k, m_k)  # [BT, BK]
         b_kg = b_k * tl.exp(tl.where((o_t < i * BC)[:, None], b_ref[None, :] - b_b, float("-inf")))
         b_A += tl.dot((b_q * tl.exp(b_bi - b_ref[None, :])).to(DT), tl.trans(b_kg.to(DT)))
-    b_kj, b_bj = sse_row(k, gc, bos, i * BC, n, last, H, i_h, K, o_k)
+    b_kj, b_bj = sse_row(k, src, gc, bos, i * BC, n, last, H, i_h, i_g, K, o_k, G, M, False, GATHER)
     for j in range(BC):
         col = i * BC + j
-        b_kn, b_bn = sse_row(k, gc, bos, col + 1, n, last, H, i_h, K, o_k)  # in flight during this step
+        b_kn, b_bn = sse_row(k, src, gc, bos, col + 1, n, last, H, i_h, i_g, K, o_k, G, M, False, GATHER)
         b_e = tl.exp(tl.where((o_r >= j)[:, None], b_bi - b_bj[None, :], float("-inf")))  # [BC, BK]
         b_a = tl.sum(b_q * b_kj[None, :] * b_e, axis=1)  # [BC]
         b_A = tl.where((o_t == col)[None, :], b_a[:, None], b_A)
@@ -160,7 +204,7 @@ def sse_fwd_kernel_o(
         p_A = A + ((bos + rows)[:, None] * (H * G) + i_hg) * BT + o_t[None, :]
         tl.store(p_A, b_A.to(A.dtype.element_ty), mask=m_r[:, None])
     tl.store(
-        o + ((bos + rows)[:, None] * (H * G) + i_hg) * V + o_v[None, :],
+        o + (r_r * G + i_g)[:, None] * V + o_v[None, :],
         (b_o * scale).to(o.dtype.element_ty),
         mask=m_r[:, None] & m_v[None, :],
     )

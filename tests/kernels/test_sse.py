@@ -112,6 +112,22 @@ def test_chunk_sse_matches_recurrence(implementation, N, k, k_read, shared, with
     assert_all_close(got, ref, 1e-5)
 
 
+def test_chunk_sse_varlen_packed_documents_span_chunks():
+    # segments of up to 75 entries cross the kernels' 64-row chunks; an empty document keeps its state
+    lengths = [70, 0, 5, 75]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    q, keys, v, log_g, idx, P = random_sse(1, sum(lengths), 1, 2, 16, 16, 2, 1, 1, True, seed=5)
+    state = torch.randn(len(lengths), 1, P, 16, 16)
+
+    def kernel(*a):
+        return chunk_sse(*a[:4], idx, P, 0.35, a[4], implementation="varlen", cu_seqlens=cu)
+
+    got = run_with_grads(kernel, (q, keys, v, log_g), state)
+    ref = run_with_grads(lambda *a: sse_varlen(*a[:4], idx, P, 0.35, a[4], cu_seqlens=cu), (q, keys, v, log_g), state)
+    assert_all_close(got, ref, 1e-5)
+    assert torch.equal(got[1][1], state[1])
+
+
 def test_chunk_sse_names_a_bad_implementation():
     q, keys, v, log_g, idx, P = random_sse(1, 3, 1, 1, 16, 16, 4, 1, 1, True)
     with pytest.raises(ValueError, match=r"implementation = 'dense' is not allowed; allowed: \['varlen', 'masking'\]"):
