@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--warps", default="8", help="other warp counts to try for the o and dqkvg kernels")
+    p.add_argument("--warps", default="8", help="other warp counts to try for the o, dqk and dv kernels")
+    p.add_argument("--block-k", default="32,128", help="other key blocks to try for the dqk kernel")
     p.add_argument("--fla-only", action="store_true", help="time fla's chunk_gla alone (its first call autotunes)")
     args = p.parse_args(argv)
     B, T, H, D = args.batch, args.seq_len, args.heads, args.dim
@@ -103,11 +104,16 @@ def main(argv: list[str] | None = None) -> None:
     chunk_module.LOW_PRECISION_STATES = saved
 
     for warps in (int(w) for w in args.warps.split(",")):
-        for kernel in ("o", "dqkvg"):
+        for kernel in ("o", "dqk", "dv"):
             saved = dict(chunk_module.WARPS)
             chunk_module.WARPS[kernel] = warps
             report(f"SSE varlen, {kernel} kernel at {warps} warps", time_call(fn, leaves))
             chunk_module.WARPS.update(saved)
+    for block in (int(b) for b in args.block_k.split(",")):
+        saved = dict(chunk_module.BLOCK_K)
+        chunk_module.BLOCK_K["dqk"] = block
+        report(f"SSE varlen, dqk kernel on {block} key channels", time_call(fn, leaves))
+        chunk_module.BLOCK_K.update(saved)
 
     Bd = 64
     dec, idx_d, P = sse_inputs(Bd, 1, H, D, D, dtype=torch.float32)

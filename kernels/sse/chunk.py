@@ -3,13 +3,15 @@
     S_t = diag(exp(log_g_t)) S_{t-1} + k_t^T v_t,    o_t = scale q_t S_t
 
 Every sequence (a batch row, or a segment of `cu_seqlens`) is cut into chunks of BT = 64 tokens that never cross
-a sequence boundary; the chunk list is built on the device (one host sync reads its length). Forward: the
+a sequence boundary; the chunk list is built on the device (no host sync). Forward: the
 chunk-local cumulative gate b (`sse_fwd_kernel_cumsum`), the state entering every chunk by a scan over each
 sequence's chunks (`sse_fwd_kernel_h`), then all chunks in parallel (`sse_fwd_kernel_o`). Backward: a reverse scan
 for the gradient of the state leaving every chunk (`sse_bwd_kernel_dh`), do v^T per chunk (`sse_bwd_kernel_dA`),
-then all sub-chunks in parallel (`sse_bwd_kernel_dqkvg`), and the gate gradient's reverse sums within each chunk
-(`sse_bwd_kernel_dg`). The output and gradient kernels run one program per sub-chunk: their 16-step loops over a
-sub-chunk's rows are serial, so more programs share them. Empty sequences run no chunk: their state passes
+dq and dk of every sub-chunk and block of 64 key channels in parallel (`sse_bwd_kernel_dqk`), dv of every chunk
+(`sse_bwd_kernel_dv`), and the gate gradient's reverse sums within each chunk (`sse_bwd_kernel_dg`). The output
+and dq/dk kernels run one program per sub-chunk (and key block): their 16-step loops over a sub-chunk's rows are
+serial, so more programs share them. SSE's varlen form runs the same kernels on its (token, partition) entries,
+read in place through their order (`src`). Empty sequences run no chunk: their state passes
 through, and so does its gradient. The kernels live in chunk_fwd.py and chunk_bwd.py; this file launches them.
 
 Inside a chunk token t reads token s <= t through exp(b_t - b_s). Sub-chunks of BC = 16 rows split this: across
@@ -31,13 +33,14 @@ import triton
 
 from raven_layers.sse import sse_masking, varlen_entries
 
-from .chunk_bwd import sse_bwd_kernel_dA, sse_bwd_kernel_dg, sse_bwd_kernel_dh, sse_bwd_kernel_dqkvg
+from .chunk_bwd import sse_bwd_kernel_dA, sse_bwd_kernel_dg, sse_bwd_kernel_dh, sse_bwd_kernel_dqk, sse_bwd_kernel_dv
 from .chunk_fwd import sse_fwd_kernel_cumsum, sse_fwd_kernel_h, sse_fwd_kernel_o
 
 BT = 64  # chunk length
 BC = 16  # sub-chunk length
 POISON = False  # tests set it: outputs start as NaN
-WARPS = {"h": 4, "o": 4, "dh": 4, "dqkvg": 4}  # fixed launch configs (kernels/sse/NOTES.md)
+WARPS = {"h": 4, "o": 4, "dh": 4, "dqk": 4, "dv": 4}  # fixed launch configs (kernels/sse/NOTES.md)
+BLOCK_K = {"dqk": 64}  # key channels per dq/dk program: more programs share the serial sub-chunk loops
 LOW_PRECISION_STATES = True  # bf16/fp16 inputs: per-chunk states (and their grads) stored in that dtype, half the bytes
 
 
@@ -46,18 +49,22 @@ def _block(n: int) -> int:
 
 
 def _chunk_layout(B: int, T: int, cu_seqlens, device):
-    """cu [S+1] int32, chunk_seq / chunk_pos [Nc] (sequence and index in it of each chunk), chunk_off [S+1], Nc."""
+    """cu [S+1] int32, chunk_seq / chunk_pos [Nc] (sequence and index in it of each chunk), chunk_off [S+1], Nc.
+
+    With cu_seqlens the chunk count is the bound ceil(T / BT) + S, never a host sync: the chunks past the last
+    real one point past their sequence's end, and the kernels return at once for them."""
     if cu_seqlens is None:  # each batch row is one sequence of the packed [B * T] stream
         cu = torch.arange(B + 1, device=device, dtype=torch.int32) * T
         n_chunks = torch.full((B,), triton.cdiv(T, BT), device=device, dtype=torch.int32)
     else:
         cu = cu_seqlens.to(device=device, dtype=torch.int32)
         n_chunks = (cu.diff() + BT - 1) // BT
+    S = cu.numel() - 1
     chunk_off = torch.nn.functional.pad(n_chunks.cumsum(0, dtype=torch.int32), (1, 0))
-    total = B * triton.cdiv(T, BT) if cu_seqlens is None else int(chunk_off[-1])  # the one host sync
-    seqs = torch.arange(cu.numel() - 1, device=device, dtype=torch.int32)
-    chunk_seq = torch.repeat_interleave(seqs, n_chunks.long(), output_size=total)
-    chunk_pos = torch.arange(total, device=device, dtype=torch.int32) - chunk_off[chunk_seq.long()]
+    total = B * triton.cdiv(T, BT) if cu_seqlens is None else (triton.cdiv(T, BT) + S if S else 0)
+    chunks = torch.arange(total, device=device, dtype=torch.int32)
+    chunk_seq = torch.searchsorted(chunk_off[1:], chunks, right=True, out_int32=True).clamp_max_(max(S - 1, 0))
+    chunk_pos = chunks - chunk_off[chunk_seq.long()]
     return cu, chunk_seq, chunk_pos, chunk_off, total
 
 
@@ -145,10 +152,15 @@ class ChunkGLAFunction(torch.autograd.Function):
             run = torch.empty(Nc, H, NS, K, device=dev, dtype=torch.float32)  # chunk-wide gate term, per sub-chunk
             layout = (src, cu, chunk_seq, chunk_pos, scale, H)
             sse_bwd_kernel_dA[(Nc, H * G)](v, do, dA, *layout, G, V, BT, BV, M, gather)
-            sse_bwd_kernel_dqkvg[(Nc, H, NS)](
-                q, k, v, gc, hs, do, dhs, A, dA, dq, dk, dv, db, run, *layout, G, K, V, BT, BC, BK, BV, M, gather,
-                num_warps=WARPS["dqkvg"],
+            bk = min(BK, BLOCK_K["dqk"])
+            sse_bwd_kernel_dqk[(Nc, H, NS * (BK // bk))](
+                q, k, v, gc, hs, do, dhs, A, dA, dq, dk, db, run, *layout, G, K, V, BT, BC, bk, BV, M, gather,
+                num_warps=WARPS["dqk"],
             )  # fmt: skip
+            bv = min(BV, 64)
+            sse_bwd_kernel_dv[(Nc, H, BV // bv)](
+                k, gc, do, dhs, A, dv, *layout, G, K, V, BT, BK, bv, M, gather, num_warps=WARPS["dv"]
+            )
             sse_bwd_kernel_dg[(Nc, H)](db, run, dg, src, cu, chunk_seq, chunk_pos, H, K, BT, BC, BK, gather)
         dv = dv.view(-1, M, V).sum(1).view(v_shape) if gather else dv.view(v_shape)
         dh0 = None if dh0 is None else dh0.to(h0_dtype)

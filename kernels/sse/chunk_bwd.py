@@ -1,5 +1,6 @@
 """Backward kernels of chunk_gla (kernels/sse/chunk.py has the algorithm): the gradients of the states leaving
-every chunk, do v^T per chunk, dq, dk, dv of every sub-chunk, and the gate gradient's in-chunk reverse sums."""
+every chunk, do v^T per chunk, dq and dk of every sub-chunk, dv of every chunk, and the gate gradient's in-chunk
+reverse sums."""
 
 import triton
 import triton.language as tl
@@ -92,6 +93,8 @@ def sse_bwd_kernel_dA(
     i_s = tl.load(chunk_seq + i_c)
     bos = tl.load(cu + i_s).to(tl.int64) + tl.load(chunk_pos + i_c).to(tl.int64) * BT
     n = tl.load(cu + i_s + 1).to(tl.int64) - bos
+    if n <= 0:  # a spare chunk past the packed sequences' last (_chunk_layout)
+        return
     o_t, o_v = tl.arange(0, BT), tl.arange(0, BV)
     m_tv = (o_t < n)[:, None] & (o_v < V)[None, :]
     r_v = sse_src(src, bos + tl.minimum(o_t, n - 1), H, i_h, GATHER) // M  # [BT] rows of v
@@ -102,7 +105,7 @@ def sse_bwd_kernel_dA(
 
 
 @triton.jit
-def sse_bwd_kernel_dqkvg(
+def sse_bwd_kernel_dqk(
     q,
     k,
     v,
@@ -114,7 +117,6 @@ def sse_bwd_kernel_dqkvg(
     dA,
     dq,
     dk,
-    dv,
     db,
     run,
     src,
@@ -133,16 +135,19 @@ def sse_bwd_kernel_dqkvg(
     M: tl.constexpr,
     GATHER: tl.constexpr,
 ):
-    """One sub-chunk i of a chunk, and state head: dq, dk, dv of its rows, and for the gate gradient (finished by
-    sse_bwd_kernel_dg) db = sum_g q dq - k dk of its rows [L, H, K] and its share of the chunk-wide term,
-    run [Nc, H, BT // BC, K]. dv is per input row of k (the host sums it over M)."""
-    i_c, i_h, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """One sub-chunk i of a chunk, state head and block of BK key channels (dq and dk are separable in K): dq, dk
+    of its rows, and for the gate gradient (finished by sse_bwd_kernel_dg) db = sum_g q dq - k dk of its rows
+    [L, H, K] and its share of the chunk-wide term, run [Nc, H, BT // BC, K]."""
+    i_c, i_h, i_ik = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i, i_k = i_ik // tl.cdiv(K, BK), i_ik % tl.cdiv(K, BK)
     i_s = tl.load(chunk_seq + i_c)
     bos = tl.load(cu + i_s).to(tl.int64) + tl.load(chunk_pos + i_c).to(tl.int64) * BT
     n = tl.load(cu + i_s + 1).to(tl.int64) - bos
+    if n <= 0:  # a spare chunk past the packed sequences' last (_chunk_layout)
+        return
     last = tl.minimum(n, BT) - 1
     DT = q.dtype.element_ty
-    o_t, o_r, o_k, o_v = tl.arange(0, BT), tl.arange(0, BC), tl.arange(0, BK), tl.arange(0, BV)
+    o_t, o_r, o_k, o_v = tl.arange(0, BT), tl.arange(0, BC), i_k * BK + tl.arange(0, BK), tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
     m_t = o_t < n
     rows = i * BC + o_r
@@ -154,7 +159,6 @@ def sse_bwd_kernel_dqkvg(
     r_t = sse_src(src, bos + tl.minimum(o_t, last), H, i_h, GATHER)  # [BT] input rows of the chunk
     r_r = sse_src(src, bos + tl.minimum(rows, last), H, i_h, GATHER)  # [BC] and of this sub-chunk
     offs_rk = r_r[:, None] * K + o_k[None, :]
-    offs_rv = r_r[:, None] * V + o_v[None, :]
     b_dh = tl.load(dhs + offs_kv, mask=m_kv, other=0.0).to(DT)  # [BK, BV] grad of the state leaving the chunk
     b_bl = tl.load(gc + ((bos + last) * H + i_h) * K + o_k, mask=m_k, other=0.0)  # [BK]
     b_ki = tl.load(k + offs_rk, mask=m_rk, other=0.0).to(tl.float32)  # [BC, BK]
@@ -170,7 +174,6 @@ def sse_bwd_kernel_dqkvg(
         b_h = tl.load(hs + offs_kv, mask=m_kv, other=0.0).to(tl.float32)
         b_run += tl.exp(b_bl) * tl.sum(b_dh.to(tl.float32) * b_h, axis=1)
     tl.store(run + ((i_c.to(tl.int64) * H + i_h) * (BT // BC) + i) * K + o_k, b_run, mask=m_k)
-    b_dv = tl.dot((b_ki * b_ei).to(DT), b_dh)  # [BC, BV]
     b_qdq = tl.zeros([BC, BK], dtype=tl.float32)
     b_ref_k = tl.load(gc + ((bos + tl.minimum(i * BC + BC - 1, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
     for i_g in range(G):
@@ -200,10 +203,7 @@ def sse_bwd_kernel_dqkvg(
             b_kj, b_bj, b_a = b_kn, b_bn, b_an
         tl.store(dq + offs_rqk, b_dq.to(dq.dtype.element_ty), mask=m_rk)
         b_qdq += b_qi * b_dq
-        # dk, dv of the columns of this sub-chunk: from later tokens t of the chunk
-        b_dof = tl.load(
-            do + ((r_t // M) * G + i_g)[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0
-        ).to(DT)  # [BT, BV]
+        # dk of the columns of this sub-chunk: from later tokens t of the chunk
         if i < BT // BC - 1:  # later sub-chunks, split at the last row of this one
             b_dAT = tl.load(p_dAg + o_t[None, :] * BT + rows[:, None])  # [BC, BT] dA[t, s], s in this sub-chunk
             b_qf = tl.load(
@@ -221,14 +221,66 @@ def sse_bwd_kernel_dqkvg(
             b_qe = b_qj[None, :] * tl.exp(tl.where((o_r <= j)[:, None], b_bj[None, :] - b_bi, float("-inf")))
             b_dk += b_a[:, None] * b_qe
             b_qj, b_bj, b_a = b_qn, b_bn, b_an
-        b_AT = tl.load(
-            A + ((bos + o_t)[None, :] * (H * G) + i_hg) * BT + rows[:, None], mask=m_t[None, :], other=0.0
-        )  # [BC, BT] A[t, s], s in this sub-chunk, as the forward stored it
-        b_dv += tl.dot(b_AT, b_dof) * scale
     tl.store(dk + offs_rk, b_dk.to(dk.dtype.element_ty), mask=m_rk)
-    tl.store(dv + offs_rv, b_dv.to(dv.dtype.element_ty), mask=m_rv)
     p_db = db + ((bos + rows)[:, None] * H + i_h) * K + o_k[None, :]
     tl.store(p_db, b_qdq - b_ki * b_dk, mask=m_rk)
+
+
+@triton.jit
+def sse_bwd_kernel_dv(
+    k,
+    gc,
+    do,
+    dhs,
+    A,
+    dv,
+    src,
+    cu,
+    chunk_seq,
+    chunk_pos,
+    scale,
+    H,
+    G: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    M: tl.constexpr,
+    GATHER: tl.constexpr,
+):
+    """One chunk, state head and block of BV value channels: dv_s = sum_g sum_{t >= s} A[t, s] do_t (scale) plus
+    the state-gradient term (k_s decayed to the chunk's end) dS; per input row of k (the host sums it over M)."""
+    i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_s = tl.load(chunk_seq + i_c)
+    bos = tl.load(cu + i_s).to(tl.int64) + tl.load(chunk_pos + i_c).to(tl.int64) * BT
+    n = tl.load(cu + i_s + 1).to(tl.int64) - bos
+    if n <= 0:  # a spare chunk past the packed sequences' last (_chunk_layout)
+        return
+    last = tl.minimum(n, BT) - 1
+    DT = k.dtype.element_ty
+    o_t, o_k, o_v = tl.arange(0, BT), tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    m_t, m_k, m_v = o_t < n, o_k < K, o_v < V
+    r_t = sse_src(src, bos + tl.minimum(o_t, last), H, i_h, GATHER)  # [BT]
+    b_k = tl.load(k + r_t[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+    b_b = sse_gate_tile(gc, bos, o_t, last, H, i_h, K, o_k, m_k)  # [BT, BK]
+    b_bl = tl.load(gc + ((bos + last) * H + i_h) * K + o_k, mask=m_k, other=0.0)  # [BK]
+    b_dh = tl.load(
+        dhs + (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
+        mask=m_k[:, None] & m_v[None, :],
+        other=0.0,
+    ).to(DT)  # [BK, BV]
+    b_dv = tl.dot((b_k * tl.exp(b_bl[None, :] - b_b)).to(DT), b_dh)  # [BT, BV]
+    for i_g in range(G):
+        i_hg = i_h * G + i_g
+        b_AT = tl.load(
+            A + ((bos + o_t)[None, :] * (H * G) + i_hg) * BT + o_t[:, None], mask=m_t[None, :], other=0.0
+        )  # [BT, BT] A[t, s] at [s, t], as the forward stored it
+        b_do = tl.load(
+            do + ((r_t // M) * G + i_g)[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0
+        ).to(DT)  # [BT, BV]
+        b_dv += tl.dot(b_AT, b_do) * scale
+    tl.store(dv + r_t[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
 
 @triton.jit
@@ -253,6 +305,8 @@ def sse_bwd_kernel_dg(
     i_s = tl.load(chunk_seq + i_c)
     bos = tl.load(cu + i_s).to(tl.int64) + tl.load(chunk_pos + i_c).to(tl.int64) * BT
     n = tl.load(cu + i_s + 1).to(tl.int64) - bos
+    if n <= 0:  # a spare chunk past the packed sequences' last (_chunk_layout)
+        return
     o_t, o_i, o_k = tl.arange(0, BT), tl.arange(0, BT // BC), tl.arange(0, BK)
     m_tk = (o_t < n)[:, None] & (o_k < K)[None, :]
     offs = ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :]

@@ -18,6 +18,8 @@ def sse_fwd_kernel_cumsum(
     i_s = tl.load(chunk_seq + i_c)
     bos = tl.load(cu + i_s).to(tl.int64) + tl.load(chunk_pos + i_c).to(tl.int64) * BT
     n = tl.load(cu + i_s + 1).to(tl.int64) - bos
+    if n <= 0:  # a spare chunk past the packed sequences' last (_chunk_layout)
+        return
     o_t, o_k = tl.arange(0, BT), tl.arange(0, BK)
     mask = (o_t < n)[:, None] & (o_k < K)[None, :]
     r_t = sse_src(src, bos + tl.minimum(o_t, n - 1), H, i_h, GATHER)  # [BT]
@@ -162,6 +164,8 @@ def sse_fwd_kernel_o(
     i_s = tl.load(chunk_seq + i_c)
     bos = tl.load(cu + i_s).to(tl.int64) + tl.load(chunk_pos + i_c).to(tl.int64) * BT
     n = tl.load(cu + i_s + 1).to(tl.int64) - bos
+    if n <= 0:  # a spare chunk past the packed sequences' last (_chunk_layout)
+        return
     last = tl.minimum(n, BT) - 1
     DT = q.dtype.element_ty
     o_t, o_r, o_k, o_v = tl.arange(0, BT), tl.arange(0, BC), tl.arange(0, BK), tl.arange(0, BV)

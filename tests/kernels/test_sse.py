@@ -14,6 +14,7 @@ from tests.raven_layers.test_sse import CONFIG, FakeCache, random_gla, random_ss
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
     monkeypatch.setattr(chunk_module, "POISON", True)  # kernel outputs start as NaN: an unwritten element fails
+    monkeypatch.setitem(chunk_module.BLOCK_K, "dqk", 16)  # so K = 32 at these sizes still runs two key blocks
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -116,8 +117,8 @@ def test_chunk_sse_varlen_packed_documents_span_chunks():
     # segments of up to 75 entries cross the kernels' 64-row chunks; an empty document keeps its state
     lengths = [70, 0, 5, 75]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    q, keys, v, log_g, idx, P = random_sse(1, sum(lengths), 1, 2, 16, 16, 2, 1, 1, True, seed=5)
-    state = torch.randn(len(lengths), 1, P, 16, 16)
+    q, keys, v, log_g, idx, P = random_sse(1, sum(lengths), 1, 2, 32, 16, 2, 1, 1, True, seed=5)
+    state = torch.randn(len(lengths), 1, P, 32, 16)
 
     def kernel(*a):
         return chunk_sse(*a[:4], idx, P, 0.35, a[4], implementation="varlen", cu_seqlens=cu)
@@ -230,6 +231,26 @@ def test_chunk_sse_bf16_on_gpu(implementation):
     assert rel_err(o, ref[0]) < 5e-3 and rel_err(s, ref[1]) < 5e-3
     for name, g, g_ref in zip(("q", "k", "v", "log_g", "initial_state"), grads, ref[2]):
         assert rel_err(g, g_ref) < 1e-2, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "cu_seqlens"])
+def test_chunk_sse_varlen_never_waits_on_the_device(packed):
+    # a host sync would stall every layer's launches behind the device's queue
+    B, T = (1, 600) if packed else (2, 300)
+    q, keys, v, log_g, idx, P = (
+        x.cuda() if torch.is_tensor(x) else x for x in random_sse(B, T, 2, 1, 64, 64, 4, 1, 1, True)
+    )
+    cu = torch.tensor([0, 250, 250, 600], device="cuda") if packed else None
+    leaves = [x.bfloat16().requires_grad_() for x in (q, keys, v)] + [log_g.requires_grad_()]
+    chunk_sse(*leaves, idx, P, 0.125, cu_seqlens=cu)[0].sum().backward()  # compiled outside the check
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        o, _ = chunk_sse(*leaves, idx, P, 0.125, cu_seqlens=cu)
+        o.sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.gpu
