@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--warps", default="8", help="other warp counts to try for the o, dqk and dv kernels")
-    p.add_argument("--block-k", default="32,128", help="other key blocks to try for the dqk kernel")
+    p.add_argument("--block-k", default="64,128", help="other key blocks to try for SSE's dqk kernel")
     p.add_argument("--fla-only", action="store_true", help="time fla's chunk_gla alone (its first call autotunes)")
     args = p.parse_args(argv)
     B, T, H, D = args.batch, args.seq_len, args.heads, args.dim
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
             chunk_module.WARPS.update(saved)
     for block in (int(b) for b in args.block_k.split(",")):
         saved = dict(chunk_module.BLOCK_K)
-        chunk_module.BLOCK_K["dqk"] = block
+        chunk_module.BLOCK_K["dqk_gather"] = block
         report(f"SSE varlen, dqk kernel on {block} key channels", time_call(fn, leaves))
         chunk_module.BLOCK_K.update(saved)
 

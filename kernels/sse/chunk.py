@@ -40,7 +40,10 @@ BT = 64  # chunk length
 BC = 16  # sub-chunk length
 POISON = False  # tests set it: outputs start as NaN
 WARPS = {"h": 4, "o": 4, "dh": 4, "dqk": 4, "dv": 4}  # fixed launch configs (kernels/sse/NOTES.md)
-BLOCK_K = {"dqk": 64}  # key channels per dq/dk program: more programs share the serial sub-chunk loops
+# key channels per dq/dk program (more programs share the serial sub-chunk loops): 32 when reading SSE's entries in
+# place, whose live int64 row vectors take 212 registers a thread at 64 (168 dense); H100: SSE 9.65 ms at 32 vs 10.79,
+# dense 4.14 at 64 vs 4.37 (kernels/sse/NOTES.md, run 8)
+BLOCK_K = {"dqk": 64, "dqk_gather": 32}
 LOW_PRECISION_STATES = True  # bf16/fp16 inputs: per-chunk states (and their grads) stored in that dtype, half the bytes
 
 
@@ -152,7 +155,7 @@ class ChunkGLAFunction(torch.autograd.Function):
             run = torch.empty(Nc, H, NS, K, device=dev, dtype=torch.float32)  # chunk-wide gate term, per sub-chunk
             layout = (src, cu, chunk_seq, chunk_pos, scale, H)
             sse_bwd_kernel_dA[(Nc, H * G)](v, do, dA, *layout, G, V, BT, BV, M, gather)
-            bk = min(BK, BLOCK_K["dqk"])
+            bk = min(BK, BLOCK_K["dqk_gather" if gather else "dqk"])
             sse_bwd_kernel_dqk[(Nc, H, NS * (BK // bk))](
                 q, k, v, gc, hs, do, dhs, A, dA, dq, dk, db, run, *layout, G, K, V, BT, BC, bk, BV, M, gather,
                 num_warps=WARPS["dqk"],

@@ -14,7 +14,8 @@ from tests.raven_layers.test_sse import CONFIG, FakeCache, random_gla, random_ss
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
     monkeypatch.setattr(chunk_module, "POISON", True)  # kernel outputs start as NaN: an unwritten element fails
-    monkeypatch.setitem(chunk_module.BLOCK_K, "dqk", 16)  # so K = 32 at these sizes still runs two key blocks
+    for name in chunk_module.BLOCK_K:  # so K = 32 at these sizes still runs two key blocks
+        monkeypatch.setitem(chunk_module.BLOCK_K, name, 16)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
