@@ -3,11 +3,11 @@
     S_t = diag(exp(log_g_t)) S_{t-1} + k_t^T v_t,    o_t = scale q_t S_t
 
 Every sequence (a batch row, or a segment of `cu_seqlens`) is cut into chunks of BT = 64 tokens that never cross
-a sequence boundary; the chunk list is built on the device (no host sync). Forward: the
-chunk-local cumulative gate b (`sse_fwd_kernel_cumsum`), the state entering every chunk by a scan over each
-sequence's chunks (`sse_fwd_kernel_h`), then all chunks in parallel (`sse_fwd_kernel_o`). Backward: a reverse scan
-for the gradient of the state leaving every chunk (`sse_bwd_kernel_dh`), do v^T per chunk (`sse_bwd_kernel_dA`),
-dq and dk of every sub-chunk and block of 64 key channels in parallel (`sse_bwd_kernel_dqk`), dv of every chunk
+a sequence boundary; the chunk list is built on the device (no host sync). Forward: the chunk-local cumulative
+gate b (`sse_fwd_kernel_cumsum`), the state entering every chunk by a scan over each sequence's chunks
+(`sse_fwd_kernel_h`), then all chunks in parallel (`sse_fwd_kernel_o`). Backward: a reverse scan for the gradient
+of the state leaving every chunk (`sse_bwd_kernel_dh`), do v^T per chunk (`sse_bwd_kernel_dA`), dq and dk of
+every sub-chunk and block of key channels (`BLOCK_K`) in parallel (`sse_bwd_kernel_dqk`), dv of every chunk
 (`sse_bwd_kernel_dv`), and the gate gradient's reverse sums within each chunk (`sse_bwd_kernel_dg`). The output
 and dq/dk kernels run one program per sub-chunk (and key block): their 16-step loops over a sub-chunk's rows are
 serial, so more programs share them. SSE's varlen form runs the same kernels on its (token, partition) entries,
