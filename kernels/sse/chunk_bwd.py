@@ -5,7 +5,7 @@ reverse sums."""
 import triton
 import triton.language as tl
 
-from .chunk_fwd import sse_gate_tile, sse_qrow, sse_row, sse_src
+from .chunk_fwd import sse_chunk, sse_gate_tile, sse_qrow, sse_row, sse_src
 
 
 @triton.jit
@@ -90,9 +90,7 @@ def sse_bwd_kernel_dA(
     """One chunk and query head: dA [Nc, H G, BT, BT] float32, dA[t, s] = scale do_t v_s, unmasked."""
     i_c, i_hg = tl.program_id(0), tl.program_id(1)
     i_h, i_g = i_hg // G, i_hg % G
-    i_s = tl.load(chunk_seq + i_c)
-    bos = tl.load(cu + i_s).to(tl.int64) + tl.load(chunk_pos + i_c).to(tl.int64) * BT
-    n = tl.load(cu + i_s + 1).to(tl.int64) - bos
+    bos, n = sse_chunk(cu, chunk_seq, chunk_pos, i_c, BT)
     if n <= 0:  # a spare chunk past the packed sequences' last (_chunk_layout)
         return
     o_t, o_v = tl.arange(0, BT), tl.arange(0, BV)
@@ -140,9 +138,7 @@ def sse_bwd_kernel_dqk(
     [L, H, K] and its share of the chunk-wide term, run [Nc, H, BT // BC, K]."""
     i_c, i_h, i_ik = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i, i_k = i_ik // tl.cdiv(K, BK), i_ik % tl.cdiv(K, BK)
-    i_s = tl.load(chunk_seq + i_c)
-    bos = tl.load(cu + i_s).to(tl.int64) + tl.load(chunk_pos + i_c).to(tl.int64) * BT
-    n = tl.load(cu + i_s + 1).to(tl.int64) - bos
+    bos, n = sse_chunk(cu, chunk_seq, chunk_pos, i_c, BT)
     if n <= 0:  # a spare chunk past the packed sequences' last (_chunk_layout)
         return
     last = tl.minimum(n, BT) - 1
@@ -252,9 +248,7 @@ def sse_bwd_kernel_dv(
     """One chunk, state head and block of BV value channels: dv_s = sum_g sum_{t >= s} A[t, s] do_t (scale) plus
     the state-gradient term (k_s decayed to the chunk's end) dS; per input row of k (the host sums it over M)."""
     i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_s = tl.load(chunk_seq + i_c)
-    bos = tl.load(cu + i_s).to(tl.int64) + tl.load(chunk_pos + i_c).to(tl.int64) * BT
-    n = tl.load(cu + i_s + 1).to(tl.int64) - bos
+    bos, n = sse_chunk(cu, chunk_seq, chunk_pos, i_c, BT)
     if n <= 0:  # a spare chunk past the packed sequences' last (_chunk_layout)
         return
     last = tl.minimum(n, BT) - 1
@@ -302,9 +296,7 @@ def sse_bwd_kernel_dg(
     """One chunk and state head: dg_t = sum_{s >= t in the chunk} db_s + the chunk-wide term (its sub-chunks'
     shares in run summed)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    i_s = tl.load(chunk_seq + i_c)
-    bos = tl.load(cu + i_s).to(tl.int64) + tl.load(chunk_pos + i_c).to(tl.int64) * BT
-    n = tl.load(cu + i_s + 1).to(tl.int64) - bos
+    bos, n = sse_chunk(cu, chunk_seq, chunk_pos, i_c, BT)
     if n <= 0:  # a spare chunk past the packed sequences' last (_chunk_layout)
         return
     o_t, o_i, o_k = tl.arange(0, BT), tl.arange(0, BT // BC), tl.arange(0, BK)

@@ -11,13 +11,19 @@ import triton.language as tl
 
 
 @triton.jit
+def sse_chunk(cu, chunk_seq, chunk_pos, i_c, BT: tl.constexpr):
+    """First packed position of chunk i_c and the rows left in its sequence from there (<= 0: a spare chunk)."""
+    i_s = tl.load(chunk_seq + i_c)
+    bos = tl.load(cu + i_s).to(tl.int64) + tl.load(chunk_pos + i_c).to(tl.int64) * BT
+    return bos, tl.load(cu + i_s + 1).to(tl.int64) - bos
+
+
+@triton.jit
 def sse_fwd_kernel_cumsum(
     g, gc, src, cu, chunk_seq, chunk_pos, H, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    i_s = tl.load(chunk_seq + i_c)
-    bos = tl.load(cu + i_s).to(tl.int64) + tl.load(chunk_pos + i_c).to(tl.int64) * BT
-    n = tl.load(cu + i_s + 1).to(tl.int64) - bos
+    bos, n = sse_chunk(cu, chunk_seq, chunk_pos, i_c, BT)
     if n <= 0:  # a spare chunk past the packed sequences' last (_chunk_layout)
         return
     o_t, o_k = tl.arange(0, BT), tl.arange(0, BK)
@@ -161,9 +167,7 @@ def sse_fwd_kernel_o(
     dv takes as they are."""
     i_c, i_hg, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h, i_g = i_hg // G, i_hg % G
-    i_s = tl.load(chunk_seq + i_c)
-    bos = tl.load(cu + i_s).to(tl.int64) + tl.load(chunk_pos + i_c).to(tl.int64) * BT
-    n = tl.load(cu + i_s + 1).to(tl.int64) - bos
+    bos, n = sse_chunk(cu, chunk_seq, chunk_pos, i_c, BT)
     if n <= 0:  # a spare chunk past the packed sequences' last (_chunk_layout)
         return
     last = tl.minimum(n, BT) - 1
