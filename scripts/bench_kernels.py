@@ -3,6 +3,7 @@
     python scripts/bench_kernels.py                      # all cases, both shapes; a markdown table last
     python scripts/bench_kernels.py --only raven --json out.json
     python scripts/bench_kernels.py --only sse --without-fla  # ours alone, no fla compilation
+    python scripts/bench_kernels.py --only raven --with-fla-gsa --fla-configs 1  # fla chunk_gsa's memory, untuned
 
 Every case times forward and forward+backward (median of triton.testing.do_bench, after a warm-up), reports
 tokens/s of forward+backward, the peak memory a forward+backward adds on top of its inputs, and the first call's
@@ -34,6 +35,20 @@ DEVICE = "cuda"
 DTYPE = torch.bfloat16
 SHAPES = {"B4_T4096": (4, 4096), "B1_T32768": (1, 32768)}
 H, D = 16, 128
+
+
+def first_configs(n: int) -> None:
+    """Make every Triton autotuner built from now on (fla's, at its import) try only its first n configs: fla's
+    chunk_gsa then compiles within the device's 10-minute command. Its peak memory does not depend on the config
+    chosen; its times become those of an untuned kernel (no faster than its tuned ones)."""
+    from triton.runtime.autotuner import Autotuner
+
+    init = Autotuner.__init__
+
+    def limited(self, fn, arg_names, configs, *args, **kwargs):
+        init(self, fn, arg_names, configs[:n], *args, **kwargs)
+
+    Autotuner.__init__ = limited
 
 
 def fla_ops():
@@ -244,7 +259,14 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write every number here")
     parser.add_argument("--with-fla-gsa", action="store_true", help="also time fla's chunk_gsa (minutes to compile)")
     parser.add_argument("--without-fla", action="store_true", help="time no fla peer (its chunk_gla compiles ~5 min)")
+    parser.add_argument(
+        "--fla-configs", type=int, default=None, help="autotune fla over its first N configs only (for its memory)"
+    )
     args = parser.parse_args()
+    if args.fla_configs is not None:
+        if args.fla_configs < 1:
+            parser.error(f"--fla-configs must be at least 1, got {args.fla_configs}")
+        first_configs(args.fla_configs)
     WITH_GSA = args.with_fla_gsa
     only = set(args.only.split(","))
     for name in list(SHAPES):
@@ -260,6 +282,7 @@ def main() -> None:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "fla": None if FLA is None else __import__("fla").__version__,
+        "fla_configs": args.fla_configs,
         "date": time.strftime("%Y-%m-%d"),
         "copy_tb_s": copy_bandwidth(),
     }
@@ -305,6 +328,7 @@ def main() -> None:
     print(
         f"\n{env['gpu']}, torch {env['torch']}, triton {env['triton']}, fla {env['fla']}, {env['date']}; "
         f"H={H}, D={D}, bf16; copy bandwidth {env['copy_tb_s']:.2f} TB/s"
+        + (f"; fla autotuned over its first {args.fla_configs} configs only" if args.fla_configs else "")
     )
     print("\n| case | shape | fwd ms | fwd+bwd ms | Mtok/s | peak MiB | first call s |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

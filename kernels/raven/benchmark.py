@@ -1,8 +1,8 @@
 """Time chunk_raven at the target shapes: forward, forward+backward, per-kernel times, first call, peak memory,
-and the share of (chunk, slot block) pairs on the exact in-chunk path. Launch variants override launch_config;
-"level0", "level1" time chunk_raven's other checkpoint levels (what the backward recomputes).
+and the share of (chunk, slot block) pairs on the exact in-chunk path. Launch variants override launch_config
+("a+b" both); "level0", "level1" time chunk_raven's other checkpoint levels (what the backward recomputes).
 
-    PYTHONPATH=$PWD python3 kernels/raven/benchmark.py [--variants st1,dlf32,dlf4,scan-p2,level0,...]
+    PYTHONPATH=$PWD python3 kernels/raven/benchmark.py [--variants st1,dq4,scan-p2,level0,...] [--shapes 4x4096x256x32]
 """
 
 import argparse
@@ -17,10 +17,15 @@ from kernels.timing import time_training
 
 H, D = 16, 128
 SHAPES = [(4, 4096, 256, 32), (1, 32768, 64, 8)]  # B, T, M, K
-VARIANTS = {
-    "st1": lambda D: {"o": (32, 8, 1), "dq": (16, 8, 1), "dkv": (32, 8, 1), "dlf": (32, 8, 1)},
-    "dlf32": lambda D: {"o": (32, 8, 3), "dq": (16, 8, 3), "dkv": (32, 8, 3), "dlf": (32, 8, 1)},
-    "dlf4": lambda D: {"o": (32, 8, 3), "dq": (16, 8, 3), "dkv": (32, 8, 3), "dlf": (32, 4, 1)},
+VARIANTS = {  # (slots per block, warps, stages) of some per-chunk kernels, the others as launch_config has them
+    "st1": {"o": (32, 4, 1), "dq": (16, 4, 1), "dkv": (32, 8, 1), "dlf": (32, 4, 1)},
+    "dlf64": {"dlf": (64, 8, 1)},
+    "dlf8": {"dlf": (32, 8, 1)},
+    "dq8": {"dq": (16, 8, 3)},
+    "dq4s2": {"dq": (16, 4, 2)},
+    "o8": {"o": (32, 8, 3)},
+    "o16": {"o": (16, 4, 3)},
+    "dkv16": {"dkv": (16, 8, 3)},
 }
 SCAN_VARIANTS = {  # (steps, slots, head-dim columns, warps) of raven_fwd_kernel_scan, the long-sequence state scan
     "scan-p2": lambda M, D: (2, 4, 64, 4),
@@ -58,8 +63,10 @@ def case(B, T, M, K, variant, show_profile):
     level = LEVELS.get(variant, 2)
     if variant in SCAN_VARIANTS:
         raven_chunk.scan_config = SCAN_VARIANTS[variant]
-    elif variant in VARIANTS:
-        raven_chunk.launch_config = VARIANTS[variant]
+    elif variant and variant not in LEVELS:  # launch variants, "+" combines them
+        default = raven_chunk.launch_config
+        over = {kernel: cfg for part in variant.split("+") for kernel, cfg in VARIANTS[part].items()}
+        raven_chunk.launch_config = lambda D: {**default(D), **over}
     q, k, v, a, idx, r = inputs(B, T, M, K)
 
     def run():
@@ -84,10 +91,20 @@ def case(B, T, M, K, variant, show_profile):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--variants", default="", help="comma-separated launch variants to time as well")
+    parser.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES), help="BxTxMxK,...")
     args = parser.parse_args()
+    known = {*VARIANTS, *SCAN_VARIANTS, *LEVELS}
+    for name in filter(None, args.variants.replace("+", ",").split(",")):
+        if name not in known:
+            parser.error(f"--variants: unknown variant {name!r}; allowed: {', '.join(sorted(known))}")
+    try:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+        assert all(len(s) == 4 for s in shapes)
+    except (ValueError, AssertionError):
+        parser.error(f"--shapes: expected BxTxMxK[,BxTxMxK...], got {args.shapes!r}")
     default, default_scan = raven_chunk.launch_config, raven_chunk.scan_config
     results = []
-    for B, T, M, K in SHAPES:
+    for B, T, M, K in shapes:
         raven_chunk.launch_config, raven_chunk.scan_config = default, default_scan
         results.append(case(B, T, M, K, None, True))
         for name in filter(None, args.variants.split(",")):

@@ -128,12 +128,13 @@ def block_sizes(M: int, D: int) -> tuple[int, int]:
 
 
 def launch_config(D: int) -> dict[str, tuple[int, int, int]]:
-    """(slots per block, warps, pipeline stages) of the per-chunk kernels: the sizes that keep each kernel's tiles
-    in registers at d = 128 (ptxas, sm_90; dq still spills a few hundred bytes), and three stages of the slot loops'
-    loads (62 KB of shared memory at d = 128). At M = 256, B = 4, T = 4096 (kernels/raven/benchmark.py) three
-    stages take fwd+bwd from 12.5 to 10.7 ms, and 64-slot dlf programs (half the q k^T, do v^T recomputation)
-    from 10.3 to 9.6 ms."""
-    return {"o": (32, 8, 3), "dq": (16, 8, 3), "dkv": (32, 8, 3), "dlf": (64, 8, 1)}
+    """(slots per block, warps, pipeline stages) of the per-chunk kernels. Each kernel holds [BT, BT] and [BT, D]
+    tiles across its slot loop, so at d = 128 one 8-warp program fills an SM's registers; at 4 warps two programs
+    share it, which pays even where ptxas then spills (dq: 255 registers and ~300 B of stack against 200 B at 8
+    warps). At M = 256, B = 4, T = 4096, o, dq and dlf at 4 warps take fwd+bwd from 7.62 to 6.41 ms (run 9:
+    kernels/raven/benchmark.py --variants o8+dq8+dlf64 is the old setting); dk/dv at 4 warps spills 272 B and is
+    not faster at 16 slots. Three stages of the slot loops' loads took fwd+bwd from 12.5 to 10.7 ms in run 3."""
+    return {"o": (32, 4, 3), "dq": (16, 4, 3), "dkv": (32, 8, 3), "dlf": (32, 4, 1)}
 
 
 def scan_config(M: int, D: int) -> tuple[int, int, int, int]:
@@ -232,7 +233,7 @@ def gates(k, v, a, idx, r, chunks, M, contributions=True):
     w = torch.empty_like(g)
     gl = a.new_empty(NC, H, M, dtype=torch.float32)
     xk, xv = (k.new_empty(NC, H, M, D) for _ in range(2)) if split else (None, None)
-    raven_fwd_kernel_gate[(NC, H)](
+    raven_fwd_kernel_gate[(NC * triton.cdiv(M, BM), H)](
         a, idx, r, k, v, g, w, gl, xk, xv, chunks["bos"], chunks["len"], H, M, K, D, BT, BM,
         triton.next_power_of_2(K), BD, split, num_warps=8 if split else 4,
     )  # fmt: skip
@@ -255,7 +256,7 @@ def state_grads(q, do, ds, p, g, gl, dht, chunks, H, M, store_dh0):
     if split_scan(M, D, N * H):
         BM, BD = min(32, block_sizes(M, D)[0]), block_sizes(M, D)[1]
         xk, xv = (q.new_empty(NC, H, M, D) for _ in range(2))  # what each chunk's reads add
-        raven_bwd_kernel_dhc[(NC, H, triton.cdiv(M, BM))](
+        raven_bwd_kernel_dhc[(NC * triton.cdiv(M, BM), H)](
             q, do, ds, p, g, xk, xv, chunks["bos"], chunks["len"], H, HG // H, M, D, BT, BM, BD, num_warps=4
         )
         return scan(xk, xv, gl, dht, chunks, store_dh0, reverse=True)
@@ -271,13 +272,14 @@ def state_grads(q, do, ds, p, g, gl, dht, chunks, H, M, store_dh0):
 
 
 def per_chunk(kernel, name, tensors, scalars, chunks, heads, shape, split_slots=False):
-    """Launch a per-chunk kernel with its launch_config on (chunk, head) programs, or (chunk, head, slot block)
-    with split_slots. shape: H, G, M, D and exact."""
+    """Launch a per-chunk kernel with its launch_config on (chunk, head) programs, or with split_slots on
+    (chunk x slot block, head) programs, the slot block fastest: a chunk's slot blocks run side by side and share
+    its q, k, v, do through L2. shape: H, G, M, D and exact."""
     H, G, M, D, exact = (shape[x] for x in ("H", "G", "M", "D", "exact"))
     BM, warps, stages = launch_config(D)[name]
     BM_max, BD = block_sizes(M, D)
     BM = min(BM, BM_max)
-    grid = (chunks["bos"].numel(), heads) + ((triton.cdiv(M, BM),) if split_slots else ())
+    grid = (chunks["bos"].numel() * (triton.cdiv(M, BM) if split_slots else 1), heads)
     kernel[grid](
         *tensors,
         chunks["bos"],

@@ -182,7 +182,8 @@ def raven_bwd_kernel_dlf(
 ):
     """The gradient of log_f summed over the rest of the chunk (dlf [T, H, M]), one block of slots per program,
     with the chunk totals (dlf_sum [NC, H, M]) that carry it into earlier chunks."""
-    i_c, i_h, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_cm, i_h = tl.program_id(0), tl.program_id(1)
+    i_c, i_m = i_cm // tl.cdiv(M, BM), i_cm % tl.cdiv(M, BM)  # a chunk's slot blocks side by side: q, k, v, do in L2
     bos, L = tl.load(chunk_bos + i_c), tl.load(chunk_len + i_c)
     o_t, o_d = tl.arange(0, BT), tl.arange(0, BD)
     o_m = i_m * BM + tl.arange(0, BM)

@@ -1,6 +1,6 @@
-"""The states at chunk boundaries. The gates come first (raven_fwd_kernel_gate, per chunk and head, from the
-router). Then, for batches with enough (sequence, head, slot block) programs, one sequential scan over the chunks
-that reads the gates and inputs and writes the states as it goes (raven_fwd_kernel_h; its gradient
+"""The states at chunk boundaries. The gates come first (raven_fwd_kernel_gate, per chunk, slot block and head,
+from the router). Then, for batches with enough (sequence, head, slot block) programs, one sequential scan over the
+chunks that reads the gates and inputs and writes the states as it goes (raven_fwd_kernel_h; its gradient
 raven_bwd_kernel_dh). For long sequences with few programs that scan is latency-bound, so the work is split: each
 chunk's own contribution in parallel (the gate kernel with CONTRIB, raven_bwd_kernel_dhc for the gradients), then
 raven_fwd_kernel_scan turns contributions x_c into states, h_{c+1} = exp(gl_c) h_c + x_c, several chunks per step:
@@ -62,50 +62,47 @@ def raven_fwd_kernel_gate(
     BD: tl.constexpr,
     CONTRIB: tl.constexpr,
 ):
-    """One chunk and head. g [T, H, M]: cumulative log-retention within the chunk; w [T, H, M]: 1 - exp(log_f),
-    exact for tiny writes; gl [NC, H, M]: g at the chunk's last token. log_f is scattered into g (zeros, then
-    a_t r_t[j] at slot idx_t[j]), then read back a block of slots at a time. With CONTRIB also xk, xv
-    [NC, H, M, D]: sum_t w_t exp(gl - g_t) k_t (and v_t), what the chunk writes into the state leaving it."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    """One chunk, block of slots and head. g [T, H, M]: cumulative log-retention within the chunk; w [T, H, M]:
+    1 - exp(log_f), exact for tiny writes; gl [NC, H, M]: g at the chunk's last token. The block's log_f is
+    scattered into g (zeros, then a_t r_t[j] at each slot idx_t[j] inside the block) and read back: one block's
+    [BT, BM] tile per program stays in L2 between the three steps. With CONTRIB also xk, xv [NC, H, M, D]:
+    sum_t w_t exp(gl - g_t) k_t (and v_t), what the chunk writes into the state leaving it."""
+    i_cm, i_h = tl.program_id(0), tl.program_id(1)
+    i_c, i_m = i_cm // tl.cdiv(M, BM), i_cm % tl.cdiv(M, BM)  # a chunk's slot blocks side by side: idx, r in L2
     bos, L = tl.load(chunk_bos + i_c), tl.load(chunk_len + i_c)
-    o_t, o_d = tl.arange(0, BT), tl.arange(0, BD)
-    m_t, m_d = o_t < L, o_d < D
-    p_t = ((bos + o_t) * H + i_h) * M  # [BT] row starts in g and w
-    for i_m in range(tl.cdiv(M, BM)):
-        o_m = i_m * BM + tl.arange(0, BM)
-        mask = m_t[:, None] & (o_m < M)[None, :]
-        tl.store(g + p_t[:, None] + o_m[None, :], tl.zeros([BT, BM], dtype=tl.float32), mask=mask)
+    o_t, o_d, o_k = tl.arange(0, BT), tl.arange(0, BD), tl.arange(0, BK)
+    o_m = i_m * BM + tl.arange(0, BM)
+    m_t, m_m, m_d = o_t < L, o_m < M, o_d < D
+    m_tm = m_t[:, None] & m_m[None, :]
+    p_tm = ((bos + o_t[:, None]) * H + i_h) * M + o_m[None, :]  # [BT, BM] in g and w
+    tl.store(g + p_tm, tl.zeros([BT, BM], dtype=tl.float32), mask=m_tm)
     tl.debug_barrier()
-    o_k = tl.arange(0, BK)
-    m_tk = m_t[:, None] & (o_k < K)[None, :]
     p_tk = ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :]
-    b_i = tl.load(idx + p_tk, mask=m_tk, other=0)
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    b_i = tl.load(idx + p_tk, mask=m_tk, other=0)  # [BT, BK]
     b_a = tl.load(a + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     b_lfk = b_a[:, None] * tl.load(r + p_tk, mask=m_tk, other=0.0).to(tl.float32)  # [BT, BK]
-    tl.store(g + p_t[:, None] + b_i, b_lfk, mask=m_tk)
+    m_in = m_tk & (b_i >= i_m * BM) & (b_i < i_m * BM + BM)
+    tl.store(g + ((bos + o_t[:, None]) * H + i_h) * M + b_i, b_lfk, mask=m_in)
     tl.debug_barrier()
-    m_td = m_t[:, None] & m_d[None, :]
-    p_td = ((bos + o_t[:, None]) * H + i_h) * D + o_d[None, :]
-    for i_m in range(tl.cdiv(M, BM)):
-        o_m = i_m * BM + tl.arange(0, BM)
-        m_m = o_m < M
-        m_tm = m_t[:, None] & m_m[None, :]
-        b_lf = tl.load(g + p_t[:, None] + o_m[None, :], mask=m_tm, other=0.0)  # [BT, BM]
-        series = -b_lf * (1.0 + b_lf * (0.5 + b_lf * (1.0 / 6.0 + b_lf * (1.0 / 24.0 + b_lf / 120.0))))
-        b_w = tl.where(b_lf > -0.1, series, 1.0 - tl.exp(b_lf))
-        b_g = tl.cumsum(b_lf, axis=0)
-        b_gl = tl.sum(tl.where(o_t[:, None] == L - 1, b_g, 0.0), 0)  # [BM] the last row, bit for bit
-        tl.store(w + p_t[:, None] + o_m[None, :], b_w, mask=m_tm)
-        tl.store(g + p_t[:, None] + o_m[None, :], b_g, mask=m_tm)
-        tl.store(gl + (i_c * H + i_h) * M + o_m, b_gl, mask=m_m)
-        if CONTRIB:
-            b_k = tl.load(k + p_td, mask=m_td, other=0.0)  # [BT, BD]
-            b_v = tl.load(v + p_td, mask=m_td, other=0.0)
-            b_xk, b_xv = raven_chunk_writes(b_g, b_w, b_gl, m_tm, b_k, b_v)
-            p_md = ((i_c * H + i_h) * M + o_m[:, None]) * D + o_d[None, :]
-            m_md = m_m[:, None] & m_d[None, :]
-            tl.store(xk + p_md, b_xk.to(xk.dtype.element_ty), mask=m_md)
-            tl.store(xv + p_md, b_xv.to(xv.dtype.element_ty), mask=m_md)
+    b_lf = tl.load(g + p_tm, mask=m_tm, other=0.0)  # [BT, BM]
+    series = -b_lf * (1.0 + b_lf * (0.5 + b_lf * (1.0 / 6.0 + b_lf * (1.0 / 24.0 + b_lf / 120.0))))
+    b_w = tl.where(b_lf > -0.1, series, 1.0 - tl.exp(b_lf))
+    b_g = tl.cumsum(b_lf, axis=0)
+    b_gl = tl.sum(tl.where(o_t[:, None] == L - 1, b_g, 0.0), 0)  # [BM] the last row, bit for bit
+    tl.store(w + p_tm, b_w, mask=m_tm)
+    tl.store(g + p_tm, b_g, mask=m_tm)
+    tl.store(gl + (i_c * H + i_h) * M + o_m, b_gl, mask=m_m)
+    if CONTRIB:
+        m_td = m_t[:, None] & m_d[None, :]
+        p_td = ((bos + o_t[:, None]) * H + i_h) * D + o_d[None, :]
+        b_k = tl.load(k + p_td, mask=m_td, other=0.0)  # [BT, BD]
+        b_v = tl.load(v + p_td, mask=m_td, other=0.0)
+        b_xk, b_xv = raven_chunk_writes(b_g, b_w, b_gl, m_tm, b_k, b_v)
+        p_md = ((i_c * H + i_h) * M + o_m[:, None]) * D + o_d[None, :]
+        m_md = m_m[:, None] & m_d[None, :]
+        tl.store(xk + p_md, b_xk.to(xk.dtype.element_ty), mask=m_md)
+        tl.store(xv + p_md, b_xv.to(xv.dtype.element_ty), mask=m_md)
 
 
 @triton.jit
@@ -252,7 +249,8 @@ def raven_bwd_kernel_dhc(
 ):
     """xk, xv [NC, H, M, D]: what the chunk's reads add to the gradients of the state entering it. The logits read
     S^k with weights ds against q, the outputs read S^v with weights p against do, each decayed by exp(g)."""
-    i_c, i_h, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_cm, i_h = tl.program_id(0), tl.program_id(1)
+    i_c, i_m = i_cm // tl.cdiv(M, BM), i_cm % tl.cdiv(M, BM)  # a chunk's slot blocks side by side: q, k, v, do in L2
     bos, L = tl.load(chunk_bos + i_c), tl.load(chunk_len + i_c)
     o_t, o_d = tl.arange(0, BT), tl.arange(0, BD)
     o_m = i_m * BM + tl.arange(0, BM)

@@ -85,7 +85,8 @@ def assert_match(results, tol=TOL):
 
 @pytest.mark.parametrize(
     "T, G, M, K, with_state",
-    [(70, 1, 32, 4, True), (37, 2, 16, 3, False)],  # lengths not multiples of the chunk (64) or sub-chunk (16)
+    # lengths not multiples of the chunk (64) or sub-chunk (16); M = 80: two 64-slot blocks, the last one partial
+    [(70, 1, 32, 4, True), (37, 2, 16, 3, False), (70, 1, 80, 6, False)],
 )
 def test_chunk_matches_reference(T, G, M, K, with_state, scan_form):
     B, H, d = 2, 1, 16
