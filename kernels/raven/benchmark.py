@@ -2,7 +2,7 @@
 and the share of (chunk, slot block) pairs on the exact in-chunk path. Launch variants override launch_config
 ("a+b" both); "level0", "level1" time chunk_raven's other checkpoint levels (what the backward recomputes).
 
-    PYTHONPATH=$PWD python3 kernels/raven/benchmark.py [--variants st1,dq4,scan-p2,level0,...] [--shapes 4x4096x256x32]
+    PYTHONPATH=$PWD python3 kernels/raven/benchmark.py [--variants o8+dq8,level0,...] [--shapes 4x4096x256x32]
 """
 
 import argparse
@@ -94,9 +94,13 @@ def main():
     parser.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES), help="BxTxMxK,...")
     args = parser.parse_args()
     known = {*VARIANTS, *SCAN_VARIANTS, *LEVELS}
-    for name in filter(None, args.variants.replace("+", ",").split(",")):
-        if name not in known:
-            parser.error(f"--variants: unknown variant {name!r}; allowed: {', '.join(sorted(known))}")
+    for name in filter(None, args.variants.split(",")):
+        parts = name.split("+")
+        if any(part not in (VARIANTS if len(parts) > 1 else known) for part in parts):
+            parser.error(
+                f"--variants: unknown variant {name!r}; allowed: {', '.join(sorted(known))}, "
+                f"and launch variants joined by '+' ({', '.join(VARIANTS)})"
+            )
     try:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
         assert all(len(s) == 4 for s in shapes)

@@ -132,8 +132,9 @@ def launch_config(D: int) -> dict[str, tuple[int, int, int]]:
     tiles across its slot loop, so at d = 128 one 8-warp program fills an SM's registers; at 4 warps two programs
     share it, which pays even where ptxas then spills (dq: 255 registers and ~300 B of stack against 200 B at 8
     warps). At M = 256, B = 4, T = 4096, o, dq and dlf at 4 warps take fwd+bwd from 7.62 to 6.41 ms (run 9:
-    kernels/raven/benchmark.py --variants o8+dq8+dlf64 is the old setting); dk/dv at 4 warps spills 272 B and is
-    not faster at 16 slots. Three stages of the slot loops' loads took fwd+bwd from 12.5 to 10.7 ms in run 3."""
+    kernels/raven/benchmark.py --variants o8+dq8+dlf64 is the old setting); dk/dv stays at 8 warps (at 4 it spills
+    272 B; at 16 slots it is slower). Three stages of the slot loops' loads took fwd+bwd from 12.5 to 10.7 ms in run
+    3."""
     return {"o": (32, 4, 3), "dq": (16, 4, 3), "dkv": (32, 8, 3), "dlf": (32, 4, 1)}
 
 
