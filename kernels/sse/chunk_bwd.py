@@ -5,7 +5,7 @@ reverse sums."""
 import triton
 import triton.language as tl
 
-from .chunk_fwd import sse_chunk, sse_gate_tile, sse_qrow, sse_row, sse_src
+from .chunk_fwd import sse_chunk, sse_gate_tile, sse_qrow, sse_row, sse_seq, sse_src, sse_state_block
 
 
 @triton.jit
@@ -34,16 +34,10 @@ def sse_bwd_kernel_dh(
 ):
     i_sh, i_k, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_s, i_h = i_sh // H, i_sh % H
-    seq_bos = tl.load(cu + i_s).to(tl.int64)
-    eos = tl.load(cu + i_s + 1).to(tl.int64)
-    c0 = tl.load(chunk_off + i_s).to(tl.int64)
-    n_chunks = tl.load(chunk_off + i_s + 1).to(tl.int64) - c0
+    seq_bos, eos, c0, n_chunks = sse_seq(cu, chunk_off, i_s)
     DT = q.dtype.element_ty
     o_t = tl.arange(0, BT)
-    o_k, o_v = i_k * BK + tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    offs_kv = o_k[:, None] * V + o_v[None, :]
+    o_k, o_v, m_k, m_v, offs_kv, m_kv = sse_state_block(i_k, i_v, K, V, BK, BV)
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
         b_dh += tl.load(dht + i_sh.to(tl.int64) * K * V + offs_kv, mask=m_kv, other=0.0)

@@ -19,6 +19,24 @@ def sse_chunk(cu, chunk_seq, chunk_pos, i_c, BT: tl.constexpr):
 
 
 @triton.jit
+def sse_seq(cu, chunk_off, i_s):
+    """Sequence i_s of a per-sequence scan: its first and end packed positions, its first chunk and its chunk count."""
+    seq_bos, eos = tl.load(cu + i_s).to(tl.int64), tl.load(cu + i_s + 1).to(tl.int64)
+    c0 = tl.load(chunk_off + i_s).to(tl.int64)
+    return seq_bos, eos, c0, tl.load(chunk_off + i_s + 1).to(tl.int64) - c0
+
+
+@triton.jit
+def sse_state_block(i_k, i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Block (i_k, i_v) of one [K, V] state: key and value channels, their masks, and the block's [BK, BV] offsets
+    inside the state and mask."""
+    o_k, o_v = i_k * BK + tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    return o_k, o_v, m_k, m_v, o_k[:, None] * V + o_v[None, :], m_kv
+
+
+@triton.jit
 def sse_fwd_kernel_cumsum(
     g, gc, src, cu, chunk_seq, chunk_pos, H, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr
 ):
@@ -109,15 +127,9 @@ def sse_fwd_kernel_h(
 ):
     i_sh, i_k, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_s, i_h = i_sh // H, i_sh % H
-    seq_bos = tl.load(cu + i_s).to(tl.int64)
-    eos = tl.load(cu + i_s + 1).to(tl.int64)
-    c0 = tl.load(chunk_off + i_s).to(tl.int64)
-    n_chunks = tl.load(chunk_off + i_s + 1).to(tl.int64) - c0
+    seq_bos, eos, c0, n_chunks = sse_seq(cu, chunk_off, i_s)
     o_t = tl.arange(0, BT)
-    o_k, o_v = i_k * BK + tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    offs_kv = o_k[:, None] * V + o_v[None, :]  # [BK, BV] inside one [K, V] state
+    o_k, o_v, m_k, m_v, offs_kv, m_kv = sse_state_block(i_k, i_v, K, V, BK, BV)
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
         b_h += tl.load(h0 + i_sh.to(tl.int64) * K * V + offs_kv, mask=m_kv, other=0.0)
