@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from raven_layers import MIXER_CLASSES
+from raven_layers import MIXER_CLASSES, output_cache
 
 from .pipeline import ConvertRequest, convert_model
 from .sources import DEFAULT_SRC, Source, smollm2_gguf
@@ -54,7 +54,7 @@ def generate(model_dir: Path, prompt: str, max_new_tokens: int) -> str:
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True)
     seconds = time.perf_counter() - start
     new = out.sequences[0, inputs["input_ids"].shape[1] :]
-    sizes = out.past_key_values.state_bytes()
+    sizes = output_cache(out).state_bytes()
     print(f"generated {len(new)} tokens in {seconds:.2f} s ({len(new) / seconds:.1f} tokens/s)")
     print(
         f"per-sequence memory after {out.sequences.shape[1]} tokens: mixer states {sizes['mixer'] / 1024:.0f} KiB "

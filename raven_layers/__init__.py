@@ -7,7 +7,7 @@ or without `trust_remote_code` wherever this toolkit is installed.
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .architectures import ARCHITECTURES, Architecture, get_architecture
-from .cache import HybridCache
+from .cache import HybridCache, cache_argument, output_cache
 from .configuration_hybrid import LAYER_KINDS, MIXER_SETTINGS, HybridConfig
 from .modeling_hybrid import MIXER_CLASSES, HybridForCausalLM, HybridModel
 from .raven import RavenMixer, RavenSettings, raven_chunked, raven_recurrent
@@ -48,7 +48,9 @@ __all__ = [
     "SILASettings",
     "SSEMixer",
     "SSESettings",
+    "cache_argument",
     "get_architecture",
+    "output_cache",
     "raven_chunked",
     "raven_recurrent",
     "sila_chunked",

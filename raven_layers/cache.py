@@ -3,16 +3,40 @@
 `HybridCache` is a `transformers` `Cache`, so `generate()` (greedy, sampling, beam search) drives it like any
 other: attention layers call `update`, mixers call `get_mixer_state` / `set_mixer_state`, and the per-layer
 objects answer the batch operations (`reorder_cache`, `batch_select_indices`, ...) that generation strategies use.
+
+transformers 5.24 renamed the cache argument of models and decoder layers from `past_key_values` to `cache` (the
+old name is deprecated, and loses when both are given) and the output field likewise. This file is also the
+exported models' remote code, run under whatever release a user has, so the names are read from the installed
+release's public signatures (`cache_argument`, `OUTPUT_CACHE_FIELD`) rather than from a version number.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from abc import ABC, abstractmethod
 
 import torch
 from transformers.cache_utils import Cache
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from .architectures import layer_windows
+
+
+def cache_argument(forward) -> str:
+    """The keyword under which `forward` (a transformers decoder layer's) takes the generation cache."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+# The field of transformers' model outputs that holds the cache: `cache` from 5.24, `past_key_values` before.
+OUTPUT_CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)} else (
+    "past_key_values"
+)
+
+
+def output_cache(outputs):
+    """The generation cache a model's forward returned, under the installed release's field name."""
+    return getattr(outputs, OUTPUT_CACHE_FIELD)
 
 
 class _LayerCache(ABC):

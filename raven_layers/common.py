@@ -81,8 +81,9 @@ class Mixer(nn.Module):
     conversion copies the teacher's weights into them), the optional output gate, and the decode-state plumbing.
 
     Subclasses build their own parameters after `super().__init__`, and implement `reset_mixer_parameters`,
-    `fresh_parameter_names`, `state_numel` and `forward(hidden_states, past_key_values, padding_mask, cu_seqlens)`;
-    without a kernel that takes `cu_seqlens`, forward hands packed input to `forward_packed`.
+    `fresh_parameter_names`, `state_numel` and `mix(hidden_states, cache, padding_mask, cu_seqlens)`; without a
+    kernel that takes `cu_seqlens`, `mix` hands packed input to `forward_packed`. `forward` takes the calling
+    convention of whichever transformers release runs the decoder layer around it.
     """
 
     aux_loss: torch.Tensor | None = None  # an auxiliary loss of the last forward, summed by the model
@@ -110,13 +111,29 @@ class Mixer(nn.Module):
         if settings.output_gate:  # o * 2 sigmoid(W_g x): zero-initialised, the gate starts as the identity
             self.gate_weight = nn.Parameter(torch.empty(H * d, hidden))
 
-    def load_state(self, past_key_values):
-        """This layer's decode state, or None (no cache, or nothing seen yet)."""
-        return past_key_values.get_mixer_state(self.layer_idx) if past_key_values is not None else None
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cache=None,
+        padding_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        past_key_values=None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        """hidden_states [B, T, hidden] -> ([B, T, hidden], None). Decoder layers pass the generation cache as
+        `cache` from transformers 5.24 and as `past_key_values` before; either is taken (see `one_cache`)."""
+        return self.mix(hidden_states, one_cache(cache, past_key_values), padding_mask, cu_seqlens)
 
-    def save_state(self, past_key_values, state: tuple[torch.Tensor, ...], num_tokens: int):
-        if past_key_values is not None:
-            past_key_values.set_mixer_state(self.layer_idx, state, num_tokens=num_tokens)
+    def mix(self, hidden_states, cache, padding_mask, cu_seqlens) -> tuple[torch.Tensor, None]:
+        raise NotImplementedError
+
+    def load_state(self, cache):
+        """This layer's decode state, or None (no cache, or nothing seen yet)."""
+        return cache.get_mixer_state(self.layer_idx) if cache is not None else None
+
+    def save_state(self, cache, state: tuple[torch.Tensor, ...], num_tokens: int):
+        if cache is not None:
+            cache.set_mixer_state(self.layer_idx, state, num_tokens=num_tokens)
 
     def forward_packed(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, None]:
         """The mixer run on each packed document on its own, so that no state crosses a document boundary.
@@ -135,6 +152,13 @@ class Mixer(nn.Module):
         if self.settings.output_gate:
             o = o * 2 * torch.sigmoid(F.linear(x, self.gate_weight))
         return self.o_proj(o), None
+
+
+def one_cache(cache, past_key_values):
+    """The generation cache passed under either name: `cache` (transformers >= 5.24) or `past_key_values`."""
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("two different caches were passed, as `cache` and as `past_key_values`; pass one")
+    return cache if cache is not None else past_key_values
 
 
 def document_positions(cu_seqlens: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

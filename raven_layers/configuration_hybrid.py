@@ -35,7 +35,7 @@ class HybridConfig(PretrainedConfig):
     """
 
     model_type = "raven_hybrid"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]
 
     def __init__(
         self, base_model_type: str = "llama", layer_mixers=None, mixer_settings=None, attention_windows=None, **kwargs

@@ -18,8 +18,8 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .architectures import get_architecture, layer_windows
-from .cache import HybridCache
-from .common import Mixer
+from .cache import OUTPUT_CACHE_FIELD, HybridCache, cache_argument, output_cache
+from .common import Mixer, one_cache
 from .configuration_hybrid import HybridConfig
 from .raven import RavenMixer
 from .sila import SILAMixer
@@ -67,7 +67,7 @@ class HybridPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _supports_sdpa = True
     _supports_flash_attn = True
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
 
     def __init__(self, config: HybridConfig, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
@@ -90,6 +90,7 @@ class HybridModel(HybridPreTrainedModel):
         self.padding_idx = config.pad_token_id
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         layer_cls = arch.cls("DecoderLayer")
+        self.cache_argument = cache_argument(layer_cls.forward)  # "cache" from transformers 5.24
         self.layers = nn.ModuleList()
         for i, kind in enumerate(config.layer_mixers):
             layer = layer_cls(config, i)
@@ -116,19 +117,22 @@ class HybridModel(HybridPreTrainedModel):
         past_key_values: HybridCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        cache: HybridCache | None = None,
         **kwargs,
     ) -> HybridModelOutput:
+        """The generation cache comes as `cache` (transformers >= 5.24) or `past_key_values` (before); both work."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         B, T = inputs_embeds.shape[:2]
         use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
-        if use_cache and past_key_values is None:
-            past_key_values = HybridCache(self.config)
-        if past_key_values is not None and not isinstance(past_key_values, HybridCache):
-            raise TypeError(f"past_key_values must be a HybridCache, got {type(past_key_values).__name__}")
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        cache = one_cache(cache, past_key_values)
+        if use_cache and cache is None:
+            cache = HybridCache(self.config)
+        if cache is not None and not isinstance(cache, HybridCache):
+            raise TypeError(f"the generation cache must be a HybridCache, got {type(cache).__name__}")
+        past = cache.get_seq_length() if cache is not None else 0
 
         if attention_mask is not None and tuple(attention_mask.shape) != (B, past + T):
             raise ValueError(
@@ -139,7 +143,7 @@ class HybridModel(HybridPreTrainedModel):
         if attention_mask is None and position_ids is not None and past == 0 and T > 1:
             packed = find_packed_documents(position_ids.expand(B, -1))  # transformers' convention for packing
             if packed is not None:  # rows of several documents have no single continuation to cache
-                past_key_values, use_cache = None, False
+                cache, use_cache = None, False
         if attention_mask is not None and T > 1 and bool(attention_mask.all()):
             attention_mask = None  # no padding: every layer can take its fast path (not checked per decode step)
         if position_ids is None:
@@ -165,9 +169,9 @@ class HybridModel(HybridPreTrainedModel):
                 hidden_states,
                 attention_mask=masks.get(window),
                 position_ids=position_ids,
-                past_key_values=past_key_values,
                 use_cache=use_cache,
                 position_embeddings=position_embeddings,
+                **{self.cache_argument: cache},
                 **extra,
                 **kwargs,
             )
@@ -179,8 +183,8 @@ class HybridModel(HybridPreTrainedModel):
         ]
         return HybridModelOutput(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values,
             aux_loss=torch.stack(aux).sum() if aux else None,
+            **{OUTPUT_CACHE_FIELD: cache},
         )
 
     def _attention_mask(self, padding, B: int, T: int, past: int, window: int | None, like: torch.Tensor, documents):
@@ -251,15 +255,16 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        cache: HybridCache | None = None,
         **kwargs,
     ) -> HybridCausalLMOutput:
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            cache=one_cache(cache, past_key_values),
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
@@ -271,5 +276,5 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
             if outputs.aux_loss is not None:
                 loss = loss + outputs.aux_loss
         return HybridCausalLMOutput(
-            loss=loss, logits=logits, past_key_values=outputs.past_key_values, aux_loss=outputs.aux_loss
+            loss=loss, logits=logits, aux_loss=outputs.aux_loss, **{OUTPUT_CACHE_FIELD: output_cache(outputs)}
         )

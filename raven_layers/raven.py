@@ -260,13 +260,12 @@ class RavenMixer(Mixer):
         log_f = r.new_zeros(*idx.shape[:-1], self.settings.num_slots)
         return log_f.scatter(-1, idx, a.unsqueeze(-1) * r)
 
-    def forward(
+    def mix(
         self,
         hidden_states: torch.Tensor,
-        past_key_values=None,
+        cache=None,
         padding_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
-        **kwargs,
     ) -> tuple[torch.Tensor, None]:
         kernels, s = kernel_module("raven", hidden_states), self.settings
         if cu_seqlens is not None and kernels is None:  # packed documents, each from an empty state
@@ -281,7 +280,7 @@ class RavenMixer(Mixer):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.settings.feature_map == "silu":
             q, k = F.silu(q), F.silu(k)
-        state = self.load_state(past_key_values)
+        state = self.load_state(cache)
         if kernels is not None:  # Triton: the router's choice goes to the kernels, which build the gates on chip
             a, idx, r = self.route(x, padding_mask)
             if cu_seqlens is not None:  # packed documents: one sequence of B * T tokens cut at cu_seqlens
@@ -296,12 +295,12 @@ class RavenMixer(Mixer):
                 o, new_state = kernels.chunk_raven(
                     q, k, v, a, idx, r, self.scale, s.num_slots, state, True, checkpoint_level=s.checkpoint_level
                 )
-            self.save_state(past_key_values, new_state, num_tokens=T)
+            self.save_state(cache, new_state, num_tokens=T)
             return self.project_out(o.to(x.dtype).reshape(B, T, H * d), x)
         log_f = self.write_gates(x, padding_mask)
         if T == 1 and state is not None:
             o, new_state = raven_recurrent(q, k, v, log_f, self.scale, state)
         else:
             o, new_state = raven_chunked(q, k, v, log_f, self.scale, state, self.settings.chunk_size)
-        self.save_state(past_key_values, new_state, num_tokens=T)
+        self.save_state(cache, new_state, num_tokens=T)
         return self.project_out(o.to(x.dtype).reshape(B, T, H * d), x)

@@ -362,13 +362,12 @@ class SILAMixer(Mixer):
         beta_x, gamma_x, alpha_logit = pre.split([self.num_kv_heads, self.num_kv_heads, self.num_heads], dim=-1)
         return beta_x, gamma_x, torch.sigmoid(alpha_logit)
 
-    def forward(
+    def mix(
         self,
         hidden_states: torch.Tensor,
-        past_key_values=None,
+        cache=None,
         padding_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
-        **kwargs,
     ) -> tuple[torch.Tensor, None]:
         kernels = kernel_module("sila", hidden_states)
         if cu_seqlens is not None and kernels is None:  # packed documents, each from an empty state
@@ -376,7 +375,7 @@ class SILAMixer(Mixer):
         x = hidden_states  # [B, T, hidden]
         B, T, _ = x.shape
         H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        state = self.load_state(past_key_values)
+        state = self.load_state(cache)
         memory, tail = state if state is not None else (None, None)
 
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -411,5 +410,5 @@ class SILAMixer(Mixer):
             o, memory = sila_recurrent(*args)
         else:
             o, memory = sila_chunked(*args, chunk_size=self.settings.chunk_size)
-        self.save_state(past_key_values, (memory, tail), num_tokens=T)
+        self.save_state(cache, (memory, tail), num_tokens=T)
         return self.project_out(o.to(x.dtype).reshape(B, T, H * d), x)

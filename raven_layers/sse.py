@@ -477,13 +477,12 @@ class SSEMixer(Mixer):
             k, log_g = k * real, log_g * real
         return q, k, log_g, idx, top[..., : s.top_k]
 
-    def forward(
+    def mix(
         self,
         hidden_states: torch.Tensor,
-        past_key_values=None,
+        cache=None,
         padding_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
-        **kwargs,
     ) -> tuple[torch.Tensor, None]:
         x = hidden_states  # [B, T, hidden]
         B, T, _ = x.shape
@@ -494,7 +493,7 @@ class SSEMixer(Mixer):
         self.aux_loss = self.balance_loss(scores, top, padding_mask)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
 
-        state = self.load_state(past_key_values)
+        state = self.load_state(cache)
         initial = state[0] if state is not None else None
         args = (q, k, v, log_g, idx, self.num_partitions, self.scale, initial)
         kernels = kernel_module("sse", q)
@@ -515,7 +514,7 @@ class SSEMixer(Mixer):
         else:
             o, new_state = (sse_varlen if varlen else sse_masking)(*args, chunk_size=s.chunk_size)
         if cu_seqlens is None:
-            self.save_state(past_key_values, (new_state,), num_tokens=T)
+            self.save_state(cache, (new_state,), num_tokens=T)
 
         o = o.to(x.dtype)  # [B, T, H_kv, G, d]
         if s.output_norm:

@@ -6,6 +6,9 @@ Run by clean_load.sh with `python -S` and only site-packages on the path, so the
 imported: everything comes from the model directory's own code (`trust_remote_code=True`). Writes a JSON record
 (library versions, the layer mixers, greedy continuations of a short and a longer prompt, and the cache sizes after
 each, which show the mixer state staying constant while the kept attention layers grow) and fails on any mismatch.
+
+It also checks that cached decoding is right under the installed transformers: the logits of every generate() step
+must equal those of one forward over the whole sequence without a cache (relative error below CACHED_DECODE_TOL).
 """
 
 import importlib.util
@@ -21,6 +24,22 @@ from transformers import __version__ as transformers_version
 TOOLKIT_PACKAGES = ("convert", "raven_layers", "kernels")
 PROMPT = "The capital of France is"
 PASSKEY = "There is a pass key hidden in this text. The pass key is 52817. Remember it. "
+# relative error allowed between cached steps and a full forward: float rounding of two equal computations (the
+# chunked and the step-by-step form of each mixer), in float32 and in bfloat16
+CACHED_DECODE_TOL = {torch.float32: 1e-3, torch.bfloat16: 5e-2}
+
+
+def output_cache(out):
+    """The cache of a generate() output: the field is `cache` from transformers 5.24, `past_key_values` before."""
+    return out["cache"] if "cache" in out else out["past_key_values"]
+
+
+def cached_decode_error(model, out, prompt_tokens: int) -> float:
+    """Relative error between the logits of generate()'s cached steps and one forward over the same tokens."""
+    steps = torch.stack(out.logits, dim=1).float()  # [1, N, V], before any logits processor
+    with torch.no_grad():
+        full = model(out.sequences[:, :-1], use_cache=False).logits[:, prompt_tokens - 1 :].float()  # [1, N, V]
+    return ((steps - full).norm() / full.norm()).item()
 
 
 def generate(model, tokenizer, text: str, new_tokens: int) -> dict:
@@ -32,14 +51,17 @@ def generate(model, tokenizer, text: str, new_tokens: int) -> dict:
             min_new_tokens=new_tokens,
             do_sample=False,
             return_dict_in_generate=True,
+            output_logits=True,
         )
-    new = out.sequences[0, inputs["input_ids"].shape[1] :]
+    prompt_tokens = inputs["input_ids"].shape[1]
+    new = out.sequences[0, prompt_tokens:]
     return {
-        "prompt_tokens": inputs["input_ids"].shape[1],
+        "prompt_tokens": prompt_tokens,
         "new_tokens": int(new.numel()),
         "continuation": tokenizer.decode(new, skip_special_tokens=True),
-        "cache_class": type(out.past_key_values).__name__,
-        "state_bytes": out.past_key_values.state_bytes(),
+        "cache_class": type(output_cache(out)).__name__,
+        "state_bytes": output_cache(out).state_bytes(),
+        "cached_decode_error": cached_decode_error(model, out, prompt_tokens),
     }
 
 
@@ -78,6 +100,13 @@ def main(model_dir: str, out_file: str) -> None:
         problems.append(f"the model class comes from {type(model).__module__}, not the directory's code")
     if any(g["new_tokens"] != 16 for g in (short, long)):
         problems.append("generate() stopped early")
+    tol = CACHED_DECODE_TOL.get(model.dtype, CACHED_DECODE_TOL[torch.bfloat16])
+    for name, g in (("short", short), ("long", long)):
+        if not g["cached_decode_error"] < tol:  # also catches NaN
+            problems.append(
+                f"{name} prompt: cached generate() steps differ from a full forward by {g['cached_decode_error']:.3g} "
+                f"(relative; allowed {tol:g} in {model.dtype}) under transformers {transformers_version}"
+            )
     if short["state_bytes"]["mixer"] != long["state_bytes"]["mixer"]:
         problems.append(f"the mixer state grew with the prompt: {short['state_bytes']} -> {long['state_bytes']}")
     record["problems"] = problems

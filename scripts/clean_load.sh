@@ -7,7 +7,8 @@ set -euo pipefail
 [ $# -eq 2 ] || { echo "usage: bash scripts/clean_load.sh MODEL_DIR OUT_JSON" >&2; exit 2; }
 model=$(realpath "$1") out=$(realpath -m "$2") script=$(realpath "$(dirname "$0")/clean_load.py")
 python=${PYTHON:-python3}
-site=$(env -u PYTHONPATH "$python" -c 'import site; print(":".join(site.getsitepackages()))')
+# every site-packages directory the interpreter imports from, in order (a venv's own, then any it links to)
+site=$(env -u PYTHONPATH "$python" -c 'import sys; print(":".join(p for p in sys.path if p.endswith("-packages")))')
 modules=$(mktemp -d)
 trap 'rm -rf "$modules"' EXIT
 cd "$modules"

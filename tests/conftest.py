@@ -8,11 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models
-from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-if not torch.cuda.is_available():  # Triton kernels run interpreted on CPU: CI covers them this way, at small sizes
+# Triton kernels run interpreted on CPU: CI covers them this way, at small sizes. Set before anything imports
+# triton.language (transformers 5.17 does on import), which decides then whether @triton.jit interprets.
+if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tokenizers import Tokenizer, decoders, models  # noqa: E402
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 SMOLLM2_ENV = "RAVEN_SMOLLM2_GGUF"
 
@@ -81,3 +84,9 @@ def smollm2_dir(tmp_path_factory) -> Path:
     model.save_pretrained(out)
     source.load_tokenizer().save_pretrained(out)
     return out
+
+
+def pytest_report_header(config):
+    import transformers
+
+    return f"torch {torch.__version__}, transformers {transformers.__version__}"

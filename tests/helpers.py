@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import site
 import subprocess
 import sys
 import textwrap
@@ -13,10 +12,17 @@ from pathlib import Path
 TOOLKIT_PACKAGES = ("convert", "raven_layers", "kernels")
 
 
+def site_packages() -> list[str]:
+    """The site-packages directories this interpreter imports from, in order: a venv's own first, then any it links
+    to (scripts/test_oldest_transformers.sh links the test environment's after an older transformers)."""
+    return [p for p in sys.path if Path(p).name in ("site-packages", "dist-packages")]
+
+
 def run_without_toolkit(code: str, cwd: Path) -> dict:
     """Run `code` with `python -S` (no .pth files, so no editable install) and only site-packages on the path.
 
-    The snippet sees `result` (a dict) and whatever it stores there is returned. It first proves that none of the
+    The snippet sees `result` (a dict) and whatever it stores there is returned, and `output_cache(out)`, the cache
+    of a model or generate() output under the installed transformers' field name. It first proves that none of the
     toolkit's packages can be imported.
     """
     prelude = textwrap.dedent(
@@ -25,12 +31,14 @@ def run_without_toolkit(code: str, cwd: Path) -> dict:
         visible = [name for name in {TOOLKIT_PACKAGES!r} if importlib.util.find_spec(name) is not None]
         assert not visible, f"toolkit packages importable in the isolated process: {{visible}}"
         result = {{}}
+        def output_cache(out):
+            return out["cache"] if "cache" in out else out["past_key_values"]
         """
     )
     result_file = cwd / "isolated_result.json"
     epilogue = f"\nopen({str(result_file)!r}, 'w').write(json.dumps(result))\n"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")} | {
-        "PYTHONPATH": os.pathsep.join(site.getsitepackages()),
+        "PYTHONPATH": os.pathsep.join(site_packages()),
         "HF_HUB_OFFLINE": "1",
         "HF_MODULES_CACHE": str(cwd / "hf_modules"),
         "TRANSFORMERS_VERBOSITY": "error",

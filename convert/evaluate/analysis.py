@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from raven_layers.cache import output_cache
 from raven_layers.sila import l2_normalize, sila_recurrent
 
 # Slot categories of `slot_allocation`, with the colours of the Raven paper's Figures 6 and 7.
@@ -86,11 +87,11 @@ def capture_mixer_inputs(model, input_ids, layers: Sequence[int] | None = None, 
     Args:
         input_ids: one sequence of token ids, [T] or [1, T].
         layers: layer indices to capture; None: every non-attention layer.
-        use_cache: return the generation cache (`past_key_values`) holding the final mixer states.
+        use_cache: return the generation cache (`raven_layers.output_cache(outputs)`) holding the final mixer states.
 
     Returns:
         (inputs, outputs): inputs maps layer -> [1, T, hidden] (detached, model dtype and device); outputs is the
-        model's forward output (logits, past_key_values when use_cache).
+        model's forward output (logits, and the cache when use_cache).
     """
     ids = _as_batch(model, input_ids)
     kinds = model.config.layer_mixers
@@ -257,7 +258,7 @@ def state_singular_value_entropy(model, input_ids, layer: int) -> torch.Tensor:
     over heads per layer (`.nanmean(0)`, or `.nanmean()` over partitions too)."""
     _mixer(model, layer, "sse")
     _, outputs = capture_mixer_inputs(model, input_ids, [], use_cache=True)
-    (state,) = outputs.past_key_values.get_mixer_state(layer % len(model.config.layer_mixers))  # [1, H_kv, P, c, d]
+    (state,) = output_cache(outputs).get_mixer_state(layer % len(model.config.layer_mixers))  # [1, H_kv, P, c, d]
     return singular_value_entropy(state[0]).cpu()
 
 

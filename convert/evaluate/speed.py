@@ -1,8 +1,8 @@
 """Prefill and decode speed, peak memory and cache size at several context lengths.
 
 For each context length L, `measure_speed` times the prefill of a random prompt of L tokens, then `decode_tokens`
-greedy steps that feed one token at a time through the model's own cache (`model(input_ids=next_token,
-past_key_values=cache, use_cache=True)`, not `generate()`, so the timings hold no sampling or bookkeeping), and
+greedy steps that feed one token at a time through the model's own cache (`model(input_ids=next_token, cache=cache,
+use_cache=True)`, not `generate()`, so the timings hold no sampling or bookkeeping), and
 records the bytes the cache holds per sequence after the prefill: a hybrid's `HybridCache` splits them into
 constant-size mixer states and the attention layers' growing KV cache; a transformers `DynamicCache` holds keys and
 values only.
@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from raven_layers.cache import cache_argument, output_cache
 
 from .perplexity import OutOfMemory, _free, _sync, load_for_evaluation, model_device, parse_lengths, run_info
 
@@ -131,12 +133,12 @@ def _forward(model: nn.Module, ids: torch.Tensor, cache=None):
     """One forward pass with the cache; logits of the last position only where the model allows it."""
     kwargs = {"input_ids": ids, "use_cache": True}
     if cache is not None:
-        kwargs["past_key_values"] = cache
+        kwargs[cache_argument(model.forward)] = cache
     try:
         out = model(**kwargs, logits_to_keep=1)
     except TypeError:
         out = model(**kwargs)
-    return out.logits[:, -1:], out.past_key_values
+    return out.logits[:, -1:], output_cache(out)
 
 
 def _run_once(model: nn.Module, prompt: torch.Tensor, decode_tokens: int) -> dict:

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from convert import build_hybrid, plan_layers
 from convert.cli import main
-from raven_layers import BUNDLED_FILES
+from raven_layers import BUNDLED_FILES, output_cache
 from tests.helpers import run_without_toolkit
 
 SPECS = {"llama": "0,-1", "qwen3": "0-23:5", "mistral": "1-3", "qwen2": "all"}
@@ -36,6 +36,7 @@ def test_layers_none_is_the_source_model(tiny_sources, tmp_path, arch):
         assert torch.equal(hybrid(ids).logits, source(ids).logits)
 
 
+@pytest.mark.transformers_api
 @pytest.mark.parametrize("arch", sorted(SPECS))
 def test_converted_directory_is_complete_and_reloads(tiny_sources, tmp_path, arch):
     out = convert_tiny(tiny_sources, tmp_path, arch, SPECS[arch], *RAVEN, "--seed", "3")
@@ -86,6 +87,7 @@ MIXED = [
 ]
 
 
+@pytest.mark.transformers_api
 def test_standalone_load_without_the_toolkit(tiny_sources, tmp_path):
     # all three mixers in one model, loaded where only transformers is installed
     out = convert_tiny(tiny_sources, tmp_path, "qwen3", "0-23:5", *MIXED)
@@ -168,6 +170,7 @@ def test_qk_norm_can_be_dropped_or_added(tiny_sources, tmp_path, arch, qk_norm, 
     assert hasattr(mixer, "q_norm") == has_norm
 
 
+@pytest.mark.transformers_api
 def test_bfloat16_export(tiny_sources, tmp_path):
     out = convert_tiny(tiny_sources, tmp_path, "llama", "0,2", *RAVEN, "--dtype", "bfloat16")
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
@@ -177,7 +180,7 @@ def test_bfloat16_export(tiny_sources, tmp_path):
     )
     assert out.sequences.shape == (2, 14)
     assert all(
-        s.dtype == torch.float32 for layer in out.past_key_values.layers if hasattr(layer, "state") for s in layer.state
+        s.dtype == torch.float32 for layer in output_cache(out).layers if hasattr(layer, "state") for s in layer.state
     )  # recurrent states accumulate in float32
 
 
@@ -186,6 +189,7 @@ def test_python_dash_m_convert(tmp_path):
     assert "--layers" in proc.stdout and "0-23:5" in proc.stdout
 
 
+@pytest.mark.transformers_api
 def test_sliding_window_attention_is_mistral_with_the_same_weights(tiny_sources, tmp_path):
     # Llama layers given a 4-token window compute what Mistral (Llama + sliding window) computes with those weights.
     out = convert_tiny(tiny_sources, tmp_path, "llama", "none", "--sliding-window", "4")
@@ -201,7 +205,7 @@ def test_sliding_window_attention_is_mistral_with_the_same_weights(tiny_sources,
         out = hybrid.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
         reference = mistral.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(out.sequences, reference)
-    assert all(layer.stored_length() == 3 for layer in out.past_key_values.layers)  # window - 1 keys kept
+    assert all(layer.stored_length() == 3 for layer in output_cache(out).layers)  # window - 1 keys kept
 
 
 def test_window_layers_choose_which_attention_layers(tiny_sources, tmp_path):

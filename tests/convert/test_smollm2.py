@@ -6,6 +6,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from convert import build_hybrid, plan_layers
 from convert.cli import main
+from raven_layers import output_cache
 from tests.helpers import run_without_toolkit
 
 pytestmark = pytest.mark.slow
@@ -26,6 +27,7 @@ def test_gguf_source_loads_as_llama(teacher):
     assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
 
 
+@pytest.mark.transformers_api
 def test_every_other_layer_converts_saves_reloads_and_generates(smollm2_dir, teacher, tmp_path):
     out = tmp_path / "smollm2-raven"
     assert main(["--src", str(smollm2_dir), "--mixer", "raven", "--layers", "0-29:2", "--out", str(out)]) == 0
@@ -48,7 +50,7 @@ def test_every_other_layer_converts_saves_reloads_and_generates(smollm2_dir, tea
             out = model.generate(**inputs, max_new_tokens=8, min_new_tokens=8, do_sample=False,
                                  return_dict_in_generate=True)
         result["new_tokens"] = out.sequences.shape[1] - inputs["input_ids"].shape[1]
-        result["state_bytes"] = out.past_key_values.state_bytes()
+        result["state_bytes"] = output_cache(out).state_bytes()
         """,
         cwd=tmp_path,
     )
@@ -80,6 +82,7 @@ def test_light_conversion_still_answers(teacher, mixer):
     assert "Paris" in tokenizer.decode(out[0, inputs["input_ids"].shape[1] :])
 
 
+@pytest.mark.transformers_api
 def test_all_three_mixers_with_sliding_windows(smollm2_dir, teacher, tmp_path):
     out = tmp_path / "smollm2-mixed"
     args = ["--src", str(smollm2_dir), "--out", str(out), "--sliding-window", "256"]
@@ -95,9 +98,9 @@ def test_all_three_mixers_with_sliding_windows(smollm2_dir, teacher, tmp_path):
         full = hybrid(**inputs).logits
         n = inputs["input_ids"].shape[1] - 3
         out = hybrid(input_ids=inputs["input_ids"][:, :n], use_cache=True)
-        steps, cache = [out.logits], out.past_key_values
+        steps, cache = [out.logits], output_cache(out)
         for t in range(n, n + 3):
-            out = hybrid(input_ids=inputs["input_ids"][:, t : t + 1], past_key_values=cache, use_cache=True)
+            out = hybrid(input_ids=inputs["input_ids"][:, t : t + 1], cache=cache, use_cache=True)
             steps.append(out.logits)
     decoded = torch.cat(steps, dim=1)
     assert ((decoded - full).norm() / full.norm()).item() < 1e-5  # float32 rounding through 30 layers

@@ -228,9 +228,9 @@ def test_mixer_triton_matches_torch(level):
         mixer.zero_grad()
         cache = TinyCache()
         with use_backend(backend):
-            out, _ = mixer(x[:, :18], past_key_values=cache, padding_mask=mask[:, :18])
+            out, _ = mixer(x[:, :18], cache=cache, padding_mask=mask[:, :18])
             with torch.no_grad():
-                step, _ = mixer(x[:, 18:], past_key_values=cache)
+                step, _ = mixer(x[:, 18:], cache=cache)
         out.pow(2).sum().backward()
         results.append((out, step, {n: p.grad.clone() for n, p in mixer.named_parameters() if p.grad is not None}))
     (out, step, grads), (out_ref, step_ref, grads_ref) = results

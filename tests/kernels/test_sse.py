@@ -186,8 +186,8 @@ def test_mixer_prefill_and_decode_with_the_kernels():
     for backend in ("torch", "triton"):
         cache = FakeCache()
         with use_backend(backend), torch.no_grad():
-            steps = [mixer(x[:, :8], past_key_values=cache)[0]]
-            steps += [mixer(x[:, t : t + 1], past_key_values=cache)[0] for t in range(8, 11)]
+            steps = [mixer(x[:, :8], cache=cache)[0]]
+            steps += [mixer(x[:, t : t + 1], cache=cache)[0] for t in range(8, 11)]
         outs[backend] = torch.cat(steps, dim=1), cache.state[0]
     assert rel_err(outs["triton"][0], outs["torch"][0]) < 1e-5
     assert rel_err(outs["triton"][1], outs["torch"][1]) < 1e-5

@@ -5,6 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from convert import build_hybrid, plan_layers
+from raven_layers import output_cache
 from raven_layers.backend import use_backend
 from tests.conftest import tiny_config
 
@@ -32,9 +33,9 @@ def test_prefill_then_decode_equals_full_forward_on_cuda(hybrid, backend, tolera
     with torch.no_grad(), use_backend(backend):
         full = hybrid(ids).logits
         out = hybrid(ids[:, :37], use_cache=True)
-        steps, cache = [out.logits], out.past_key_values
+        steps, cache = [out.logits], output_cache(out)
         for t in range(37, 45):
-            out = hybrid(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            out = hybrid(ids[:, t : t + 1], cache=cache, use_cache=True)
             steps.append(out.logits)
     decoded = torch.cat(steps, dim=1)
     assert ((decoded - full).norm() / full.norm()).item() < tolerance

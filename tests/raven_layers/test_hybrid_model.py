@@ -5,6 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from convert import build_hybrid, plan_layers
+from raven_layers import output_cache
 
 # Every mixer in several positions of every supported architecture (mistral: all layers windowed).
 ASSIGNMENTS = {
@@ -61,18 +62,20 @@ def hybrid(request, tiny_sources):
     return perturb_fresh_parameters(build_hybrid(source, kinds, {k: v for k, v in SETTINGS.items() if k in kinds}))
 
 
+@pytest.mark.transformers_api
 def test_prefill_then_decode_equals_full_forward(hybrid):
     ids = torch.randint(3, 100, (2, 19), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         full = hybrid(ids).logits
         out = hybrid(ids[:, :11], use_cache=True)  # 11 > the mistral window of 8, and not a chunk multiple
-        steps, cache = [out.logits], out.past_key_values
+        steps, cache = [out.logits], output_cache(out)
         for t in range(11, 19):
-            out = hybrid(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            out = hybrid(ids[:, t : t + 1], cache=cache, use_cache=True)
             steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.transformers_api
 def test_left_padding_changes_nothing_for_real_tokens(hybrid):
     ids = torch.randint(3, 100, (1, 9), generator=torch.Generator().manual_seed(1))
     padded = torch.cat([torch.zeros(1, 4, dtype=torch.long), ids], dim=1)
@@ -83,6 +86,7 @@ def test_left_padding_changes_nothing_for_real_tokens(hybrid):
     torch.testing.assert_close(together, alone, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.transformers_api
 @pytest.mark.parametrize("num_beams", [1, 2])
 def test_batched_generation_with_left_padding_equals_one_at_a_time(hybrid, num_beams):
     g = torch.Generator().manual_seed(2)
@@ -100,6 +104,7 @@ def test_batched_generation_with_left_padding_equals_one_at_a_time(hybrid, num_b
             assert torch.equal(batched[i], single[0, len(p) :]), f"prompt {i}"
 
 
+@pytest.mark.transformers_api
 def test_mixer_state_is_constant_while_kv_cache_grows(hybrid):
     ids = torch.randint(3, 100, (1, 6))
     sizes = []
@@ -113,7 +118,7 @@ def test_mixer_state_is_constant_while_kv_cache_grows(hybrid):
                 return_dict_in_generate=True,
                 pad_token_id=0,
             )
-            sizes.append(out.past_key_values.state_bytes())
+            sizes.append(output_cache(out).state_bytes())
     assert sizes[0]["mixer"] == sizes[1]["mixer"] > 0
     window = hybrid.model.windows[hybrid.config.layer_mixers.index("attention")]
     if window is None:
@@ -182,11 +187,12 @@ def test_model_from_config_gets_the_mixer_initialisation(tiny_sources):
     assert 0.01 < mixer.router_weight.std().item() < 0.03
 
 
+@pytest.mark.transformers_api
 def test_rejects_a_foreign_cache_and_a_bad_mask(hybrid):
     from transformers import DynamicCache
 
     ids = torch.randint(3, 100, (1, 4))
-    with pytest.raises(TypeError, match="past_key_values must be a HybridCache, got DynamicCache"):
+    with pytest.raises(TypeError, match="the generation cache must be a HybridCache, got DynamicCache"):
         hybrid(ids, past_key_values=DynamicCache())
     with pytest.raises(
         ValueError, match=r"attention_mask must be a 2D padding mask of shape .* = \[1, 4\], got \(1, 3\)"
@@ -250,6 +256,7 @@ def test_packed_documents_under_the_kernels(tiny_sources):
         assert mixer.q_proj.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.transformers_api
 def test_set_attention_window_equals_converting_with_it(tiny_sources):
     source = AutoModelForCausalLM.from_pretrained(tiny_sources["llama"]).eval()
     kinds = plan_layers(ASSIGNMENTS["llama"], source.config.num_hidden_layers)
@@ -265,7 +272,7 @@ def test_set_attention_window_equals_converting_with_it(tiny_sources):
         later.set_attention_window(5)
         windowed = later(ids).logits
         out = later(ids[:, :9], use_cache=True)  # the cache made after the change keeps only the window
-        steps = [out.logits, later(ids[:, 9:], past_key_values=out.past_key_values, use_cache=True).logits]
+        steps = [out.logits, later(ids[:, 9:], cache=output_cache(out), use_cache=True).logits]
     assert later.config.attention_windows == windows
     torch.testing.assert_close(windowed, converted(ids).logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), windowed, rtol=1e-4, atol=1e-5)

@@ -158,10 +158,10 @@ def test_prefill_then_decode_equals_full_forward(conv_size, prompt):
     with torch.no_grad():
         full, _ = mixer(x)
         cache = FakeCache()
-        steps = [mixer(x[:, :prompt], past_key_values=cache)[0]]
+        steps = [mixer(x[:, :prompt], cache=cache)[0]]
         sizes = {tuple(s.shape) for s in cache.state}
         for t in range(prompt, 11):
-            steps.append(mixer(x[:, t : t + 1], past_key_values=cache)[0])
+            steps.append(mixer(x[:, t : t + 1], cache=cache)[0])
             sizes |= {tuple(s.shape) for s in cache.state}
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-6)
     assert cache.num_tokens == 11
@@ -177,10 +177,10 @@ def test_left_padding_gives_the_unpadded_outputs():
         padded = torch.cat([torch.randn(1, 3, 32), x], dim=1)
         mask = torch.tensor([[False] * 3 + [True] * 7])
         cache = FakeCache()
-        out, _ = mixer(padded, past_key_values=cache, padding_mask=mask)
+        out, _ = mixer(padded, cache=cache, padding_mask=mask)
         # and decoding after the padded prompt continues as after the unpadded one
         nxt = torch.randn(1, 1, 32)
-        step, _ = mixer(nxt, past_key_values=cache, padding_mask=torch.ones(1, 1, dtype=torch.bool))
+        step, _ = mixer(nxt, cache=cache, padding_mask=torch.ones(1, 1, dtype=torch.bool))
         reference, _ = mixer(torch.cat([x, nxt], dim=1))
     torch.testing.assert_close(out[:, 3:], alone, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(step, reference[:, -1:], rtol=1e-5, atol=1e-6)
@@ -248,7 +248,7 @@ def test_bfloat16_forward_is_finite():
     mixer = tiny_mixer().to(torch.bfloat16)
     x = torch.randn(1, 6, 32, dtype=torch.bfloat16)
     cache = FakeCache()
-    out, _ = mixer(x, past_key_values=cache)
+    out, _ = mixer(x, cache=cache)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     assert cache.state[0].dtype == torch.float32 and cache.state[1].dtype == torch.bfloat16
 

@@ -162,12 +162,12 @@ def test_prefill_then_decode_equals_full_forward(settings):
     with torch.no_grad():
         full, _ = mixer(x)
         cache = FakeCache()
-        steps = [mixer(x[:, :9], past_key_values=cache)[0]]
+        steps = [mixer(x[:, :9], cache=cache)[0]]
         shape = cache.state[0].shape
         assert shape == (2, 2, mixer.num_partitions, 8, 8) and cache.state[0].dtype == torch.float32
         for t in range(9, 13):
             before = cache.state[0]
-            steps.append(mixer(x[:, t : t + 1], past_key_values=cache)[0])
+            steps.append(mixer(x[:, t : t + 1], cache=cache)[0])
             assert cache.state[0].shape == shape  # constant size
             changed = (cache.state[0] != before).flatten(3).any(-1).sum(-1)  # [B, H_kv] partitions touched
             assert (changed <= mixer.settings.top_k + int(mixer.settings.shared_partition)).all()
@@ -180,11 +180,11 @@ def test_left_padding_does_not_touch_the_state(implementation):
     mixer = tiny_mixer(implementation=implementation)
     x = torch.randn(1, 7, 32)
     cache = FakeCache()
-    alone, _ = mixer(x, past_key_values=cache)
+    alone, _ = mixer(x, cache=cache)
     padded = torch.cat([torch.randn(1, 3, 32), x], dim=1)
     mask = torch.tensor([[False] * 3 + [True] * 7])
     padded_cache = FakeCache()
-    out, _ = mixer(padded, past_key_values=padded_cache, padding_mask=mask)
+    out, _ = mixer(padded, cache=padded_cache, padding_mask=mask)
     torch.testing.assert_close(out[:, 3:], alone, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(padded_cache.state[0], cache.state[0], rtol=1e-5, atol=1e-6)
 

@@ -6,7 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import transformers
+
 from convert.cli import main
+
+pytestmark = pytest.mark.transformers_api
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "clean_load.sh"
 
@@ -16,6 +21,27 @@ def run(model: Path, out: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", str(SCRIPT), str(model), str(out)], env=env, capture_output=True, text=True, timeout=600
     )
+
+
+MIXER_FLAGS = {
+    "raven": ["--raven-num-slots", "8", "--raven-top-k", "2"],
+    "sse": ["--sse-lora-rank", "8", "--sse-top-k", "2"],
+    "sila": [],
+}
+
+
+@pytest.mark.parametrize("mixer", sorted(MIXER_FLAGS))
+def test_cached_decoding_equals_a_full_forward_without_the_toolkit(tiny_sources, tmp_path, mixer):
+    # the exported remote code drives the cache of whichever transformers is installed (CI: newest and oldest)
+    model = tmp_path / "hybrid"
+    args = ["--src", str(tiny_sources["llama"]), "--out", str(model), "--mixer", mixer, "--layers", "0,2"]
+    assert main(args + MIXER_FLAGS[mixer] + ["--sliding-window", "64", "--window-layers", "1"]) == 0  # wraps
+    proc = run(model, tmp_path / "check.json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((tmp_path / "check.json").read_text())
+    assert record["problems"] == [] and record["transformers"] == transformers.__version__
+    for generation in (record["short"], record["long"]):
+        assert generation["cached_decode_error"] < 1e-4, (transformers.__version__, generation)
 
 
 def test_converted_model_loads_and_generates_without_the_toolkit(tiny_sources, tmp_path):

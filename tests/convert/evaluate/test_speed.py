@@ -48,6 +48,7 @@ def test_entries(results):
     assert results["raven"][0]["layer_mixers"] == ["raven", "attention", "raven", "attention"]
 
 
+@pytest.mark.transformers_api
 def test_mixer_state_is_constant_while_kv_grows(results, teacher):
     short, long = (e["cache_bytes_per_sequence"] for e in results["teacher"])
     assert short["mixer"] == long["mixer"] == 0
