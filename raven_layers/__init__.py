@@ -13,6 +13,7 @@ from .modeling_hybrid import MIXER_CLASSES, HybridForCausalLM, HybridModel
 from .raven import RavenMixer, RavenSettings, raven_chunked, raven_recurrent
 from .sila import SILAMixer, SILASettings, sila_chunked, sila_phi, sila_recurrent
 from .sse import SSEMixer, SSESettings, sse_masking, sse_recurrent, sse_varlen
+from .static_cache import StaticHybridCache
 
 # The files an exported model carries so that it loads where only transformers is installed.
 BUNDLED_FILES = (
@@ -21,10 +22,12 @@ BUNDLED_FILES = (
     "cache.py",
     "common.py",
     "configuration_hybrid.py",
+    "decode_graph.py",
     "modeling_hybrid.py",
     "raven.py",
     "sila.py",
     "sse.py",
+    "static_cache.py",
 )
 
 AutoConfig.register(HybridConfig.model_type, HybridConfig, exist_ok=True)
@@ -48,6 +51,7 @@ __all__ = [
     "SILASettings",
     "SSEMixer",
     "SSESettings",
+    "StaticHybridCache",
     "cache_argument",
     "get_architecture",
     "output_cache",

@@ -44,6 +44,7 @@ class _LayerCache(ABC):
 
     is_compileable = False
     is_sliding = False
+    kind = "attention"  # or "mixer": how `state_bytes` counts the layer
 
     @abstractmethod
     def _apply(self, fn): ...
@@ -113,6 +114,8 @@ class AttentionLayerCache(_LayerCache):
 class MixerLayerCache(_LayerCache):
     """The recurrent state of one mixer layer: a tuple of tensors of fixed size, whatever the context length."""
 
+    kind = "mixer"
+
     def __init__(self):
         self.state: tuple[torch.Tensor, ...] | None = None
         self.num_tokens = 0
@@ -172,5 +175,5 @@ class HybridCache(Cache):
         """Bytes held per layer kind: mixer states stay constant, attention caches grow with the context."""
         sizes = {"attention": 0, "mixer": 0}
         for layer in self.layers:
-            sizes["mixer" if isinstance(layer, MixerLayerCache) else "attention"] += layer.nbytes()
+            sizes[layer.kind] += layer.nbytes()
         return sizes

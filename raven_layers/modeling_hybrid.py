@@ -21,9 +21,11 @@ from .architectures import get_architecture, layer_windows
 from .cache import OUTPUT_CACHE_FIELD, HybridCache, cache_argument, output_cache
 from .common import Mixer, one_cache
 from .configuration_hybrid import HybridConfig
+from .decode_graph import DecodeGraph
 from .raven import RavenMixer
 from .sila import SILAMixer
 from .sse import SSEMixer
+from .static_cache import StaticHybridCache
 
 MIXER_CLASSES = {"raven": RavenMixer, "sse": SSEMixer, "sila": SILAMixer}
 
@@ -133,6 +135,13 @@ class HybridModel(HybridPreTrainedModel):
         if cache is not None and not isinstance(cache, HybridCache):
             raise TypeError(f"the generation cache must be a HybridCache, got {type(cache).__name__}")
         past = cache.get_seq_length() if cache is not None else 0
+        static = isinstance(cache, StaticHybridCache)
+        if static:
+            cache.check_room(B, T)
+            if T == 1 and past > 0:  # a decode step: positions and masks come from the cache's own buffers
+                hidden_states = self.decode_step(inputs_embeds, cache)
+                cache.advance(1)
+                return HybridModelOutput(last_hidden_state=hidden_states, **{OUTPUT_CACHE_FIELD: cache})
 
         if attention_mask is not None and tuple(attention_mask.shape) != (B, past + T):
             raise ValueError(
@@ -152,30 +161,20 @@ class HybridModel(HybridPreTrainedModel):
             else:  # left padding: count positions from each sequence's first real token
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
         padding_mask = attention_mask[:, -T:].bool() if attention_mask is not None else None
+        if static:
+            cache.record_prefill(attention_mask, T)
 
-        masks = {}
-        for kind, window in zip(self.config.layer_mixers, self.windows):
-            if kind == "attention" and window not in masks:
-                documents = packed[0] if packed is not None else None
-                masks[window] = self._attention_mask(attention_mask, B, T, past, window, inputs_embeds, documents)
-
-        hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, position_ids)
-        for layer, kind, window in zip(self.layers, self.config.layer_mixers, self.windows):
-            extra = {} if kind == "attention" else {"padding_mask": padding_mask}
-            if packed is not None and kind != "attention":
-                extra["cu_seqlens"] = packed[1]
-            hidden_states = layer(
-                hidden_states,
-                attention_mask=masks.get(window),
-                position_ids=position_ids,
-                use_cache=use_cache,
-                position_embeddings=position_embeddings,
-                **{self.cache_argument: cache},
-                **extra,
-                **kwargs,
-            )
-        hidden_states = self.norm(hidden_states)
+        documents = packed[0] if packed is not None else None
+        masks = {
+            window: self._attention_mask(attention_mask, B, T, past, window, inputs_embeds, documents)
+            for window in self.attention_windows()
+        }
+        mixer_kwargs = {"padding_mask": padding_mask}
+        if packed is not None:
+            mixer_kwargs["cu_seqlens"] = packed[1]
+        hidden_states = self.run_layers(inputs_embeds, position_ids, masks, cache, use_cache, mixer_kwargs, **kwargs)
+        if static:
+            cache.advance(T)
         aux = [
             layer.self_attn.aux_loss
             for layer, kind in zip(self.layers, self.config.layer_mixers)
@@ -186,6 +185,40 @@ class HybridModel(HybridPreTrainedModel):
             aux_loss=torch.stack(aux).sum() if aux else None,
             **{OUTPUT_CACHE_FIELD: cache},
         )
+
+    def attention_windows(self) -> set[int | None]:
+        """The windows of the kept attention layers (None: full attention): one mask is built per window."""
+        return {window for kind, window in zip(self.config.layer_mixers, self.windows) if kind == "attention"}
+
+    def run_layers(self, hidden_states, position_ids, masks, cache, use_cache, mixer_kwargs, **kwargs):
+        """The decoder layers and the final norm: [B, T, hidden] -> [B, T, hidden]."""
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        for layer, kind, window in zip(self.layers, self.config.layer_mixers, self.windows):
+            hidden_states = layer(
+                hidden_states,
+                attention_mask=masks.get(window),
+                position_ids=position_ids,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
+                **{self.cache_argument: cache},
+                **({} if kind == "attention" else mixer_kwargs),
+                **kwargs,
+            )
+        return self.norm(hidden_states)
+
+    def decode_step(self, inputs_embeds: torch.Tensor, cache: StaticHybridCache) -> torch.Tensor:
+        """One real token per row, [B, 1, hidden] -> [B, 1, hidden], over a static cache: only device operations on
+        the cache's buffers (no host sync, nothing kept from the host), so a CUDA graph can capture it."""
+        impl, dtype = self.config._attn_implementation, inputs_embeds.dtype
+        cache.decoding = True
+        try:
+            position_ids = cache.begin_step()  # [B, 1]
+            masks = {window: cache.decode_mask(window, impl, dtype) for window in self.attention_windows()}
+            hidden_states = self.run_layers(inputs_embeds, position_ids, masks, cache, True, {})
+            cache.end_step()
+        finally:
+            cache.decoding = False
+        return hidden_states
 
     def _attention_mask(self, padding, B: int, T: int, past: int, window: int | None, like: torch.Tensor, documents):
         """The mask the attention layers expect, or None where transformers would take the causal fast path.
@@ -231,7 +264,53 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         self.model = HybridModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.use_decode_graphs = True  # replay decode steps over a static cache on CUDA as CUDA graphs
+        self._static_cache: StaticHybridCache | None = None  # kept for the next generate() that fits it
         self.post_init()
+
+    def static_cache(self, batch_size: int, max_length: int) -> StaticHybridCache:
+        """A static cache for `batch_size` rows of up to `max_length` tokens on the model's device and dtype: the
+        last one made if it fits (its buffers and captured graph are reused), else a new one in its place."""
+        cache = self._static_cache
+        if cache is None or not cache.fits(batch_size, max_length, self.device, self.dtype):
+            self._static_cache = cache = None  # free the old buffers before making the new ones
+            cache = StaticHybridCache(self.config, batch_size, max_length, device=self.device, dtype=self.dtype)
+            self._static_cache = cache
+        cache.reset()
+        return cache
+
+    def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):
+        """`GenerationMixin.generate` with the hybrid's own cache: every argument of transformers' generate() works.
+
+        `cache_implementation="static"` (the default on CUDA) preallocates a `StaticHybridCache` for the whole
+        generation (attention keys in place, sliding windows as rings, mixer states updated in place) and replays
+        each decode step as a CUDA graph; `"dynamic"` (the default elsewhere) keeps the growing `HybridCache`, the
+        eager reference. A cache passed in is used as it is. `model.use_decode_graphs = False` keeps the static
+        cache but decodes eagerly.
+        """
+        config = generation_config if generation_config is not None else self.generation_config
+        given = one_cache(kwargs.get("cache"), kwargs.get("past_key_values"))
+        choice = kwargs.pop("cache_implementation", None) or getattr(config, "cache_implementation", None)
+        if choice is None:
+            choice = "static" if self.device.type == "cuda" else "dynamic"
+        if choice not in ("static", "dynamic"):
+            raise ValueError(f"cache_implementation={choice!r} is not supported by hybrid models; use 'static' or 'dynamic'")
+        kwargs["cache_implementation"] = None  # decided here: transformers must not build a cache of its own
+        use_cache = kwargs.get("use_cache", getattr(config, "use_cache", True))
+        if choice == "dynamic" or given is not None or use_cache is False:
+            return super().generate(inputs, generation_config, **kwargs)
+        prompt = inputs if inputs is not None else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        if prompt is None:
+            raise ValueError("generate() with a static cache needs the prompt: input_ids or inputs_embeds")
+        rows = max(kwargs.get("num_beams", config.num_beams) or 1, kwargs.get("num_return_sequences", 1) or 1)
+        new_tokens = kwargs.get("max_new_tokens", config.max_new_tokens)
+        if new_tokens is not None:
+            max_length = prompt.shape[1] + new_tokens
+        else:
+            max_length = kwargs.get("max_length", config.max_length)
+        max_length = max(max_length, getattr(config, "max_cache_len", None) or 0)
+        cache = self.static_cache(prompt.shape[0] * rows, -(-max_length // 128) * 128)  # rounded: reuse across calls
+        return super().generate(inputs, generation_config, **{OUTPUT_CACHE_FIELD: cache}, **kwargs)
 
     def set_attention_window(self, window: int | None) -> None:
         """Make every kept attention layer attend within the last `window` tokens (None: full causal attention).
@@ -258,13 +337,22 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         cache: HybridCache | None = None,
         **kwargs,
     ) -> HybridCausalLMOutput:
+        cache = one_cache(cache, past_key_values)
+        if self._graph_step(cache, input_ids, labels, kwargs):
+            cache.check_room(input_ids.shape[0], 1)
+            if cache.graph is None or cache.graph_model is not self:
+                step = lambda ids: self.lm_head(self.model.decode_step(self.model.embed_tokens(ids), cache))  # noqa: E731
+                cache.graph, cache.graph_model = DecodeGraph(step, cache.batch_size, cache.device), self
+            logits = cache.graph(input_ids)
+            cache.advance(1)
+            return HybridCausalLMOutput(logits=logits, **{OUTPUT_CACHE_FIELD: cache})
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
-            cache=one_cache(cache, past_key_values),
+            cache=cache,
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
@@ -277,4 +365,21 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
                 loss = loss + outputs.aux_loss
         return HybridCausalLMOutput(
             loss=loss, logits=logits, aux_loss=outputs.aux_loss, **{OUTPUT_CACHE_FIELD: output_cache(outputs)}
+        )
+
+    def _graph_step(self, cache, input_ids, labels, kwargs) -> bool:
+        """Whether this forward is a decode step to replay as a CUDA graph (see decode_graph.py)."""
+        return (
+            isinstance(cache, StaticHybridCache)
+            and self.use_decode_graphs
+            and cache.device.type == "cuda"
+            and cache.num_tokens > 0
+            and input_ids is not None
+            and input_ids.shape[1] == 1
+            and labels is None
+            and not self.training
+            and not torch.is_grad_enabled()
+            and self.config._attn_implementation in ("sdpa", "eager")
+            and not kwargs.get("output_attentions")
+            and not kwargs.get("output_hidden_states")
         )

@@ -1,0 +1,183 @@
+"""Decode speed of converted hybrids against their teacher at its best under stock transformers, in one run.
+
+    python scripts/bench_generate.py --out docs/results/generate --batches 1,32 --contexts 4k,16k
+
+Models have SmolLM2-135M-Instruct's shape (30 layers, hidden 576, 9 heads over 3 KV heads, vocabulary 49,152), in
+bfloat16 with random weights (speed does not depend on the values): the teacher runs transformers' own
+`generate(cache_implementation="static")`, whose decode step transformers compiles (`torch.compile`,
+"reduce-overhead"); each hybrid converts `--layers` (default `0-29:2`, 15 of 30 layers) and runs its default
+`generate()`: a static hybrid cache with CUDA-graphed decode steps. `--windows W` adds every hybrid again with its
+kept attention layers as W-token sliding windows.
+
+For every (model, batch, context): a prompt of `context` random tokens per row; generate() runs once to warm up
+(compilation, graph capture), then is timed for 1 new token (time to first token: prefill and one step) and for
+`--steps + 1` new tokens; decode ms/step is the difference over `--steps`. Peak memory is of the timed runs. A
+configuration that runs out of memory is reported as OOM. Writes OUT/bench_generate.json (with the GPU and library
+versions) and prints a table of ratios to the teacher last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SMOLLM2_135M = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=131072,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+
+
+def parse_sizes(text: str) -> list[int]:
+    sizes = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        scale = 1024 if part.endswith("k") else 1
+        try:
+            value = int(part.rstrip("k")) * scale
+        except ValueError:
+            raise SystemExit(f"{text!r}: {part!r} is not a size; expected numbers such as 1,32 or 4k,16k") from None
+        if value < 1:
+            raise SystemExit(f"{text!r}: sizes must be >= 1")
+        sizes.append(value)
+    return sizes
+
+
+def build_models(mixers: list[str], layers: str, windows: int | None):
+    """(name, model) pairs: the teacher first, then one hybrid per mixer (and per mixer with windows)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from convert import build_hybrid, plan_layers
+
+    torch.manual_seed(0)
+    teacher = AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2_135M), attn_implementation="sdpa")
+    teacher = teacher.to("cuda", torch.bfloat16).eval()
+    yield "teacher", teacher
+    n = SMOLLM2_135M["num_hidden_layers"]
+    for mixer in mixers:
+        kinds = plan_layers([(mixer, layers)], n)
+        for window in [None] + ([windows] if windows else []):
+            spans = [window if kind == "attention" else None for kind in kinds] if window else None
+            hybrid = build_hybrid(teacher, kinds, {}, attention_windows=spans).to("cuda", torch.bfloat16).eval()
+            yield (f"{mixer}-sw{window}" if window else mixer), hybrid
+            del hybrid
+            torch.cuda.empty_cache()
+
+
+def timed_generate(model, ids: torch.Tensor, new_tokens: int, teacher: bool) -> float:
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=2)
+    if teacher:
+        kwargs["cache_implementation"] = "static"
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def measure(name: str, model, batch: int, context: int, steps: int) -> dict:
+    teacher = name == "teacher"
+    ids = torch.randint(3, SMOLLM2_135M["vocab_size"], (batch, context), device="cuda")
+    entry = {"model": name, "batch": batch, "context": context}
+    try:
+        timed_generate(model, ids, steps + 1, teacher)  # warm-up: compilation or graph capture
+        torch.cuda.reset_peak_memory_stats()
+        first = min(timed_generate(model, ids, 1, teacher) for _ in range(2))
+        total = min(timed_generate(model, ids, steps + 1, teacher) for _ in range(2))
+        step = (total - first) / steps
+        entry.update(
+            ttft_ms=round(first * 1e3, 2),
+            step_ms=round(step * 1e3, 3),
+            tokens_per_s=round(batch / step, 1),
+            peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        )
+    except torch.OutOfMemoryError:
+        entry["oom"] = True
+    del ids
+    torch.cuda.empty_cache()
+    return entry
+
+
+def table(results: list[dict]) -> str:
+    base = {(r["batch"], r["context"]): r for r in results if r["model"] == "teacher" and not r.get("oom")}
+    lines = [
+        "| model | batch | context | ms/step | tokens/s | step vs teacher | TTFT ms | peak GiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        if r.get("oom"):
+            lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | OOM | | | | |")
+            continue
+        t = base.get((r["batch"], r["context"]))
+        ratio = f"{r['step_ms'] / t['step_ms']:.2f}x" if t else "-"
+        lines.append(
+            f"| {r['model']} | {r['batch']} | {r['context']} | {r['step_ms']:.2f} | {r['tokens_per_s']:.0f} | "
+            f"{ratio} | {r['ttft_ms']:.1f} | {r['peak_gib']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--contexts", default="4k,16k")
+    parser.add_argument("--mixers", default="raven,sse,sila")
+    parser.add_argument("--layers", default="0-29:2")
+    parser.add_argument("--windows", type=int, default=None, help="also run each hybrid with W-token windows")
+    parser.add_argument("--steps", type=int, default=32)
+    args = parser.parse_args(argv)
+    batches, contexts = parse_sizes(args.batches), parse_sizes(args.contexts)
+    mixers = [m.strip() for m in args.mixers.split(",") if m.strip()]
+    from raven_layers import MIXER_CLASSES
+
+    unknown = sorted(set(mixers) - set(MIXER_CLASSES))
+    if unknown:
+        raise SystemExit(f"--mixers: unknown {unknown}; allowed: {sorted(MIXER_CLASSES)}")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_generate measures CUDA decoding: no CUDA device here")
+    import transformers
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for name, model in build_models(mixers, args.layers, args.windows):
+        for context in contexts:
+            for batch in batches:
+                entry = measure(name, model, batch, context, args.steps)
+                results.append(entry)
+                print(json.dumps(entry), flush=True)
+    record = {
+        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "results": results,
+    }
+    tmp = args.out / "bench_generate.json.tmp"
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(args.out / "bench_generate.json")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Where a decode step's time goes: GPU time of the replayed CUDA graph against the whole generate() step.
+
+    python scripts/profile_decode.py --mixer raven --batches 1,32 --context 4k
+
+For each batch: generate() warms up (compiles the kernels, captures the graph), then the captured decode step is
+replayed 100 times and timed with CUDA events (GPU time per step), and generate() is timed over `--steps` tokens
+(wall time per step, sampling and stopping criteria included). The difference is the host's share of a step.
+Last, torch.profiler's top operators by host time over a few generate() steps at the first batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+
+from bench_generate import SMOLLM2_135M, build_models, parse_sizes  # noqa: E402
+
+
+def gpu_ms_per_replay(cache, replays: int = 100) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        cache.graph.graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mixer", default="raven")
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--context", default="4k")
+    parser.add_argument("--steps", type=int, default=64)
+    args = parser.parse_args(argv)
+    (context,) = parse_sizes(args.context)
+    models = build_models([args.mixer], "0-29:2", None)
+    next(models)  # the teacher: bench_generate.py measures it
+    _, model = next(models)
+    rows = []
+    for batch in parse_sizes(args.batches):
+        ids = torch.randint(3, SMOLLM2_135M["vocab_size"], (batch, context), device="cuda")
+        kwargs = dict(do_sample=False, pad_token_id=2)
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=3, min_new_tokens=3, **kwargs)  # warm-up and capture
+            cache = model._static_cache
+            model.generate(ids, max_new_tokens=3, min_new_tokens=3, **kwargs)  # leaves room for 100 replays
+            gpu = gpu_ms_per_replay(cache)
+            timings = []
+            for n in (1, args.steps + 1):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+                torch.cuda.synchronize()
+                timings.append(time.perf_counter() - t)
+        wall = (timings[1] - timings[0]) / args.steps * 1e3
+        rows.append((batch, gpu, wall))
+        print(f"batch {batch}: graph replay {gpu:.3f} ms (GPU), generate step {wall:.3f} ms (wall)", flush=True)
+    ids = torch.randint(3, SMOLLM2_135M["vocab_size"], (parse_sizes(args.batches)[0], context), device="cuda")
+    with torch.no_grad(), torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
+        model.generate(ids, max_new_tokens=9, min_new_tokens=9, do_sample=False, pad_token_id=2)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+    print("| batch | graph replay ms (GPU) | generate ms/step (wall) | host share |")
+    print("| --- | --- | --- | --- |")
+    for batch, gpu, wall in rows:
+        print(f"| {batch} | {gpu:.3f} | {wall:.3f} | {max(0.0, 1 - gpu / wall):.0%} |")
+
+
+if __name__ == "__main__":
+    main()

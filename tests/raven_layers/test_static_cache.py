@@ -1,0 +1,101 @@
+"""The static hybrid cache computes what the dynamic one does: decoding, left padding, windows that wrap, beams."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from convert import build_hybrid, plan_layers
+from raven_layers import HybridCache, StaticHybridCache, output_cache
+
+pytestmark = pytest.mark.transformers_api
+SETTINGS = {
+    "raven": {"num_slots": 16, "top_k": 4, "chunk_size": 4},
+    "sila": {"chunk_size": 4},
+    "sse": {"num_partitions": 4, "top_k": 2, "lora_rank": 8, "chunk_size": 4},
+}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def hybrid(request, tiny_sources):
+    source = AutoModelForCausalLM.from_pretrained(tiny_sources[request.param]).eval()
+    n = source.config.num_hidden_layers
+    kinds = plan_layers([("raven", "0"), ("sila", "2"), ("sse", "-1")], n)
+    windows = [5 if i % 4 == 1 else None for i in range(n)]  # a 5-token ring next to full attention
+    return build_hybrid(source, kinds, SETTINGS, attention_windows=windows).eval()
+
+
+def generate(model, ids, mask, implementation, **kwargs):
+    with torch.no_grad():
+        return model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=12,
+            do_sample=False,
+            pad_token_id=0,
+            cache_implementation=implementation,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **kwargs,
+        )
+
+
+def test_static_generate_equals_dynamic_with_left_padding_and_wrapping_windows(hybrid):
+    ids = torch.randint(3, 100, (3, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[2, :8] = 0  # one real token
+    dynamic = generate(hybrid, ids, mask, "dynamic")
+    assert type(output_cache(dynamic)) is HybridCache
+    for _ in range(2):  # the second generation reuses the static cache's buffers
+        static = generate(hybrid, ids, mask, "static")
+        assert type(output_cache(static)) is StaticHybridCache
+        assert torch.equal(static.sequences, dynamic.sequences)
+        for a, b in zip(static.logits, dynamic.logits):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_static_beam_search_equals_dynamic(hybrid):
+    ids = torch.randint(3, 100, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    kwargs = dict(num_beams=3, num_return_sequences=2)
+    dynamic = generate(hybrid, ids, mask, "dynamic", **kwargs)
+    static = generate(hybrid, ids, mask, "static", **kwargs)
+    assert torch.equal(static.sequences, dynamic.sequences)
+
+
+def test_decode_steps_by_hand_equal_a_full_forward(hybrid):
+    ids = torch.randint(3, 100, (2, 20), generator=torch.Generator().manual_seed(2))
+    cache = StaticHybridCache(hybrid.config, batch_size=2, max_length=20)
+    with torch.no_grad():
+        full = hybrid(ids, use_cache=False).logits
+        steps = [hybrid(ids[:, :6], cache=cache, use_cache=True).logits]
+        steps += [hybrid(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(6, 20)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
+    assert cache.get_seq_length() == 20 and int(cache.step) == 20
+    sizes = cache.state_bytes()
+    assert sizes["mixer"] > 0 and sizes["attention"] > 0
+    with pytest.raises(ValueError, match="the static cache holds 20 tokens per sequence; 20 are cached and 1 more"):
+        hybrid(ids[:, :1], cache=cache, use_cache=True)
+
+
+def test_chunked_prefill_equals_one_prefill(hybrid):
+    ids = torch.randint(3, 100, (2, 23), generator=torch.Generator().manual_seed(3))
+    one, chunked = (StaticHybridCache(hybrid.config, batch_size=2, max_length=32) for _ in range(2))
+    with torch.no_grad():
+        whole = hybrid(ids, cache=one, use_cache=True).logits
+        parts = [hybrid(ids[:, i : i + 7], cache=chunked, use_cache=True).logits for i in range(0, 23, 7)]
+        nxt = ids[:, -1:]
+        after = [hybrid(nxt, cache=c, use_cache=True).logits for c in (one, chunked)]
+    torch.testing.assert_close(torch.cat(parts, dim=1), whole, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(after[0], after[1], rtol=1e-4, atol=1e-4)
+
+
+def test_bad_static_cache_arguments_are_refused(hybrid):
+    with pytest.raises(ValueError, match="max_length = 0 is not allowed; expected an integer >= 1"):
+        StaticHybridCache(hybrid.config, batch_size=1, max_length=0)
+    cache = StaticHybridCache(hybrid.config, batch_size=2, max_length=8)
+    with pytest.raises(ValueError, match="made for batch size 2 was given 3 rows"):
+        hybrid(torch.ones(3, 4, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match="cache_implementation='offloaded' is not supported by hybrid models"):
+        hybrid.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=2, cache_implementation="offloaded")
