@@ -29,8 +29,8 @@ def cache_argument(forward) -> str:
 
 
 # The field of transformers' model outputs that holds the cache: `cache` from 5.24, `past_key_values` before.
-OUTPUT_CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)} else (
-    "past_key_values"
+OUTPUT_CACHE_FIELD = (
+    "cache" if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)} else ("past_key_values")
 )
 
 

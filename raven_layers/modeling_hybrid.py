@@ -294,7 +294,9 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         if choice is None:
             choice = "static" if self.device.type == "cuda" else "dynamic"
         if choice not in ("static", "dynamic"):
-            raise ValueError(f"cache_implementation={choice!r} is not supported by hybrid models; use 'static' or 'dynamic'")
+            raise ValueError(
+                f"cache_implementation={choice!r} is not supported by hybrid models; use 'static' or 'dynamic'"
+            )
         kwargs["cache_implementation"] = None  # decided here: transformers must not build a cache of its own
         use_cache = kwargs.get("use_cache", getattr(config, "use_cache", True))
         if choice == "dynamic" or given is not None or use_cache is False:

@@ -5,7 +5,8 @@
 For each batch: generate() warms up (compiles the kernels, captures the graph), then the captured decode step is
 replayed 100 times and timed with CUDA events (GPU time per step), and generate() is timed over `--steps` tokens
 (wall time per step, sampling and stopping criteria included). The difference is the host's share of a step.
-Last, torch.profiler's top operators by host time over a few generate() steps at the first batch size.
+Last, at the first batch size, the decode step run eagerly op by op (what the graph replays) under torch.profiler:
+kernels per step and the operators by GPU time.
 """
 
 from __future__ import annotations
@@ -63,11 +64,21 @@ def main(argv=None):
         rows.append((batch, gpu, wall))
         print(f"batch {batch}: graph replay {gpu:.3f} ms (GPU), generate step {wall:.3f} ms (wall)", flush=True)
     ids = torch.randint(3, SMOLLM2_135M["vocab_size"], (parse_sizes(args.batches)[0], context), device="cuda")
-    with torch.no_grad(), torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    ) as prof:
-        model.generate(ids, max_new_tokens=9, min_new_tokens=9, do_sample=False, pad_token_id=2)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+    cache = model.static_cache(ids.shape[0], context + 16)
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+        model.use_decode_graphs = False  # what the graph replays, op by op
+        token = ids[:, -1:]
+        model(token, cache=cache, use_cache=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(8):
+                model(token, cache=cache, use_cache=True)
+            torch.cuda.synchronize()
+        model.use_decode_graphs = True
+    events = prof.key_averages()
+    kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    print(f"eager decode step at batch {ids.shape[0]}: {kernels / 8:.0f} GPU kernels per step")
+    print(events.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=70))
     print("| batch | graph replay ms (GPU) | generate ms/step (wall) | host share |")
     print("| --- | --- | --- | --- |")
     for batch, gpu, wall in rows:

@@ -1,7 +1,7 @@
 """Helpers of scripts/test_oldest_transformers.sh.
 
-    python scripts/transformers_bounds.py --oldest                    # prints 5.17: pyproject.toml's lower bound
-    python scripts/transformers_bounds.py --link-site-packages VENV   # VENV reads this interpreter's site-packages
+python scripts/transformers_bounds.py --oldest                    # prints 5.17: pyproject.toml's lower bound
+python scripts/transformers_bounds.py --link-site-packages VENV   # VENV reads this interpreter's site-packages
 """
 
 from __future__ import annotations

@@ -80,7 +80,9 @@ def test_graphed_static_decoding_equals_the_eager_dynamic_path(mixer, dtype):
     mask[1, :7] = 0
     args = dict(attention_mask=mask, max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        eager = model.generate(ids, cache_implementation="dynamic", output_logits=True, return_dict_in_generate=True, **args)
+        eager = model.generate(
+            ids, cache_implementation="dynamic", output_logits=True, return_dict_in_generate=True, **args
+        )
         for _ in range(2):  # the second call reuses the cache and its captured graph
             fast = model.generate(ids, output_logits=True, return_dict_in_generate=True, **args)
             cache = output_cache(fast)
