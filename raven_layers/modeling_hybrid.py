@@ -152,7 +152,7 @@ class HybridModel(HybridPreTrainedModel):
         if attention_mask is None and position_ids is not None and past == 0 and T > 1:
             packed = find_packed_documents(position_ids.expand(B, -1))  # transformers' convention for packing
             if packed is not None:  # rows of several documents have no single continuation to cache
-                cache, use_cache = None, False
+                cache, use_cache, static = None, False, False
         if attention_mask is not None and T > 1 and bool(attention_mask.all()):
             attention_mask = None  # no padding: every layer can take its fast path (not checked per decode step)
         if position_ids is None:
