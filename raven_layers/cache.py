@@ -39,6 +39,17 @@ def output_cache(outputs):
     return getattr(outputs, OUTPUT_CACHE_FIELD)
 
 
+def refuse_rollback(num_tokens: int, max_length: int):
+    """Recurrent states cannot be cropped: only cropping to the current length (a no-op) is allowed."""
+    if max_length < 0:
+        max_length = num_tokens + max_length
+    if max_length != num_tokens:
+        raise ValueError(
+            f"a recurrent state cannot be rolled back from {num_tokens} to {max_length} tokens; "
+            "assisted and speculative decoding are not supported by hybrid models"
+        )
+
+
 class _LayerCache(ABC):
     """Batch operations shared by both layer kinds; subclasses say which tensors `_apply` maps over."""
 
@@ -131,13 +142,7 @@ class MixerLayerCache(_LayerCache):
             self.state = tuple(fn(s) for s in self.state)
 
     def crop(self, max_length: int):
-        if max_length < 0:
-            max_length = self.num_tokens + max_length
-        if max_length != self.num_tokens:
-            raise ValueError(
-                f"a recurrent state cannot be rolled back from {self.num_tokens} to {max_length} tokens; "
-                "assisted and speculative decoding are not supported by hybrid models"
-            )
+        refuse_rollback(self.num_tokens, max_length)
 
     def reset(self):
         self.state, self.num_tokens = None, 0

@@ -124,9 +124,6 @@ class Mixer(nn.Module):
         `cache` from transformers 5.24 and as `past_key_values` before; either is taken (see `one_cache`)."""
         return self.mix(hidden_states, one_cache(cache, past_key_values), padding_mask, cu_seqlens)
 
-    def mix(self, hidden_states, cache, padding_mask, cu_seqlens) -> tuple[torch.Tensor, None]:
-        raise NotImplementedError
-
     def load_state(self, cache):
         """This layer's decode state, or None (no cache, or nothing seen yet)."""
         return cache.get_mixer_state(self.layer_idx) if cache is not None else None

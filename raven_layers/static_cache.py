@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .architectures import layer_windows
-from .cache import HybridCache, _LayerCache
+from .cache import HybridCache, _LayerCache, refuse_rollback
 
 
 class StaticAttentionLayerCache(_LayerCache):
@@ -212,11 +212,23 @@ class StaticHybridCache(HybridCache):
         for tensor in (self.positions, *self.valid.values()):
             tensor.copy_(tensor.index_select(0, beam_idx.to(tensor.device)))
 
+    def _resize_batch(self, fn):
+        """Rows change (contrastive search, batch selection): new buffers of the new batch size, and no graph."""
+        for layer in self.layers:
+            if isinstance(layer, StaticAttentionLayerCache):
+                layer.keys, layer.values = fn(layer.keys), fn(layer.values)
+            elif layer.state is not None:
+                layer.state = tuple(fn(s).contiguous() for s in layer.state)
+        self.positions = fn(self.positions)
+        self.valid = {size: fn(valid) for size, valid in self.valid.items()}
+        self.rows = self.positions.shape[0]
+        self.graph, self.graph_model = None, None
+
     def batch_repeat_interleave(self, repeats: int):
-        raise NotImplementedError("a static cache has a fixed batch size; use the dynamic HybridCache for this")
+        self._resize_batch(lambda x: x.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor):
-        raise NotImplementedError("a static cache has a fixed batch size; use the dynamic HybridCache for this")
+        self._resize_batch(lambda x: x[indices.to(x.device), ...])
 
     def crop(self, max_length: int):
-        raise NotImplementedError("a static hybrid cache cannot be cropped: recurrent states cannot be rolled back")
+        refuse_rollback(self.num_tokens, max_length)

@@ -99,3 +99,19 @@ def test_bad_static_cache_arguments_are_refused(hybrid):
         hybrid(torch.ones(3, 4, dtype=torch.long), cache=cache)
     with pytest.raises(ValueError, match="cache_implementation='offloaded' is not supported by hybrid models"):
         hybrid.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=2, cache_implementation="offloaded")
+
+
+def test_batch_changes_and_crop_follow_the_dynamic_cache(hybrid):
+    ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(4))
+    static, dynamic = StaticHybridCache(hybrid.config, batch_size=2, max_length=12), HybridCache(hybrid.config)
+    with torch.no_grad():
+        for cache in (static, dynamic):
+            hybrid(ids, cache=cache, use_cache=True)
+            cache.batch_repeat_interleave(2)
+            cache.batch_select_indices(torch.tensor([0, 3]))
+        steps = [hybrid(ids[:, -1:], cache=cache, use_cache=True).logits for cache in (static, dynamic)]
+    torch.testing.assert_close(steps[0], steps[1], rtol=1e-4, atol=1e-4)
+    assert static.batch_size == 2
+    static.crop(7)  # the current length: nothing to roll back
+    with pytest.raises(ValueError, match="cannot be rolled back from 7 to 5 tokens"):
+        static.crop(5)
