@@ -22,6 +22,7 @@ BUNDLED_FILES = (
     "cache.py",
     "common.py",
     "configuration_hybrid.py",
+    "decode_attention.py",
     "decode_graph.py",
     "modeling_hybrid.py",
     "raven.py",

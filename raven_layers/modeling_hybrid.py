@@ -21,6 +21,7 @@ from .architectures import get_architecture, layer_windows
 from .cache import OUTPUT_CACHE_FIELD, HybridCache, cache_argument, output_cache
 from .common import Mixer, one_cache
 from .configuration_hybrid import HybridConfig
+from .decode_attention import decode_attention
 from .decode_graph import DecodeGraph
 from .raven import RavenMixer
 from .sila import SILAMixer
@@ -209,13 +210,13 @@ class HybridModel(HybridPreTrainedModel):
     def decode_step(self, inputs_embeds: torch.Tensor, cache: StaticHybridCache) -> torch.Tensor:
         """One real token per row, [B, 1, hidden] -> [B, 1, hidden], over a static cache: only device operations on
         the cache's buffers (no host sync, nothing kept from the host), so a CUDA graph can capture it."""
-        impl, dtype = self.config._attn_implementation, inputs_embeds.dtype
         cache.decoding = True
         try:
-            position_ids = cache.begin_step()  # [B, 1]
-            masks = {window: cache.decode_mask(window, impl, dtype) for window in self.attention_windows()}
-            hidden_states = self.run_layers(inputs_embeds, position_ids, masks, cache, True, {})
-            cache.end_step()
+            with decode_attention(self.config):  # the kept layers attend through static_decode_attention
+                position_ids = cache.begin_step()  # [B, 1]
+                masks = {window: cache.decode_slots(window) for window in self.attention_windows()}
+                hidden_states = self.run_layers(inputs_embeds, position_ids, masks, cache, True, {})
+                cache.end_step()
         finally:
             cache.decoding = False
         return hidden_states
@@ -381,7 +382,6 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
             and labels is None
             and not self.training
             and not torch.is_grad_enabled()
-            and self.config._attn_implementation in ("sdpa", "eager")
             and not kwargs.get("output_attentions")
             and not kwargs.get("output_hidden_states")
         )

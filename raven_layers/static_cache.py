@@ -20,6 +20,7 @@ import torch
 
 from .architectures import layer_windows
 from .cache import HybridCache, _LayerCache, refuse_rollback
+from .decode_attention import DecodeSlots
 
 
 class StaticAttentionLayerCache(_LayerCache):
@@ -193,16 +194,9 @@ class StaticHybridCache(HybridCache):
         """Count tokens on the host, after each forward (a captured step does not run Python)."""
         self.num_tokens += new_tokens
 
-    def decode_mask(self, window: int | None, implementation: str, dtype: torch.dtype):
-        """The attention mask of a decode step over a buffer of this window: [B, 1, 1, slots] for SDPA (boolean)
-        and eager attention (additive); [B, slots] for the kernels that take a 2D padding mask."""
-        valid = self.valid[self.max_length if window is None else min(window, self.max_length)]
-        if implementation not in ("sdpa", "eager"):
-            return valid
-        mask = valid[:, None, None, :]
-        if implementation == "eager":
-            return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
-        return mask
+    def decode_slots(self, window: int | None) -> DecodeSlots:
+        """The attention mask of a decode step over the buffers of this window (see decode_attention.py)."""
+        return DecodeSlots(self.valid[self.max_length if window is None else min(window, self.max_length)], self.step)
 
     def reset(self):
         self.num_tokens = 0  # buffers, and a graph captured over them, serve the next generation as they are

@@ -6,6 +6,7 @@ from transformers import AutoModelForCausalLM
 
 from convert import build_hybrid, plan_layers
 from raven_layers import HybridCache, StaticHybridCache, output_cache
+from raven_layers.backend import use_backend
 
 pytestmark = pytest.mark.transformers_api
 SETTINGS = {
@@ -64,13 +65,17 @@ def test_static_beam_search_equals_dynamic(hybrid):
     assert torch.equal(static.sequences, dynamic.sequences)
 
 
-def test_decode_steps_by_hand_equal_a_full_forward(hybrid):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_decode_steps_by_hand_equal_a_full_forward(hybrid, backend):
+    """Decode steps through the PyTorch forms, and through the kernels (decode attention included, interpreted on
+    CPU), against one full forward of the PyTorch forms."""
     ids = torch.randint(3, 100, (2, 20), generator=torch.Generator().manual_seed(2))
     cache = StaticHybridCache(hybrid.config, batch_size=2, max_length=20)
     with torch.no_grad():
         full = hybrid(ids, use_cache=False).logits
-        steps = [hybrid(ids[:, :6], cache=cache, use_cache=True).logits]
-        steps += [hybrid(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(6, 20)]
+        with use_backend(backend):
+            steps = [hybrid(ids[:, :6], cache=cache, use_cache=True).logits]
+            steps += [hybrid(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(6, 20)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
     assert cache.get_seq_length() == 20 and int(cache.step) == 20
     sizes = cache.state_bytes()

@@ -1,0 +1,147 @@
+"""One query token per row against a preallocated key/value buffer (flash-decoding).
+
+Each program reads one key/value head of one row over a contiguous range of slots, for all the query heads of its
+group at once, so every key and value is read once per step; only the slots written so far (`step + 1`, at most
+the buffer) are read. The ranges' partial softmax results (running max, sum, weighted values) are merged by a
+second kernel. The number of ranges grows until the grid covers the GPU, so batch 1 reads a long cache with every
+SM and large batches need no split.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def attention_fwd_kernel_split(
+    q,
+    k,
+    v,
+    valid,
+    step,
+    m_part,
+    l_part,
+    o_part,
+    scale,
+    S,
+    CHUNK,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    NS: tl.constexpr,
+    BG: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    i_bh, i_s = tl.program_id(0), tl.program_id(1)
+    i_b = i_bh // HKV
+    filled = tl.minimum(tl.load(step) + 1, S)
+    start = i_s * CHUNK
+    end = tl.minimum(start + CHUNK, filled)
+    o_g, o_d = tl.arange(0, BG), tl.arange(0, BD)
+    m_g, m_d = o_g < G, o_d < D
+    p_q = q + (i_bh * G + o_g[:, None]) * D + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0).to(tl.float32)  # [BG, BD]
+    p_kv = i_bh.to(tl.int64) * S * D
+    b_m = tl.full([BG], -1e30, dtype=tl.float32)  # finite: a range with no valid slot keeps l = 0, not NaN
+    b_l = tl.zeros([BG], dtype=tl.float32)
+    b_o = tl.zeros([BG, BD], dtype=tl.float32)
+    for n0 in range(start, end, BN):
+        o_n = n0 + tl.arange(0, BN)
+        m_n = o_n < end
+        b_valid = tl.load(valid + i_b * S + o_n, mask=m_n, other=0) != 0  # [BN]
+        m_nd = m_n[:, None] & m_d[None, :]
+        b_k = tl.load(k + p_kv + o_n[:, None] * D + o_d[None, :], mask=m_nd, other=0.0).to(tl.float32)  # [BN, BD]
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * scale  # [BG, BN]
+        b_s = tl.where(b_valid[None, :], b_s, float("-inf"))
+        b_mn = tl.maximum(b_m, tl.max(b_s, 1))
+        b_alpha = tl.exp(b_m - b_mn)
+        b_p = tl.exp(b_s - b_mn[:, None])
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        b_v = tl.load(v + p_kv + o_n[:, None] * D + o_d[None, :], mask=m_nd, other=0.0).to(tl.float32)
+        b_o = b_o * b_alpha[:, None] + tl.dot(b_p, b_v, input_precision=PRECISION)
+        b_m = b_mn
+    p_part = (i_bh * NS + i_s) * BG + o_g
+    tl.store(m_part + p_part, b_m)
+    tl.store(l_part + p_part, b_l)
+    tl.store(o_part + p_part[:, None] * BD + o_d[None, :], b_o)
+
+
+@triton.jit
+def attention_fwd_kernel_merge(
+    m_part,
+    l_part,
+    o_part,
+    o,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    NS: tl.constexpr,
+    BG: tl.constexpr,
+    BD: tl.constexpr,
+):
+    i_bh = tl.program_id(0)
+    o_s, o_g, o_d = tl.arange(0, NS), tl.arange(0, BG), tl.arange(0, BD)
+    p_sg = (i_bh * NS + o_s[:, None]) * BG + o_g[None, :]  # [NS, BG]
+    b_m = tl.load(m_part + p_sg)
+    b_mx = tl.max(b_m, 0)  # [BG]
+    b_w = tl.exp(b_m - b_mx[None, :])  # [NS, BG]: each range's share, before its sum
+    b_l = tl.sum(b_w * tl.load(l_part + p_sg), 0)
+    b_o = tl.zeros([BG, BD], dtype=tl.float32)
+    for i_s in range(NS):
+        p_gd = ((i_bh * NS + i_s) * BG + o_g[:, None]) * BD + o_d[None, :]
+        b_ws = tl.exp(tl.load(m_part + (i_bh * NS + i_s) * BG + o_g) - b_mx)  # [BG]
+        b_o += b_ws[:, None] * tl.load(o_part + p_gd)
+    b_o = b_o / b_l[:, None]
+    m_gd = (o_g < G)[:, None] & (o_d < D)[None, :]
+    tl.store(o + (i_bh * G + o_g[:, None]) * D + o_d[None, :], b_o.to(o.dtype.element_ty), mask=m_gd)
+
+
+@functools.cache
+def _programs_wanted(device: torch.device) -> int:
+    """About two programs per SM keep the copy engines busy; the interpreter gets a handful."""
+    if device.type != "cuda":
+        return 8
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_config(rows: int, slots: int, device: torch.device, block: int = 64) -> tuple[int, int, int]:
+    """(ranges NS, slots per range, slots per block) for `rows` = B * Hkv programs over `slots` slots: split until
+    the grid covers the GPU, never into more ranges than blocks."""
+    blocks = triton.cdiv(slots, block)
+    NS = min(triton.next_power_of_2(triton.cdiv(_programs_wanted(device), rows)), triton.next_power_of_2(blocks))
+    return NS, triton.cdiv(blocks, NS) * block, block
+
+
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, step: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [B, Hq, 1, d], k and v [B, Hkv, S, d] contiguous, valid [B, S] bool, step [1] long (slots beyond
+    step + 1 are not read) -> o [B, 1, Hq, d] in q's dtype. Query head h reads key/value head h // (Hq / Hkv)."""
+    B, Hq, T, D = q.shape
+    _, Hkv, S, _ = k.shape
+    if T != 1 or Hq % Hkv or k.shape != v.shape or tuple(valid.shape) != (B, S):
+        raise ValueError(
+            f"decode_attention takes q [B, Hq, 1, d] with Hq a multiple of Hkv, k = v [B, Hkv, S, d], valid [B, S]; "
+            f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, valid {tuple(valid.shape)}"
+        )
+    if not (k.is_contiguous() and v.is_contiguous()):
+        raise ValueError("decode_attention reads the cache's buffers in place: k and v must be contiguous")
+    G = Hq // Hkv
+    q = q.reshape(B, Hkv, G, D).contiguous()  # [B, Hkv, G, d]: a view for the transposed [B, 1, Hq, d] projection
+    NS, CHUNK, BN = split_config(B * Hkv, S, q.device)
+    BG, BD = max(16, triton.next_power_of_2(G)), max(16, triton.next_power_of_2(D))  # tl.dot wants 16 rows
+    m_part = q.new_empty(B * Hkv, NS, BG, dtype=torch.float32)
+    l_part = torch.empty_like(m_part)
+    o_part = q.new_empty(B * Hkv, NS, BG, BD, dtype=torch.float32)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 holds bf16/fp16 inputs exactly
+    attention_fwd_kernel_split[(B * Hkv, NS)](
+        q, k, v, valid, step, m_part, l_part, o_part, float(scale), S, CHUNK, Hkv, G, D, NS, BG, BN, BD, precision
+    )
+    o = torch.empty(B, 1, Hq, D, dtype=q.dtype, device=q.device)
+    attention_fwd_kernel_merge[(B * Hkv,)](m_part, l_part, o_part, o, G, D, NS, BG, BD)
+    return o

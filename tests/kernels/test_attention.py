@@ -1,0 +1,74 @@
+"""decode_attention (Triton, interpreted on CPU) against its PyTorch reference: GQA groups, left padding, slots
+beyond the written ones never read, ranges with no valid slot, odd head sizes, bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.attention import decode_attention, naive_decode_attention
+from kernels.attention.decode import split_config
+
+
+def make(B, Hq, Hkv, S, d, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, 1, Hq, d, generator=g).to(dtype).transpose(1, 2)  # [B, Hq, 1, d], as the layers pass it
+    k = torch.randn(B, Hkv, S, d, generator=g).to(dtype)
+    v = torch.randn(B, Hkv, S, d, generator=g).to(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize(
+    "B, Hq, Hkv, S, d, filled",
+    [
+        (1, 3, 1, 37, 16, 37),  # one group of three heads, an odd buffer, every slot written
+        (2, 4, 2, 200, 16, 150),  # slots past step + 1 hold garbage that must not be read
+        (3, 9, 3, 130, 24, 1),  # only the new token: most ranges see no valid slot
+        (2, 2, 2, 64, 64, 64),  # no grouping
+    ],
+)
+def test_matches_reference(B, Hq, Hkv, S, d, filled):
+    q, k, v = make(B, Hq, Hkv, S, d)
+    valid = torch.zeros(B, S, dtype=torch.bool)
+    valid[:, :filled] = True
+    valid[0, : filled // 3] = False  # left padding of the first row
+    valid[0, filled - 1] = True  # the new token is always there
+    k[:, :, filled:] = float("nan")  # never written: reading them would poison the output
+    v[:, :, filled:] = float("nan")
+    step = torch.tensor([filled - 1])
+    scale = d**-0.5
+    out = decode_attention(q, k, v, valid, step, scale)
+    ref = naive_decode_attention(q, k[:, :, :filled], v[:, :, :filled], valid[:, :filled], step, scale)
+    assert out.shape == (B, 1, Hq, d) and out.dtype == q.dtype
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_within_tolerance():
+    q, k, v = make(2, 6, 2, 96, 32, dtype=torch.bfloat16, seed=1)
+    valid = torch.ones(2, 96, dtype=torch.bool)
+    step = torch.tensor([95])
+    out = decode_attention(q, k, v, valid, step, 32**-0.5)
+    ref = naive_decode_attention(q, k, v, valid, step, 32**-0.5)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_ring_buffer_full():
+    """A sliding-window ring past its wrap: every slot valid, step far beyond the buffer."""
+    q, k, v = make(2, 4, 2, 48, 16, seed=2)
+    valid = torch.ones(2, 48, dtype=torch.bool)
+    step = torch.tensor([1000])
+    out = decode_attention(q, k, v, valid, step, 0.25)
+    torch.testing.assert_close(out, naive_decode_attention(q, k, v, valid, step, 0.25), atol=1e-5, rtol=1e-5)
+
+
+def test_split_config_covers_the_buffer():
+    for rows, slots in [(1, 4096), (96, 16384), (3, 37), (512, 64)]:
+        NS, chunk, block = split_config(rows, slots, torch.device("cpu"))
+        assert NS >= 1 and NS * chunk >= slots and chunk % block == 0 and (NS - 1) * chunk < slots + chunk
+
+
+def test_bad_shapes_are_refused():
+    q, k, v = make(1, 3, 2, 16, 16)
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        decode_attention(q, k, v, torch.ones(1, 16, dtype=torch.bool), torch.tensor([15]), 0.25)
