@@ -3,17 +3,17 @@
 Each program reads one key/value head of one row over a contiguous range of slots, for all the query heads of its
 group at once, so every key and value is read once per step; only the slots written so far (`step + 1`, at most
 the buffer) are read. The ranges' partial softmax results (running max, sum, weighted values) are merged by a
-second kernel. The number of ranges grows until the grid covers the GPU, so batch 1 reads a long cache with every
-SM and large batches need no split.
+second kernel (kernels/split.py). The number of ranges grows until the grid covers the GPU, so batch 1 reads a
+long cache with every SM and large batches need no split.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from ..split import Partials, split_count
 
 
 @triton.jit
@@ -72,49 +72,10 @@ def attention_fwd_kernel_split(
     tl.store(o_part + p_part[:, None] * BD + o_d[None, :], b_o)
 
 
-@triton.jit
-def attention_fwd_kernel_merge(
-    m_part,
-    l_part,
-    o_part,
-    o,
-    G: tl.constexpr,
-    D: tl.constexpr,
-    NS: tl.constexpr,
-    BG: tl.constexpr,
-    BD: tl.constexpr,
-):
-    i_bh = tl.program_id(0)
-    o_s, o_g, o_d = tl.arange(0, NS), tl.arange(0, BG), tl.arange(0, BD)
-    p_sg = (i_bh * NS + o_s[:, None]) * BG + o_g[None, :]  # [NS, BG]
-    b_m = tl.load(m_part + p_sg)
-    b_mx = tl.max(b_m, 0)  # [BG]
-    b_w = tl.exp(b_m - b_mx[None, :])  # [NS, BG]: each range's share, before its sum
-    b_l = tl.sum(b_w * tl.load(l_part + p_sg), 0)
-    b_o = tl.zeros([BG, BD], dtype=tl.float32)
-    for i_s in range(NS):
-        p_gd = ((i_bh * NS + i_s) * BG + o_g[:, None]) * BD + o_d[None, :]
-        b_ws = tl.exp(tl.load(m_part + (i_bh * NS + i_s) * BG + o_g) - b_mx)  # [BG]
-        b_o += b_ws[:, None] * tl.load(o_part + p_gd)
-    b_o = b_o / b_l[:, None]
-    m_gd = (o_g < G)[:, None] & (o_d < D)[None, :]
-    tl.store(o + (i_bh * G + o_g[:, None]) * D + o_d[None, :], b_o.to(o.dtype.element_ty), mask=m_gd)
-
-
-@functools.cache
-def _programs_wanted(device: torch.device) -> int:
-    """About two programs per SM keep the copy engines busy; the interpreter gets a handful."""
-    if device.type != "cuda":
-        return 8
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def split_config(rows: int, slots: int, device: torch.device, block: int = 64) -> tuple[int, int, int]:
-    """(ranges NS, slots per range, slots per block) for `rows` = B * Hkv programs over `slots` slots: split until
-    the grid covers the GPU, never into more ranges than blocks."""
-    blocks = triton.cdiv(slots, block)
-    NS = min(triton.next_power_of_2(triton.cdiv(_programs_wanted(device), rows)), triton.next_power_of_2(blocks))
-    return NS, triton.cdiv(blocks, NS) * block, block
+    """(ranges NS, slots per range, slots per block) for `rows` = B * Hkv programs over `slots` slots."""
+    NS = split_count(rows, triton.cdiv(slots, block), device)
+    return NS, triton.cdiv(triton.cdiv(slots, block), NS) * block, block
 
 
 def decode_attention(
@@ -134,14 +95,27 @@ def decode_attention(
     G = Hq // Hkv
     q = q.reshape(B, Hkv, G, D).contiguous()  # [B, Hkv, G, d]: a view for the transposed [B, 1, Hq, d] projection
     NS, CHUNK, BN = split_config(B * Hkv, S, q.device)
-    BG, BD = max(16, triton.next_power_of_2(G)), max(16, triton.next_power_of_2(D))  # tl.dot wants 16 rows
-    m_part = q.new_empty(B * Hkv, NS, BG, dtype=torch.float32)
-    l_part = torch.empty_like(m_part)
-    o_part = q.new_empty(B * Hkv, NS, BG, BD, dtype=torch.float32)
+    part = Partials(B * Hkv, NS, G, D, q.device, pad=16)  # tl.dot wants 16 rows
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 holds bf16/fp16 inputs exactly
     attention_fwd_kernel_split[(B * Hkv, NS)](
-        q, k, v, valid, step, m_part, l_part, o_part, float(scale), S, CHUNK, Hkv, G, D, NS, BG, BN, BD, precision
+        q,
+        k,
+        v,
+        valid,
+        step,
+        part.m,
+        part.l,
+        part.o,
+        float(scale),
+        S,
+        CHUNK,
+        Hkv,
+        G,
+        D,
+        NS,
+        part.BG,
+        BN,
+        part.BD,
+        precision,
     )
-    o = torch.empty(B, 1, Hq, D, dtype=q.dtype, device=q.device)
-    attention_fwd_kernel_merge[(B * Hkv,)](m_part, l_part, o_part, o, G, D, NS, BG, BD)
-    return o
+    return part.merge(torch.empty(B, 1, Hq, D, dtype=q.dtype, device=q.device))

@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..split import Partials, split_count
 from .utils import check_inputs, slot_indices
 
 
@@ -30,6 +31,9 @@ def raven_fwd_kernel_fused_recurrent(
     sk,
     sv,
     o,
+    m_part,
+    l_part,
+    o_part,
     cu_seqlens,
     scale,
     T,
@@ -42,9 +46,11 @@ def raven_fwd_kernel_fused_recurrent(
     BM: tl.constexpr,
     BD: tl.constexpr,
     BK: tl.constexpr,
+    NS: tl.constexpr,
+    MB: tl.constexpr,
     IS_VARLEN: tl.constexpr,
 ):
-    i_nh = tl.program_id(0)
+    i_nh, i_sp = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
         bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -61,10 +67,10 @@ def raven_fwd_kernel_fused_recurrent(
         b_a = tl.load(a + t * H + i_h).to(tl.float32)
         b_i = tl.load(idx + (t * H + i_h) * K + o_k, mask=m_k, other=-1)
         b_lfk = b_a * tl.load(r + (t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
-        b_mx = tl.full([BG], float("-inf"), dtype=tl.float32)
+        b_mx = tl.full([BG], -1e30, dtype=tl.float32)  # finite: a range of padding slots weighs 0, not NaN
         b_l = tl.zeros([BG], dtype=tl.float32)
         b_o = tl.zeros([BG, BD], dtype=tl.float32)
-        for i_m in range(tl.cdiv(M, BM)):
+        for i_m in range(i_sp * MB, i_sp * MB + MB):  # this program's range of slot blocks
             o_m = i_m * BM + tl.arange(0, BM)
             m_m = o_m < M
             m_md = m_m[:, None] & m_d[None, :]
@@ -86,7 +92,13 @@ def raven_fwd_kernel_fused_recurrent(
             b_l = b_l * b_alpha + tl.sum(b_p, 1)
             b_o = b_o * b_alpha[:, None] + tl.sum(b_p[:, :, None] * b_sv[None, :, :], 1)
             b_mx = b_mn
-        tl.store(o + p_gd, (b_o / b_l[:, None]).to(o.dtype.element_ty), mask=m_g[:, None] & m_d[None, :])
+        if NS == 1:
+            tl.store(o + p_gd, (b_o / b_l[:, None]).to(o.dtype.element_ty), mask=m_g[:, None] & m_d[None, :])
+        else:  # one token (T == 1): the ranges' partial readouts, merged by merge_fwd_kernel
+            p_part = (i_nh * NS + i_sp) * BG + o_g
+            tl.store(m_part + p_part, b_mx)
+            tl.store(l_part + p_part, b_l)
+            tl.store(o_part + p_part[:, None] * BD + o_d[None, :], b_o)
         tl.debug_barrier()  # this step's writes land before the next step reads the slots
 
 
@@ -131,7 +143,11 @@ def fused_recurrent_raven(
     o = torch.empty_like(q)
     BG, BD = triton.next_power_of_2(G), triton.next_power_of_2(D)
     BM, warps = decode_config(M, G, D)
-    raven_fwd_kernel_fused_recurrent[(N * H,)](
+    blocks = triton.cdiv(M, BM)
+    # one token per sequence: the slots split over several programs per head when the heads alone leave SMs idle
+    NS = split_count(N * H, blocks, q.device) if T == 1 and cu_seqlens is None else 1
+    part = Partials(N * H, NS, G, D, q.device) if NS > 1 else None
+    raven_fwd_kernel_fused_recurrent[(N * H, NS)](
         q,
         k,
         v,
@@ -141,6 +157,9 @@ def fused_recurrent_raven(
         initial_state[0],
         initial_state[1],
         o,
+        part and part.m,
+        part and part.l,
+        part and part.o,
         cu_seqlens,
         float(scale),
         T,
@@ -153,7 +172,11 @@ def fused_recurrent_raven(
         BM,
         BD,
         triton.next_power_of_2(K),
+        NS,
+        triton.cdiv(blocks, NS),
         cu_seqlens is not None,
         num_warps=warps,
     )
+    if part is not None:
+        part.merge(o)
     return o, (initial_state if output_final_state else None)

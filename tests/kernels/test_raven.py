@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from kernels import split
 from kernels.raven import chunk as raven_chunk
 from kernels.raven import chunk_raven, fused_recurrent_raven, naive_raven
 from raven_layers import RavenMixer, RavenSettings
@@ -150,7 +151,10 @@ def test_chunk_scans_many_chunks_per_sequence(scan_form):
     assert_match(run_both(inputs, 0.3, M, random_state(len(lengths), H, M, d), cu_seqlens))
 
 
-def test_decode_steps_match_reference():
+@pytest.mark.parametrize("programs", [1, 64])
+def test_decode_steps_match_reference(programs, monkeypatch):
+    """One program per head, and the slots split over as many as there are slot blocks (merged after)."""
+    monkeypatch.setattr(split, "programs_wanted", lambda device: programs)
     B, T, H, G, d, M, K = 2, 5, 2, 2, 16, 16, 4
     q, k, v, a, idx, r = random_inputs(B, T, H, G, d, M, K, seed=5)
     state = random_state(B, H, M, d)
