@@ -65,6 +65,13 @@ def _import_kernels(mixer: str) -> ModuleType | None:
     return _modules[mixer]
 
 
+def preload(names) -> None:
+    """Import the kernel packages `names` now: torch.compile cannot trace an import inside the code it compiles."""
+    if get_backend() != "torch":
+        for name in names:
+            _import_kernels(name)
+
+
 def kernel_module(mixer: str, like: torch.Tensor) -> ModuleType | None:
     """The `kernels.<mixer>` module to run on tensors like `like`, or None for the PyTorch path."""
     backend = get_backend()

@@ -18,6 +18,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .architectures import get_architecture, layer_windows
+from .backend import preload
 from .cache import OUTPUT_CACHE_FIELD, HybridCache, cache_argument, output_cache
 from .common import Mixer, one_cache
 from .configuration_hybrid import HybridConfig
@@ -208,17 +209,18 @@ class HybridModel(HybridPreTrainedModel):
         return self.norm(hidden_states)
 
     def decode_step(self, inputs_embeds: torch.Tensor, cache: StaticHybridCache) -> torch.Tensor:
-        """One real token per row, [B, 1, hidden] -> [B, 1, hidden], over a static cache: only device operations on
-        the cache's buffers (no host sync, nothing kept from the host), so a CUDA graph can capture it."""
-        cache.decoding = True
-        try:
-            with decode_attention(self.config):  # the kept layers attend through static_decode_attention
-                position_ids = cache.begin_step()  # [B, 1]
-                masks = {window: cache.decode_slots(window) for window in self.attention_windows()}
-                hidden_states = self.run_layers(inputs_embeds, position_ids, masks, cache, True, {})
-                cache.end_step()
-        finally:
-            cache.decoding = False
+        """One real token per row, [B, 1, hidden] -> [B, 1, hidden], over a static cache."""
+        with cache.decoding_step(), decode_attention(self.config):
+            return self.decode_layers(inputs_embeds, cache)
+
+    def decode_layers(self, inputs_embeds: torch.Tensor, cache: StaticHybridCache) -> torch.Tensor:
+        """`decode_step` within its context (`cache.decoding_step()`, `decode_attention(config)`): only device
+        operations on the cache's buffers (no host sync, nothing kept from the host), so a CUDA graph can capture
+        it and torch.compile can trace it whole."""
+        position_ids = cache.begin_step()  # [B, 1]
+        masks = {window: cache.decode_slots(window) for window in self.attention_windows()}
+        hidden_states = self.run_layers(inputs_embeds, position_ids, masks, cache, True, {})
+        cache.end_step()
         return hidden_states
 
     def _attention_mask(self, padding, B: int, T: int, past: int, window: int | None, like: torch.Tensor, documents):
@@ -266,6 +268,8 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.use_decode_graphs = True  # replay decode steps over a static cache on CUDA as CUDA graphs
+        self.compile_decode = True  # and compile the step they capture (see decode_function)
+        self._compiled_decode = None
         self._static_cache: StaticHybridCache | None = None  # kept for the next generate() that fits it
         self.post_init()
 
@@ -344,9 +348,12 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         if self._graph_step(cache, input_ids, labels, kwargs):
             cache.check_room(input_ids.shape[0], 1)
             if cache.graph is None or cache.graph_model is not self:
-                step = lambda ids: self.lm_head(self.model.decode_step(self.model.embed_tokens(ids), cache))  # noqa: E731
-                cache.graph, cache.graph_model = DecodeGraph(step, cache.batch_size, cache.device), self
-            logits = cache.graph(input_ids)
+                step, eager = self.decode_function(), self.decode_logits
+                fallback = (lambda ids: eager(ids, cache)) if self.compile_decode else None  # noqa: E731
+                cache.graph = DecodeGraph(lambda ids: step(ids, cache), cache.batch_size, cache.device, fallback)
+                cache.graph_model = self
+            with cache.decoding_step(), decode_attention(self.config):
+                logits = cache.graph(input_ids)
             cache.advance(1)
             return HybridCausalLMOutput(logits=logits, **{OUTPUT_CACHE_FIELD: cache})
         outputs = self.model(
@@ -369,6 +376,21 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         return HybridCausalLMOutput(
             loss=loss, logits=logits, aux_loss=outputs.aux_loss, **{OUTPUT_CACHE_FIELD: output_cache(outputs)}
         )
+
+    def decode_logits(self, input_ids: torch.Tensor, cache: StaticHybridCache) -> torch.Tensor:
+        """One decode step, token ids [B, 1] -> logits [B, 1, V], within `cache.decoding_step()` and
+        `decode_attention(config)`: what the decode graphs capture."""
+        return self.lm_head(self.model.decode_layers(self.model.embed_tokens(input_ids), cache))
+
+    def decode_function(self):
+        """`decode_logits`, compiled by torch.compile when `compile_decode` is set (Inductor fuses the norms, rotary
+        embeddings, gates and routing around the kernels, which run as custom ops); compiled once per model."""
+        if not self.compile_decode:
+            return self.decode_logits
+        if self._compiled_decode is None:
+            preload((*MIXER_CLASSES, "attention"))
+            self._compiled_decode = torch.compile(self.decode_logits, fullgraph=True, dynamic=False)
+        return self._compiled_decode
 
     def _graph_step(self, cache, input_ids, labels, kwargs) -> bool:
         """Whether this forward is a decode step to replay as a CUDA graph (see decode_graph.py)."""

@@ -16,6 +16,8 @@ moves in `advance`, outside any captured region.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from .architectures import layer_windows
@@ -153,7 +155,8 @@ class StaticHybridCache(HybridCache):
         return self.layers[layer_idx].update(key_states, value_states)
 
     def get_mixer_state(self, layer_idx: int):
-        return self.layers[layer_idx].state if self.num_tokens > 0 else None
+        # a decode step reads no host counter: a compiled step would be specialised to its value
+        return self.layers[layer_idx].state if self.decoding or self.num_tokens > 0 else None
 
     def set_mixer_state(self, layer_idx: int, state, num_tokens: int):
         self.layers[layer_idx].write(state)  # the token count moves once per forward, in `advance`
@@ -179,6 +182,15 @@ class StaticHybridCache(HybridCache):
             valid.index_copy_(1, new[keep] % size, real[:, keep])
         self.positions.add_(real.sum(-1))
         self.step.fill_(past + new_tokens)
+
+    @contextmanager
+    def decoding_step(self):
+        """Within the block, attention layers write one token per row at slot `step` (device indices only)."""
+        self.decoding = True
+        try:
+            yield
+        finally:
+            self.decoding = False
 
     def begin_step(self) -> torch.Tensor:
         """Start a decode step of one real token per row; returns its position ids [B, 1]. Device ops only."""

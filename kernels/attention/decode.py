@@ -92,8 +92,18 @@ def decode_attention(
         )
     if not (k.is_contiguous() and v.is_contiguous()):
         raise ValueError("decode_attention reads the cache's buffers in place: k and v must be contiguous")
-    G = Hq // Hkv
-    q = q.reshape(B, Hkv, G, D).contiguous()  # [B, Hkv, G, d]: a view for the transposed [B, 1, Hq, d] projection
+    q = q.reshape(B, Hkv, Hq // Hkv, D).contiguous()  # [B, Hkv, G, d]: a view of the projection [B, 1, Hq, d]
+    return attention_decode(q, k, v, valid, step, float(scale))
+
+
+@torch.library.custom_op("raven_hybrid::attention_decode", mutates_args=())
+def attention_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, step: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The kernel launches of `decode_attention` (checked inputs, q as [B, Hkv, G, d]) as a custom op:
+    torch.compile keeps it whole, and Inductor fuses the work around it."""
+    B, Hkv, G, D = q.shape
+    S = k.shape[2]
     NS, CHUNK, BN = split_config(B * Hkv, S, q.device)
     part = Partials(B * Hkv, NS, G, D, q.device, pad=16)  # tl.dot wants 16 rows
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 holds bf16/fp16 inputs exactly
@@ -118,4 +128,10 @@ def decode_attention(
         part.BD,
         precision,
     )
-    return part.merge(torch.empty(B, 1, Hq, D, dtype=q.dtype, device=q.device))
+    return part.merge(torch.empty(B, 1, Hkv * G, D, dtype=q.dtype, device=q.device))
+
+
+@attention_decode.register_fake
+def _(q, k, v, valid, step, scale):
+    B, Hkv, G, D = q.shape
+    return q.new_empty(B, 1, Hkv * G, D)

@@ -127,11 +127,10 @@ def fused_recurrent_raven(
         o [B, T, H, G, d] in q's dtype, and (S^k, S^v) each [N, H, M, d] float32 or None.
     """
     check_inputs(q, k, v, a, idx, r, num_slots, initial_state, cu_seqlens)
-    B, T, H, G, D = q.shape
-    K, M = idx.shape[-1], num_slots
+    B, _, H, _, D = q.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     if initial_state is None:
-        initial_state = (q.new_zeros(N, H, M, D, dtype=torch.float32), q.new_zeros(N, H, M, D, dtype=torch.float32))
+        initial_state = tuple(q.new_zeros(N, H, num_slots, D, dtype=torch.float32) for _ in range(2))
     for name, s in zip(("S^k", "S^v"), initial_state):
         if s.dtype != torch.float32 or not s.is_contiguous():
             raise ValueError(
@@ -139,7 +138,29 @@ def fused_recurrent_raven(
                 f"got {s.dtype}{'' if s.is_contiguous() else ', not contiguous'}"
             )
     q, k, v, a, r = (x.contiguous() for x in (q, k, v, a, r))
-    idx = slot_indices(idx)
+    o = raven_decode(q, k, v, a, slot_indices(idx), r, *initial_state, cu_seqlens, float(scale), num_slots)
+    return o, (initial_state if output_final_state else None)
+
+
+@torch.library.custom_op("raven_hybrid::raven_decode", mutates_args=("sk", "sv"))
+def raven_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    idx: torch.Tensor,
+    r: torch.Tensor,
+    sk: torch.Tensor,
+    sv: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    scale: float,
+    num_slots: int,
+) -> torch.Tensor:
+    """The kernel launch of `fused_recurrent_raven` (checked, contiguous inputs) as a custom op that updates the
+    state (sk, sv) in place: torch.compile keeps it whole, and Inductor fuses the work around it."""
+    B, T, H, G, D = q.shape
+    K, M = idx.shape[-1], num_slots
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     o = torch.empty_like(q)
     BG, BD = triton.next_power_of_2(G), triton.next_power_of_2(D)
     BM, warps = decode_config(M, G, D)
@@ -154,8 +175,8 @@ def fused_recurrent_raven(
         a,
         idx,
         r,
-        initial_state[0],
-        initial_state[1],
+        sk,
+        sv,
         o,
         part and part.m,
         part and part.l,
@@ -179,4 +200,9 @@ def fused_recurrent_raven(
     )
     if part is not None:
         part.merge(o)
-    return o, (initial_state if output_final_state else None)
+    return o
+
+
+@raven_decode.register_fake
+def _(q, k, v, a, idx, r, sk, sv, cu_seqlens, scale, num_slots):
+    return torch.empty_like(q)

@@ -114,5 +114,34 @@ def fused_recurrent_sila(
     differentiable = [*args, initial_state]
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in differentiable):
         return FusedRecurrentSILAFunction.apply(*args, initial_state, mask, output_final_state, cu_seqlens, chunk_size)
-    o, ht, _ = sila_fwd(*args, initial_state, mask, output_final_state, cu_seqlens, chunk_size, save=False)
+    o, ht = sila_forward(*args, initial_state, mask, cu_seqlens, chunk_size)
+    return o, (ht if output_final_state else None)
+
+
+@torch.library.custom_op("raven_hybrid::sila_forward", mutates_args=())
+def sila_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    alpha: torch.Tensor,
+    beta_x: torch.Tensor,
+    gamma_x: torch.Tensor,
+    w_beta: torch.Tensor,
+    w_gamma: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inference forward of `fused_recurrent_sila` (checked, contiguous inputs) as a custom op: torch.compile
+    keeps it whole, and Inductor fuses the work around it. Returns o and the final memory."""
+    o, ht, _ = sila_fwd(q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, initial_state, mask, True, cu_seqlens,
+                        chunk_size, save=False)  # fmt: skip
     return o, ht
+
+
+@sila_forward.register_fake
+def _(q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, initial_state, mask, cu_seqlens, chunk_size):
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    ht = q.new_empty(N, k.shape[2], v.shape[-1], k.shape[-1], dtype=torch.float32)
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), ht

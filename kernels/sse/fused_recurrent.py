@@ -82,10 +82,32 @@ def fused_recurrent_sse(q, k, v, log_g, idx, num_partitions: int, scale: float, 
     else:
         state = initial_state.float().contiguous()
     q, k, v, log_g, idx = (x.contiguous() for x in (q, k, v, log_g, idx))
+    return sse_decode(q, k, v, log_g, idx, state, float(scale)), state
+
+
+@torch.library.custom_op("raven_hybrid::sse_decode", mutates_args=("state",))
+def sse_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_g: torch.Tensor,
+    idx: torch.Tensor,
+    state: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The kernel launch of `fused_recurrent_sse` (checked, contiguous inputs) as a custom op that updates `state`
+    [B, H, P, c, d] in place: torch.compile keeps it whole, and Inductor fuses the work around it."""
+    B, T, H, G, M, K = q.shape
+    V, P = v.shape[-1], state.shape[2]
     o = _new((B, T, H, G, V), q, q.dtype)
     BK, BV = max(16, triton.next_power_of_2(K)), min(64, max(16, triton.next_power_of_2(V)))
     if B * H and T:
         sse_fwd_kernel_decode[(B * H, triton.cdiv(V, BV))](
             q, k, v, log_g, idx, state, o, scale, T, H, G, M, P, K, V, triton.next_power_of_2(G), BK, BV, num_warps=4
         )
-    return o, state
+    return o
+
+
+@sse_decode.register_fake
+def _(q, k, v, log_g, idx, state, scale):
+    return q.new_empty(*q.shape[:-2], v.shape[-1])

@@ -9,13 +9,15 @@ import torch
 from kernels.attention import decode_attention, naive_decode_attention
 from kernels.attention.decode import split_config
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def make(B, Hq, Hkv, S, d, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, 1, Hq, d, generator=g).to(dtype).transpose(1, 2)  # [B, Hq, 1, d], as the layers pass it
     k = torch.randn(B, Hkv, S, d, generator=g).to(dtype)
     v = torch.randn(B, Hkv, S, d, generator=g).to(dtype)
-    return q, k, v
+    return q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)
 
 
 @pytest.mark.parametrize(
@@ -29,13 +31,13 @@ def make(B, Hq, Hkv, S, d, dtype=torch.float32, seed=0):
 )
 def test_matches_reference(B, Hq, Hkv, S, d, filled):
     q, k, v = make(B, Hq, Hkv, S, d)
-    valid = torch.zeros(B, S, dtype=torch.bool)
+    valid = torch.zeros(B, S, dtype=torch.bool, device=DEVICE)
     valid[:, :filled] = True
     valid[0, : filled // 3] = False  # left padding of the first row
     valid[0, filled - 1] = True  # the new token is always there
     k[:, :, filled:] = float("nan")  # never written: reading them would poison the output
     v[:, :, filled:] = float("nan")
-    step = torch.tensor([filled - 1])
+    step = torch.tensor([filled - 1], device=DEVICE)
     scale = d**-0.5
     out = decode_attention(q, k, v, valid, step, scale)
     ref = naive_decode_attention(q, k[:, :, :filled], v[:, :, :filled], valid[:, :filled], step, scale)
@@ -45,8 +47,8 @@ def test_matches_reference(B, Hq, Hkv, S, d, filled):
 
 def test_bf16_within_tolerance():
     q, k, v = make(2, 6, 2, 96, 32, dtype=torch.bfloat16, seed=1)
-    valid = torch.ones(2, 96, dtype=torch.bool)
-    step = torch.tensor([95])
+    valid = torch.ones(2, 96, dtype=torch.bool, device=DEVICE)
+    step = torch.tensor([95], device=DEVICE)
     out = decode_attention(q, k, v, valid, step, 32**-0.5)
     ref = naive_decode_attention(q, k, v, valid, step, 32**-0.5)
     assert out.dtype == torch.bfloat16
@@ -56,8 +58,8 @@ def test_bf16_within_tolerance():
 def test_ring_buffer_full():
     """A sliding-window ring past its wrap: every slot valid, step far beyond the buffer."""
     q, k, v = make(2, 4, 2, 48, 16, seed=2)
-    valid = torch.ones(2, 48, dtype=torch.bool)
-    step = torch.tensor([1000])
+    valid = torch.ones(2, 48, dtype=torch.bool, device=DEVICE)
+    step = torch.tensor([1000], device=DEVICE)
     out = decode_attention(q, k, v, valid, step, 0.25)
     torch.testing.assert_close(out, naive_decode_attention(q, k, v, valid, step, 0.25), atol=1e-5, rtol=1e-5)
 
@@ -71,4 +73,6 @@ def test_split_config_covers_the_buffer():
 def test_bad_shapes_are_refused():
     q, k, v = make(1, 3, 2, 16, 16)
     with pytest.raises(ValueError, match="multiple of Hkv"):
-        decode_attention(q, k, v, torch.ones(1, 16, dtype=torch.bool), torch.tensor([15]), 0.25)
+        decode_attention(
+            q, k, v, torch.ones(1, 16, dtype=torch.bool, device=DEVICE), torch.tensor([15], device=DEVICE), 0.25
+        )

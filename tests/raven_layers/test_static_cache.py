@@ -7,6 +7,8 @@ from transformers import AutoModelForCausalLM
 from convert import build_hybrid, plan_layers
 from raven_layers import HybridCache, StaticHybridCache, output_cache
 from raven_layers.backend import use_backend
+from raven_layers.decode_attention import decode_attention
+from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.transformers_api
 SETTINGS = {
@@ -120,3 +122,29 @@ def test_batch_changes_and_crop_follow_the_dynamic_cache(hybrid):
     static.crop(7)  # the current length: nothing to roll back
     with pytest.raises(ValueError, match="cannot be rolled back from 7 to 5 tokens"):
         static.crop(5)
+
+
+def test_compiled_decode_step_equals_eager():
+    """The step the CUDA graphs capture, compiled whole by torch.compile (the kernels are custom ops; interpreted
+    on CPU), equals the eager step: every mixer, a full and a wrapping windowed attention layer, left padding."""
+    torch.manual_seed(0)
+    source = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=5)).eval()
+    kinds = plan_layers([("raven", "0"), ("sila", "2"), ("sse", "4")], 5)
+    hybrid = build_hybrid(source, kinds, SETTINGS, attention_windows=[None, 5, None, None, None]).eval()
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, :2] = 0
+
+    def decode(compiled: bool) -> torch.Tensor:
+        hybrid.compile_decode = compiled
+        step = hybrid.decode_function()
+        cache = StaticHybridCache(hybrid.config, batch_size=2, max_length=16)
+        with torch.no_grad(), use_backend("triton"):
+            logits = [hybrid(ids[:, :6], attention_mask=mask, cache=cache).logits[:, -1:]]
+            for t in range(6, 16):
+                with cache.decoding_step(), decode_attention(hybrid.config):
+                    logits.append(step(ids[:, t : t + 1], cache))
+                cache.advance(1)
+        return torch.cat(logits, dim=1)
+
+    torch.testing.assert_close(decode(True), decode(False), rtol=1e-5, atol=1e-5)
