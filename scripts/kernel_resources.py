@@ -133,7 +133,7 @@ def kernel_rows(D: int, M: int, names: list[str]) -> list[tuple]:
         constants = dict(H=16, G=1, M=M, K=32, D=D, BT=chunk.BT, BC=chunk.BC, BP=BP, BM=BM, BD=block_d, EXACT=False)
         constants.update(BK=32, CONTRIB=True, REVERSE=False, USE_H0=True, STORE_HT=True, USE_DHT=True, STORE_DH0=True)
         if name == "decode":
-            constants.update(BG=1, IS_VARLEN=False)
+            constants.update(BG=1, IS_VARLEN=False, NS=1, MB=-(-M // BM))  # batch 64 fills the SMs: no slot split
         used = resources(KERNELS[name], constants, warps, stages)
         rows.append((name, BM, warps, stages, used["registers"], used["stack"], used["shared"]))
     return rows
