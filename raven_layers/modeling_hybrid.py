@@ -304,8 +304,10 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
             )
         kwargs["cache_implementation"] = None  # decided here: transformers must not build a cache of its own
         use_cache = kwargs.get("use_cache", getattr(config, "use_cache", True))
-        if choice == "dynamic" or given is not None or use_cache is False:
+        if given is not None or use_cache is False:
             return super().generate(inputs, generation_config, **kwargs)
+        if choice == "dynamic":  # made here, not in forward(): a chunked prefill (prefill_chunk_size) needs it first
+            return super().generate(inputs, generation_config, **{OUTPUT_CACHE_FIELD: HybridCache(self.config)}, **kwargs)
         prompt = inputs if inputs is not None else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
         if prompt is None:
             raise ValueError("generate() with a static cache needs the prompt: input_ids or inputs_embeds")

@@ -1,5 +1,7 @@
 """The hybrid on a CUDA device (run on the device machine: `python -m pytest -m gpu`)."""
 
+import copy
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -65,28 +67,43 @@ def test_bfloat16_generation_and_training_step(hybrid):
         model.float()
 
 
+def mean_step_error(logits: torch.Tensor, truth: torch.Tensor) -> float:
+    """Mean over steps of the relative error of a step's logits; both [B, steps, V]."""
+    return ((logits.float() - truth).norm(dim=(0, 2)) / truth.norm(dim=(0, 2))).mean().item()
+
+
 @pytest.mark.parametrize("mixer", ["raven", "sse", "sila"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_graphed_static_decoding_equals_the_eager_dynamic_path(mixer, dtype):
-    """generate() on CUDA replays CUDA graphs over a static cache; greedy tokens must equal the eager dynamic path's
-    for 64 steps, with left padding and a sliding window that wraps."""
+def test_graphed_static_decoding_equals_the_eager_path(mixer, dtype):
+    """generate() on CUDA replays a compiled step in a CUDA graph over a static cache, with left padding and a
+    sliding window that wraps. float32: the greedy tokens of 64 steps equal the eager dynamic path's. bfloat16:
+    Inductor rounds differently from eager, and a near tie of random weights (or of a top-k routing choice) can
+    fork the greedy path; so along the tokens the fast path chose, its logits must be as close to the float32
+    model's as the eager bfloat16 forward's are."""
     torch.manual_seed(0)
     source = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
     windows = [None, 24, None, None]  # layer 1 a 24-token ring (it wraps), layer 3 full attention
     model = build_hybrid(source, plan_layers([(mixer, "0,2")], 4), {mixer: SETTINGS[mixer]}, attention_windows=windows)
+    exact = copy.deepcopy(model).cuda()
     model = model.cuda().to(dtype)
     ids = torch.randint(3, 100, (3, 41), device="cuda")
     mask = torch.ones_like(ids)
     mask[1, :7] = 0
     args = dict(attention_mask=mask, max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        eager = model.generate(
-            ids, cache_implementation="dynamic", output_logits=True, return_dict_in_generate=True, **args
-        )
+        eager = model.generate(ids, cache_implementation="dynamic", output_logits=True, return_dict_in_generate=True,
+                               **args) if dtype == torch.float32 else None  # fmt: skip
         for _ in range(2):  # the second call reuses the cache and its captured graph
             fast = model.generate(ids, output_logits=True, return_dict_in_generate=True, **args)
             cache = output_cache(fast)
             assert type(cache).__name__ == "StaticHybridCache" and cache.graph.graph is not None
-            assert torch.equal(fast.sequences, eager.sequences)
-            error = max(((a - b).norm() / b.norm()).item() for a, b in zip(fast.logits, eager.logits))
-            assert error < (1e-3 if dtype == torch.float32 else 3e-2)
+            if dtype == torch.float32:
+                assert torch.equal(fast.sequences, eager.sequences)
+                error = max(((a - b).norm() / b.norm()).item() for a, b in zip(fast.logits, eager.logits))
+                assert error < 1e-3
+                continue
+            full_mask = torch.cat([mask, mask.new_ones(3, 64)], dim=1)
+            truth = exact(fast.sequences, attention_mask=full_mask).logits[:, 40:-1]  # [B, 64, V] float32
+            fast_error = mean_step_error(torch.stack(fast.logits, dim=1), truth)
+            eager_error = mean_step_error(model(fast.sequences, attention_mask=full_mask).logits[:, 40:-1], truth)
+            assert fast_error < 2 * eager_error + 1e-3, f"fast path {fast_error:.2e}, eager bf16 {eager_error:.2e}"

@@ -98,6 +98,20 @@ def test_chunked_prefill_equals_one_prefill(hybrid):
     torch.testing.assert_close(after[0], after[1], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("implementation", ["dynamic", "static"])
+def test_generate_with_prefill_chunks_equals_one_prefill(hybrid, implementation):
+    """transformers' `prefill_chunk_size`: chunks of 4 (the last of one token) across a left-padded prompt of 13,
+    past the 5-token window: mixer states and attention carried across chunks."""
+    ids = torch.randint(3, 100, (2, 13), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    whole = generate(hybrid, ids, mask, implementation)
+    chunked = generate(hybrid, ids, mask, implementation, prefill_chunk_size=4)
+    assert torch.equal(chunked.sequences, whole.sequences)
+    for a, b in zip(chunked.logits, whole.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
 def test_bad_static_cache_arguments_are_refused(hybrid):
     with pytest.raises(ValueError, match="max_length = 0 is not allowed; expected an integer >= 1"):
         StaticHybridCache(hybrid.config, batch_size=1, max_length=0)
