@@ -11,9 +11,11 @@ kept attention layers as W-token sliding windows.
 
 For every (model, batch, context): a prompt of `context` random tokens per row; generate() runs once to warm up
 (compilation, graph capture), then is timed for 1 new token (time to first token: prefill and one step) and for
-`--steps + 1` new tokens; decode ms/step is the difference over `--steps`. Peak memory is of the timed runs. A
-configuration that runs out of memory is reported as OOM. Writes OUT/bench_generate.json (with the GPU and library
-versions) and prints a table of ratios to the teacher last.
+`--steps + 1` new tokens; decode ms/step is the difference over `--steps`. `--prefill-chunk N` prefills every model
+in chunks of N tokens (transformers' `prefill_chunk_size`), for prompts too long for one pass (128K). Peak memory is
+of the timed runs. A configuration that runs out of memory is reported as OOM. Writes OUT/bench_generate.json (with
+the GPU and library versions) and prints a table of ratios to the teacher last. The largest batch that fits at a
+long context, and the throughput there: bench_capacity.py.
 """
 
 from __future__ import annotations
@@ -83,8 +85,10 @@ def build_models(mixers: list[str], layers: str, windows: int | None):
             torch.cuda.empty_cache()
 
 
-def timed_generate(model, ids: torch.Tensor, new_tokens: int, teacher: bool) -> float:
+def timed_generate(model, ids: torch.Tensor, new_tokens: int, teacher: bool, prefill_chunk: int | None) -> float:
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=2)
+    if prefill_chunk is not None:
+        kwargs["prefill_chunk_size"] = prefill_chunk
     if teacher:
         kwargs["cache_implementation"] = "static"
     torch.cuda.synchronize()
@@ -95,15 +99,15 @@ def timed_generate(model, ids: torch.Tensor, new_tokens: int, teacher: bool) -> 
     return time.perf_counter() - start
 
 
-def measure(name: str, model, batch: int, context: int, steps: int) -> dict:
+def measure(name: str, model, batch: int, context: int, steps: int, prefill_chunk: int | None = None) -> dict:
     teacher = name == "teacher"
     ids = torch.randint(3, SMOLLM2_135M["vocab_size"], (batch, context), device="cuda")
     entry = {"model": name, "batch": batch, "context": context}
     try:
-        timed_generate(model, ids, steps + 1, teacher)  # warm-up: compilation or graph capture
+        timed_generate(model, ids, steps + 1, teacher, prefill_chunk)  # warm-up: compilation or graph capture
         torch.cuda.reset_peak_memory_stats()
-        first = min(timed_generate(model, ids, 1, teacher) for _ in range(2))
-        total = min(timed_generate(model, ids, steps + 1, teacher) for _ in range(2))
+        first = min(timed_generate(model, ids, 1, teacher, prefill_chunk) for _ in range(2))
+        total = min(timed_generate(model, ids, steps + 1, teacher, prefill_chunk) for _ in range(2))
         step = (total - first) / steps
         entry.update(
             ttft_ms=round(first * 1e3, 2),
@@ -146,7 +150,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", default="0-29:2")
     parser.add_argument("--windows", type=int, default=None, help="also run each hybrid with W-token windows")
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--prefill-chunk", type=int, default=None, help="prefill_chunk_size for every model")
     args = parser.parse_args(argv)
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise SystemExit(f"--prefill-chunk {args.prefill_chunk}: expected an integer >= 1")
     batches, contexts = parse_sizes(args.batches), parse_sizes(args.contexts)
     mixers = [m.strip() for m in args.mixers.split(",") if m.strip()]
     from raven_layers import MIXER_CLASSES
@@ -163,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, model in build_models(mixers, args.layers, args.windows):
         for context in contexts:
             for batch in batches:
-                entry = measure(name, model, batch, context, args.steps)
+                entry = measure(name, model, batch, context, args.steps, args.prefill_chunk)
                 results.append(entry)
                 print(json.dumps(entry), flush=True)
     record = {

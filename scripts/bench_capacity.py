@@ -1,0 +1,220 @@
+"""The largest batch that fits at a long context, per model, and decode throughput at that batch, in one run.
+
+    python scripts/bench_capacity.py --out docs/results/generate --context 32k --windows 4096
+
+Models as in bench_generate.py (SmolLM2-135M's shape, bf16, random weights): the teacher on transformers'
+`generate(cache_implementation="static")` with its compiled step, each hybrid on its fast path (static hybrid
+cache, compiled step in a CUDA graph), and with `--windows W` each hybrid again with its attention layers as W-token
+sliding windows.
+
+Per model: the memory of one sequence's cache of `context + 2 * steps + 16` tokens is measured (allocated bytes
+after a one-token forward has made every buffer); the batch that fills the GPU's free memory less `--reserve` GiB
+(the step's activations and logits) is tried, and shrunk by 5% after each out-of-memory until it runs. That batch is
+"the largest that fits". Throughput is then timed there for the teacher and the windowed hybrids (`--time all`
+times every model).
+
+Decode speed does not depend on the values in the cache, so the caches are not prefilled from `context` real tokens
+(at batch 1,000 that alone takes minutes): the teacher's static step attends over its whole buffer whatever was
+written (transformers' `StaticLayer.get_mask_sizes` is its full length), and each hybrid's counters are set as if
+`context` tokens were cached, so its decode attention reads every slot and its positions are `context` onward. The
+teacher is timed through generate() ((steps + 1 tokens - 1 token) / steps, as bench_generate.py does); a hybrid
+through its forward, one greedy token per step. Writes OUT/bench_capacity.json and prints a table of ratios last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_generate import SMOLLM2_135M, build_models, parse_sizes  # noqa: E402
+
+PROMPT = 16  # tokens actually run through the model before the counters are moved
+
+
+def free_memory() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def make_cache(name: str, model, batch: int, length: int):
+    """An empty cache for `batch` sequences of `length` tokens, its buffers made by a forward of PROMPT tokens."""
+    from transformers import StaticCache
+
+    from raven_layers import StaticHybridCache
+    from raven_layers.cache import OUTPUT_CACHE_FIELD
+
+    ids = torch.randint(3, SMOLLM2_135M["vocab_size"], (batch, PROMPT), device="cuda")
+    if name == "teacher":
+        cache = StaticCache(config=model.config, max_cache_len=length)
+        with torch.no_grad():
+            model(ids, use_cache=True, logits_to_keep=1, **{OUTPUT_CACHE_FIELD: cache})
+        cache.reset()  # buffers kept, counters back to zero
+        return cache
+    cache = StaticHybridCache(model.config, batch, length, device="cuda", dtype=model.dtype)
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True, logits_to_keep=1)
+    return cache
+
+
+def bytes_per_sequence(name: str, model, length: int) -> int:
+    free_memory()
+    before = torch.cuda.memory_allocated()
+    cache = make_cache(name, model, 1, length)
+    used = torch.cuda.memory_allocated() - before
+    del cache
+    free_memory()
+    return used
+
+
+def as_if_cached(cache, context: int) -> None:
+    """Move a hybrid cache's counters as if `context` real tokens were cached in every row (see the docstring)."""
+    cache.step.fill_(context)
+    cache.positions.fill_(context)
+    for valid in cache.valid.values():
+        valid.fill_(True)
+    cache.num_tokens = context
+
+
+def time_teacher(model, cache, batch: int, steps: int) -> float:
+    from raven_layers.cache import OUTPUT_CACHE_FIELD
+
+    ids = torch.randint(3, SMOLLM2_135M["vocab_size"], (batch, PROMPT), device="cuda")
+    args = dict(do_sample=False, pad_token_id=2, attention_mask=torch.ones_like(ids), **{OUTPUT_CACHE_FIELD: cache})
+
+    def run(new_tokens: int) -> float:
+        cache.reset()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **args)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    run(steps + 1)  # compiles the step for this batch
+    return (min(run(steps + 1) for _ in range(2)) - min(run(1) for _ in range(2))) / steps
+
+
+def time_hybrid(model, cache, context: int, steps: int, timed: bool) -> float | None:
+    """ms per step of `steps` greedy steps; untimed, one eager step (no compilation) shows that the batch runs."""
+    as_if_cached(cache, context)
+    model.use_decode_graphs = timed
+    token = torch.randint(3, SMOLLM2_135M["vocab_size"], (cache.batch_size, 1), device="cuda")
+    with torch.no_grad():
+        for _ in range(2 if timed else 1):  # compile and warm up, then capture
+            token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        if not timed:
+            return None
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps
+
+
+def largest_batch(name: str, model, context: int, steps: int, reserve_gib: float, timed: bool) -> dict:
+    length = context + 2 * steps + PROMPT
+    per_sequence = bytes_per_sequence(name, model, length)
+    free_memory()
+    batch = int((torch.cuda.mem_get_info()[0] - reserve_gib * 2**30) // per_sequence)
+    entry = {"model": name, "context": context, "cache_mib_per_sequence": round(per_sequence / 2**20, 2)}
+    while batch >= 1:
+        cache = None
+        try:
+            torch.cuda.reset_peak_memory_stats()
+            cache = make_cache(name, model, batch, length)
+            if name == "teacher":
+                step = time_teacher(model, cache, batch, steps)
+            else:
+                step = time_hybrid(model, cache, context, steps, timed)
+            entry.update(batch=batch, peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+            if step is not None:
+                entry.update(step_ms=round(step * 1e3, 3), tokens_per_s=round(batch / step, 1))
+            return entry
+        except (torch.OutOfMemoryError, RuntimeError) as error:  # Triton's launcher raises a RuntimeError
+            if "out of memory" not in str(error).lower():
+                raise
+            batch = int(batch * 0.95)
+        finally:
+            del cache
+            free_memory()
+    entry["batch"] = 0
+    return entry
+
+
+def table(results: list[dict]) -> str:
+    teacher = next(r for r in results if r["model"] == "teacher")
+    lines = [
+        "| model | context | cache MiB/seq | largest batch | vs teacher | ms/step | tokens/s | vs teacher | peak GiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        speed = (
+            f"{r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / teacher['tokens_per_s']:.1f}x"
+            if "tokens_per_s" in r and "tokens_per_s" in teacher
+            else "- | - | -"
+        )
+        lines.append(
+            f"| {r['model']} | {r['context']} | {r['cache_mib_per_sequence']:.1f} | {r['batch']} | "
+            f"{r['batch'] / max(teacher['batch'], 1):.1f}x | {speed} | {r.get('peak_gib', '-')} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--context", default="32k")
+    parser.add_argument("--mixers", default="raven,sse,sila")
+    parser.add_argument("--layers", default="0-29:2")
+    parser.add_argument("--windows", type=int, default=None, help="also run each hybrid with W-token windows")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--reserve", type=float, default=3.0, help="GiB left free for the step's workspace")
+    parser.add_argument("--time", choices=("windowed", "all"), default="windowed", help="which hybrids to time")
+    args = parser.parse_args(argv)
+    (context,) = parse_sizes(args.context)
+    mixers = [m.strip() for m in args.mixers.split(",") if m.strip()]
+    from raven_layers import MIXER_CLASSES
+
+    unknown = sorted(set(mixers) - set(MIXER_CLASSES))
+    if unknown:
+        raise SystemExit(f"--mixers: unknown {unknown}; allowed: {sorted(MIXER_CLASSES)}")
+    if args.windows is not None and args.windows < 1:
+        raise SystemExit(f"--windows {args.windows}: expected an integer >= 1")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_capacity measures CUDA memory: no CUDA device here")
+    import transformers
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for name, model in build_models(mixers, args.layers, args.windows):
+        timed = name == "teacher" or args.time == "all" or "-sw" in name
+        entry = largest_batch(name, model, context, args.steps, args.reserve, timed)
+        results.append(entry)
+        print(json.dumps(entry), flush=True)
+    record = {
+        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        "gpu": torch.cuda.get_device_name(),
+        "gpu_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "results": results,
+    }
+    tmp = args.out / "bench_capacity.json.tmp"
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(args.out / "bench_capacity.json")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
