@@ -244,7 +244,13 @@ class RavenMixer(Mixer):
         if self.training and s.gumbel:
             u = torch.rand_like(logits).clamp_(1e-10, 1.0 - 1e-7)
             logits = logits - torch.log(-torch.log(u))  # Gumbel(0, 1) noise: exploration of all slots
-        top, idx = logits.sigmoid().topk(s.top_k, dim=-1)
+        kernels = kernel_module("raven", x)
+        if kernels is not None and T > 1:  # prefill and training: a sort per row on chip, not a radix select each
+            idx = kernels.topk_slots(logits, s.top_k)  # [B, T, H_kv, K]
+            top = logits.gather(-1, idx)
+        else:
+            top, idx = logits.topk(s.top_k, dim=-1)
+        top = top.sigmoid()  # sigmoid is monotone: the same slots as the top-K of the scores, fewer exponentials
         r = top / (s.alpha * top.sum(-1, keepdim=True))  # [B, T, H_kv, K]
         a = (
             -F.softplus(F.linear(x, self.decay_weight, self.decay_bias).to(dtype))

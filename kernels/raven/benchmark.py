@@ -3,6 +3,9 @@ and the share of (chunk, slot block) pairs on the exact in-chunk path. Launch va
 ("a+b" both); "level0", "level1" time chunk_raven's other checkpoint levels (what the backward recomputes).
 
     PYTHONPATH=$PWD python3 kernels/raven/benchmark.py [--variants o8+dq8,level0,...] [--shapes 4x4096x256x32]
+
+`--topk` times the router's top-K instead: `topk_slots` against `torch.topk` on [B, T, H_kv, M] float32 logits
+(the prefill shapes of SmolLM2, H_kv = 3, and of the kernel shapes above).
 """
 
 import argparse
@@ -11,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.raven import chunk as raven_chunk
-from kernels.raven import chunk_raven
+from kernels.raven import chunk_raven, topk_slots
 from kernels.raven.intra import RANGE_NATS
 from kernels.timing import time_training
 
@@ -88,8 +91,22 @@ def case(B, T, M, K, variant, show_profile):
     return name, t_f, t_fb
 
 
+def time_topk(shapes) -> None:
+    """topk_slots against torch.topk (values and indices, as route() used it) on float32 router logits."""
+    from triton.testing import do_bench
+
+    print("| logits [B, T, H_kv, M], K | torch.topk ms | topk_slots ms | speed-up |\n| --- | --- | --- | --- |")
+    for B, T, Hkv, M, K in shapes:
+        logits = torch.randn(B, T, Hkv, M, device="cuda")
+        assert torch.equal(topk_slots(logits, K), logits.topk(K).indices)
+        ref = do_bench(lambda x=logits, k=K: x.topk(k, dim=-1))
+        ours = do_bench(lambda x=logits, k=K: x.gather(-1, topk_slots(x, k)))
+        print(f"| [{B}, {T}, {Hkv}, {M}], {K} | {ref:.3f} | {ours:.3f} | {ref / ours:.1f}x |", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
+    parser.add_argument("--topk", action="store_true", help="time the router's top-K (topk_slots) only")
     parser.add_argument("--variants", default="", help="comma-separated launch variants to time as well")
     parser.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES), help="BxTxMxK,...")
     args = parser.parse_args()
@@ -106,6 +123,8 @@ def main():
         assert all(len(s) == 4 for s in shapes)
     except (ValueError, AssertionError):
         parser.error(f"--shapes: expected BxTxMxK[,BxTxMxK...], got {args.shapes!r}")
+    if args.topk:
+        return time_topk([(1, 32768, 3, 256, 32), (1, 16384, 3, 64, 8), (*shapes[0][:2], H, *shapes[0][2:])])
     default, default_scan = raven_chunk.launch_config, raven_chunk.scan_config
     results = []
     for B, T, M, K in shapes:

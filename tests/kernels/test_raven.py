@@ -1,13 +1,15 @@
 """Raven kernels against the step-by-step reference: outputs, final states and every gradient; decode steps; the
 mixer under the Triton and the PyTorch backends. On CPU the kernels run in the Triton interpreter."""
 
+import math
+
 import pytest
 import torch
 from transformers import LlamaConfig
 
 from kernels import split
 from kernels.raven import chunk as raven_chunk
-from kernels.raven import chunk_raven, fused_recurrent_raven, naive_raven
+from kernels.raven import chunk_raven, fused_recurrent_raven, naive_raven, topk_slots
 from raven_layers import RavenMixer, RavenSettings
 from raven_layers.backend import use_backend
 
@@ -199,6 +201,25 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="contiguous float32"):
         state = random_state(1, 1, 16, 16)
         fused_recurrent_raven(q, k, v, a, idx, r, 1.0, 16, (state[0].double(), state[1]), True)
+
+
+@pytest.mark.parametrize(
+    "shape, k", [((2, 7, 3, 64), 8), ((1, 5, 2, 20), 5), ((3, 1, 1, 256), 32), ((4, 2, 1, 16), 16)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_topk_slots_matches_torch_topk(shape, k, dtype):
+    # a permutation per row, negatives and positives exact in bfloat16: torch.topk's choice and order are defined
+    g, M = torch.Generator().manual_seed(k), shape[-1]
+    rows = [torch.randperm(M, generator=g) - M // 2 for _ in range(math.prod(shape[:-1]))]
+    logits = (torch.stack(rows).view(shape) * 0.25).to(DEVICE, dtype)
+    assert torch.equal(topk_slots(logits, k), logits.topk(k).indices)
+
+
+def test_topk_slots_orders_ties_and_signed_zeros():
+    logits = torch.tensor([[1.0, 3.0, 3.0, -0.0, 0.0, -2.0, 3.0, float("-inf")]], device=DEVICE)
+    assert topk_slots(logits, 6).tolist() == [[1, 2, 6, 0, 4, 3]]  # equal values: the lower slot first
+    with pytest.raises(ValueError, match="k = 9 must lie in"):
+        topk_slots(logits, 9)
 
 
 class TinyCache:

@@ -116,26 +116,37 @@ PROMPTS = [
 
 
 @pytest.mark.parametrize("mixer", ["raven", "sse", "sila"])
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-3), (torch.bfloat16, 3e-2)])
-def test_real_smollm2_fast_path_equals_the_eager_path(smollm2_dir, mixer, dtype, tolerance):
-    """The real SmolLM2-135M-Instruct converted at 0-29:2 (15 of 30 layers), left-padded real prompts: 64 greedy
-    tokens of the default path (static cache, compiled step replayed as a CUDA graph) equal the eager dynamic
-    path's, and every step's logits stay within the dtype's tolerance of the eager ones."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_real_smollm2_fast_path_equals_the_eager_path(smollm2_dir, mixer, dtype):
+    """The real SmolLM2-135M-Instruct converted at 0-29:2 (15 of 30 layers), left-padded real prompts, 64 greedy
+    tokens. float32: the default path's tokens (static cache, compiled step replayed as a CUDA graph) equal the
+    eager dynamic path's, every step's logits within 1e-3. bfloat16: the two paths round differently and fork
+    within a few tokens on an untrained conversion (measured: at token 1-14), so along the fast path's own tokens
+    its logits must be as close to the float32 model's as the eager bfloat16 forward's are."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir, padding_side="left")
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token  # the GGUF's tokenizer names no pad token
     source = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
     torch.manual_seed(0)
-    model = build_hybrid(source, plan_layers([(mixer, "0-29:2")], 30), {}).cuda().to(dtype).eval()
+    model = build_hybrid(source, plan_layers([(mixer, "0-29:2")], 30), {}).cuda().eval()
+    exact = copy.deepcopy(model) if dtype != torch.float32 else model
+    model = model.to(dtype)
     batch = tokenizer(PROMPTS, return_tensors="pt", padding=True).to("cuda")
     args = dict(**batch, max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     with torch.no_grad():
-        eager = model.generate(cache_implementation="dynamic", output_logits=True, return_dict_in_generate=True, **args)
         fast = model.generate(output_logits=True, return_dict_in_generate=True, **args)
-    assert type(output_cache(fast)).__name__ == "StaticHybridCache"
-    errors = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(fast.logits, eager.logits)]
-    same = (fast.sequences == eager.sequences).all(dim=0)
-    first_fork = int((~same).nonzero()[0]) - batch.input_ids.shape[1] if not same.all() else None
-    assert first_fork is None, f"greedy paths fork at new token {first_fork}; step errors {errors[:first_fork + 1]}"
-    assert max(errors) < tolerance, f"largest step error {max(errors):.2e} (mean {sum(errors) / len(errors):.2e})"
+        assert type(output_cache(fast)).__name__ == "StaticHybridCache"
+        if dtype == torch.float32:
+            eager = model.generate(cache_implementation="dynamic", output_logits=True, return_dict_in_generate=True,
+                                   **args)  # fmt: skip
+            errors = [((a - b).norm() / b.norm()).item() for a, b in zip(fast.logits, eager.logits)]
+            assert torch.equal(fast.sequences, eager.sequences), f"step errors before the fork: {errors}"
+            assert max(errors) < 1e-3, f"largest step error {max(errors):.2e}"
+            return
+        prompt = batch.input_ids.shape[1]
+        full_mask = torch.cat([batch.attention_mask, batch.attention_mask.new_ones(len(PROMPTS), 64)], dim=1)
+        truth = exact(fast.sequences, attention_mask=full_mask).logits[:, prompt - 1 : -1].float()  # [B, 64, V]
+        fast_error = mean_step_error(torch.stack(fast.logits, dim=1), truth)
+        eager_error = mean_step_error(model(fast.sequences, attention_mask=full_mask).logits[:, prompt - 1 : -1], truth)
+        assert fast_error < 2 * eager_error + 1e-3, f"fast path {fast_error:.2e}, eager bf16 {eager_error:.2e}"
