@@ -307,7 +307,9 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         if given is not None or use_cache is False:
             return super().generate(inputs, generation_config, **kwargs)
         if choice == "dynamic":  # made here, not in forward(): a chunked prefill (prefill_chunk_size) needs it first
-            return super().generate(inputs, generation_config, **{OUTPUT_CACHE_FIELD: HybridCache(self.config)}, **kwargs)
+            return super().generate(
+                inputs, generation_config, **{OUTPUT_CACHE_FIELD: HybridCache(self.config)}, **kwargs
+            )
         prompt = inputs if inputs is not None else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
         if prompt is None:
             raise ValueError("generate() with a static cache needs the prompt: input_ids or inputs_embeds")
@@ -391,7 +393,17 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
             return self.decode_logits
         if self._compiled_decode is None:
             preload((*MIXER_CLASSES, "attention"))
-            self._compiled_decode = torch.compile(self.decode_logits, fullgraph=True, dynamic=False)
+            compiled = torch.compile(self.decode_logits, fullgraph=True, dynamic=False)
+            config = torch._dynamo.config
+            limits = {n: 1 << 20 for n in ("recompile_limit", "accumulated_recompile_limit") if hasattr(config, n)}
+
+            def step(input_ids: torch.Tensor, cache: StaticHybridCache) -> torch.Tensor:
+                # each (model, batch, cache length) compiles once and is then replayed as a graph, never traced
+                # again; dynamo's default of 8 compilations per function would run the 9th one eager, silently
+                with config.patch(**limits):
+                    return compiled(input_ids, cache)
+
+            self._compiled_decode = step
         return self._compiled_decode
 
     def _graph_step(self, cache, input_ids, labels, kwargs) -> bool:

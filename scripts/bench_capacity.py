@@ -202,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
         entry = largest_batch(name, model, context, args.steps, args.reserve, timed)
         results.append(entry)
         print(json.dumps(entry), flush=True)
+        del model  # freed before the next model is built (build_models)
     record = {
         "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
         "gpu": torch.cuda.get_device_name(),

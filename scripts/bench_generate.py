@@ -21,6 +21,7 @@ long context, and the throughput there: bench_capacity.py.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -65,7 +66,9 @@ def parse_sizes(text: str) -> list[int]:
 
 
 def build_models(mixers: list[str], layers: str, windows: int | None):
-    """(name, model) pairs: the teacher first, then one hybrid per mixer (and per mixer with windows)."""
+    """(name, model) pairs: the teacher first, then one hybrid per mixer (and per mixer with windows). Drop `model`
+    before asking for the next: each hybrid's memory (its static cache and graph too) is freed before the next is
+    built, or the next one's peak memory and batch capacity would include it."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from convert import build_hybrid, plan_layers
@@ -82,6 +85,8 @@ def build_models(mixers: list[str], layers: str, windows: int | None):
             hybrid = build_hybrid(teacher, kinds, {}, attention_windows=spans).to("cuda", torch.bfloat16).eval()
             yield (f"{mixer}-sw{window}" if window else mixer), hybrid
             del hybrid
+            torch._dynamo.reset()  # compiled steps keep references to the last model's cache
+            gc.collect()
             torch.cuda.empty_cache()
 
 
@@ -173,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
                 entry = measure(name, model, batch, context, args.steps, args.prefill_chunk)
                 results.append(entry)
                 print(json.dumps(entry), flush=True)
+        del model
     record = {
         "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
         "gpu": torch.cuda.get_device_name(),

@@ -35,6 +35,33 @@ def best_of(fn, repeats: int = 3) -> float:
     return min(times) * 1e3
 
 
+def profile(name: str, model, context: int, out: Path) -> tuple[float, float, float]:
+    """TTFT, bare forward and profiled GPU busy time (ms) of one model at one context; writes its operator tables."""
+    kwargs = dict(max_new_tokens=1, do_sample=False, pad_token_id=2)
+    if name == "teacher":
+        kwargs["cache_implementation"] = "static"
+    ids = torch.randint(3, SMOLLM2_135M["vocab_size"], (1, context), device="cuda")
+    mask = torch.ones_like(ids)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, **{**kwargs, "max_new_tokens": 3})  # warm-up
+        ttft = best_of(lambda: model.generate(ids, attention_mask=mask, **kwargs))
+        bare = best_of(lambda: model(ids, use_cache=False, logits_to_keep=1))
+        with torch.profiler.profile(activities=activities) as prof:
+            model.generate(ids, attention_mask=mask, **kwargs)
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    gpu_ms = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+    (out / f"profile_prefill_{name}_{context // 1024}k.txt").write_text(
+        events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60)
+        + "\n\n"
+        + events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+    )
+    print(f"{name} {context}: TTFT {ttft:.1f} ms, bare forward {bare:.1f} ms, GPU busy {gpu_ms:.1f} ms")
+    print(events.table(sort_by="self_device_time_total", row_limit=8, max_name_column_width=50), flush=True)
+    return ttft, bare, gpu_ms
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -47,35 +74,12 @@ def main(argv=None):
         raise SystemExit("profile_prefill measures CUDA prefill: no CUDA device here")
     contexts = parse_sizes(args.contexts)
     args.out.mkdir(parents=True, exist_ok=True)
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     rows = []
     for name, model in build_models(args.mixers.split(","), args.layers, args.windows):
-        kwargs = dict(max_new_tokens=1, do_sample=False, pad_token_id=2)
-        if name == "teacher":
-            kwargs["cache_implementation"] = "static"
         for context in contexts:
-            ids = torch.randint(3, SMOLLM2_135M["vocab_size"], (1, context), device="cuda")
-            mask = torch.ones_like(ids)
-            with torch.no_grad():
-                model.generate(ids, attention_mask=mask, **{**kwargs, "max_new_tokens": 3})  # warm-up
-                ttft = best_of(lambda: model.generate(ids, attention_mask=mask, **kwargs))
-                bare = best_of(lambda: model(ids, use_cache=False, logits_to_keep=1))
-                with torch.profiler.profile(activities=activities) as prof:
-                    model.generate(ids, attention_mask=mask, **kwargs)
-                    torch.cuda.synchronize()
-            events = prof.key_averages()
-            gpu_ms = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
-            report = args.out / f"profile_prefill_{name}_{context // 1024}k.txt"
-            report.write_text(
-                events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60)
-                + "\n\n"
-                + events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
-            )
-            rows.append((name, context, ttft, bare, gpu_ms))
-            print(f"{name} {context}: TTFT {ttft:.1f} ms, bare forward {bare:.1f} ms, GPU busy {gpu_ms:.1f} ms")
-            print(events.table(sort_by="self_device_time_total", row_limit=8, max_name_column_width=50), flush=True)
-            del ids, mask, prof
+            rows.append((name, context, *profile(name, model, context, args.out)))
             torch.cuda.empty_cache()
+        del model  # freed before the next model is built (build_models)
     print("| model | context | TTFT ms | bare forward ms | GPU busy ms (profiled) |")
     print("| --- | --- | --- | --- | --- |")
     for name, context, ttft, bare, gpu_ms in rows:

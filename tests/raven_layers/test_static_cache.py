@@ -162,3 +162,18 @@ def test_compiled_decode_step_equals_eager():
         return torch.cat(logits, dim=1)
 
     torch.testing.assert_close(decode(True), decode(False), rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_decode_step_is_not_capped_by_dynamos_recompile_limit(monkeypatch):
+    """Every (model, batch, cache length) compiles the step once; past dynamo's default of 8 compilations per
+    function the 9th would silently run eager, so the step lifts the limit while it is traced (and only then)."""
+    import torch._dynamo.config as dynamo_config
+
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: lambda *args: seen.append(dynamo_config.recompile_limit))
+    source = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2)).eval()
+    hybrid = build_hybrid(source, plan_layers([("raven", "0")], 2), SETTINGS)
+    step = hybrid.decode_function()
+    before = dynamo_config.recompile_limit
+    step(torch.zeros(1, 1, dtype=torch.long), None)
+    assert seen == [1 << 20] and dynamo_config.recompile_limit == before
