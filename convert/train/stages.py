@@ -123,6 +123,25 @@ def _stale(run_dir: Path, stage: str, done: dict, recipe: Recipe, prints: dict[s
     )
 
 
+def stage_state(run_dir: Path, stage: str) -> str:
+    """What a rerun of an unfinished `stage` starts from: its latest complete checkpoint, or nothing of it."""
+    from convert.train.stage2 import latest_checkpoint
+
+    found = latest_checkpoint(Path(run_dir) / stage)
+    if found is None:
+        return f"nothing of the {stage} stage was saved, a rerun starts it afresh"
+    return f"the {stage} stage's last good checkpoint {found[0]} is kept, a rerun resumes after step {found[1]['step']}"
+
+
+def saved_so_far(run_dir: str | Path, stages: list[str] | None = None) -> str:
+    """One sentence: the stages DONE in run_dir, and what the first unfinished one of `stages` resumes from."""
+    run_dir = Path(run_dir).resolve()
+    finished = [s for s in STAGES if (run_dir / s / MARKER).is_file()]
+    text = f"stages done in {run_dir}: {', '.join(finished)}" if finished else f"no stage finished in {run_dir}"
+    pending = [s for s in (stages or STAGES) if s in STAGES and s not in finished]
+    return f"{text}; {stage_state(run_dir, pending[0])}" if pending else text
+
+
 def _require(run_dir: Path, stage: str) -> dict:
     """DONE of every stage before `stage`, all present, else a ValueError naming the first missing one."""
     done = {}
@@ -142,6 +161,16 @@ def _latest_model(run_dir: Path, done: dict) -> Path:
         if done[stage].get("model"):
             return run_dir / done[stage]["model"]
     raise ValueError(f"no model directory in {run_dir}: run the convert stage first")
+
+
+def uses_data(recipe: Recipe, stage: str) -> bool:
+    """Whether `stage` reads the training data under this recipe."""
+    return {
+        "align": recipe.align.steps > 0,
+        "weights": recipe.token_weights.enabled,
+        "train": recipe.train.steps > 0,
+        "extend": recipe.extend is not None,
+    }.get(stage, False)
 
 
 def _world_size() -> int:
@@ -473,6 +502,11 @@ def run_recipe(recipe: Recipe, run_dir: str | Path, stages: list[str] | None = N
             f"under a multi-process launch only the {'/'.join(DATA_PARALLEL)} stages run (with --stages), without "
             f"--redo; run {several or 'the others'} in one process first"
         )
+    rerun = set(STAGES[STAGES.index(redo) :]) if redo else set()
+    if any(uses_data(recipe, s) and (s in rerun or read_done(run_dir, s) is None) for s in wanted):
+        from convert.train.data import check_data_source
+
+        check_data_source(recipe.data.source, recipe.data.text_field)  # before any model is loaded or stage runs
     run_dir.mkdir(parents=True, exist_ok=True)
     if redo:
         for stage in STAGES[STAGES.index(redo) :]:
@@ -500,7 +534,13 @@ def run_recipe(recipe: Recipe, run_dir: str | Path, stages: list[str] | None = N
         log(f"[{stage}] starting")
         clock = time.perf_counter()
         (run_dir / stage).mkdir(parents=True, exist_ok=True)
-        summary = RUNNERS[stage](recipe, run_dir, done)
+        try:
+            summary = RUNNERS[stage](recipe, run_dir, done)
+        except FloatingPointError as err:  # a diverged step: say what survives instead of a traceback
+            raise FloatingPointError(
+                f"the {stage} stage stopped: {err}; {stage_state(run_dir, stage)}. Lower {stage}.lr (--set "
+                f"{stage}.lr=...) or check the data before rerunning"
+            ) from err
         summary["seconds"] = round(time.perf_counter() - clock, 3)
         summary |= {"fingerprint": prints[stage], "inputs": stage_inputs(recipe, stage)}
         if _is_main_process():
