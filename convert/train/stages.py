@@ -10,7 +10,9 @@ last and atomically, RUN_DIR/S/DONE (JSON: the stage's summary, including "model
 directory after the stage, and its fingerprint). A stage whose DONE exists is skipped, so an interrupted run
 continues where it stopped (train and extend also resume from their own checkpoints). A stage turned off by the
 recipe (steps 0, token weights disabled, extend/evaluate/export null) still writes DONE with "skipped": true.
-Running a stage needs the DONE of every stage before it; a missing one is an error naming it.
+Running a stage needs the DONE of every stage before it; a missing one is an error naming it. The data source is
+checked (data.check_data_source) before the first stage runs when a stage left to run reads it, so a bad data file
+costs no stage. A non-finite loss stops its stage with a FloatingPointError naming the step and what was kept.
 
 A stage's fingerprint hashes the recipe fields it reads and the fingerprints of the stages before it. When a DONE
 was written under another fingerprint (the recipe changed since), the run stops and names the changed fields
@@ -171,6 +173,11 @@ def uses_data(recipe: Recipe, stage: str) -> bool:
         "train": recipe.train.steps > 0,
         "extend": recipe.extend is not None,
     }.get(stage, False)
+
+
+def _learns(recipe: Recipe, stage: str) -> bool:
+    """Whether `stage` has a learning rate in the recipe (align, train, extend)."""
+    return hasattr(getattr(recipe, stage, None), "lr")
 
 
 def _world_size() -> int:
@@ -537,9 +544,9 @@ def run_recipe(recipe: Recipe, run_dir: str | Path, stages: list[str] | None = N
         try:
             summary = RUNNERS[stage](recipe, run_dir, done)
         except FloatingPointError as err:  # a diverged step: say what survives instead of a traceback
+            advice = f"Lower {stage}.lr (--set {stage}.lr=...) or check" if _learns(recipe, stage) else "Check"
             raise FloatingPointError(
-                f"the {stage} stage stopped: {err}; {stage_state(run_dir, stage)}. Lower {stage}.lr (--set "
-                f"{stage}.lr=...) or check the data before rerunning"
+                f"the {stage} stage stopped: {err}; {stage_state(run_dir, stage)}. {advice} the data before rerunning"
             ) from err
         summary["seconds"] = round(time.perf_counter() - clock, 3)
         summary |= {"fingerprint": prints[stage], "inputs": stage_inputs(recipe, stage)}
