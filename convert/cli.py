@@ -1,4 +1,5 @@
-"""`convert`: turn a pretrained decoder into a hybrid with linear-time mixers in chosen layers.
+"""raven-convert (also installed as `convert`, not ImageMagick's), of the raven-hybrid toolkit: turn a pretrained
+Hugging Face decoder into a hybrid with linear-time mixers (Raven, SSE, SILA) in chosen layers.
 
     convert --src Qwen/Qwen3-0.6B --mixer raven --layers 0-23:5 --out qwen3-raven
     convert --src model.gguf --mixer raven --layers 0-3 --mixer raven --layers -2,-1 \\
@@ -9,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import typing
 from pathlib import Path
 
 from raven_layers import MIXER_CLASSES, MIXER_SETTINGS
 
+from .console import command_line, interrupted, invoked_as
 from .layer_spec import ACCEPTED_FORMS
 from .pipeline import ConvertRequest, convert_model
 from .sources import DEFAULT_SRC, DTYPES
@@ -35,14 +38,21 @@ def _value_parser(hint):
             if text.lower() in ("false", "off", "no", "0"):
                 return False
             raise argparse.ArgumentTypeError(f"expected true or false{' or auto' if optional else ''}, got {text!r}")
-        return base(text)
+        value = base(text)
+        if base is float and not math.isfinite(value):  # inf or nan would write a model whose logits are nan
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        return value
 
     parse.__name__ = base.__name__  # argparse names it in "invalid int value: 'x'"
     return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="convert", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=invoked_as("convert", ("convert", "raven-convert")),
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--src", default=DEFAULT_SRC, help=f"Hub id, model directory or .gguf file (default {DEFAULT_SRC})")
     p.add_argument("--mixer", action="append", choices=sorted(MIXER_CLASSES), help="mixer for the next --layers")
     p.add_argument("--layers", action="append", required=True, help=f"layers to replace: {ACCEPTED_FORMS}")
@@ -97,13 +107,26 @@ def request_from_args(args: argparse.Namespace) -> ConvertRequest:
     )
 
 
+def _stamp(out: Path) -> int | None:
+    return out.stat().st_mtime_ns if out.exists() else None
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    before = _stamp(args.out)
     try:
         convert_model(request_from_args(args))
     except (ValueError, FileExistsError) as err:  # bad input: a one-line message, not a traceback
-        parser.exit(2, f"convert: error: {err}\n")
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    except KeyboardInterrupt:
+        if _stamp(args.out) == before:  # the output is swapped in whole, so it is either untouched or complete
+            saved = f"--out {args.out} is as it was" if before else f"nothing was written to --out {args.out}"
+            return interrupted(saved, command_line(parser.prog, argv))
+        again = argv if args.overwrite else [*argv, "--overwrite"]
+        saved = f"the model was written to {args.out}" + (", not pushed" if args.push_to_hub else "")
+        return interrupted(saved, command_line(parser.prog, again))
     return 0
 
 

@@ -42,13 +42,17 @@ def save_hybrid(
     tmp = out.parent / f".{out.name}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
 
-    model.config.auto_map = AUTO_MAP
-    model.save_pretrained(tmp, max_shard_size=max_shard_size)
-    code_dir = Path(raven_layers.__file__).parent
-    for name in BUNDLED_FILES:
-        shutil.copy2(code_dir / name, tmp / name)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "README.md").write_text(model_card(model, base_model))
+    try:
+        model.config.auto_map = AUTO_MAP
+        model.save_pretrained(tmp, max_shard_size=max_shard_size)
+        code_dir = Path(raven_layers.__file__).parent
+        for name in BUNDLED_FILES:
+            shutil.copy2(code_dir / name, tmp / name)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "README.md").write_text(model_card(model, base_model))
+    except BaseException:  # a failure or Ctrl-C leaves no hidden half-written directory behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
     if out.exists():  # swap: the old directory disappears only once the new one is complete
         old = out.parent / f".{out.name}.old"

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+_INF = float("inf")
+
 
 class MixerSettings:
     """Base of the mixers' frozen settings dataclasses. Subclasses set NAME ("raven") and LABEL ("Raven")."""
@@ -20,15 +22,22 @@ class MixerSettings:
     LABEL = "mixer"
 
     def fail(self, name: str, allowed: str):
-        raise ValueError(f"{self.NAME}.{name} = {getattr(self, name)!r} is not allowed; expected {allowed}")
+        value = getattr(self, name)
+        why = " (not a finite number)" if self.is_non_finite(value) else ""
+        raise ValueError(f"{self.NAME}.{name} = {value!r} is not allowed{why}; expected {allowed}")
 
     @staticmethod
     def is_int(value) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
 
     @staticmethod
-    def is_number(value) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    def is_non_finite(value) -> bool:
+        return isinstance(value, float) and not -_INF < value < _INF  # nan fails both comparisons
+
+    @classmethod
+    def is_number(cls, value) -> bool:
+        """A finite int or float (not a bool): inf and nan are never a valid setting."""
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and not cls.is_non_finite(value)
 
     def check_positive_ints(self, *names: str):
         for name in names:

@@ -1,4 +1,5 @@
-"""Run code where transformers is importable but this toolkit is not, as on a machine that only downloads a model."""
+"""Test helpers: a tiny text corpus, and code run where transformers is importable but this toolkit is not (as on a
+machine that only downloads a model)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,15 @@ import textwrap
 from pathlib import Path
 
 TOOLKIT_PACKAGES = ("convert", "raven_layers", "kernels")
+WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly big mice".split()
+
+
+def corpus(folder: Path) -> Path:
+    """folder/docs.jsonl: six documents of a few hundred characters (about 70 rows of 32 characters)."""
+    folder.mkdir()
+    docs = [" ".join(WORDS[i:] + WORDS[:i]) * (i + 2) for i in range(6)]
+    (folder / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return folder
 
 
 def site_packages() -> list[str]:

@@ -5,8 +5,18 @@ from __future__ import annotations
 import argparse
 import sys
 
+from convert.console import command_line, interrupted, invoked_as
 from convert.train.recipe import STAGES, load_recipe
-from convert.train.stages import run_recipe
+from convert.train.stages import run_recipe, saved_so_far
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The command that continues an interrupted run: the same one without --redo (which would delete again)."""
+    words = [args.recipe, "--run-dir", args.run_dir]
+    words += ["--stages", args.stages] if args.stages is not None else []
+    for item in args.overrides:
+        words += ["--set", item]
+    return command_line(invoked_as("convert.train", ("raven-train",)), words)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except FloatingPointError as err:  # a diverged training step: the message says what was kept
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return interrupted(saved_so_far(args.run_dir, stages), resume_command(args))
     return 0
 
 

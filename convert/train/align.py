@@ -157,7 +157,7 @@ def align(
                 losses = alignment_losses(teacher, hybrid, **inputs)
             bad = [i for i, loss in losses.items() if not torch.isfinite(loss)]
             if bad:
-                raise FloatingPointError(f"alignment loss is not finite at step {step} in layer(s) {bad}")
+                raise FloatingPointError(f"alignment loss is not finite at step {step + 1} in layer(s) {bad}")
             total = torch.stack(list(losses.values())).sum()
             optimizer.zero_grad(set_to_none=True)
             total.backward()

@@ -32,6 +32,8 @@ BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parq
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
 FIELDS = ("input_ids", "document_ids", "position_ids")
 CACHE_FORMAT = 1  # bump when the cached layout or the packing rule changes
+SKIPPED_LIMIT = 0.5  # more than this share of records without the text field is an error, not a loss to report
+SAMPLED_FILES = 16  # check_data_source reads a sample of this many files (every file is checked for readability)
 # Tokenised into the cache key, so that a different tokenizer saved under the same name gets its own cache.
 PROBES = (
     "Hello, world! The year 2024; pi = 3.14159.",
@@ -94,6 +96,62 @@ def local_files(source) -> list[Path] | None:
     return None
 
 
+def _read_errors() -> tuple[type[BaseException], ...]:
+    """What reading a damaged or unreadable data file raises: gzip/IO errors, truncation, bad bytes, bad JSON or
+    parquet (pyarrow), and datasets' wrapper of those."""
+    from datasets.exceptions import DatasetGenerationError
+    from pyarrow import ArrowException
+
+    return OSError, EOFError, UnicodeDecodeError, ArrowException, DatasetGenerationError
+
+
+def _damaged(source, err: BaseException) -> ValueError:
+    return ValueError(
+        f"data.source {source}: cannot read it, the file is damaged, truncated or not in the format its extension "
+        f"says ({type(err).__name__}: {str(err).strip() or 'no records'})"
+    )
+
+
+def _records(source, split: str, streaming: bool, text_sample_by: str) -> Iterator[dict]:
+    """Every record of `source` (see load_documents), read with the datasets builders; a damaged file raises
+    ValueError naming it instead of the reader's own exception."""
+    from datasets import load_dataset
+
+    files = local_files(source)
+    errors = _read_errors() if files is not None else ()  # a Hub dataset's own errors say more than "damaged"
+    try:
+        if files is None:
+            name, _, config = str(source).partition(":")
+            dataset = load_dataset(name, config or None, split=split, streaming=streaming)
+        else:
+            builders = {builder_for(f) for f in files}
+            if len(builders) > 1:
+                raise ValueError(f"{source} mixes file formats ({', '.join(sorted(builders))}); use one format")
+            (builder,) = builders
+            options = {"sample_by": text_sample_by} if builder == "text" else {}
+            data_files = {split: [str(f) for f in files]}
+            dataset = load_dataset(builder, data_files=data_files, split=split, streaming=streaming, **options)
+        yield from dataset
+    except StopIteration:  # the json builder's schema probe of a file without records
+        raise ValueError(f"data.source {source}: holds no records") from None
+    except errors as err:
+        raise _damaged(source, err) from None
+
+
+def check_skipped(where, text_field: str, missing: int, seen: int, sample: bool = False) -> None:
+    """Report records without `text_field` on stderr; more than SKIPPED_LIMIT of them raises ValueError."""
+    if not missing:
+        return
+    share = missing / max(seen, 1)
+    counted = f"{missing:,} of {seen:,} {'sampled ' if sample else ''}records ({share:.0%}) of {where}"
+    if share > SKIPPED_LIMIT:
+        raise ValueError(
+            f"data.text_field {text_field!r}: {counted} have no such field; at most {SKIPPED_LIMIT:.0%} may be "
+            "skipped. Set data.text_field to the field that holds the text"
+        )
+    print(f"[data] skipping {counted}: no field {text_field!r}", file=sys.stderr)
+
+
 def load_documents(
     source,
     text_field: str = "text",
@@ -109,38 +167,66 @@ def load_documents(
     colon ("HuggingFaceFW/fineweb-edu:sample-10BT"). `streaming=None` streams (reads lazily, copying nothing into
     the datasets cache). For .txt files, `text_sample_by` is the text builder's unit: "line" (one document per
     line), "paragraph" or "document" (one per file). The first record is read at once, so that a missing field
-    raises ValueError here, naming the field and the columns found.
+    raises ValueError here, naming the field and the columns found. Records without the field are counted: once
+    read, their share is reported, and more than SKIPPED_LIMIT of them raises ValueError (see check_skipped).
     """
-    from datasets import load_dataset
-
-    streaming = True if streaming is None else streaming
-    files = local_files(source)
-    if files is None:
-        name, _, config = str(source).partition(":")
-        dataset = load_dataset(name, config or None, split=split, streaming=streaming)
-    else:
-        builders = {builder_for(f) for f in files}
-        if len(builders) > 1:
-            raise ValueError(f"{source} mixes file formats ({', '.join(sorted(builders))}); use one format")
-        (builder,) = builders
-        options = {"sample_by": text_sample_by} if builder == "text" else {}
-        data_files = {split: [str(f) for f in files]}
-        dataset = load_dataset(builder, data_files=data_files, split=split, streaming=streaming, **options)
-
-    def missing(columns) -> ValueError:
-        return ValueError(f"{source}: no text field {text_field!r}; columns found: {sorted(columns)}")
-
-    columns = dataset.column_names  # may be None for a streamed dataset until a record is read
-    if columns is not None and text_field not in columns:
-        raise missing(columns)
-    records = iter(dataset)
+    records = _records(source, split, True if streaming is None else streaming, text_sample_by)
     first = next(records, None)
     if first is None:
         return iter(())
     if text_field not in first:
-        raise missing(first.keys())
-    texts = (record[text_field] for record in itertools.chain([first], records))
-    return itertools.islice((t for t in texts if t), max_documents)
+        raise ValueError(f"{source}: no text field {text_field!r}; columns found: {sorted(first)}")
+
+    def texts() -> Iterator[str]:
+        seen = missing = kept = 0
+        for record in itertools.chain([first], records):
+            seen += 1
+            text = record.get(text_field)
+            missing += text is None
+            if text:
+                yield text
+                kept += 1
+                if kept == max_documents:
+                    break
+        check_skipped(source, text_field, missing, seen)
+
+    return texts()
+
+
+def check_data_source(source, text_field: str = "text", text_sample_by: str = "line", sample: int = 256) -> int:
+    """Validate a local data source before any model is loaded; returns the number of files (0 for a Hub name,
+    which is not checked). Every file must be readable and non-empty; the first `sample` records of each of the
+    first SAMPLED_FILES files are read, so that damaged files and a missing or mostly missing text field raise
+    ValueError here, naming the file and the field."""
+    try:
+        files = local_files(source)
+    except FileNotFoundError as err:
+        raise ValueError(f"data.source: {err}") from None
+    if files is None:
+        return 0
+    for f in files:
+        try:
+            with open(f, "rb") as handle:
+                empty = not handle.read(1)
+        except OSError as err:
+            raise ValueError(f"data.source {f}: cannot read it ({err.strerror or err})") from None
+        if empty:
+            raise ValueError(f"data.source {f}: the file is empty; expected records with a {text_field!r} field")
+    for f in files[:SAMPLED_FILES]:
+        seen = missing = 0
+        columns: set[str] = set()
+        for record in itertools.islice(_records(f, "train", True, text_sample_by), sample):
+            seen += 1
+            columns |= set(record)
+            missing += record.get(text_field) is None
+        if not seen:
+            raise ValueError(f"data.source {f}: holds no records")
+        if missing == seen:
+            raise ValueError(
+                f"data.text_field {text_field!r}: no record of {f} has this field; fields found: {sorted(columns)}"
+            )
+        check_skipped(f, text_field, missing, seen, sample=True)
+    return len(files)
 
 
 class Progress:
@@ -320,10 +406,15 @@ def build_dataset(
     random fraction of rows, see split_rows) is drawn after loading, so it may change without re-tokenising.
     """
     path = Path(cache_dir) / f"{cache_key(source, tokenizer, seq_len, max_documents, text_field, split)}.pt"
+    tensors = None
     if path.is_file():
-        tensors = torch.load(path, weights_only=True)
-        print(f"[data] loaded {tensors['input_ids'].shape[0]:,} rows of {seq_len} from {path}", file=sys.stderr)
-    else:
+        try:
+            tensors = torch.load(path, weights_only=True)
+            print(f"[data] loaded {tensors['input_ids'].shape[0]:,} rows of {seq_len} from {path}", file=sys.stderr)
+        except Exception as err:  # a truncated or damaged cache is rebuilt, not mistaken for a model checkpoint
+            print(f"[data] the data cache {path} is damaged ({type(err).__name__}); rebuilding it", file=sys.stderr)
+            tensors = None
+    if tensors is None:
         documents = load_documents(source, text_field=text_field, split=split, max_documents=max_documents)
         tensors = pack_documents(tokenizer, documents, seq_len)
         split_rows(tensors, validation_fraction, seed)  # refuse to cache too little data

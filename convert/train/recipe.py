@@ -25,7 +25,7 @@ MIXERS = ("raven", "sse", "sila")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class LayerAssignment(_Strict):
@@ -170,11 +170,13 @@ class Recipe(_Strict):
 
 
 def format_validation_error(err: ValidationError, prefix: str = "") -> str:
-    """One line per error: 'field.path: message'."""
+    """One line per error: 'field.path: message (got VALUE)', the value shown when it is a plain one."""
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(recipe)"
-        lines.append(f"{prefix}{loc}: {e['msg']}")
+        value = e.get("input")
+        shown = isinstance(value, (bool, int, float, str)) and e["type"] != "missing"
+        lines.append(f"{prefix}{loc}: {e['msg']}" + (f" (got {value!r})" if shown else ""))
     return "\n".join(lines)
 
 

@@ -64,9 +64,9 @@ META = "stage2.json"
 
 
 class TrainConfig(BaseModel):
-    """Stage 2 settings; unknown keys and out-of-range values are refused with the field's name."""
+    """Stage 2 settings; unknown keys, out-of-range and non-finite values are refused with the field's name."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     steps: int = Field(ge=1, description="optimizer steps in all (a resumed run counts the ones already done)")
     batch_size: int = Field(8, ge=1, description="rows per micro-batch per process")
@@ -235,16 +235,21 @@ def _save(accelerator, out_dir, step: int, tokens_seen: int, config: TrainConfig
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        meta = {"step": step, "tokens_seen": tokens_seen, "config": config.model_dump()}
-        (tmp / META).write_text(json.dumps(meta, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    accelerator.wait_for_everyone()
+    try:
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            meta = {"step": step, "tokens_seen": tokens_seen, "config": config.model_dump()}
+            (tmp / META).write_text(json.dumps(meta, indent=1))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        accelerator.wait_for_everyone()
+    except BaseException:  # a failure or Ctrl-C while saving leaves no half-written checkpoint directory
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def lr_at(config: TrainConfig, step: int) -> float:

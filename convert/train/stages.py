@@ -10,7 +10,9 @@ last and atomically, RUN_DIR/S/DONE (JSON: the stage's summary, including "model
 directory after the stage, and its fingerprint). A stage whose DONE exists is skipped, so an interrupted run
 continues where it stopped (train and extend also resume from their own checkpoints). A stage turned off by the
 recipe (steps 0, token weights disabled, extend/evaluate/export null) still writes DONE with "skipped": true.
-Running a stage needs the DONE of every stage before it; a missing one is an error naming it.
+Running a stage needs the DONE of every stage before it; a missing one is an error naming it. The data source is
+checked (data.check_data_source) before the first stage runs when a stage left to run reads it, so a bad data file
+costs no stage. A non-finite loss stops its stage with a FloatingPointError naming the step and what was kept.
 
 A stage's fingerprint hashes the recipe fields it reads and the fingerprints of the stages before it. When a DONE
 was written under another fingerprint (the recipe changed since), the run stops and names the changed fields
@@ -123,6 +125,25 @@ def _stale(run_dir: Path, stage: str, done: dict, recipe: Recipe, prints: dict[s
     )
 
 
+def stage_state(run_dir: Path, stage: str) -> str:
+    """What a rerun of an unfinished `stage` starts from: its latest complete checkpoint, or nothing of it."""
+    from convert.train.stage2 import latest_checkpoint
+
+    found = latest_checkpoint(Path(run_dir) / stage)
+    if found is None:
+        return f"nothing of the {stage} stage was saved, a rerun starts it afresh"
+    return f"the {stage} stage's last good checkpoint {found[0]} is kept, a rerun resumes after step {found[1]['step']}"
+
+
+def saved_so_far(run_dir: str | Path, stages: list[str] | None = None) -> str:
+    """One sentence: the stages DONE in run_dir, and what the first unfinished one of `stages` resumes from."""
+    run_dir = Path(run_dir).resolve()
+    finished = [s for s in STAGES if (run_dir / s / MARKER).is_file()]
+    text = f"stages done in {run_dir}: {', '.join(finished)}" if finished else f"no stage finished in {run_dir}"
+    pending = [s for s in (stages or STAGES) if s in STAGES and s not in finished]
+    return f"{text}; {stage_state(run_dir, pending[0])}" if pending else text
+
+
 def _require(run_dir: Path, stage: str) -> dict:
     """DONE of every stage before `stage`, all present, else a ValueError naming the first missing one."""
     done = {}
@@ -142,6 +163,21 @@ def _latest_model(run_dir: Path, done: dict) -> Path:
         if done[stage].get("model"):
             return run_dir / done[stage]["model"]
     raise ValueError(f"no model directory in {run_dir}: run the convert stage first")
+
+
+def uses_data(recipe: Recipe, stage: str) -> bool:
+    """Whether `stage` reads the training data under this recipe."""
+    return {
+        "align": recipe.align.steps > 0,
+        "weights": recipe.token_weights.enabled,
+        "train": recipe.train.steps > 0,
+        "extend": recipe.extend is not None,
+    }.get(stage, False)
+
+
+def _learns(recipe: Recipe, stage: str) -> bool:
+    """Whether `stage` has a learning rate in the recipe (align, train, extend)."""
+    return hasattr(getattr(recipe, stage, None), "lr")
 
 
 def _world_size() -> int:
@@ -473,6 +509,11 @@ def run_recipe(recipe: Recipe, run_dir: str | Path, stages: list[str] | None = N
             f"under a multi-process launch only the {'/'.join(DATA_PARALLEL)} stages run (with --stages), without "
             f"--redo; run {several or 'the others'} in one process first"
         )
+    rerun = set(STAGES[STAGES.index(redo) :]) if redo else set()
+    if any(uses_data(recipe, s) and (s in rerun or read_done(run_dir, s) is None) for s in wanted):
+        from convert.train.data import check_data_source
+
+        check_data_source(recipe.data.source, recipe.data.text_field)  # before any model is loaded or stage runs
     run_dir.mkdir(parents=True, exist_ok=True)
     if redo:
         for stage in STAGES[STAGES.index(redo) :]:
@@ -500,7 +541,13 @@ def run_recipe(recipe: Recipe, run_dir: str | Path, stages: list[str] | None = N
         log(f"[{stage}] starting")
         clock = time.perf_counter()
         (run_dir / stage).mkdir(parents=True, exist_ok=True)
-        summary = RUNNERS[stage](recipe, run_dir, done)
+        try:
+            summary = RUNNERS[stage](recipe, run_dir, done)
+        except FloatingPointError as err:  # a diverged step: say what survives instead of a traceback
+            advice = f"Lower {stage}.lr (--set {stage}.lr=...) or check" if _learns(recipe, stage) else "Check"
+            raise FloatingPointError(
+                f"the {stage} stage stopped: {err}; {stage_state(run_dir, stage)}. {advice} the data before rerunning"
+            ) from err
         summary["seconds"] = round(time.perf_counter() - clock, 3)
         summary |= {"fingerprint": prints[stage], "inputs": stage_inputs(recipe, stage)}
         if _is_main_process():

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 from convert.train.__main__ import main
 from convert.train.recipe import STAGES, load_recipe, parse_recipe
 from convert.train.stages import run_recipe
+from tests.helpers import WORDS, corpus
 
 RECIPES = sorted((Path(__file__).resolve().parents[3] / "recipes").glob("*.yaml"))
 MINIMAL = {"source": "Qwen/Qwen3-0.6B", "layers": [{"mixer": "raven", "layers": "0-23:5"}], "data": {"source": "x"}}
@@ -57,16 +58,6 @@ def test_load_recipe_rejects_bad_yaml_file(tmp_path):
     with pytest.raises(ValueError, match=r"(?m)^align\.steps: .*\n^align\.batch_size: "):
         load_recipe(path)
     assert main([str(path), "--run-dir", str(tmp_path / "run")]) == 2
-
-
-WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly big mice".split()
-
-
-def corpus(folder: Path) -> Path:
-    folder.mkdir()
-    docs = [" ".join(WORDS[i:] + WORDS[:i]) * (i + 2) for i in range(6)]
-    (folder / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    return folder
 
 
 def haystack(folder: Path) -> Path:
