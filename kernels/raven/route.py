@@ -1,10 +1,10 @@
 """Raven's router choice for prefill and training: the top-K slots of every token and head in one Triton kernel.
 
 `torch.topk` over [B, T, H, M] router logits runs a radix select per row; for the many short rows of a long prompt
-(T H rows of M = 256) it was the largest single op of a Raven prefill (kernels/raven/NOTES.md, run 8). Here every
-program sorts a block of rows on chip: each logit becomes one int64 key, its float order in the high 32 bits and
-its slot in the low bits, so one bitonic sort orders values and carries indices, and ties go to the lower slot.
-The reference is `torch.topk`, which the decode step keeps using.
+(T H rows of M = 256) it was the largest op of a Raven prefill after attention (kernels/raven/NOTES.md, "Router
+top-K"). Here every program sorts a block of rows on chip: each logit becomes one int64 key, its float order in the
+high 32 bits and its slot in the low bits, so one bitonic sort orders values and carries indices, and ties go to
+the lower slot. The reference is `torch.topk`, which the decode step keeps using.
 """
 
 from __future__ import annotations
