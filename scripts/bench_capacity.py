@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_generate import SMOLLM2_135M, build_models, parse_sizes  # noqa: E402
+from bench_generate import (  # noqa: E402
+    SMOLLM2_135M,
+    add_model_arguments,
+    build_models,
+    checked_mixers,
+    parse_sizes,
+    write_record,
+)
 
 PROMPT = 16  # tokens actually run through the model before the counters are moved
 
@@ -173,29 +179,14 @@ def table(results: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True)
+    add_model_arguments(parser)
     parser.add_argument("--context", default="32k")
-    parser.add_argument("--mixers", default="raven,sse,sila")
-    parser.add_argument("--layers", default="0-29:2")
-    parser.add_argument("--windows", type=int, default=None, help="also run each hybrid with W-token windows")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--reserve", type=float, default=3.0, help="GiB left free for the step's workspace")
     parser.add_argument("--time", choices=("windowed", "all"), default="windowed", help="which hybrids to time")
     args = parser.parse_args(argv)
     (context,) = parse_sizes(args.context)
-    mixers = [m.strip() for m in args.mixers.split(",") if m.strip()]
-    from raven_layers import MIXER_CLASSES
-
-    unknown = sorted(set(mixers) - set(MIXER_CLASSES))
-    if unknown:
-        raise SystemExit(f"--mixers: unknown {unknown}; allowed: {sorted(MIXER_CLASSES)}")
-    if args.windows is not None and args.windows < 1:
-        raise SystemExit(f"--windows {args.windows}: expected an integer >= 1")
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_capacity measures CUDA memory: no CUDA device here")
-    import transformers
-
-    args.out.mkdir(parents=True, exist_ok=True)
+    mixers = checked_mixers(args, "CUDA memory")
     results = []
     for name, model in build_models(mixers, args.layers, args.windows):
         timed = name == "teacher" or args.time == "all" or "-sw" in name
@@ -203,17 +194,8 @@ def main(argv: list[str] | None = None) -> None:
         results.append(entry)
         print(json.dumps(entry), flush=True)
         del model  # freed before the next model is built (build_models)
-    record = {
-        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
-        "gpu": torch.cuda.get_device_name(),
-        "gpu_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "results": results,
-    }
-    tmp = args.out / "bench_capacity.json.tmp"
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(args.out / "bench_capacity.json")
+    gpu_gib = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+    write_record(args.out / "bench_capacity.json", results, gpu_gib=gpu_gib)
     print(table(results))
 
 

@@ -65,6 +65,47 @@ def parse_sizes(text: str) -> list[int]:
     return sizes
 
 
+def add_model_arguments(parser: argparse.ArgumentParser, mixers: str = "raven,sse,sila") -> None:
+    """--out, --mixers, --layers and --windows: the models every bench script builds (build_models)."""
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--mixers", default=mixers)
+    parser.add_argument("--layers", default="0-29:2")
+    parser.add_argument("--windows", type=int, default=None, help="also run each hybrid with W-token windows")
+
+
+def checked_mixers(args: argparse.Namespace, what: str) -> list[str]:
+    """The --mixers list, after --mixers and --windows are checked and a CUDA device is found (`what` it measures)."""
+    from raven_layers import MIXER_CLASSES
+
+    mixers = [m.strip() for m in args.mixers.split(",") if m.strip()]
+    unknown = sorted(set(mixers) - set(MIXER_CLASSES))
+    if unknown:
+        raise SystemExit(f"--mixers: unknown {unknown}; allowed: {sorted(MIXER_CLASSES)}")
+    if args.windows is not None and args.windows < 1:
+        raise SystemExit(f"--windows {args.windows}: expected an integer >= 1")
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{Path(sys.argv[0]).stem} measures {what}: no CUDA device here")
+    args.out.mkdir(parents=True, exist_ok=True)
+    return mixers
+
+
+def write_record(path: Path, results: list[dict], **extra) -> None:
+    """results as JSON at `path`, atomically, with the command, the GPU and the library versions."""
+    import transformers
+
+    record = {
+        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        "gpu": torch.cuda.get_device_name(),
+        **extra,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "results": results,
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(path)
+
+
 def build_models(mixers: list[str], layers: str, windows: int | None):
     """(name, model) pairs: the teacher first, then one hybrid per mixer (and per mixer with windows). Drop `model`
     before asking for the next: each hybrid's memory (its static cache and graph too) is freed before the next is
@@ -148,29 +189,16 @@ def table(results: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True)
+    add_model_arguments(parser)
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--contexts", default="4k,16k")
-    parser.add_argument("--mixers", default="raven,sse,sila")
-    parser.add_argument("--layers", default="0-29:2")
-    parser.add_argument("--windows", type=int, default=None, help="also run each hybrid with W-token windows")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--prefill-chunk", type=int, default=None, help="prefill_chunk_size for every model")
     args = parser.parse_args(argv)
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise SystemExit(f"--prefill-chunk {args.prefill_chunk}: expected an integer >= 1")
     batches, contexts = parse_sizes(args.batches), parse_sizes(args.contexts)
-    mixers = [m.strip() for m in args.mixers.split(",") if m.strip()]
-    from raven_layers import MIXER_CLASSES
-
-    unknown = sorted(set(mixers) - set(MIXER_CLASSES))
-    if unknown:
-        raise SystemExit(f"--mixers: unknown {unknown}; allowed: {sorted(MIXER_CLASSES)}")
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_generate measures CUDA decoding: no CUDA device here")
-    import transformers
-
-    args.out.mkdir(parents=True, exist_ok=True)
+    mixers = checked_mixers(args, "CUDA decoding")
     results = []
     for name, model in build_models(mixers, args.layers, args.windows):
         for context in contexts:
@@ -179,16 +207,7 @@ def main(argv: list[str] | None = None) -> None:
                 results.append(entry)
                 print(json.dumps(entry), flush=True)
         del model
-    record = {
-        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "results": results,
-    }
-    tmp = args.out / "bench_generate.json.tmp"
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(args.out / "bench_generate.json")
+    write_record(args.out / "bench_generate.json", results)
     print(table(results))
 
 

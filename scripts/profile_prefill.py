@@ -20,7 +20,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-from bench_generate import SMOLLM2_135M, build_models, parse_sizes  # noqa: E402
+from bench_generate import SMOLLM2_135M, add_model_arguments, build_models, checked_mixers, parse_sizes  # noqa: E402
 
 
 def best_of(fn, repeats: int = 3) -> float:
@@ -64,18 +64,13 @@ def profile(name: str, model, context: int, out: Path) -> tuple[float, float, fl
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--mixers", default="raven,sse")
+    add_model_arguments(parser, mixers="raven,sse")
     parser.add_argument("--contexts", default="16k,32k")
-    parser.add_argument("--layers", default="0-29:2")
-    parser.add_argument("--windows", type=int, default=None)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("profile_prefill measures CUDA prefill: no CUDA device here")
     contexts = parse_sizes(args.contexts)
-    args.out.mkdir(parents=True, exist_ok=True)
+    mixers = checked_mixers(args, "CUDA prefill")
     rows = []
-    for name, model in build_models(args.mixers.split(","), args.layers, args.windows):
+    for name, model in build_models(mixers, args.layers, args.windows):
         for context in contexts:
             rows.append((name, context, *profile(name, model, context, args.out)))
             torch.cuda.empty_cache()
