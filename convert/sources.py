@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -39,6 +40,9 @@ class Source:
         if src.lower().endswith(".gguf"):
             if not path.is_file():
                 raise SourceError(f"--src {src!r}: no such GGUF file")
+            with path.open("rb") as f:
+                if f.read(4) != b"GGUF":  # the format's magic number, checked before anything is loaded
+                    raise SourceError(f"--src {src!r} does not start like a GGUF file: damaged, or not GGUF")
             return cls(src, str(path.parent), path.name)
         if path.is_dir():
             if not (path / "config.json").is_file():
@@ -61,6 +65,14 @@ class Source:
             return loader(self.path, **self._kwargs, **kwargs)
         except OSError as err:  # unreachable Hub, missing repo or files
             raise SourceError(f"--src {self.name!r}: could not load the {what}: {err}") from err
+        except (ValueError, IndexError, EOFError, struct.error) as err:
+            if not self.gguf_file:
+                raise
+            size = (Path(self.path) / self.gguf_file).stat().st_size
+            raise SourceError(  # gguf's reader meets the end of a cut file as a reshape or index error
+                f"--src {self.name!r}: the GGUF file ({size:,} bytes) is truncated or damaged; reading its "
+                f"{what} failed with: {err}"
+            ) from err
 
     def load_config(self):
         return self._load("config", AutoConfig.from_pretrained)

@@ -1,13 +1,15 @@
 """Bad inputs and faults: each is refused or survived with one clear line, and nothing is lost or left behind.
 
 Non-finite numbers in every float setting (mixer settings, recipe fields, CLI flags), a diverging training step,
-bad data files found before the first stage, the `raven-convert` name, and Ctrl-C during a pipeline run.
+bad data files found before the first stage, damaged GGUF sources, the `raven-convert` name, and Ctrl-C during a
+pipeline run.
 """
 
 import builtins
 import dataclasses
 import gzip
 import json
+import os
 import shlex
 import shutil
 import typing
@@ -389,3 +391,26 @@ def test_ctrl_c_in_convert_leaves_nothing_behind(tiny_sources, tmp_path, monkeyp
     monkeypatch.undo()
     assert convert_main(shlex.split(line.split("To resume: ")[1])[3:]) == 0
     assert (out / "config.json").is_file()
+
+
+def test_a_file_that_is_not_gguf_is_refused_before_loading(tmp_path, capsys):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"<html>not found</html>")  # what a failed download often leaves
+    with pytest.raises(SystemExit) as exit_info:
+        convert_main(["--src", str(fake), "--mixer", "raven", "--layers", "0", "--out", str(tmp_path / "o")])
+    assert exit_info.value.code == 2 and "does not start like a GGUF file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("keep", [1000, 20_000_000])  # cut in the header, cut in the tensor data
+def test_a_truncated_gguf_is_named_as_such(tmp_path, capsys, keep):
+    real = os.environ.get("RAVEN_SMOLLM2_GGUF")
+    if not real or not Path(real).is_file():
+        pytest.skip("needs the real SmolLM2 GGUF (RAVEN_SMOLLM2_GGUF)")
+    cut = tmp_path / "cut.gguf"
+    with open(real, "rb") as f:
+        cut.write_bytes(f.read(keep))
+    out = tmp_path / "o"
+    with pytest.raises(SystemExit) as exit_info:
+        convert_main(["--src", str(cut), "--mixer", "raven", "--layers", "0", "--out", str(out)])
+    assert exit_info.value.code == 2 and not out.exists()
+    assert f"the GGUF file ({keep:,} bytes) is truncated or damaged" in capsys.readouterr().err
