@@ -23,6 +23,10 @@ _SOURCE_ONLY_FIELDS = (
 )
 
 
+class HybridConfigError(ValueError):
+    """A hybrid config whose fields do not describe a valid hybrid (a ValueError)."""
+
+
 class HybridConfig(PretrainedConfig):
     """`base_model_type` names the source architecture (see architectures.py); every other source field is kept.
 
@@ -51,19 +55,31 @@ class HybridConfig(PretrainedConfig):
         if self.layer_mixers is None:
             self.layer_mixers = ["attention"] * num_layers
         if len(self.layer_mixers) != num_layers:
-            raise ValueError(f"layer_mixers has {len(self.layer_mixers)} entries for {num_layers} layers")
+            raise HybridConfigError(f"layer_mixers has {len(self.layer_mixers)} entries for {num_layers} layers")
         for i, kind in enumerate(self.layer_mixers):
             if kind not in LAYER_KINDS:
-                raise ValueError(f"layer_mixers[{i}] = {kind!r}; allowed: {list(LAYER_KINDS)}")
+                raise HybridConfigError(f"layer_mixers[{i}] = {kind!r}; allowed: {list(LAYER_KINDS)}")
         if self.attention_windows is not None:
             if len(self.attention_windows) != num_layers:
-                raise ValueError(f"attention_windows has {len(self.attention_windows)} entries for {num_layers} layers")
+                raise HybridConfigError(
+                    f"attention_windows has {len(self.attention_windows)} entries for {num_layers} layers"
+                )
             for i, window in enumerate(self.attention_windows):
                 if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-                    raise ValueError(f"attention_windows[{i}] = {window!r}; expected an integer >= 1 or null")
+                    raise HybridConfigError(f"attention_windows[{i}] = {window!r}; expected an integer >= 1 or null")
         # validates, records every default so the saved config is complete, and drops mixers not in use
         in_use = sorted(set(self.layer_mixers) - {"attention"})
-        self.mixer_settings = {name: self.settings_for(name).to_dict() for name in in_use}
+        try:
+            self.mixer_settings = {name: self.settings_for(name).to_dict() for name in in_use}
+        except ValueError as err:
+            raise HybridConfigError(str(err)) from None
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except HybridConfigError as err:  # a hand-edited or damaged config: name the file
+            raise HybridConfigError(f"{pretrained_model_name_or_path}/config.json: {err}") from None
 
     def settings_for(self, mixer: str):
         return MIXER_SETTINGS[mixer].from_dict(self.mixer_settings.get(mixer, {}))

@@ -258,3 +258,30 @@ def test_mixer_pairs_in_one_call_are_recorded(tiny_sources, tmp_path):
     assert config["layer_mixers"] == ["raven", "sila", "sila", "sse"]
     assert sorted(config["mixer_settings"]) == ["raven", "sila", "sse"]
     assert config["mixer_settings"]["sse"]["lora_rank"] == 4 and config["mixer_settings"]["sse"]["num_partitions"] == 4
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda c: c["layer_mixers"].append("attention"), "layer_mixers has 25 entries for 24 layers"),
+        (lambda c: c["layer_mixers"].__setitem__(0, "mamba"), "layer_mixers[0] = 'mamba'; allowed"),
+        (lambda c: c["mixer_settings"]["raven"].__setitem__("num_slots", 2), "raven.top_k = 4 is not allowed"),
+    ],
+)
+def test_a_tampered_config_names_its_file(tiny_sources, tmp_path, edit, message):
+    # loaded as users load it, without the toolkit: the bundled config class names config.json and the problem
+    out = convert_tiny(tiny_sources, tmp_path, "qwen3", "0", "--raven-num-slots", "8", "--raven-top-k", "4")
+    config = json.loads((out / "config.json").read_text())
+    edit(config)
+    (out / "config.json").write_text(json.dumps(config))
+    result = run_without_toolkit(
+        f"""
+        from transformers import AutoModelForCausalLM
+        try:
+            AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)
+        except ValueError as err:
+            result["error"] = str(err)
+        """,
+        cwd=tmp_path,
+    )
+    assert result["error"].startswith(f"{out}/config.json: ") and message in result["error"]
