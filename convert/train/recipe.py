@@ -64,6 +64,8 @@ class AlignSettings(_Strict):
     seed: int = 0
     log_every: int = Field(10, ge=0)
     mixed_precision: MixedPrecision = "no"
+    save_every: int = Field(100, ge=1, description="steps between checkpoints (and one at the end)")
+    keep_checkpoints: int = Field(2, ge=1, description="how many of the newest checkpoints stay on disk")
 
 
 class TokenWeightSettings(_Strict):
