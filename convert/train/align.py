@@ -147,6 +147,7 @@ def align(
     out_dir=None,
     save_every: int = 100,
     keep_checkpoints: int = 2,
+    seed: int | None = None,
 ) -> list[dict]:
     """Train the mixers of `hybrid` to match `teacher`'s attention for `steps` batches ({"input_ids", and either
     "position_ids" for packed documents or an optional "attention_mask"}); returns one record per step:
@@ -163,6 +164,8 @@ def align(
     states are restored and the history returned covers every step. `batches` is then best a function of the first
     step to run (0-based) returning the batches from there, such as
     `lambda s: batch_iterator(rows, B, seed, start_step=s)`; an iterable is advanced past the steps already done.
+    `seed` seeds torch's global generator (Raven's router noise draws from it) unless the run resumes, which restores
+    the generator as it was saved; None leaves it as it is.
     """
     for name, value, least in (
         ("steps", steps, 1),
@@ -202,6 +205,8 @@ def align(
         first = meta["step"]
         history = [r | {"layers": {int(i): v for i, v in r["layers"].items()}} for r in meta["history"]][:first]
         print(f"[align] resumed from {path} (step {first})", file=sys.stderr)
+    elif seed is not None:
+        torch.manual_seed(seed)
     batches = batches(first) if callable(batches) else itertools.islice(batches, first, None)
     start, tokens, first_step_seconds = time.perf_counter(), 0, 0.0
     try:

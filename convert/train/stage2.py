@@ -85,7 +85,7 @@ class TrainConfig(BaseModel):
     keep_checkpoints: int = Field(2, ge=1, description="how many of the newest checkpoints stay on disk")
     eval_every: int = Field(0, ge=0, description="steps between validation passes; 0: only at the end")
     eval_batches: int = Field(8, ge=1, description="validation micro-batches per pass")
-    seed: int = 0
+    seed: int = Field(0, description="data order, and the random numbers of a fresh run (Raven's router noise)")
     log_every: int = Field(10, ge=0, description="steps between progress lines; 0: none")
 
     @field_validator("lora_targets")
@@ -328,6 +328,8 @@ def train(
         accelerator.load_state(str(path))
         start_step, tokens_seen = meta["step"], meta["tokens_seen"]
         accelerator.print(f"[stage2] resumed from {path} (step {start_step}, {tokens_seen:,} tokens)", file=sys.stderr)
+    else:  # a fresh run draws the same random numbers (Raven's router noise) every time; a resumed one gets them back
+        torch.manual_seed(config.seed + accelerator.process_index)
     if isinstance(token_weights, torch.Tensor):
         data = _IndexedPacked(dataset) if isinstance(dataset, PackedDataset) else _Indexed(dataset)
     else:

@@ -317,6 +317,7 @@ def _stage_align(recipe: Recipe, run_dir: Path, done: dict) -> dict:
         out_dir=run_dir / "align",
         save_every=settings.save_every,
         keep_checkpoints=settings.keep_checkpoints,
+        seed=settings.seed,
     )
     after = validation_losses(teacher, hybrid, held_out) if held_out else None
     _save_model(hybrid, model_dir, run_dir / "align" / "model", recipe.source)
