@@ -31,6 +31,12 @@ def main(argv: list[str] | None = None) -> int:
         "--redo", default=None, choices=STAGES, help="delete this stage's and every later stage's outputs, then run"
     )
     parser.add_argument(
+        "--discard-checkpoints",
+        action="store_true",
+        help="with --redo: also delete the checkpoints of an unfinished stage (refused otherwise, since a rerun "
+        "without --redo resumes from them)",
+    )
+    parser.add_argument(
         "--set",
         dest="overrides",
         action="append",
@@ -39,10 +45,12 @@ def main(argv: list[str] | None = None) -> int:
         help="override a recipe field before validation, e.g. --set train.steps=20 --set evaluate=null",
     )
     args = parser.parse_args(argv)
+    if args.discard_checkpoints and args.redo is None:
+        parser.error("--discard-checkpoints only applies with --redo STAGE")
     stages = None if args.stages is None else [s.strip() for s in args.stages.split(",") if s.strip()]
     try:
         recipe = load_recipe(args.recipe, args.overrides)
-        run_recipe(recipe, args.run_dir, stages, redo=args.redo)
+        run_recipe(recipe, args.run_dir, stages, redo=args.redo, discard_checkpoints=args.discard_checkpoints)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

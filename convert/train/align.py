@@ -10,15 +10,19 @@ received and the output it produced; each mixer then sees that same input and is
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
+from convert.train.checkpoint import latest_checkpoint, save_checkpoint
 from raven_layers.modeling_hybrid import find_packed_documents
 
 
@@ -103,10 +107,36 @@ def validation_losses(teacher, hybrid, batches: Iterable[dict]) -> dict:
     return {"loss": sum(layers.values()), "layers": layers}
 
 
+def _save(out_dir, step: int, params: dict[str, nn.Parameter], optimizer, history: list[dict], keep: int) -> None:
+    """A checkpoint of the state after `step` steps: mixer weights, optimizer, RNG states and the history so far."""
+
+    def write(folder: Path) -> None:
+        save_file({name: p.detach().cpu().contiguous() for name, p in params.items()}, folder / "mixers.safetensors")
+        torch.save(optimizer.state_dict(), folder / "optimizer.pt")
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+        torch.save({"cpu": torch.get_rng_state(), "cuda": cuda}, folder / "rng.pt")
+
+    save_checkpoint(out_dir, step, write, {"step": step, "history": history}, keep)
+
+
+def _load(path: Path, params: dict[str, nn.Parameter], optimizer) -> None:
+    weights = load_file(path / "mixers.safetensors")
+    if set(weights) != set(params):
+        raise ValueError(f"{path} holds weights of other mixers than this model's; delete it to start align over")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(weights[name])
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    rng = torch.load(path / "rng.pt", weights_only=True)
+    torch.set_rng_state(rng["cpu"])
+    if rng["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
 def align(
     teacher,
     hybrid,
-    batches: Iterable[dict],
+    batches: Iterable[dict] | Callable[[int], Iterable[dict]],
     steps: int,
     lr: float = 1e-3,
     weight_decay: float = 0.0,
@@ -114,19 +144,36 @@ def align(
     warmup_steps: int = 0,
     log_every: int = 10,
     mixed_precision: str = "no",
+    out_dir=None,
+    save_every: int = 100,
+    keep_checkpoints: int = 2,
+    seed: int | None = None,
 ) -> list[dict]:
     """Train the mixers of `hybrid` to match `teacher`'s attention for `steps` batches ({"input_ids", and either
     "position_ids" for packed documents or an optional "attention_mask"}); returns one record per step:
-    {"step", "loss", "layers": {layer: mse}, "tokens_per_second"} (the rate counts from the end of step 0, which
-    compiles kernels).
+    {"step", "loss", "layers": {layer: mse}, "tokens_per_second"} (the rate counts from the end of the first step
+    of this call, which compiles kernels).
 
     Only mixer parameters receive gradients (others are frozen for the duration and restored after). The learning
     rate warms up linearly over `warmup_steps`, then follows a cosine to 10% of `lr`. A non-finite loss stops the
     run with an error naming the step and layers, before any optimiser step applies it. mixed_precision "bf16" runs
     the teacher and the mixers under bfloat16 autocast (weights and optimizer state stay in their own dtype).
+
+    With `out_dir`, a checkpoint (see checkpoint.py) is written every `save_every` steps and at the end, the newest
+    `keep_checkpoints` kept, and a call resumes after the newest intact one: its mixer weights, optimizer and RNG
+    states are restored and the history returned covers every step. `batches` is then best a function of the first
+    step to run (0-based) returning the batches from there, such as
+    `lambda s: batch_iterator(rows, B, seed, start_step=s)`; an iterable is advanced past the steps already done.
+    `seed` seeds torch's global generator (Raven's router noise draws from it) unless the run resumes, which restores
+    the generator as it was saved; None leaves it as it is.
     """
-    if steps < 1:
-        raise ValueError(f"steps = {steps} is not allowed; expected an integer >= 1")
+    for name, value, least in (
+        ("steps", steps, 1),
+        ("save_every", save_every, 1),
+        ("keep_checkpoints", keep_checkpoints, 1),
+    ):
+        if not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} = {value!r} is not allowed; expected an integer >= {least}")
     if mixed_precision not in ("no", "bf16"):
         raise ValueError(f"mixed_precision = {mixed_precision!r} is not allowed; expected 'no' or 'bf16'")
     device_type = next(hybrid.parameters()).device.type
@@ -138,18 +185,32 @@ def align(
     frozen = [(p, p.requires_grad) for p in hybrid.parameters()]
     for p, _ in frozen:
         p.requires_grad_(id(p) in trainable)
-    params = [p for p, _ in frozen if id(p) in trainable]
+    named = {n: p for n, p in hybrid.named_parameters() if id(p) in trainable}
+    params = list(named.values())
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
 
     def lr_at(step: int) -> float:
         if step < warmup_steps:
             return lr * (step + 1) / warmup_steps
         progress = (step - warmup_steps) / max(1, steps - warmup_steps)
-        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
-    history, start, tokens = [], time.perf_counter(), 0
+    history, first = [], 0
+    resumed = (
+        None if out_dir is None else latest_checkpoint(out_dir, warn=lambda m: print(f"[align] {m}", file=sys.stderr))
+    )
+    if resumed is not None:
+        path, meta = resumed
+        _load(path, named, optimizer)
+        first = meta["step"]
+        history = [r | {"layers": {int(i): v for i, v in r["layers"].items()}} for r in meta["history"]][:first]
+        print(f"[align] resumed from {path} (step {first})", file=sys.stderr)
+    elif seed is not None:
+        torch.manual_seed(seed)
+    batches = batches(first) if callable(batches) else itertools.islice(batches, first, None)
+    start, tokens, first_step_seconds = time.perf_counter(), 0, 0.0
     try:
-        for step, batch in zip(range(steps), batches):
+        for step, batch in zip(range(first, steps), batches):
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step)
             inputs = _inputs(batch, teacher.device)
@@ -168,16 +229,19 @@ def align(
             tokens += int(mask.sum()) if mask is not None else inputs["input_ids"].numel()
             now = time.perf_counter()
             rate = tokens / max(now - start, 1e-9)
-            if step == 0:  # the first step compiles kernels and allocates: the rate counts from its end
-                start, tokens = now, 0
+            if step == first:  # the first step compiles kernels and allocates: the rate counts from its end
+                first_step_seconds, start, tokens = now - start, now, 0
             record = {"step": step, "loss": total.item(), "layers": {i: v.item() for i, v in losses.items()}}
             history.append(record | {"tokens_per_second": rate, "lr": lr_at(step)})
             if log_every and (step % log_every == 0 or step == steps - 1):
-                eta = (steps - step - 1) * (now - start) / max(step, 1)
+                per_step = (now - start) / (step - first) if step > first else first_step_seconds
                 print(
-                    f"[align] step {step + 1}/{steps} loss {total.item():.4g} | {rate:,.0f} tok/s | ETA {eta:.0f}s",
+                    f"[align] step {step + 1}/{steps} loss {total.item():.4g} | {rate:,.0f} tok/s"
+                    f" | ETA {(steps - step - 1) * per_step:.0f}s",
                     file=sys.stderr,
                 )
+            if out_dir is not None and ((step + 1) % save_every == 0 or step + 1 == steps):
+                _save(out_dir, step + 1, named, optimizer, history, keep_checkpoints)
     finally:
         for p, requires_grad in frozen:
             p.requires_grad_(requires_grad)

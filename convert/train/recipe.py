@@ -61,9 +61,11 @@ class AlignSettings(_Strict):
     warmup_steps: int = Field(0, ge=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float | None = Field(1.0, gt=0)
-    seed: int = 0
+    seed: int = Field(0, description="data order, and the random numbers of a fresh run (Raven's router noise)")
     log_every: int = Field(10, ge=0)
     mixed_precision: MixedPrecision = "no"
+    save_every: int = Field(100, ge=1, description="steps between checkpoints (and one at the end)")
+    keep_checkpoints: int = Field(2, ge=1, description="how many of the newest checkpoints stay on disk")
 
 
 class TokenWeightSettings(_Strict):

@@ -36,11 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import math
-import os
 import re
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -53,14 +50,13 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 from torch import nn
 from torch.utils.data import Dataset
 
+from convert.train.checkpoint import latest_checkpoint, save_checkpoint
 from convert.train.data import PackedDataset, batch_iterator
 from convert.train.token_weights import schedule_weights
 
 # "no" or "bf16"; YAML reads a bare `no` as false, which means "no" here
 MixedPrecision = Annotated[Literal["no", "bf16"], BeforeValidator(lambda v: "no" if v is False else v)]
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-CHECKPOINTS = "checkpoints"
-META = "stage2.json"
 
 
 class TrainConfig(BaseModel):
@@ -85,10 +81,11 @@ class TrainConfig(BaseModel):
     token_weight_tau: float = Field(1e9, gt=0, description="tokens; see schedule_weights")
     mixed_precision: MixedPrecision = "no"
     gradient_checkpointing: bool = False
-    save_every: int = Field(500, ge=1)
+    save_every: int = Field(500, ge=1, description="steps between checkpoints (and one at the end)")
+    keep_checkpoints: int = Field(2, ge=1, description="how many of the newest checkpoints stay on disk")
     eval_every: int = Field(0, ge=0, description="steps between validation passes; 0: only at the end")
     eval_batches: int = Field(8, ge=1, description="validation micro-batches per pass")
-    seed: int = 0
+    seed: int = Field(0, description="data order, and the random numbers of a fresh run (Raven's router noise)")
     log_every: int = Field(10, ge=0, description="steps between progress lines; 0: none")
 
     @field_validator("lora_targets")
@@ -215,41 +212,18 @@ class _IndexedPacked(PackedDataset):
         return super().batch(indices) | {"index": torch.as_tensor(indices, dtype=torch.long)}
 
 
-def latest_checkpoint(out_dir) -> tuple[Path, dict] | None:
-    """(directory, metadata) of the complete checkpoint with the most steps in out_dir/checkpoints, or None."""
-    found = []
-    for path in (Path(out_dir) / CHECKPOINTS).glob("step_*"):
-        meta = path / META
-        if re.fullmatch(r"step_\d+", path.name) and meta.is_file():
-            found.append((int(path.name[5:]), path))
-    if not found:
-        return None
-    _, path = max(found)
-    return path, json.loads((path / META).read_text())
-
-
 def _save(accelerator, out_dir, step: int, tokens_seen: int, config: TrainConfig) -> None:
-    """accelerator.save_state into a temporary directory, then one rename onto checkpoints/step_{step}."""
-    root = Path(out_dir) / CHECKPOINTS
-    final, tmp = root / f"step_{step}", root / f".tmp_step_{step}"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    try:
-        accelerator.wait_for_everyone()
-        accelerator.save_state(str(tmp))
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            meta = {"step": step, "tokens_seen": tokens_seen, "config": config.model_dump()}
-            (tmp / META).write_text(json.dumps(meta, indent=1))
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-        accelerator.wait_for_everyone()
-    except BaseException:  # a failure or Ctrl-C while saving leaves no half-written checkpoint directory
-        if accelerator.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    """accelerator.save_state into a checkpoint (see checkpoint.save_checkpoint), pruned to config.keep_checkpoints."""
+    meta = {"step": step, "tokens_seen": tokens_seen, "config": config.model_dump()}
+    save_checkpoint(
+        out_dir,
+        step,
+        lambda folder: accelerator.save_state(str(folder)),
+        meta,
+        config.keep_checkpoints,
+        main=accelerator.is_main_process,
+        barrier=accelerator.wait_for_everyone,
+    )
 
 
 def lr_at(config: TrainConfig, step: int) -> float:
@@ -307,8 +281,8 @@ def train(
     validation=None,
 ) -> list[dict]:
     """Train `student` (a HybridForCausalLM) on `dataset` (a PackedDataset or a dataset of row dicts) for
-    `config.steps` optimizer steps, checkpointing into out_dir/checkpoints and resuming from the latest complete
-    checkpoint there. `teacher` (frozen) is only run when config.kd_weight > 0 and may then not be None.
+    `config.steps` optimizer steps, checkpointing into out_dir/checkpoints (see checkpoint.py) and resuming from the
+    newest intact checkpoint there. `teacher` (frozen) is only run when config.kd_weight > 0 and may then not be None.
 
     Returns one record per step run by this call: {"step", "loss", "ce", "kd", "aux", "lr", "tokens_per_second"}
     ("step" is 1-based; loss parts are means over the step's micro-batches and processes; the rate counts from the end
@@ -348,12 +322,14 @@ def train(
         teacher.to(accelerator.device).eval().requires_grad_(False)
 
     start_step, tokens_seen = 0, 0
-    resumed = latest_checkpoint(out_dir)
+    resumed = latest_checkpoint(out_dir, warn=lambda message: accelerator.print(f"[stage2] {message}", file=sys.stderr))
     if resumed is not None:
         path, meta = resumed
         accelerator.load_state(str(path))
         start_step, tokens_seen = meta["step"], meta["tokens_seen"]
         accelerator.print(f"[stage2] resumed from {path} (step {start_step}, {tokens_seen:,} tokens)", file=sys.stderr)
+    else:  # a fresh run draws the same random numbers (Raven's router noise) every time; a resumed one gets them back
+        torch.manual_seed(config.seed + accelerator.process_index)
     if isinstance(token_weights, torch.Tensor):
         data = _IndexedPacked(dataset) if isinstance(dataset, PackedDataset) else _Indexed(dataset)
     else:

@@ -8,15 +8,18 @@
 Stages, in order: convert, align, weights, train, extend, evaluate, export. Stage S writes under RUN_DIR/S/ and,
 last and atomically, RUN_DIR/S/DONE (JSON: the stage's summary, including "model", the latest complete model
 directory after the stage, and its fingerprint). A stage whose DONE exists is skipped, so an interrupted run
-continues where it stopped (train and extend also resume from their own checkpoints). A stage turned off by the
-recipe (steps 0, token weights disabled, extend/evaluate/export null) still writes DONE with "skipped": true.
+continues where it stopped (align, train and extend also resume from their own checkpoints, see checkpoint.py).
+A stage turned off by the recipe (steps 0, token weights disabled, extend/evaluate/export null) still writes DONE
+with "skipped": true.
 Running a stage needs the DONE of every stage before it; a missing one is an error naming it. The data source is
 checked (data.check_data_source) before the first stage runs when a stage left to run reads it, so a bad data file
 costs no stage. A non-finite loss stops its stage with a FloatingPointError naming the step and what was kept.
 
 A stage's fingerprint hashes the recipe fields it reads and the fingerprints of the stages before it. When a DONE
 was written under another fingerprint (the recipe changed since), the run stops and names the changed fields
-instead of silently reusing stale results; `redo` (CLI: --redo STAGE) deletes that stage and every later one.
+instead of silently reusing stale results; `redo` (CLI: --redo STAGE) deletes that stage and every later one, but
+not the checkpoints of an unfinished stage unless told so (CLI: --discard-checkpoints). BOOKKEEPING fields (how often
+to log and checkpoint, how many checkpoints to keep) are left out of the fingerprints.
 
 Several GPUs: run the stages before train in one process, then
     accelerate launch --num_processes 2 -m convert.train RECIPE --run-dir DIR --stages train
@@ -39,6 +42,8 @@ import torch
 from convert.train.recipe import STAGES, Recipe
 
 MARKER = "DONE"
+# Fields that change how a stage logs and checkpoints, not what it computes: changing them keeps its results valid.
+BOOKKEEPING = ("log_every", "save_every", "keep_checkpoints")
 DATA_PARALLEL = ("train", "extend")  # the stages that run under `accelerate launch` on several processes
 
 # The recipe fields each stage reads (its own settings and what shapes its inputs).
@@ -75,14 +80,14 @@ def read_done(run_dir: Path, stage: str) -> dict | None:
 
 
 def stage_inputs(recipe: Recipe, stage: str) -> dict:
-    """{"field.path": value} of the recipe fields `stage` reads (JSON-ready)."""
+    """{"field.path": value} of the recipe fields `stage` reads (JSON-ready), without BOOKKEEPING."""
     data = recipe.model_dump(mode="json")
     inputs = {}
     for path in STAGE_FIELDS[stage]:
         value = data
         for key in path.split("."):
             value = value.get(key) if isinstance(value, dict) else None
-        inputs[path] = value
+        inputs[path] = {k: v for k, v in value.items() if k not in BOOKKEEPING} if isinstance(value, dict) else value
     return inputs
 
 
@@ -127,12 +132,24 @@ def _stale(run_dir: Path, stage: str, done: dict, recipe: Recipe, prints: dict[s
 
 def stage_state(run_dir: Path, stage: str) -> str:
     """What a rerun of an unfinished `stage` starts from: its latest complete checkpoint, or nothing of it."""
-    from convert.train.stage2 import latest_checkpoint
+    from convert.train.checkpoint import latest_checkpoint
 
     found = latest_checkpoint(Path(run_dir) / stage)
     if found is None:
         return f"nothing of the {stage} stage was saved, a rerun starts it afresh"
     return f"the {stage} stage's last good checkpoint {found[0]} is kept, a rerun resumes after step {found[1]['step']}"
+
+
+def resumable_checkpoints(run_dir: Path, stages) -> list[str]:
+    """For each of `stages` with a checkpoint but no DONE: 'PATH (step N) of the unfinished STAGE stage'."""
+    from convert.train.checkpoint import latest_checkpoint
+
+    found = []
+    for stage in stages:
+        latest = None if read_done(run_dir, stage) is not None else latest_checkpoint(Path(run_dir) / stage)
+        if latest is not None:
+            found.append(f"{latest[0]} (step {latest[1]['step']}) of the unfinished {stage} stage")
+    return found
 
 
 def saved_so_far(run_dir: str | Path, stages: list[str] | None = None) -> str:
@@ -284,13 +301,12 @@ def _stage_align(recipe: Recipe, run_dir: Path, done: dict) -> dict:
         return {"skipped": True, "model": str(model_dir.relative_to(run_dir))}
     train_rows, val_rows = _dataset(recipe, run_dir, model_dir)
     teacher, hybrid = _load_teacher(recipe), _load_hybrid(model_dir)
-    batches = batch_iterator(train_rows, settings.batch_size, settings.seed)
     held_out = _held_out_batches(val_rows, settings.batch_size, settings.seed)
     before = validation_losses(teacher, hybrid, held_out) if held_out else None
     history = align(
         teacher,
         hybrid,
-        batches,
+        lambda first: batch_iterator(train_rows, settings.batch_size, settings.seed, start_step=first),
         settings.steps,
         lr=settings.lr,
         weight_decay=settings.weight_decay,
@@ -298,6 +314,10 @@ def _stage_align(recipe: Recipe, run_dir: Path, done: dict) -> dict:
         warmup_steps=settings.warmup_steps,
         log_every=settings.log_every,
         mixed_precision=settings.mixed_precision,
+        out_dir=run_dir / "align",
+        save_every=settings.save_every,
+        keep_checkpoints=settings.keep_checkpoints,
+        seed=settings.seed,
     )
     after = validation_losses(teacher, hybrid, held_out) if held_out else None
     _save_model(hybrid, model_dir, run_dir / "align" / "model", recipe.source)
@@ -397,7 +417,8 @@ def _stage_train(recipe: Recipe, run_dir: Path, done: dict) -> dict:
 
 def _finish_training(student, config, history, model_dir: Path, run_dir: Path, stage: str, base_model: str) -> dict:
     """Merge LoRA, save the model under RUN_DIR/stage/model (main process only), and summarise the run."""
-    from convert.train.stage2 import latest_checkpoint, merge_lora
+    from convert.train.checkpoint import latest_checkpoint
+    from convert.train.stage2 import merge_lora
 
     if config.trainable == "mixers+lora":
         merge_lora(student)
@@ -491,10 +512,18 @@ def _held_out_batches(rows, batch_size: int, seed: int, count: int = 4) -> list[
     return [batch for _, batch in zip(range(count), iterator)]
 
 
-def run_recipe(recipe: Recipe, run_dir: str | Path, stages: list[str] | None = None, redo: str | None = None) -> dict:
+def run_recipe(
+    recipe: Recipe,
+    run_dir: str | Path,
+    stages: list[str] | None = None,
+    redo: str | None = None,
+    discard_checkpoints: bool = False,
+) -> dict:
     """Run `stages` (default: all, in order) of `recipe` into `run_dir`, skipping those whose DONE exists.
 
     `redo` deletes that stage's outputs and every later stage's first (checkpoints included), so they run again.
+    It refuses (ValueError) to delete the checkpoint of a stage that has not finished, which a rerun would resume
+    from, unless `discard_checkpoints`.
     Returns {stage: summary} for the stages asked for (a skipped stage's summary is read from its DONE).
     """
     run_dir = Path(run_dir).resolve()
@@ -510,6 +539,12 @@ def run_recipe(recipe: Recipe, run_dir: str | Path, stages: list[str] | None = N
             f"--redo; run {several or 'the others'} in one process first"
         )
     rerun = set(STAGES[STAGES.index(redo) :]) if redo else set()
+    resumable = resumable_checkpoints(run_dir, [s for s in STAGES if s in rerun])
+    if resumable and not discard_checkpoints:
+        raise ValueError(
+            f"--redo {redo} would delete the checkpoint {'; '.join(resumable)}, which a rerun without --redo resumes "
+            f"from; rerun without --redo to resume, or add --discard-checkpoints to delete it and start over"
+        )
     if any(uses_data(recipe, s) and (s in rerun or read_done(run_dir, s) is None) for s in wanted):
         from convert.train.data import check_data_source
 
@@ -518,7 +553,11 @@ def run_recipe(recipe: Recipe, run_dir: str | Path, stages: list[str] | None = N
     if redo:
         for stage in STAGES[STAGES.index(redo) :]:
             if (run_dir / stage).exists():
-                log(f"[{stage}] --redo {redo}: deleting {run_dir / stage}")
+                lost = [r for r in resumable if r.endswith(f" {stage} stage")]
+                log(
+                    f"[{stage}] --redo {redo}: deleting {run_dir / stage}"
+                    + "".join(f", with checkpoint {r}" for r in lost)
+                )
                 shutil.rmtree(run_dir / stage)
     if _is_main_process():
         _write_json_atomic(recipe.model_dump(mode="json"), run_dir / "recipe.json")

@@ -1,8 +1,8 @@
 """Bad inputs and faults: each is refused or survived with one clear line, and nothing is lost or left behind.
 
 Non-finite numbers in every float setting (mixer settings, recipe fields, CLI flags), a diverging training step,
-bad data files found before the first stage, damaged GGUF sources, the `raven-convert` name, and Ctrl-C during a
-pipeline run.
+align and train stages killed midway and resumed, bad data files found before the first stage, damaged GGUF
+sources, the `raven-convert` name, and Ctrl-C during a pipeline run.
 """
 
 import builtins
@@ -218,6 +218,39 @@ def test_non_finite_align_loss_stops_and_writes_nothing(converted, tmp_path, mon
     assert "nothing of the align stage was saved, a rerun starts it afresh" in line
     assert sorted(p.name for p in (run / "align").iterdir()) == []
     assert (run / "convert" / "DONE").stat().st_mtime_ns == stamp
+
+
+KILLED = {
+    "align": (convert.train.align, "alignment_losses", {"steps": 4, "batch_size": 2, "save_every": 2, "log_every": 1}),
+    "train": (convert.train.stage2, "ce_loss", TRAIN),
+}
+
+
+@pytest.mark.parametrize("stage", list(KILLED))
+def test_a_stage_killed_midway_resumes_to_the_same_model(stage, converted, tmp_path, monkeypatch, capsys):
+    module, function, settings = KILLED[stage]
+    stages = ["--stages", "align,weights,train"]
+    argv, whole = prepare(converted, tmp_path / "whole", **{stage: settings})
+    assert train_main([*argv, *stages]) == 0
+    argv, run = prepare(converted, tmp_path / "killed", **{stage: settings})
+
+    def interrupt(result):
+        raise KeyboardInterrupt
+
+    fail_at(monkeypatch, module, function, 3, interrupt, counted=torch.is_grad_enabled)  # in step 3 of 4
+    assert train_main([*argv, *stages]) == 130
+    kept = run / stage / "checkpoints" / "step_2"
+    assert f"the {stage} stage's last good checkpoint {kept} is kept, a rerun resumes after step 2" in one_line(
+        capsys.readouterr().err
+    )
+    monkeypatch.undo()
+    assert train_main([*argv, *stages]) == 0
+    assert f"resumed from {kept} (step 2" in capsys.readouterr().err
+    expected = load_file(whole / stage / "model" / "model.safetensors")
+    weights = load_file(run / stage / "model" / "model.safetensors")
+    assert set(weights) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(weights[name], value, rtol=0, atol=1e-6, msg=name)
 
 
 # ---- data problems, found before any model is loaded
