@@ -28,8 +28,11 @@ LEGACY_META = "stage2.json"  # train checkpoints written before manifests existe
 
 
 def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        for block in iter(lambda: f.read(1 << 20), b""):  # hashlib.file_digest needs Python 3.11
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _files(folder: Path) -> list[Path]:
