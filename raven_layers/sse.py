@@ -49,11 +49,9 @@ from .common import Mixer, MixerSettings, RMSNorm, document_positions, init_fres
 SSEState = tuple[torch.Tensor]  # (S,), S: [B, H_kv, P, c, d] float32; partitions 0..N-1 routed, N the shared one
 
 # implementation="auto": masking below this many tokens per sequence, varlen from it on. Masking runs the GLA
-# over all P partitions of every token, varlen only over the k (+1) a token touches, but pays a sort and gathers.
-# Measured on these PyTorch forms (batch 2, 8 kv heads, c = d = 128, one shared partition, chunk 16): on an H100
-# both take the same time up to 256 tokens (launch-bound: 4.5 vs 4.7 ms for n4k1); at 1024 tokens varlen is 1.25x
-# faster for n4k1 and 2.5x for n16k1, and masking runs out of memory at 8192 tokens for n16k1; on CPU varlen wins
-# from ~64 tokens. The paper (Figure 6) puts the switch at ~1k tokens for its fused kernels.
+# over all P partitions of every token, varlen only over the k (+1) a token touches, but pays a sort and gathers;
+# on these PyTorch forms both take the same time up to here, varlen wins beyond (docs/KERNELS.md, Settings: SSE
+# masking or varlen).
 VARLEN_MIN_TOKENS = 256
 
 

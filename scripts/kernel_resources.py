@@ -27,9 +27,9 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.raven import chunk, chunk_bwd, chunk_h, fused_recurrent  # noqa: E402
-from kernels.sila import backward as sila_backward  # noqa: E402
-from kernels.sila import common as sila_common  # noqa: E402
-from kernels.sila import forward as sila_forward  # noqa: E402
+from kernels.sila import fused_recurrent_bwd as sila_bwd_kernels  # noqa: E402
+from kernels.sila import fused_recurrent_fwd as sila_fwd_kernels  # noqa: E402
+from kernels.sila import utils as sila_utils  # noqa: E402
 from kernels.sila.fused_recurrent import CHUNK_SIZE as SILA_CHUNK  # noqa: E402
 
 KERNELS = {
@@ -43,11 +43,11 @@ KERNELS = {
     "dhc": chunk_h.raven_bwd_kernel_dhc,
     "scan": chunk_h.raven_fwd_kernel_scan,
     "decode": fused_recurrent.raven_fwd_kernel_fused_recurrent,
-    "sila_fwd": sila_forward.sila_fwd_kernel_recurrent,  # the training sweep (SAVE), not the decode step
-    "sila_o": sila_forward.sila_fwd_kernel_output,
-    "sila_dq": sila_backward.sila_bwd_kernel_dq,
-    "sila_bwd": sila_backward.sila_bwd_kernel_recurrent,
-    "sila_dkv": sila_backward.sila_bwd_kernel_dkv,
+    "sila_fwd": sila_fwd_kernels.sila_fwd_kernel_recurrent,  # the training sweep (SAVE), not the decode step
+    "sila_o": sila_fwd_kernels.sila_fwd_kernel_output,
+    "sila_dq": sila_bwd_kernels.sila_bwd_kernel_dq,
+    "sila_bwd": sila_bwd_kernels.sila_bwd_kernel_recurrent,
+    "sila_dkv": sila_bwd_kernels.sila_bwd_kernel_dkv,
 }
 INPUT_DTYPE = {
     "q",
@@ -142,8 +142,8 @@ def kernel_rows(D: int, M: int, names: list[str]) -> list[tuple]:
 def sila_row(name: str, D: int) -> tuple:
     """(name, "-", warps, stages, registers, stack, shared) of a SILA kernel as fused_recurrent_sila launches it at
     d_k = d_v = D, no mask, fixed-length batch, one query head per key head."""
-    warps = sila_common.launch_settings(D, D)["sweep" if name in ("sila_fwd", "sila_bwd") else "chunk"]
-    constants = dict(H=16, G=1, K=D, V=D, KB=sila_common.sweep_block(D), CHUNK=SILA_CHUNK, PRECISION="tf32")
+    warps = sila_utils.launch_settings(D, D)["sweep" if name in ("sila_fwd", "sila_bwd") else "chunk"]
+    constants = dict(H=16, G=1, K=D, V=D, KB=sila_utils.sweep_block(D), CHUNK=SILA_CHUNK, PRECISION="tf32")
     constants.update(STORE_HT=False, SAVE=True, INLINE_OUTPUT=False, STORE_DH0=False, HAS_MASK=False, IS_VARLEN=False)
     used = resources(KERNELS[name], constants, warps, 1)
     return (name, "-", warps, 1, used["registers"], used["stack"], used["shared"])

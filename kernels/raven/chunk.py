@@ -130,19 +130,15 @@ def block_sizes(M: int, D: int) -> tuple[int, int]:
 def launch_config(D: int) -> dict[str, tuple[int, int, int]]:
     """(slots per block, warps, pipeline stages) of the per-chunk kernels. Each kernel holds [BT, BT] and [BT, D]
     tiles across its slot loop, so at d = 128 one 8-warp program fills an SM's registers; at 4 warps two programs
-    share it, which pays even where ptxas then spills (dq: 255 registers and ~300 B of stack against 200 B at 8
-    warps). At M = 256, B = 4, T = 4096, o, dq and dlf at 4 warps take fwd+bwd from 7.62 to 6.41 ms (run 9:
-    kernels/raven/benchmark.py --variants o8+dq8+dlf64 is the old setting); dk/dv stays at 8 warps (at 4 it spills
-    272 B; at 16 slots it is slower). Three stages of the slot loops' loads took fwd+bwd from 12.5 to 10.7 ms in run
-    3."""
+    share it, which pays even where ptxas then spills; dk/dv stays at 8 warps, and three stages hide the slot loops'
+    loads (docs/KERNELS.md, Settings: Raven per-chunk kernels)."""
     return {"o": (32, 4, 3), "dq": (16, 4, 3), "dkv": (32, 8, 3), "dlf": (32, 4, 1)}
 
 
 def scan_config(M: int, D: int) -> tuple[int, int, int, int]:
     """Steps, slots and head-dim columns per program of the scan, and its warps: 4 steps of [BM, BD] = 256 state
-    entries in flight per program, rows of up to 64 columns (128-byte lines in bf16). At B = 1, T = 32768, M = 64
-    (kernels/raven/benchmark.py --variants scan-p2,scan-p8,...) 2 or 4 steps take fwd+bwd to 5.85-5.88 ms, 8 steps
-    6.24-6.31, 16 steps 6.73; 2 warps or 512-entry tiles 6.1-6.2."""
+    entries in flight per program, rows of up to 64 columns (128-byte lines in bf16); more steps, fewer warps or
+    larger tiles were slower (docs/KERNELS.md, Settings: Raven long-sequence scan)."""
     BD = min(64, triton.next_power_of_2(D))
     return 4, min(triton.next_power_of_2(M), max(1, 256 // BD)), BD, 4
 
@@ -179,11 +175,8 @@ def seq_blocks(M: int, D: int, NH: int) -> tuple[int, int]:
 def split_scan(M: int, D: int, NH: int) -> bool:
     """Whether to compute the states as per-chunk contributions and a scan (long sequences) rather than with one
     sequential kernel: when that kernel would run under 256 programs (about two per SM), its chunk-to-chunk latency
-    dominates. At B = 1, T = 32768, M = 64 (128 programs) the sequential kernels took 0.94 ms per state scan and
-    0.90 for the gradients'; split, the contributions add ~0.2 ms to each gate launch and 0.39 for the gradients',
-    and each scan takes 0.38 ms at 8 chunks per step (less at 4, the default). At B = 4, T = 4096, M = 256 (1024
-    programs) the sequential kernel is faster: 0.44 ms against 0.69 for the scan alone, whose contributions also
-    cost a write and a read of every state (kernels/raven/NOTES.md, run 5)."""
+    dominates; with more programs the sequential kernel is faster, and the split form's contributions also cost a
+    write and a read of every state (docs/KERNELS.md, Settings: Raven sequential or split state scan)."""
     BM, BD = seq_blocks(M, D, NH)
     return triton.cdiv(M, BM) * triton.cdiv(D, BD) * NH < 256
 

@@ -12,10 +12,9 @@ from .utils import check_inputs, slot_indices
 
 
 def decode_config(M: int, G: int, D: int) -> tuple[int, int]:
-    """Slots per block of the streaming loop ([BM, D] float32 tiles of S^k and S^v) and warps per program. On the
-    H100 at B = 64, H = 16, d = 128, one step (the sweep in kernels/raven/NOTES.md, run 6): 8-slot blocks at
-    one warp 115.6 us at M = 256 and 37.6 us at M = 64, against 119.7 / 42.2 with 32-slot blocks at 4 warps (the
-    run-5 choice) and 122-152 / 41-100 when the slots were split over 2 or 4 programs merged afterwards."""
+    """Slots per block of the streaming loop ([BM, D] float32 tiles of S^k and S^v) and warps per program: 8-slot
+    blocks at one warp, unsplit, were the fastest of a sweep over block sizes, warps and splits (docs/KERNELS.md,
+    Settings: Raven decode blocks)."""
     BG, BD = triton.next_power_of_2(G), triton.next_power_of_2(D)
     return max(1, min(8, triton.next_power_of_2(M), 1024 // (BG * BD))), 1
 

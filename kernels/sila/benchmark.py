@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from kernels.sila import common, fused_recurrent_sila
+from kernels.sila import fused_recurrent_sila, utils
 from kernels.timing import time_call
 
 
@@ -61,15 +61,15 @@ def main():
         print(rows[-1], f"peak memory {t['peak_mib'] / 1024:.2f} GiB (on top of the inputs)", flush=True)
         shares = ", ".join(f"{name} {ms:.2f}" for ms, _, name in t["kernels"] if "sila" in name)
         print(f"d={d} kernels (ms):", shares, flush=True)
-        default = common.launch_settings
+        default = utils.launch_settings
         for kind, choices in (("sweep", args.sweep_warps), ("chunk", args.chunk_warps)):
             for warps in choices:
-                common.launch_settings = lambda K, V, kind=kind, w=warps, base=default: {**base(K, V), kind: w}
+                utils.launch_settings = lambda K, V, kind=kind, w=warps, base=default: {**base(K, V), kind: w}
                 t = time_call(fused_recurrent_sila, x, profile=True)
                 rows.append(row(f"sila {kind} num_warps={warps} d={d}", t))
                 shares = ", ".join(f"{name} {ms:.2f}" for ms, _, name in t["kernels"] if "sila" in name)
                 print(rows[-1], "kernels (ms):", shares, flush=True)
-                common.launch_settings = default
+                utils.launch_settings = default
     step = [x.detach() for x in sila_inputs(64, 1, H, 128)]
     state = torch.randn(64, H, 128, 128, device="cuda")
     decode = do_bench(lambda: fused_recurrent_sila(*step, state, output_final_state=True), return_mode="median")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .backward import sila_bwd
-from .forward import sila_fwd
+from .fused_recurrent_bwd import fused_recurrent_sila_bwd
+from .fused_recurrent_fwd import fused_recurrent_sila_fwd
 
 CHUNK_SIZE = 64  # steps between saved memories; the chunk-parallel kernels work on [CHUNK, d] tiles
 
@@ -14,7 +14,7 @@ class FusedRecurrentSILAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, initial_state, mask, output_final_state,
                 cu_seqlens, chunk_size):  # fmt: skip
-        o, ht, saved = sila_fwd(
+        o, ht, saved = fused_recurrent_sila_fwd(
             q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, initial_state, mask, output_final_state, cu_seqlens,
             chunk_size, save=True,
         )  # fmt: skip
@@ -30,7 +30,7 @@ class FusedRecurrentSILAFunction(torch.autograd.Function):
             ctx.saved_tensors
         )
         saved = (states, r, s, offsets, indices, ctx.n_chunks)
-        grads = sila_bwd(
+        grads = fused_recurrent_sila_bwd(
             q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, h0, mask, cu_seqlens, ctx.chunk_size, saved,
             do.contiguous(), None if dht is None else dht.contiguous(),
         )  # fmt: skip
@@ -135,8 +135,9 @@ def sila_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The inference forward of `fused_recurrent_sila` (checked, contiguous inputs) as a custom op: torch.compile
     keeps it whole, and Inductor fuses the work around it. Returns o and the final memory."""
-    o, ht, _ = sila_fwd(q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, initial_state, mask, True, cu_seqlens,
-                        chunk_size, save=False)  # fmt: skip
+    o, ht, _ = fused_recurrent_sila_fwd(
+        q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, initial_state, mask, True, cu_seqlens, chunk_size, save=False
+    )
     return o, ht
 
 

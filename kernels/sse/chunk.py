@@ -40,9 +40,8 @@ BT = 64  # chunk length
 BC = 16  # sub-chunk length
 POISON = False  # tests set it: outputs start as NaN
 WARPS = {"h": 4, "o": 4, "dh": 4, "dqk": 4, "dv": 4}  # fixed launch configs (kernels/sse/NOTES.md)
-# key channels per dq/dk program (more programs share the serial sub-chunk loops): 32 when reading SSE's entries in
-# place, whose live int64 row vectors take 212 registers a thread at 64 (168 dense); H100: SSE 9.65 ms at 32 vs 10.79,
-# dense 4.14 at 64 vs 4.37 (kernels/sse/NOTES.md, run 8)
+# key channels per dq/dk program: 32 when reading SSE's entries in place, whose live int64 row vectors cost registers
+# (docs/KERNELS.md, Settings: SSE dq/dk block)
 BLOCK_K = {"dqk": 64, "dqk_gather": 32}
 LOW_PRECISION_STATES = True  # bf16/fp16 inputs: per-chunk states (and their grads) stored in that dtype, half the bytes
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from kernels.sila import common, fused_recurrent_sila, naive_recurrent_sila
+from kernels.sila import fused_recurrent_sila, naive_recurrent_sila, utils
 from raven_layers.backend import use_backend
 from raven_layers.sila import SILAMixer, SILASettings, l2_normalize
 
@@ -23,14 +23,14 @@ def poisoned_outputs(monkeypatch, request):
     gradients that vanish exactly, e.g. at gamma ~ 0); the bf16 tests keep the production setting.
     """
     if torch.cuda.is_available() and "gpu" not in request.keywords:
-        monkeypatch.setattr(common, "DOT_PRECISION", "ieee")
-    real = common.new_output
+        monkeypatch.setattr(utils, "DOT_PRECISION", "ieee")
+    real = utils.new_output
 
     def poisoned(shape, like, dtype=None):
         out = real(shape, like, dtype)
         return out.fill_(math.nan if out.is_floating_point() else -1)
 
-    monkeypatch.setattr(common, "new_output", poisoned)
+    monkeypatch.setattr(utils, "new_output", poisoned)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

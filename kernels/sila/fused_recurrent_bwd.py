@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import common
-from .common import (
+from . import utils
+from .utils import (
     _add_pair,
     load_chunk,
     memory_slot,
@@ -48,13 +48,13 @@ def sila_bwd_kernel_dq(
     Within a chunk, dM_t holds sum_{s > t} exp(G_{s-1} - G_t) E_s: the sweep gets its product with k_t as duE_t,
     and the whole chunk's share at the chunk start, dE = sum_s exp(G_{s-1}) E_s, once.
     """
-    i_n, i_c, i_h = common.chunk_program(chunk_indices, IS_VARLEN)
+    i_n, i_c, i_h = utils.chunk_program(chunk_indices, IS_VARLEN)
     bos, T_n, state_base = sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK, IS_VARLEN)
     o_k, o_v = tl.arange(0, K), tl.arange(0, V)
     # the outputs' share first, stored before the checkpoint is loaded: [V, K] dE and S are never live together
-    rows, m_t, b_live = common.chunk_rows(mask, bos, T_n, i_c, i_h, H, CHUNK, HAS_MASK)
+    rows, m_t, b_live = utils.chunk_rows(mask, bos, T_n, i_c, i_h, H, CHUNK, HAS_MASK)
     m_tk, m_tv = m_t[:, None], m_t[:, None]
-    b_start, b_D, _ = common.chunk_decays(s, gamma_x, rows, m_t, b_live, CHUNK)
+    b_start, b_D, _ = utils.chunk_decays(s, gamma_x, rows, m_t, b_live, CHUNK)
     b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
     b_F = tl.trans(b_D)  # [C, C] exp(G_{s-1} - G_t) for s > t
     b_dE = tl.zeros([V, K], dtype=tl.float32)
@@ -121,7 +121,7 @@ def sila_bwd_kernel_recurrent(
 ):  # fmt: skip
     """The reverse sweep: du_t and the gate gradients per step, and dM at every chunk's end (into the dE slot
     after the chunk's, read by then), from which `sila_bwd_kernel_dkv` forms dM_t^T u_t by the chunk form.
-    dM is held as [V, NB, KB], d_k in NB blocks of KB (common.sweep_offsets)."""
+    dM is held as [V, NB, KB], d_k in NB blocks of KB (utils.sweep_offsets)."""
     i_n, i_h = tl.program_id(0), tl.program_id(1)
     bos, T_n, state_base = sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK, IS_VARLEN)
     o_v = tl.arange(0, V)
@@ -176,7 +176,7 @@ def sila_bwd_kernel_dkv(
     With the sweep's dM (no outputs' share of the chunk) dM_t = exp(G_last - G_t) dM_last
     + sum_{s > t} exp(G_{s-1} - G_t) dr_s k_s^T, so dM_t^T u_t and M_{t-1}^T dr_t are chunk products.
     """
-    i_n, i_c, i_h = common.chunk_program(chunk_indices, IS_VARLEN)
+    i_n, i_c, i_h = utils.chunk_program(chunk_indices, IS_VARLEN)
     i_p = tl.program_id(0) if IS_VARLEN else tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
     bos, T_n, state_base = sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK, IS_VARLEN)
     b_k, b_v, b_r, b_u, b_beta, b_start, b_D, b_tail, rows, m_t = load_chunk(
@@ -216,7 +216,7 @@ def sila_bwd_kernel_dkv(
     tl.store(dv + rows[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_tv)
 
 
-def sila_bwd(
+def fused_recurrent_sila_bwd(
     q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, initial_state, mask, cu_seqlens, chunk_size, saved, do, dht
 ):
     """Gradients of q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma and the initial state (None if it was None)."""
@@ -224,38 +224,38 @@ def sila_bwd(
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     states, r, s, offsets, indices, n_chunks = saved
-    cfg = common.launch_settings(K, V)
+    cfg = utils.launch_settings(K, V)
     blocks = dict(H=H, G=G, K=K, V=V, CHUNK=chunk_size)
     flags = dict(HAS_MASK=mask is not None, IS_VARLEN=cu_seqlens is not None)
     grid = (n_chunks, H) if cu_seqlens is not None else (n_chunks, N, H)
-    parallel = dict(PRECISION=common.DOT_PRECISION, num_warps=cfg["chunk"], **blocks, **flags)
+    parallel = dict(PRECISION=utils.DOT_PRECISION, num_warps=cfg["chunk"], **blocks, **flags)
 
-    dq, dalpha = common.new_output(q.shape, q), common.new_output(alpha.shape, alpha)
-    c = common.new_output((B, T, H), q, torch.float32)  # sum_g do_{t,g} . M_{t-1} q_{t,g}
+    dq, dalpha = utils.new_output(q.shape, q), utils.new_output(alpha.shape, alpha)
+    c = utils.new_output((B, T, H), q, torch.float32)  # sum_g do_{t,g} . M_{t-1} q_{t,g}
     # slot c: chunk c's outputs' share, sum_s exp(G_{s-1}) sum_g do q^T; the sweep then leaves dM at chunk c's end
     # in slot c + 1, once it has read that slot
-    dE = common.new_output(states.shape, q, torch.float32)
-    duE = common.new_output((B, T, H, V), q, torch.float32)
+    dE = utils.new_output(states.shape, q, torch.float32)
+    duE = utils.new_output((B, T, H, V), q, torch.float32)
     if n_chunks > 0:
         sila_bwd_kernel_dq[grid](
             q, k, v, alpha, beta_x, gamma_x, mask, r, s, states, do, dq, dalpha, c, dE, duE, cu_seqlens, offsets,
             indices, T, **parallel,
         )  # fmt: skip
-    du = common.new_output((B, T, H, V), q, torch.float32)  # dM_t k_t
-    dp = common.new_output((B, T, H, 2), q, torch.float32)  # gradients of the gate pre-activations
-    dh0 = common.new_output((N, H, V, K), q, torch.float32) if initial_state is not None else None
+    du = utils.new_output((B, T, H, V), q, torch.float32)  # dM_t k_t
+    dp = utils.new_output((B, T, H, 2), q, torch.float32)  # gradients of the gate pre-activations
+    dh0 = utils.new_output((N, H, V, K), q, torch.float32) if initial_state is not None else None
     if dht is None:
         dht = torch.zeros(N, H, V, K, device=q.device)
     sila_bwd_kernel_recurrent[(N, H)](
         k, v, beta_x, gamma_x, w_beta, w_gamma, mask, r, s, states, c, dE, duE, dht, dh0, du, dp, cu_seqlens,
-        offsets, T, H=H, K=K, V=V, KB=common.sweep_block(K), CHUNK=chunk_size, STORE_DH0=dh0 is not None,
+        offsets, T, H=H, K=K, V=V, KB=utils.sweep_block(K), CHUNK=chunk_size, STORE_DH0=dh0 is not None,
         num_warps=cfg["sweep"], **flags,
     )  # fmt: skip
     del duE  # only the sweep reads it: dk, dv and dw take its place at the peak
-    dk, dv = common.new_output(k.shape, k), common.new_output(v.shape, v)
-    dbx, dgx = common.new_output(beta_x.shape, beta_x), common.new_output(gamma_x.shape, gamma_x)
+    dk, dv = utils.new_output(k.shape, k), utils.new_output(v.shape, v)
+    dbx, dgx = utils.new_output(beta_x.shape, beta_x), utils.new_output(gamma_x.shape, gamma_x)
     n_programs = n_chunks if cu_seqlens is not None else N * n_chunks
-    dw = common.new_output((n_programs, H, 2, V), q, torch.float32)  # per chunk
+    dw = utils.new_output((n_programs, H, 2, V), q, torch.float32)  # per chunk
     if n_chunks > 0:
         sila_bwd_kernel_dkv[grid](
             q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, mask, r, s, states, dE, do, du, dp, dk, dv, dbx, dgx,

@@ -3,7 +3,7 @@
 `sila_fwd_kernel_recurrent` runs one program per (sequence, head) over time with the [V, K] memory in registers:
 the gates need the full dot products w . (M_{t-1} k_t). It saves M_{t-1} k_t, the two gate dot products and a
 checkpoint of the memory every CHUNK steps. `sila_fwd_kernel_output` then forms the outputs
-o_t = M_{t-1} q_t + alpha_t (k_t . q_t) v_t for all chunks in parallel with the chunk form (common.py), so the
+o_t = M_{t-1} q_t + alpha_t (k_t . q_t) v_t for all chunks in parallel with the chunk form (utils.py), so the
 sequential loop carries only what the recurrence needs. A decode step (T == 1, no gradients) reads on chip instead.
 """
 
@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import common
-from .common import _add_pair, load_chunk, memory_slot, sequence_bounds, sila_gates, slot_start, sweep_offsets
+from . import utils
+from .utils import _add_pair, load_chunk, memory_slot, sequence_bounds, sila_gates, slot_start, sweep_offsets
 
 
 @triton.jit
@@ -45,7 +45,7 @@ def sila_fwd_kernel_recurrent(
     STORE_HT: tl.constexpr, SAVE: tl.constexpr, INLINE_OUTPUT: tl.constexpr, HAS_MASK: tl.constexpr,
     IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
-    """M is held as [V, NB, KB], d_k in NB blocks of KB (common.sweep_offsets)."""
+    """M is held as [V, NB, KB], d_k in NB blocks of KB (utils.sweep_offsets)."""
     i_n, i_h = tl.program_id(0), tl.program_id(1)
     bos, T_n, state_base = sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK, IS_VARLEN)
     o_v = tl.arange(0, V)
@@ -107,7 +107,7 @@ def sila_fwd_kernel_output(
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
     HAS_MASK: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
-    i_n, i_c, i_h = common.chunk_program(chunk_indices, IS_VARLEN)
+    i_n, i_c, i_h = utils.chunk_program(chunk_indices, IS_VARLEN)
     bos, T_n, state_base = sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK, IS_VARLEN)
     b_k, b_v, _, b_u, _, b_start, b_D, _, rows, m_t = load_chunk(
         k, v, r, s, beta_x, gamma_x, mask, bos, T_n, i_c, i_h, H, K, V, CHUNK, HAS_MASK
@@ -125,7 +125,7 @@ def sila_fwd_kernel_output(
         tl.store(o + (rows[:, None] * G + i_g) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
-def sila_fwd(
+def fused_recurrent_sila_fwd(
     q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, initial_state, mask, output_final_state, cu_seqlens, chunk_size,
     save,
 ):  # fmt: skip
@@ -133,16 +133,16 @@ def sila_fwd(
     B, T, H, G, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    cfg = common.launch_settings(K, V)
+    cfg = utils.launch_settings(K, V)
     inline = not save and T == 1 and cu_seqlens is None  # a decode step: read on chip, nothing to save
-    offsets, indices, n_states, n_chunks = common.varlen_layout(cu_seqlens, N, T, chunk_size)
-    o = common.new_output((B, T, H, G, V), q)
-    ht = common.new_output((N, H, V, K), q, torch.float32) if output_final_state else None
+    offsets, indices, n_states, n_chunks = utils.varlen_layout(cu_seqlens, N, T, chunk_size)
+    o = utils.new_output((B, T, H, G, V), q)
+    ht = utils.new_output((N, H, V, K), q, torch.float32) if output_final_state else None
     states = r = s = None
     if not inline:
-        states = common.new_output((n_states, H, V, K), q, torch.float32)
-        r = common.new_output((B, T, H, V), q, torch.float32)  # M_{t-1} k_t
-        s = common.new_output((B, T, H, 2), q, torch.float32)  # w_beta . M_{t-1} k_t and w_gamma . M_{t-1} k_t
+        states = utils.new_output((n_states, H, V, K), q, torch.float32)
+        r = utils.new_output((B, T, H, V), q, torch.float32)  # M_{t-1} k_t
+        s = utils.new_output((B, T, H, 2), q, torch.float32)  # w_beta . M_{t-1} k_t and w_gamma . M_{t-1} k_t
     flags = dict(HAS_MASK=mask is not None, IS_VARLEN=cu_seqlens is not None)
     if initial_state is None:
         initial_state = torch.zeros(N, H, V, K, device=q.device)
@@ -151,14 +151,14 @@ def sila_fwd(
         vw = torch.einsum("bthv,hjv->bthj", v.float(), torch.stack((w_beta, w_gamma), 1).float()).contiguous()
     sila_fwd_kernel_recurrent[(N, H)](
         q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, vw, initial_state, mask, o, ht, states, r, s, cu_seqlens,
-        offsets, T, H=H, G=G, K=K, V=V, KB=common.sweep_block(K), CHUNK=chunk_size,
+        offsets, T, H=H, G=G, K=K, V=V, KB=utils.sweep_block(K), CHUNK=chunk_size,
         STORE_HT=output_final_state, SAVE=not inline, INLINE_OUTPUT=inline, num_warps=cfg["sweep"], **flags,
     )  # fmt: skip
     if not inline and n_chunks > 0:
         grid = (n_chunks, H) if cu_seqlens is not None else (n_chunks, N, H)
         sila_fwd_kernel_output[grid](
             q, k, v, alpha, beta_x, gamma_x, mask, r, s, states, o, cu_seqlens, offsets, indices, T,
-            H=H, G=G, K=K, V=V, CHUNK=chunk_size, PRECISION=common.DOT_PRECISION,
+            H=H, G=G, K=K, V=V, CHUNK=chunk_size, PRECISION=utils.DOT_PRECISION,
             num_warps=cfg["chunk"], **flags,
         )  # fmt: skip
     return o, ht, (states, r, s, offsets, indices, n_chunks)
