@@ -7,8 +7,11 @@ raven-eval model.gguf --out eval --ppl-data ../shared/data/pg_essays --speed-len
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
+
+from convert.console import command_line, interrupted
 
 from .perplexity import parse_lengths
 from .report import EvalRequest, evaluate_model
@@ -27,10 +30,29 @@ def _names(allowed):
 
 
 def _depths(text: str) -> list[float]:
-    depths = [float(d) for d in text.split(",")]
+    try:
+        depths = [float(d) for d in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of numbers such as 0,0.5,1") from None
     if not all(0.0 <= d <= 1.0 for d in depths):
         raise argparse.ArgumentTypeError(f"depths {depths} must lie in [0, 1]")
     return depths
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _existing(text: str) -> str:
+    if not Path(text).expanduser().exists():
+        raise argparse.ArgumentTypeError(f"{text!r} does not exist")
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,37 +64,54 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", type=_names(VARIANTS), default=d.variants, help=f"from {list(VARIANTS)}")
     p.add_argument("--lengths", type=parse_lengths, default=d.lengths, help="prompt lengths in tokens (1k = 1024)")
     p.add_argument("--depths", type=_depths, default=d.depths, help="needle depths in [0, 1]")
-    p.add_argument("--samples", type=int, default=d.samples, help="prompts per (length, depth)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--haystack-dir", help="essay haystack directory (default: $RAVEN_HAYSTACK_DIR)")
+    p.add_argument("--samples", type=_positive, default=d.samples, help="prompts per (length, depth)")
+    p.add_argument("--batch-size", type=_positive, default=d.batch_size)
+    p.add_argument("--haystack-dir", type=_existing, help="essay haystack directory (default: $RAVEN_HAYSTACK_DIR)")
     p.add_argument(
         "--chat-template",
         choices=["off", "on", "auto"],
         default="off",
         help="wrap prompts in the tokenizer's chat template (auto: when it has one); off: plain completion prompts",
     )
-    p.add_argument("--ppl-data", help="texts for perplexity (.txt, .jsonl(.gz) or a directory)")
+    p.add_argument("--ppl-data", type=_existing, help="texts for perplexity (.txt, .jsonl(.gz) or a directory)")
     p.add_argument("--ppl-lengths", type=parse_lengths, default=d.ppl_lengths)
-    p.add_argument("--ppl-windows", type=int, default=d.ppl_windows)
+    p.add_argument("--ppl-windows", type=_positive, default=d.ppl_windows)
     p.add_argument("--speed-lengths", type=parse_lengths, default=d.speed_lengths, help="e.g. 1k,4k,16k,64k")
     p.add_argument("--no-pictures", dest="pictures", action="store_false", help="skip the mixer pictures")
-    p.add_argument("--picture-length", type=int, default=d.picture_length)
+    p.add_argument("--picture-length", type=_positive, default=d.picture_length)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", help="cuda, cpu, ... (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--attention-window",
-        type=int,
+        type=_positive,
         default=None,
         help="a hybrid's kept attention layers attend within this many tokens (default: as converted)",
     )
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
     args.chat_template = {"off": False, "on": True, "auto": None}[args.chat_template]
+    request = EvalRequest(**vars(args))
     try:
-        evaluate_model(EvalRequest(**vars(args)))
+        report = evaluate_model(request)
     except (ValueError, FileNotFoundError) as err:
-        p.exit(2, f"raven-eval: error: {err}\n")
+        p.exit(2, f"raven-eval: error: {_flags(str(err))}\n")
+    except KeyboardInterrupt:
+        done = sorted(f.name for f in Path(args.out).glob("retrieval_*.json")) if Path(args.out).is_dir() else []
+        saved = f"finished parts are in {args.out}: {', '.join(done)}" if done else "no part had finished"
+        return interrupted(saved, command_line("raven-eval", argv))
+    if report.get("failed"):
+        parts = ", ".join(f"{part} ({error})" for part, error in report["failed"].items())
+        print(f"raven-eval: error: {_flags(parts)} failed; the other parts are in {args.out / 'report.json'}")
+        return 1
     return 0
+
+
+def _flags(message: str) -> str:
+    """A message from the evaluation, with EvalRequest's field names as the flags that set them."""
+    for name in EvalRequest.__dataclass_fields__:
+        message = re.sub(rf"\b{name}\b(?=\s*=)", "--" + name.replace("_", "-"), message)
+    return message
 
 
 if __name__ == "__main__":

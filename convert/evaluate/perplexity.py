@@ -461,9 +461,11 @@ def parse_lengths(text: str) -> list[int]:
     for part in re.split(r"[,\s]+", text.strip()):
         if part:
             m = re.fullmatch(r"(\d+)([kK]?)", part)
-            if not m:
-                raise argparse.ArgumentTypeError(f"bad context length {part!r}")
+            if not m or int(m.group(1)) < 1:
+                raise argparse.ArgumentTypeError(f"{part!r} is not a length; expected integers >= 1 such as 512,4k,32k")
             out.append(int(m.group(1)) * (1024 if m.group(2) else 1))
+    if not out:
+        raise argparse.ArgumentTypeError(f"{text!r} names no length; expected integers >= 1 such as 512,4k,32k")
     return out
 
 

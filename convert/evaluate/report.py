@@ -111,7 +111,10 @@ def mixer_pictures(model, tokenizer, request: EvalRequest, out: Path) -> dict[st
 
 
 def evaluate_model(request: EvalRequest, log=print) -> dict:
-    """Run every requested part, write `request.out`/report.json and the PNGs, print the tables; return the report."""
+    """Run every requested part, write `request.out`/report.json and the PNGs, print the tables; return the report.
+
+    report.json is rewritten after every part, so an interruption keeps the parts that finished. A part that raises
+    is recorded under "failed" (part -> error) and the others still run; the caller decides what a failure means."""
     out = Path(request.out)
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_for_evaluation(request.model, request.dtype, request.device)
@@ -126,42 +129,59 @@ def evaluate_model(request: EvalRequest, log=print) -> dict:
     report = {"request": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(request).items()}}
     report["run"] = run_info(model)
 
-    report["retrieval"] = {}
-    for task in request.tasks:
-        for variant in request.variants:
-            samples = build_samples(
-                task,
-                tokenizer,
-                request.lengths,
-                request.depths,
-                request.samples,
-                request.seed,
-                variant=variant,
-                haystack_dir=request.haystack_dir,
-                chat_template=request.chat_template,
-            )
-            log(f"{task} ({variant}): {len(samples)} prompts")
-            results = run_retrieval(model, tokenizer, samples, batch_size=request.batch_size)
-            summary = summarize(results)
-            save_results(results, summary, out / f"retrieval_{task}_{variant}.json")
-            plot_niah_heatmap(results, out / f"niah_{task}_{variant}.png", f"{name}: {task} ({variant})")
-            report["retrieval"].update(summary["tasks"])
-            log(format_table(summary))
+    report["retrieval"], failed = {}, {}
 
-    if request.ppl_data:
-        texts = load_texts(request.ppl_data)
-        result = perplexity(model, tokenizer, texts, request.ppl_lengths, request.ppl_windows)
+    def part(name: str, run) -> None:
+        try:
+            run()
+        except Exception as err:  # one part failing must not cost the parts that ran, nor hide them
+            failed[name] = f"{type(err).__name__}: {err}"
+            log(f"{name} failed: {failed[name]}")
+        _write_json(report | ({"failed": failed} if failed else {}), out / "report.json")  # a kill keeps these
+
+    def retrieval(task: str, variant: str) -> None:
+        samples = build_samples(
+            task,
+            tokenizer,
+            request.lengths,
+            request.depths,
+            request.samples,
+            request.seed,
+            variant=variant,
+            haystack_dir=request.haystack_dir,
+            chat_template=request.chat_template,
+        )
+        log(f"{task} ({variant}): {len(samples)} prompts")
+        results = run_retrieval(model, tokenizer, samples, batch_size=request.batch_size)
+        summary = summarize(results)
+        save_results(results, summary, out / f"retrieval_{task}_{variant}.json")
+        plot_niah_heatmap(results, out / f"niah_{task}_{variant}.png", f"{name}: {task} ({variant})")
+        report["retrieval"].update(summary["tasks"])
+        log(format_table(summary))
+
+    def ppl() -> None:
+        result = perplexity(model, tokenizer, load_texts(request.ppl_data), request.ppl_lengths, request.ppl_windows)
         plot_loss_curve({name: result}, out / "loss_curve.png")
         report["perplexity"] = result
         log(format_perplexity_table({name: result}))
-    if request.speed_lengths:
+
+    def speed() -> None:
         result = measure_speed(model, request.speed_lengths)
         plot_speed({name: result}, out / "speed.png")
         report["speed"] = result
         log(format_speed_table({name: result}))
-    if request.pictures and getattr(model.config, "layer_mixers", None):
-        report["pictures"] = mixer_pictures(model, tokenizer, request, out)
 
+    for task in request.tasks:
+        for variant in request.variants:
+            part(f"retrieval {task} ({variant})", lambda t=task, v=variant: retrieval(t, v))
+    if request.ppl_data:
+        part("perplexity", ppl)
+    if request.speed_lengths:
+        part("speed", speed)
+    if request.pictures and getattr(model.config, "layer_mixers", None):
+        part("pictures", lambda: report.update(pictures=mixer_pictures(model, tokenizer, request, out)))
+    if failed:
+        report["failed"] = failed
     _write_json(report, out / "report.json")
     log(f"wrote {out / 'report.json'} and {len(list(out.glob('*.png')))} pictures")
     return report

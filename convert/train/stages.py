@@ -479,6 +479,9 @@ def _stage_evaluate(recipe: Recipe, run_dir: Path, done: dict) -> dict:
     out = run_dir / "evaluate"
     request = EvalRequest(model=str(model_dir), out=out, **recipe.evaluate.model_dump())
     report = evaluate_model(request, log=lambda m: log(f"[evaluate] {m}"))
+    if report.get("failed"):  # not DONE: a rerun evaluates again, the parts that ran stay readable meanwhile
+        parts = "; ".join(f"{part}: {error}" for part, error in report["failed"].items())
+        raise ValueError(f"evaluation parts failed ({parts}); the parts that ran are in {out / 'report.json'}")
     return {"model": str(model_dir.relative_to(run_dir)), "report": "evaluate/report.json", **report.get("run", {})}
 
 

@@ -75,4 +75,56 @@ def test_attention_window_needs_a_hybrid(tiny_sources, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         eval_main([str(tiny_sources["llama"]), "--out", str(tmp_path), "--attention-window", "64"])
     assert exit_info.value.code == 2
-    assert "attention_window=64 applies to converted hybrids only" in capsys.readouterr().err
+    assert "--attention-window=64 applies to converted hybrids only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--batch-size", "0", "argument --batch-size: expected an integer >= 1, got '0'"),
+        ("--samples", "0", "argument --samples: expected an integer >= 1, got '0'"),
+        ("--speed-lengths", "0", "argument --speed-lengths: '0' is not a length"),
+        ("--lengths", ",", "argument --lengths: ',' names no length"),
+        ("--depths", "0,half", "argument --depths: '0,half' is not a list of numbers"),
+        ("--ppl-data", "no/such/texts", "argument --ppl-data: 'no/such/texts' does not exist"),
+        ("--haystack-dir", "no/such/essays", "argument --haystack-dir: 'no/such/essays' does not exist"),
+    ],
+)
+def test_bad_flags_are_refused_before_loading(tmp_path, capsys, flag, value, message):
+    with pytest.raises(SystemExit) as exit_info:  # "model" does not exist: a refusal that loads nothing
+        eval_main(["model", "--out", str(tmp_path / "eval"), flag, value])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "eval").exists()
+
+
+def test_a_failing_part_keeps_the_report_of_the_others(tiny_sources, tmp_path, haystack, monkeypatch, capsys):
+    import convert.evaluate.report as report_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("speed broke")
+
+    monkeypatch.setattr(report_module, "measure_speed", broken)
+    out = tmp_path / "eval"
+    args = [str(tiny_sources["llama"]), "--out", str(out), "--lengths", "700", "--depths", "0", "--samples", "1"]
+    args += ["--haystack-dir", str(haystack), "--tasks", "passkey", "--speed-lengths", "16"]
+    assert eval_main(args) == 1
+    report = json.loads((out / "report.json").read_text())
+    assert set(report["retrieval"]) == {"passkey/standard"} and "speed" not in report
+    assert report["failed"] == {"speed": "RuntimeError: speed broke"}
+    assert "speed (RuntimeError: speed broke) failed; the other parts are in" in capsys.readouterr().out
+
+
+def test_ctrl_c_says_what_finished_and_how_to_rerun(tiny_sources, tmp_path, haystack, monkeypatch, capsys):
+    import convert.evaluate.report as report_module
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report_module, "measure_speed", interrupt)
+    out = tmp_path / "eval"
+    args = [str(tiny_sources["llama"]), "--out", str(out), "--lengths", "700", "--depths", "0", "--samples", "1"]
+    args += ["--haystack-dir", str(haystack), "--tasks", "passkey", "--speed-lengths", "16"]
+    assert eval_main(args) == 130
+    err = capsys.readouterr().err
+    assert f"interrupted: finished parts are in {out}: retrieval_passkey_standard.json. To resume: raven-eval" in err
+    assert json.loads((out / "report.json").read_text())["retrieval"]["passkey/standard"]["n"] == 1
