@@ -5,8 +5,9 @@
 
 Relative paths in a recipe (source and data.source when they exist as local paths, data.cache_dir, export.dir,
 evaluate.haystack_dir, evaluate.ppl_data) are resolved against the current working directory when the recipe is
-loaded, not against the recipe file's directory: the shipped recipes are written to be run from the repository
-root. Names that do not exist locally (Hub ids such as Qwen/Qwen3-0.6B) are kept as given.
+loaded, not against the recipe file's directory. Names that do not exist locally (Hub ids such as Qwen/Qwen3-0.6B)
+are kept as given. The shipped recipes name no local paths: the inputs come from INPUT_FLAGS (--src, --data,
+--haystack, --ppl-data), and check_inputs says which flag or field to set when one is missing or does not exist.
 """
 
 from __future__ import annotations

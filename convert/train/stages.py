@@ -7,13 +7,13 @@
 
 Stages, in order: convert, align, weights, train, extend, evaluate, export. Stage S writes under RUN_DIR/S/ and,
 last and atomically, RUN_DIR/S/DONE (JSON: the stage's summary, including "model", the latest complete model
-directory after the stage, and its fingerprint). A stage whose DONE exists is skipped, so an interrupted run
-continues where it stopped (align, train and extend also resume from their own checkpoints, see checkpoint.py).
-A stage turned off by the recipe (steps 0, token weights disabled, extend/evaluate/export null) still writes DONE
-with "skipped": true.
-Running a stage needs the DONE of every stage before it; a missing one is an error naming it. The data source is
-checked (data.check_data_source) before the first stage runs when a stage left to run reads it, so a bad data file
-costs no stage. A non-finite loss stops its stage with a FloatingPointError naming the step and what was kept.
+directory after the stage, its fingerprint, and "disk_bytes", what its outputs take, also logged). A stage whose
+DONE exists is skipped, so an interrupted run continues where it stopped (align, train and extend also resume from
+their own checkpoints, see checkpoint.py). A stage turned off by the recipe (steps 0, token weights disabled,
+extend/evaluate/export null) still writes DONE with "skipped": true. Running a stage needs the DONE of every stage
+before it; a missing one is an error naming it. The inputs of the stages left to run (teacher, data, haystack,
+perplexity texts) are checked before the first one starts (recipe.check_inputs), so a missing path or a bad data
+file costs no stage. A non-finite loss stops its stage with a FloatingPointError naming the step and what was kept.
 
 A stage's fingerprint hashes the recipe fields it reads and the fingerprints of the stages before it. When a DONE
 was written under another fingerprint (the recipe changed since), the run stops and names the changed fields
