@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import raven_layers
+from convert.files import normal_modes
 from raven_layers import BUNDLED_FILES, HybridForCausalLM
 
 AUTO_MAP = {
@@ -50,6 +51,7 @@ def save_hybrid(
             shutil.copy2(code_dir / name, tmp / name)
         tokenizer.save_pretrained(tmp)
         (tmp / "README.md").write_text(model_card(model, base_model))
+        normal_modes(tmp)
     except BaseException:  # a failure or Ctrl-C leaves no hidden half-written directory behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise

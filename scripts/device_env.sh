@@ -19,9 +19,9 @@ s.load_model('float32').save_pretrained('$2')
 s.load_tokenizer().save_pretrained('$2')"
 }
 
-local_paths() {  # LOCAL_PATHS: the --set overrides that point a recipe at the device's copies (TEACHER, CORPUS, ESSAYS)
-  LOCAL_PATHS=(--set "source=$TEACHER" --set "data.source=$CORPUS" --set export=null)
+local_paths() {  # LOCAL_PATHS: the flags that point a recipe at the device's copies (TEACHER, CORPUS, ESSAYS)
+  LOCAL_PATHS=(--src "$TEACHER" --data "$CORPUS" --set export=null)
   if [ -n "${ESSAYS:-}" ]; then
-    LOCAL_PATHS+=(--set "evaluate.haystack_dir=$ESSAYS" --set "evaluate.ppl_data=$ESSAYS")
+    LOCAL_PATHS+=(--haystack "$ESSAYS" --ppl-data "$ESSAYS")
   fi
 }

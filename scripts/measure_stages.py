@@ -1,7 +1,8 @@
 """Per-stage throughput of the shipped recipes: a short run of each, then one table of tokens/s.
 
     python scripts/measure_stages.py recipes/smollm2-raven.yaml recipes/smollm2-sse.yaml recipes/smollm2-sila.yaml \
-        --align-steps 30 --train-steps 20 --max-documents 800 --run-root runs/measure
+        --align-steps 30 --train-steps 20 --max-documents 800 --run-root runs/measure \
+        --set data.source=../shared/data/corpus [--set source=TEACHER]
 
 Each recipe runs through `python -m convert.train` (one process per recipe) with overrides that shorten it:
 align and train get the given step counts, evaluation and export are off, and the data is cut to

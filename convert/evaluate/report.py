@@ -9,14 +9,12 @@ of each mixer kind's memory on a passkey prompt. The recipe pipeline calls `eval
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from ..files import write_json
 from . import analysis
 from .perplexity import format_perplexity_table, load_for_evaluation, load_texts, perplexity, plot_loss_curve, run_info
 from .retrieval import build_samples, format_table, plot_niah_heatmap, run_retrieval, save_results, summarize
@@ -50,14 +48,6 @@ class EvalRequest:
     seed: int = 0
     # a hybrid's kept attention layers attend within this many tokens (None: as the model was converted)
     attention_window: int | None = None
-
-
-def _write_json(data, path: Path) -> None:
-    """Atomically: a reader never sees half a report."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
 
 
 def mixer_pictures(model, tokenizer, request: EvalRequest, out: Path) -> dict[str, str]:
@@ -137,7 +127,7 @@ def evaluate_model(request: EvalRequest, log=print) -> dict:
         except Exception as err:  # one part failing must not cost the parts that ran, nor hide them
             failed[name] = f"{type(err).__name__}: {err}"
             log(f"{name} failed: {failed[name]}")
-        _write_json(report | ({"failed": failed} if failed else {}), out / "report.json")  # a kill keeps these
+        write_json(report | ({"failed": failed} if failed else {}), out / "report.json")  # a kill keeps these
 
     def retrieval(task: str, variant: str) -> None:
         samples = build_samples(
@@ -182,6 +172,6 @@ def evaluate_model(request: EvalRequest, log=print) -> dict:
         part("pictures", lambda: report.update(pictures=mixer_pictures(model, tokenizer, request, out)))
     if failed:
         report["failed"] = failed
-    _write_json(report, out / "report.json")
+    write_json(report, out / "report.json")
     log(f"wrote {out / 'report.json'} and {len(list(out.glob('*.png')))} pictures")
     return report

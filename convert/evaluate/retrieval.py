@@ -14,10 +14,8 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import re
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from dataclasses import asdict
@@ -25,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..files import atomic_file
 from .needles import (  # noqa: F401  (re-exported: the prompt side of the API)
     HAYSTACK_ENV,
     TASKS,
@@ -216,12 +215,6 @@ def save_results(results: list[dict], summary: dict, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"summary": summary, "results": [asdict(r) if isinstance(r, Sample) else r for r in results]}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as f:
+        json.dump(payload, f, indent=1)
     return path

@@ -1,12 +1,14 @@
-"""`python -m convert.train RECIPE.yaml --run-dir DIR [--stages align,train] [--redo STAGE] [--set key=value]`."""
+"""`python -m convert.train RECIPE.yaml --run-dir DIR [--src MODEL] [--data PATH] [--haystack DIR] [--ppl-data PATH]
+[--stages align,train] [--redo STAGE] [--set key=value]`."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from convert.console import command_line, interrupted, invoked_as
-from convert.train.recipe import STAGES, load_recipe
+from convert.train.recipe import INPUT_FLAGS, STAGES, load_recipe
 from convert.train.stages import run_recipe, saved_so_far
 
 
@@ -14,18 +16,28 @@ def resume_command(args: argparse.Namespace) -> str:
     """The command that continues an interrupted run: the same one without --redo (which would delete again)."""
     words = [args.recipe, "--run-dir", args.run_dir]
     words += ["--stages", args.stages] if args.stages is not None else []
+    for field, (flag, _, _) in INPUT_FLAGS.items():
+        words += [flag, getattr(args, field)] if getattr(args, field) is not None else []
     for item in args.overrides:
         words += ["--set", item]
     return command_line(invoked_as("convert.train", ("raven-train",)), words)
 
 
-def main(argv: list[str] | None = None) -> int:
+def input_overrides(args: argparse.Namespace) -> list[str]:
+    """--src, --data, ... as the --set overrides they stand for (applied before any --set); the value is quoted
+    so that a path reads as a string, never as YAML (`yes`, `1e3`, `a: b`)."""
+    return [f"{field}={json.dumps(getattr(args, field))}" for field in INPUT_FLAGS if getattr(args, field) is not None]
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m convert.train",
         description=f"Run a recipe's stages ({' -> '.join(STAGES)}) into --run-dir, skipping those already DONE.",
     )
     parser.add_argument("recipe", help="recipe YAML (relative paths in it resolve against the current directory)")
     parser.add_argument("--run-dir", required=True, help="where every stage writes its outputs and DONE marker")
+    for field, (flag, metavar, text) in INPUT_FLAGS.items():
+        parser.add_argument(flag, dest=field, metavar=metavar, help=f"{text}; sets {field} (as --set does)")
     parser.add_argument("--stages", default=None, help=f"comma-separated subset of {','.join(STAGES)} (default: all)")
     parser.add_argument(
         "--redo", default=None, choices=STAGES, help="delete this stage's and every later stage's outputs, then run"
@@ -44,12 +56,17 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="override a recipe field before validation, e.g. --set train.steps=20 --set evaluate=null",
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.discard_checkpoints and args.redo is None:
         parser.error("--discard-checkpoints only applies with --redo STAGE")
     stages = None if args.stages is None else [s.strip() for s in args.stages.split(",") if s.strip()]
     try:
-        recipe = load_recipe(args.recipe, args.overrides)
+        recipe = load_recipe(args.recipe, input_overrides(args) + args.overrides)
         run_recipe(recipe, args.run_dir, stages, redo=args.redo, discard_checkpoints=args.discard_checkpoints)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)

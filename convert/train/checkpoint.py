@@ -21,6 +21,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from convert.files import normal_modes
+
 CHECKPOINTS = "checkpoints"
 META = "checkpoint.json"
 MANIFEST = "manifest.json"
@@ -145,6 +147,7 @@ def save_checkpoint(
         if main:
             (tmp / META).write_text(json.dumps(meta, indent=1, default=str))
             _write_manifest(tmp)
+            normal_modes(tmp)  # safetensors writes 0600 files
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)

@@ -19,13 +19,14 @@ import itertools
 import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
+
+from convert.files import atomic_file
 
 # File extension -> datasets builder. Compressed variants (.gz, .bz2, .xz, .zst) are read transparently.
 BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet"}
@@ -193,15 +194,17 @@ def load_documents(
     return texts()
 
 
-def check_data_source(source, text_field: str = "text", text_sample_by: str = "line", sample: int = 256) -> int:
+def check_data_source(
+    source, text_field: str = "text", text_sample_by: str = "line", sample: int = 256, hint: str = ""
+) -> int:
     """Validate a local data source before any model is loaded; returns the number of files (0 for a Hub name,
     which is not checked). Every file must be readable and non-empty; the first `sample` records of each of the
     first SAMPLED_FILES files are read, so that damaged files and a missing or mostly missing text field raise
-    ValueError here, naming the file and the field."""
+    ValueError here, naming the file and the field. `hint` ends the message of a source that does not exist."""
     try:
         files = local_files(source)
     except FileNotFoundError as err:
-        raise ValueError(f"data.source: {err}") from None
+        raise ValueError(f"data.source: {err}{hint}") from None
     if files is None:
         return 0
     for f in files:
@@ -362,15 +365,8 @@ def cache_key(source, tokenizer, seq_len: int, max_documents: int | None, text_f
 
 def save_atomic(obj, path: Path) -> None:
     """torch.save to a temporary sibling, then rename: readers never see a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path, "wb") as f:
+        torch.save(obj, f)
 
 
 def split_rows(

@@ -5,12 +5,14 @@
 
 Relative paths in a recipe (source and data.source when they exist as local paths, data.cache_dir, export.dir,
 evaluate.haystack_dir, evaluate.ppl_data) are resolved against the current working directory when the recipe is
-loaded, not against the recipe file's directory: the shipped recipes are written to be run from the repository
-root. Names that do not exist locally (Hub ids such as Qwen/Qwen3-0.6B) are kept as given.
+loaded, not against the recipe file's directory. Names that do not exist locally (Hub ids such as Qwen/Qwen3-0.6B)
+are kept as given. The shipped recipes name no local paths: the inputs come from INPUT_FLAGS (--src, --data,
+--haystack, --ppl-data), and check_inputs says which flag or field to set when one is missing or does not exist.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Literal
 
@@ -22,6 +24,20 @@ from convert.train.stage2 import MixedPrecision, TrainConfig
 
 STAGES = ("convert", "align", "weights", "train", "extend", "evaluate", "export")
 MIXERS = ("raven", "sse", "sila")
+# The fields naming inputs from outside the repository, each with the `python -m convert.train` flag that sets it
+# (sugar for --set FIELD=VALUE), its metavar and help.
+INPUT_FLAGS = {
+    "source": ("--src", "MODEL", "the teacher: Hub id, model directory or .gguf file"),
+    "data.source": ("--data", "PATH", "training text: .txt/.jsonl(.gz)/.parquet file or folder, or a Hub dataset"),
+    "evaluate.haystack_dir": ("--haystack", "DIR", "folder of *.txt essays the needle tasks hide needles in"),
+    "evaluate.ppl_data": ("--ppl-data", "PATH", ".txt/.jsonl(.gz) file or folder for perplexity (unset: skipped)"),
+}
+
+
+def how_to_set(field: str) -> str:
+    """'pass --data PATH or set data.source in the recipe': the advice that ends an error about an input."""
+    flag, metavar, _ = INPUT_FLAGS[field]
+    return f"pass {flag} {metavar} or set {field} in the recipe"
 
 
 class _Strict(BaseModel):
@@ -45,7 +61,9 @@ class LayerAssignment(_Strict):
 
 
 class DataSettings(_Strict):
-    source: str = Field(description="local .txt/.jsonl(.gz)/.parquet file or directory, or a Hub dataset id")
+    source: str | None = Field(
+        None, description="local .txt/.jsonl(.gz)/.parquet file or directory, or a Hub dataset id"
+    )
     text_field: str = "text"
     seq_len: int = Field(1024, ge=2)
     max_documents: int | None = Field(None, ge=1)
@@ -114,6 +132,16 @@ class EvaluateSettings(_Strict):
     seed: int = 0
     attention_window: int | None = Field(None, ge=1)  # kept attention layers as sliding windows at evaluation
 
+    @field_validator("tasks")
+    @classmethod
+    def _tasks(cls, value: list[str]) -> list[str]:
+        from convert.evaluate.needles import TASKS
+
+        unknown = [t for t in value if t not in TASKS]
+        if unknown:
+            raise ValueError(f"unknown task(s) {unknown}; allowed: {', '.join(TASKS)}")
+        return value
+
     @field_validator("lengths", "ppl_lengths", "speed_lengths")
     @classmethod
     def _positive(cls, value: list[int]) -> list[int]:
@@ -141,7 +169,7 @@ class Recipe(_Strict):
     window_layers: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     seed: int = 0
-    data: DataSettings
+    data: DataSettings = Field(default_factory=DataSettings)
     align: AlignSettings = Field(default_factory=AlignSettings)
     token_weights: TokenWeightSettings = Field(default_factory=TokenWeightSettings)
     train: TrainSettings = Field(default_factory=TrainSettings)
@@ -197,7 +225,8 @@ def resolve_paths(recipe: Recipe, base: str | Path | None = None) -> Recipe:
     base = Path(base or Path.cwd())
     r = recipe.model_copy(deep=True)
     r.source = _if_exists(r.source, base)
-    r.data.source = _if_exists(r.data.source, base)
+    if r.data.source:
+        r.data.source = _if_exists(r.data.source, base)
     if r.data.cache_dir:
         r.data.cache_dir = _local(r.data.cache_dir, base)
     if r.export:
@@ -256,3 +285,56 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of recipe fields, got {type(data).__name__}")
     return parse_recipe(apply_overrides(data, list(overrides)), name=str(path))
+
+
+def uses_data(recipe: Recipe, stage: str) -> bool:
+    """Whether `stage` reads the training data under this recipe."""
+    return {
+        "align": recipe.align.steps > 0,
+        "weights": recipe.token_weights.enabled,
+        "train": recipe.train.steps > 0,
+        "extend": recipe.extend is not None,
+    }.get(stage, False)
+
+
+def check_inputs(recipe: Recipe, stages: list[str]) -> None:
+    """Before any of `stages` (those left to run) starts: each input they read is set and exists, else a
+    ValueError naming the field and the flag that sets it. The data source is also sampled (check_data_source)."""
+    import os
+
+    from convert.evaluate.needles import HAYSTACK_ENV, TASKS
+    from convert.sources import Source
+    from convert.train.data import check_data_source
+
+    reads_data = any(uses_data(recipe, s) for s in stages)
+    if "convert" in stages or reads_data:  # the stages that load the teacher
+        try:
+            Source.resolve(recipe.source)
+        except ValueError as err:
+            raise ValueError(f"source: {err}") from None
+    if reads_data:
+        if recipe.data.source is None:
+            raise ValueError(f"data.source is not set: {how_to_set('data.source')}")
+        check_data_source(recipe.data.source, recipe.data.text_field, hint=f"; {how_to_set('data.source')}")
+    evaluate = recipe.evaluate
+    if "evaluate" not in stages or evaluate is None:
+        return
+    essays = [t for t in evaluate.tasks if TASKS[t].haystack != "noise"]
+    haystack = evaluate.haystack_dir or os.environ.get(HAYSTACK_ENV)
+    named = "evaluate.haystack_dir" if evaluate.haystack_dir else f"${HAYSTACK_ENV}"
+    if essays and not haystack:
+        raise ValueError(
+            f"evaluate.haystack_dir is not set, and tasks {essays} hide their needles in essays (a folder of *.txt "
+            f"files, e.g. Paul Graham's): {how_to_set('evaluate.haystack_dir')} (or set ${HAYSTACK_ENV})"
+        )
+    if essays and not Path(haystack).is_dir():
+        raise ValueError(f"{named} {haystack}: no such directory; {how_to_set('evaluate.haystack_dir')}")
+    if evaluate.ppl_data and not Path(evaluate.ppl_data).exists():
+        raise ValueError(
+            f"evaluate.ppl_data {evaluate.ppl_data}: no such file or directory; {how_to_set('evaluate.ppl_data')}"
+        )
+    if not evaluate.ppl_data:
+        print(
+            f"[evaluate] evaluate.ppl_data is not set: perplexity is skipped ({how_to_set('evaluate.ppl_data')})",
+            file=sys.stderr,
+        )

@@ -7,13 +7,13 @@
 
 Stages, in order: convert, align, weights, train, extend, evaluate, export. Stage S writes under RUN_DIR/S/ and,
 last and atomically, RUN_DIR/S/DONE (JSON: the stage's summary, including "model", the latest complete model
-directory after the stage, and its fingerprint). A stage whose DONE exists is skipped, so an interrupted run
-continues where it stopped (align, train and extend also resume from their own checkpoints, see checkpoint.py).
-A stage turned off by the recipe (steps 0, token weights disabled, extend/evaluate/export null) still writes DONE
-with "skipped": true.
-Running a stage needs the DONE of every stage before it; a missing one is an error naming it. The data source is
-checked (data.check_data_source) before the first stage runs when a stage left to run reads it, so a bad data file
-costs no stage. A non-finite loss stops its stage with a FloatingPointError naming the step and what was kept.
+directory after the stage, its fingerprint, and "disk_bytes", what its outputs take, also logged). A stage whose
+DONE exists is skipped, so an interrupted run continues where it stopped (align, train and extend also resume from
+their own checkpoints, see checkpoint.py). A stage turned off by the recipe (steps 0, token weights disabled,
+extend/evaluate/export null) still writes DONE with "skipped": true. Running a stage needs the DONE of every stage
+before it; a missing one is an error naming it. The inputs of the stages left to run (teacher, data, haystack,
+perplexity texts) are checked before the first one starts (recipe.check_inputs), so a missing path or a bad data
+file costs no stage. A non-finite loss stops its stage with a FloatingPointError naming the step and what was kept.
 
 A stage's fingerprint hashes the recipe fields it reads and the fingerprints of the stages before it. When a DONE
 was written under another fingerprint (the recipe changed since), the run stops and names the changed fields
@@ -39,7 +39,8 @@ from pathlib import Path
 
 import torch
 
-from convert.train.recipe import STAGES, Recipe
+from convert.files import disk_bytes, format_bytes, write_json
+from convert.train.recipe import STAGES, Recipe, check_inputs
 
 MARKER = "DONE"
 # Fields that change how a stage logs and checkpoints, not what it computes: changing them keeps its results valid.
@@ -60,18 +61,6 @@ STAGE_FIELDS = {
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def _write_json_atomic(data: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, default=str)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def read_done(run_dir: Path, stage: str) -> dict | None:
@@ -180,16 +169,6 @@ def _latest_model(run_dir: Path, done: dict) -> Path:
         if done[stage].get("model"):
             return run_dir / done[stage]["model"]
     raise ValueError(f"no model directory in {run_dir}: run the convert stage first")
-
-
-def uses_data(recipe: Recipe, stage: str) -> bool:
-    """Whether `stage` reads the training data under this recipe."""
-    return {
-        "align": recipe.align.steps > 0,
-        "weights": recipe.token_weights.enabled,
-        "train": recipe.train.steps > 0,
-        "extend": recipe.extend is not None,
-    }.get(stage, False)
 
 
 def _learns(recipe: Recipe, stage: str) -> bool:
@@ -322,7 +301,7 @@ def _stage_align(recipe: Recipe, run_dir: Path, done: dict) -> dict:
     after = validation_losses(teacher, hybrid, held_out) if held_out else None
     _save_model(hybrid, model_dir, run_dir / "align" / "model", recipe.source)
     final = history[-1]
-    _write_json_atomic({"history": history}, run_dir / "align" / "history.json")
+    write_json({"history": history}, run_dir / "align" / "history.json")
     if after is not None:
         worst = sorted(after["layers"], key=lambda i: -after["layers"][i])[:3]
         log(
@@ -429,7 +408,7 @@ def _finish_training(student, config, history, model_dir: Path, run_dir: Path, s
         summary |= {k: history[-1][k] for k in ("loss", "ce", "kd", "aux", "tokens_per_second")}
         summary["val_ce"] = history[-1].get("val_ce")
         if _is_main_process():
-            _write_json_atomic({"history": history}, run_dir / stage / "history.json")
+            write_json({"history": history}, run_dir / stage / "history.json")
     elif latest_checkpoint(run_dir / stage):
         summary["resumed_from"] = str(latest_checkpoint(run_dir / stage)[0])
     return summary
@@ -548,10 +527,7 @@ def run_recipe(
             f"--redo {redo} would delete the checkpoint {'; '.join(resumable)}, which a rerun without --redo resumes "
             f"from; rerun without --redo to resume, or add --discard-checkpoints to delete it and start over"
         )
-    if any(uses_data(recipe, s) and (s in rerun or read_done(run_dir, s) is None) for s in wanted):
-        from convert.train.data import check_data_source
-
-        check_data_source(recipe.data.source, recipe.data.text_field)  # before any model is loaded or stage runs
+    check_inputs(recipe, [s for s in wanted if s in rerun or read_done(run_dir, s) is None])  # before any stage
     run_dir.mkdir(parents=True, exist_ok=True)
     if redo:
         for stage in STAGES[STAGES.index(redo) :]:
@@ -563,7 +539,7 @@ def run_recipe(
                 )
                 shutil.rmtree(run_dir / stage)
     if _is_main_process():
-        _write_json_atomic(recipe.model_dump(mode="json"), run_dir / "recipe.json")
+        write_json(recipe.model_dump(mode="json"), run_dir / "recipe.json")
     prints = fingerprints(recipe)
     results = {}
     for stage in wanted:
@@ -591,10 +567,16 @@ def run_recipe(
                 f"the {stage} stage stopped: {err}; {stage_state(run_dir, stage)}. {advice} the data before rerunning"
             ) from err
         summary["seconds"] = round(time.perf_counter() - clock, 3)
+        # export's output lies outside its stage folder; DONE itself is not counted
+        summary["disk_bytes"] = disk_bytes(
+            run_dir / stage, *([summary["exported_to"]] if "exported_to" in summary else [])
+        )
         summary |= {"fingerprint": prints[stage], "inputs": stage_inputs(recipe, stage)}
         if _is_main_process():
-            _write_json_atomic(summary, run_dir / stage / MARKER)
-        state = "skipped (turned off by the recipe)" if summary.get("skipped") else f"done in {summary['seconds']} s"
-        log(f"[{stage}] {state}")
+            write_json(summary, run_dir / stage / MARKER)
+        if summary.get("skipped"):
+            log(f"[{stage}] skipped (turned off by the recipe)")
+        else:
+            log(f"[{stage}] done in {summary['seconds']:.1f} s, {format_bytes(summary['disk_bytes'])} on disk")
         results[stage] = summary
     return results

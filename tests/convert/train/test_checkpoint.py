@@ -2,6 +2,7 @@
 and --redo does not silently delete what an unfinished stage would resume from."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -231,3 +232,19 @@ def test_discard_checkpoints_needs_redo(tmp_path, capsys):
         main(["recipe.yaml", "--run-dir", str(tmp_path), "--discard-checkpoints"])
     assert exit_code.value.code == 2
     assert "--discard-checkpoints only applies with --redo STAGE" in capsys.readouterr().err
+
+
+def test_checkpoint_files_get_the_umasks_modes(tmp_path):
+    def private(folder: Path) -> None:  # as safetensors 0.8's save_file writes: 0600
+        (folder / "weights.bin").write_bytes(b"w")
+        (folder / "weights.bin").chmod(0o600)
+
+    old = os.umask(0o022)
+    try:
+        path = save_checkpoint(tmp_path, 1, private, {"step": 1}, keep=2)
+    finally:
+        os.umask(old)
+    assert {p.name: p.stat().st_mode & 0o777 for p in path.iterdir()} == {
+        name: 0o644 for name in ("weights.bin", "checkpoint.json", "manifest.json")
+    }
+    assert path.stat().st_mode & 0o777 == 0o755

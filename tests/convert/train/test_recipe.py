@@ -1,14 +1,17 @@
 """Recipes: every shipped recipe validates, bad ones fail naming the field, the pipeline runs end to end and resumes."""
 
 import json
+import os
+import re
+import shlex
 from pathlib import Path
 
 import pytest
 import yaml
 from transformers import AutoModelForCausalLM
 
-from convert.train.__main__ import main
-from convert.train.recipe import STAGES, load_recipe, parse_recipe
+from convert.train.__main__ import build_parser, input_overrides, main, resume_command
+from convert.train.recipe import INPUT_FLAGS, STAGES, load_recipe, parse_recipe
 from convert.train.stages import run_recipe
 from tests.helpers import WORDS, corpus
 
@@ -22,12 +25,44 @@ def test_the_shipped_recipes_are_there():
         assert {f"smollm2-{mixer}.yaml", f"qwen3-0.6b-{mixer}.yaml"} <= names
 
 
+def header_command(path: Path) -> list[str]:
+    """The command in a recipe's first comment lines (continued with backslashes), as words."""
+    text = ""
+    for line in path.read_text().splitlines():
+        text += line.removeprefix("#").strip().removesuffix("\\") + " "
+        if not line.endswith("\\"):
+            return shlex.split(text)
+
+
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
-def test_shipped_recipe_loads(path):
-    recipe = load_recipe(path)
-    first = path.read_text().splitlines()[0]
-    assert first.startswith("#") and f"python -m convert.train recipes/{path.name} --run-dir runs/{path.stem}" in first
-    assert recipe.layers and recipe.data.seq_len >= 2
+def test_shipped_recipe_loads_and_its_header_command_sets_every_input(path):
+    words = header_command(path)
+    assert words[:6] == ["python", "-m", "convert.train", f"recipes/{path.name}", "--run-dir", f"runs/{path.stem}"]
+    bare = load_recipe(path)
+    assert bare.layers and bare.data.seq_len >= 2
+    assert bare.data.source is None and bare.evaluate.haystack_dir is None and bare.evaluate.ppl_data is None
+    assert re.fullmatch(r"[\w.-]+/[\w.-]+", bare.source), "the teacher is named by its Hub id"
+    assert "../shared" not in "".join(line.split("#")[0] for line in path.read_text().splitlines())
+    args = build_parser().parse_args(words[3:])
+    recipe = load_recipe(path, input_overrides(args))
+    assert recipe.data.source.endswith("shared/data/corpus")
+    assert recipe.evaluate.haystack_dir.endswith("shared/data/pg_essays")
+    if path.stem.startswith("smollm2"):
+        assert recipe.source.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and recipe.evaluate.ppl_data
+
+
+def test_recipes_readme_matches_the_recipes():
+    readme = (RECIPES[0].parent / "README.md").read_text()
+    rows = {line.split("|")[1].strip(" `"): line.split("|")[2:-1] for line in readme.splitlines() if ".yaml` |" in line}
+    assert sorted(rows) == [p.name for p in RECIPES]
+    for path in RECIPES:
+        recipe, cells = load_recipe(path), [c.strip() for c in rows[path.name]]
+        assert cells[0] == recipe.source and cells[2] == str(recipe.align.steps), path.name
+        assert cells[3] == ("yes" if recipe.token_weights.enabled else "no"), path.name
+        assert cells[4] == f"{recipe.train.steps} ({recipe.train.trainable})", path.name
+        assert (cells[5] == "no") == (recipe.extend is None), path.name
+    for field, (flag, metavar, _) in INPUT_FLAGS.items():
+        assert f"| `{flag} {metavar}` | `{field}` |" in readme
 
 
 @pytest.mark.parametrize(
@@ -167,3 +202,97 @@ def test_overrides_apply_before_validation(tmp_path):
         load_recipe(path, ["train.steps"])
     with pytest.raises(ValueError, match=r"train.stepz: Extra inputs are not permitted"):
         load_recipe(path, ["train.stepz=3"])
+
+
+def run_main(tmp_path, capsys, recipe: dict, *flags: str) -> tuple[int, str]:
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    code = main([str(path), "--run-dir", str(tmp_path / "run"), *flags])
+    return code, " ".join(capsys.readouterr().err.split())
+
+
+ESSAY_EVAL = {"tasks": ["passkey", "niah_word"], "lengths": [400], "samples": 1}
+
+
+@pytest.mark.parametrize(
+    "recipe, flags, message",
+    [
+        ({"align": {"steps": 1}}, [], "data.source is not set: pass --data PATH or set data.source in the recipe"),
+        (
+            {"align": {"steps": 1}},
+            ["--data", "../nowhere/corpus"],
+            "data.source: no such file or directory: ../nowhere/corpus; pass --data PATH or set data.source in the",
+        ),
+        ({"source": "../models/x.gguf"}, [], "source: --src '../models/x.gguf': no such GGUF file"),
+        (
+            {"evaluate": ESSAY_EVAL},
+            ["--stages", "evaluate"],
+            "evaluate.haystack_dir is not set, and tasks ['niah_word']",
+        ),
+        ({"evaluate": ESSAY_EVAL}, ["--stages", "evaluate"], "pass --haystack DIR or set evaluate.haystack_dir in the"),
+        (
+            {"evaluate": ESSAY_EVAL},
+            ["--stages", "evaluate", "--haystack", "essays"],
+            "essays: no such directory; pass --haystack DIR or set evaluate.haystack_dir in the recipe",
+        ),
+        (
+            {"evaluate": ESSAY_EVAL | {"tasks": ["passkey"]}},
+            ["--stages", "evaluate", "--ppl-data", "texts.jsonl"],
+            "texts.jsonl: no such file or directory; pass --ppl-data PATH or set evaluate.ppl_data in the recipe",
+        ),
+    ],
+)
+def test_a_missing_input_names_its_flag_and_field_before_any_stage(
+    recipe, flags, message, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RAVEN_HAYSTACK_DIR", raising=False)
+    data = {k: v for k, v in MINIMAL.items() if k != "data"} | recipe
+    code, err = run_main(tmp_path, capsys, data, *flags)
+    assert code == 2 and message in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_input_flags_are_set_overrides_read_as_plain_strings(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(MINIMAL | {"evaluate": {"samples": 1}}))
+    args = build_parser().parse_args([str(path), "--run-dir", "run", "--data", "yes", "--haystack", "a: b#c"])
+    recipe = load_recipe(path, input_overrides(args) + ["evaluate.samples=2"])
+    assert recipe.data.source == "yes" and recipe.evaluate.haystack_dir == str(Path.cwd() / "a: b#c")
+    assert recipe.source == MINIMAL["source"] and recipe.evaluate.samples == 2
+    assert "--data yes --haystack 'a: b#c'" in resume_command(args)
+    override = load_recipe(path, input_overrides(args) + ["data.source=other"])  # --set comes last and wins
+    assert override.data.source == "other"
+
+
+def test_unknown_evaluation_task_is_refused_naming_the_allowed_ones():
+    with pytest.raises(ValueError, match=r"evaluate.tasks: .*unknown task\(s\) \['niah'\]; allowed: passkey, "):
+        parse_recipe(MINIMAL | {"evaluate": {"tasks": ["passkey", "niah"]}})
+
+
+def test_outputs_are_readable_by_others_and_each_stage_reports_its_disk_use(tiny_sources, tmp_path, capsys):
+    recipe = parse_recipe(
+        {
+            "source": str(tiny_sources["llama"]),
+            "layers": [{"mixer": "raven", "layers": "1"}],
+            "mixer_settings": {"raven": {"num_slots": 8, "top_k": 2}},
+            "export": {"dir": str(tmp_path / "exported")},
+        }
+    )
+    old = os.umask(0o022)
+    try:
+        results = run_recipe(recipe, tmp_path / "run")
+    finally:
+        os.umask(old)
+    files = [*(tmp_path / "exported").rglob("*"), *(tmp_path / "run").rglob("*")]
+    assert (tmp_path / "exported" / "config.json") in files and (tmp_path / "run" / "convert" / "DONE") in files
+    modes = {str(f): oct(f.stat().st_mode & 0o777) for f in files}
+    wrong = {f: m for f, m in modes.items() if m != (oct(0o755) if Path(f).is_dir() else oct(0o644))}
+    assert not wrong
+    err = capsys.readouterr().err
+    for stage in ("convert", "export"):
+        size = sum(f.stat().st_size for f in (tmp_path / "run" / stage / "model").rglob("*") if f.is_file())
+        size = size or sum(f.stat().st_size for f in (tmp_path / "exported").rglob("*") if f.is_file())
+        assert results[stage]["disk_bytes"] == size > 0
+        assert re.search(rf"\[{stage}\] done in [0-9.]+ s, {size / 1e6:.1f} MB on disk", err), err
+    assert results["align"]["disk_bytes"] == 0 and "[align] skipped" in err

@@ -1,0 +1,32 @@
+"""Output files: written whole or not at all, with the umask's permissions, and their size on disk counted once."""
+
+import os
+
+import pytest
+
+from convert.files import atomic_file, disk_bytes, format_bytes, write_json
+
+
+@pytest.mark.parametrize("mask, mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_an_atomic_file_gets_a_new_files_mode_under_the_umask(mask, mode, tmp_path):
+    old = os.umask(mask)
+    try:
+        write_json({"a": 1}, tmp_path / "out" / "x.json")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "out" / "x.json").stat().st_mode & 0o777 == mode
+
+
+def test_a_failed_atomic_write_leaves_nothing(tmp_path):
+    with pytest.raises(RuntimeError), atomic_file(tmp_path / "x.json") as f:
+        f.write("half")
+        raise RuntimeError("disk full")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_disk_bytes_counts_each_file_once(tmp_path):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "one").write_bytes(b"x" * 10)
+    (tmp_path / "a" / "b" / "two").write_bytes(b"x" * 5)
+    assert disk_bytes(tmp_path / "a", tmp_path / "a" / "b", tmp_path / "missing") == 15
+    assert format_bytes(45_200_000) == "45.2 MB" and format_bytes(3_614_000_000) == "3.61 GB"
