@@ -158,7 +158,7 @@ class EvaluateSettings(_Strict):
 
 
 class ExportSettings(_Strict):
-    dir: str
+    dir: str | None = Field(None, description="where the final model goes; None: RUN_DIR/model, outside every stage")
 
 
 class Recipe(_Strict):
@@ -229,7 +229,7 @@ def resolve_paths(recipe: Recipe, base: str | Path | None = None) -> Recipe:
         r.data.source = _if_exists(r.data.source, base)
     if r.data.cache_dir:
         r.data.cache_dir = _local(r.data.cache_dir, base)
-    if r.export:
+    if r.export and r.export.dir:
         r.export.dir = _local(r.export.dir, base)
     if r.evaluate:
         if r.evaluate.haystack_dir:

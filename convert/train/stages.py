@@ -464,11 +464,25 @@ def _stage_evaluate(recipe: Recipe, run_dir: Path, done: dict) -> dict:
     return {"model": str(model_dir.relative_to(run_dir)), "report": "evaluate/report.json", **report.get("run", {})}
 
 
+def export_dir(recipe: Recipe, run_dir: Path) -> Path:
+    """Where the export stage writes the model: export.dir, or RUN_DIR/model. Never a stage's own directory, whose
+    DONE marker and internal files would ship with the model."""
+    target = Path(recipe.export.dir).resolve() if recipe.export.dir else Path(run_dir).resolve() / "model"
+    for stage in STAGES:
+        folder = Path(run_dir).resolve() / stage
+        if target == folder or folder in target.parents or target in folder.parents:
+            raise ValueError(
+                f"export.dir = {recipe.export.dir!r} overlaps the {stage} stage's directory {folder}: choose a folder "
+                f"outside the stage directories (leave export.dir out for {Path(run_dir) / 'model'})"
+            )
+    return target
+
+
 def _stage_export(recipe: Recipe, run_dir: Path, done: dict) -> dict:
     model_dir = _latest_model(run_dir, done)
     if recipe.export is None:
         return {"skipped": True, "model": str(model_dir.relative_to(run_dir))}
-    target = Path(recipe.export.dir)
+    target = export_dir(recipe, run_dir)
     _copy_atomic(model_dir, target)
     return {"model": str(model_dir.relative_to(run_dir)), "exported_to": str(target)}
 
@@ -528,6 +542,8 @@ def run_recipe(
             f"from; rerun without --redo to resume, or add --discard-checkpoints to delete it and start over"
         )
     check_inputs(recipe, [s for s in wanted if s in rerun or read_done(run_dir, s) is None])  # before any stage
+    if recipe.export is not None:
+        export_dir(recipe, run_dir)  # a bad export.dir is refused now, not after training
     run_dir.mkdir(parents=True, exist_ok=True)
     if redo:
         for stage in STAGES[STAGES.index(redo) :]:

@@ -296,3 +296,20 @@ def test_outputs_are_readable_by_others_and_each_stage_reports_its_disk_use(tiny
         assert results[stage]["disk_bytes"] == size > 0
         assert re.search(rf"\[{stage}\] done in [0-9.]+ s, {size / 1e6:.1f} MB on disk", err), err
     assert results["align"]["disk_bytes"] == 0 and "[align] skipped" in err
+
+
+def test_export_defaults_outside_the_stage_directories_and_ships_nothing_internal(tiny_sources, tmp_path):
+    recipe = {
+        "source": str(tiny_sources["llama"]),
+        "layers": [{"mixer": "raven", "layers": "1"}],
+        "mixer_settings": {"raven": {"num_slots": 8, "top_k": 2}},
+        "export": {},
+    }
+    results = run_recipe(parse_recipe(recipe), tmp_path / "run")
+    model = tmp_path / "run" / "model"
+    assert results["export"]["exported_to"] == str(model.resolve()) and (model / "config.json").is_file()
+    assert not [p for p in model.rglob("*") if p.name in ("DONE", "checkpoints") or p.name.startswith(".")]
+    inside = parse_recipe(recipe | {"export": {"dir": str(tmp_path / "run2" / "train" / "final")}})
+    with pytest.raises(ValueError, match=r"export.dir = .* overlaps the train stage's directory"):
+        run_recipe(inside, tmp_path / "run2")
+    assert not (tmp_path / "run2" / "convert").exists()  # refused before the first stage
