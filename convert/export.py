@@ -117,7 +117,9 @@ quality than the base model's.
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 model = AutoModelForCausalLM.from_pretrained("THIS_REPO_OR_DIR", trust_remote_code=True)
-tokenizer = AutoTokenizer.from_pretrained("THIS_REPO_OR_DIR")
+# trust_remote_code here too: the tokenizer reads config.json, whose model type lives in the shipped code, and
+# without it transformers stops to ask (a 15-second prompt in a terminal)
+tokenizer = AutoTokenizer.from_pretrained("THIS_REPO_OR_DIR", trust_remote_code=True)
 inputs = tokenizer("The capital of France is", return_tensors="pt")
 print(tokenizer.decode(model.generate(**inputs, max_new_tokens=32)[0]))
 ```

@@ -285,3 +285,25 @@ def test_a_tampered_config_names_its_file(tiny_sources, tmp_path, edit, message)
         cwd=tmp_path,
     )
     assert result["error"].startswith(f"{out}/config.json: ") and message in result["error"]
+
+
+def test_the_model_cards_snippet_runs_without_the_toolkit_and_never_asks(tiny_sources, tmp_path):
+    # transformers asks "Do you wish to run the custom code?" (15 s in a terminal) when remote code is needed and
+    # trust_remote_code was not given: record every such question instead of answering it
+    out = convert_tiny(tiny_sources, tmp_path, "llama", "0", *RAVEN)
+    card = (out / "README.md").read_text()
+    snippet = card.split("```python\n", 1)[1].split("```", 1)[0].replace("THIS_REPO_OR_DIR", str(out))
+    result = run_without_toolkit(
+        "import transformers.models.auto.configuration_auto as config_auto\n"
+        "import transformers.models.auto.tokenization_auto as tokenizer_auto\n"
+        "result['asked'] = []\n"
+        "def refuse(trust, name, local, remote, *args, **kwargs):\n"
+        "    if trust is None and remote and not local:\n"
+        "        result['asked'].append(name)\n"
+        "    return bool(trust)\n"
+        "config_auto.resolve_trust_remote_code = tokenizer_auto.resolve_trust_remote_code = refuse\n"
+        + snippet
+        + "result['ran'] = True\n",
+        cwd=tmp_path,
+    )
+    assert result == {"asked": [], "ran": True}
