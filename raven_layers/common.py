@@ -5,6 +5,7 @@ Copied next to every exported model with the mixers; it must import nothing but 
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from dataclasses import asdict, fields
 
@@ -54,7 +55,9 @@ class MixerSettings:
         allowed = [f.name for f in fields(cls)]
         unknown = sorted(set(values) - set(allowed))
         if unknown:
-            raise ValueError(f"unknown {cls.LABEL} setting(s) {unknown}; allowed: {allowed}")
+            close = {u: difflib.get_close_matches(u, allowed, n=1, cutoff=0.6) for u in unknown}
+            hint = "".join(f" {u!r}: did you mean {c[0]!r}?" for u, c in close.items() if c)
+            raise ValueError(f"unknown {cls.LABEL} setting(s) {unknown};{hint} allowed: {allowed}")
         return cls(**values)
 
     def to_dict(self) -> dict:

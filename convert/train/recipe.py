@@ -12,7 +12,9 @@ are kept as given. The shipped recipes name no local paths: the inputs come from
 
 from __future__ import annotations
 
+import difflib
 import sys
+import typing
 from pathlib import Path
 from typing import Literal
 
@@ -199,11 +201,47 @@ class Recipe(_Strict):
         return value
 
 
+# names people bring from other trainers, for the suggestion on an unknown field
+FIELD_ALIASES = {"learning_rate": "lr", "max_steps": "steps", "num_steps": "steps", "warmup": "warmup_steps"}
+
+
+def _section_at(root: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The settings class that holds the field at `loc` (a validation error's location), or None."""
+    model = root
+    for part in loc[:-1]:
+        if isinstance(part, int):  # a list item: its class was found with the list's field
+            continue
+        field = model.model_fields.get(part) if model is not None else None
+        if field is None:
+            return None
+        candidates = [field.annotation, *typing.get_args(field.annotation)]
+        candidates += [a for c in candidates for a in typing.get_args(c)]  # list[X] | None -> X
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+    return model
+
+
+def _unknown_field(loc: tuple) -> str:
+    """'not a recipe field', with the closest valid name when one is near and the names allowed there."""
+    section = _section_at(Recipe, loc)
+    if section is None:
+        return "not a recipe field"
+    allowed = list(section.model_fields)
+    names = {name: name for name in allowed} | {a: f for a, f in FIELD_ALIASES.items() if f in allowed}
+    close = [names[n] for n in difflib.get_close_matches(str(loc[-1]), list(names), n=1, cutoff=0.6)]
+    where = ".".join(str(p) for p in loc[:-1]) or "the recipe"
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"not a field of {where}; {hint}allowed: {', '.join(allowed)}"
+
+
 def format_validation_error(err: ValidationError, prefix: str = "") -> str:
-    """One line per error: 'field.path: message (got VALUE)', the value shown when it is a plain one."""
+    """One line per error: 'field.path: message (got VALUE)', the value shown when it is a plain one; an unknown
+    field gets the closest valid name and the names allowed in its section."""
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(recipe)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{prefix}{loc}: {_unknown_field(e['loc'])}")
+            continue
         value = e.get("input")
         shown = isinstance(value, (bool, int, float, str)) and e["type"] != "missing"
         lines.append(f"{prefix}{loc}: {e['msg']}" + (f" (got {value!r})" if shown else ""))

@@ -138,5 +138,8 @@ def test_bad_settings_are_named(settings, message):
 
 
 def test_unknown_setting_lists_the_allowed_ones():
-    with pytest.raises(ValueError, match=r"unknown Raven setting\(s\) \['slots'\]; allowed: \['num_slots', 'top_k'"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown Raven setting\(s\) \['slots'\]; 'slots': did you mean 'num_slots'\? allowed: \['num_slots'",
+    ):
         RavenSettings.from_dict({"slots": 3})

@@ -275,8 +275,9 @@ def test_bad_settings_are_named(settings, message):
     assert str(err.value) == message
 
 
-def test_unknown_setting_lists_the_allowed_ones():
+def test_unknown_setting_lists_the_allowed_ones_and_suggests_the_closest():
     with pytest.raises(ValueError) as err:
         SILASettings.from_dict({"qk_norm": True, "conv": 3})
     allowed = "['conv_size', 'feature_map', 'output_gate', 'chunk_size']"
-    assert str(err.value) == f"unknown SILA setting(s) ['conv', 'qk_norm']; allowed: {allowed}"
+    hint = "'conv': did you mean 'conv_size'?"  # qk_norm is near no SILA setting: no guess for it
+    assert str(err.value) == f"unknown SILA setting(s) ['conv', 'qk_norm']; {hint} allowed: {allowed}"

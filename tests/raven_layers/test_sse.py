@@ -305,7 +305,7 @@ def test_lora_rank_larger_than_the_projection_is_named():
 
 
 def test_unknown_setting_lists_the_allowed_ones():
-    expected = r"unknown SSE setting\(s\) \['partitions'\]; allowed: \['num_partitions', 'top_k'"
+    expected = r"unknown SSE setting\(s\) \['partitions'\]; 'partitions': did you mean 'num_partitions'\? allowed: \["
     with pytest.raises(ValueError, match=expected):
         SSESettings.from_dict({"partitions": 3})
     assert SSESettings.from_dict(SSESettings(top_k=2).to_dict()) == SSESettings(top_k=2)
