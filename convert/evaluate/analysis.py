@@ -293,6 +293,8 @@ def plot_effective_sequence_length(esl: torch.Tensor, path, heads: Sequence[int]
         esl: [H_kv, M] from `effective_sequence_length`.
         heads: kv heads to draw (one panel each); None: all.
     """
+    from matplotlib.patches import Patch
+
     esl = esl.detach().float().cpu()
     heads = list(range(esl.shape[0])) if heads is None else list(heads)
     M = esl.shape[1]
@@ -307,12 +309,18 @@ def plot_effective_sequence_length(esl: torch.Tensor, path, heads: Sequence[int]
             for v in values.tolist()
         ]  # fmt: skip
         ax.bar(range(M), values.numpy(), width=1.0, color=colors)
-        ax.axhline(uniform, ls="--", lw=1, color="k", label=f"uniform top-K (K/M = {uniform:.3g})")
+        ax.axhline(uniform, ls="--", lw=1, color="k", label="uniform top-K routing (K/M)")
         ax.axhline(1 / M, ls=":", lw=1, color="gray", label=f"sliding window (1/M = {1 / M:.3g})")
         ax.set_xlim(-0.5, M - 0.5)
         ax.set_ylabel("ESL / T")
-        ax.set_title(f"kv head {h}", fontsize=9)
-        ax.legend(fontsize=7, loc="upper right")
+        ax.set_title(f"kv head {h} (K/M = {uniform:.3g})", fontsize=9)
+    regimes = [  # what the bar colours mean, beside the two reference lines
+        Patch(color=CATEGORY_COLORS[SPECIAL_ONLY], label="below half of K/M"),
+        Patch(color=CATEGORY_COLORS[BOTH], label="within 2x of K/M"),
+        Patch(color=CATEGORY_COLORS[OTHER_ONLY], label="above twice K/M"),
+    ]
+    lines = axes[0].get_legend_handles_labels()[0]
+    fig.legend(handles=[*lines, *regimes], loc="outside lower center", ncols=3, fontsize=7)  # off the bars
     axes[-1].set_xlabel("slot (sorted by effective sequence length)")
     fig.suptitle(title or "Raven effective sequence length per slot")
     return _save(fig, path)
@@ -346,19 +354,21 @@ def plot_slot_allocation(
     grid = grid[order]
 
     fig = _figure(min(3 + 0.12 * T, 16), min(2 + 0.12 * M, 12))
-    grid_ax, bar_ax = fig.subplots(1, 2, gridspec_kw={"width_ratios": [max(T, 4), 2]}, sharey=True)
+    # the category column keeps a readable width however long the prompt
+    grid_ax, bar_ax = fig.subplots(1, 2, gridspec_kw={"width_ratios": [max(T, 4), max(2, T / 30)]}, sharey=True)
     cell_colors = ListedColormap(["white", CATEGORY_COLORS[SPECIAL_ONLY], CATEGORY_COLORS[OTHER_ONLY]])
     grid_ax.imshow(grid.numpy(), cmap=cell_colors, vmin=0, vmax=2, aspect="auto", interpolation="nearest")
     grid_ax.set_ylabel("slot (grouped by category)")
-    grid_ax.set_yticks(range(M))
-    grid_ax.set_yticklabels([str(m) for m in order], fontsize=5)
+    step = max(1, -(-M // 32))  # at most 32 labelled rows: 256 labels in one column overlap
+    grid_ax.set_yticks(range(0, M, step))
+    grid_ax.set_yticklabels([str(order[r]) for r in range(0, M, step)], fontsize=6)
     _token_ticks(grid_ax, tokens, T)
     for t in special.nonzero().flatten().tolist():
         grid_ax.axvline(t, color=CATEGORY_COLORS[SPECIAL_ONLY], lw=0.4, alpha=0.4)
     slot_colors = ListedColormap([CATEGORY_COLORS[c] for c in (NEVER, SPECIAL_ONLY, OTHER_ONLY, BOTH)])
     bar_ax.imshow(category[order].view(M, 1).numpy(), cmap=slot_colors, vmin=0, vmax=3, aspect="auto")
     bar_ax.set_xticks([])
-    bar_ax.set_title("end", fontsize=8)
+    bar_ax.set_xlabel("after\nthe prompt", fontsize=7)
     counts = {c: int((category == c).sum()) for c in CATEGORY_NAMES}
     handles = [Patch(color=CATEGORY_COLORS[c], label=f"{CATEGORY_NAMES[c]}: {counts[c]}") for c in CATEGORY_NAMES]
     fig.legend(handles=handles, loc="outside lower center", ncols=4, fontsize=7)

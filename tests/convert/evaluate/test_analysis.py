@@ -1,7 +1,11 @@
 """The mixer-memory analyses: routing and gates recomputed exactly, the papers' invariants, and every plot."""
 
+from pathlib import Path
+
 import pytest
 import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.text import Text
 from transformers import AutoModelForCausalLM
 
 from convert import build_hybrid
@@ -202,3 +206,29 @@ def test_wrong_layer_kind_is_a_clear_error(model, ids, fn, layer, message):
 def test_rejects_a_batch(model):
     with pytest.raises(ValueError, match="one non-empty sequence"):
         A.raven_slot_writes(model, torch.ones(2, 5, dtype=torch.long), RAVEN)
+
+
+def test_raven_plots_stay_readable_at_256_slots(tmp_path, monkeypatch):
+    # the paper's M = 256: at most 32 labelled slot rows, every label inside the figure, and the ESL bar colours
+    # explained by a legend next to the reference lines
+    figures = {}
+    monkeypatch.setattr(A, "_save", lambda fig, path: figures.setdefault(Path(path).stem, fig) and Path(path))
+    g = torch.Generator().manual_seed(0)
+    writes = torch.rand(600, 2, 256, generator=g) < torch.linspace(0.01, 0.3, 256)
+    special = torch.zeros(600, dtype=torch.bool)
+    special[300:304] = True
+    A.plot_slot_allocation(writes, special, tmp_path / "alloc.png")
+    A.plot_effective_sequence_length(A.effective_sequence_length(writes), tmp_path / "esl.png")
+    grid_ax = figures["alloc"].axes[0]
+    assert len(grid_ax.get_yticks()) <= 32
+    esl = figures["esl"]
+    labels = [t.get_text() for legend in esl.legends for t in legend.get_texts()]
+    assert {"below half of K/M", "within 2x of K/M", "above twice K/M"} <= set(labels)
+    for fig in figures.values():
+        canvas = FigureCanvasAgg(fig)
+        canvas.draw()
+        ticks = {id(t) for ax in fig.axes for t in [*ax.get_xticklabels(), *ax.get_yticklabels()]}
+        for text in fig.findobj(Text):  # titles, axis labels, legends (tick labels off the axis are never drawn)
+            if text.get_visible() and text.get_text().strip() and id(text) not in ticks:
+                extent = text.get_window_extent(canvas.get_renderer())
+                assert fig.bbox.x0 - 1 <= extent.x0 and extent.x1 <= fig.bbox.x1 + 1, f"clipped: {text.get_text()!r}"
