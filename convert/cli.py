@@ -18,6 +18,7 @@ from pathlib import Path
 from raven_layers import MIXER_CLASSES, MIXER_SETTINGS
 
 from .console import command_line, interrupted, invoked_as
+from .files import DiskSpaceError
 from .layer_spec import ACCEPTED_FORMS
 from .pipeline import ConvertRequest, convert_model
 from .sources import DEFAULT_SRC, DTYPES
@@ -120,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         convert_model(request_from_args(args))
     except (ValueError, FileExistsError) as err:  # bad input: a one-line message, not a traceback
         parser.exit(2, f"{parser.prog}: error: {err}\n")
+    except DiskSpaceError as err:  # what was needed, what was free; the partial output is already gone
+        parser.exit(1, f"{parser.prog}: error: {err.strerror}\n")
     except KeyboardInterrupt:
         if _stamp(args.out) == before:  # the output is swapped in whole, so it is either untouched or complete
             saved = f"--out {args.out} is as it was" if before else f"nothing was written to --out {args.out}"

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import raven_layers
-from convert.files import normal_modes
+from convert.files import check_free_space, explain_disk_full, normal_modes
 from raven_layers import BUNDLED_FILES, HybridForCausalLM
 
 AUTO_MAP = {
@@ -42,19 +42,22 @@ def save_hybrid(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
+    needed = weight_bytes(model) + (64 << 20)  # the shards, and a margin for tokenizer, code and card
+    check_free_space(out.parent, needed, f"the model {out.name}")
 
-    try:
-        model.config.auto_map = AUTO_MAP
-        model.save_pretrained(tmp, max_shard_size=max_shard_size)
-        code_dir = Path(raven_layers.__file__).parent
-        for name in BUNDLED_FILES:
-            shutil.copy2(code_dir / name, tmp / name)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "README.md").write_text(model_card(model, base_model))
-        normal_modes(tmp)
-    except BaseException:  # a failure or Ctrl-C leaves no hidden half-written directory behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with explain_disk_full(out.parent, needed, f"the model {out.name}"):
+        try:
+            model.config.auto_map = AUTO_MAP
+            model.save_pretrained(tmp, max_shard_size=max_shard_size)
+            code_dir = Path(raven_layers.__file__).parent
+            for name in BUNDLED_FILES:
+                shutil.copy2(code_dir / name, tmp / name)
+            tokenizer.save_pretrained(tmp)
+            (tmp / "README.md").write_text(model_card(model, base_model))
+            normal_modes(tmp)
+        except BaseException:  # a failure or Ctrl-C leaves no hidden half-written directory behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
     if out.exists():  # swap: the old directory disappears only once the new one is complete
         old = out.parent / f".{out.name}.old"
@@ -65,6 +68,14 @@ def save_hybrid(
     else:
         os.replace(tmp, out)
     return out
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the model's tensors as saved: parameters and buffers, tied ones once."""
+    seen = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        seen.setdefault(t.data_ptr(), t.numel() * t.element_size())
+    return sum(seen.values())
 
 
 def state_sizes(model: HybridForCausalLM) -> dict[str, int]:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,3 +61,42 @@ def disk_bytes(*dirs: str | Path) -> int:
 def format_bytes(n: int) -> str:
     """'45.2 MB', '3.61 GB' (decimal units, as `df -H` and file managers show)."""
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+class DiskSpaceError(OSError):
+    """Not enough free space for an output; says how much was needed and how much was free."""
+
+
+def free_bytes(folder: str | Path) -> int:
+    """Free bytes on the file system that holds `folder` (or its nearest existing parent)."""
+    path = Path(folder).resolve()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def check_free_space(folder: str | Path, needed: int, what: str) -> None:
+    """Refuse to start writing `what` into `folder` when the file system cannot hold `needed` bytes."""
+    free = free_bytes(folder)
+    if needed > free:
+        raise DiskSpaceError(
+            errno.ENOSPC,
+            f"{what} needs about {format_bytes(needed)} in {folder}, but only {format_bytes(free)} is free there",
+        )
+
+
+@contextlib.contextmanager
+def explain_disk_full(folder: str | Path, needed: int | None, what: str) -> Iterator[None]:
+    """Turn a 'no space left on device' met while writing `what` into one DiskSpaceError naming the space needed
+    (the caller's cleanup has already removed the partial output by the time this reports)."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno != errno.ENOSPC or isinstance(err, DiskSpaceError):
+            raise
+        need = "" if needed is None else f"it needs about {format_bytes(needed)}, "
+        raise DiskSpaceError(
+            errno.ENOSPC,
+            f"no space left on the device while writing {what} into {folder}: {need}"
+            f"{format_bytes(free_bytes(folder))} is free now; nothing partial was kept",
+        ) from None

@@ -8,6 +8,7 @@ import json
 import sys
 
 from convert.console import command_line, interrupted, invoked_as
+from convert.files import DiskSpaceError
 from convert.train.recipe import INPUT_FLAGS, STAGES, load_recipe
 from convert.train.stages import run_recipe, saved_so_far
 
@@ -71,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except DiskSpaceError as err:  # what was needed, what was free; the partial output is already gone
+        print(f"error: {err.strerror}", file=sys.stderr)
+        return 1
     except FloatingPointError as err:  # a diverged training step: the message says what was kept
         print(f"error: {err}", file=sys.stderr)
         return 1

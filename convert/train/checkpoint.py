@@ -21,7 +21,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from convert.files import normal_modes
+from convert.files import disk_bytes, explain_disk_full, normal_modes
 
 CHECKPOINTS = "checkpoints"
 META = "checkpoint.json"
@@ -137,6 +137,16 @@ def save_checkpoint(
     folder into place and prunes to the newest `keep`. Returns the checkpoint's path."""
     root = Path(out_dir) / CHECKPOINTS
     final, tmp = root / f"step_{step}", root / f".tmp_step_{step}"
+    previous = _steps(root)
+    needed = disk_bytes(previous[0][1]) if previous else None  # about the size of the last one
+    with explain_disk_full(root, needed, f"the step-{step} checkpoint"):
+        _save(final, tmp, step, write, meta, keep, main, barrier)
+    return final
+
+
+def _save(final: Path, tmp: Path, step: int, write, meta: dict, keep: int, main: bool, barrier) -> None:
+    """save_checkpoint's work: build `tmp`, then swap it in as `final`."""
+    root = final.parent
     if main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -157,4 +167,3 @@ def save_checkpoint(
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return final

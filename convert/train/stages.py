@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from convert.files import disk_bytes, format_bytes, write_json
+from convert.files import check_free_space, disk_bytes, explain_disk_full, format_bytes, write_json
 from convert.train.recipe import STAGES, Recipe, check_inputs
 
 MARKER = "DONE"
@@ -235,6 +235,14 @@ def _save_model(model, model_dir_from: Path, out: Path, base_model: str) -> None
 
 def _copy_atomic(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
+    needed = disk_bytes(src)
+    check_free_space(dst.parent, needed, f"the copy of {src} to {dst}")
+    with explain_disk_full(dst.parent, needed, f"the copy of {src} to {dst}"):
+        _copy_swap(src, dst)
+
+
+def _copy_swap(src: Path, dst: Path) -> None:
+    """Copy `src` to a hidden sibling of `dst`, then swap it in: `dst` is the old copy or the new, never half."""
     tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.partial"))
     try:
         shutil.rmtree(tmp)

@@ -7,6 +7,7 @@ sources, the `raven-convert` name, and Ctrl-C during a pipeline run.
 
 import builtins
 import dataclasses
+import errno
 import gzip
 import json
 import os
@@ -23,6 +24,7 @@ from pydantic import BaseModel
 from safetensors.torch import load_file
 
 import convert.export
+import convert.files
 import convert.train.align
 import convert.train.stage2
 from convert.cli import main as convert_main
@@ -447,3 +449,43 @@ def test_a_truncated_gguf_is_named_as_such(tmp_path, capsys, keep):
         convert_main(["--src", str(cut), "--mixer", "raven", "--layers", "0", "--out", str(out)])
     assert exit_info.value.code == 2 and not out.exists()
     assert f"the GGUF file ({keep:,} bytes) is truncated or damaged" in capsys.readouterr().err
+
+
+def test_too_little_free_space_is_refused_before_writing(tiny_sources, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(convert.files, "free_bytes", lambda folder: 1_000_000)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        convert_main(["--src", str(tiny_sources["llama"]), "--mixer", "raven", "--layers", "0", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and "the model out needs about" in err and "only 1.0 MB is free there" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_midway_leaves_nothing_and_says_what_was_needed(tiny_sources, tmp_path, capsys, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(convert.export.shutil, "copy2", full)  # while the modeling code is copied in
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        convert_main(["--src", str(tiny_sources["llama"]), "--mixer", "raven", "--layers", "0", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and "no space left on the device while writing the model out" in err
+    assert "it needs about" in err and "nothing partial was kept" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []  # no out, no hidden .out.partial
+
+
+def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint(tmp_path):
+    from convert.files import DiskSpaceError
+    from convert.train.checkpoint import latest_checkpoint, save_checkpoint
+
+    save_checkpoint(tmp_path, 1, lambda folder: (folder / "w.bin").write_bytes(b"x" * 2_000_000), {"step": 1}, keep=2)
+
+    def full(folder):
+        (folder / "w.bin").write_bytes(b"x" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(DiskSpaceError, match=r"writing the step-2 checkpoint .* it needs about 2\.0 MB"):
+        save_checkpoint(tmp_path, 2, full, {"step": 2}, keep=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
+    assert latest_checkpoint(tmp_path)[1] == {"step": 1}
