@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import raven_layers
-from convert.files import check_free_space, explain_disk_full, normal_modes
+from convert.files import normal_modes, replace_dir, room_for
 from raven_layers import BUNDLED_FILES, HybridForCausalLM
 
 AUTO_MAP = {
@@ -43,9 +42,7 @@ def save_hybrid(
     tmp = out.parent / f".{out.name}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     needed = weight_bytes(model) + (64 << 20)  # the shards, and a margin for tokenizer, code and card
-    check_free_space(out.parent, needed, f"the model {out.name}")
-
-    with explain_disk_full(out.parent, needed, f"the model {out.name}"):
+    with room_for(out.parent, needed, f"the model {out.name}"):
         try:
             model.config.auto_map = AUTO_MAP
             model.save_pretrained(tmp, max_shard_size=max_shard_size)
@@ -59,14 +56,7 @@ def save_hybrid(
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
-    if out.exists():  # swap: the old directory disappears only once the new one is complete
-        old = out.parent / f".{out.name}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, out)
+    replace_dir(tmp, out)  # the old directory disappears only once the new one is complete
     return out
 
 

@@ -75,20 +75,17 @@ def free_bytes(folder: str | Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def check_free_space(folder: str | Path, needed: int, what: str) -> None:
-    """Refuse to start writing `what` into `folder` when the file system cannot hold `needed` bytes."""
+@contextlib.contextmanager
+def room_for(folder: str | Path, needed: int | None, what: str) -> Iterator[None]:
+    """Write `what` (about `needed` bytes, None when unknown) into `folder` inside this block: refused up front when
+    the file system cannot hold it, and a 'no space left on device' met midway becomes one DiskSpaceError naming
+    the space needed (the block's own cleanup has removed the partial output by then)."""
     free = free_bytes(folder)
-    if needed > free:
+    if needed is not None and needed > free:
         raise DiskSpaceError(
             errno.ENOSPC,
             f"{what} needs about {format_bytes(needed)} in {folder}, but only {format_bytes(free)} is free there",
         )
-
-
-@contextlib.contextmanager
-def explain_disk_full(folder: str | Path, needed: int | None, what: str) -> Iterator[None]:
-    """Turn a 'no space left on device' met while writing `what` into one DiskSpaceError naming the space needed
-    (the caller's cleanup has already removed the partial output by the time this reports)."""
     try:
         yield
     except OSError as err:
@@ -100,3 +97,16 @@ def explain_disk_full(folder: str | Path, needed: int | None, what: str) -> Iter
             f"no space left on the device while writing {what} into {folder}: {need}"
             f"{format_bytes(free_bytes(folder))} is free now; nothing partial was kept",
         ) from None
+
+
+def replace_dir(new: str | Path, dst: str | Path) -> None:
+    """Put the complete directory `new` at `dst`: `dst` holds the old contents or the new, never a mix of both."""
+    new, dst = Path(new), Path(dst)
+    if not dst.exists():
+        os.replace(new, dst)
+        return
+    old = dst.parent / f".{dst.name}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(dst, old)
+    os.replace(new, dst)
+    shutil.rmtree(old, ignore_errors=True)

@@ -234,9 +234,10 @@ class RavenMixer(Mixer):
         return names
 
     def route(
-        self, x: torch.Tensor, padding_mask: torch.Tensor | None
+        self, x: torch.Tensor, padding_mask: torch.Tensor | None, kernels=None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The router's choice: log-decay a [B, T, H_kv] (0 at padding), slots idx [B, T, H_kv, K], weights r."""
+        """The router's choice: log-decay a [B, T, H_kv] (0 at padding), slots idx [B, T, H_kv, K], weights r.
+        `kernels` (the Triton module mix() runs) picks the top-K of a prompt on chip; without it, torch.topk."""
         B, T, _ = x.shape
         s = self.settings
         dtype = torch.promote_types(x.dtype, torch.float32)  # routing in float32 at least, even for bf16 models
@@ -244,7 +245,6 @@ class RavenMixer(Mixer):
         if self.training and s.gumbel:
             u = torch.rand_like(logits).clamp_(1e-10, 1.0 - 1e-7)
             logits = logits - torch.log(-torch.log(u))  # Gumbel(0, 1) noise: exploration of all slots
-        kernels = kernel_module("raven", x)
         if kernels is not None and T > 1:  # prefill and training: a sort per row on chip, not a radix select each
             idx = kernels.topk_slots(logits, s.top_k)  # [B, T, H_kv, K]
             top = logits.gather(-1, idx)
@@ -288,7 +288,7 @@ class RavenMixer(Mixer):
             q, k = F.silu(q), F.silu(k)
         state = self.load_state(cache)
         if kernels is not None:  # Triton: the router's choice goes to the kernels, which build the gates on chip
-            a, idx, r = self.route(x, padding_mask)
+            a, idx, r = self.route(x, padding_mask, kernels)
             if cu_seqlens is not None:  # packed documents: one sequence of B * T tokens cut at cu_seqlens
                 packed = (t.flatten(0, 1).unsqueeze(0) for t in (q, k, v, a, idx, r))
                 o, _ = kernels.chunk_raven(

@@ -21,7 +21,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from convert.files import disk_bytes, explain_disk_full, normal_modes
+from convert.files import disk_bytes, normal_modes, replace_dir, room_for
 
 CHECKPOINTS = "checkpoints"
 META = "checkpoint.json"
@@ -139,7 +139,7 @@ def save_checkpoint(
     final, tmp = root / f"step_{step}", root / f".tmp_step_{step}"
     previous = _steps(root)
     needed = disk_bytes(previous[0][1]) if previous else None  # about the size of the last one
-    with explain_disk_full(root, needed, f"the step-{step} checkpoint"):
+    with room_for(root, needed, f"the step-{step} checkpoint"):
         _save(final, tmp, step, write, meta, keep, main, barrier)
     return final
 
@@ -158,9 +158,7 @@ def _save(final: Path, tmp: Path, step: int, write, meta: dict, keep: int, main:
             (tmp / META).write_text(json.dumps(meta, indent=1, default=str))
             _write_manifest(tmp)
             normal_modes(tmp)  # safetensors writes 0600 files
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            replace_dir(tmp, final)
             prune(root, step, keep)
         barrier()
     except BaseException:  # a failure or Ctrl-C while saving leaves no half-written checkpoint directory

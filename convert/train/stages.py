@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from convert.files import check_free_space, disk_bytes, explain_disk_full, format_bytes, write_json
+from convert.files import disk_bytes, format_bytes, replace_dir, room_for, write_json
 from convert.train.recipe import STAGES, Recipe, check_inputs
 
 MARKER = "DONE"
@@ -235,9 +235,7 @@ def _save_model(model, model_dir_from: Path, out: Path, base_model: str) -> None
 
 def _copy_atomic(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
-    needed = disk_bytes(src)
-    check_free_space(dst.parent, needed, f"the copy of {src} to {dst}")
-    with explain_disk_full(dst.parent, needed, f"the copy of {src} to {dst}"):
+    with room_for(dst.parent, disk_bytes(src), f"the copy of {src} to {dst}"):
         _copy_swap(src, dst)
 
 
@@ -247,14 +245,7 @@ def _copy_swap(src: Path, dst: Path) -> None:
     try:
         shutil.rmtree(tmp)
         shutil.copytree(src, tmp)
-        if dst.exists():
-            old = dst.parent / f".{dst.name}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(dst, old)
-            os.replace(tmp, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dst)
+        replace_dir(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -27,6 +27,7 @@ from . import utils
 from .utils import (
     _add_pair,
     load_chunk,
+    load_step,
     memory_slot,
     memory_transposed_times,
     sequence_bounds,
@@ -92,24 +93,18 @@ def load_bwd_step(
     k, v, r, s, beta_x, gamma_x, mask, c, duE, bos, t, T_n, i_h, o_k, o_v,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, HAS_MASK: tl.constexpr,
 ):  # fmt: skip
-    """Step t's inputs of the reverse sweep, k_t at offsets o_k (zeros and not live outside [0, T_n))."""
+    """Step t's inputs of the reverse sweep, k_t at offsets o_k (zeros and not live outside [0, T_n)): the forward
+    sweep's (load_step), and what the forward saved for this step."""
+    b_k, b_v, b_bx, b_gx, b_live = load_step(k, v, beta_x, gamma_x, mask, bos, t, T_n, i_h, o_k, o_v, H, K, V, HAS_MASK)
     valid = (t >= 0) & (t < T_n)
-    t_k, t_v = t + 0 * o_k, t + 0 * o_v  # t per lane: the interpreter mistypes a scalar mask broadcast to a vector
-    m_k = (t_k >= 0) & (t_k < T_n)
+    t_v = t + 0 * o_v  # t per lane: the interpreter mistypes a scalar mask broadcast to a vector
     m_v = (t_v >= 0) & (t_v < T_n)
     row = (bos + t) * H + i_h
-    b_k = tl.load(k + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_v = tl.load(v + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
     b_r = tl.load(r + row * V + o_v, mask=m_v, other=0.0)
     b_duE = tl.load(duE + row * V + o_v, mask=m_v, other=0.0)
     b_sb = tl.load(s + 2 * row, mask=valid, other=0.0)
     b_sg = tl.load(s + 2 * row + 1, mask=valid, other=0.0)
-    b_bx = tl.load(beta_x + row, mask=valid, other=0.0).to(tl.float32)
-    b_gx = tl.load(gamma_x + row, mask=valid, other=0.0).to(tl.float32)
     b_c = tl.load(c + row, mask=valid, other=0.0)
-    b_live = valid
-    if HAS_MASK:
-        b_live = tl.load(mask + bos + t, mask=valid, other=0) != 0
     return b_k, b_v, b_r, b_duE, b_sb, b_sg, b_bx, b_gx, b_c, b_live
 
 

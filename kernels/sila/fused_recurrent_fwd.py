@@ -14,28 +14,16 @@ import triton
 import triton.language as tl
 
 from . import utils
-from .utils import _add_pair, load_chunk, memory_slot, sequence_bounds, sila_gates, slot_start, sweep_offsets
-
-
-@triton.jit
-def load_step(
-    k, v, beta_x, gamma_x, mask, bos, t, T_n, i_h, o_k, o_v,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, HAS_MASK: tl.constexpr,
-):  # fmt: skip
-    """k_t (at offsets o_k), v_t [V], the gate inputs and whether step t is a real token (False past the end)."""
-    valid = (t >= 0) & (t < T_n)
-    t_k, t_v = t + 0 * o_k, t + 0 * o_v  # t per lane: the interpreter mistypes a scalar mask broadcast to a vector
-    m_k = (t_k >= 0) & (t_k < T_n)
-    m_v = (t_v >= 0) & (t_v < T_n)
-    row = (bos + t) * H + i_h
-    b_k = tl.load(k + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_v = tl.load(v + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-    b_bx = tl.load(beta_x + row, mask=valid, other=0.0).to(tl.float32)
-    b_gx = tl.load(gamma_x + row, mask=valid, other=0.0).to(tl.float32)
-    b_live = valid
-    if HAS_MASK:
-        b_live = tl.load(mask + bos + t, mask=valid, other=0) != 0
-    return b_k, b_v, b_bx, b_gx, b_live
+from .utils import (
+    _add_pair,
+    load_chunk,
+    load_step,
+    memory_slot,
+    sequence_bounds,
+    sila_gates,
+    slot_start,
+    sweep_offsets,
+)
 
 
 @triton.jit
