@@ -106,10 +106,19 @@ def write_record(path: Path, results: list[dict], **extra) -> None:
     tmp.replace(path)
 
 
+def release() -> None:
+    """Free what the last model left: its compiled steps keep references to its cache (and transformers' compiled
+    generate its CUDA graphs' memory pool)."""
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def build_models(mixers: list[str], layers: str, windows: int | None):
     """(name, model) pairs: the teacher first, then one hybrid per mixer (and per mixer with windows). Drop `model`
-    before asking for the next: each hybrid's memory (its static cache and graph too) is freed before the next is
-    built, or the next one's peak memory and batch capacity would include it."""
+    before asking for the next: each model's memory (its static cache and compiled step too) is freed before the
+    next is built, or the next one's peak memory and batch capacity would include it. The teacher's weights stay:
+    every hybrid is built from them."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from convert import build_hybrid, plan_layers
@@ -118,6 +127,7 @@ def build_models(mixers: list[str], layers: str, windows: int | None):
     teacher = AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2_135M), attn_implementation="sdpa")
     teacher = teacher.to("cuda", torch.bfloat16).eval()
     yield "teacher", teacher
+    release()
     n = SMOLLM2_135M["num_hidden_layers"]
     for mixer in mixers:
         kinds = plan_layers([(mixer, layers)], n)
@@ -126,9 +136,7 @@ def build_models(mixers: list[str], layers: str, windows: int | None):
             hybrid = build_hybrid(teacher, kinds, {}, attention_windows=spans).to("cuda", torch.bfloat16).eval()
             yield (f"{mixer}-sw{window}" if window else mixer), hybrid
             del hybrid
-            torch._dynamo.reset()  # compiled steps keep references to the last model's cache
-            gc.collect()
-            torch.cuda.empty_cache()
+            release()
 
 
 def timed_generate(model, ids: torch.Tensor, new_tokens: int, teacher: bool, prefill_chunk: int | None) -> float:

@@ -26,6 +26,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kernels import chunked  # noqa: E402
 from kernels.raven import chunk, chunk_bwd, chunk_h, fused_recurrent  # noqa: E402
 from kernels.sila import fused_recurrent_bwd as sila_bwd_kernels  # noqa: E402
 from kernels.sila import fused_recurrent_fwd as sila_fwd_kernels  # noqa: E402
@@ -41,7 +42,7 @@ KERNELS = {
     "dh": chunk_h.raven_bwd_kernel_dh,
     "gate": chunk_h.raven_fwd_kernel_gate,
     "dhc": chunk_h.raven_bwd_kernel_dhc,
-    "scan": chunk_h.raven_fwd_kernel_scan,
+    "scan": chunked.scan_fwd_kernel,
     "decode": fused_recurrent.raven_fwd_kernel_fused_recurrent,
     "sila_fwd": sila_fwd_kernels.sila_fwd_kernel_recurrent,  # the training sweep (SAVE), not the decode step
     "sila_o": sila_fwd_kernels.sila_fwd_kernel_output,
@@ -131,7 +132,8 @@ def kernel_rows(D: int, M: int, names: list[str]) -> list[tuple]:
         else:  # the per-chunk state kernels (chunk.gates with contributions, chunk.state_grads)
             BM, warps, stages, block_d = min(32, BM_max), 8 if name == "gate" else 4, 3, BD
         constants = dict(H=16, G=1, M=M, K=32, D=D, BT=chunk.BT, BC=chunk.BC, BP=BP, BM=BM, BD=block_d, EXACT=False)
-        constants.update(BK=32, CONTRIB=True, REVERSE=False, USE_H0=True, STORE_HT=True, USE_DHT=True, STORE_DH0=True)
+        constants.update(BK=32, CONTRIB=True, PAIR=True, REVERSE=False, USE_H0=True, STORE_HT=True)
+        constants.update(USE_DHT=True, STORE_DH0=True)
         if name == "decode":
             constants.update(BG=1, IS_VARLEN=False, NS=1, MB=-(-M // BM))  # batch 64 fills the SMs: no slot split
         used = resources(KERNELS[name], constants, warps, stages)

@@ -13,9 +13,9 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from kernels.chunked import RANGE_NATS
 from kernels.raven import chunk as raven_chunk
 from kernels.raven import chunk_raven, topk_slots
-from kernels.raven.intra import RANGE_NATS
 from kernels.timing import time_training
 
 H, D = 16, 128
@@ -30,7 +30,7 @@ VARIANTS = {  # (slots per block, warps, stages) of some per-chunk kernels, the 
     "o16": {"o": (16, 4, 3)},
     "dkv16": {"dkv": (16, 8, 3)},
 }
-SCAN_VARIANTS = {  # (steps, slots, head-dim columns, warps) of raven_fwd_kernel_scan, the long-sequence state scan
+SCAN_VARIANTS = {  # (steps, slots, head-dim columns, warps) of the long-sequence state scan (kernels/chunked.py)
     "scan-p2": lambda M, D: (2, 4, 64, 4),
     "scan-p4w2": lambda M, D: (4, 4, 64, 2),
     "scan-p4m8": lambda M, D: (4, 8, 64, 4),

@@ -11,21 +11,19 @@ arithmetic, and needs_exact's answer is read after the scan is queued.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import triton
 import triton.language as tl
 
+from ..chunked import needs_exact, scan_config, state_scan
 from .chunk_bwd import raven_bwd_kernel_dar, raven_bwd_kernel_dkv, raven_bwd_kernel_dlf, raven_bwd_kernel_dq
 from .chunk_h import (
     raven_bwd_kernel_dh,
     raven_bwd_kernel_dhc,
     raven_fwd_kernel_gate,
     raven_fwd_kernel_h,
-    raven_fwd_kernel_scan,
 )
-from .intra import RANGE_NATS, raven_mix, raven_read_m, raven_slot_block
+from .intra import raven_mix, raven_read_m, raven_slot_block
 from .utils import check_inputs, slot_indices
 
 BT, BC = 64, 16  # chunk and sub-chunk lengths
@@ -135,34 +133,6 @@ def launch_config(D: int) -> dict[str, tuple[int, int, int]]:
     return {"o": (32, 4, 3), "dq": (16, 4, 3), "dkv": (32, 8, 3), "dlf": (32, 4, 1)}
 
 
-def scan_config(M: int, D: int) -> tuple[int, int, int, int]:
-    """Steps, slots and head-dim columns per program of the scan, and its warps: 4 steps of [BM, BD] = 256 state
-    entries in flight per program, rows of up to 64 columns (128-byte lines in bf16); more steps, fewer warps or
-    larger tiles were slower (docs/KERNELS.md, Settings: Raven long-sequence scan)."""
-    BD = min(64, triton.next_power_of_2(D))
-    return 4, min(triton.next_power_of_2(M), max(1, 256 // BD)), BD, 4
-
-
-def needs_exact(gl) -> Callable[[], bool]:
-    """Whether any slot decays by more than RANGE within a chunk (gl [NC, H, M], g at each chunk's last token), so
-    that the kernels must carry the exact in-chunk forms (intra.py). On the GPU the answer travels to the host
-    asynchronously: call the returned function after launching work that does not need it (the state scan), and
-    the GPU stays busy while the host waits."""
-    flag = gl.amin() < -RANGE_NATS if gl.numel() else torch.zeros((), dtype=torch.bool, device=gl.device)
-    if not flag.is_cuda:
-        return lambda: bool(flag)
-    host = torch.empty((), dtype=torch.bool, pin_memory=True)
-    host.copy_(flag, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-
-    def answer() -> bool:
-        done.synchronize()
-        return bool(host)
-
-    return answer
-
-
 def seq_blocks(M: int, D: int, NH: int) -> tuple[int, int]:
     """Slots and head-dim columns per program of the sequential scans (raven_fwd_kernel_h, raven_bwd_kernel_dh):
     small enough for ~2 programs per SM."""
@@ -182,20 +152,11 @@ def split_scan(M: int, D: int, NH: int) -> bool:
 
 
 def scan(xk, xv, gl, h0, chunks, store_final, reverse=False):
-    """raven_fwd_kernel_scan: the states (or, reversed, their gradients) [NC, H, M, D] in xk's dtype from the chunk
-    contributions xk, xv; and the final ones (initial ones, reversed) [N, H, M, D] float32, or None."""
-    NC, H, M, D = xk.shape
-    N = chunks["seq_chunks"].numel() - 1
-    BP, BM, BD, warps = scan_config(M, D)
-    hk, hv = torch.empty_like(xk), torch.empty_like(xv)
-    ht = (xk.new_empty(N, H, M, D, dtype=torch.float32), xk.new_empty(N, H, M, D, dtype=torch.float32))
-    h0 = h0 if h0 is not None else (None, None)
-    grid = (triton.cdiv(M, BM) * triton.cdiv(D, BD), N * H)
-    raven_fwd_kernel_scan[grid](
-        xk, xv, gl, hk, hv, *h0, *ht, chunks["seq_chunks"], H, M, D, BP, BM, BD,
-        reverse, h0[0] is not None, store_final, num_warps=warps,
-    )  # fmt: skip
-    return hk, hv, (ht if store_final else None)
+    """The states (or, reversed, their gradients) hk, hv [NC, H, M, D] in xk's dtype from the chunk contributions
+    xk, xv (kernels/chunked.py), and the final ones (initial ones, reversed) [N, H, M, D] float32, or None."""
+    M, D = xk.shape[-2:]
+    hs, ht = state_scan((xk, xv), gl, h0, chunks["seq_chunks"], store_final, scan_config(M, D), reverse)
+    return *hs, ht
 
 
 def sequential_states(k, v, g, w, h0, chunks, M, store_final):

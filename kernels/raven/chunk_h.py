@@ -3,8 +3,8 @@ from the router). Then, for batches with enough (sequence, head, slot block) pro
 chunks that reads the gates and inputs and writes the states as it goes (raven_fwd_kernel_h; its gradient
 raven_bwd_kernel_dh). For long sequences with few programs that scan is latency-bound, so the work is split: each
 chunk's own contribution in parallel (the gate kernel with CONTRIB, raven_bwd_kernel_dhc for the gradients), then
-raven_fwd_kernel_scan turns contributions x_c into states, h_{c+1} = exp(gl_c) h_c + x_c, several chunks per step:
-forward for the states entering every chunk, reversed for the gradients of the states leaving it."""
+kernels/chunked.py's state scan turns contributions x_c into states, h_{c+1} = exp(gl_c) h_c + x_c: forward for the
+states entering every chunk, reversed for the gradients of the states leaving it."""
 
 import triton
 import triton.language as tl
@@ -264,83 +264,3 @@ def raven_bwd_kernel_dhc(
     m_md = m_m[:, None] & m_d[None, :]
     tl.store(xk + p_md, b_xk.to(xk.dtype.element_ty), mask=m_md)
     tl.store(xv + p_md, b_xv.to(xv.dtype.element_ty), mask=m_md)
-
-
-@triton.jit
-def raven_scan_combine(a1, bk1, bv1, a2, bk2, bv2):
-    """Two steps h <- a h + b of the scan, the first (a1, b1) applied first."""
-    return a1 * a2, bk1 * a2 + bk2, bv1 * a2 + bv2
-
-
-@triton.jit
-def raven_fwd_kernel_scan(
-    xk,
-    xv,
-    gl,
-    hk,
-    hv,
-    h0k,
-    h0v,
-    htk,
-    htv,
-    seq_chunks,
-    H: tl.constexpr,
-    M: tl.constexpr,
-    D: tl.constexpr,
-    BP: tl.constexpr,
-    BM: tl.constexpr,
-    BD: tl.constexpr,
-    REVERSE: tl.constexpr,
-    USE_H0: tl.constexpr,
-    STORE_HT: tl.constexpr,
-):
-    """hk, hv [NC, H, M, D] (the states' dtype) from the contributions xk, xv (same shape): for one sequence, head and
-    block of slots and head-dim columns, step s of the scan stores the carry h at chunk c(s), then
-    h <- exp(gl_c(s)) h + x_c(s). Forward c(s) = first chunk + s: the states entering every chunk, h0 [N, H, M, D] the
-    initial states, ht the final ones. REVERSE (last chunk first): the gradients of the states leaving every chunk,
-    h0 the final states' gradients, ht the initial states'. BP steps at a time: their loads in flight together,
-    combined with an associative scan, float32 throughout."""
-    i_md, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    i_m, i_d = i_md % tl.cdiv(M, BM), i_md // tl.cdiv(M, BM)
-    o_p = tl.arange(0, BP)
-    o_m = i_m * BM + tl.arange(0, BM)
-    o_d = i_d * BD + tl.arange(0, BD)
-    m_m, m_d = o_m < M, o_d < D
-    m_md = m_m[:, None] & m_d[None, :]
-    p_hd = (i_h * M + o_m[:, None]) * D + o_d[None, :]  # [BM, BD]
-    p_md = p_hd[None, :, :]
-    b_ck = tl.zeros([BM, BD], dtype=tl.float32)  # the carry: h at the group's first step
-    b_cv = tl.zeros([BM, BD], dtype=tl.float32)
-    if USE_H0:
-        b_ck += tl.load(h0k + i_n * H * M * D + p_hd, mask=m_md, other=0.0)
-        b_cv += tl.load(h0v + i_n * H * M * D + p_hd, mask=m_md, other=0.0)
-    c0, c1 = tl.load(seq_chunks + i_n), tl.load(seq_chunks + i_n + 1)
-    n = c1 - c0
-    for i0 in range(0, n + 1, BP):
-        o_s = i0 + o_p  # [BP] steps; step n is the final state
-        o_c = c1 - 1 - o_s if REVERSE else c0 + o_s  # [BP] chunk of each step
-        o_e = o_c + 1 if REVERSE else o_c - 1  # the step before, whose update leads into step s (none at s = 0)
-        m_e = (o_s >= 1) & (o_s <= n)
-        m_em = m_e[:, None] & m_m[None, :]
-        b_f = tl.exp(tl.load(gl + (o_e[:, None] * H + i_h) * M + o_m[None, :], mask=m_em, other=0.0))  # [BP, BM]
-        p_e = o_e[:, None, None] * H * M * D + p_md
-        m_x = m_e[:, None, None] & m_md[None, :, :]
-        b_xk = tl.load(xk + p_e, mask=m_x, other=0.0).to(tl.float32)  # [BP, BM, BD]
-        b_xv = tl.load(xv + p_e, mask=m_x, other=0.0).to(tl.float32)
-        b_a = tl.broadcast_to(b_f[:, :, None], [BP, BM, BD])
-        b_a, b_xk, b_xv = tl.associative_scan((b_a, b_xk, b_xv), 0, raven_scan_combine)
-        b_hk = b_a * b_ck[None, :, :] + b_xk  # [BP, BM, BD] h at each step
-        b_hv = b_a * b_cv[None, :, :] + b_xv
-        p_s = o_c[:, None, None] * H * M * D + p_md
-        m_s = (o_s < n)[:, None, None] & m_md[None, :, :]
-        tl.store(hk + p_s, b_hk.to(hk.dtype.element_ty), mask=m_s)
-        tl.store(hv + p_s, b_hv.to(hv.dtype.element_ty), mask=m_s)
-        if STORE_HT:
-            m_t = (o_s == n)[:, None, None] & m_md[None, :, :]
-            p_t = tl.broadcast_to(i_n * H * M * D + p_md, [BP, BM, BD])  # only the row of step n is stored
-            tl.store(htk + p_t, b_hk, mask=m_t)
-            tl.store(htv + p_t, b_hv, mask=m_t)
-        last = (o_p == BP - 1)[:, None, None]
-        b_ck = tl.sum(tl.where(last, b_hk, 0.0), 0)
-        b_cv = tl.sum(tl.where(last, b_hv, 0.0), 0)

@@ -20,7 +20,8 @@ p_g / p_w point at row 0 of the chunk for this head and slot 0; `stride` is thei
 import triton
 import triton.language as tl
 
-RANGE_NATS = 120.0  # largest in-chunk decay (nats) of a block of slots on the fast path: factors within e^60
+from ..chunked import RANGE_NATS
+
 RANGE = tl.constexpr(RANGE_NATS)
 
 

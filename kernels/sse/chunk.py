@@ -3,21 +3,26 @@
     S_t = diag(exp(log_g_t)) S_{t-1} + k_t^T v_t,    o_t = scale q_t S_t
 
 Every sequence (a batch row, or a segment of `cu_seqlens`) is cut into chunks of BT = 64 tokens that never cross
-a sequence boundary; the chunk list is built on the device (no host sync). Forward: the chunk-local cumulative
-gate b (`sse_fwd_kernel_cumsum`), the state entering every chunk by a scan over each sequence's chunks
-(`sse_fwd_kernel_h`), then all chunks in parallel (`sse_fwd_kernel_o`). Backward: a reverse scan for the gradient
-of the state leaving every chunk (`sse_bwd_kernel_dh`), do v^T per chunk (`sse_bwd_kernel_dA`), dq and dk of
-every sub-chunk and block of key channels (`BLOCK_K`) in parallel (`sse_bwd_kernel_dqk`), dv of every chunk
-(`sse_bwd_kernel_dv`), and the gate gradient's reverse sums within each chunk (`sse_bwd_kernel_dg`). The output
-and dq/dk kernels run one program per sub-chunk (and key block): their 16-step loops over a sub-chunk's rows are
-serial, so more programs share them. SSE's varlen form runs the same kernels on its (token, partition) entries,
-read in place through their order (`src`). Empty sequences run no chunk: their state passes
+a sequence boundary; the chunk list is built on the device (no host sync).
+
+Forward: the chunk-local cumulative gate b (`sse_fwd_kernel_gate`); the state entering every chunk, by a sequential
+scan over each sequence's chunks (`sse_fwd_kernel_h`) or, for few long sequences, from every chunk's contribution
+(the gate kernel) and the shared state scan (kernels/chunked.py); then all chunks in parallel (`sse_fwd_kernel_o`).
+Backward: a reverse scan for the gradient of the state leaving every chunk (`sse_bwd_kernel_dh`), do v^T per chunk
+(`sse_bwd_kernel_dA`), dq and dk of every sub-chunk and block of key channels (`BLOCK_K`) in parallel
+(`sse_bwd_kernel_dqk`), dv of every chunk (`sse_bwd_kernel_dv`), and the gate gradient's reverse sums within each
+chunk (`sse_bwd_kernel_dg`). The dq/dk kernel runs one program per sub-chunk (and key block): its 16-step loops over
+a sub-chunk's rows are serial, so more programs share them. SSE's varlen form runs the same kernels on its (token,
+partition) entries, read in place through their order (`src`). Empty sequences run no chunk: their state passes
 through, and so does its gradient. The kernels live in chunk_fwd.py and chunk_bwd.py; this file launches them.
 
-Inside a chunk token t reads token s <= t through exp(b_t - b_s). Sub-chunks of BC = 16 rows split this: across
-sub-chunks the factor is split at the boundary between them, exp(b_t - b_ref) exp(b_ref - b_s), two non-positive
-exponents, so a matrix product applies; inside a sub-chunk it is formed element by element. Rows past the end of a
-sequence read b at its last token, so no exponent anywhere is positive and strong decay cannot overflow.
+Inside a chunk token t reads token s <= t through exp(b_t - b_s). When no key channel decays by more than
+RANGE_NATS over a chunk (kernels/chunked.py), the factor splits at half the chunk's decay, exp(b_t - ref)
+exp(ref - b_s), both within e^60, and the forward's in-chunk scores are one causal matrix product. Otherwise
+(`sse_fwd_kernel_o_exact`, and always in the backward) sub-chunks of BC = 16 rows split it: across sub-chunks the
+factor is split at the boundary between them, two non-positive exponents, so a matrix product applies; inside a
+sub-chunk it is formed element by element. Rows past the end of a sequence read b at its last token, so no
+exponent there is positive and strong decay cannot overflow.
 
 The gate's gradient uses d b_t = q_t dq_t - k_t dk_t (summed over query heads), reverse-summed within the chunk,
 plus rowsum(dS ⊙ S) of the state leaving the chunk, obtained as exp(b_last) rowsum(dS ⊙ S_enter) + sum_s k_s dk_s
@@ -33,13 +38,14 @@ import triton
 
 from raven_layers.sse import sse_masking, varlen_entries
 
+from ..chunked import needs_exact, scan_config, state_scan
 from .chunk_bwd import sse_bwd_kernel_dA, sse_bwd_kernel_dg, sse_bwd_kernel_dh, sse_bwd_kernel_dqk, sse_bwd_kernel_dv
-from .chunk_fwd import sse_fwd_kernel_cumsum, sse_fwd_kernel_h, sse_fwd_kernel_o
+from .chunk_fwd import sse_fwd_kernel_gate, sse_fwd_kernel_h, sse_fwd_kernel_o, sse_fwd_kernel_o_exact
 
 BT = 64  # chunk length
 BC = 16  # sub-chunk length
 POISON = False  # tests set it: outputs start as NaN
-WARPS = {"h": 4, "o": 4, "dh": 4, "dqk": 4, "dv": 4}  # fixed launch configs (kernels/sse/NOTES.md)
+WARPS = {"h": 4, "o": 4, "o_exact": 4, "dh": 4, "dqk": 4, "dv": 4}  # fixed launch configs (kernels/sse/NOTES.md)
 # key channels per dq/dk program: 32 when reading SSE's entries in place, whose live int64 row vectors cost registers
 # (docs/KERNELS.md, Settings: SSE dq/dk block)
 BLOCK_K = {"dqk": 64, "dqk_gather": 32}
@@ -68,6 +74,14 @@ def _chunk_layout(B: int, T: int, cu_seqlens, device):
     chunk_seq = torch.searchsorted(chunk_off[1:], chunks, right=True, out_int32=True).clamp_max_(max(S - 1, 0))
     chunk_pos = chunks - chunk_off[chunk_seq.long()]
     return cu, chunk_seq, chunk_pos, chunk_off, total
+
+
+def split_scan(programs: int) -> bool:
+    """Whether to build the states entering the chunks from per-chunk contributions and a scan (kernels/chunked.py)
+    rather than with sse_fwd_kernel_h's sequential scan: when that kernel would run under 256 programs (about two
+    per SM), its chunk-to-chunk latency dominates, as for Raven (docs/KERNELS.md, Settings: Raven sequential or
+    split state scan)."""
+    return programs < 256
 
 
 def _state_dtype(q: torch.Tensor) -> torch.dtype:
@@ -101,23 +115,38 @@ class ChunkGLAFunction(torch.autograd.Function):
         S = cu.numel() - 1
         h0 = None if initial_state is None else initial_state.float().reshape(S, H, K, V).contiguous()
         gc = torch.empty(L, H, K, device=dev, dtype=torch.float32)  # chunk-local cumulative log-gate, by position
-        hs = torch.empty(Nc, H, K, V, device=dev, dtype=_state_dtype(q))  # state entering each chunk
-        ht = torch.empty(S, H, K, V, device=dev, dtype=torch.float32)
+        gl = torch.empty(Nc, H, K, device=dev, dtype=torch.float32)  # gc at each chunk's last row
         o = _new((k.numel() // K, G, V), q, q.dtype)  # one row per input row of k (per entry with a gather)
         store_A = any(ctx.needs_input_grad[:4])
         A = _new((L, H * G, BT), q, q.dtype) if store_A else None  # in-chunk scores, for the backward's dv
-        if Nc:
-            sse_fwd_kernel_cumsum[(Nc, H)](log_g, gc, src, cu, chunk_seq, chunk_pos, H, K, BT, BK, gather)
         hk, hv = min(BK, 64), min(BV, 64)
-        if S:
+        split = split_scan(S * H * (BK // hk) * (BV // hv))
+        x = torch.empty(Nc, H, K, V, device=dev, dtype=_state_dtype(q)) if split else None  # chunk contributions
+        if Nc:
+            sse_fwd_kernel_gate[(Nc, H, BV // hv if split else 1)](
+                log_g, gc, gl, k, v, x, src, cu, chunk_seq, chunk_pos, H, K, V, BT, BK, hv, M, split, gather,
+            )  # fmt: skip
+        exact = needs_exact(gl)
+        if split and S:
+            (hs,), (ht,) = state_scan((x,), gl, None if h0 is None else (h0,), chunk_off, True, scan_config(K, V))
+        else:
+            hs = torch.empty(Nc, H, K, V, device=dev, dtype=_state_dtype(q))  # state entering each chunk
+            ht = torch.empty(S, H, K, V, device=dev, dtype=torch.float32)
+        if S and not split:
             sse_fwd_kernel_h[(S * H, BK // hk, BV // hv)](
                 k, v, gc, h0, hs, ht, src, cu, chunk_off, H, K, V, BT, hk, hv, M, h0 is not None, gather,
                 num_warps=WARPS["h"],
             )  # fmt: skip
-        if Nc:
-            sse_fwd_kernel_o[(Nc, H * G, BT // BC)](
+        del x
+        if Nc and exact():  # read once the scan is queued: the GPU stays busy while the host waits
+            sse_fwd_kernel_o_exact[(Nc, H * G, BT // BC)](
                 q, k, v, gc, hs, o, A, src, cu, chunk_seq, chunk_pos, scale, H, G, K, V, BT, BC, BK, BV, M, store_A,
-                gather, num_warps=WARPS["o"],
+                gather, num_warps=WARPS["o_exact"],
+            )  # fmt: skip
+        elif Nc:
+            sse_fwd_kernel_o[(Nc, H, BV // hv)](
+                q, k, v, gc, gl, hs, o, A, src, cu, chunk_seq, chunk_pos, scale, H, G, K, V, BT, BK, hv, M, store_A,
+                gather, num_warps=WARPS["o"] if BK <= 64 else 2 * WARPS["o"],
             )  # fmt: skip
         ctx.save_for_backward(q, k, v, gc, hs, A, src, cu, chunk_seq, chunk_pos, chunk_off)
         h0_dtype = None if h0 is None else initial_state.dtype

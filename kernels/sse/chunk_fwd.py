@@ -1,5 +1,6 @@
-"""Forward kernels of chunk_gla (kernels/sse/chunk.py has the algorithm): the chunk-local cumulative gate, the
-states entering every chunk, and the output of every sub-chunk.
+"""Forward kernels of chunk_gla (kernels/sse/chunk.py has the algorithm): the chunk-local cumulative gate (and each
+chunk's contribution to the state), the states entering every chunk by a sequential scan, and the output of every
+chunk (or, exactly under strong decay, of every sub-chunk).
 
 Rows: the kernels walk packed positions p (chunks, sequences), and every buffer they make (gc, A, states) is
 indexed by position. The inputs and their gradients are indexed by `r = sse_src(...)`: p H + i_h, or with GATHER
@@ -37,18 +38,58 @@ def sse_state_block(i_k, i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr
 
 
 @triton.jit
-def sse_fwd_kernel_cumsum(
-    g, gc, src, cu, chunk_seq, chunk_pos, H, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr
+def sse_fwd_kernel_gate(
+    g,
+    gc,
+    gl,
+    k,
+    v,
+    x,
+    src,
+    cu,
+    chunk_seq,
+    chunk_pos,
+    H,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    M: tl.constexpr,
+    CONTRIB: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    """One chunk and state head (with CONTRIB, and block of value channels): the chunk-local cumulative gate gc
+    [L, H, K] by position, its last row gl [Nc, H, K] (0 for a spare chunk), and with CONTRIB what the chunk writes
+    into the state leaving it, x [Nc, H, K, V] = sum_t (k_t exp(gl - gc_t))^T v_t."""
+    i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, n = sse_chunk(cu, chunk_seq, chunk_pos, i_c, BT)
-    if n <= 0:  # a spare chunk past the packed sequences' last (_chunk_layout)
-        return
     o_t, o_k = tl.arange(0, BT), tl.arange(0, BK)
-    mask = (o_t < n)[:, None] & (o_k < K)[None, :]
-    r_t = sse_src(src, bos + tl.minimum(o_t, n - 1), H, i_h, GATHER)  # [BT]
+    m_k = o_k < K
+    p_gl = gl + (i_c.to(tl.int64) * H + i_h) * K + o_k
+    if n <= 0:  # a spare chunk past the packed sequences' last (_chunk_layout)
+        if i_v == 0:
+            tl.store(p_gl, tl.zeros([BK], dtype=tl.float32), mask=m_k)
+        return
+    last = tl.minimum(n, BT) - 1
+    m_t = o_t < n
+    mask = m_t[:, None] & m_k[None, :]
+    r_t = sse_src(src, bos + tl.minimum(o_t, last), H, i_h, GATHER)  # [BT]
     b_g = tl.load(g + r_t[:, None] * K + o_k[None, :], mask=mask, other=0.0).to(tl.float32)  # [BT, BK]
-    tl.store(gc + ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :], tl.cumsum(b_g, axis=0), mask=mask)
+    b_b = tl.cumsum(b_g, axis=0)  # rows past the end repeat the last
+    b_bl = tl.sum(tl.where((o_t == last)[:, None], b_b, 0.0), 0)  # [BK]
+    if i_v == 0:
+        tl.store(gc + ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :], b_b, mask=mask)
+        tl.store(p_gl, b_bl, mask=m_k)
+    if CONTRIB:
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        b_k = tl.load(k + r_t[:, None] * K + o_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        b_v = tl.load(v + (r_t // M)[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        b_kg = (b_k * tl.exp(b_bl[None, :] - b_b)).to(k.dtype.element_ty)
+        b_x = tl.dot(tl.trans(b_kg), b_v.to(k.dtype.element_ty))  # [BK, BV]
+        p_x = x + ((i_c.to(tl.int64) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
+        tl.store(p_x, b_x.to(x.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
 
 
 @triton.jit
@@ -154,6 +195,69 @@ def sse_fwd_kernel_o(
     k,
     v,
     gc,
+    gl,
+    hs,
+    o,
+    A,
+    src,
+    cu,
+    chunk_seq,
+    chunk_pos,
+    scale,
+    H,
+    G: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    M: tl.constexpr,
+    STORE_A: tl.constexpr,
+    GATHER: tl.constexpr,
+):
+    """One chunk, state head and block of value channels, every query head of the group, on the fast path (no key
+    channel decays by more than RANGE_NATS over the chunk, kernels/chunked.py): the in-chunk scores are one causal
+    product through the reference ref = gl / 2, A = (q exp(gc - ref)) (k exp(ref - gc))^T, and
+    o = scale (q exp(gc) h + A v). With STORE_A also A [L, H G, BT], as `sse_fwd_kernel_o_exact` stores it."""
+    i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos, n = sse_chunk(cu, chunk_seq, chunk_pos, i_c, BT)
+    if n <= 0:  # a spare chunk past the packed sequences' last (_chunk_layout)
+        return
+    last = tl.minimum(n, BT) - 1
+    DT = q.dtype.element_ty
+    o_t, o_k, o_v = tl.arange(0, BT), tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    m_t, m_k, m_v = o_t < n, o_k < K, o_v < V
+    m_tk = m_t[:, None] & m_k[None, :]
+    r_t = sse_src(src, bos + tl.minimum(o_t, last), H, i_h, GATHER)  # [BT]
+    b_b = sse_gate_tile(gc, bos, o_t, last, H, i_h, K, o_k, m_k)  # [BT, BK]
+    b_ref = 0.5 * tl.load(gl + (i_c.to(tl.int64) * H + i_h) * K + o_k, mask=m_k, other=0.0)  # [BK]
+    b_k = tl.load(k + r_t[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    b_kg = (b_k * tl.exp(b_ref[None, :] - b_b)).to(DT)  # [BT, BK]
+    b_v = tl.load(v + (r_t // M)[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(DT)
+    b_h = tl.load(
+        hs + (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
+        mask=m_k[:, None] & m_v[None, :],
+        other=0.0,
+    ).to(DT)  # [BK, BV]
+    causal = o_t[:, None] >= o_t[None, :]
+    for i_g in range(G):
+        b_q = tl.load(q + sse_qrow(r_t, i_g, G, M)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_A = tl.where(causal, tl.dot((b_q * tl.exp(b_b - b_ref[None, :])).to(DT), tl.trans(b_kg)), 0.0)  # [BT, BT]
+        b_o = tl.dot((b_q * tl.exp(b_b)).to(DT), b_h) + tl.dot(b_A.to(DT), b_v)  # [BT, BV]
+        if STORE_A:
+            if i_v == 0:
+                p_A = A + ((bos + o_t)[:, None] * (H * G) + i_h * G + i_g) * BT + o_t[None, :]
+                tl.store(p_A, b_A.to(A.dtype.element_ty), mask=m_t[:, None])
+        p_o = o + (r_t * G + i_g)[:, None] * V + o_v[None, :]
+        tl.store(p_o, (b_o * scale).to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+
+
+@triton.jit
+def sse_fwd_kernel_o_exact(
+    q,
+    k,
+    v,
+    gc,
     hs,
     o,
     A,
@@ -174,9 +278,9 @@ def sse_fwd_kernel_o(
     STORE_A: tl.constexpr,
     GATHER: tl.constexpr,
 ):
-    """One sub-chunk i of a chunk, and query head: o of its rows, and with STORE_A their in-chunk scores
-    A [L, H G, BT] (row t: A[t, s] over the chunk's columns s, zero for s > t) in q's dtype, which the backward's
-    dv takes as they are."""
+    """One sub-chunk i of a chunk, and query head, exact however strong the decay: o of its rows, and with STORE_A
+    their in-chunk scores A [L, H G, BT] (row t: A[t, s] over the chunk's columns s, zero for s > t) in q's dtype,
+    which the backward's dv takes as they are."""
     i_c, i_hg, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h, i_g = i_hg // G, i_hg % G
     bos, n = sse_chunk(cu, chunk_seq, chunk_pos, i_c, BT)

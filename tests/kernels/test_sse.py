@@ -4,6 +4,7 @@ the mixer under the triton and torch backends. On CPU the kernels run under the 
 import pytest
 import torch
 
+from kernels.chunked import RANGE_NATS, needs_exact
 from kernels.sse import chunk as chunk_module
 from kernels.sse import chunk_gla, chunk_sse, fused_recurrent_sse
 from kernels.sse.naive import chunk_gla_reference, gla_recurrent, sse_masking, sse_recurrent, sse_varlen
@@ -16,6 +17,16 @@ def poison(monkeypatch):
     monkeypatch.setattr(chunk_module, "POISON", True)  # kernel outputs start as NaN: an unwritten element fails
     for name in chunk_module.BLOCK_K:  # so K = 32 at these sizes still runs two key blocks
         monkeypatch.setitem(chunk_module.BLOCK_K, name, 16)
+
+
+@pytest.fixture(params=["split-fast", "sequential-exact"])
+def forms(request, monkeypatch):
+    """Both state scans and both output kernels: per-chunk contributions and the shared scan with the one-product
+    output kernel, or the sequential scan with the per-sub-chunk exact one (chosen on the GPU by size and decay)."""
+    split = request.param == "split-fast"
+    monkeypatch.setattr(chunk_module, "split_scan", lambda programs: split)
+    monkeypatch.setattr(chunk_module, "needs_exact", lambda gl: lambda: not split)
+    return request.param
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -44,7 +55,7 @@ def assert_all_close(got, ref, tol, grad_tol=None, names=("q", "k", "v", "log_g"
     ("B", "T", "H", "G", "K", "V", "with_state"),
     [(1, 1, 1, 1, 16, 16, True), (1, 70, 2, 2, 16, 32, True), (1, 65, 1, 3, 32, 16, False), (2, 33, 1, 1, 8, 5, True)],
 )
-def test_chunk_gla_matches_recurrence(B, T, H, G, K, V, with_state):
+def test_chunk_gla_matches_recurrence(B, T, H, G, K, V, with_state, forms):
     q, k, v, log_g = random_gla(B, T, H, G, K, V, seed=T)
     state = torch.randn(B, H, K, V) if with_state else None
     got = run_with_grads(lambda *a: chunk_gla(*a[:4], 0.3, a[4], output_final_state=True), (q, k, v, log_g), state)
@@ -54,7 +65,7 @@ def test_chunk_gla_matches_recurrence(B, T, H, G, K, V, with_state):
 
 
 @pytest.mark.parametrize("with_state", [True])
-def test_chunk_gla_varlen_with_empty_and_single_token_segments(with_state):
+def test_chunk_gla_varlen_with_empty_and_single_token_segments(with_state, forms):
     lengths = [5, 0, 1, 66, 0, 3]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     q, k, v, log_g = random_gla(1, sum(lengths), 1, 2, 16, 16, seed=1)
@@ -73,6 +84,26 @@ def test_chunk_gla_is_stable_under_strong_decay():
     got = run_with_grads(lambda *a: chunk_gla(*a[:4], 0.3, a[4], True), (q, k, v, log_g), None)
     ref = run_with_grads(lambda *a: gla_recurrent(*a[:4], 0.3, a[4]), (q, k, v, log_g), None)
     assert_all_close(got, ref, 1e-5, grad_tol=1e-3)  # d log_g = q dq - k dk cancels: float32 rounding shows
+
+
+@pytest.mark.parametrize(("reach", "exact"), [(0.95, False), (1.2, True)])
+def test_chunk_gla_output_kernel_follows_the_decay_range(monkeypatch, reach, exact):
+    # the strongest chunk decays by reach x RANGE_NATS in one channel: within the range the one-product output kernel
+    # runs with factors up to e^(RANGE_NATS / 2), past it the exact one; both match the recurrence
+    q, k, v, log_g = random_gla(1, 128, 1, 1, 16, 16, seed=4)
+    log_g = log_g * (reach * RANGE_NATS / -log_g.view(2, 64, 16).sum(1).min())
+    chosen = []
+
+    def record(gl):
+        answer = needs_exact(gl)()
+        chosen.append(answer)
+        return lambda: answer
+
+    monkeypatch.setattr(chunk_module, "needs_exact", record)
+    got = run_with_grads(lambda *a: chunk_gla(*a[:4], 0.3, a[4], True), (q, k, v, log_g), None)
+    ref = run_with_grads(lambda *a: gla_recurrent(*a[:4], 0.3, a[4]), (q, k, v, log_g), None)
+    assert chosen == [exact]
+    assert_all_close(got, ref, 1e-5, grad_tol=1e-3)
 
 
 def test_chunk_gla_bf16_gates():
@@ -114,7 +145,7 @@ def test_chunk_sse_matches_recurrence(implementation, N, k, k_read, shared, with
     assert_all_close(got, ref, 1e-5)
 
 
-def test_chunk_sse_varlen_packed_documents_span_chunks():
+def test_chunk_sse_varlen_packed_documents_span_chunks(forms):
     # segments of up to 75 entries cross the kernels' 64-row chunks; an empty document keeps its state
     lengths = [70, 0, 5, 75]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
