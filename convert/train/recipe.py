@@ -95,6 +95,8 @@ class TokenWeightSettings(_Strict):
     reference: Literal["teacher"] = "teacher"
     batch_size: int = Field(8, ge=1)
     query_block: int = Field(256, ge=1)
+    save_every: int = Field(100, ge=1, description="batches between checkpoints (and one at the end)")
+    keep_checkpoints: int = Field(2, ge=1, description="how many of the newest checkpoints stay on disk")
 
 
 class TrainSettings(TrainConfig):
