@@ -242,7 +242,7 @@ def read_only(request, tmp_path, monkeypatch) -> Path:
     folder.chmod(0o755)
 
 
-@pytest.mark.parametrize("kind", ["convert --out", "raven-eval --out", "--run-dir", "export.dir"])
+@pytest.mark.parametrize("kind", ["convert --out", "raven-eval --out", "--run-dir", "export.dir", "data.cache_dir"])
 def test_an_output_that_cannot_be_written_is_refused_before_loading(
     kind, read_only, tiny_sources, tmp_path, capsys, no_model_loaded
 ):
@@ -258,6 +258,8 @@ def test_an_output_that_cannot_be_written_is_refused_before_loading(
     else:
         recipe = recipe_data(tiny_sources["llama"], corpus(tmp_path / "corpus"))
         recipe |= {"export": {"dir": str(out)}} if kind == "export.dir" else {}
+        if kind == "data.cache_dir":
+            recipe |= {"data": recipe["data"] | {"cache_dir": str(out)}, "align": {"steps": 1}}
         (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
         run = out if kind == "--run-dir" else tmp_path / "run"
         status, name = train_main([str(tmp_path / "recipe.yaml"), "--run-dir", str(run)]), kind
