@@ -1,7 +1,7 @@
 """Faults in a pipeline run: every long stage killed midway resumes to the result of an uninterrupted run, a
-diverging step keeps the last good checkpoint, Ctrl-C says once what was saved and how to resume, two runs with one
-seed agree whatever the process drew before, and a finished run keeps one copy of each model and no checkpoint.
-Ctrl-C under torchrun (as accelerate launch runs several processes) is printed by one process.
+diverging step keeps the last good checkpoint, Ctrl-C says what was saved and how to resume (under torchrun, as
+accelerate launch runs several processes, from one process only), two runs with one seed agree whatever the process
+drew before, and a finished run keeps one copy of each model and no checkpoint.
 """
 
 import json
