@@ -1,7 +1,10 @@
-"""What the console commands share: how the user invoked them, and the one line printed on Ctrl-C."""
+"""What the console commands share: how the user invoked them, progress lines' ETA, and the one line printed on
+Ctrl-C (by one process of a multi-process launch)."""
 
 from __future__ import annotations
 
+import math
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -20,7 +23,30 @@ def command_line(program: str, args: list[str]) -> str:
     return " ".join([program, *map(shlex.quote, args)])
 
 
+def is_main_process() -> bool:
+    """Whether this is the process that writes files and talks to the user (RANK 0 under accelerate launch or
+    torchrun; the only process otherwise)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def eta(seconds: float) -> str:
+    """The time left, for a progress line: 'ETA 1h02m03s', 'ETA 4m05s', 'ETA 12s', 'ETA <1s', 'done' when nothing
+    is left (exactly 0) and 'ETA ?' when it cannot be told. Never 'ETA 0s', which reads as finished or stalled."""
+    if not math.isfinite(seconds) or seconds < 0:
+        return "ETA ?"
+    if seconds == 0:
+        return "done"
+    if seconds < 1:
+        return "ETA <1s"
+    s = round(seconds)
+    if s >= 3600:
+        return f"ETA {s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s"
+    return f"ETA {s // 60}m{s % 60:02d}s" if s >= 60 else f"ETA {s}s"
+
+
 def interrupted(saved: str, resume: str) -> int:
-    """Report a Ctrl-C in one line (what was saved, the command that resumes) and return the exit status."""
-    print(f"interrupted: {saved}. To resume: {resume}", file=sys.stderr, flush=True)
+    """Report a Ctrl-C in one line (what was saved, the command that resumes) and return the exit status. Under a
+    multi-process launch every process gets the SIGINT; only the main one prints."""
+    if is_main_process():
+        print(f"interrupted: {saved}. To resume: {resume}", file=sys.stderr, flush=True)
     return INTERRUPTED

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import raven_layers
-from convert.files import normal_modes, replace_dir, room_for
+from convert.files import check_writable, normal_modes, replace_dir, room_for
 from raven_layers import BUNDLED_FILES, HybridForCausalLM
 
 AUTO_MAP = {
@@ -17,12 +18,27 @@ AUTO_MAP = {
 }
 
 
+SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # what safetensors sharding understands
+
+
 def check_out_dir(out: Path, overwrite: bool) -> None:
-    """Refuse to clobber a non-empty directory unless asked: checked before any heavy work."""
+    """Refuse to clobber a non-empty directory unless asked, or a folder this process cannot write in: checked
+    before any heavy work."""
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {str(out)!r} is a file, not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"--out {str(out)!r} exists and is not empty; pass --overwrite to replace it")
+    check_writable(out, "--out", swapped=True)
+
+
+def check_shard_size(size: str) -> None:
+    """Refuse a --max-shard-size that save_pretrained cannot read, or one of less than a byte (ValueError)."""
+    found = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]{2})\s*", str(size), re.IGNORECASE)
+    if found is None or found[2].upper() not in SIZE_UNITS or float(found[1]) * SIZE_UNITS[found[2].upper()] < 1:
+        raise ValueError(
+            f"--max-shard-size {size!r} is not allowed; expected a positive size with a unit, such as 500MB or 2GB "
+            f"(units: {', '.join(SIZE_UNITS)})"
+        )
 
 
 def save_hybrid(

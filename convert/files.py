@@ -52,10 +52,22 @@ def write_json(data, path: str | Path) -> None:
         json.dump(data, f, indent=1, default=str)
 
 
-def disk_bytes(*dirs: str | Path) -> int:
-    """Bytes of the files under `dirs` (a missing one counts 0), each file once however the folders nest."""
-    files = {f.resolve() for d in map(Path, dirs) if d.is_dir() for f in d.rglob("*") if f.is_file()}
-    return sum(f.stat().st_size for f in files)
+def _inodes(dirs) -> dict[tuple[int, int], int]:
+    """{(device, inode): size} of the files under `dirs` (missing ones count as empty)."""
+    found = {}
+    for d in map(Path, dirs):
+        for f in d.rglob("*") if d.is_dir() else ():
+            if f.is_file():
+                st = f.stat()
+                found[st.st_dev, st.st_ino] = st.st_size
+    return found
+
+
+def disk_bytes(*dirs: str | Path, besides: tuple = ()) -> int:
+    """Bytes the files under `dirs` take (a missing folder counts 0): each file once however the folders nest or
+    hard-link to each other, and none that is also a file under `besides` (hard links to it take no more space)."""
+    shared = _inodes(besides)
+    return sum(size for inode, size in _inodes(dirs).items() if inode not in shared)
 
 
 def format_bytes(n: int) -> str:
@@ -110,3 +122,50 @@ def replace_dir(new: str | Path, dst: str | Path) -> None:
     os.replace(dst, old)
     os.replace(new, dst)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def check_writable(path: str | Path, name: str, swapped: bool = False) -> None:
+    """Refuse, before any work, an output `path` (set by flag or field `name`) that cannot be written: the nearest
+    existing folder at or above it must be a folder this process may write in. `swapped`: the output is built
+    beside `path` and renamed into place (see replace_dir), so the folder above must be writable too. ValueError
+    naming `name`, the path and the folder at fault."""
+    path = Path(path).expanduser().absolute()
+    for target in (path.parent, path) if swapped else (path,):
+        folder = target
+        while not folder.exists():
+            folder = folder.parent
+        if not folder.is_dir():
+            raise ValueError(f"{name} {path}: {folder} is a file, not a folder; choose a path in a folder")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise ValueError(
+                f"{name} {path}: cannot write in {folder} (read-only, or no permission to write there); choose a "
+                "folder you can write to"
+            )
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """Hard-link a weights file (never rewritten in place: each writer swaps in a new file), else copy."""
+    if src.endswith(".safetensors"):
+        with contextlib.suppress(OSError):  # another file system, or links not allowed: copy
+            os.link(src, dst)
+            return
+    shutil.copy2(src, dst)
+
+
+def copy_dir(src: str | Path, dst: str | Path) -> None:
+    """Put a copy of folder `src` at `dst` (replacing it whole, see replace_dir), its weights files hard-linked when
+    both lie on one file system, so that they take no more space; the free space needed is checked first."""
+    src, dst = Path(src), Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    same_device = os.stat(src).st_dev == os.stat(dst.parent).st_dev
+    files = [f for f in src.rglob("*") if f.is_file() and not (same_device and f.suffix == ".safetensors")]
+    needed = sum(f.stat().st_size for f in files)
+    with room_for(dst.parent, needed, f"the copy of {src} to {dst}"):
+        tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.partial"))
+        try:
+            shutil.rmtree(tmp)
+            shutil.copytree(src, tmp, copy_function=_link_or_copy)
+            replace_dir(tmp, dst)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from raven_layers import MIXER_SETTINGS, get_architecture
 
-from .export import check_out_dir, push_to_hub, save_hybrid
+from .export import check_out_dir, check_shard_size, push_to_hub, save_hybrid
 from .sources import DEFAULT_SRC, Source
 from .surgery import build_hybrid, check_mixers_fit, format_layer_map, plan_layers, plan_windows
 
@@ -33,9 +33,10 @@ class ConvertRequest:
 
 def convert_model(request: ConvertRequest, log=print) -> Path:
     """Convert `request.src` and write the hybrid to `request.out`; returns the output directory."""
-    source = Source.resolve(request.src)
     out = Path(request.out)
-    check_out_dir(out, request.overwrite)
+    check_out_dir(out, request.overwrite)  # the output flags first: a typo there costs no download
+    check_shard_size(request.max_shard_size)
+    source = Source.resolve(request.src)
     if request.push_to_hub:
         from huggingface_hub.utils import validate_repo_id
 

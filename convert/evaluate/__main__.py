@@ -7,11 +7,13 @@ raven-eval model.gguf --out eval --ppl-data ../shared/data/pg_essays --speed-len
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from pathlib import Path
 
 from convert.console import command_line, interrupted
+from convert.files import check_writable
 
 from .perplexity import parse_lengths
 from .report import EvalRequest, evaluate_model
@@ -60,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     d = EvalRequest(model="", out=Path())
     p.add_argument("model", help="Hub id, model directory (teacher or hybrid) or .gguf file")
     p.add_argument("--out", type=Path, required=True, help="report directory (report.json + PNGs)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the parts that --out's report.json finished with the same flags and model; run the others",
+    )
     p.add_argument("--tasks", type=_names(TASKS), default=d.tasks, help=f"comma-separated, from {sorted(TASKS)}")
     p.add_argument("--variants", type=_names(VARIANTS), default=d.variants, help=f"from {list(VARIANTS)}")
     p.add_argument("--lengths", type=parse_lengths, default=d.lengths, help="prompt lengths in tokens (1k = 1024)")
@@ -91,15 +98,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
     args.chat_template = {"off": False, "on": True, "auto": None}[args.chat_template]
+    resume = vars(args).pop("resume")
     request = EvalRequest(**vars(args))
     try:
-        report = evaluate_model(request)
+        check_writable(args.out, "--out")
+        report = evaluate_model(request, resume=resume)
     except (ValueError, FileNotFoundError) as err:
         p.exit(2, f"raven-eval: error: {_flags(str(err))}\n")
     except KeyboardInterrupt:
-        done = sorted(f.name for f in Path(args.out).glob("retrieval_*.json")) if Path(args.out).is_dir() else []
-        saved = f"finished parts are in {args.out}: {', '.join(done)}" if done else "no part had finished"
-        return interrupted(saved, command_line("raven-eval", argv))
+        report = args.out / "report.json"
+        done = json.loads(report.read_text()).get("finished") if report.is_file() else None
+        saved = f"finished parts are in {report}: {', '.join(done)}" if done else "no part had finished"
+        return interrupted(saved, command_line("raven-eval", argv if resume else [*argv, "--resume"]))
     if report.get("failed"):
         parts = ", ".join(f"{part} ({error})" for part, error in report["failed"].items())
         print(f"raven-eval: error: {_flags(parts)} failed; the other parts are in {args.out / 'report.json'}")

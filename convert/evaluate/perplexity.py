@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..console import eta
+
 TEXT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
 # Beyond this many positions the loss curve is averaged over log-spaced buckets of positions (see `perplexity`).
 DEFAULT_CURVE_POINTS = 2048
@@ -149,13 +151,6 @@ def _free(device: torch.device, collect: bool = False) -> None:
         gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def _fmt_seconds(s: float) -> str:
-    if not math.isfinite(s):
-        return "?"
-    s = int(round(s))
-    return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 def token_stream(tokenizer, texts: Iterable[str], num_tokens: int | None = None, eos_token_id: int | None = None):
@@ -349,7 +344,7 @@ def perplexity(
                             rate = done_tokens / max(now - started, 1e-9)
                             print(
                                 f"[perplexity] L={L}: windows {windows}/{n}, {rate:,.0f} tokens/s, "
-                                f"ETA {_fmt_seconds((total_tokens - done_tokens) / rate)}",
+                                f"{eta((total_tokens - done_tokens) / rate)}",
                                 file=sys.stderr,
                                 flush=True,
                             )

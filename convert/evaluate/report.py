@@ -9,6 +9,8 @@ of each mixer kind's memory on a passkey prompt. The recipe pipeline calls `eval
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -100,11 +102,41 @@ def mixer_pictures(model, tokenizer, request: EvalRequest, out: Path) -> dict[st
     return files
 
 
-def evaluate_model(request: EvalRequest, log=print) -> dict:
+def model_stamp(model: str) -> str:
+    """A short hash of a local model's file names, sizes and modification times (of the name for a Hub id): whether
+    a report was made with the model as it is now."""
+    path = Path(model)
+    files = sorted(path.rglob("*")) if path.is_dir() else [path] if path.is_file() else []
+    seen = [
+        (str(f.relative_to(path) if path.is_dir() else f.name), f.stat().st_size, f.stat().st_mtime_ns) for f in files
+    ]
+    return hashlib.sha256(json.dumps([model, seen]).encode()).hexdigest()[:16]
+
+
+def _earlier_report(out: Path, report: dict, log) -> dict | None:
+    """out/report.json when it was made with the same request and model (its finished parts can be kept), else None."""
+    path = out / "report.json"
+    try:
+        earlier = json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError) as err:
+        log(f"warning: {path} is not readable ({err}); evaluating every part again")
+        return None
+    if earlier is None or not earlier.get("finished"):
+        return None
+    if {k: earlier.get(k) for k in ("request", "model_stamp")} != {k: report[k] for k in ("request", "model_stamp")}:
+        log(f"{path} was made with other settings or another model; evaluating every part again")
+        return None
+    log(f"resuming: {', '.join(earlier['finished'])} done already ({path})")
+    return earlier
+
+
+def evaluate_model(request: EvalRequest, log=print, resume: bool = False) -> dict:
     """Run every requested part, write `request.out`/report.json and the PNGs, print the tables; return the report.
 
-    report.json is rewritten after every part, so an interruption keeps the parts that finished. A part that raises
-    is recorded under "failed" (part -> error) and the others still run; the caller decides what a failure means."""
+    report.json is rewritten after every part and lists the parts done under "finished", so an interruption keeps
+    them; with `resume`, the parts that an earlier report.json in `request.out` (same request, same model files)
+    finished are kept instead of run again. A part that raises is recorded under "failed" (part -> error) and the
+    others still run; the caller decides what a failure means."""
     out = Path(request.out)
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_for_evaluation(request.model, request.dtype, request.device)
@@ -117,13 +149,20 @@ def evaluate_model(request: EvalRequest, log=print) -> dict:
         model.set_attention_window(request.attention_window)
     name = Path(request.model).name or request.model
     report = {"request": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(request).items()}}
-    report["run"] = run_info(model)
-
-    report["retrieval"], failed = {}, {}
+    report |= {"model_stamp": model_stamp(request.model), "run": run_info(model), "retrieval": {}, "finished": []}
+    earlier = _earlier_report(out, report, log) if resume else None
+    if earlier is not None:
+        report |= {
+            k: v for k, v in earlier.items() if k in ("retrieval", "perplexity", "speed", "pictures", "finished")
+        }
+    failed = {}
 
     def part(name: str, run) -> None:
+        if name in report["finished"]:
+            return
         try:
             run()
+            report["finished"].append(name)
         except Exception as err:  # one part failing must not cost the parts that ran, nor hide them
             failed[name] = f"{type(err).__name__}: {err}"
             log(f"{name} failed: {failed[name]}")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..console import eta
 from ..files import atomic_file
 from .needles import (  # noqa: F401  (re-exported: the prompt side of the API)
     HAYSTACK_ENV,
@@ -62,9 +63,8 @@ def _default_new_tokens(tokenizer, sample: Sample) -> int:
 
 def _progress(done, total, tokens, start, final=False):
     elapsed = max(time.perf_counter() - start, 1e-9)
-    eta = elapsed / max(done, 1) * (total - done)
-    eta_text = f"{int(eta) // 3600}:{int(eta) % 3600 // 60:02d}:{int(eta) % 60:02d}"
-    line = f"[retrieval] {done}/{total} samples | {tokens / elapsed:,.0f} tok/s | ETA {eta_text}"
+    left = elapsed / max(done, 1) * (total - done)
+    line = f"[retrieval] {done}/{total} samples | {tokens / elapsed:,.0f} tok/s | {eta(left)}"
     end = "\n" if final or not sys.stderr.isatty() else ""
     sys.stderr.write(("\r" if sys.stderr.isatty() else "") + line + end)
     sys.stderr.flush()

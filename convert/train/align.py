@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from convert.console import eta
 from convert.train.checkpoint import latest_checkpoint, save_checkpoint
 from raven_layers.modeling_hybrid import find_packed_documents
 
@@ -237,7 +238,7 @@ def align(
                 per_step = (now - start) / (step - first) if step > first else first_step_seconds
                 print(
                     f"[align] step {step + 1}/{steps} loss {total.item():.4g} | {rate:,.0f} tok/s"
-                    f" | ETA {(steps - step - 1) * per_step:.0f}s",
+                    f" | {eta((steps - step - 1) * per_step)}",
                     file=sys.stderr,
                 )
             if out_dir is not None and ((step + 1) % save_every == 0 or step + 1 == steps):

@@ -95,6 +95,8 @@ class TokenWeightSettings(_Strict):
     reference: Literal["teacher"] = "teacher"
     batch_size: int = Field(8, ge=1)
     query_block: int = Field(256, ge=1)
+    save_every: int = Field(100, ge=1, description="batches between checkpoints (and one at the end)")
+    keep_checkpoints: int = Field(2, ge=1, description="how many of the newest checkpoints stay on disk")
 
 
 class TrainSettings(TrainConfig):
@@ -337,10 +339,12 @@ def uses_data(recipe: Recipe, stage: str) -> bool:
 
 def check_inputs(recipe: Recipe, stages: list[str]) -> None:
     """Before any of `stages` (those left to run) starts: each input they read is set and exists, else a
-    ValueError naming the field and the flag that sets it. The data source is also sampled (check_data_source)."""
+    ValueError naming the field and the flag that sets it. The data source is also sampled (check_data_source), and
+    data.cache_dir must be writable."""
     import os
 
     from convert.evaluate.needles import HAYSTACK_ENV, TASKS
+    from convert.files import check_writable
     from convert.sources import Source
     from convert.train.data import check_data_source
 
@@ -354,6 +358,8 @@ def check_inputs(recipe: Recipe, stages: list[str]) -> None:
         if recipe.data.source is None:
             raise ValueError(f"data.source is not set: {how_to_set('data.source')}")
         check_data_source(recipe.data.source, recipe.data.text_field, hint=f"; {how_to_set('data.source')}")
+        if recipe.data.cache_dir:
+            check_writable(recipe.data.cache_dir, "data.cache_dir")
     evaluate = recipe.evaluate
     if "evaluate" not in stages or evaluate is None:
         return

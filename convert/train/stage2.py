@@ -50,6 +50,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 from torch import nn
 from torch.utils.data import Dataset
 
+from convert.console import eta
 from convert.train.checkpoint import latest_checkpoint, save_checkpoint
 from convert.train.data import PackedDataset, batch_iterator
 from convert.train.token_weights import schedule_weights
@@ -309,6 +310,9 @@ def train(
     if tracker:
         accelerator.init_trackers("stage2", config={k: str(v) for k, v in config.model_dump().items()})
 
+    resumed = latest_checkpoint(out_dir, warn=lambda message: accelerator.print(f"[stage2] {message}", file=sys.stderr))
+    if resumed is None:  # a fresh run draws the same random numbers every time (LoRA's initial weights, Raven's
+        torch.manual_seed(config.seed + accelerator.process_index)  # router noise); a resumed one gets them back
     params = select_trainable(student, config)
     if config.gradient_checkpointing:
         if hasattr(student, "activation_checkpointing_enable"):  # transformers >= 5's name
@@ -322,14 +326,11 @@ def train(
         teacher.to(accelerator.device).eval().requires_grad_(False)
 
     start_step, tokens_seen = 0, 0
-    resumed = latest_checkpoint(out_dir, warn=lambda message: accelerator.print(f"[stage2] {message}", file=sys.stderr))
     if resumed is not None:
         path, meta = resumed
         accelerator.load_state(str(path))
         start_step, tokens_seen = meta["step"], meta["tokens_seen"]
         accelerator.print(f"[stage2] resumed from {path} (step {start_step}, {tokens_seen:,} tokens)", file=sys.stderr)
-    else:  # a fresh run draws the same random numbers (Raven's router noise) every time; a resumed one gets them back
-        torch.manual_seed(config.seed + accelerator.process_index)
     if isinstance(token_weights, torch.Tensor):
         data = _IndexedPacked(dataset) if isinstance(dataset, PackedDataset) else _Indexed(dataset)
     else:
@@ -401,10 +402,10 @@ def train(
         if tracker:
             accelerator.log({k: v for k, v in record.items() if k != "step"}, step=step)
         if config.log_every and (step % config.log_every == 0 or step == config.steps):
-            eta = (config.steps - step) * elapsed / max(step - start_step - 1, 1)
+            left = (config.steps - step) * elapsed / max(step - start_step - 1, 1)
             accelerator.print(
                 f"[stage2] step {step}/{config.steps} loss {sums['loss']:.4g} (ce {sums['ce']:.4g} kd {sums['kd']:.4g}"
-                f" aux {sums['aux']:.4g}) lr {lr:.3g} | {rate:,.0f} tok/s | ETA {eta:.0f}s",
+                f" aux {sums['aux']:.4g}) lr {lr:.3g} | {rate:,.0f} tok/s | {eta(left)}",
                 file=sys.stderr,
             )
         if validation is not None and (step == config.steps or (config.eval_every and step % config.eval_every == 0)):

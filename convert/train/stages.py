@@ -8,9 +8,11 @@
 Stages, in order: convert, align, weights, train, extend, evaluate, export. Stage S writes under RUN_DIR/S/ and,
 last and atomically, RUN_DIR/S/DONE (JSON: the stage's summary, including "model", the latest complete model
 directory after the stage, its fingerprint, and "disk_bytes", what its outputs take, also logged). A stage whose
-DONE exists is skipped, so an interrupted run continues where it stopped (align, train and extend also resume from
-their own checkpoints, see checkpoint.py). A stage turned off by the recipe (steps 0, token weights disabled,
-extend/evaluate/export null) still writes DONE with "skipped": true. Running a stage needs the DONE of every stage
+DONE exists is skipped, so an interrupted run continues where it stopped: align, weights, train and extend resume
+from their own checkpoints (see checkpoint.py), evaluate from the parts its report.json records, and each stage's
+checkpoints are deleted once its DONE is written. The export hard-links the final model's weights (no second copy
+on one file system). A stage turned off by the recipe (steps 0, token weights disabled, extend/evaluate/export
+null) still writes DONE with "skipped": true. Running a stage needs the DONE of every stage
 before it; a missing one is an error naming it. The inputs of the stages left to run (teacher, data, haystack,
 perplexity texts) are checked before the first one starts (recipe.check_inputs), so a missing path or a bad data
 file costs no stage. A non-finite loss stops its stage with a FloatingPointError naming the step and what was kept.
@@ -33,13 +35,14 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from convert.files import disk_bytes, format_bytes, replace_dir, room_for, write_json
+from convert.console import is_main_process
+from convert.files import check_writable, copy_dir, disk_bytes, format_bytes, write_json
+from convert.train.checkpoint import CHECKPOINTS
 from convert.train.recipe import STAGES, Recipe, check_inputs
 
 MARKER = "DONE"
@@ -120,9 +123,16 @@ def _stale(run_dir: Path, stage: str, done: dict, recipe: Recipe, prints: dict[s
 
 
 def stage_state(run_dir: Path, stage: str) -> str:
-    """What a rerun of an unfinished `stage` starts from: its latest complete checkpoint, or nothing of it."""
+    """What a rerun of an unfinished `stage` starts from: its latest complete checkpoint (evaluate: the parts its
+    report.json finished), or nothing of it."""
     from convert.train.checkpoint import latest_checkpoint
 
+    report = Path(run_dir) / "evaluate" / "report.json"
+    finished = json.loads(report.read_text()).get("finished") if stage == "evaluate" and report.is_file() else None
+    if finished:
+        return (
+            f"the evaluate stage's finished parts ({', '.join(finished)}) are kept in {report}, a rerun runs the rest"
+        )
     found = latest_checkpoint(Path(run_dir) / stage)
     if found is None:
         return f"nothing of the {stage} stage was saved, a rerun starts it afresh"
@@ -180,10 +190,6 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch / torchrun
 
 
-def _is_main_process() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
-
-
 def _device() -> torch.device:
     if not torch.cuda.is_available():
         return torch.device("cpu")
@@ -231,24 +237,6 @@ def _save_model(model, model_dir_from: Path, out: Path, base_model: str) -> None
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir_from))
     save_hybrid(model.cpu(), tokenizer, out, base_model=base_model, overwrite=True)
-
-
-def _copy_atomic(src: Path, dst: Path) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    with room_for(dst.parent, disk_bytes(src), f"the copy of {src} to {dst}"):
-        _copy_swap(src, dst)
-
-
-def _copy_swap(src: Path, dst: Path) -> None:
-    """Copy `src` to a hidden sibling of `dst`, then swap it in: `dst` is the old copy or the new, never half."""
-    tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.partial"))
-    try:
-        shutil.rmtree(tmp)
-        shutil.copytree(src, tmp)
-        replace_dir(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _stage_convert(recipe: Recipe, run_dir: Path, done: dict) -> dict:
@@ -324,32 +312,24 @@ def _stage_weights(recipe: Recipe, run_dir: Path, done: dict) -> dict:
     from transformers import AutoTokenizer
 
     from convert.train.data import save_atomic
-    from convert.train.token_weights import plot_token_weights, token_weights
+    from convert.train.token_weights import plot_token_weights, weight_table
 
     settings = recipe.token_weights
     if not settings.enabled:
         return {"skipped": True}
     train_rows, _ = _dataset(recipe, run_dir, run_dir / done["convert"]["model"])
-    teacher = _load_teacher(recipe)
-    device = next(teacher.parameters()).device
-    parts, n, clock = [], len(train_rows), time.perf_counter()
-    with torch.no_grad():
-        for start in range(0, n, settings.batch_size):
-            batch = train_rows.batch(torch.arange(start, min(start + settings.batch_size, n)))
-            w = token_weights(
-                teacher,
-                batch["input_ids"].to(device),
-                position_ids=batch["position_ids"].to(device),  # packed documents: each weighted on its own
-                tau=settings.tau,
-                lam=settings.lam,
-                query_block=settings.query_block,
-            )
-            parts.append(w.cpu())
-            done_rows, elapsed = min(start + settings.batch_size, n), time.perf_counter() - clock
-            rate = done_rows * train_rows.seq_len / max(elapsed, 1e-9)
-            eta = (n - done_rows) * elapsed / done_rows
-            log(f"[weights] rows {done_rows}/{n} | {rate:,.0f} tok/s | ETA {eta:.0f}s")
-    weights = torch.cat(parts)  # [len(train_rows), T], row i belongs to train_rows[i]
+    weights = weight_table(  # [len(train_rows), T], row i belongs to train_rows[i]
+        _load_teacher(recipe),
+        train_rows,
+        settings.batch_size,
+        tau=settings.tau,
+        lam=settings.lam,
+        query_block=settings.query_block,
+        out_dir=run_dir / "weights",
+        save_every=settings.save_every,
+        keep_checkpoints=settings.keep_checkpoints,
+        log=log,
+    )
     save_atomic(weights, run_dir / "weights" / "weights.pt")
     tokenizer = AutoTokenizer.from_pretrained(str(run_dir / done["convert"]["model"]))
     shown = train_rows[0]["input_ids"][:400]
@@ -400,13 +380,13 @@ def _finish_training(student, config, history, model_dir: Path, run_dir: Path, s
 
     if config.trainable == "mixers+lora":
         merge_lora(student)
-    if _is_main_process():
+    if is_main_process():
         _save_model(student, model_dir, run_dir / stage / "model", base_model)
     summary = {"model": f"{stage}/model", "steps": config.steps, "steps_this_run": len(history)}
     if history:
         summary |= {k: history[-1][k] for k in ("loss", "ce", "kd", "aux", "tokens_per_second")}
         summary["val_ce"] = history[-1].get("val_ce")
-        if _is_main_process():
+        if is_main_process():
             write_json({"history": history}, run_dir / stage / "history.json")
     elif latest_checkpoint(run_dir / stage):
         summary["resumed_from"] = str(latest_checkpoint(run_dir / stage)[0])
@@ -456,7 +436,7 @@ def _stage_evaluate(recipe: Recipe, run_dir: Path, done: dict) -> dict:
         return {"skipped": True, "model": str(model_dir.relative_to(run_dir))}
     out = run_dir / "evaluate"
     request = EvalRequest(model=str(model_dir), out=out, **recipe.evaluate.model_dump())
-    report = evaluate_model(request, log=lambda m: log(f"[evaluate] {m}"))
+    report = evaluate_model(request, log=lambda m: log(f"[evaluate] {m}"), resume=True)
     if report.get("failed"):  # not DONE: a rerun evaluates again, the parts that ran stay readable meanwhile
         parts = "; ".join(f"{part}: {error}" for part, error in report["failed"].items())
         raise ValueError(f"evaluation parts failed ({parts}); the parts that ran are in {out / 'report.json'}")
@@ -482,7 +462,7 @@ def _stage_export(recipe: Recipe, run_dir: Path, done: dict) -> dict:
     if recipe.export is None:
         return {"skipped": True, "model": str(model_dir.relative_to(run_dir))}
     target = export_dir(recipe, run_dir)
-    _copy_atomic(model_dir, target)
+    copy_dir(model_dir, target)  # weights hard-linked: the export takes no second copy of them
     return {"model": str(model_dir.relative_to(run_dir)), "exported_to": str(target)}
 
 
@@ -495,6 +475,20 @@ RUNNERS = {
     "evaluate": _stage_evaluate,
     "export": _stage_export,
 }
+
+
+def _drop_checkpoints(run_dir: Path, stage: str) -> None:
+    """A finished stage's checkpoints go once its DONE is written: a rerun starts after DONE, never from them."""
+    if is_main_process():
+        shutil.rmtree(run_dir / stage / CHECKPOINTS, ignore_errors=True)
+
+
+def _disk_use(run_dir: Path, stage: str, summary: dict) -> int:
+    """Bytes a finished stage leaves (its checkpoints go, DONE is not counted). The export lies outside its stage
+    folder and its weights are hard links to the model it exported, which take no more space."""
+    if "exported_to" in summary:
+        return disk_bytes(run_dir / stage, summary["exported_to"], besides=(run_dir / summary["model"],))
+    return disk_bytes(run_dir / stage) - disk_bytes(run_dir / stage / CHECKPOINTS)
 
 
 def _held_out_batches(rows, batch_size: int, seed: int, count: int = 4) -> list[dict]:
@@ -541,8 +535,9 @@ def run_recipe(
             f"from; rerun without --redo to resume, or add --discard-checkpoints to delete it and start over"
         )
     check_inputs(recipe, [s for s in wanted if s in rerun or read_done(run_dir, s) is None])  # before any stage
-    if recipe.export is not None:
-        export_dir(recipe, run_dir)  # a bad export.dir is refused now, not after training
+    check_writable(run_dir, "--run-dir")
+    if recipe.export is not None:  # a bad or unwritable export.dir is refused now, not after training
+        check_writable(export_dir(recipe, run_dir), "export.dir", swapped=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     if redo:
         for stage in STAGES[STAGES.index(redo) :]:
@@ -553,7 +548,7 @@ def run_recipe(
                     + "".join(f", with checkpoint {r}" for r in lost)
                 )
                 shutil.rmtree(run_dir / stage)
-    if _is_main_process():
+    if is_main_process():
         write_json(recipe.model_dump(mode="json"), run_dir / "recipe.json")
     prints = fingerprints(recipe)
     results = {}
@@ -564,6 +559,7 @@ def run_recipe(
             if reason:
                 raise ValueError(reason)
             log(f"[{stage}] done already ({run_dir / stage / MARKER}); skipping")
+            _drop_checkpoints(run_dir, stage)  # left behind when a run was killed right after DONE
             results[stage] = existing
             continue
         done = _require(run_dir, stage)
@@ -582,13 +578,11 @@ def run_recipe(
                 f"the {stage} stage stopped: {err}; {stage_state(run_dir, stage)}. {advice} the data before rerunning"
             ) from err
         summary["seconds"] = round(time.perf_counter() - clock, 3)
-        # export's output lies outside its stage folder; DONE itself is not counted
-        summary["disk_bytes"] = disk_bytes(
-            run_dir / stage, *([summary["exported_to"]] if "exported_to" in summary else [])
-        )
+        summary["disk_bytes"] = _disk_use(run_dir, stage, summary)
         summary |= {"fingerprint": prints[stage], "inputs": stage_inputs(recipe, stage)}
-        if _is_main_process():
+        if is_main_process():
             write_json(summary, run_dir / stage / MARKER)
+            _drop_checkpoints(run_dir, stage)
         if summary.get("skipped"):
             log(f"[{stage}] skipped (turned off by the recipe)")
         else:

@@ -14,6 +14,7 @@ line 814: tau_tokens = 1e9 tokens), so that training starts as plain next-token 
 weighted after a few billion tokens.
 
     w = token_weights(teacher, input_ids, attention_mask)       # [B, T], never the full [L, H, T, T] maps
+    table = weight_table(teacher, rows, 32, out_dir="run/weights")  # [len(rows), T], checkpointed and resumable
     loss_weights = schedule_weights(w, tokens_seen)              # [B, T]
     plot_token_weights(tokenizer.convert_ids_to_tokens(input_ids[0]), w[0], "weights.png")
 
@@ -34,12 +35,16 @@ Choices where the paper leaves room (line numbers are those of the paper's text,
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from convert.console import eta
+from convert.train.checkpoint import latest_checkpoint, save_checkpoint
 from raven_layers.modeling_hybrid import find_packed_documents
 
 
@@ -289,6 +294,73 @@ def token_weights(
     if n_maps == 0:
         raise RuntimeError("no attention layer ran")
     return _finish(distance_sum, n_maps, real, lam)
+
+
+def weight_table(
+    teacher,
+    rows,
+    batch_size: int,
+    *,
+    tau: float = 0.2,
+    lam: float = 0.5,
+    query_block: int = 256,
+    out_dir=None,
+    save_every: int = 100,
+    keep_checkpoints: int = 2,
+    log: Callable[[str], None] = print,
+) -> Tensor:
+    """token_weights of every row of `rows` (a PackedDataset, each packed document weighted on its own), computed
+    `batch_size` rows at a time: float32 [len(rows), T], row i's weights at index i, on the CPU.
+
+    With `out_dir`, a checkpoint (see checkpoint.py; step k: the first k batches done) of the rows done so far is
+    written every `save_every` batches and at the end, the newest `keep_checkpoints` kept, and a call resumes after
+    the newest intact one: the batches are the same, so the table is the one an uninterrupted call returns.
+    """
+    n, length = len(rows), rows.seq_len
+    batches = -(-n // batch_size)
+    device = next(teacher.parameters()).device
+    found = None if out_dir is None else latest_checkpoint(out_dir, warn=lambda m: log(f"[weights] {m}"))
+    parts, first = [], 0
+    if found is not None:
+        path, meta = found
+        saved = load_file(path / "weights.safetensors")["weights"]  # [rows done, T]
+        first = meta["step"]
+        expected = (min(first * batch_size, n), length)
+        if (meta.get("rows"), meta.get("batch_size"), tuple(saved.shape)) != (n, batch_size, expected):
+            raise ValueError(
+                f"{path} holds weights of other data ({tuple(saved.shape)} done of {meta.get('rows')} rows in "
+                f"batches of {meta.get('batch_size')}, now {n} rows of {length} in batches of {batch_size}); delete "
+                f"{path.parent} to start the weights over"
+            )
+        parts = [saved]
+        log(f"[weights] resumed from {path} (step {first}, {len(saved)} of {n} rows done)")
+    clock = time.perf_counter()
+    for step in range(first, batches):
+        start, stop = step * batch_size, min((step + 1) * batch_size, n)
+        batch = rows.batch(torch.arange(start, stop))
+        w = token_weights(
+            teacher,
+            batch["input_ids"].to(device),
+            position_ids=batch["position_ids"].to(device),  # packed documents: each weighted on its own
+            tau=tau,
+            lam=lam,
+            query_block=query_block,
+        )
+        parts.append(w.cpu())
+        elapsed = time.perf_counter() - clock
+        rate = (step + 1 - first) / max(elapsed, 1e-9)  # batches per second in this call
+        log(f"[weights] rows {stop}/{n} | {rate * batch_size * length:,.0f} tok/s | {eta((batches - step - 1) / rate)}")
+        if out_dir is not None and ((step + 1) % save_every == 0 or step + 1 == batches):
+            parts = [torch.cat(parts)]
+            meta = {"step": step + 1, "rows": n, "batch_size": batch_size}
+            save_checkpoint(
+                out_dir,
+                step + 1,
+                lambda folder, table=parts[0]: save_file({"weights": table}, folder / "weights.safetensors"),
+                meta,
+                keep_checkpoints,
+            )
+    return torch.cat(parts)
 
 
 def schedule_weights(

@@ -1,8 +1,9 @@
 """Bad inputs and faults: each is refused or survived with one clear line, and nothing is lost or left behind.
 
-Non-finite numbers in every float setting (mixer settings, recipe fields, CLI flags), a diverging training step,
-align and train stages killed midway and resumed, bad data files found before the first stage, damaged GGUF
-sources, the `raven-convert` name, and Ctrl-C during a pipeline run.
+Non-finite numbers in every float setting (mixer settings, recipe fields, CLI flags), bad data files found before
+the first stage, outputs that cannot be written and bad shard sizes found before the source is loaded, damaged GGUF
+sources, full disks, the `raven-convert` name, and Ctrl-C during a conversion. Faults in a pipeline run (stages
+killed and resumed, diverging steps, reproducibility, disk use) are in test_faults_stages.py.
 """
 
 import builtins
@@ -12,7 +13,6 @@ import gzip
 import json
 import os
 import shlex
-import shutil
 import typing
 from pathlib import Path
 
@@ -21,41 +21,24 @@ import tomllib
 import torch
 import yaml
 from pydantic import BaseModel
-from safetensors.torch import load_file
 
 import convert.export
 import convert.files
-import convert.train.align
-import convert.train.stage2
 from convert.cli import main as convert_main
+from convert.evaluate.__main__ import main as eval_main
 from convert.sources import Source
 from convert.train import data as train_data
 from convert.train.__main__ import main as train_main
 from convert.train.recipe import Recipe, parse_recipe
-from convert.train.stages import run_recipe
 from raven_layers import MIXER_SETTINGS
 from tests.conftest import tiny_tokenizer
+from tests.convert.faults import interrupt, one_line, recipe_data
 from tests.helpers import corpus
 
 ROOT = Path(__file__).resolve().parents[2]
 MINIMAL = {"source": "Qwen/Qwen3-0.6B", "layers": [{"mixer": "raven", "layers": "0"}], "data": {"source": "x"}}
 BAD_FLOATS = [float("inf"), float("-inf"), float("nan")]
-
-
-@pytest.fixture(autouse=True)
-def private_datasets_cache(tmp_path, monkeypatch):
-    """datasets leaves lock files in its cache: keep them out of ~/.cache."""
-    import datasets
-
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
-
-
-def one_line(text: str) -> str:
-    """The single line a user error prints (no traceback)."""
-    assert "Traceback" not in text
-    lines = [line for line in text.splitlines() if line.strip()]
-    assert lines, "nothing was printed"
-    return lines[-1]
+pytestmark = pytest.mark.usefixtures("private_datasets_cache")
 
 
 # ---- non-finite numbers
@@ -134,125 +117,6 @@ def test_non_finite_mixer_setting_and_override_in_a_recipe(tmp_path, capsys):
     assert train_main([str(path), "--run-dir", str(tmp_path / "run"), "--set", "train.lr=.nan"]) == 2
     assert "train.lr: Input should be a finite number (got nan)" in one_line(capsys.readouterr().err)
     assert not (tmp_path / "run").exists()
-
-
-# ---- a tiny pipeline: convert once, then each fault test works on a copy
-
-
-def recipe_data(source: Path, data: Path, **sections) -> dict:
-    return {
-        "source": str(source),
-        "layers": [{"mixer": "raven", "layers": "1"}],
-        "mixer_settings": {"raven": {"num_slots": 8, "top_k": 2}},
-        "dtype": "float32",
-        "data": {"source": str(data), "seq_len": 32, "validation_fraction": 0.1},
-        **sections,
-    }
-
-
-@pytest.fixture(scope="module")
-def converted(tiny_sources, tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("converted")
-    data = corpus(root / "corpus")
-    run_recipe(parse_recipe(recipe_data(tiny_sources["llama"], data)), root / "run", stages=["convert"])
-    return {"source": tiny_sources["llama"], "data": data, "run": root / "run"}
-
-
-def prepare(converted, tmp_path, **sections) -> tuple[list[str], Path]:
-    """A copy of the converted run and a recipe file with `sections`: (argv of convert.train, run dir)."""
-    run = tmp_path / "run"
-    shutil.copytree(converted["run"], run)
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe_data(converted["source"], converted["data"], **sections)))
-    return [str(path), "--run-dir", str(run)], run
-
-
-def fail_at(monkeypatch, module, name: str, call: int, make, counted=lambda: True):
-    """Replace module.name so that its `call`-th counted call returns make(result) (or raises what make raises)."""
-    original, calls = getattr(module, name), []
-
-    def patched(*args, **kwargs):
-        result = original(*args, **kwargs)
-        if counted():
-            calls.append(1)
-            if len(calls) == call:
-                return make(result)
-        return result
-
-    monkeypatch.setattr(module, name, patched)
-
-
-TRAIN = {"steps": 4, "batch_size": 2, "save_every": 2, "log_every": 1, "lr": 1e-3}
-
-
-def checkpoints(run: Path, stage: str) -> list[str]:
-    folder = run / stage / "checkpoints"
-    return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
-
-
-def test_non_finite_train_loss_stops_and_keeps_the_last_good_checkpoint(converted, tmp_path, monkeypatch, capsys):
-    argv, run = prepare(converted, tmp_path, train=TRAIN)
-    fail_at(monkeypatch, convert.train.stage2, "ce_loss", 3, lambda loss: loss * float("nan"))
-    assert train_main(argv) == 1
-    line = one_line(capsys.readouterr().err)
-    assert line.startswith("error: the train stage stopped: loss not finite at step 3 (ce); nothing applied;")
-    assert f"last good checkpoint {run / 'train' / 'checkpoints' / 'step_2'} is kept" in line
-    assert "resumes after step 2" in line and "--set train.lr=" in line
-    assert checkpoints(run, "train") == ["step_2"]  # no step 3, no half-written temporary
-    weights = load_file(run / "train" / "checkpoints" / "step_2" / "model.safetensors")
-    assert weights and all(torch.isfinite(w).all() for w in weights.values())
-    assert not (run / "train" / "DONE").exists() and not (run / "train" / "model").exists()
-
-    monkeypatch.undo()  # the fault is gone: the rerun resumes and finishes
-    assert train_main(argv) == 0
-    assert "resumed from" in capsys.readouterr().err
-    assert json.loads((run / "train" / "DONE").read_text())["steps_this_run"] == 2
-
-
-def test_non_finite_align_loss_stops_and_writes_nothing(converted, tmp_path, monkeypatch, capsys):
-    argv, run = prepare(converted, tmp_path, align={"steps": 3, "batch_size": 2, "log_every": 1})
-    stamp = (run / "convert" / "DONE").stat().st_mtime_ns
-    nan = lambda losses: {i: v * float("nan") for i, v in losses.items()}  # noqa: E731
-    fail_at(monkeypatch, convert.train.align, "alignment_losses", 2, nan, counted=torch.is_grad_enabled)
-    assert train_main(argv) == 1
-    line = one_line(capsys.readouterr().err)
-    assert line.startswith("error: the align stage stopped: alignment loss is not finite at step 2 in layer(s) [1];")
-    assert "nothing of the align stage was saved, a rerun starts it afresh" in line
-    assert sorted(p.name for p in (run / "align").iterdir()) == []
-    assert (run / "convert" / "DONE").stat().st_mtime_ns == stamp
-
-
-KILLED = {
-    "align": (convert.train.align, "alignment_losses", {"steps": 4, "batch_size": 2, "save_every": 2, "log_every": 1}),
-    "train": (convert.train.stage2, "ce_loss", TRAIN),
-}
-
-
-@pytest.mark.parametrize("stage", list(KILLED))
-def test_a_stage_killed_midway_resumes_to_the_same_model(stage, converted, tmp_path, monkeypatch, capsys):
-    module, function, settings = KILLED[stage]
-    stages = ["--stages", "align,weights,train"]
-    argv, whole = prepare(converted, tmp_path / "whole", **{stage: settings})
-    assert train_main([*argv, *stages]) == 0
-    argv, run = prepare(converted, tmp_path / "killed", **{stage: settings})
-
-    def interrupt(result):
-        raise KeyboardInterrupt
-
-    fail_at(monkeypatch, module, function, 3, interrupt, counted=torch.is_grad_enabled)  # in step 3 of 4
-    assert train_main([*argv, *stages]) == 130
-    kept = run / stage / "checkpoints" / "step_2"
-    assert f"the {stage} stage's last good checkpoint {kept} is kept, a rerun resumes after step 2" in one_line(
-        capsys.readouterr().err
-    )
-    monkeypatch.undo()
-    assert train_main([*argv, *stages]) == 0
-    assert f"resumed from {kept} (step 2" in capsys.readouterr().err
-    expected = load_file(whole / stage / "model" / "model.safetensors")
-    weights = load_file(run / stage / "model" / "model.safetensors")
-    assert set(weights) == set(expected)
-    for name, value in expected.items():
-        torch.testing.assert_close(weights[name], value, rtol=0, atol=1e-6, msg=name)
 
 
 # ---- data problems, found before any model is loaded
@@ -358,6 +222,76 @@ def test_a_damaged_data_cache_is_rebuilt(tmp_path, capsys):
     assert torch.load(cached, weights_only=True)["input_ids"].shape == first.tensors["input_ids"].shape
 
 
+# ---- outputs that cannot be written and bad shard sizes, found before the source is loaded
+
+
+@pytest.fixture(params=["chmod", "simulated"])
+def read_only(request, tmp_path, monkeypatch) -> Path:
+    """A folder this process may not write in: chmod 555, or (for root, who writes anywhere, and always in the
+    "simulated" case) a folder that os.access reports as not writable, as it does on a read-only file system."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    if request.param == "chmod" and os.access(folder, os.W_OK):
+        folder.chmod(0o755)
+        pytest.skip("running as root: a chmod 555 folder is still writable")
+    if request.param == "simulated":
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode, **kw: Path(p) != folder and real(p, mode, **kw))
+    yield folder
+    folder.chmod(0o755)
+
+
+@pytest.mark.parametrize("kind", ["convert --out", "raven-eval --out", "--run-dir", "export.dir", "data.cache_dir"])
+def test_an_output_that_cannot_be_written_is_refused_before_loading(
+    kind, read_only, tiny_sources, tmp_path, capsys, no_model_loaded
+):
+    source, out = str(tiny_sources["llama"]), read_only / "out"
+    if kind == "convert --out":
+        with pytest.raises(SystemExit) as info:
+            convert_main(["--src", source, "--layers", "1", "--out", str(out)])
+        status, name = info.value.code, "--out"
+    elif kind == "raven-eval --out":
+        with pytest.raises(SystemExit) as info:
+            eval_main([source, "--out", str(out)])
+        status, name = info.value.code, "--out"
+    else:
+        recipe = recipe_data(tiny_sources["llama"], corpus(tmp_path / "corpus"))
+        recipe |= {"export": {"dir": str(out)}} if kind == "export.dir" else {}
+        if kind == "data.cache_dir":
+            recipe |= {"data": recipe["data"] | {"cache_dir": str(out)}, "align": {"steps": 1}}
+        (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+        run = out if kind == "--run-dir" else tmp_path / "run"
+        status, name = train_main([str(tmp_path / "recipe.yaml"), "--run-dir", str(run)]), kind
+    assert status == 2
+    assert f"{name} {out}: cannot write in {read_only} (read-only, or no permission to write there); choose a " in (
+        one_line(capsys.readouterr().err)
+    )
+    assert list(read_only.iterdir()) == [] and not (tmp_path / "run").exists()
+
+
+def test_an_output_under_a_file_is_refused_before_loading(tiny_sources, tmp_path, capsys, no_model_loaded):
+    (tmp_path / "notes.txt").write_text("a file where a folder should be")
+    out = tmp_path / "notes.txt" / "model"
+    with pytest.raises(SystemExit) as info:
+        convert_main(["--src", str(tiny_sources["llama"]), "--layers", "1", "--out", str(out)])
+    assert info.value.code == 2
+    assert f"--out {out}: {tmp_path / 'notes.txt'} is a file, not a folder" in one_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("size", ["2 gigs", "0GB", "5GiB", "-1MB", "1000"])
+def test_a_bad_shard_size_is_refused_before_loading(size, tiny_sources, tmp_path, capsys, no_model_loaded):
+    argv = ["--src", str(tiny_sources["llama"]), "--layers", "1", "--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as info:
+        convert_main([*argv, f"--max-shard-size={size}"])
+    assert info.value.code == 2
+    assert (
+        f"--max-shard-size {size!r} is not allowed; expected a positive size with a unit, such as 500MB or 2GB "
+        "(units: KB, MB, GB, TB)" in one_line(capsys.readouterr().err)
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---- the program's name
 
 
@@ -377,28 +311,6 @@ def test_help_says_which_program_this_is(capsys):
 # ---- Ctrl-C
 
 
-def test_ctrl_c_in_training_says_what_was_saved_and_how_to_resume(converted, tmp_path, monkeypatch, capsys):
-    argv, run = prepare(converted, tmp_path, train=TRAIN)
-
-    def interrupt(loss):
-        raise KeyboardInterrupt
-
-    fail_at(monkeypatch, convert.train.stage2, "ce_loss", 3, interrupt)
-    assert train_main([*argv, "--redo", "train", "--set", "train.log_every=2"]) == 130
-    line = one_line(capsys.readouterr().err)
-    resume = shlex.join(["python", "-m", "convert.train", *argv, "--set", "train.log_every=2"])
-    assert line == (
-        f"interrupted: stages done in {run}: convert, align, weights; the train stage's last good checkpoint "
-        f"{run / 'train' / 'checkpoints' / 'step_2'} is kept, a rerun resumes after step 2. To resume: {resume}"
-    )
-    assert checkpoints(run, "train") == ["step_2"]
-
-    monkeypatch.undo()
-    assert train_main(shlex.split(resume)[3:]) == 0  # the printed command, without --redo, continues the run
-    assert "resumed from" in capsys.readouterr().err
-    assert json.loads((run / "train" / "DONE").read_text())["steps_this_run"] == 2
-
-
 def test_ctrl_c_in_convert_leaves_nothing_behind(tiny_sources, tmp_path, monkeypatch, capsys):
     out = tmp_path / "work" / "out"
     argv = [
@@ -414,10 +326,7 @@ def test_ctrl_c_in_convert_leaves_nothing_behind(tiny_sources, tmp_path, monkeyp
         str(out),
     ]
 
-    def interrupt(*args, **kwargs):  # while the weights are being written
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(convert.export, "model_card", interrupt)
+    monkeypatch.setattr(convert.export, "model_card", interrupt)  # while the weights are being written
     assert convert_main(argv) == 130
     line = one_line(capsys.readouterr().err)
     assert line == f"interrupted: nothing was written to --out {out}. To resume: python -m convert {shlex.join(argv)}"

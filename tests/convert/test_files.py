@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from convert.files import atomic_file, disk_bytes, format_bytes, write_json
+from convert.files import atomic_file, copy_dir, disk_bytes, format_bytes, write_json
 
 
 @pytest.mark.parametrize("mask, mode", [(0o022, 0o644), (0o027, 0o640)])
@@ -29,4 +29,19 @@ def test_disk_bytes_counts_each_file_once(tmp_path):
     (tmp_path / "a" / "one").write_bytes(b"x" * 10)
     (tmp_path / "a" / "b" / "two").write_bytes(b"x" * 5)
     assert disk_bytes(tmp_path / "a", tmp_path / "a" / "b", tmp_path / "missing") == 15
+    os.link(tmp_path / "a" / "one", tmp_path / "a" / "b" / "three")  # a hard link takes no more space
+    assert disk_bytes(tmp_path / "a") == 15 and disk_bytes(tmp_path / "a" / "b", besides=(tmp_path / "a",)) == 0
     assert format_bytes(45_200_000) == "45.2 MB" and format_bytes(3_614_000_000) == "3.61 GB"
+
+
+def test_a_copied_folder_links_its_weights_and_copies_the_rest(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"w" * 1000)
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "stale.txt").write_text("replaced whole")
+    copy_dir(tmp_path / "model", tmp_path / "copy")
+    assert sorted(p.name for p in (tmp_path / "copy").iterdir()) == ["config.json", "model.safetensors"]
+    assert (tmp_path / "copy" / "model.safetensors").samefile(tmp_path / "model" / "model.safetensors")
+    assert not (tmp_path / "copy" / "config.json").samefile(tmp_path / "model" / "config.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy", "model"]  # no hidden temporary left

@@ -114,7 +114,9 @@ def test_a_failing_part_keeps_the_report_of_the_others(tiny_sources, tmp_path, h
     assert "speed (RuntimeError: speed broke) failed; the other parts are in" in capsys.readouterr().out
 
 
-def test_ctrl_c_says_what_finished_and_how_to_rerun(tiny_sources, tmp_path, haystack, monkeypatch, capsys):
+def test_ctrl_c_says_what_finished_and_the_rerun_resumes(tiny_sources, tmp_path, haystack, monkeypatch, capsys):
+    import shlex
+
     import convert.evaluate.report as report_module
 
     def interrupt(*args, **kwargs):
@@ -125,6 +127,16 @@ def test_ctrl_c_says_what_finished_and_how_to_rerun(tiny_sources, tmp_path, hays
     args = [str(tiny_sources["llama"]), "--out", str(out), "--lengths", "700", "--depths", "0", "--samples", "1"]
     args += ["--haystack-dir", str(haystack), "--tasks", "passkey", "--speed-lengths", "16"]
     assert eval_main(args) == 130
-    err = capsys.readouterr().err
-    assert f"interrupted: finished parts are in {out}: retrieval_passkey_standard.json. To resume: raven-eval" in err
+    line = capsys.readouterr().err.splitlines()[-1]
+    resume = shlex.join(["raven-eval", *args, "--resume"])
+    saved = f"finished parts are in {out / 'report.json'}: retrieval passkey (standard)"
+    assert line == f"interrupted: {saved}. To resume: {resume}"
     assert json.loads((out / "report.json").read_text())["retrieval"]["passkey/standard"]["n"] == 1
+
+    monkeypatch.undo()
+    monkeypatch.setattr(report_module, "run_retrieval", interrupt)  # the finished part is not run again
+    assert eval_main(shlex.split(resume)[1:]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert (
+        report["finished"] == ["retrieval passkey (standard)", "speed"] and report["speed"][0]["context_length"] == 16
+    )

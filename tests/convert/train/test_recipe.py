@@ -57,12 +57,34 @@ def test_recipes_readme_matches_the_recipes():
     assert sorted(rows) == [p.name for p in RECIPES]
     for path in RECIPES:
         recipe, cells = load_recipe(path), [c.strip() for c in rows[path.name]]
-        assert cells[0] == recipe.source and cells[2] == str(recipe.align.steps), path.name
-        assert cells[3] == ("yes" if recipe.token_weights.enabled else "no"), path.name
-        assert cells[4] == f"{recipe.train.steps} ({recipe.train.trainable})", path.name
-        assert (cells[5] == "no") == (recipe.extend is None), path.name
+        source, mixer, dtype, align, weights, train, extend, evaluate = cells
+        assert source == recipe.source and align == str(recipe.align.steps), path.name
+        assert {a.mixer for a in recipe.layers} == {mixer.split()[0]} and dtype == recipe.dtype, path.name
+        if len(recipe.layers) == 1:
+            assert f"`{recipe.layers[0].layers}`" in mixer, path.name
+        assert weights == ("yes" if recipe.token_weights.enabled else "no"), path.name
+        assert train == f"{recipe.train.steps} ({recipe.train.trainable})", path.name
+        e = recipe.extend
+        assert extend == ("no" if e is None else f"{e.steps} steps at {e.seq_len // 1024}K"), path.name
+        if evaluate.startswith("as "):  # the same evaluation as another recipe's
+            assert load_recipe(path.parent / f"{evaluate[3:]}.yaml").evaluate == recipe.evaluate, path.name
+            continue
+        lengths = f"{min(recipe.evaluate.lengths) // 1024}K-{max(recipe.evaluate.lengths) // 1024}K"
+        assert evaluate.startswith(", ".join(recipe.evaluate.tasks)) and lengths in evaluate, path.name
+        assert ("prompts" in evaluate) == (len(recipe.evaluate.variants) > 1), path.name
     for field, (flag, metavar, _) in INPUT_FLAGS.items():
         assert f"| `{flag} {metavar}` | `{field}` |" in readme
+
+
+def test_the_recipes_readme_commands_run_the_recipes():
+    readme = (RECIPES[0].parent / "README.md").read_text()
+    block = readme.split("```bash\n")[1].split("```")[0].replace("\\\n", " ")
+    commands = [shlex.split(line.split("#")[0]) for line in block.splitlines()]
+    assert commands[0] == header_command(RECIPES[0].parent / "smollm2-raven.yaml")
+    for words in commands:
+        assert words[:3] == ["python", "-m", "convert.train"]
+        args = build_parser().parse_args(words[3:])
+        load_recipe(RECIPES[0].parents[1] / args.recipe, input_overrides(args) + args.overrides)  # from the root
 
 
 @pytest.mark.parametrize(
@@ -153,7 +175,7 @@ def test_pipeline_end_to_end_resumes_and_reruns_one_stage(tiny_sources, tmp_path
     assert run_recipe(recipe, run) == results
     assert {s: (run / s / "DONE").stat().st_mtime_ns for s in STAGES} == stamps
 
-    # one stage again: only train reruns (resuming from its checkpoint), the others stay untouched
+    # one stage again: only train reruns (from the start: a finished stage keeps no checkpoint), the others stay
     (run / "train" / "DONE").unlink()
     again = run_recipe(recipe, run, stages=["train"])
     assert list(again) == ["train"] and again["train"]["model"] == "train/model"
@@ -293,7 +315,8 @@ def test_outputs_are_readable_by_others_and_each_stage_reports_its_disk_use(tiny
     err = capsys.readouterr().err
     for stage in ("convert", "export"):
         size = sum(f.stat().st_size for f in (tmp_path / "run" / stage / "model").rglob("*") if f.is_file())
-        size = size or sum(f.stat().st_size for f in (tmp_path / "exported").rglob("*") if f.is_file())
+        exported = [f for f in (tmp_path / "exported").rglob("*") if f.is_file() and f.suffix != ".safetensors"]
+        size = size or sum(f.stat().st_size for f in exported)  # the export's weights are hard links: no new bytes
         assert results[stage]["disk_bytes"] == size > 0
         assert re.search(rf"\[{stage}\] done in [0-9.]+ s, {size / 1e6:.1f} MB on disk", err), err
     assert results["align"]["disk_bytes"] == 0 and "[align] skipped" in err
