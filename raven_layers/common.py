@@ -16,6 +16,14 @@ from torch import nn
 _INF = float("inf")
 
 
+def did_you_mean(value: str, allowed, aliases: dict[str, str] | None = None) -> str:
+    """The hint "did you mean 'x'? " when one of `allowed` is close to `value` (a typo), else "". `aliases` maps
+    names people bring from elsewhere to allowed ones (learning_rate -> lr)."""
+    names = {name: name for name in allowed} | {a: n for a, n in (aliases or {}).items() if n in allowed}
+    close = difflib.get_close_matches(str(value), list(names), n=1, cutoff=0.6)
+    return f"did you mean {names[close[0]]!r}? " if close else ""
+
+
 class MixerSettings:
     """Base of the mixers' frozen settings dataclasses. Subclasses set NAME ("raven") and LABEL ("Raven")."""
 
@@ -55,8 +63,8 @@ class MixerSettings:
         allowed = [f.name for f in fields(cls)]
         unknown = sorted(set(values) - set(allowed))
         if unknown:
-            close = {u: difflib.get_close_matches(u, allowed, n=1, cutoff=0.6) for u in unknown}
-            hint = "".join(f" {u!r}: did you mean {c[0]!r}?" for u, c in close.items() if c)
+            guesses = {u: did_you_mean(u, allowed) for u in unknown}
+            hint = "".join(f" {u!r}: {guess}" for u, guess in guesses.items() if guess).rstrip()
             raise ValueError(f"unknown {cls.LABEL} setting(s) {unknown};{hint} allowed: {allowed}")
         return cls(**values)
 

@@ -12,7 +12,6 @@ are kept as given. The shipped recipes name no local paths: the inputs come from
 
 from __future__ import annotations
 
-import difflib
 import sys
 import typing
 from pathlib import Path
@@ -23,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from convert.layer_spec import ACCEPTED_FORMS, LayerSpecError, parse_layer_spec
 from convert.train.stage2 import MixedPrecision, TrainConfig
+from raven_layers.common import did_you_mean
 
 STAGES = ("convert", "align", "weights", "train", "extend", "evaluate", "export")
 MIXERS = ("raven", "sse", "sila")
@@ -226,11 +226,8 @@ def _unknown_field(loc: tuple) -> str:
     if section is None:
         return "not a recipe field"
     allowed = list(section.model_fields)
-    names = {name: name for name in allowed} | {a: f for a, f in FIELD_ALIASES.items() if f in allowed}
-    close = [names[n] for n in difflib.get_close_matches(str(loc[-1]), list(names), n=1, cutoff=0.6)]
     where = ".".join(str(p) for p in loc[:-1]) or "the recipe"
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    return f"not a field of {where}; {hint}allowed: {', '.join(allowed)}"
+    return f"not a field of {where}; {did_you_mean(loc[-1], allowed, FIELD_ALIASES)}allowed: {', '.join(allowed)}"
 
 
 def format_validation_error(err: ValidationError, prefix: str = "") -> str:
