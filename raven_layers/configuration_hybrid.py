@@ -4,13 +4,8 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from .raven import RavenSettings
-from .sila import SILASettings
-from .sse import SSESettings
-
-# Mixer name -> validated settings class. "attention" keeps the source layer.
-MIXER_SETTINGS = {"raven": RavenSettings, "sse": SSESettings, "sila": SILASettings}
-LAYER_KINDS = ("attention", *MIXER_SETTINGS)
+from .common import MixerSpec, did_you_mean
+from .registry import get_mixer, is_mixer, mixer_names
 
 # Fields of the source config that describe the source file, not the architecture a hybrid inherits.
 _SOURCE_ONLY_FIELDS = (
@@ -32,7 +27,7 @@ class HybridConfig(PretrainedConfig):
 
     Args:
         base_model_type: `model_type` of the source model ("llama", "qwen3", ...).
-        layer_mixers: one entry per layer, from `LAYER_KINDS`.
+        layer_mixers: one entry per layer: "attention" (the source layer is kept) or a mixer's registered name.
         mixer_settings: hyper-parameters per mixer in use, e.g. {"raven": {"num_slots": 256, ...}}.
         attention_windows: one entry per layer, the sliding window of a kept attention layer (None: full causal
             attention); None altogether keeps the source architecture's own windows.
@@ -57,8 +52,9 @@ class HybridConfig(PretrainedConfig):
         if len(self.layer_mixers) != num_layers:
             raise HybridConfigError(f"layer_mixers has {len(self.layer_mixers)} entries for {num_layers} layers")
         for i, kind in enumerate(self.layer_mixers):
-            if kind not in LAYER_KINDS:
-                raise HybridConfigError(f"layer_mixers[{i}] = {kind!r}; allowed: {list(LAYER_KINDS)}")
+            if kind != "attention" and not is_mixer(kind):
+                kinds = ["attention", *mixer_names()]
+                raise HybridConfigError(f"layer_mixers[{i}] = {kind!r}; {did_you_mean(kind, kinds)}allowed: {kinds}")
         if self.attention_windows is not None:
             if len(self.attention_windows) != num_layers:
                 raise HybridConfigError(
@@ -81,8 +77,13 @@ class HybridConfig(PretrainedConfig):
         except HybridConfigError as err:  # a hand-edited or damaged config: name the file
             raise HybridConfigError(f"{pretrained_model_name_or_path}/config.json: {err}") from None
 
+    @staticmethod
+    def mixer_spec(kind: str) -> MixerSpec:
+        """The declaration of the mixer `kind` names, from the registry beside this file (the model's own copy)."""
+        return get_mixer(kind)
+
     def settings_for(self, mixer: str):
-        return MIXER_SETTINGS[mixer].from_dict(self.mixer_settings.get(mixer, {}))
+        return get_mixer(mixer).settings.from_dict(self.mixer_settings.get(mixer, {}))
 
     @classmethod
     def from_source(cls, source_config, layer_mixers, mixer_settings, attention_windows=None) -> "HybridConfig":
