@@ -8,6 +8,7 @@ from pathlib import Path
 
 from raven_layers import get_architecture, get_mixer
 
+from .bundle import check_bundle
 from .export import check_out_dir, push_to_hub, save_hybrid
 from .sources import DEFAULT_SRC, Source
 from .surgery import build_hybrid, check_mixers_fit, format_layer_map, plan_layers, plan_windows
@@ -53,7 +54,7 @@ def convert_model(request: ConvertRequest, log=print) -> Path:
         spec.settings.from_dict(values)
     windows = plan_windows(kinds, arch.sliding_windows(config), request.sliding_window, request.window_layers)
     used = {k: request.mixer_settings.get(k, {}) for k in set(kinds) - {"attention"}}
-    check_mixers_fit(config, kinds, used, windows)
+    check_bundle(check_mixers_fit(config, kinds, used, windows))
     log(f"source: {source.name} ({arch.model_type}, {config.num_hidden_layers} layers)")
     log(format_layer_map(kinds, windows or arch.sliding_windows(config)))
 

@@ -78,14 +78,16 @@ def format_layer_map(kinds: list[str], windows: list[int | None] | None = None) 
     return "\n".join(["layer map:", *summary, *rows])
 
 
-def check_mixers_fit(source_config, layer_kinds, mixer_settings, attention_windows=None) -> None:
+def check_mixers_fit(source_config, layer_kinds, mixer_settings, attention_windows=None) -> HybridConfig:
     """Raise the error a mixer would raise for this model (e.g. a LoRA rank above a projection's size) before any
-    weight is loaded: one mixer of each kind is built on the meta device, which allocates nothing."""
+    weight is loaded: one mixer of each kind is built on the meta device, which allocates nothing. Returns the
+    hybrid's config."""
     config = HybridConfig.from_source(source_config, layer_kinds, mixer_settings, attention_windows)
     arch = get_architecture(config.base_model_type)
     for kind in set(layer_kinds) - {"attention"}:
         with torch.device("meta"):
             config.mixer_spec(kind).layer(config, layer_kinds.index(kind), config.settings_for(kind), arch.qk_norm)
+    return config
 
 
 def build_hybrid(

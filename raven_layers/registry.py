@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -146,6 +147,18 @@ def import_object(path: str, what: str):
             f"it defines: {', '.join(names)}"
         )
     return getattr(module, attribute)
+
+
+def import_path(spec: MixerSpec) -> str:
+    """ "module:NAME" of the mixer's declaration, which the module of its layer class must hold."""
+    module = sys.modules[spec.layer.__module__]
+    for name, value in vars(module).items():
+        if value is spec:
+            return f"{module.__name__}:{name}"
+    raise ValueError(
+        f"mixer {spec.name!r}: its declaration is not a module-level name of {module.__name__}, the module of its "
+        f"layer class {spec.layer.__name__} (the file a model carries); declare MIXER = MixerSpec(...) there"
+    )
 
 
 def resolve_mixer(value: str) -> MixerSpec:

@@ -73,7 +73,7 @@ def test_recipes_readme_matches_the_recipes():
         ({"train": {"steps": -5}}, "train.steps", "greater than or equal to 0"),
         ({"train": {"lr_typo": 1}}, "train.lr_typo", "not a field of train; allowed: steps, batch_size"),
         ({"align": {"learning_rate": 1}}, "align.learning_rate", "did you mean 'lr'?"),
-        ({"layers": [{"mixer": "mamba", "layers": "0"}]}, "layers.0.mixer", "unknown mixer 'mamba'; allowed: raven, sse"),
+        ({"layers": [{"mixer": "mamba", "layers": "0"}]}, "layers.0.mixer", "unknown mixer 'mamba'; allowed: raven"),
         ({"layers": [{"mixer": "raven", "layers": "0-x"}]}, "layers.0.layers", "accepted forms"),
         ({"mixer_settings": {"mamba": {}}}, "mixer_settings", "unknown mixer 'mamba'"),
         ({"layers": [{"mixer": "rave", "layers": "0"}]}, "layers.0.mixer", "did you mean 'raven'?"),
