@@ -18,6 +18,7 @@ from convert.cli import main as convert_main
 from convert.evaluate.report import EvalRequest, mixer_pictures
 from convert.train.recipe import parse_recipe
 from convert.train.stages import run_recipe
+from raven_layers import ENTRY_POINT_GROUP
 from tests.conftest import tiny_tokenizer
 from tests.convert.train.test_recipe import haystack
 from tests.helpers import corpus
@@ -153,3 +154,19 @@ def test_an_own_mixer_converts_aligns_trains_exports_reloads_clean_and_evaluates
     assert proc.returncode == 0, proc.stderr[-3000:]
     again = json.loads((tmp_path / "again" / "report.json").read_text())
     assert set(again["pictures"]) == set(report["pictures"]) and "failed" not in again
+
+
+def test_the_readme_walks_through_the_example_mixer():
+    section = (ROOT / "README.md").read_text().split("## Add a mixer\n")[1].split("\n## ")[0]
+    module = (ROOT / "tests/support/gla_mixer.py").read_text()
+    shown = [
+        "from raven_layers.common import Mixer, MixerSettings, MixerSpec, init_fresh_parameters",
+        'NAME, LABEL = "gla", "GLA"',
+        "gate_rank: int = 16",
+        "self.save_state(cache, (memory,), num_tokens=T)",
+        'state="[d, d]"',
+        "references=(gla_recurrent,)",
+        f'pictures="{gla_mixer.MIXER.pictures}"',
+    ]
+    assert [line for line in shown if line not in section or line not in module] == []
+    assert f"--mixer {GLA}" in section and f'[project.entry-points."{ENTRY_POINT_GROUP}"]' in section
