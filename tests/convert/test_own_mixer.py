@@ -62,6 +62,13 @@ def test_a_registered_mixer_is_accepted_by_the_cli_the_recipes_the_export_and_th
     assert (request.out / "gla_forget_gates.png").stat().st_size > 1000
 
 
+def test_a_mixer_named_by_import_path_gets_its_flags(mixer_registry, tiny_sources, tmp_path):
+    out = tmp_path / "hybrid"
+    args = ["--src", str(tiny_sources["llama"]), f"--mixer={GLA}", "--layers", "1", "--gla-gate-temperature", "8"]
+    assert convert_main([*args, "--out", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["mixer_settings"]["gla"]["gate_temperature"] == 8.0
+
+
 @pytest.mark.parametrize(
     "line, why",
     [
