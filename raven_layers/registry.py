@@ -57,10 +57,6 @@ def module_file(spec: MixerSpec) -> Path:
 BUNDLED_FILES = (*MODEL_FILES, *(module_file(spec).name for spec in BUILTIN_MIXERS))
 
 
-def _origin(spec: MixerSpec) -> str:
-    return spec.layer.__module__
-
-
 def register_mixer(spec: MixerSpec) -> MixerSpec:
     """Add `spec` under its name (again is a no-op); returns it. Two different mixers may not share a name."""
     if not isinstance(spec, MixerSpec):
@@ -68,8 +64,8 @@ def register_mixer(spec: MixerSpec) -> MixerSpec:
     known = _mixers.setdefault(spec.name, spec)
     if known is not spec:
         raise ValueError(
-            f"two mixers are named {spec.name!r}: one in {_origin(known)}, one in {_origin(spec)}; rename one "
-            f"(the NAME of its settings class)"
+            f"two mixers are named {spec.name!r}: one in {known.layer.__module__}, one in {spec.layer.__module__}; "
+            "rename one (the NAME of its settings class)"
         )
     return spec
 
