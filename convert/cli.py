@@ -1,9 +1,10 @@
 """raven-convert (also installed as `convert`, not ImageMagick's), of the raven-hybrid toolkit: turn a pretrained
-Hugging Face decoder into a hybrid with linear-time mixers (Raven, SSE, SILA) in chosen layers.
+Hugging Face decoder into a hybrid with linear-time mixers (Raven, SSE, SILA, or your own) in chosen layers.
 
     convert --src Qwen/Qwen3-0.6B --mixer raven --layers 0-23:5 --out qwen3-raven
     convert --src model.gguf --mixer raven --layers 0-3 --mixer raven --layers -2,-1 \\
             --raven-num-slots 64 --raven-top-k 8 --sliding-window 512 --out out
+    convert --src model.gguf --mixer mypkg.gla:MIXER --layers 0-29:2 --gla-expand 2 --out out
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 import typing
 from pathlib import Path
 
-from raven_layers import MIXER_CLASSES, MIXER_SETTINGS
+from raven_layers import DEFAULT_MIXER, mixer_names, registered_mixers, resolve_mixer
 
 from .console import command_line, interrupted, invoked_as
 from .files import DiskSpaceError
@@ -48,14 +49,42 @@ def _value_parser(hint):
     return parse
 
 
+def mixer_name(text: str) -> str:
+    """argparse `type=` for --mixer: a mixer's name or the import path of its declaration (registered here)."""
+    try:
+        return resolve_mixer(text).name
+    except (TypeError, ValueError) as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def load_named_mixers(argv: list[str]) -> None:
+    """Register the mixers that `--mixer` names by import path in `argv`, so that their settings get flags.
+    A value that fails is left for the parser, which reports it."""
+    values = [b for a, b in zip(argv, argv[1:]) if a == "--mixer"]
+    values += [a.removeprefix("--mixer=") for a in argv if a.startswith("--mixer=")]
+    for value in values:
+        try:
+            mixer_name(value)
+        except argparse.ArgumentTypeError:
+            pass
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The parser, with flags for the settings of every registered mixer (see `load_named_mixers`)."""
     p = argparse.ArgumentParser(
         prog=invoked_as("convert", ("convert", "raven-convert")),
         description=__doc__,
         formatter_class=argparse.RawTextHelpFormatter,
     )
     p.add_argument("--src", default=DEFAULT_SRC, help=f"Hub id, model directory or .gguf file (default {DEFAULT_SRC})")
-    p.add_argument("--mixer", action="append", choices=sorted(MIXER_CLASSES), help="mixer for the next --layers")
+    p.add_argument(
+        "--mixer",
+        action="append",
+        type=mixer_name,
+        metavar="MIXER",
+        help=f"mixer for the next --layers: {', '.join(mixer_names())} (default {DEFAULT_MIXER}), or the import path "
+        "of one declared elsewhere, mypkg.module:NAME (see the README's 'Add a mixer')",
+    )
     p.add_argument("--layers", action="append", required=True, help=f"layers to replace: {ACCEPTED_FORMS}")
     p.add_argument("--out", type=Path, required=True, help="output directory (exactly what --push-to-hub uploads)")
     p.add_argument("--sliding-window", type=int, metavar="W", help="kept attention layers attend to the last W tokens")
@@ -68,13 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--private", action="store_true", help="create the Hub repository as private")
 
     # One option per field of each mixer's settings: --raven-num-slots, --raven-top-k, ...
-    for mixer, settings_cls in MIXER_SETTINGS.items():
-        group = p.add_argument_group(f"{mixer} options (see raven_layers/{mixer}.py)")
-        hints = typing.get_type_hints(settings_cls)
-        for field in dataclasses.fields(settings_cls):
+    for spec in registered_mixers():
+        group = p.add_argument_group(f"{spec.name} options (see {spec.layer.__module__})")
+        hints = typing.get_type_hints(spec.settings)
+        for field in dataclasses.fields(spec.settings):
             group.add_argument(
-                f"--{mixer}-{field.name.replace('_', '-')}",
-                dest=f"{mixer}.{field.name}",
+                f"--{spec.name}-{field.name.replace('_', '-')}",
+                dest=f"{spec.name}.{field.name}",
                 type=_value_parser(hints[field.name]),
                 default=argparse.SUPPRESS,
                 metavar="VALUE",
@@ -84,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def request_from_args(args: argparse.Namespace) -> ConvertRequest:
-    mixers = args.mixer or ["raven"] * len(args.layers)
+    mixers = args.mixer or [DEFAULT_MIXER] * len(args.layers)
     if len(mixers) != len(args.layers):
         raise ValueError(f"each --mixer needs one --layers: got {len(mixers)} --mixer and {len(args.layers)} --layers")
     settings: dict[str, dict] = {}
@@ -114,6 +143,7 @@ def _stamp(out: Path) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    load_named_mixers(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     before = _stamp(args.out)

@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from raven_layers import MIXER_CLASSES, output_cache
+from raven_layers import DEFAULT_MIXER, output_cache
 
+from .cli import mixer_name
 from .pipeline import ConvertRequest, convert_model
 from .sources import DEFAULT_SRC, Source, smollm2_gguf
 
@@ -66,7 +67,12 @@ def generate(model_dir: Path, prompt: str, max_new_tokens: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="raven-demo", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--src", help="source model (default: see above)")
-    p.add_argument("--mixer", default="raven", choices=sorted(MIXER_CLASSES), help="mixer to convert to (raven)")
+    p.add_argument(
+        "--mixer",
+        default=DEFAULT_MIXER,
+        type=mixer_name,
+        help=f"mixer to convert to, as convert takes it ({DEFAULT_MIXER})",
+    )
     p.add_argument("--layers", help="layers to convert (default: every 10th layer, from 0)")
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="output directory (replaced if present)")
     p.add_argument("--prompt", default=PROMPT)

@@ -7,9 +7,9 @@ import re
 import shutil
 from pathlib import Path
 
-import raven_layers
+from convert.bundle import write_code
 from convert.files import check_writable, normal_modes, replace_dir, room_for
-from raven_layers import BUNDLED_FILES, HybridForCausalLM
+from raven_layers import HybridForCausalLM
 
 AUTO_MAP = {
     "AutoConfig": "configuration_hybrid.HybridConfig",
@@ -50,8 +50,9 @@ def save_hybrid(
     max_shard_size: str = "2GB",
     overwrite: bool = False,
 ) -> Path:
-    """Write `out_dir` atomically: config.json (with auto_map), safetensors shards, the modeling code,
-    tokenizer files, generation_config.json and a README.md model card. Exactly what `--push-to-hub` uploads."""
+    """Write `out_dir` atomically: config.json (with auto_map), safetensors shards, the modeling code (see
+    bundle.py), tokenizer files, generation_config.json and a README.md model card. Exactly what `--push-to-hub`
+    uploads."""
     out = Path(out_dir)
     check_out_dir(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -62,9 +63,7 @@ def save_hybrid(
         try:
             model.config.auto_map = AUTO_MAP
             model.save_pretrained(tmp, max_shard_size=max_shard_size)
-            code_dir = Path(raven_layers.__file__).parent
-            for name in BUNDLED_FILES:
-                shutil.copy2(code_dir / name, tmp / name)
+            write_code(model.config, tmp)
             tokenizer.save_pretrained(tmp)
             (tmp / "README.md").write_text(model_card(model, base_model))
             normal_modes(tmp)
@@ -105,7 +104,10 @@ def model_card(model: HybridForCausalLM, base_model: str) -> str:
     table = "\n".join(f"| {i} | {k} |" for i, k in enumerate(kinds))
     settings = json.dumps(config.mixer_settings, indent=2, sort_keys=True)
     lines = [f"- Attention layer: KV cache of {sizes.pop('attention_kv_per_1k_tokens') / 1024:.0f} KiB per 1K tokens"]
-    lines += [f"- {k.removesuffix('_state')} layer: constant state of {v / 1024:.0f} KiB" for k, v in sizes.items()]
+    for key, size in sizes.items():
+        kind = key.removesuffix("_state")
+        state = config.mixer_spec(kind).state
+        lines.append(f"- {kind} layer: constant state of {size / 1024:.0f} KiB (per key/value head: {state})")
     sizes_text = "\n".join(lines)
     n_params = sum(p.numel() for p in model.parameters())
     front = {

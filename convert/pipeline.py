@@ -6,8 +6,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from raven_layers import MIXER_SETTINGS, get_architecture
+from raven_layers import get_architecture, get_mixer
 
+from .bundle import check_bundle
 from .export import check_out_dir, check_shard_size, push_to_hub, save_hybrid
 from .sources import DEFAULT_SRC, Source
 from .surgery import build_hybrid, check_mixers_fit, format_layer_map, plan_layers, plan_windows
@@ -15,7 +16,9 @@ from .surgery import build_hybrid, check_mixers_fit, format_layer_map, plan_laye
 
 @dataclass
 class ConvertRequest:
-    """Everything `convert` needs. `assignments` pairs a mixer with a `--layers` spec, e.g. [("raven", "0-23:5")]."""
+    """Everything `convert` needs. `assignments` pairs a mixer with a `--layers` spec, e.g. [("raven", "0-23:5")]; a
+    mixer is a registered name or the import path of a declaration (see raven_layers.registry). `mixer_settings`
+    is keyed by the mixers' names."""
 
     out: Path
     assignments: list[tuple[str, str]]
@@ -41,17 +44,18 @@ def convert_model(request: ConvertRequest, log=print) -> Path:
         from huggingface_hub.utils import validate_repo_id
 
         validate_repo_id(request.push_to_hub)
-    for mixer, values in request.mixer_settings.items():
-        if mixer not in MIXER_SETTINGS:
-            raise ValueError(f"settings given for unknown mixer {mixer!r}; mixers: {sorted(MIXER_SETTINGS)}")
-        MIXER_SETTINGS[mixer].from_dict(values)
-
     config = source.load_config()
     arch = get_architecture(getattr(config, "model_type", None))
-    kinds = plan_layers(request.assignments, config.num_hidden_layers)
+    kinds = plan_layers(request.assignments, config.num_hidden_layers)  # registers mixers named by import path
+    for mixer, values in request.mixer_settings.items():
+        try:
+            spec = get_mixer(mixer)
+        except ValueError as err:
+            raise ValueError(f"settings given for {err}") from None
+        spec.settings.from_dict(values)
     windows = plan_windows(kinds, arch.sliding_windows(config), request.sliding_window, request.window_layers)
     used = {k: request.mixer_settings.get(k, {}) for k in set(kinds) - {"attention"}}
-    check_mixers_fit(config, kinds, used, windows)
+    check_bundle(check_mixers_fit(config, kinds, used, windows))
     log(f"source: {source.name} ({arch.model_type}, {config.num_hidden_layers} layers)")
     log(format_layer_map(kinds, windows or arch.sliding_windows(config)))
 

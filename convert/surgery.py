@@ -4,22 +4,25 @@ from __future__ import annotations
 
 import torch
 
-from raven_layers import LAYER_KINDS, MIXER_CLASSES, HybridConfig, HybridForCausalLM, get_architecture
+from raven_layers import HybridConfig, HybridForCausalLM, get_architecture, mixer_names, resolve_mixer
 
 from .layer_spec import parse_layer_spec
 
 
 def plan_layers(assignments: list[tuple[str, str]], num_layers: int) -> list[str]:
-    """Per-layer kind from (mixer, layer spec) pairs; layers no pair names keep attention.
+    """Per-layer kind from (mixer, layer spec) pairs; layers no pair names keep attention. A mixer is a registered
+    name or the import path of a declaration (see raven_layers.registry), which the kinds name by its name.
 
     >>> plan_layers([("raven", "0-3:2")], 4)
     ['raven', 'attention', 'raven', 'attention']
     """
     kinds = ["attention"] * num_layers
     owner: dict[int, tuple[str, str]] = {}
-    for mixer, spec in assignments:
-        if mixer not in MIXER_CLASSES:
-            raise ValueError(f"--mixer {mixer!r} is not available; choose from {sorted(MIXER_CLASSES)}")
+    for given, spec in assignments:
+        try:
+            mixer = resolve_mixer(given).name
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"--mixer: {err}") from None
         for i in parse_layer_spec(spec, num_layers):
             if i in owner:
                 raise ValueError(
@@ -59,11 +62,12 @@ def plan_windows(
 def format_layer_map(kinds: list[str], windows: list[int | None] | None = None) -> str:
     """One line per layer kind with its layers, then one line per layer."""
     windows = windows or [None] * len(kinds)
-    width = max(len(k) for k in LAYER_KINDS)
+    order = ["attention", *mixer_names()]
+    width = max(len(k) for k in order)
     summary = [
         f"  {kind:<{width}}  {sum(k == kind for k in kinds):>3} layers: "
         + (",".join(str(i) for i, k in enumerate(kinds) if k == kind) or "-")
-        for kind in LAYER_KINDS
+        for kind in order
         if kind in kinds
     ]
     rows = [
@@ -74,14 +78,16 @@ def format_layer_map(kinds: list[str], windows: list[int | None] | None = None) 
     return "\n".join(["layer map:", *summary, *rows])
 
 
-def check_mixers_fit(source_config, layer_kinds, mixer_settings, attention_windows=None) -> None:
+def check_mixers_fit(source_config, layer_kinds, mixer_settings, attention_windows=None) -> HybridConfig:
     """Raise the error a mixer would raise for this model (e.g. a LoRA rank above a projection's size) before any
-    weight is loaded: one mixer of each kind is built on the meta device, which allocates nothing."""
+    weight is loaded: one mixer of each kind is built on the meta device, which allocates nothing. Returns the
+    hybrid's config."""
     config = HybridConfig.from_source(source_config, layer_kinds, mixer_settings, attention_windows)
     arch = get_architecture(config.base_model_type)
     for kind in set(layer_kinds) - {"attention"}:
         with torch.device("meta"):
-            MIXER_CLASSES[kind](config, layer_kinds.index(kind), config.settings_for(kind), arch.qk_norm)
+            config.mixer_spec(kind).layer(config, layer_kinds.index(kind), config.settings_for(kind), arch.qk_norm)
+    return config
 
 
 def build_hybrid(

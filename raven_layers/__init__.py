@@ -8,28 +8,23 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .architectures import ARCHITECTURES, Architecture, get_architecture
 from .cache import HybridCache, cache_argument, output_cache
-from .configuration_hybrid import LAYER_KINDS, MIXER_SETTINGS, HybridConfig
-from .modeling_hybrid import MIXER_CLASSES, HybridForCausalLM, HybridModel
+from .common import Mixer, MixerSettings, MixerSpec
+from .configuration_hybrid import HybridConfig
+from .modeling_hybrid import HybridForCausalLM, HybridModel
 from .raven import RavenMixer, RavenSettings, raven_chunked, raven_recurrent
+from .registry import (
+    BUNDLED_FILES,
+    DEFAULT_MIXER,
+    ENTRY_POINT_GROUP,
+    get_mixer,
+    mixer_names,
+    register_mixer,
+    registered_mixers,
+    resolve_mixer,
+)
 from .sila import SILAMixer, SILASettings, sila_chunked, sila_phi, sila_recurrent
 from .sse import SSEMixer, SSESettings, sse_masking, sse_recurrent, sse_varlen
 from .static_cache import StaticHybridCache
-
-# The files an exported model carries so that it loads where only transformers is installed.
-BUNDLED_FILES = (
-    "architectures.py",
-    "backend.py",
-    "cache.py",
-    "common.py",
-    "configuration_hybrid.py",
-    "decode_attention.py",
-    "decode_graph.py",
-    "modeling_hybrid.py",
-    "raven.py",
-    "sila.py",
-    "sse.py",
-    "static_cache.py",
-)
 
 AutoConfig.register(HybridConfig.model_type, HybridConfig, exist_ok=True)
 AutoModel.register(HybridConfig, HybridModel, exist_ok=True)
@@ -39,13 +34,15 @@ __all__ = [
     "ARCHITECTURES",
     "Architecture",
     "BUNDLED_FILES",
+    "DEFAULT_MIXER",
+    "ENTRY_POINT_GROUP",
     "HybridCache",
     "HybridConfig",
     "HybridForCausalLM",
     "HybridModel",
-    "LAYER_KINDS",
-    "MIXER_CLASSES",
-    "MIXER_SETTINGS",
+    "Mixer",
+    "MixerSettings",
+    "MixerSpec",
     "RavenMixer",
     "RavenSettings",
     "SILAMixer",
@@ -55,9 +52,14 @@ __all__ = [
     "StaticHybridCache",
     "cache_argument",
     "get_architecture",
+    "get_mixer",
+    "mixer_names",
     "output_cache",
     "raven_chunked",
     "raven_recurrent",
+    "register_mixer",
+    "registered_mixers",
+    "resolve_mixer",
     "sila_chunked",
     "sila_phi",
     "sila_recurrent",

@@ -5,8 +5,9 @@
     RAVEN_BACKEND=torch   the PyTorch forms always (debugging, reference runs)
 
 The environment variable sets the default; `set_backend` and the `use_backend` context manager override it in
-process. An exported model bundles this file but not the kernels: where the toolkit is not installed it runs the
-PyTorch forms. It must import nothing but torch: it is copied next to every exported model.
+process. Each mixer's declaration names its kernel module (`MixerSpec.kernels`, e.g. "kernels.raven"). An exported
+model bundles this file but not the kernels: where the toolkit is not installed it runs the PyTorch forms. It must
+import nothing but torch: it is copied next to every exported model.
 """
 
 from __future__ import annotations
@@ -56,32 +57,32 @@ def use_backend(name: str):
         _override = previous
 
 
-def _import_kernels(mixer: str) -> ModuleType | None:
-    if mixer not in _modules:
+def _import_kernels(name: str) -> ModuleType | None:
+    if name not in _modules:
         try:
-            _modules[mixer] = importlib.import_module(f"kernels.{mixer}")
+            _modules[name] = importlib.import_module(name)
         except ImportError:  # toolkit or triton not installed: an exported model running on its own
-            _modules[mixer] = None
-    return _modules[mixer]
+            _modules[name] = None
+    return _modules[name]
 
 
 def preload(names) -> None:
-    """Import the kernel packages `names` now: torch.compile cannot trace an import inside the code it compiles."""
+    """Import the kernel modules `names` now: torch.compile cannot trace an import inside the code it compiles."""
     if get_backend() != "torch":
         for name in names:
             _import_kernels(name)
 
 
-def kernel_module(mixer: str, like: torch.Tensor) -> ModuleType | None:
-    """The `kernels.<mixer>` module to run on tensors like `like`, or None for the PyTorch path."""
+def kernel_module(name: str, like: torch.Tensor) -> ModuleType | None:
+    """The kernel module `name` ("kernels.raven") to run on tensors like `like`, or None for the PyTorch path."""
     backend = get_backend()
     if backend == "torch":
         return None
-    module = _import_kernels(mixer)
+    module = _import_kernels(name)
     if backend == "triton":
         if module is None:
             raise RuntimeError(
-                f"{ENV_VAR}=triton but kernels.{mixer} cannot be imported: install the toolkit (pip install -e .)"
+                f"{ENV_VAR}=triton but {name} cannot be imported: install the toolkit (pip install -e .)"
             )
         return module
     return module if like.is_cuda and like.dtype != torch.float64 else None  # the kernels compute in float32

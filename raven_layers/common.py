@@ -1,4 +1,5 @@
-"""What every mixer shares: the attention-shaped base module, validated settings, RMSNorm, fresh-parameter init.
+"""What every mixer shares: the attention-shaped base module, validated settings, the declaration that registers a
+mixer (`MixerSpec`), RMSNorm, fresh-parameter init.
 
 Copied next to every exported model with the mixers; it must import nothing but torch.
 """
@@ -6,14 +7,23 @@ Copied next to every exported model with the mixers; it must import nothing but 
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Callable
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields, is_dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 _INF = float("inf")
+
+
+def did_you_mean(value: str, allowed, aliases: dict[str, str] | None = None) -> str:
+    """The hint "did you mean 'x'? " when one of `allowed` is close to `value` (a typo), else "". `aliases` maps
+    names people bring from elsewhere to allowed ones (learning_rate -> lr)."""
+    names = {name: name for name in allowed} | {a: n for a, n in (aliases or {}).items() if n in allowed}
+    close = difflib.get_close_matches(str(value), list(names), n=1, cutoff=0.6)
+    return f"did you mean {names[close[0]]!r}? " if close else ""
 
 
 class MixerSettings:
@@ -55,8 +65,8 @@ class MixerSettings:
         allowed = [f.name for f in fields(cls)]
         unknown = sorted(set(values) - set(allowed))
         if unknown:
-            close = {u: difflib.get_close_matches(u, allowed, n=1, cutoff=0.6) for u in unknown}
-            hint = "".join(f" {u!r}: did you mean {c[0]!r}?" for u, c in close.items() if c)
+            guesses = {u: did_you_mean(u, allowed) for u in unknown}
+            hint = "".join(f" {u!r}: {guess}" for u, guess in guesses.items() if guess).rstrip()
             raise ValueError(f"unknown {cls.LABEL} setting(s) {unknown};{hint} allowed: {allowed}")
         return cls(**values)
 
@@ -161,6 +171,61 @@ class Mixer(nn.Module):
         if self.settings.output_gate:
             o = o * 2 * torch.sigmoid(F.linear(x, self.gate_weight))
         return self.o_proj(o), None
+
+
+@dataclass(frozen=True)
+class MixerSpec:
+    """The declaration of one mixer: everything the toolkit knows about it. Its module declares it once, as
+    `MIXER = MixerSpec(...)`, and registry.py finds it by name (see registry.py for mixers from outside the package).
+
+    Fields:
+        settings: its frozen `MixerSettings` dataclass, whose NAME names the mixer (`--mixer NAME`, the config's
+            layer kind, the prefix of its `--NAME-FIELD` flags) and whose fields, defaults and `__post_init__`
+            checks are the schema of its settings (CLI flags, recipes' mixer_settings, config.json).
+        layer: its `Mixer` subclass, built as layer(config, layer_idx, settings, source_has_qk_norm). Its module
+            is the file an exported model carries for it.
+        state: its decode state per key/value head, as people read it ("2 x [M, d]"); the bytes of a layer's
+            state come from `layer.state_numel()`.
+        kernels: the module of its Triton kernels, imported by `backend.kernel_module` where they can run; None:
+            the PyTorch forms only.
+        references: its PyTorch forms, the references its kernels are tested against.
+        pictures: "module:function" drawing the evaluation report's pictures of one of its layers (see
+            convert/evaluate/pictures.py); imported only by the report, so the model never depends on it.
+    """
+
+    settings: type[MixerSettings]
+    layer: type[Mixer]
+    state: str
+    kernels: str | None = None
+    references: tuple[Callable, ...] = ()
+    pictures: str | None = None
+
+    NAME_PATTERN = re.compile(r"[a-z][a-z0-9_]*")
+
+    def __post_init__(self):
+        settings, layer = self.settings, self.layer
+        if not (isinstance(settings, type) and issubclass(settings, MixerSettings) and is_dataclass(settings)):
+            raise TypeError(f"MixerSpec.settings = {settings!r}; expected a dataclass subclassing MixerSettings")
+        if not (isinstance(layer, type) and issubclass(layer, Mixer)):
+            raise TypeError(f"MixerSpec.layer = {layer!r}; expected a subclass of Mixer")
+        name = settings.NAME
+        if not self.NAME_PATTERN.fullmatch(name) or name in ("attention", MixerSettings.NAME):
+            raise ValueError(
+                f"{settings.__name__}.NAME = {name!r} cannot name a mixer; expected lowercase letters, digits and "
+                "'_', starting with a letter, other than 'attention' and 'mixer'"
+            )
+        for field_name in ("kernels", "pictures"):
+            value = getattr(self, field_name)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"MixerSpec.{field_name} = {value!r}; expected an import path (a string) or None")
+
+    @property
+    def name(self) -> str:
+        return self.settings.NAME
+
+    @property
+    def label(self) -> str:
+        return self.settings.LABEL
 
 
 def one_cache(cache, past_key_values):

@@ -4,13 +4,8 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from .raven import RavenSettings
-from .sila import SILASettings
-from .sse import SSESettings
-
-# Mixer name -> validated settings class. "attention" keeps the source layer.
-MIXER_SETTINGS = {"raven": RavenSettings, "sse": SSESettings, "sila": SILASettings}
-LAYER_KINDS = ("attention", *MIXER_SETTINGS)
+from .common import MixerSpec, did_you_mean
+from .registry import get_mixer, import_path, is_builtin, is_mixer, mixer_names, resolve_mixer
 
 # Fields of the source config that describe the source file, not the architecture a hybrid inherits.
 _SOURCE_ONLY_FIELDS = (
@@ -32,8 +27,11 @@ class HybridConfig(PretrainedConfig):
 
     Args:
         base_model_type: `model_type` of the source model ("llama", "qwen3", ...).
-        layer_mixers: one entry per layer, from `LAYER_KINDS`.
+        layer_mixers: one entry per layer: "attention" (the source layer is kept) or a mixer's registered name.
         mixer_settings: hyper-parameters per mixer in use, e.g. {"raven": {"num_slots": 256, ...}}.
+        mixer_sources: the import path of each mixer in use from outside the package, e.g. {"gla":
+            "mypkg.gla:MIXER"} (recorded when missing): the toolkit imports it from there, while the model's own
+            code (trust_remote_code=True) runs the copy it carries (see registry.py).
         attention_windows: one entry per layer, the sliding window of a kept attention layer (None: full causal
             attention); None altogether keeps the source architecture's own windows.
     """
@@ -42,11 +40,18 @@ class HybridConfig(PretrainedConfig):
     keys_to_ignore_at_inference = ["cache", "past_key_values"]
 
     def __init__(
-        self, base_model_type: str = "llama", layer_mixers=None, mixer_settings=None, attention_windows=None, **kwargs
+        self,
+        base_model_type: str = "llama",
+        layer_mixers=None,
+        mixer_settings=None,
+        attention_windows=None,
+        mixer_sources=None,
+        **kwargs,
     ):
         self.base_model_type = base_model_type
         self.layer_mixers = list(layer_mixers) if layer_mixers is not None else None
         self.mixer_settings = dict(mixer_settings or {})
+        self.mixer_sources = dict(mixer_sources or {})
         self.attention_windows = list(attention_windows) if attention_windows is not None else None
         super().__init__(**kwargs)
         num_layers = getattr(self, "num_hidden_layers", None)
@@ -57,8 +62,8 @@ class HybridConfig(PretrainedConfig):
         if len(self.layer_mixers) != num_layers:
             raise HybridConfigError(f"layer_mixers has {len(self.layer_mixers)} entries for {num_layers} layers")
         for i, kind in enumerate(self.layer_mixers):
-            if kind not in LAYER_KINDS:
-                raise HybridConfigError(f"layer_mixers[{i}] = {kind!r}; allowed: {list(LAYER_KINDS)}")
+            if kind != "attention" and not is_mixer(kind):
+                self._import_mixer(i, kind)
         if self.attention_windows is not None:
             if len(self.attention_windows) != num_layers:
                 raise HybridConfigError(
@@ -73,6 +78,25 @@ class HybridConfig(PretrainedConfig):
             self.mixer_settings = {name: self.settings_for(name).to_dict() for name in in_use}
         except ValueError as err:
             raise HybridConfigError(str(err)) from None
+        outside = [name for name in in_use if not is_builtin(name)]
+        self.mixer_sources = {name: self.mixer_sources.get(name) or import_path(get_mixer(name)) for name in outside}
+
+    def _import_mixer(self, i: int, kind: str) -> None:
+        """Register the mixer `kind` of layer i from its recorded import path; HybridConfigError if it has none or
+        it cannot be imported."""
+        source = self.mixer_sources.get(kind)
+        if source is None:
+            kinds = ["attention", *mixer_names()]
+            raise HybridConfigError(f"layer_mixers[{i}] = {kind!r}; {did_you_mean(kind, kinds)}allowed: {kinds}")
+        try:
+            name = resolve_mixer(source).name
+        except (TypeError, ValueError) as err:
+            raise HybridConfigError(
+                f"layer_mixers[{i}] = {kind!r}: {err}; load the model with trust_remote_code=True to run the copy of "
+                "the mixer it carries"
+            ) from None
+        if name != kind:
+            raise HybridConfigError(f"mixer_sources[{kind!r}] = {source!r} declares a mixer named {name!r}")
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
@@ -81,16 +105,24 @@ class HybridConfig(PretrainedConfig):
         except HybridConfigError as err:  # a hand-edited or damaged config: name the file
             raise HybridConfigError(f"{pretrained_model_name_or_path}/config.json: {err}") from None
 
+    @staticmethod
+    def mixer_spec(kind: str) -> MixerSpec:
+        """The declaration of the mixer `kind` names, from the registry beside this file (the model's own copy)."""
+        return get_mixer(kind)
+
     def settings_for(self, mixer: str):
-        return MIXER_SETTINGS[mixer].from_dict(self.mixer_settings.get(mixer, {}))
+        return get_mixer(mixer).settings.from_dict(self.mixer_settings.get(mixer, {}))
 
     @classmethod
-    def from_source(cls, source_config, layer_mixers, mixer_settings, attention_windows=None) -> "HybridConfig":
+    def from_source(
+        cls, source_config, layer_mixers, mixer_settings, attention_windows=None, mixer_sources=None
+    ) -> "HybridConfig":
         fields = {k: v for k, v in source_config.to_dict().items() if k not in _SOURCE_ONLY_FIELDS}
         return cls(
             base_model_type=source_config.model_type,
             layer_mixers=layer_mixers,
             mixer_settings=mixer_settings,
             attention_windows=attention_windows,
+            mixer_sources=mixer_sources,
             **fields,
         )

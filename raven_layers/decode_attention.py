@@ -22,6 +22,7 @@ from transformers import AttentionInterface
 from .backend import kernel_module
 
 DECODE_ATTENTION = "raven_static_decode"
+KERNELS = "kernels.attention"  # the Triton decode-attention kernel (see backend.py)
 
 
 class DecodeSlots(NamedTuple):
@@ -54,7 +55,7 @@ def static_decode_attention(module, query, key, value, attention_mask, scaling=N
     if not isinstance(attention_mask, DecodeSlots) or query.shape[2] != 1:
         raise ValueError(f"{DECODE_ATTENTION} attention runs decode steps over a StaticHybridCache only")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    kernels = kernel_module("attention", query)
+    kernels = kernel_module(KERNELS, query)
     run = kernels.decode_attention if kernels is not None else decode_attention_torch
     return run(query, key, value, attention_mask.valid, attention_mask.step, scale), None
 

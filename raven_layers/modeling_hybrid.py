@@ -22,14 +22,9 @@ from .backend import preload
 from .cache import OUTPUT_CACHE_FIELD, HybridCache, cache_argument, output_cache
 from .common import Mixer, one_cache
 from .configuration_hybrid import HybridConfig
-from .decode_attention import decode_attention
+from .decode_attention import KERNELS, decode_attention
 from .decode_graph import DecodeGraph
-from .raven import RavenMixer
-from .sila import SILAMixer
-from .sse import SSEMixer
 from .static_cache import StaticHybridCache
-
-MIXER_CLASSES = {"raven": RavenMixer, "sse": SSEMixer, "sila": SILAMixer}
 
 
 @dataclass
@@ -99,7 +94,7 @@ class HybridModel(HybridPreTrainedModel):
         for i, kind in enumerate(config.layer_mixers):
             layer = layer_cls(config, i)
             if kind != "attention":
-                layer.self_attn = MIXER_CLASSES[kind](config, i, config.settings_for(kind), arch.qk_norm)
+                layer.self_attn = config.mixer_spec(kind).layer(config, i, config.settings_for(kind), arch.qk_norm)
             self.layers.append(layer)
         self.norm = arch.cls("RMSNorm")(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = arch.cls("RotaryEmbedding")(config=config)
@@ -392,7 +387,8 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         if not self.compile_decode:
             return self.decode_logits
         if self._compiled_decode is None:
-            preload((*MIXER_CLASSES, "attention"))
+            mixers = {self.config.mixer_spec(kind) for kind in set(self.config.layer_mixers) - {"attention"}}
+            preload([KERNELS, *(spec.kernels for spec in mixers if spec.kernels)])
             compiled = torch.compile(self.decode_logits, fullgraph=True, dynamic=False)
             config = torch._dynamo.config
             limits = {n: 1 << 20 for n in ("recompile_limit", "accumulated_recompile_limit") if hasattr(config, n)}

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .backend import kernel_module
-from .common import Mixer, MixerSettings, RMSNorm, init_fresh_parameters
+from .common import Mixer, MixerSettings, MixerSpec, RMSNorm, init_fresh_parameters
 
 RavenState = tuple[torch.Tensor, torch.Tensor]  # (S^k, S^v), each [B, H_kv, M, d], float32
 
@@ -273,7 +273,7 @@ class RavenMixer(Mixer):
         padding_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, None]:
-        kernels, s = kernel_module("raven", hidden_states), self.settings
+        kernels, s = kernel_module(MIXER.kernels, hidden_states), self.settings
         if cu_seqlens is not None and kernels is None:  # packed documents, each from an empty state
             return self.forward_packed(hidden_states, cu_seqlens)
         x = hidden_states  # [B, T, hidden]
@@ -310,3 +310,13 @@ class RavenMixer(Mixer):
             o, new_state = raven_chunked(q, k, v, log_f, self.scale, state, self.settings.chunk_size)
         self.save_state(cache, new_state, num_tokens=T)
         return self.project_out(o.to(x.dtype).reshape(B, T, H * d), x)
+
+
+MIXER = MixerSpec(
+    settings=RavenSettings,
+    layer=RavenMixer,
+    state="2 x [M, d]: slot keys and slot values",
+    kernels="kernels.raven",
+    references=(raven_recurrent, raven_chunked),
+    pictures="convert.evaluate.pictures:raven_pictures",
+)

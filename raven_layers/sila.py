@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .backend import kernel_module
-from .common import Mixer, MixerSettings, RMSNorm, document_positions, init_fresh_parameters
+from .common import Mixer, MixerSettings, MixerSpec, RMSNorm, document_positions, init_fresh_parameters
 
 SILAState = tuple[torch.Tensor, torch.Tensor]  # (M [B, H_kv, d_v, d_k] float32, conv tail [B, conv_size - 1, C])
 
@@ -369,7 +369,7 @@ class SILAMixer(Mixer):
         padding_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, None]:
-        kernels = kernel_module("sila", hidden_states)
+        kernels = kernel_module(MIXER.kernels, hidden_states)
         if cu_seqlens is not None and kernels is None:  # packed documents, each from an empty state
             return self.forward_packed(hidden_states, cu_seqlens)
         x = hidden_states  # [B, T, hidden]
@@ -412,3 +412,13 @@ class SILAMixer(Mixer):
             o, memory = sila_chunked(*args, chunk_size=self.settings.chunk_size)
         self.save_state(cache, (memory, tail), num_tokens=T)
         return self.project_out(o.to(x.dtype).reshape(B, T, H * d), x)
+
+
+MIXER = MixerSpec(
+    settings=SILASettings,
+    layer=SILAMixer,
+    state="[d, d] memory, and the short convolution's last conv_size - 1 inputs",
+    kernels="kernels.sila",
+    references=(sila_recurrent, sila_chunked),
+    pictures="convert.evaluate.pictures:sila_pictures",
+)

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .backend import kernel_module
-from .common import Mixer, MixerSettings, RMSNorm, document_positions, init_fresh_parameters
+from .common import Mixer, MixerSettings, MixerSpec, RMSNorm, document_positions, init_fresh_parameters
 
 SSEState = tuple[torch.Tensor]  # (S,), S: [B, H_kv, P, c, d] float32; partitions 0..N-1 routed, N the shared one
 
@@ -494,7 +494,7 @@ class SSEMixer(Mixer):
         state = self.load_state(cache)
         initial = state[0] if state is not None else None
         args = (q, k, v, log_g, idx, self.num_partitions, self.scale, initial)
-        kernels = kernel_module("sse", q)
+        kernels = kernel_module(MIXER.kernels, q)
         varlen = s.implementation == "varlen" or (s.implementation == "auto" and T >= VARLEN_MIN_TOKENS)
         if cu_seqlens is not None:  # packed documents: one sequence of B * T tokens, each document from zero
             packed = [t.flatten(0, 1).unsqueeze(0) for t in (q, k, v, log_g, idx)]
@@ -518,3 +518,13 @@ class SSEMixer(Mixer):
         if s.output_norm:
             o = self.o_norm(o)
         return self.project_out(o.reshape(B, T, self.num_heads * self.head_dim), x)
+
+
+MIXER = MixerSpec(
+    settings=SSESettings,
+    layer=SSEMixer,
+    state="(N + 1) x [c, d]: N routed partitions and the shared one",
+    kernels="kernels.sse",
+    references=(sse_recurrent, sse_masking, sse_varlen, gla_recurrent, chunk_gla_reference),
+    pictures="convert.evaluate.pictures:sse_pictures",
+)

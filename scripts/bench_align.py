@@ -15,14 +15,14 @@ import torch
 
 from convert import Source, build_hybrid, plan_layers
 from convert.train.align import align
-from raven_layers import MIXER_CLASSES
+from raven_layers import mixer_names
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--src", required=True)
     p.add_argument("--layers", default="0-29:2", help="--layers grammar (default: every other of 30 layers)")
-    p.add_argument("--mixers", default=",".join(MIXER_CLASSES))
+    p.add_argument("--mixers", default=",".join(mixer_names()))
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=6)

@@ -65,22 +65,25 @@ def parse_sizes(text: str) -> list[int]:
     return sizes
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, mixers: str = "raven,sse,sila") -> None:
-    """--out, --mixers, --layers and --windows: the models every bench script builds (build_models)."""
+def add_model_arguments(parser: argparse.ArgumentParser, mixers: str | None = None) -> None:
+    """--out, --mixers (default: the built-in ones), --layers and --windows: the models every bench script builds
+    (build_models)."""
+    from raven_layers.registry import BUILTIN_MIXERS
+
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--mixers", default=mixers)
+    parser.add_argument("--mixers", default=mixers or ",".join(spec.name for spec in BUILTIN_MIXERS))
     parser.add_argument("--layers", default="0-29:2")
     parser.add_argument("--windows", type=int, default=None, help="also run each hybrid with W-token windows")
 
 
 def checked_mixers(args: argparse.Namespace, what: str) -> list[str]:
     """The --mixers list, after --mixers and --windows are checked and a CUDA device is found (`what` it measures)."""
-    from raven_layers import MIXER_CLASSES
+    from raven_layers import resolve_mixer
 
-    mixers = [m.strip() for m in args.mixers.split(",") if m.strip()]
-    unknown = sorted(set(mixers) - set(MIXER_CLASSES))
-    if unknown:
-        raise SystemExit(f"--mixers: unknown {unknown}; allowed: {sorted(MIXER_CLASSES)}")
+    try:
+        mixers = [resolve_mixer(m.strip()).name for m in args.mixers.split(",") if m.strip()]
+    except ValueError as err:
+        raise SystemExit(f"--mixers: {err}") from None
     if args.windows is not None and args.windows < 1:
         raise SystemExit(f"--windows {args.windows}: expected an integer >= 1")
     if not torch.cuda.is_available():

@@ -14,7 +14,7 @@ import argparse
 import torch
 
 from convert import Source, build_hybrid, parse_layer_spec, plan_layers
-from raven_layers import MIXER_CLASSES
+from raven_layers import mixer_names
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", default="0,10,20", help="layers to measure (--layers grammar)")
     p.add_argument("--text", default="../shared/data/pg_essays/apple.txt", help="a text file for the inputs")
     p.add_argument("--tokens", type=int, default=512)
-    p.add_argument("--mixers", default=",".join(MIXER_CLASSES), help="comma-separated mixers to measure")
+    p.add_argument("--mixers", default=",".join(mixer_names()), help="comma-separated mixers to measure")
     args = p.parse_args(argv)
 
     source = Source.resolve(args.src)

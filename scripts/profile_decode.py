@@ -22,6 +22,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 from bench_generate import SMOLLM2_135M, build_models, parse_sizes  # noqa: E402
 
+from raven_layers import DEFAULT_MIXER  # noqa: E402
+
 
 def gpu_ms_per_replay(cache, replays: int = 100) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -35,7 +37,7 @@ def gpu_ms_per_replay(cache, replays: int = 100) -> float:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mixer", default="raven")
+    parser.add_argument("--mixer", default=DEFAULT_MIXER)
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--context", default="4k")
     parser.add_argument("--steps", type=int, default=64)

@@ -86,6 +86,15 @@ def smollm2_dir(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture
+def mixer_registry(monkeypatch):
+    """raven_layers.registry, whose registrations during the test are undone after it."""
+    from raven_layers import registry
+
+    monkeypatch.setattr(registry, "_mixers", dict(registry._mixers))
+    return registry
+
+
 def pytest_report_header(config):
     import transformers
 

@@ -3,8 +3,9 @@
     report = evaluate_model(EvalRequest(model="runs/smollm2-raven", out=Path("runs/smollm2-raven/eval")))
 
 Parts: retrieval (passkey and RULER-style needles, heatmaps), perplexity with position-wise loss curves (when
-texts are given), speed and memory versus context (when lengths are given), and for hybrids the papers' pictures
-of each mixer kind's memory on a passkey prompt. The recipe pipeline calls `evaluate_model` at its end.
+texts are given), speed and memory versus context (when lengths are given), and for hybrids the pictures each
+mixer's declaration names (the papers' pictures of the built-in mixers' memories) on a passkey prompt. The recipe
+pipeline calls `evaluate_model` at its end.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
+from raven_layers.registry import import_object
 
 from ..files import write_json
-from . import analysis
 from .perplexity import format_perplexity_table, load_for_evaluation, load_texts, perplexity, plot_loss_curve, run_info
+from .pictures import PictureContext
 from .retrieval import build_samples, format_table, plot_niah_heatmap, run_retrieval, save_results, summarize
 from .speed import format_speed_table, measure_speed, plot_speed
 
@@ -53,52 +54,16 @@ class EvalRequest:
 
 
 def mixer_pictures(model, tokenizer, request: EvalRequest, out: Path) -> dict[str, str]:
-    """For the first layer of each mixer kind: Raven ESL and slot allocation, SILA input-gate traces (no-inst vs
-    strong-inst), SSE partition usage and state entropy, all on a passkey prompt. Returns {picture: file name}."""
+    """For the first layer of each mixer kind, the pictures its declaration names (`MixerSpec.pictures`, see
+    pictures.py: Raven ESL and slot allocation, SILA input-gate traces, SSE partition usage and state entropy), on a
+    passkey prompt. Returns {picture: file name}."""
     kinds = getattr(model.config, "layer_mixers", None) or []
-    sample_args = dict(lengths=[request.picture_length], depths=[0.5], samples_per_cell=1, seed=request.seed)
-    sample_args |= dict(chat_template=request.chat_template)
+    context = PictureContext(model, tokenizer, out, request.picture_length, request.seed, request.chat_template)
     files = {}
-
-    def ids_of(sample):
-        encoded = tokenizer(sample.prompt, add_special_tokens=sample.meta["add_special_tokens"], return_tensors="pt")
-        return encoded.input_ids[0].to(model.device)
-
-    sample = build_samples("passkey", tokenizer, **sample_args)[0]
-    ids = ids_of(sample)
-    special = torch.zeros(ids.numel(), dtype=torch.bool)
-    for needle in sample.meta["needles"]:
-        special[slice(*needle["token_span"])] = True
-    if "raven" in kinds:
-        layer = kinds.index("raven")
-        writes = analysis.raven_slot_writes(model, ids, layer)
-        esl = analysis.effective_sequence_length(writes)
-        title = f"layer {layer}"
-        files["raven_esl"] = analysis.plot_effective_sequence_length(esl, out / "raven_esl.png", title=title).name
-        path = out / "raven_slot_allocation.png"
-        files["raven_slot_allocation"] = analysis.plot_slot_allocation(writes, special, path, title=title).name
-    if "sila" in kinds:
-        layer = kinds.index("sila")
-        traces, marks = {}, {}
-        for variant in ("no_inst", "strong_inst"):
-            s = build_samples("passkey", tokenizer, variant=variant, **sample_args)[0]
-            s_ids = ids_of(s)
-            tokens = tokenizer.convert_ids_to_tokens(s_ids.tolist())
-            traces[variant] = (tokens, analysis.sila_input_gate_trace(model, s_ids, layer))
-            marks[variant] = [t for n in s.meta["needles"] for t in range(*n["token_span"])]
-        path = out / "sila_input_gate.png"
-        files["sila_input_gate"] = analysis.plot_gate_trace(traces, path, marks=marks, title=f"layer {layer}").name
-    if "sse" in kinds:
-        layer = kinds.index("sse")
-        usage = analysis.sse_partition_usage(model, ids, layer)
-        entropy = analysis.state_singular_value_entropy(model, ids, layer)
-        title = f"layer {layer}"
-        files["sse_partition_usage"] = analysis.plot_partition_usage(usage, out / "sse_usage.png", title=title).name
-        files["sse_state_entropy"] = analysis.plot_state_entropy(
-            {f"layer {layer}": entropy},
-            out / "sse_state_entropy.png",
-            shared_partition=model.config.mixer_settings["sse"]["shared_partition"],
-        ).name
+    for kind in dict.fromkeys(k for k in kinds if k != "attention"):
+        path = model.config.mixer_spec(kind).pictures
+        if path is not None:
+            files |= import_object(path, f"the pictures of mixer {kind!r}")(context, kinds.index(kind))
     return files
 
 

@@ -12,7 +12,6 @@ are kept as given. The shipped recipes name no local paths: the inputs come from
 
 from __future__ import annotations
 
-import difflib
 import sys
 import typing
 from pathlib import Path
@@ -23,9 +22,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from convert.layer_spec import ACCEPTED_FORMS, LayerSpecError, parse_layer_spec
 from convert.train.stage2 import MixedPrecision, TrainConfig
+from raven_layers import get_mixer, resolve_mixer
+from raven_layers.common import did_you_mean
 
 STAGES = ("convert", "align", "weights", "train", "extend", "evaluate", "export")
-MIXERS = ("raven", "sse", "sila")
 # The fields naming inputs from outside the repository, each with the `python -m convert.train` flag that sets it
 # (sugar for --set FIELD=VALUE), its metavar and help.
 INPUT_FLAGS = {
@@ -47,10 +47,20 @@ class _Strict(BaseModel):
 
 
 class LayerAssignment(_Strict):
-    """One `--mixer M --layers SPEC` pair of `convert`."""
+    """One `--mixer M --layers SPEC` pair of `convert`: M is a registered mixer's name or the import path of a
+    declaration, mypkg.module:NAME (see raven_layers.registry)."""
 
-    mixer: Literal["raven", "sse", "sila"]
+    mixer: str
     layers: str
+
+    @field_validator("mixer")
+    @classmethod
+    def _mixer(cls, value: str) -> str:
+        try:
+            resolve_mixer(value)  # registers a mixer named by import path, so that its settings validate
+        except TypeError as err:
+            raise ValueError(str(err)) from None
+        return value
 
     @field_validator("layers")
     @classmethod
@@ -184,13 +194,11 @@ class Recipe(_Strict):
     @field_validator("mixer_settings")
     @classmethod
     def _settings(cls, value: dict[str, dict]) -> dict[str, dict]:
-        from raven_layers import MIXER_SETTINGS
-
+        """Keyed by mixer name; validated after `layers`, which registers the mixers named by import path."""
         for mixer, values in value.items():
-            if mixer not in MIXER_SETTINGS:
-                raise ValueError(f"unknown mixer {mixer!r}; allowed: {sorted(MIXER_SETTINGS)}")
+            settings = get_mixer(mixer).settings
             try:
-                MIXER_SETTINGS[mixer].from_dict(values)
+                settings.from_dict(values)
             except (TypeError, ValueError) as err:
                 raise ValueError(f"{mixer}: {err}") from None
         return value
@@ -228,11 +236,8 @@ def _unknown_field(loc: tuple) -> str:
     if section is None:
         return "not a recipe field"
     allowed = list(section.model_fields)
-    names = {name: name for name in allowed} | {a: f for a, f in FIELD_ALIASES.items() if f in allowed}
-    close = [names[n] for n in difflib.get_close_matches(str(loc[-1]), list(names), n=1, cutoff=0.6)]
     where = ".".join(str(p) for p in loc[:-1]) or "the recipe"
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    return f"not a field of {where}; {hint}allowed: {', '.join(allowed)}"
+    return f"not a field of {where}; {did_you_mean(loc[-1], allowed, FIELD_ALIASES)}allowed: {', '.join(allowed)}"
 
 
 def format_validation_error(err: ValidationError, prefix: str = "") -> str:

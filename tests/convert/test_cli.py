@@ -105,7 +105,9 @@ def test_bad_arguments(tiny_sources, tmp_path, capsys, no_heavy_work, extra, mes
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--mixer", "mamba", "--layers", "0"], "argument --mixer: invalid choice: 'mamba'"),
+        (["--mixer", "mamba", "--layers", "0"], "argument --mixer: unknown mixer 'mamba'; allowed: raven, sse, sila"),
+        (["--mixer", "sla", "--layers", "0"], "argument --mixer: unknown mixer 'sla'; did you mean 'sila'?"),
+        (["--mixer", "no_such_module:MIXER", "--layers", "0"], "cannot import 'no_such_module'"),
         (["--layers", "0", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
         (
             ["--layers", "0", "--raven-qk-norm", "maybe"],

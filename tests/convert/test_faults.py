@@ -30,7 +30,7 @@ from convert.sources import Source
 from convert.train import data as train_data
 from convert.train.__main__ import main as train_main
 from convert.train.recipe import Recipe, parse_recipe
-from raven_layers import MIXER_SETTINGS
+from raven_layers import get_mixer, registered_mixers
 from tests.conftest import tiny_tokenizer
 from tests.convert.faults import interrupt, one_line, recipe_data
 from tests.helpers import corpus
@@ -46,9 +46,9 @@ pytestmark = pytest.mark.usefixtures("private_datasets_cache")
 
 def float_settings() -> list[tuple[str, str]]:
     found = [
-        (mixer, f.name)
-        for mixer, cls in MIXER_SETTINGS.items()
-        for f in dataclasses.fields(cls)
+        (spec.name, f.name)
+        for spec in registered_mixers()
+        for f in dataclasses.fields(spec.settings)
         if isinstance(f.default, float)
     ]
     assert ("raven", "alpha") in found and len(found) >= 3
@@ -59,7 +59,7 @@ def float_settings() -> list[tuple[str, str]]:
 @pytest.mark.parametrize("bad", BAD_FLOATS, ids=str)
 def test_every_float_mixer_setting_refuses_non_finite(mixer, name, bad):
     with pytest.raises(ValueError) as info:
-        MIXER_SETTINGS[mixer].from_dict({name: bad})
+        get_mixer(mixer).settings.from_dict({name: bad})
     assert f"{mixer}.{name} = {bad!r} is not allowed (not a finite number); expected a number" in str(info.value)
 
 
