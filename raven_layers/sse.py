@@ -17,8 +17,12 @@ the top-k routed partitions it writes and the top-k' it reads (the paper's defau
 c^-1/2 is the attention's own logit scale for c-dim queries and keys. The shared partition keeps a plain softmax:
 it is written by every token, like a GLA head, and the 1/k split only concerns routed partitions sharing a token.
 Adding e_t^i inside the softmax (eq. 11) changes no value: softmax is shift-invariant, so its gradient to e_t is
-exactly zero and W_e learns from the balance loss. That loss is the partition-based one of Section 3.2 (footnote
-6), in Switch / DeepSeek form, over real tokens, averaged over kv heads (N plays the paper's c):
+exactly zero, and in the paper W_e learns from the balance loss alone. With `router_gradient` (the default) every
+routed entry's q and k are also multiplied by exp(log p - sg(log p)), p = softmax(e_t)^i: 1 in value, so outputs
+are unchanged, while the language-model loss reaches W_e through d/de_t log p = onehot(i) - p (a straight-through
+path: a partition's score rises when writing and reading it lowered the loss). The balance loss is the
+partition-based one of Section 3.2 (footnote 6), in Switch / DeepSeek form, over real tokens, averaged over kv
+heads (N plays the paper's c):
     f^i = (1/T) sum_t 1[i in T_t],  kbar^i = (1/T) sum_t softmax(e_t)^i,  L = alpha (N/k) sum_i f^i kbar^i
 so L = alpha for uniform routing and up to alpha N when every token picks the same partition (k = 1).
 
@@ -66,6 +70,7 @@ class SSESettings(MixerSettings):
     rows_per_partition: int | None = None  # c rows per partition; None: the source head_dim (keeps W_q, W_k)
     lora_rank: int = 64  # r of the per-partition LoRA on q and k (paper: 64)
     balance_coef: float = 0.01  # alpha of the balance loss (paper: 0.01); 0 turns it off
+    router_gradient: bool = True  # the language-model loss trains W_e too, not only the balance loss (partition_inputs)
     shared_partition: bool = True  # one always-selected partition on the base projections (paper)
     read_top_k: int | None = None  # k' partitions read per token; None: top_k (paper default)
     gate_low_rank: int = 16  # rank of the GLA gate projection W_a1 W_a2 (GLA: 16)
@@ -93,7 +98,7 @@ class SSESettings(MixerSettings):
             self.fail("balance_coef", "a number >= 0")
         if not self.is_number(self.gate_normalizer) or not self.gate_normalizer > 0:
             self.fail("gate_normalizer", "a number > 0")
-        self.check_bools("shared_partition", "output_gate", "output_norm")
+        self.check_bools("shared_partition", "output_gate", "output_norm", "router_gradient")
         if self.implementation not in self.IMPLEMENTATIONS:
             self.fail("implementation", f"one of {list(self.IMPLEMENTATIONS)}")
 
@@ -464,6 +469,12 @@ class SSEMixer(Mixer):
         log_a = F.logsigmoid(F.linear(F.linear(x, self.decay_down), self.decay_up, self.decay_bias).to(dtype))
         log_a = (log_a / s.gate_normalizer).view(B, T, Hkv, 1, c)  # [B, T, H_kv, 1, c]
         log_g = log_a * write[:, None]  # [B, T, H_kv, m, c]: read-only entries do not decay
+        if s.router_gradient and torch.is_grad_enabled() and scores.requires_grad:
+            # x exp(log p - sg(log p)) is x in value, p = softmax(e_t) of the partition: the selection itself only
+            # shifts logits under the keys' softmax (eq. 11), so without this W_e learns from the balance loss alone
+            log_p = scores.log_softmax(-1).gather(-1, top)  # [B, T, H_kv, m]
+            through = torch.exp(log_p - log_p.detach())  # [B, T, H_kv, m]
+            q, k = q * through[:, :, :, None, :, None], k * through[..., None]
         idx = top
         if s.shared_partition:
             q = torch.cat([q, q_base.view(B, T, Hkv, G, 1, c).to(dtype)], dim=4)

@@ -325,3 +325,20 @@ def test_packed_documents_each_start_from_their_own_state(form):
         o_ref, s_ref = sse_recurrent(*part, P, 0.3, states[i : i + 1])
         torch.testing.assert_close(o[:, lo:hi], o_ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(final[i : i + 1], s_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_router_gradient_trains_the_scorer_without_changing_outputs():
+    # balance loss off: with router_gradient the output's loss alone reaches W_e; without it, W_e gets only the
+    # rounding of the shift-invariant softmax (eq. 11)
+    x = torch.randn(2, 11, 32)
+    outs, grads = [], []
+    for through in (True, False):
+        mixer = tiny_mixer(balance_coef=0.0, router_gradient=through).train()
+        o = mixer(x)[0]
+        o.square().sum().backward()
+        outs.append(o.detach())
+        grads.append(mixer.partition_weight.grad)
+    assert torch.equal(outs[0], outs[1])
+    assert grads[1].abs().max() < 1e-4 * grads[0].abs().max()
+    with torch.no_grad():  # inference skips the factor altogether
+        assert torch.equal(tiny_mixer(router_gradient=True)(x)[0], outs[1])
