@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import torch
 from torch.utils.data import Dataset
 
 from convert.files import atomic_file
+from convert.train.retrieval_data import RetrievalMix, WholeDocument, mix_retrieval
 
 # File extension -> datasets builder. Compressed variants (.gz, .bz2, .xz, .zst) are read transparently.
 BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet"}
@@ -271,33 +273,60 @@ def pack_documents(
     """Tokenise `documents`, append EOS to each, concatenate, and cut into rows of `seq_len` (tail dropped).
 
     Returns {"input_ids", "document_ids", "position_ids"}, each [N, seq_len] int32: `document_ids` numbers the
-    document each token belongs to within its row from 0 (it steps up right after each EOS), and `position_ids`
-    counts from 0 at every document start and at every row start. Documents are tokenised `batch_size` at a time.
+    segment each token belongs to within its row from 0 (it steps up at each document start), and `position_ids`
+    counts from 0 at every segment start and at every row start. Documents are tokenised `batch_size` at a time.
+
+    A `WholeDocument` (synthetic retrieval samples) is kept inside one row: when it does not fit in what is left of
+    the current row it waits, the next document fills the row up, and it goes at the start of the next row, the
+    rest of that document after it as a new segment. One longer than seq_len is dropped, and counted.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len = {seq_len} is not allowed; expected an integer >= 1")
     eos = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
     if eos is None:
         raise ValueError("the tokenizer has no eos_token_id; pass eos_token_id")
-    chunks, lengths, progress = [], [], Progress("pack")
+    chunks, starts, progress = [], [], Progress("pack")
+    pending: deque[list[int]] = deque()  # whole documents waiting for a row start
+    flat: list[int] = []  # this batch's tokens
+    pos = dropped = 0
+
+    def put(ids: list[int]) -> None:  # one segment at the end of the stream
+        nonlocal pos
+        starts.append(pos)
+        flat.extend(ids)
+        pos += len(ids)
+
     documents = iter(documents)
     while batch := list(itertools.islice(documents, batch_size)):
-        flat = []
-        for ids in tokenize(tokenizer, batch):
-            flat.extend(ids)
-            flat.append(eos)
-            lengths.append(len(ids) + 1)
+        for text, ids in zip(batch, tokenize(tokenizer, batch)):
+            doc = [*ids, eos]
+            if isinstance(text, WholeDocument):
+                if len(doc) > seq_len:
+                    dropped += 1
+                elif len(doc) <= seq_len - pos % seq_len:
+                    put(doc)
+                else:
+                    pending.append(doc)
+                continue
+            while pending and len(doc) > (room := seq_len - pos % seq_len):
+                put(doc[:room])  # the row ends inside this document: the waiting ones start the next row
+                doc = doc[room:]
+                while pending and len(pending[0]) <= seq_len - pos % seq_len:
+                    put(pending.popleft())
+            put(doc)
         chunks.append(torch.tensor(flat, dtype=torch.int32))
         progress.update(len(batch), len(flat))
+        flat.clear()
     progress.report(final=True)
+    if dropped:
+        print(f"[data] dropped {dropped} retrieval sample(s) longer than seq_len = {seq_len} tokens", file=sys.stderr)
 
     stream = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.int32)  # [L]
     rows = stream.numel() // seq_len
-    lengths = torch.tensor(lengths, dtype=torch.long)  # [D]
-    starts = torch.zeros(stream.numel(), dtype=torch.bool)  # [L]: True at each document's first token
-    starts[lengths.cumsum(0) - lengths] = True
+    segment_starts = torch.zeros(stream.numel(), dtype=torch.bool)  # [L]: True at each segment's first token
+    segment_starts[torch.tensor(starts, dtype=torch.long)] = True
     input_ids = stream[: rows * seq_len].view(rows, seq_len)  # [N, T]
-    boundary = starts[: rows * seq_len].view(rows, seq_len).clone()  # [N, T]: a segment starts here
+    boundary = segment_starts[: rows * seq_len].view(rows, seq_len).clone()  # [N, T]: a segment starts here
     boundary[:, 0] = True
     document_ids = boundary.int().cumsum(1) - 1  # [N, T], 0 at each row start
     index = torch.arange(seq_len).expand(rows, seq_len)  # [N, T]
@@ -336,10 +365,19 @@ class PackedDataset(Dataset):
         return {k: v[0] for k, v in self.batch(torch.tensor([i])).items()}  # each [T]
 
 
-def cache_key(source, tokenizer, seq_len: int, max_documents: int | None, text_field="text", split="train") -> str:
+def cache_key(
+    source,
+    tokenizer,
+    seq_len: int,
+    max_documents: int | None,
+    text_field="text",
+    split="train",
+    retrieval: RetrievalMix | None = None,
+) -> str:
     """sha256 (hex) of everything that decides the packed rows: the source (a Hub name, or each local file's
     resolved path, size and modification time), text field and split, the tokenizer (name_or_path, vocabulary
-    size, EOS id, and a hash of its tokenisation of PROBES), seq_len, max_documents and CACHE_FORMAT."""
+    size, EOS id, and a hash of its tokenisation of PROBES), seq_len, max_documents, the retrieval mix (when one is
+    set) and CACHE_FORMAT."""
     files = local_files(source)
     if files is None:
         spec = {"hub": str(source)}
@@ -360,6 +398,8 @@ def cache_key(source, tokenizer, seq_len: int, max_documents: int | None, text_f
         "seq_len": seq_len,
         "max_documents": max_documents,
     }
+    if retrieval is not None and retrieval.ratio > 0:  # without one, the key of earlier caches
+        payload["retrieval"] = retrieval.model_dump()
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
@@ -394,14 +434,17 @@ def build_dataset(
     seed: int = 0,
     text_field: str = "text",
     split: str = "train",
+    retrieval: RetrievalMix | None = None,
 ) -> tuple[PackedDataset, PackedDataset]:
-    """(train, validation) PackedDatasets of `source` packed into rows of `seq_len`.
+    """(train, validation) PackedDatasets of `source` packed into rows of `seq_len`, with synthetic retrieval
+    samples mixed in by `retrieval` (retrieval_data.py).
 
     Tokenises once: the packed rows are cached as `cache_dir/<cache_key>.pt` (written atomically) and later calls
     with the same source, tokenizer, seq_len and max_documents load them instead. The validation split (a seeded
     random fraction of rows, see split_rows) is drawn after loading, so it may change without re-tokenising.
     """
-    path = Path(cache_dir) / f"{cache_key(source, tokenizer, seq_len, max_documents, text_field, split)}.pt"
+    key = cache_key(source, tokenizer, seq_len, max_documents, text_field, split, retrieval)
+    path = Path(cache_dir) / f"{key}.pt"
     tensors = None
     if path.is_file():
         try:
@@ -412,6 +455,8 @@ def build_dataset(
             tensors = None
     if tensors is None:
         documents = load_documents(source, text_field=text_field, split=split, max_documents=max_documents)
+        if retrieval is not None:
+            documents = mix_retrieval(documents, retrieval, seq_len, lambda text: len(tokenize(tokenizer, [text])[0]))
         tensors = pack_documents(tokenizer, documents, seq_len)
         split_rows(tensors, validation_fraction, seed)  # refuse to cache too little data
         save_atomic(tensors, path)

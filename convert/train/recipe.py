@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from convert.layer_spec import ACCEPTED_FORMS, LayerSpecError, parse_layer_spec
+from convert.train.retrieval_data import RetrievalMix
 from convert.train.stage2 import MixedPrecision, TrainConfig
 from raven_layers import get_mixer, resolve_mixer
 from raven_layers.common import did_you_mean
@@ -82,6 +83,7 @@ class DataSettings(_Strict):
     validation_fraction: float = Field(0.01, ge=0, lt=1)
     cache_dir: str | None = Field(None, description="packed-row cache; default RUN_DIR/cache")
     seed: int = 0
+    retrieval: RetrievalMix | None = Field(None, description="mix synthetic retrieval samples into the data")
 
 
 class AlignSettings(_Strict):

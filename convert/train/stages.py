@@ -226,6 +226,7 @@ def _dataset(recipe: Recipe, run_dir: Path, model_dir: Path, seq_len: int | None
         max_documents=d.max_documents,
         seed=d.seed,
         text_field=d.text_field,
+        retrieval=d.retrieval,
     )
 
 

@@ -1,0 +1,113 @@
+"""Synthetic retrieval samples: deterministic, mixed at the asked ratio, each answer stated before its question, none of
+the evaluation's wording, and packed so that a sample never crosses a row boundary."""
+
+import json
+import random
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from convert.evaluate import needles
+from convert.train.data import build_dataset, cache_key, pack_documents
+from convert.train.recipe import DataSettings, apply_overrides, parse_recipe
+from convert.train.retrieval_data import (
+    FORMATS,
+    VALUE_KINDS,
+    RetrievalMix,
+    WholeDocument,
+    build_sample,
+    make_value,
+    mix_retrieval,
+)
+from tests.conftest import tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def documents(n=300, seed=0):
+    rng = random.Random(seed)
+    words = [f"{a}{b}word" for a in "abcdefghij" for b in "klmnopqrst"]
+    return [" ".join(rng.choices(words, k=rng.randint(20, 200))) + "." for _ in range(n)]
+
+
+def test_same_seed_same_samples_and_the_ratio_holds():
+    mixed = list(mix_retrieval(documents(), RetrievalMix(ratio=0.25, seed=3), seq_len=512))
+    assert mixed == list(mix_retrieval(documents(), RetrievalMix(ratio=0.25, seed=3), seq_len=512))
+    assert mixed != list(mix_retrieval(documents(), RetrievalMix(ratio=0.25, seed=4), seq_len=512))
+    synthetic = sum(len(d) for d in mixed if isinstance(d, WholeDocument))
+    assert abs(synthetic / sum(map(len, mixed)) - 0.25) < 0.03
+    assert [d for d in mixed if not isinstance(d, WholeDocument)] == documents()  # the corpus, in order
+    assert list(mix_retrieval(documents(), RetrievalMix(ratio=0), seq_len=512)) == documents()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("kind", VALUE_KINDS)
+def test_every_answer_is_stated_before_its_question(fmt, kind):
+    rng = random.Random(f"{fmt}{kind}")
+    words = [f"w{i}ord" for i in range(40)]
+    filler = " ".join(rng.choices(["alpha", "beta", "gamma."], k=300))
+    sample, answers = build_sample(rng, fmt, kind, words, filler)
+    context, question = sample.rsplit("\n\n", 1)
+    assert answers and question.endswith(answers[-1])
+    assert len(answers) >= 2 if fmt == "multi_query" else len(answers) == 1
+    for value in answers:
+        assert value in context and value in question
+
+
+def test_values_have_their_kinds_shape():
+    rng, words = random.Random(0), ["Apple", "Stone", "River", "Cloud", "Ember"]
+    assert re.fullmatch(r"[1-9]\d{2,9}", make_value(rng, "digits", words))
+    assert re.fullmatch(r"[a-z0-9]{3,6}(-[a-z0-9]{3,6}){1,3}", make_value(rng, "code", words))
+    assert make_value(rng, "word", words) in {w.lower() for w in words}
+    assert 2 <= len(make_value(rng, "phrase", words).split()) <= 4
+
+
+def test_none_of_the_evaluations_wording():
+    text = "\n".join(d for d in mix_retrieval(documents(), RetrievalMix(ratio=0.5), seq_len=256))
+    for phrase in (needles.NOISE, needles.PASSKEY_INSTRUCTION, "pass key", "special magic", "provided text"):
+        assert phrase not in text
+
+
+def test_packing_keeps_every_sample_inside_one_row():
+    tok = tiny_tokenizer()
+    docs = ["a" * 7, WholeDocument("b" * 5), "c" * 13, WholeDocument("d" * 7), WholeDocument("e" * 12), "f" * 30]
+    rows = pack_documents(tok, docs, seq_len=8)
+    ids, pos = rows["input_ids"], rows["position_ids"]
+    for letter, length in (("b", 5), ("d", 7)):
+        token = tok.convert_tokens_to_ids(letter)
+        where = (ids == token).nonzero().tolist()
+        assert len({r for r, _ in where}) == 1 and len(where) == length  # one row, every token
+        row, col = where[0]
+        assert pos[row, col] == 0 and ids[row, col + length] == tok.eos_token_id  # starts a segment, ends with EOS
+    assert not (ids == tok.convert_tokens_to_ids("e")).any()  # longer than a row: dropped
+    plain = [
+        i for i in ids.flatten().tolist() if i not in (tok.convert_tokens_to_ids("b"), tok.convert_tokens_to_ids("d"))
+    ]
+    expected = tok("a" * 7 + "</s>" + "c" * 13 + "</s>" + "f" * 30 + "</s>", add_special_tokens=False)["input_ids"]
+    plain = [i for i in plain if i != tok.eos_token_id]
+    assert plain == [i for i in expected if i != tok.eos_token_id][: len(plain)]  # the corpus in order
+
+
+def test_recipe_field_and_cache_key(tmp_path, capsys):
+    assert DataSettings(retrieval={"ratio": 0.1}).retrieval == RetrievalMix(ratio=0.1)
+    with pytest.raises(ValueError, match="formats"):
+        DataSettings(retrieval={"formats": ["single", "needle"]})
+    tok, src = tiny_tokenizer(), tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents(60)))
+    assert cache_key(src, tok, 64, None) == cache_key(src, tok, 64, None, retrieval=RetrievalMix(ratio=0))
+    assert cache_key(src, tok, 64, None) != cache_key(src, tok, 64, None, retrieval=RetrievalMix(ratio=0.2))
+    plain, _ = build_dataset(src, tok, 256, tmp_path / "cache", validation_fraction=0)
+    mixed, _ = build_dataset(src, tok, 256, tmp_path / "cache", validation_fraction=0, retrieval=RetrievalMix())
+    assert len(mixed) > len(plain)
+    assert "dropped" not in capsys.readouterr().err  # sized with the tokenizer: every sample fits a row
+
+
+def test_recipe_errors_name_the_field():
+    data = yaml.safe_load((ROOT / "recipes" / "smollm2-sse.yaml").read_text())
+    data = apply_overrides(data, ["data.retrieval.ratoi=0.2", "data.retrieval.values=[digits,uuid]"])
+    with pytest.raises(ValueError) as error:
+        parse_recipe(data)
+    assert "data.retrieval.ratoi: not a field of data.retrieval; did you mean 'ratio'?" in str(error.value)
+    assert "data.retrieval.values.1: Input should be 'digits', 'word', 'code' or 'phrase'" in str(error.value)
