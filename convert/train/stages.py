@@ -203,9 +203,12 @@ def _load_teacher(recipe: Recipe):
 
 
 def _load_hybrid(model_dir: Path):
-    from transformers import AutoModelForCausalLM
+    """The hybrid in `model_dir` as the toolkit's own HybridForCausalLM (its kernels, its mixer registry), whatever
+    was imported or loaded before in this process: never the copy of the code the directory carries, which
+    AutoModelForCausalLM with trust_remote_code would pick where nothing registered the toolkit's classes."""
+    from raven_layers import HybridForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), trust_remote_code=True).to(_device())
+    return HybridForCausalLM.from_pretrained(str(model_dir)).to(_device())
 
 
 def _dataset(recipe: Recipe, run_dir: Path, model_dir: Path, seq_len: int | None = None):
