@@ -1,10 +1,7 @@
 """Loading a hybrid does not depend on import order: the stages always train the toolkit's own classes, and
 importing any module of raven_layers registers them with transformers' Auto classes (checked in fresh processes)."""
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -12,6 +9,7 @@ import pytest
 
 import convert
 from convert.cli import main as convert_main
+from tests.helpers import run_python
 
 ROOT = Path(convert.__file__).resolve().parents[1]  # this checkout, whatever is installed
 ORDERS = {
@@ -56,32 +54,18 @@ def hybrid_dir(tiny_sources, tmp_path_factory):
 def test_the_stages_load_the_toolkits_hybrid_whatever_came_first(hybrid_dir, tmp_path, order):
     code = textwrap.dedent(ORDERS[order]) + textwrap.dedent(
         """
-        import json, sys, torch
+        import torch
         import raven_layers
         ids = torch.tensor([[5, 9, 14, 3, 22, 7]])
         with torch.no_grad():
-            same = torch.equal(first.eval()(ids).logits, hybrid.eval()(ids).logits)
-        json.dump({"first": type(first).__module__, "ours": type(hybrid) is raven_layers.HybridForCausalLM,
-                   "same": same}, sys.stdout)
+            result["same"] = torch.equal(first.eval()(ids).logits, hybrid.eval()(ids).logits)
+        result["first"] = type(first).__module__
+        result["ours"] = type(hybrid) is raven_layers.HybridForCausalLM
         """
     )
-    env = os.environ | {
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "HF_MODULES_CACHE": str(tmp_path / "hf_modules"),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_VERBOSITY": "error",
-        "CUDA_VISIBLE_DEVICES": "",
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", f"OUT = {str(hybrid_dir)!r}\n" + code],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = os.environ | {"PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": ""}
+    result = run_python(f"OUT = {str(hybrid_dir)!r}\n" + code, tmp_path, env)
     carried = order == "the directory's own code first"
     assert result["first"].startswith("transformers_modules.") == carried, result
     assert result["ours"] and result["same"], result
