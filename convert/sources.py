@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+import raven_layers  # noqa: F401  (its import registers the hybrid with the Auto classes, so a hybrid loads as one)
+
 DEFAULT_SRC = "Qwen/Qwen3-0.6B"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")

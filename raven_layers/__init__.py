@@ -1,7 +1,10 @@
 """Hybrid models: source decoder layers with linear-time mixers in place of chosen attention layers.
 
-Importing the package registers the hybrid with the `transformers` Auto classes, so an exported model loads with
-or without `trust_remote_code` wherever this toolkit is installed.
+Importing the package, or any module of it (Python runs this file first), registers the hybrid with the
+`transformers` Auto classes: here and nowhere else, so that an exported model loads as this package's classes, with
+or without `trust_remote_code`, wherever this toolkit is imported, whatever was imported or loaded before. The copy
+of the model's code a model directory carries registers nothing. Code that must have the toolkit's classes
+whatever ran before (the training stages) loads through `HybridForCausalLM.from_pretrained`.
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
@@ -26,9 +29,16 @@ from .sila import SILAMixer, SILASettings, sila_chunked, sila_phi, sila_recurren
 from .sse import SSEMixer, SSESettings, sse_masking, sse_recurrent, sse_varlen
 from .static_cache import StaticHybridCache
 
-AutoConfig.register(HybridConfig.model_type, HybridConfig, exist_ok=True)
-AutoModel.register(HybridConfig, HybridModel, exist_ok=True)
-AutoModelForCausalLM.register(HybridConfig, HybridForCausalLM, exist_ok=True)
+
+def register_auto_classes() -> None:
+    """Make AutoConfig (by model_type), AutoModel and AutoModelForCausalLM resolve a hybrid to this package's
+    classes. Run on import; running it again changes nothing."""
+    AutoConfig.register(HybridConfig.model_type, HybridConfig, exist_ok=True)
+    AutoModel.register(HybridConfig, HybridModel, exist_ok=True)
+    AutoModelForCausalLM.register(HybridConfig, HybridForCausalLM, exist_ok=True)
+
+
+register_auto_classes()
 
 __all__ = [
     "ARCHITECTURES",
@@ -58,6 +68,7 @@ __all__ = [
     "raven_chunked",
     "raven_recurrent",
     "register_mixer",
+    "register_auto_classes",
     "registered_mixers",
     "resolve_mixer",
     "sila_chunked",

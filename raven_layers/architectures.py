@@ -3,7 +3,8 @@
 A hybrid keeps the source model's own decoder layer, norm and rotary classes from `transformers`, so attention
 layers that are kept compute exactly what they computed before. Supporting another Llama-like decoder is one entry
 in `ARCHITECTURES`: the `transformers` module that defines it, the class-name prefix, whether its attention has
-per-head q/k norms, and which layers use a sliding window.
+per-head q/k norms, and which layers use a sliding window. The toolkit reads a source attention's queries and keys
+through it (`Architecture.queries_keys`, e.g. for the token weights), so that it never re-implements a forward.
 """
 
 from __future__ import annotations
@@ -36,6 +37,17 @@ class Architecture:
             types = getattr(config, "layer_types", None) or ["full_attention"] * n
             return [window if t == "sliding_attention" else None for t in types]
         return [None] * n
+
+    def queries_keys(self, attn, hidden, position_embeddings):
+        """The queries [B, H, T, d] and keys [B, Hkv, T, d] that attention module `attn` of this architecture
+        computes from its input hidden [B, T, hidden_size] and (cos, sin): its projections, its per-head q/k norms
+        where it has them (Qwen3), then its module's own `apply_rotary_pos_emb`."""
+        shape = (*hidden.shape[:-1], -1, attn.head_dim)
+        q, k = attn.q_proj(hidden).view(shape), attn.k_proj(hidden).view(shape)  # [B, T, H, d], [B, T, Hkv, d]
+        if self.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        cos, sin = position_embeddings
+        return self.module.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
 
 
 ARCHITECTURES = {

@@ -362,6 +362,41 @@ class SILAMixer(Mixer):
         beta_x, gamma_x, alpha_logit = pre.split([self.num_kv_heads, self.num_kv_heads, self.num_heads], dim=-1)
         return beta_x, gamma_x, torch.sigmoid(alpha_logit)
 
+    def recurrence_inputs(
+        self,
+        x: torch.Tensor,
+        tail: torch.Tensor | None = None,
+        padding_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ):
+        """What the recurrence takes from hidden states x [B, T, hidden]: ((q [B, T, H_kv, G, d], k, v
+        [B, T, H_kv, d], alpha [B, T, H_kv, G], beta_x, gamma_x [B, T, H_kv]), the new convolution tail) after the
+        cached `tail` (None: a fresh sequence; packed documents, cu_seqlens, each start from zeros and return None).
+        With the state weights W_b1, W_g1 they are the arguments of `sila_recurrent` / `sila_chunked`."""
+        B, T, _ = x.shape
+        H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.use_qk_norm:  # the teacher's q/k norms act on its projections, so they come first
+            q = self.q_norm(q.view(B, T, H, d)).reshape(B, T, H * d)
+            k = self.k_norm(k.view(B, T, Hkv, d)).reshape(B, T, Hkv * d)
+        qkv = torch.cat([q, k, v], dim=-1)  # [B, T, (H + 2 H_kv) d]
+        if padding_mask is not None:  # padding must not reach the convolution windows of real tokens
+            qkv = qkv * padding_mask.unsqueeze(-1).to(qkv.dtype)
+        if cu_seqlens is None:
+            qkv, tail = self.short_conv(qkv, tail)
+        else:
+            qkv, tail = self.short_conv_packed(qkv, cu_seqlens), None
+        if self.settings.feature_map == "silu":
+            qkv = F.silu(qkv)
+        q, k, v = qkv.split([H * d, Hkv * d, Hkv * d], dim=-1)
+        q = q.view(B, T, Hkv, H // Hkv, d)  # [B, T, H_kv, G, d]
+        k = k.view(B, T, Hkv, d)  # [B, T, H_kv, d]
+        v = v.view(B, T, Hkv, d)
+        q, k = l2_normalize(q), l2_normalize(k)
+        beta_x, gamma_x, alpha = self.gate_inputs(x)
+        alpha = alpha.view(B, T, Hkv, H // Hkv)  # [B, T, H_kv, G]
+        return (q, k, v, alpha, beta_x, gamma_x), tail
+
     def mix(
         self,
         hidden_states: torch.Tensor,
@@ -374,36 +409,15 @@ class SILAMixer(Mixer):
             return self.forward_packed(hidden_states, cu_seqlens)
         x = hidden_states  # [B, T, hidden]
         B, T, _ = x.shape
-        H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         state = self.load_state(cache)
         memory, tail = state if state is not None else (None, None)
-
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.use_qk_norm:  # the teacher's q/k norms act on its projections, so they come first
-            q = self.q_norm(q.view(B, T, H, d)).reshape(B, T, H * d)
-            k = self.k_norm(k.view(B, T, Hkv, d)).reshape(B, T, Hkv * d)
-        qkv = torch.cat([q, k, v], dim=-1)  # [B, T, (H + 2 H_kv) d]
-        if padding_mask is not None:  # padding must not reach the convolution windows of real tokens
-            qkv = qkv * padding_mask.unsqueeze(-1).to(qkv.dtype)
-        if cu_seqlens is None:
-            qkv, tail = self.short_conv(qkv, tail)
-        else:
-            qkv = self.short_conv_packed(qkv, cu_seqlens)
-        if self.settings.feature_map == "silu":
-            qkv = F.silu(qkv)
-        q, k, v = qkv.split([H * d, Hkv * d, Hkv * d], dim=-1)
-        q = q.view(B, T, Hkv, H // Hkv, d)  # [B, T, H_kv, G, d]
-        k = k.view(B, T, Hkv, d)  # [B, T, H_kv, d]
-        v = v.view(B, T, Hkv, d)
-        q, k = l2_normalize(q), l2_normalize(k)
-        beta_x, gamma_x, alpha = self.gate_inputs(x)
-        alpha = alpha.view(B, T, Hkv, H // Hkv)  # [B, T, H_kv, G]
+        inputs, tail = self.recurrence_inputs(x, tail, padding_mask, cu_seqlens)
         mask = padding_mask.bool() if padding_mask is not None else None
-        args = (q, k, v, alpha, beta_x, gamma_x, self.beta_state_weight, self.gamma_state_weight, memory, mask)
+        args = (*inputs, self.beta_state_weight, self.gamma_state_weight, memory, mask)
         if cu_seqlens is not None:  # packed documents: one sequence of B * T tokens cut at cu_seqlens
             packed = [t.flatten(0, 1).unsqueeze(0) for t in args[:6]]
             o, _ = kernels.fused_recurrent_sila(*packed, *args[6:8], cu_seqlens=cu_seqlens)
-            return self.project_out(o.to(x.dtype).reshape(B, T, H * d), x)
+            return self.project_out(o.to(x.dtype).reshape(B, T, -1), x)
         if kernels is not None:  # Triton: one fused recurrent kernel for training, prefill and decode steps
             o, memory = kernels.fused_recurrent_sila(*args, output_final_state=True)
         elif T == 1 and memory is not None:
@@ -411,7 +425,7 @@ class SILAMixer(Mixer):
         else:
             o, memory = sila_chunked(*args, chunk_size=self.settings.chunk_size)
         self.save_state(cache, (memory, tail), num_tokens=T)
-        return self.project_out(o.to(x.dtype).reshape(B, T, H * d), x)
+        return self.project_out(o.to(x.dtype).reshape(B, T, -1), x)
 
 
 MIXER = MixerSpec(

@@ -440,6 +440,12 @@ class SSEMixer(Mixer):
         kbar = (probs * real).sum((0, 1)) / count  # [H_kv, N]
         return s.balance_coef * s.num_partitions / s.top_k * (f * kbar).sum(-1).mean()
 
+    def partition_scores(self, x: torch.Tensor) -> torch.Tensor:
+        """The router's scores e_t [B, T, H_kv, N] of hidden states x [B, T, hidden], in float32 at least."""
+        B, T, _ = x.shape
+        dtype = torch.promote_types(x.dtype, torch.float32)  # routing and the state in float32 at least
+        return F.linear(x, self.partition_weight).view(B, T, self.num_kv_heads, self.settings.num_partitions).to(dtype)
+
     def partition_inputs(self, x, scores, padding_mask):
         """Queries, keys, log-gates and indices of the partitions each token touches (see `sse_recurrent`).
 
@@ -496,8 +502,7 @@ class SSEMixer(Mixer):
         x = hidden_states  # [B, T, hidden]
         B, T, _ = x.shape
         s = self.settings
-        dtype = torch.promote_types(x.dtype, torch.float32)  # routing and the state in float32 at least
-        scores = F.linear(x, self.partition_weight).view(B, T, self.num_kv_heads, s.num_partitions).to(dtype)  # e_t
+        scores = self.partition_scores(x)  # e_t
         q, k, log_g, idx, top = self.partition_inputs(x, scores, padding_mask)
         self.aux_loss = self.balance_loss(scores, top, padding_mask)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)

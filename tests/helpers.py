@@ -28,33 +28,26 @@ def site_packages() -> list[str]:
     return [p for p in sys.path if Path(p).name in ("site-packages", "dist-packages")]
 
 
-def run_without_toolkit(code: str, cwd: Path) -> dict:
-    """Run `code` with `python -S` (no .pth files, so no editable install) and only site-packages on the path.
+def run_python(code: str, cwd: Path, env: dict[str, str], flags: tuple[str, ...] = ()) -> dict:
+    """Run `code` in a fresh interpreter (started with `flags`, under `env`, offline, with its own module cache for
+    the code models carry) in `cwd`.
 
     The snippet sees `result` (a dict) and whatever it stores there is returned, and `output_cache(out)`, the cache
-    of a model or generate() output under the installed transformers' field name. It first proves that none of the
-    toolkit's packages can be imported.
+    of a model or generate() output under the installed transformers' field name.
     """
     prelude = textwrap.dedent(
-        f"""
+        """
         import importlib.util, json, sys
-        visible = [name for name in {TOOLKIT_PACKAGES!r} if importlib.util.find_spec(name) is not None]
-        assert not visible, f"toolkit packages importable in the isolated process: {{visible}}"
-        result = {{}}
+        result = {}
         def output_cache(out):
             return out["cache"] if "cache" in out else out["past_key_values"]
         """
     )
     result_file = cwd / "isolated_result.json"
     epilogue = f"\nopen({str(result_file)!r}, 'w').write(json.dumps(result))\n"
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")} | {
-        "PYTHONPATH": os.pathsep.join(site_packages()),
-        "HF_HUB_OFFLINE": "1",
-        "HF_MODULES_CACHE": str(cwd / "hf_modules"),
-        "TRANSFORMERS_VERBOSITY": "error",
-    }
+    env = env | {"HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(cwd / "hf_modules"), "TRANSFORMERS_VERBOSITY": "error"}
     proc = subprocess.run(
-        [sys.executable, "-S", "-c", prelude + textwrap.dedent(code) + epilogue],
+        [sys.executable, *flags, "-c", prelude + textwrap.dedent(code) + epilogue],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -63,3 +56,17 @@ def run_without_toolkit(code: str, cwd: Path) -> dict:
     )
     assert proc.returncode == 0, f"isolated process failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return json.loads(result_file.read_text())
+
+
+def run_without_toolkit(code: str, cwd: Path) -> dict:
+    """`run_python` with `python -S` (no .pth files, so no editable install) and only site-packages on the path. It
+    first proves that none of the toolkit's packages can be imported."""
+    guard = textwrap.dedent(
+        f"""
+        visible = [name for name in {TOOLKIT_PACKAGES!r} if importlib.util.find_spec(name) is not None]
+        assert not visible, f"toolkit packages importable in the isolated process: {{visible}}"
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
+    env["PYTHONPATH"] = os.pathsep.join(site_packages())
+    return run_python(guard + textwrap.dedent(code), cwd, env, flags=("-S",))

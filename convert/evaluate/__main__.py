@@ -86,13 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speed-lengths", type=parse_lengths, default=d.speed_lengths, help="e.g. 1k,4k,16k,64k")
     p.add_argument("--no-pictures", dest="pictures", action="store_false", help="skip the mixer pictures")
     p.add_argument("--picture-length", type=_positive, default=d.picture_length)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", help="cuda, cpu, ... (default: cuda when available)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
         "--attention-window",
         type=_positive,
-        default=None,
+        default=d.attention_window,
         help="a hybrid's kept attention layers attend within this many tokens (default: as converted)",
     )
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _flags(message: str) -> str:
     """A message from the evaluation, with EvalRequest's field names as the flags that set them."""
-    for name in EvalRequest.__dataclass_fields__:
+    for name in EvalRequest.model_fields:
         message = re.sub(rf"\b{name}\b(?=\s*=)", "--" + name.replace("_", "-"), message)
     return message
 

@@ -27,10 +27,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from raven_layers.cache import output_cache
-from raven_layers.sila import l2_normalize, sila_recurrent
+from raven_layers.sila import sila_recurrent
 
 # Slot categories of `slot_allocation`, with the colours of the Raven paper's Figures 6 and 7.
 NEVER, SPECIAL_ONLY, OTHER_ONLY, BOTH = 0, 1, 2, 3
@@ -176,37 +175,17 @@ def slot_allocation(writes: torch.Tensor, special_token_mask) -> torch.Tensor:
     return category
 
 
-def sila_recurrence_inputs(mixer, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The arguments `SILAMixer.forward` hands its recurrence for a fresh sequence x [1, T, hidden] (no cache, no
-    padding): (q [1, T, H_kv, G, d], k, v [1, T, H_kv, d], alpha [1, T, H_kv, G], beta_x, gamma_x [1, T, H_kv],
-    w_beta, w_gamma [H_kv, d]), in the order `sila_recurrent` takes them."""
-    B, T, _ = x.shape
-    H, Hkv, d = mixer.num_heads, mixer.num_kv_heads, mixer.head_dim
-    q, k, v = mixer.q_proj(x), mixer.k_proj(x), mixer.v_proj(x)
-    if mixer.use_qk_norm:
-        q = mixer.q_norm(q.view(B, T, H, d)).reshape(B, T, H * d)
-        k = mixer.k_norm(k.view(B, T, Hkv, d)).reshape(B, T, Hkv * d)
-    qkv, _ = mixer.short_conv(torch.cat([q, k, v], dim=-1), None)  # [B, T, (H + 2 H_kv) d]
-    if mixer.settings.feature_map == "silu":
-        qkv = F.silu(qkv)
-    q, k, v = qkv.split([H * d, Hkv * d, Hkv * d], dim=-1)
-    q = l2_normalize(q.view(B, T, Hkv, H // Hkv, d))
-    k = l2_normalize(k.view(B, T, Hkv, d))
-    v = v.view(B, T, Hkv, d)
-    beta_x, gamma_x, alpha = mixer.gate_inputs(x)
-    alpha = alpha.view(B, T, Hkv, H // Hkv)
-    return q, k, v, alpha, beta_x, gamma_x, mixer.beta_state_weight, mixer.gamma_state_weight
-
-
 def sila_input_gate_trace(model, input_ids, layer: int) -> torch.Tensor:
     """[T, H_kv] float: SILA's input gate beta_t = sigmoid(W_b1 M_{t-1} k_t + W_b2 x_t + b) per token and kv head.
 
     Exact, memory-dependent term included: the memory M_{t-1} each token sees comes from stepping the public
-    `sila_recurrent` one token at a time (M_{-1} = 0), as the mixer's decode path does.
+    `sila_recurrent` one token at a time (M_{-1} = 0), as the mixer's decode path does, on the inputs the mixer's
+    own `recurrence_inputs` gives it.
     """
     mixer, x = _layer_input(model, input_ids, layer, "sila")
+    w_beta, w_gamma = mixer.beta_state_weight, mixer.gamma_state_weight
     with _eval_mode(model):
-        q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma = sila_recurrence_inputs(mixer, x)
+        (q, k, v, alpha, beta_x, gamma_x), _ = mixer.recurrence_inputs(x)
         dtype = torch.promote_types(q.dtype, torch.float32)  # the recurrence's dtype
         memory = k.new_zeros(1, mixer.num_kv_heads, v.shape[-1], k.shape[-1], dtype=dtype)  # M_{-1} = 0
         betas = []
@@ -225,17 +204,15 @@ def sila_input_gate_trace(model, input_ids, layer: int) -> torch.Tensor:
 def sse_partition_usage(model, input_ids, layer: int) -> torch.Tensor:
     """[H_kv, N] float: the fraction of tokens writing each routed partition (its top-k); per head it sums to k.
 
-    The shared partition, written by every token, is left out. Recomputed with the mixer's `partition_inputs`.
+    The shared partition, written by every token, is left out. Recomputed with the mixer's `partition_scores` and
+    `partition_inputs`.
     """
     mixer, x = _layer_input(model, input_ids, layer, "sse")
-    B, T, _ = x.shape
-    N = mixer.settings.num_partitions
     with _eval_mode(model):
-        dtype = torch.promote_types(x.dtype, torch.float32)
-        scores = F.linear(x, mixer.partition_weight).view(B, T, mixer.num_kv_heads, N).to(dtype)  # e_t
+        scores = mixer.partition_scores(x)  # e_t, [1, T, H_kv, N]
         top = mixer.partition_inputs(x, scores, None)[-1]  # [1, T, H_kv, k]
     chosen = torch.zeros_like(scores).scatter(-1, top, 1.0)  # [1, T, H_kv, N]
-    return (chosen.sum((0, 1)) / T).float().cpu()
+    return (chosen.sum((0, 1)) / x.shape[1]).float().cpu()
 
 
 def singular_value_entropy(matrices: torch.Tensor) -> torch.Tensor:

@@ -475,6 +475,25 @@ def load_for_evaluation(src: str, dtype: str = "auto", device: str | None = None
     return model.to(device).eval(), source.load_tokenizer()
 
 
+def compare_models(args, measure, table, plot) -> dict:
+    """What the comparison commands (`python -m convert.evaluate.perplexity` and `.speed`) do with their models:
+    load each `--model` in turn (args.dtype, args.device), measure(model, tokenizer) it and free it before the next;
+    then print table(results), write them to `--out` as JSON and plot(results, path) them to `--plot`, where given.
+    Returns {model: result}."""
+    results = {}
+    for src in args.model:
+        model, tokenizer = load_for_evaluation(src, args.dtype, args.device)
+        results[src] = measure(model, tokenizer)
+        del model
+        _free(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    print(table(results))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    if args.plot:
+        plot(results, args.plot)
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m convert.evaluate.perplexity", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", action="append", required=True, help="repeatable; Hub id, directory or .gguf")
@@ -490,19 +509,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--plot", default=None, help="PNG of the loss curves")
     args = p.parse_args(argv)
     texts = load_texts(args.data, args.max_documents)
-    results = {}
-    for src in args.model:
-        model, tokenizer = load_for_evaluation(src, args.dtype, args.device)
-        results[src] = perplexity(
-            model, tokenizer, texts, args.lengths, args.max_windows, args.batch_size, args.curve_points
-        )
-        del model
-        _free(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
-    print(format_perplexity_table(results))
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
-    if args.plot:
-        plot_loss_curve(results, args.plot)
+
+    def measure(model, tokenizer):
+        return perplexity(model, tokenizer, texts, args.lengths, args.max_windows, args.batch_size, args.curve_points)
+
+    compare_models(args, measure, format_perplexity_table, plot_loss_curve)
 
 
 if __name__ == "__main__":

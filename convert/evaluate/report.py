@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from raven_layers.registry import import_object
@@ -21,36 +20,8 @@ from ..files import write_json
 from .perplexity import format_perplexity_table, load_for_evaluation, load_texts, perplexity, plot_loss_curve, run_info
 from .pictures import PictureContext
 from .retrieval import build_samples, format_table, plot_niah_heatmap, run_retrieval, save_results, summarize
+from .settings import EvalRequest
 from .speed import format_speed_table, measure_speed, plot_speed
-
-
-@dataclass
-class EvalRequest:
-    """What to evaluate; every part but retrieval is optional. Lengths are in tokens of the model's tokenizer."""
-
-    model: str  # Hub id, model directory (teacher or exported hybrid) or .gguf file
-    out: Path
-    tasks: list[str] = field(default_factory=lambda: ["passkey", "niah_single_2"])
-    variants: list[str] = field(default_factory=lambda: ["standard"])
-    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
-    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
-    samples: int = 4  # per (length, depth) cell
-    batch_size: int = 8
-    haystack_dir: str | None = None  # Paul Graham essays (default: $RAVEN_HAYSTACK_DIR)
-    # Plain completion prompts by default: SmolLM2-135M-Instruct inside its chat template answers the pass key at
-    # 1K but drifts off at 2K (0% vs 95% plain, H100, 20 samples); None uses the tokenizer's template if any.
-    chat_template: bool | None = False
-    ppl_data: str | None = None  # .txt / .jsonl(.gz) file or directory; None skips perplexity
-    ppl_lengths: list[int] = field(default_factory=lambda: [512, 2048])
-    ppl_windows: int = 8
-    speed_lengths: list[int] = field(default_factory=list)  # empty skips the speed part
-    pictures: bool = True  # mixer pictures, for hybrids
-    picture_length: int = 1024
-    dtype: str = "auto"
-    device: str | None = None
-    seed: int = 0
-    # a hybrid's kept attention layers attend within this many tokens (None: as the model was converted)
-    attention_window: int | None = None
 
 
 def mixer_pictures(model, tokenizer, request: EvalRequest, out: Path) -> dict[str, str]:
@@ -113,7 +84,7 @@ def evaluate_model(request: EvalRequest, log=print, resume: bool = False) -> dic
             )
         model.set_attention_window(request.attention_window)
     name = Path(request.model).name or request.model
-    report = {"request": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(request).items()}}
+    report = {"request": request.model_dump(mode="json")}
     report |= {"model_stamp": model_stamp(request.model), "run": run_info(model), "retrieval": {}, "finished": []}
     earlier = _earlier_report(out, report, log) if resume else None
     if earlier is not None:

@@ -22,7 +22,6 @@ Command line:
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import sys
@@ -34,7 +33,7 @@ from torch import nn
 
 from raven_layers.cache import cache_argument, output_cache
 
-from .perplexity import OutOfMemory, _free, _sync, load_for_evaluation, model_device, parse_lengths, run_info
+from .perplexity import OutOfMemory, _free, _sync, compare_models, model_device, parse_lengths, run_info
 
 MiB = 1024**2
 
@@ -379,19 +378,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=None, help="JSON file for {model: [entries]}")
     p.add_argument("--plot", default=None, help="PNG of the three panels")
     args = p.parse_args(argv)
-    results = {}
-    for src in args.model:
-        model, _ = load_for_evaluation(src, args.dtype, args.device)
-        results[src] = measure_speed(
-            model, args.lengths, args.batch_size, args.decode_tokens, args.warmup, args.repeats
-        )
-        del model
-        _free(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
-    print(format_speed_table(results))
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
-    if args.plot:
-        plot_speed(results, args.plot)
+
+    def measure(model, _tokenizer):
+        return measure_speed(model, args.lengths, args.batch_size, args.decode_tokens, args.warmup, args.repeats)
+
+    compare_models(args, measure, format_speed_table, plot_speed)
 
 
 if __name__ == "__main__":

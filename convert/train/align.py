@@ -11,7 +11,6 @@ received and the output it produced; each mixer then sees that same input and is
 from __future__ import annotations
 
 import itertools
-import math
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -24,17 +23,9 @@ from torch import nn
 
 from convert.console import eta
 from convert.train.checkpoint import latest_checkpoint, save_checkpoint
+from convert.train.common import converted_layers, lr_at, mixer_parameters, model_inputs
+from convert.train.losses import alignment_mse
 from raven_layers.modeling_hybrid import find_packed_documents
-
-
-def converted_layers(hybrid) -> list[int]:
-    """Indices of the layers whose attention became a mixer."""
-    return [i for i, kind in enumerate(hybrid.config.layer_mixers) if kind != "attention"]
-
-
-def mixer_parameters(hybrid) -> list[nn.Parameter]:
-    """Every parameter of the converted layers' mixers (the only ones stage 1 trains)."""
-    return [p for i in converted_layers(hybrid) for p in hybrid.model.layers[i].self_attn.parameters()]
 
 
 @contextmanager
@@ -76,17 +67,8 @@ def alignment_losses(teacher, hybrid, input_ids, attention_mask=None, position_i
     for i in layers:
         x, y = captured[i]
         out, _ = hybrid.model.layers[i].self_attn(x.to(hybrid.dtype), **extra)
-        err = (out.float() - y.float()).pow(2).mean(-1)  # [B, T]
-        losses[i] = err.mean() if real is None else (err * real).sum() / real.sum().clamp(min=1)
+        losses[i] = alignment_mse(out, y, real)
     return losses
-
-
-def _inputs(batch: dict, device) -> dict:
-    """The model inputs of a batch: packed rows (position_ids) or padded ones (attention_mask), on `device`."""
-    if "position_ids" in batch:
-        return {"input_ids": batch["input_ids"].to(device), "position_ids": batch["position_ids"].to(device)}
-    mask = batch.get("attention_mask")
-    return {"input_ids": batch["input_ids"].to(device), "attention_mask": None if mask is None else mask.to(device)}
 
 
 @torch.no_grad()
@@ -97,7 +79,7 @@ def validation_losses(teacher, hybrid, batches: Iterable[dict]) -> dict:
     sums, count = {}, 0
     try:
         for batch in batches:
-            for i, loss in alignment_losses(teacher, hybrid, **_inputs(batch, teacher.device)).items():
+            for i, loss in alignment_losses(teacher, hybrid, **model_inputs(batch, teacher.device)).items():
                 sums[i] = sums.get(i, 0.0) + loss.item()
             count += 1
     finally:
@@ -190,12 +172,6 @@ def align(
     params = list(named.values())
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
 
-    def lr_at(step: int) -> float:
-        if step < warmup_steps:
-            return lr * (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, steps - warmup_steps)
-        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
-
     history, first = [], 0
     resumed = (
         None if out_dir is None else latest_checkpoint(out_dir, warn=lambda m: print(f"[align] {m}", file=sys.stderr))
@@ -212,9 +188,10 @@ def align(
     start, tokens, first_step_seconds = time.perf_counter(), 0, 0.0
     try:
         for step, batch in zip(range(first, steps), batches):
+            step_lr = lr_at(step, lr, steps, warmup_steps)
             for group in optimizer.param_groups:
-                group["lr"] = lr_at(step)
-            inputs = _inputs(batch, teacher.device)
+                group["lr"] = step_lr
+            inputs = model_inputs(batch, teacher.device)
             with autocast:
                 losses = alignment_losses(teacher, hybrid, **inputs)
             bad = [i for i, loss in losses.items() if not torch.isfinite(loss)]
@@ -233,7 +210,7 @@ def align(
             if step == first:  # the first step compiles kernels and allocates: the rate counts from its end
                 first_step_seconds, start, tokens = now - start, now, 0
             record = {"step": step, "loss": total.item(), "layers": {i: v.item() for i, v in losses.items()}}
-            history.append(record | {"tokens_per_second": rate, "lr": lr_at(step)})
+            history.append(record | {"tokens_per_second": rate, "lr": step_lr})
             if log_every and (step % log_every == 0 or step == steps - 1):
                 per_step = (now - start) / (step - first) if step > first else first_step_seconds
                 print(

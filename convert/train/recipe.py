@@ -20,6 +20,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from convert.evaluate.settings import EvaluateSettings
 from convert.layer_spec import ACCEPTED_FORMS, LayerSpecError, parse_layer_spec
 from convert.train.retrieval_data import RetrievalMix
 from convert.train.stage2 import MixedPrecision, TrainConfig
@@ -125,52 +126,6 @@ class ExtendSettings(TrainConfig):
 
     seq_len: int = Field(ge=2, description="tokens per packed row in this phase")
     steps: int = Field(ge=1, description="optimizer steps of this phase")
-
-
-class EvaluateSettings(_Strict):
-    """Fields of convert.evaluate.EvalRequest (model and out are set by the pipeline)."""
-
-    tasks: list[str] = Field(default_factory=lambda: ["passkey", "niah_single_2"], min_length=1)
-    variants: list[Literal["standard", "no_inst", "strong_inst"]] = Field(default_factory=lambda: ["standard"])
-    lengths: list[int] = Field(default_factory=lambda: [1024, 2048, 4096], min_length=1)
-    depths: list[float] = Field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0], min_length=1)
-    samples: int = Field(4, ge=1)
-    batch_size: int = Field(8, ge=1)
-    haystack_dir: str | None = None
-    chat_template: bool | None = False
-    ppl_data: str | None = None
-    ppl_lengths: list[int] = Field(default_factory=lambda: [512, 2048])
-    ppl_windows: int = Field(8, ge=1)
-    speed_lengths: list[int] = Field(default_factory=list)
-    pictures: bool = True
-    picture_length: int = Field(1024, ge=1)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    seed: int = 0
-    attention_window: int | None = Field(None, ge=1)  # kept attention layers as sliding windows at evaluation
-
-    @field_validator("tasks")
-    @classmethod
-    def _tasks(cls, value: list[str]) -> list[str]:
-        from convert.evaluate.needles import TASKS
-
-        unknown = [t for t in value if t not in TASKS]
-        if unknown:
-            raise ValueError(f"unknown task(s) {unknown}; allowed: {', '.join(TASKS)}")
-        return value
-
-    @field_validator("lengths", "ppl_lengths", "speed_lengths")
-    @classmethod
-    def _positive(cls, value: list[int]) -> list[int]:
-        if any(v < 1 for v in value):
-            raise ValueError(f"lengths must be >= 1, got {value}")
-        return value
-
-    @field_validator("depths")
-    @classmethod
-    def _depths(cls, value: list[float]) -> list[float]:
-        if any(not 0 <= v <= 1 for v in value):
-            raise ValueError(f"depths must lie in [0, 1], got {value}")
-        return value
 
 
 class ExportSettings(_Strict):

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import math
 import re
 import sys
 import time
@@ -45,14 +44,15 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from torch import nn
 from torch.utils.data import Dataset
 
 from convert.console import eta
 from convert.train.checkpoint import latest_checkpoint, save_checkpoint
+from convert.train.common import attention_layers, lr_at, mixer_parameters, model_inputs
 from convert.train.data import PackedDataset, batch_iterator
+from convert.train.losses import aux_loss, ce_loss, kd_loss, prediction_mask, training_loss
 from convert.train.token_weights import schedule_weights
 
 # "no" or "bf16"; YAML reads a bare `no` as false, which means "no" here
@@ -98,10 +98,6 @@ class TrainConfig(BaseModel):
         return value
 
 
-def mixer_layers(model) -> list[int]:
-    return [i for i, kind in enumerate(model.config.layer_mixers) if kind != "attention"]
-
-
 def _lora_layer_type():
     from peft.tuners.lora import LoraLayer
 
@@ -114,7 +110,7 @@ def add_lora(model, config: TrainConfig) -> None:
 
     if any(isinstance(m, _lora_layer_type()) for m in model.modules()):
         return
-    kept = [str(i) for i, kind in enumerate(model.config.layer_mixers) if kind == "attention"]
+    kept = [str(i) for i in attention_layers(model)]
     if not kept:
         return
     names = "|".join(re.escape(t) for t in config.lora_targets)
@@ -144,52 +140,13 @@ def select_trainable(model, config: TrainConfig) -> list[nn.Parameter]:
     if config.trainable == "all":
         chosen = set(id(p) for p in model.parameters())
     else:
-        chosen = {id(p) for i in mixer_layers(model) for p in model.model.layers[i].self_attn.parameters()}
+        chosen = {id(p) for p in mixer_parameters(model)}
         if config.trainable == "mixers+lora":
             add_lora(model, config)
             chosen |= {id(p) for n, p in model.named_parameters() if is_lora(n)}
     for p in model.parameters():
         p.requires_grad_(id(p) in chosen)
     return [p for p in model.parameters() if p.requires_grad]
-
-
-def kd_loss(student_logits, teacher_logits, temperature: float = 1.0, mask=None) -> torch.Tensor:
-    """T^2 * KL(teacher || student) of softmax(logits / T), summed over the vocabulary and averaged over tokens
-    (those with mask == 1 when given). Zero when the logits agree."""
-    log_s = F.log_softmax(student_logits.float() / temperature, dim=-1)
-    log_t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
-    kl = (log_t.exp() * (log_t - log_s)).sum(-1)  # [B, T]
-    if mask is None:
-        return kl.mean() * temperature**2
-    mask = mask.to(kl.dtype)
-    return (kl * mask).sum() / mask.sum().clamp(min=1) * temperature**2
-
-
-def prediction_mask(batch: dict) -> torch.Tensor:
-    """[B, T]: 1 where position t makes a prediction that counts: t and t + 1 are real tokens of one document."""
-    mask = batch["attention_mask"]
-    keep = mask[:, :-1] * mask[:, 1:]
-    if "document_ids" in batch:
-        keep = keep * (batch["document_ids"][:, 1:] == batch["document_ids"][:, :-1])
-    return F.pad(keep, (0, 1))
-
-
-def model_inputs(batch: dict) -> dict:
-    """Packed rows go in as transformers' packed sequences (position_ids), padded ones with their mask."""
-    if "position_ids" in batch:
-        return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
-    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
-
-
-def ce_loss(logits, input_ids, mask, weights=None) -> torch.Tensor:
-    """Next-token cross-entropy: position t predicts input_ids[:, t + 1]; weights [B, T] scale position t's loss.
-    mask [B, T] is 1 where position t's prediction counts (see prediction_mask). Averaged over those predictions
-    (a weighted sum over their count when weights are given)."""
-    ce = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), input_ids[:, 1:], reduction="none")  # [B, T-1]
-    real = mask[:, :-1].to(ce.dtype)
-    if weights is not None:
-        ce = ce * weights[:, :-1].to(ce)
-    return (ce * real).sum() / real.sum().clamp(min=1)
 
 
 class _Indexed(Dataset):
@@ -227,16 +184,6 @@ def _save(accelerator, out_dir, step: int, tokens_seen: int, config: TrainConfig
     )
 
 
-def lr_at(config: TrainConfig, step: int) -> float:
-    """Learning rate of (0-based) optimizer step `step`."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    if config.schedule == "constant":
-        return config.lr
-    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
-    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
-
-
 def _micro_batches(dataset, config: TrainConfig, accelerator, start_step: int):
     """This process's slice of every global micro-batch, from optimizer step `start_step` on (forever)."""
     n, rank, b = accelerator.num_processes, accelerator.process_index, config.batch_size
@@ -263,7 +210,7 @@ def validation_ce(model, dataset, config: TrainConfig, accelerator) -> float:
             batch = {k: v[rank * b : (rank + 1) * b].to(accelerator.device) for k, v in batch.items()}
             mask = prediction_mask(batch)
             with accelerator.autocast():
-                logits = model(**model_inputs(batch)).logits
+                logits = model(**model_inputs(batch), use_cache=False).logits
             count = mask[:, :-1].sum()
             total += torch.stack([ce_loss(logits, batch["input_ids"], mask) * count, count.float()])
     finally:
@@ -347,14 +294,14 @@ def train(
 
     history, clock, timed_tokens = [], time.perf_counter(), 0
     for step in range(start_step + 1, config.steps + 1):
-        lr = lr_at(config, step - 1)
+        lr = lr_at(step - 1, config.lr, config.steps, config.warmup_steps, config.schedule)
         for group in optimizer.param_groups:
             group["lr"] = lr
         sums = {"loss": 0.0, "ce": 0.0, "kd": 0.0, "aux": 0.0}
         local_tokens = 0
         for micro in range(config.grad_accum):
             batch = {k: v.to(device) for k, v in next(batches).items()}
-            ids, inputs, mask = batch["input_ids"], model_inputs(batch), prediction_mask(batch)
+            ids, inputs, mask = batch["input_ids"], model_inputs(batch) | {"use_cache": False}, prediction_mask(batch)
             sync = micro == config.grad_accum - 1
             with contextlib.nullcontext() if sync else accelerator.no_sync(model):
                 out = model(**inputs)
@@ -369,11 +316,11 @@ def train(
                     with torch.no_grad(), accelerator.autocast():
                         teacher_logits = teacher(**inputs).logits
                     parts["kd"] = kd_loss(out.logits, teacher_logits, config.kd_temperature, mask)
-                aux = getattr(out, "aux_loss", None)
+                aux = aux_loss(out)
                 if aux is not None:
-                    parts["aux"] = aux.float()
+                    parts["aux"] = aux
                 check(parts, step, "loss")
-                total = parts["ce"] + config.kd_weight * parts.get("kd", 0.0) + parts.get("aux", 0.0)
+                total = training_loss(parts, config.kd_weight)
                 accelerator.backward(total)
             for name, value in parts.items():
                 sums[name] += value.item() / config.grad_accum

@@ -203,9 +203,12 @@ def _load_teacher(recipe: Recipe):
 
 
 def _load_hybrid(model_dir: Path):
-    from transformers import AutoModelForCausalLM
+    """The hybrid in `model_dir` as the toolkit's own HybridForCausalLM (its kernels, its mixer registry), whatever
+    was imported or loaded before in this process: never the copy of the code the directory carries, which
+    AutoModelForCausalLM with trust_remote_code would pick where nothing registered the toolkit's classes."""
+    from raven_layers import HybridForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), trust_remote_code=True).to(_device())
+    return HybridForCausalLM.from_pretrained(str(model_dir)).to(_device())
 
 
 def _dataset(recipe: Recipe, run_dir: Path, model_dir: Path, seq_len: int | None = None):
@@ -274,17 +277,8 @@ def _stage_align(recipe: Recipe, run_dir: Path, done: dict) -> dict:
         teacher,
         hybrid,
         lambda first: batch_iterator(train_rows, settings.batch_size, settings.seed, start_step=first),
-        settings.steps,
-        lr=settings.lr,
-        weight_decay=settings.weight_decay,
-        grad_clip=settings.grad_clip,
-        warmup_steps=settings.warmup_steps,
-        log_every=settings.log_every,
-        mixed_precision=settings.mixed_precision,
         out_dir=run_dir / "align",
-        save_every=settings.save_every,
-        keep_checkpoints=settings.keep_checkpoints,
-        seed=settings.seed,
+        **settings.model_dump(exclude={"batch_size"}),  # the recipe's align fields are align()'s arguments
     )
     after = validation_losses(teacher, hybrid, held_out) if held_out else None
     _save_model(hybrid, model_dir, run_dir / "align" / "model", recipe.source)

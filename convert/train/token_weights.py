@@ -34,7 +34,6 @@ Choices where the paper leaves room (line numbers are those of the paper's text,
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -45,6 +44,7 @@ from torch import Tensor
 
 from convert.console import eta
 from convert.train.checkpoint import latest_checkpoint, save_checkpoint
+from raven_layers.architectures import get_architecture
 from raven_layers.modeling_hybrid import find_packed_documents
 
 
@@ -122,30 +122,6 @@ def token_weights_naive(
     return _finish(distance_sum, n_layers * n_heads, real, lam)
 
 
-def _queries_keys(attn, hidden: Tensor, position_embeddings: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-    """Recompute a standard attention module's RoPE'd queries [B, H, T, d] and keys [B, Hkv, T, d] from its input.
-
-    Follows the Llama/Mistral/Qwen2/Qwen3 forward: projections, optional q_norm/k_norm (Qwen3: over the head dim),
-    then the module's own `apply_rotary_pos_emb`.
-    """
-    head_dim = attn.head_dim
-    shape = (*hidden.shape[:-1], -1, head_dim)
-    q, k = attn.q_proj(hidden), attn.k_proj(hidden)  # [B, T, H * d], [B, T, Hkv * d]
-    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    per_head = q_norm is not None and getattr(q_norm, "weight", None) is not None and q_norm.weight.numel() == head_dim
-    if q_norm is not None and not per_head:  # a norm over the whole projection (OLMo-2 style)
-        q, k = q_norm(q), k_norm(k)
-    q, k = q.view(shape), k.view(shape)  # [B, T, H, d], [B, T, Hkv, d]
-    if per_head:
-        q, k = q_norm(q), k_norm(k)
-    q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, d], [B, Hkv, T, d]
-    rope = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
-    if rope is None:
-        raise TypeError(f"{type(attn).__name__}: no apply_rotary_pos_emb in {type(attn).__module__}")
-    cos, sin = position_embeddings
-    return rope(q, k, cos, sin)
-
-
 def _sliding_window(attn) -> int | None:
     """The layer's attention window: the module's own `sliding_window` (Qwen2/Qwen3 per layer type), else the
     config's (Mistral windows every layer through the mask), else None."""
@@ -203,7 +179,8 @@ def _layer_distance(
 
 
 def _decoder(model):
-    """The causal LM's decoder stack (`model.model` for Llama/Qwen/Mistral) and its attention modules."""
+    """The causal LM's decoder stack (`model.model` for Llama/Qwen/Mistral), its attention modules and its
+    architecture's adapter (architectures.py), which recomputes their queries and keys."""
     base = getattr(model, "base_model", model)
     layers = getattr(base, "layers", None)
     if layers is None:
@@ -212,7 +189,7 @@ def _decoder(model):
     bad = [i for i, a in enumerate(attns) if a is None or not (hasattr(a, "q_proj") and hasattr(a, "k_proj"))]
     if bad:
         raise TypeError(f"layers {bad} have no standard self_attn with q_proj/k_proj: not a reference Transformer")
-    return base, attns
+    return base, attns, get_architecture(model.config.model_type)
 
 
 @torch.no_grad()
@@ -228,10 +205,11 @@ def token_weights(
     """Algorithm 1 on a reference causal LM, without ever holding its full [L, H, T, T] attention.
 
     One forward of the decoder stack (no LM head, no cache); a forward pre-hook on every layer's `self_attn` takes
-    its input hidden states and (cos, sin), recomputes queries and keys as the module does (projections, Qwen3's
-    q_norm/k_norm, RoPE, GQA), and streams over blocks of `query_block` queries: causal, padding-aware and
-    windowed softmax in float32, sink column zeroed, weights < tau dropped, weighted distance summed. Only
-    [B, H, query_block, T] probabilities live at a time. The model's own attention runs as loaded: load the
+    its input hidden states and (cos, sin), recomputes queries and keys as the module does (the architecture's
+    adapter, see raven_layers/architectures.py: projections, Qwen3's q_norm/k_norm, RoPE), and streams over blocks
+    of `query_block` queries (GQA as transformers' repeat_kv): causal, padding-aware and windowed softmax in
+    float32, sink column zeroed, weights < tau dropped, weighted distance summed. Only [B, H, query_block, T]
+    probabilities live at a time. The model's own attention runs as loaded: load the
     reference with "sdpa" (or flash) attention, since "eager" builds each layer's [B, H, T, T] map by itself.
 
     input_ids [B, T]; attention_mask [B, T] (1 real, 0 pad; left or right padding). Position ids follow the mask
@@ -242,7 +220,7 @@ def token_weights(
     """
     if query_block < 1:
         raise ValueError(f"query_block must be >= 1, got {query_block}")
-    base, attns = _decoder(model)
+    base, attns, architecture = _decoder(model)
     batch, length = input_ids.shape
     device = input_ids.device
     if attention_mask is not None and position_ids is not None:
@@ -259,7 +237,7 @@ def token_weights(
             nonlocal distance_sum, n_maps
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             rope = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
-            q, k = _queries_keys(module, hidden, rope)
+            q, k = architecture.queries_keys(module, hidden, rope)
             at = q.device  # the layer's device (models spread over devices by device_map)
             distance_sum += _layer_distance(
                 q,

@@ -205,6 +205,23 @@ def test_first_token_is_the_current_token_term():
 
 
 @pytest.mark.parametrize("source_has_qk_norm", [False, True])
+def test_recurrence_inputs_are_what_the_forward_runs(source_has_qk_norm):
+    """`recurrence_inputs` (what the analysis reads) gives back the mixer's output through the recurrence, and the
+    convolution tail it returns continues the sequence as the cache does."""
+    mixer = tiny_mixer(source_has_qk_norm)
+    x = torch.randn(2, 9, 32)
+    with torch.no_grad():
+        expected, _ = mixer(x)
+        inputs, tail = mixer.recurrence_inputs(x[:, :5])
+        later, _ = mixer.recurrence_inputs(x[:, 5:], tail)
+        whole = [torch.cat(pair, dim=1) for pair in zip(inputs, later)]
+        o, _ = sila_recurrent(*whole, mixer.beta_state_weight, mixer.gamma_state_weight)
+        got, _ = mixer.project_out(o.to(x.dtype).reshape(2, 9, -1), x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert tail.shape == (2, mixer.settings.conv_size - 1, (4 + 2 * 2) * 8)
+
+
+@pytest.mark.parametrize("source_has_qk_norm", [False, True])
 def test_gradients_reach_every_parameter_from_initialisation(source_has_qk_norm):
     """Unperturbed init: no parameter is dead (gamma's bias is below phi's flat region on purpose)."""
     torch.manual_seed(0)

@@ -210,6 +210,15 @@ def test_initial_partitions_equal_the_attention_projections():
     assert 0.969 < retention.min() and retention.max() < 0.9991  # long memory at start
 
 
+def test_partition_scores_are_the_routers_logits_in_float32():
+    mixer = tiny_mixer()
+    x = torch.randn(2, 5, 32)
+    scores = mixer.partition_scores(x)
+    N = mixer.settings.num_partitions
+    torch.testing.assert_close(scores, (x @ mixer.partition_weight.T).view(2, 5, mixer.num_kv_heads, N))
+    assert mixer.to(torch.bfloat16).partition_scores(x.bfloat16()).dtype == torch.float32
+
+
 def test_loaded_parameters_are_not_reset():
     mixer = tiny_mixer()
     mixer.partition_weight._is_hf_initialized = True

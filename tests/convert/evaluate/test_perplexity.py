@@ -3,6 +3,7 @@
 import gzip
 import json
 import math
+from argparse import Namespace
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +12,14 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from convert.evaluate.perplexity import _Scorer, load_texts, perplexity, plot_loss_curve, token_stream
+from convert.evaluate.perplexity import (
+    _Scorer,
+    compare_models,
+    load_texts,
+    perplexity,
+    plot_loss_curve,
+    token_stream,
+)
 from tests.conftest import tiny_config, tiny_tokenizer
 
 TEXTS = [
@@ -153,3 +161,18 @@ def test_plot_loss_curve(llama, tokenizer, tmp_path):
     path = plot_loss_curve({"tiny llama": res, "oracle": oracle}, tmp_path / "plots" / "curve.png")
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_compare_models_measures_each_model_and_writes_the_table_json_and_plot(tiny_sources, tmp_path, capsys):
+    src = str(tiny_sources["llama"])
+    args = Namespace(model=[src], dtype="float32", device="cpu", out=tmp_path / "r.json", plot=tmp_path / "r.png")
+    measured = []
+
+    def measure(model, tokenizer):
+        measured.append((type(model).__name__, tokenizer.pad_token, str(model.device), model.dtype))
+        return {"score": 1.5}
+
+    results = compare_models(args, measure, lambda r: f"table of {len(r)}", lambda r, path: path.write_text("png"))
+    assert results == {src: {"score": 1.5}} == json.loads(args.out.read_text())
+    assert measured == [("LlamaForCausalLM", "<pad>", "cpu", torch.float32)]
+    assert args.plot.read_text() == "png" and "table of 1" in capsys.readouterr().out

@@ -5,7 +5,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from convert import build_hybrid, plan_layers
-from convert.train.align import align, alignment_losses, attention_taps, mixer_parameters
+from convert.train.align import align, alignment_losses, attention_taps
+from convert.train.common import mixer_parameters
 
 SETTINGS = {"raven": {"num_slots": 16, "top_k": 4}, "sse": {"lora_rank": 8}, "sila": {}}
 

@@ -1,0 +1,74 @@
+"""What an evaluation runs, with its defaults and allowed values, in one schema: a recipe's `evaluate:` section is an
+`EvaluateSettings`, and `raven-eval` (its flags' defaults) and `evaluate_model` take an `EvalRequest`, the same
+settings plus the model, the report directory and the device.
+
+    request = EvalRequest(model="runs/smollm2-raven/model", out="runs/smollm2-raven/eval", lengths=[1024, 4096])
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .needles import TASKS, VARIANTS
+
+
+class EvaluateSettings(BaseModel):
+    """Every part but retrieval is optional. Lengths are in tokens of the model's tokenizer. Unknown fields,
+    out-of-range and non-finite values are refused with the field's name."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    tasks: list[str] = Field(default_factory=lambda: ["passkey", "niah_single_2"], min_length=1)
+    variants: list[Literal[VARIANTS]] = Field(default_factory=lambda: ["standard"])
+    lengths: list[int] = Field(default_factory=lambda: [1024, 2048, 4096], min_length=1)
+    depths: list[float] = Field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0], min_length=1)
+    samples: int = Field(4, ge=1, description="prompts per (length, depth) cell")
+    batch_size: int = Field(8, ge=1)
+    haystack_dir: str | None = Field(None, description="essays the needles hide in; default: $RAVEN_HAYSTACK_DIR")
+    # Plain completion prompts by default: SmolLM2-135M-Instruct inside its chat template answers the pass key at
+    # 1K but drifts off at 2K (0% vs 95% plain, H100, 20 samples); None uses the tokenizer's template if any.
+    chat_template: bool | None = False
+    ppl_data: str | None = Field(None, description=".txt / .jsonl(.gz) file or directory; None skips perplexity")
+    ppl_lengths: list[int] = Field(default_factory=lambda: [512, 2048])
+    ppl_windows: int = Field(8, ge=1)
+    speed_lengths: list[int] = Field(default_factory=list, description="empty skips the speed part")
+    pictures: bool = Field(True, description="the mixers' pictures, for hybrids")
+    picture_length: int = Field(1024, ge=1)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    seed: int = 0
+    attention_window: int | None = Field(
+        None, ge=1, description="a hybrid's kept attention layers attend within this many tokens (None: as converted)"
+    )
+
+    @field_validator("tasks")
+    @classmethod
+    def _tasks(cls, value: list[str]) -> list[str]:
+        unknown = [t for t in value if t not in TASKS]
+        if unknown:
+            raise ValueError(f"unknown task(s) {unknown}; allowed: {', '.join(TASKS)}")
+        return value
+
+    @field_validator("lengths", "ppl_lengths", "speed_lengths")
+    @classmethod
+    def _positive(cls, value: list[int]) -> list[int]:
+        if any(v < 1 for v in value):
+            raise ValueError(f"lengths must be >= 1, got {value}")
+        return value
+
+    @field_validator("depths")
+    @classmethod
+    def _depths(cls, value: list[float]) -> list[float]:
+        if any(not 0 <= v <= 1 for v in value):
+            raise ValueError(f"depths must lie in [0, 1], got {value}")
+        return value
+
+
+class EvalRequest(EvaluateSettings):
+    """What `evaluate_model` evaluates: the settings, and which model, where the report goes, on which device."""
+
+    model: str = Field(description="Hub id, model directory (teacher or exported hybrid) or .gguf file")
+    out: Path = Field(description="the report directory: report.json and the PNGs")
+    device: str | None = Field(None, description="cuda, cpu, ...; None: cuda when available")

@@ -1,0 +1,53 @@
+"""What align (stage 1, align.py) and train (stage 2, stage2.py) share: which layers were converted and their
+parameters, the model inputs of a batch, and the learning-rate schedule.
+
+    layers = converted_layers(hybrid)                       # [0, 2, 5]: the layers whose attention became a mixer
+    outputs = model(**model_inputs(batch, device))          # packed rows by position_ids, padded ones by their mask
+    lr = lr_at(step, lr=1e-3, steps=200, warmup_steps=10)   # linear warmup, then cosine to 10% (or constant)
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+
+def converted_layers(model) -> list[int]:
+    """Indices of the layers whose attention became a mixer."""
+    return [i for i, kind in enumerate(model.config.layer_mixers) if kind != "attention"]
+
+
+def attention_layers(model) -> list[int]:
+    """Indices of the layers that kept the source attention."""
+    return [i for i, kind in enumerate(model.config.layer_mixers) if kind == "attention"]
+
+
+def mixer_parameters(model) -> list[nn.Parameter]:
+    """Every parameter of the converted layers' mixers (what align trains, and train's "mixers")."""
+    return [p for i in converted_layers(model) for p in model.model.layers[i].self_attn.parameters()]
+
+
+def model_inputs(batch: dict, device=None) -> dict:
+    """The model inputs of a batch, on `device` (None: where they are): rows of packed documents go in as
+    transformers' packed sequences (input_ids, position_ids restarting at each document), padded rows with their
+    attention_mask (None when the batch has none)."""
+    names = ("input_ids", "position_ids") if "position_ids" in batch else ("input_ids", "attention_mask")
+    inputs = {name: batch.get(name) for name in names}
+    if device is None:
+        return inputs
+    return {name: None if value is None else value.to(device) for name, value in inputs.items()}
+
+
+def lr_at(step: int, lr: float, steps: int, warmup_steps: int = 0, schedule: str = "cosine") -> float:
+    """Learning rate of (0-based) optimizer step `step` of `steps`: linear warmup over `warmup_steps`, then a cosine
+    to 10% of `lr` at `steps` ("cosine") or `lr` ("constant"). A function of the step alone, so nothing about it
+    needs saving; a resumed run must use the same `steps` for the same curve."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if schedule == "constant":
+        return lr
+    if schedule != "cosine":
+        raise ValueError(f"schedule = {schedule!r} is not allowed; expected 'cosine' or 'constant'")
+    progress = (step - warmup_steps) / max(1, steps - warmup_steps)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))

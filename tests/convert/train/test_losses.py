@@ -1,0 +1,77 @@
+"""The losses of align and train (convert/train/losses.py): means over the tokens that count, exactly."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from convert.train.losses import (
+    alignment_mse,
+    aux_loss,
+    ce_loss,
+    kd_loss,
+    masked_mean,
+    prediction_mask,
+    training_loss,
+)
+
+
+def test_masked_mean_counts_only_the_masked_entries():
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    assert masked_mean(values) == values.mean()
+    assert masked_mean(values, torch.tensor([[1, 0, 1], [0, 0, 1]])) == pytest.approx(10 / 3)
+    assert masked_mean(values, torch.tensor([[True, False, False], [False, False, False]])) == 1.0
+    assert masked_mean(values, torch.zeros(2, 3)) == 0.0  # nothing counts: 0, not nan
+
+
+def test_alignment_mse_is_over_the_hidden_size_then_the_real_tokens():
+    out, target = torch.randn(2, 4, 8), torch.randn(2, 4, 8)
+    real = torch.tensor([[False, True, True, True], [True, True, True, True]])
+    per_token = (out - target).pow(2).mean(-1)
+    torch.testing.assert_close(alignment_mse(out, target), per_token.mean())
+    torch.testing.assert_close(alignment_mse(out, target, real), per_token[real].mean())
+    moved = out.clone()
+    moved[0, 0] += 10  # a padded token does not count
+    torch.testing.assert_close(alignment_mse(moved, target, real), alignment_mse(out, target, real))
+
+
+def test_packed_documents_do_not_predict_across_boundaries():
+    batch = {
+        "input_ids": torch.tensor([[5, 6, 7, 8, 9]]),
+        "attention_mask": torch.ones(1, 5, dtype=torch.long),
+        "document_ids": torch.tensor([[0, 0, 1, 1, 1]]),
+        "position_ids": torch.tensor([[0, 1, 0, 1, 2]]),
+    }
+    assert prediction_mask(batch).tolist() == [[1, 0, 1, 1, 0]]  # token 1 ends a document; the last predicts nothing
+
+
+def test_ce_is_the_next_token_loss_over_counted_predictions_weighted_per_token():
+    logits, ids = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
+    mask = torch.tensor([[1, 1, 0, 1, 0], [1, 1, 1, 1, 0]])
+    per_token = F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")  # [B, T - 1]
+    counted = mask[:, :-1].bool()
+    torch.testing.assert_close(ce_loss(logits, ids, mask), per_token[counted].mean())
+    weights = torch.rand(2, 5) + 0.5
+    weighted = (per_token * weights[:, :-1])[counted].sum() / counted.sum()  # a weighted sum over the count
+    torch.testing.assert_close(ce_loss(logits, ids, mask, weights), weighted)
+
+
+def test_kd_is_zero_for_equal_logits_and_positive_otherwise():
+    logits = torch.randn(2, 5, 11)
+    assert kd_loss(logits, logits.clone(), temperature=2.0).abs() < 1e-6
+    assert kd_loss(logits, torch.randn(2, 5, 11), temperature=2.0) > 0
+    mask = torch.ones(2, 5)
+    mask[0, 1:] = 0
+    other = logits.clone()
+    other[0, 3] += 5  # a masked-out position does not count
+    assert kd_loss(logits, other, 1.0, mask).abs() < 1e-6
+
+
+def test_aux_and_the_total():
+    class Out:
+        aux_loss = torch.tensor(0.25, dtype=torch.bfloat16)
+
+    assert aux_loss(object()) is None
+    assert aux_loss(Out()).dtype == torch.float32
+    ce, kd, aux = torch.tensor(2.0), torch.tensor(1.0), torch.tensor(0.25)
+    assert training_loss({"ce": ce}) == 2.0
+    assert training_loss({"ce": ce, "kd": kd, "aux": aux}, kd_weight=0.5) == 2.75
