@@ -17,7 +17,8 @@ Choices:
   without "position_ids" run as padded sequences under their "attention_mask".
 - Loss = CE + kd_weight * KD + aux. CE is the next-token cross-entropy; with token weights w [B, T] (w[:, t] weights
   the prediction made at position t, see token_weights.py) each token's CE is multiplied by
-  schedule_weights(w, tokens_seen, token_weight_tau) and the sum is divided by the number of predicted tokens (so
+  schedule_weights(w, tokens_seen, tau) (tau from `TrainConfig.tau_tokens`: a share of the run's tokens unless
+  token_weight_tau fixes it) and the sum is divided by the number of predicted tokens (so
   the schedule's 1 + w start is an up-weighting, not a renormalisation). `token_weights` is a tensor
   [len(dataset), T] (row i of the dataset as it is indexed, i.e. `dataset[i]`) or a callable batch -> [B, T]
   (e.g. `lambda b: token_weights(teacher, b["input_ids"])`). Dataset items cannot carry the weights themselves,
@@ -44,7 +45,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -79,7 +80,12 @@ class TrainConfig(BaseModel):
     lora_targets: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
     kd_weight: float = Field(0.0, ge=0)
     kd_temperature: float = Field(1.0, gt=0)
-    token_weight_tau: float = Field(1e9, gt=0, description="tokens; see schedule_weights")
+    token_weight_tau: float | None = Field(
+        None, gt=0, description="tokens (see schedule_weights); None: token_weight_tau_fraction of the run's tokens"
+    )
+    token_weight_tau_fraction: float = Field(
+        0.1, gt=0, description="tau as a share of the run's training tokens, when token_weight_tau is None"
+    )
     mixed_precision: MixedPrecision = "no"
     gradient_checkpointing: bool = False
     save_every: int = Field(500, ge=1, description="steps between checkpoints (and one at the end)")
@@ -88,6 +94,23 @@ class TrainConfig(BaseModel):
     eval_batches: int = Field(8, ge=1, description="validation micro-batches per pass")
     seed: int = Field(0, description="data order, and the random numbers of a fresh run (Raven's router noise)")
     log_every: int = Field(10, ge=0, description="steps between progress lines; 0: none")
+
+    @model_validator(mode="after")
+    def _one_tau(self):
+        if self.token_weight_tau is not None and "token_weight_tau_fraction" in self.model_fields_set:
+            raise ValueError(
+                "token_weight_tau and token_weight_tau_fraction are both set; set one: token_weight_tau in tokens, "
+                "or token_weight_tau_fraction of the run's training tokens"
+            )
+        return self
+
+    def tau_tokens(self, run_tokens: int) -> float:
+        """tau of schedule_weights in tokens. Relative to a run of `run_tokens` training tokens by default (0.1: the
+        uniform part falls below 1% at half the run, so every run ends purely weighted); the paper's 1e9 tokens
+        (Appendix C.3) is a fixed token_weight_tau."""
+        if self.token_weight_tau is not None:
+            return self.token_weight_tau
+        return self.token_weight_tau_fraction * run_tokens
 
     @field_validator("lora_targets")
     @classmethod
@@ -272,6 +295,14 @@ def train(
     if config.kd_weight > 0:
         teacher.to(accelerator.device).eval().requires_grad_(False)
 
+    if token_weights is not None:
+        row_tokens = len(dataset[0]["input_ids"])
+        run_tokens = config.steps * config.grad_accum * config.batch_size * accelerator.num_processes * row_tokens
+        tau = config.tau_tokens(run_tokens)
+        accelerator.print(
+            f"[stage2] token weights: tau = {tau:,.0f} tokens ({tau / run_tokens:.3g} of the run's {run_tokens:,})",
+            file=sys.stderr,
+        )
     start_step, tokens_seen = 0, 0
     if resumed is not None:
         path, meta = resumed
@@ -308,9 +339,7 @@ def train(
                 weights = None
                 if token_weights is not None:
                     w = token_weights[batch["index"].cpu()] if torch.is_tensor(token_weights) else token_weights(batch)
-                    weights = schedule_weights(
-                        w.to(device).float(), tokens_seen, config.token_weight_tau, batch["attention_mask"]
-                    )
+                    weights = schedule_weights(w.to(device).float(), tokens_seen, tau, batch["attention_mask"])
                 parts = {"ce": ce_loss(out.logits, ids, mask, weights)}
                 if config.kd_weight > 0:
                     with torch.no_grad(), accelerator.autocast():

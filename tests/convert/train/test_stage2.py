@@ -81,6 +81,18 @@ def test_token_weights_and_kd_are_logged(teacher, tmp_path):
         assert r["loss"] == pytest.approx(r["ce"] + 0.5 * r["kd"] + r["aux"], rel=1e-5)
 
 
+def test_token_weight_tau_is_a_share_of_the_run_unless_fixed(teacher, tmp_path, capsys):
+    assert TrainConfig(steps=3).tau_tokens(1000) == pytest.approx(100.0)  # default: 0.1 of the run
+    assert TrainConfig(steps=3, token_weight_tau=7.0).tau_tokens(1000) == 7.0
+    with pytest.raises(ValueError, match="token_weight_tau and token_weight_tau_fraction are both set"):
+        TrainConfig(steps=3, token_weight_tau=7.0, token_weight_tau_fraction=0.2)
+    data = rows()
+    config = TrainConfig(steps=3, token_weight_tau_fraction=0.5, **FAST)
+    train(hybrid(teacher), teacher, data, config, tmp_path, token_weights=torch.rand(len(data), data.seq_len))
+    tau = 0.5 * 3 * config.batch_size * data.seq_len
+    assert f"tau = {tau:,.0f} tokens (0.5 of the run's {2 * tau:,.0f})" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("trainable", ["mixers", "mixers+lora"])
 def test_only_the_chosen_parameters_change(teacher, tmp_path, trainable):
     student = hybrid(teacher)
