@@ -24,7 +24,7 @@ from torch import nn
 from convert.console import eta
 from convert.train.checkpoint import latest_checkpoint, save_checkpoint
 from convert.train.common import converted_layers, lr_at, mixer_parameters, model_inputs
-from convert.train.losses import alignment_mse
+from convert.train.losses import alignment_mse, mixers_aux_loss
 from raven_layers.modeling_hybrid import find_packed_documents
 
 
@@ -134,8 +134,9 @@ def align(
 ) -> list[dict]:
     """Train the mixers of `hybrid` to match `teacher`'s attention for `steps` batches ({"input_ids", and either
     "position_ids" for packed documents or an optional "attention_mask"}); returns one record per step:
-    {"step", "loss", "layers": {layer: mse}, "tokens_per_second"} (the rate counts from the end of the first step
-    of this call, which compiles kernels).
+    {"step", "loss", "layers": {layer: mse}, "tokens_per_second", and "aux" where a mixer has a balance loss} (the
+    rate counts from the end of the first step of this call, which compiles kernels). The loss is the layers' MSE
+    plus the mixers' balance losses (SSE's, as in stage 2).
 
     Only mixer parameters receive gradients (others are frozen for the duration and restored after). The learning
     rate warms up linearly over `warmup_steps`, then follows a cosine to 10% of `lr`. A non-finite loss stops the
@@ -197,7 +198,8 @@ def align(
             bad = [i for i, loss in losses.items() if not torch.isfinite(loss)]
             if bad:
                 raise FloatingPointError(f"alignment loss is not finite at step {step + 1} in layer(s) {bad}")
-            total = torch.stack(list(losses.values())).sum()
+            aux = mixers_aux_loss(hybrid, losses)  # SSE's balance loss trains its router here too
+            total = torch.stack(list(losses.values())).sum() + (0.0 if aux is None else aux)
             optimizer.zero_grad(set_to_none=True)
             total.backward()
             if grad_clip:
@@ -210,6 +212,8 @@ def align(
             if step == first:  # the first step compiles kernels and allocates: the rate counts from its end
                 first_step_seconds, start, tokens = now - start, now, 0
             record = {"step": step, "loss": total.item(), "layers": {i: v.item() for i, v in losses.items()}}
+            if aux is not None:
+                record["aux"] = aux.item()
             history.append(record | {"tokens_per_second": rate, "lr": step_lr})
             if log_every and (step % log_every == 0 or step == steps - 1):
                 per_step = (now - start) / (step - first) if step > first else first_step_seconds

@@ -7,6 +7,7 @@
 - `kd_loss`: distillation, T^2 * KL(teacher || student) of the logits at temperature T.
 - `aux_loss`: the model's own auxiliary loss (the mixers' balance losses, e.g. SSE's, already weighted and summed
   by the model; the loss itself is computed by the mixer, whose code an exported model carries).
+- `mixers_aux_loss`: the same balance losses as align gets them, from the mixers it called one by one.
 - `training_loss`: stage 2's total, CE + kd_weight * KD + aux.
 
 Every mean over tokens is `masked_mean`: a sum over the tokens that count divided by their number (at least 1).
@@ -65,6 +66,14 @@ def aux_loss(outputs) -> torch.Tensor | None:
     weighted), or None when it has none."""
     aux = getattr(outputs, "aux_loss", None)
     return None if aux is None else aux.float()
+
+
+def mixers_aux_loss(hybrid, layers) -> torch.Tensor | None:
+    """Align's share of the auxiliary loss: the balance losses (SSE's) the mixers of `layers` left in their last
+    call, summed in float32; None when none of them has one."""
+    aux = [hybrid.model.layers[i].self_attn.aux_loss for i in layers]
+    aux = [a.float() for a in aux if a is not None]
+    return torch.stack(aux).sum() if aux else None
 
 
 def training_loss(parts: dict[str, torch.Tensor], kd_weight: float = 0.0) -> torch.Tensor:

@@ -1,5 +1,7 @@
 """Stage 1: every converted layer gets closer to the teacher's attention; nothing but the mixers changes."""
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -70,3 +72,15 @@ def test_non_finite_loss_stops_with_a_clear_error(models):
         hybrid.model.layers[2].self_attn.v_proj.weight.fill_(float("nan"))
     with pytest.raises(FloatingPointError, match=r"alignment loss is not finite at step 1 in layer\(s\) \[2\]"):
         align(teacher, hybrid, batches(seed=0, n=2), steps=2, log_every=0)
+
+
+def test_sse_balance_loss_counts_in_align(models):
+    # the SSE layer's balance loss joins its MSE (as in stage 2), so its router learns during align too
+    teacher, hybrid = models
+    history = align(teacher, hybrid, batches(seed=0, n=2), steps=2, log_every=0)
+    for record in history:
+        assert record["aux"] > 0
+        assert record["loss"] == pytest.approx(sum(record["layers"].values()) + record["aux"], rel=1e-5)
+    mixer = hybrid.model.layers[1].self_attn
+    mixer.settings = dataclasses.replace(mixer.settings, balance_coef=0.0)  # off: no aux, the MSE alone
+    assert "aux" not in align(teacher, hybrid, batches(seed=1, n=1), steps=1, log_every=0)[0]
