@@ -10,7 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-TOOLKIT_PACKAGES = ("convert", "raven_layers", "kernels")
+TOOLKIT_PACKAGES = ("raven_convert", "raven_layers", "raven_kernels")
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly big mice".split()
 
 

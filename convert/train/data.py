@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from convert.files import atomic_file
+from raven_convert.files import atomic_file
 
 # File extension -> datasets builder. Compressed variants (.gz, .bz2, .xz, .zst) are read transparently.
 BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet"}

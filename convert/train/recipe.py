@@ -20,13 +20,13 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from convert.layer_spec import ACCEPTED_FORMS, LayerSpecError, parse_layer_spec
-from convert.train.stage2 import MixedPrecision, TrainConfig
+from raven_convert.layer_spec import ACCEPTED_FORMS, LayerSpecError, parse_layer_spec
+from raven_convert.train.stage2 import MixedPrecision, TrainConfig
 from raven_layers import get_mixer, resolve_mixer
 from raven_layers.common import did_you_mean
 
 STAGES = ("convert", "align", "weights", "train", "extend", "evaluate", "export")
-# The fields naming inputs from outside the repository, each with the `python -m convert.train` flag that sets it
+# The fields naming inputs from outside the repository, each with the `python -m raven_convert.train` flag that sets it
 # (sugar for --set FIELD=VALUE), its metavar and help.
 INPUT_FLAGS = {
     "source": ("--src", "MODEL", "the teacher: Hub id, model directory or .gguf file"),
@@ -126,7 +126,7 @@ class ExtendSettings(TrainConfig):
 
 
 class EvaluateSettings(_Strict):
-    """Fields of convert.evaluate.EvalRequest (model and out are set by the pipeline)."""
+    """Fields of raven_convert.evaluate.EvalRequest (model and out are set by the pipeline)."""
 
     tasks: list[str] = Field(default_factory=lambda: ["passkey", "niah_single_2"], min_length=1)
     variants: list[Literal["standard", "no_inst", "strong_inst"]] = Field(default_factory=lambda: ["standard"])
@@ -149,7 +149,7 @@ class EvaluateSettings(_Strict):
     @field_validator("tasks")
     @classmethod
     def _tasks(cls, value: list[str]) -> list[str]:
-        from convert.evaluate.needles import TASKS
+        from raven_convert.evaluate.needles import TASKS
 
         unknown = [t for t in value if t not in TASKS]
         if unknown:
@@ -348,10 +348,10 @@ def check_inputs(recipe: Recipe, stages: list[str]) -> None:
     data.cache_dir must be writable."""
     import os
 
-    from convert.evaluate.needles import HAYSTACK_ENV, TASKS
-    from convert.files import check_writable
-    from convert.sources import Source
-    from convert.train.data import check_data_source
+    from raven_convert.evaluate.needles import HAYSTACK_ENV, TASKS
+    from raven_convert.files import check_writable
+    from raven_convert.sources import Source
+    from raven_convert.train.data import check_data_source
 
     reads_data = any(uses_data(recipe, s) for s in stages)
     if "convert" in stages or reads_data:  # the stages that load the teacher

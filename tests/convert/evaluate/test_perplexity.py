@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from convert.evaluate.perplexity import _Scorer, load_texts, perplexity, plot_loss_curve, token_stream
+from raven_convert.evaluate.perplexity import _Scorer, load_texts, perplexity, plot_loss_curve, token_stream
 from tests.conftest import tiny_config, tiny_tokenizer
 
 TEXTS = [

@@ -7,9 +7,9 @@ import torch
 from pydantic import ValidationError
 from transformers import AutoModelForCausalLM
 
-from convert import build_hybrid, plan_layers
-from convert.train.data import PackedDataset, batch_iterator
-from convert.train.stage2 import (
+from raven_convert import build_hybrid, plan_layers
+from raven_convert.train.data import PackedDataset, batch_iterator
+from raven_convert.train.stage2 import (
     TrainConfig,
     ce_loss,
     is_lora,
