@@ -528,15 +528,15 @@ class SSEMixer(Mixer):
         args = (q, k, v, log_g, idx, self.num_partitions, self.scale, initial)
         kernels = kernel_module(MIXER.kernels, q)
         varlen = s.implementation == "varlen" or (s.implementation == "auto" and T >= VARLEN_MIN_TOKENS)
-        parallel = sse_parallel("varlen" if varlen else "masking", kernels, s.chunk_size)
+        form = "varlen" if varlen else "masking"
         if cu_seqlens is not None:  # packed documents: one sequence of B * T tokens, each document from zero
             packed = [t.flatten(0, 1).unsqueeze(0) for t in (q, k, v, log_g, idx)]
-            o, _ = parallel(*packed, *args[5:], cu_seqlens=cu_seqlens)
+            o, _ = sse_parallel(form, kernels, s.chunk_size)(*packed, *args[5:], cu_seqlens=cu_seqlens)
             o = o.view(B, T, *o.shape[2:])
         elif T == 1 and state is not None:
             o, new_state = kernels.fused_recurrent_sse(*args) if kernels else sse_recurrent(*args)
         else:
-            o, new_state = parallel(*args)
+            o, new_state = sse_parallel(form, kernels, s.chunk_size)(*args)
         if cu_seqlens is None:
             self.save_state(cache, (new_state,), num_tokens=T)
 
