@@ -11,7 +11,7 @@ from pathlib import Path
 
 from raven_layers import decode_attention
 from raven_layers.registry import BUILTIN_MIXERS
-from tests.test_import_names import REPO, TOP_LEVEL, folder
+from tests.helpers import REPO, TOOLKIT_PACKAGES, package_folder
 
 MAY_IMPORT = {"raven_convert": {"raven_kernels", "raven_layers"}, "raven_kernels": set(), "raven_layers": set()}
 REFERENCE_MODULES = ("naive", "benchmark")  # kernel modules that may import raven_layers: references and timings
@@ -132,7 +132,7 @@ def folder_name_imports(paths) -> list[str]:
 
 def toolkit_graph(run_time: bool) -> dict[str, list[Edge]]:
     """The toolkit's imports; with `run_time`, also the kernel modules the model loads."""
-    graph = import_graph(find_modules({top: folder(top) for top in TOP_LEVEL}))
+    graph = import_graph(find_modules({top: package_folder(top) for top in TOOLKIT_PACKAGES}))
     for module, edge in kernel_modules().items() if run_time else ():
         graph[module].append(edge)
     return graph
@@ -149,7 +149,7 @@ def test_no_module_imports_its_importer():
 
 
 def test_kernel_modules_the_model_loads_exist():
-    modules = find_modules({top: folder(top) for top in TOP_LEVEL})
+    modules = find_modules({top: package_folder(top) for top in TOOLKIT_PACKAGES})
     assert {kernels for kernels, _, _ in kernel_modules().values()} <= set(modules)
 
 

@@ -12,29 +12,19 @@ from importlib.metadata import PackageNotFoundError, distribution, packages_dist
 from pathlib import Path
 
 import pytest
-import tomllib
 
-REPO = Path(__file__).resolve().parents[1]
-SETUPTOOLS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-PACKAGES = SETUPTOOLS["packages"]  # ["raven_convert", "raven_convert.evaluate", ...]
-TOP_LEVEL = sorted({name.split(".")[0] for name in PACKAGES})
-
-
-def folder(package: str) -> Path:
-    """The folder of the repository that installs as `package`."""
-    top, *rest = package.split(".")
-    return REPO / SETUPTOOLS["package-dir"].get(top, top) / Path(*rest)
+from tests.helpers import PACKAGES, REPO, TOOLKIT_PACKAGES, package_folder
 
 
 def test_every_top_level_name_is_the_projects_own():
-    assert TOP_LEVEL == ["raven_convert", "raven_kernels", "raven_layers"]
-    assert all(name.startswith("raven_") for name in TOP_LEVEL)
+    assert TOOLKIT_PACKAGES == ["raven_convert", "raven_kernels", "raven_layers"]
+    assert all(name.startswith("raven_") for name in TOOLKIT_PACKAGES)
 
 
 def test_every_package_folder_is_installed():
     # pyproject.toml lists the packages (a folder installed under another name cannot be found by name)
-    listed = {folder(name) for name in PACKAGES}
-    on_disk = {init.parent for top in TOP_LEVEL for init in folder(top).rglob("__init__.py")}
+    listed = {package_folder(name) for name in PACKAGES}
+    on_disk = {init.parent for top in TOOLKIT_PACKAGES for init in package_folder(top).rglob("__init__.py")}
     assert listed == on_disk, f"missing from pyproject.toml: {sorted(map(str, on_disk - listed))}"
 
 
@@ -44,7 +34,7 @@ def test_the_installed_distribution_claims_only_those_names():
     except PackageNotFoundError:
         pytest.skip("raven-hybrid is not installed (a checkout on the import path)")
     ours = sorted(name for name, dists in packages_distributions().items() if "raven-hybrid" in dists)
-    assert ours == TOP_LEVEL
+    assert ours == TOOLKIT_PACKAGES
 
 
 def test_transformers_sees_no_kernels_package_of_ours(tmp_path):
@@ -77,12 +67,13 @@ def test_a_checkout_gets_the_installed_names_from_device_env(tmp_path):
         (tmp_path / name).symlink_to(REPO / name)
     (tmp_path / "scripts").mkdir()
     shutil.copy(REPO / "scripts" / "device_env.sh", tmp_path / "scripts")
-    code = f"import importlib.util as u, json; print(json.dumps({{n: u.find_spec(n).origin for n in {TOP_LEVEL}}}))"
+    names = TOOLKIT_PACKAGES
+    code = f"import importlib.util as u, json; print(json.dumps({{n: u.find_spec(n).origin for n in {names}}}))"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     command = ["bash", "-c", 'source scripts/device_env.sh && "$0" -S -c "$1"', sys.executable, code]
     proc = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=env, check=True)
     origins = json.loads(proc.stdout)
     assert {name: Path(origin).resolve() for name, origin in origins.items()} == {
-        name: folder(name) / "__init__.py" for name in TOP_LEVEL
+        name: package_folder(name) / "__init__.py" for name in TOOLKIT_PACKAGES
     }
     assert all((tmp_path / ".packages" / Path(*name.split(".")) / "__init__.py").is_file() for name in PACKAGES)

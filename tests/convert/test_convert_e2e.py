@@ -212,8 +212,9 @@ def test_bfloat16_export(tiny_sources, tmp_path):
     )  # recurrent states accumulate in float32
 
 
-def test_python_dash_m_convert(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "convert", "--help"], capture_output=True, text=True, check=True)
+def test_python_dash_m_raven_convert(tmp_path):
+    command = [sys.executable, "-m", "raven_convert", "--help"]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, check=True)
     assert "--layers" in proc.stdout and "0-23:5" in proc.stdout
 
 
