@@ -24,7 +24,7 @@ from raven_layers.registry import BUILTIN_MIXERS, import_path, is_builtin, modul
 
 MODEL_PACKAGE = raven_layers.__name__
 BUILDING_BLOCKS = ("backend", "common", *(module_file(spec).stem for spec in BUILTIN_MIXERS))
-TOOLKIT_PACKAGES = (MODEL_PACKAGE, "convert", "kernels")
+TOOLKIT_PACKAGES = (MODEL_PACKAGE, "raven_convert", "raven_kernels")
 
 
 def bundled_name(spec: MixerSpec) -> str:

@@ -72,7 +72,7 @@ def load_named_mixers(argv: list[str]) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The parser, with flags for the settings of every registered mixer (see `load_named_mixers`)."""
     p = argparse.ArgumentParser(
-        prog=invoked_as("convert", ("convert", "raven-convert")),
+        prog=invoked_as("raven_convert", ("convert", "raven-convert")),
         description=__doc__,
         formatter_class=argparse.RawTextHelpFormatter,
     )

@@ -7,8 +7,8 @@ import re
 import shutil
 from pathlib import Path
 
-from convert.bundle import write_code
-from convert.files import check_writable, normal_modes, replace_dir, room_for
+from raven_convert.bundle import write_code
+from raven_convert.files import check_writable, normal_modes, replace_dir, room_for
 from raven_layers import HybridForCausalLM
 
 AUTO_MAP = {

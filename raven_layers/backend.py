@@ -1,11 +1,11 @@
-"""Which implementation the mixers run: the toolkit's Triton kernels (package `kernels`) or the PyTorch forms.
+"""Which implementation the mixers run: the toolkit's Triton kernels (package `raven_kernels`) or the PyTorch forms.
 
-    RAVEN_BACKEND=auto    kernels for CUDA tensors (not float64) when the toolkit's `kernels` imports, else PyTorch
+    RAVEN_BACKEND=auto    kernels for CUDA tensors (not float64) when the toolkit's kernels import, else PyTorch
     RAVEN_BACKEND=triton  kernels always (on CPU only under TRITON_INTERPRET=1); an error if they cannot import
     RAVEN_BACKEND=torch   the PyTorch forms always (debugging, reference runs)
 
 The environment variable sets the default; `set_backend` and the `use_backend` context manager override it in
-process. Each mixer's declaration names its kernel module (`MixerSpec.kernels`, e.g. "kernels.raven"). An exported
+process. Each mixer's declaration names its kernel module (`MixerSpec.kernels`, e.g. "raven_kernels.raven"). An exported
 model bundles this file but not the kernels: where the toolkit is not installed it runs the PyTorch forms. It must
 import nothing but torch: it is copied next to every exported model.
 """
@@ -74,7 +74,7 @@ def preload(names) -> None:
 
 
 def kernel_module(name: str, like: torch.Tensor) -> ModuleType | None:
-    """The kernel module `name` ("kernels.raven") to run on tensors like `like`, or None for the PyTorch path."""
+    """The kernel module `name` ("raven_kernels.raven") to run on tensors like `like`, or None for the PyTorch path."""
     backend = get_backend()
     if backend == "torch":
         return None

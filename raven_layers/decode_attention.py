@@ -3,7 +3,7 @@ decodes.
 
 transformers' SDPA path expands the key/value heads to the query heads (`repeat_kv`) and reads every slot of the
 preallocated buffer under a mask, which at batch 32 and 16K reads and writes several times the cache per step.
-Here each key/value head is read once for its group of query heads, and the Triton kernel (`kernels.attention`)
+Here each key/value head is read once for its group of query heads, and the Triton kernel (`raven_kernels.attention`)
 reads only the slots written so far, split over the GPU (flash-decoding). The PyTorch form below is the
 reference, and what runs where the kernels are not installed; it must import nothing but torch and transformers.
 
@@ -22,7 +22,7 @@ from transformers import AttentionInterface
 from .backend import kernel_module
 
 DECODE_ATTENTION = "raven_static_decode"
-KERNELS = "kernels.attention"  # the Triton decode-attention kernel (see backend.py)
+KERNELS = "raven_kernels.attention"  # the Triton decode-attention kernel (see backend.py)
 
 
 class DecodeSlots(NamedTuple):

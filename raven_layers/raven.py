@@ -316,7 +316,7 @@ MIXER = MixerSpec(
     settings=RavenSettings,
     layer=RavenMixer,
     state="2 x [M, d]: slot keys and slot values",
-    kernels="kernels.raven",
+    kernels="raven_kernels.raven",
     references=(raven_recurrent, raven_chunked),
-    pictures="convert.evaluate.pictures:raven_pictures",
+    pictures="raven_convert.evaluate.pictures:raven_pictures",
 )

@@ -432,7 +432,7 @@ MIXER = MixerSpec(
     settings=SILASettings,
     layer=SILAMixer,
     state="[d, d] memory, and the short convolution's last conv_size - 1 inputs",
-    kernels="kernels.sila",
+    kernels="raven_kernels.sila",
     references=(sila_recurrent, sila_chunked),
-    pictures="convert.evaluate.pictures:sila_pictures",
+    pictures="raven_convert.evaluate.pictures:sila_pictures",
 )

@@ -252,8 +252,9 @@ def sse_masking(
     log-gate of 0, so the token neither reads, writes nor decays it. Partitions are merged into the head dimension
     (head h * P + i) and one chunked GLA runs over all of them; the shared partition is just one more head.
     `gla(q, k, v, log_g, scale, initial_state=, cu_seqlens=)` -> (o, final state) runs it: `chunk_gla_reference`
-    with `chunk_size` when None (the Triton kernel passes its own). cu_seqlens [S + 1] packs S documents along T
-    (B == 1): each starts from its own state (initial_state [S, H, P, c, d]), and the final state is [S, H, P, c, d].
+    with `chunk_size` when None (the mixer passes the kernels' `chunk_gla`). cu_seqlens [S + 1] packs S documents
+    along T (B == 1): each starts from its own state (initial_state [S, H, P, c, d]), and the final state is
+    [S, H, P, c, d].
     """
     B, T, H, G, M, c = q.shape
     d, P = v.shape[-1], num_partitions
@@ -276,6 +277,25 @@ def sse_masking(
         cu_seqlens=cu_seqlens,
     )
     return o.view(B, T, H, P, G, d).sum(3), state.view(S, H, P, c, d)
+
+
+def chunk_gla_entries_reference(q, k, v, log_g, order, cu_seqlens, scale: float, initial_state=None, chunk_size=16):
+    """GLA over the (token, partition) entries of SSE's varlen form (the reference of the kernels'
+    `chunk_gla_entries`): q [B, T, H, G, M, c], k and log_g [B, T, H, M, c], v [B, T, H, d]; the E = B T H M
+    entries, gathered in `order` [E] into one packed sequence (one head), run `chunk_gla_reference` over its
+    segments cu_seqlens [S' + 1] (initial_state [S', 1, c, d]). Returns o [B, T, H, G, d], each token's M entries
+    summed, and the final state [S', 1, c, d]."""
+    B, T, H, G, M, c = q.shape
+    d = v.shape[-1]
+    q_e = q.transpose(3, 4).reshape(-1, G, c)[order]  # [E, G, c]
+    k_e, g_e = k.reshape(-1, c)[order], log_g.reshape(-1, c)[order]  # [E, c]
+    v_e = v.unsqueeze(3).expand(B, T, H, M, d).reshape(-1, d)[order]  # [E, d]
+    packed = (x[None, :, None] for x in (q_e, k_e, v_e, g_e))  # one sequence of E entries, one head
+    o_e, state = chunk_gla_reference(
+        *packed, scale, initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size
+    )
+    o = o_e.new_zeros(order.numel(), G, d).index_copy(0, order, o_e[0, :, 0])  # [E, G, d] back in entry order
+    return o.view(B, T, H, M, G, d).sum(3), state
 
 
 def varlen_entries(idx: torch.Tensor, num_partitions: int, cu_seqlens=None):
@@ -308,31 +328,43 @@ def sse_varlen(
     scale: float,
     initial_state=None,
     chunk_size: int = 16,
-    gla=None,
+    gla_entries=None,
     cu_seqlens=None,
 ):
-    """Varlen form of `sse_recurrent` (paper Algorithm 2; same arguments and results; `gla` and `cu_seqlens` as in
+    """Varlen form of `sse_recurrent` (paper Algorithm 2; same arguments and results; `cu_seqlens` as in
     `sse_masking`).
 
     Each (batch row or packed document, kv head) is a sample with its own routing. Its (token, partition) entries
-    are reordered by partition, then time, so every (sample, partition) becomes one segment of a single packed
-    sequence with its own cu_seqlens and initial state, and one chunked GLA processes only the tokens each
-    partition received. The shared partition, last of each sample, is the sample's tokens in their own order
-    concatenated after the routed segments along the sequence dimension, so it costs no second call. Outputs are
-    scattered back and summed.
+    are reordered by partition, then time (`varlen_entries`), so every (sample, partition) becomes one segment of a
+    single packed sequence with its own initial state, and one chunked GLA processes only the tokens each partition
+    received. The shared partition, last of each sample, is the sample's tokens in their own order concatenated
+    after the routed segments along the sequence dimension, so it costs no second call. Outputs come back summed.
+    `gla_entries(q, k, v, log_g, order, cu_seqlens, scale, initial_state)` -> (o, final state) runs the GLA over the
+    entries: `chunk_gla_entries_reference` with `chunk_size` when None (the kernels' `chunk_gla_entries` reads them in
+    place).
     """
     B, T, H, G, M, c = q.shape
     d, P = v.shape[-1], num_partitions
     order, cu, S = varlen_entries(idx, P, cu_seqlens)
-    q_e = q.transpose(3, 4).reshape(-1, G, c)[order]  # [E, G, c]
-    k_e, g_e = k.reshape(-1, c)[order], log_g.reshape(-1, c)[order]  # [E, c]
-    v_e = v.unsqueeze(3).expand(B, T, H, M, d).reshape(-1, d)[order]  # [E, d]
     s0 = None if initial_state is None else initial_state.reshape(S * H * P, 1, c, d)
-    gla = gla or partial(chunk_gla_reference, chunk_size=chunk_size)
-    packed = (x[None, :, None] for x in (q_e, k_e, v_e, g_e))  # one sequence of E entries, one head
-    o_e, state = gla(*packed, scale, initial_state=s0, cu_seqlens=cu)
-    o = o_e.new_zeros(order.numel(), G, d).index_copy(0, order, o_e[0, :, 0])  # [E, G, d] back in entry order
-    return o.view(B, T, H, M, G, d).sum(3), state.view(S, H, P, c, d)
+    gla_entries = gla_entries or partial(chunk_gla_entries_reference, chunk_size=chunk_size)
+    o, state = gla_entries(q, k, v, log_g, order, cu, scale, s0)
+    return o, state.view(S, H, P, c, d)
+
+
+def sse_parallel(implementation: str, kernels=None, chunk_size: int = 16):
+    """SSE's parallel form `implementation`, "varlen" (`sse_varlen`) or "masking" (`sse_masking`), called with their
+    arguments: on the GLA kernels of `kernels` (the module named by MIXER.kernels) when given, else on the PyTorch
+    chunked GLA with chunks of `chunk_size`."""
+    allowed = [name for name in SSESettings.IMPLEMENTATIONS if name != "auto"]
+    if implementation not in allowed:
+        raise ValueError(f"implementation = {implementation!r} is not allowed; allowed: {allowed}")
+    varlen = implementation == "varlen"
+    if kernels is None:
+        return partial(sse_varlen if varlen else sse_masking, chunk_size=chunk_size)
+    if varlen:  # the kernels read the entries in place
+        return partial(sse_varlen, gla_entries=kernels.chunk_gla_entries)
+    return partial(sse_masking, gla=partial(kernels.chunk_gla, output_final_state=True))
 
 
 class SSEMixer(Mixer):
@@ -512,21 +544,15 @@ class SSEMixer(Mixer):
         args = (q, k, v, log_g, idx, self.num_partitions, self.scale, initial)
         kernels = kernel_module(MIXER.kernels, q)
         varlen = s.implementation == "varlen" or (s.implementation == "auto" and T >= VARLEN_MIN_TOKENS)
+        form = "varlen" if varlen else "masking"
         if cu_seqlens is not None:  # packed documents: one sequence of B * T tokens, each document from zero
             packed = [t.flatten(0, 1).unsqueeze(0) for t in (q, k, v, log_g, idx)]
-            form = "varlen" if varlen else "masking"
-            if kernels:
-                o, _ = kernels.chunk_sse(*packed, *args[5:], implementation=form, cu_seqlens=cu_seqlens)
-            else:
-                run = sse_varlen if varlen else sse_masking
-                o, _ = run(*packed, *args[5:], chunk_size=s.chunk_size, cu_seqlens=cu_seqlens)
+            o, _ = sse_parallel(form, kernels, s.chunk_size)(*packed, *args[5:], cu_seqlens=cu_seqlens)
             o = o.view(B, T, *o.shape[2:])
         elif T == 1 and state is not None:
             o, new_state = kernels.fused_recurrent_sse(*args) if kernels else sse_recurrent(*args)
-        elif kernels:
-            o, new_state = kernels.chunk_sse(*args, implementation="varlen" if varlen else "masking")
         else:
-            o, new_state = (sse_varlen if varlen else sse_masking)(*args, chunk_size=s.chunk_size)
+            o, new_state = sse_parallel(form, kernels, s.chunk_size)(*args)
         if cu_seqlens is None:
             self.save_state(cache, (new_state,), num_tokens=T)
 
@@ -540,7 +566,14 @@ MIXER = MixerSpec(
     settings=SSESettings,
     layer=SSEMixer,
     state="(N + 1) x [c, d]: N routed partitions and the shared one",
-    kernels="kernels.sse",
-    references=(sse_recurrent, sse_masking, sse_varlen, gla_recurrent, chunk_gla_reference),
-    pictures="convert.evaluate.pictures:sse_pictures",
+    kernels="raven_kernels.sse",
+    references=(
+        sse_recurrent,
+        sse_masking,
+        sse_varlen,
+        gla_recurrent,
+        chunk_gla_reference,
+        chunk_gla_entries_reference,
+    ),
+    pictures="raven_convert.evaluate.pictures:sse_pictures",
 )

@@ -1,4 +1,4 @@
-"""Stage-1 alignment throughput: tokens/s of `convert.train.align` for each mixer on half of a model's layers.
+"""Stage-1 alignment throughput: tokens/s of `raven_convert.train.align` for each mixer on half of a model's layers.
 
     python scripts/bench_align.py --src ../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf --seq-len 2048 --batch 8
 
@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from convert import Source, build_hybrid, plan_layers
-from convert.train.align import align
+from raven_convert import Source, build_hybrid, plan_layers
+from raven_convert.train.align import align
 from raven_layers import mixer_names
 
 

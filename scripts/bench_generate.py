@@ -124,7 +124,7 @@ def build_models(mixers: list[str], layers: str, windows: int | None):
     every hybrid is built from them."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from convert import build_hybrid, plan_layers
+    from raven_convert import build_hybrid, plan_layers
 
     torch.manual_seed(0)
     teacher = AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2_135M), attn_implementation="sdpa")

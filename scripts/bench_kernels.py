@@ -14,8 +14,8 @@ measured in the same run on the same inputs:
   the backward) vs fla `chunk_gsa` (its default checkpoint_level 2) with the dense gates g = log-retention,
   s = 1 - exp(g) (the Gated Slot Attention form of the same recurrence; only with --with-fla-gsa, since it
   compiles and autotunes for minutes: ../shared/README.md has its numbers from the same H100 type).
-- SSE n4k1 (+ shared partition, varlen): ours `chunk_sse` vs fla `chunk_gla` at the same H and D (dense lower
-  bound); also ours `chunk_gla` alone.
+- SSE n4k1 (+ shared partition, varlen): ours `sse_varlen` on `chunk_gla_entries` vs fla `chunk_gla` at the same H
+  and D (dense lower bound); also ours `chunk_gla` alone.
 - SILA: ours `fused_recurrent_sila` vs fla `chunk_gla` and `fused_recurrent_delta_rule`.
 A case that fails prints its error in the table instead of stopping the run.
 """
@@ -86,7 +86,7 @@ def raven_inputs(B, T, M, K, G=1):
 
 
 def case_raven_ours(B, T, M, K, level=2):
-    from kernels.raven import chunk_raven
+    from raven_kernels.raven import chunk_raven
 
     q, k, v, a, idx, r, _ = raven_inputs(B, T, M, K)
     return lambda: chunk_raven(q, k, v, a, idx, r, D**-0.5, M, checkpoint_level=level)[0], [q, k, v, a, r]
@@ -112,10 +112,12 @@ def sse_inputs(B, T, N=4, G=1):
 
 
 def case_sse_ours(B, T):
-    from kernels.sse import chunk_sse
+    import raven_kernels.sse
+    from raven_layers.sse import sse_parallel
 
     q, k, v, log_g, idx, P = sse_inputs(B, T)
-    return lambda: chunk_sse(q, k, v, log_g, idx, P, D**-0.5)[0], [q, k, v, log_g]
+    varlen = sse_parallel("varlen", raven_kernels.sse)
+    return lambda: varlen(q, k, v, log_g, idx, P, D**-0.5)[0], [q, k, v, log_g]
 
 
 def gla_inputs(B, T):
@@ -125,7 +127,7 @@ def gla_inputs(B, T):
 
 
 def case_gla_ours(B, T):
-    from kernels.sse import chunk_gla
+    from raven_kernels.sse import chunk_gla
 
     q, k, v, g = gla_inputs(B, T)
     q5 = leaf(q.detach().unsqueeze(3))
@@ -143,7 +145,7 @@ def l2(x):
 
 
 def case_sila_ours(B, T):
-    from kernels.sila import fused_recurrent_sila
+    from raven_kernels.sila import fused_recurrent_sila
 
     q, k, v = l2(randn(B, T, H, 1, D)), l2(randn(B, T, H, D)), randn(B, T, H, D)
     alpha = leaf(torch.rand(B, T, H, 1, device=DEVICE))
@@ -169,7 +171,7 @@ def case_sdpa(B, T):
 
 def measure(build: Callable, *args) -> dict:
     """Times and memory of one training case: build() -> (forward function, leaf inputs)."""
-    from kernels.timing import time_training
+    from raven_kernels.timing import time_training
 
     fn, inputs = build(*args)
     return time_training(fn, inputs)
@@ -188,7 +190,7 @@ def measure_decode(build: Callable, state_bytes: int, *args) -> dict:
 
 
 def decode_raven_ours(B, M, K):
-    from kernels.raven import fused_recurrent_raven
+    from raven_kernels.raven import fused_recurrent_raven
 
     q, k, v, a, idx, r, _ = raven_inputs(B, 1, M, K)
     state = tuple(torch.randn(B, H, M, D, device=DEVICE) for _ in range(2))
@@ -240,7 +242,7 @@ def training_cases(only: set[str]) -> list[tuple[str, str, str, Callable, tuple]
                 if FLA and WITH_GSA:
                     cases.append(("raven", f"fla chunk_gsa M={M} (dense gates)", shape, case_raven_fla, (B, T, M, K)))
         if "sse" in only:
-            cases.append(("sse", "ours chunk_sse n4k1 + shared (varlen)", shape, case_sse_ours, (B, T)))
+            cases.append(("sse", "ours sse_varlen n4k1 + shared", shape, case_sse_ours, (B, T)))
             cases.append(("sse", "ours chunk_gla (dense)", shape, case_gla_ours, (B, T)))
             if FLA:
                 cases.append(("sse", "fla chunk_gla (dense)", shape, case_gla_fla, (B, T)))

@@ -74,7 +74,7 @@ def main() -> int:
         [
             sys.executable,
             "-m",
-            "convert.train",
+            "raven_convert.train",
             str(out / "recipe-1.yaml"),
             "--run-dir",
             str(first_dir),
@@ -92,7 +92,7 @@ def main() -> int:
                 "--mixed_precision",
                 "bf16",
                 "-m",
-                "convert.train",
+                "raven_convert.train",
                 str(out / f"recipe-{procs}.yaml"),
                 "--run-dir",
                 str(run_dir),

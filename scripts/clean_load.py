@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers import __version__ as transformers_version
 
-TOOLKIT_PACKAGES = ("convert", "raven_layers", "kernels")
+TOOLKIT_PACKAGES = ("raven_convert", "raven_layers", "raven_kernels")
 PROMPT = "The capital of France is"
 PASSKEY = "There is a pass key hidden in this text. The pass key is 52817. Remember it. "
 # relative error allowed between cached steps and a full forward: float rounding of two equal computations (the

@@ -8,7 +8,7 @@
 #
 # The run directory is ~/runs/<recipe name> (RUN_DIR overrides it): later calls on the same warm machine continue
 # it, and the recipe's fingerprints refuse to mix runs of different settings. MODEL is dequantised once into
-# ~/cache/teacher-hf, which every stage then loads quickly. Extra arguments go to `python -m convert.train`.
+# ~/cache/teacher-hf, which every stage then loads quickly. Extra arguments go to `python -m raven_convert.train`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 recipe=$1
@@ -21,7 +21,7 @@ source scripts/device_env.sh
 TEACHER=$HOME/cache/teacher-hf
 dequantised_teacher "$MODEL" "$TEACHER" || exit 1
 local_paths
-python3 -m convert.train "$recipe" --run-dir "$RUN_DIR" --stages "$stages" "${LOCAL_PATHS[@]}" "$@" \
+python3 -m raven_convert.train "$recipe" --run-dir "$RUN_DIR" --stages "$stages" "${LOCAL_PATHS[@]}" "$@" \
   > "$OUT/stages.log" 2>&1
 status=$?
 python3 - "$RUN_DIR" "$OUT" <<'EOF'

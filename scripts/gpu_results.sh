@@ -24,7 +24,7 @@ export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # several jobs share th
 recipe() {  # recipe MIXER RUN [ARGS...]: the SmolLM2 recipe of MIXER into ~/runs/RUN
   read -ra extra <<< "${RECIPE_ARGS:-}"
   local_paths
-  python3 -m convert.train "recipes/smollm2-$1.yaml" --run-dir "$RUNS/$2" "${LOCAL_PATHS[@]}" "${extra[@]}" "${@:3}"
+  python3 -m raven_convert.train "recipes/smollm2-$1.yaml" --run-dir "$RUNS/$2" "${LOCAL_PATHS[@]}" "${extra[@]}" "${@:3}"
 }
 
 trained() {  # trained MIXER RUN: train RUN, check that its model loads without the toolkit, evaluate it windowed and as is
@@ -43,8 +43,8 @@ import os
 import shlex
 from pathlib import Path
 
-from convert.evaluate.report import EvalRequest, evaluate_model
-from convert.train.recipe import load_recipe
+from raven_convert.evaluate.report import EvalRequest, evaluate_model
+from raven_convert.train.recipe import load_recipe
 
 essays = os.environ["ESSAYS"]
 extra = shlex.split(os.environ.get("RECIPE_ARGS", ""))

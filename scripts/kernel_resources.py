@@ -26,12 +26,12 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import chunked  # noqa: E402
-from kernels.raven import chunk, chunk_bwd, chunk_h, fused_recurrent  # noqa: E402
-from kernels.sila import fused_recurrent_bwd as sila_bwd_kernels  # noqa: E402
-from kernels.sila import fused_recurrent_fwd as sila_fwd_kernels  # noqa: E402
-from kernels.sila import utils as sila_utils  # noqa: E402
-from kernels.sila.fused_recurrent import CHUNK_SIZE as SILA_CHUNK  # noqa: E402
+from raven_kernels import chunked  # noqa: E402
+from raven_kernels.raven import chunk, chunk_bwd, chunk_h, fused_recurrent  # noqa: E402
+from raven_kernels.sila import fused_recurrent_bwd as sila_bwd_kernels  # noqa: E402
+from raven_kernels.sila import fused_recurrent_fwd as sila_fwd_kernels  # noqa: E402
+from raven_kernels.sila import utils as sila_utils  # noqa: E402
+from raven_kernels.sila.fused_recurrent import CHUNK_SIZE as SILA_CHUNK  # noqa: E402
 
 KERNELS = {
     "o": chunk.raven_fwd_kernel_o,

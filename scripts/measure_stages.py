@@ -4,7 +4,7 @@
         --align-steps 30 --train-steps 20 --max-documents 800 --run-root runs/measure \
         --set data.source=../shared/data/corpus [--set source=TEACHER]
 
-Each recipe runs through `python -m convert.train` (one process per recipe) with overrides that shorten it:
+Each recipe runs through `python -m raven_convert.train` (one process per recipe) with overrides that shorten it:
 align and train get the given step counts, evaluation and export are off, and the data is cut to
 `--max-documents` so that tokenising and the token-weight pass stay short. Extra `--set` overrides apply to every
 recipe (e.g. --set data.seq_len=1024). Rates come from each stage's DONE summary (counted from the end of the first
@@ -21,7 +21,7 @@ from pathlib import Path
 
 
 def run(recipe: str, run_dir: Path, overrides: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "convert.train", recipe, "--run-dir", str(run_dir), "--redo", "convert"]
+    cmd = [sys.executable, "-m", "raven_convert.train", recipe, "--run-dir", str(run_dir), "--redo", "convert"]
     for item in overrides:
         cmd += ["--set", item]
     print("$", " ".join(cmd), flush=True)

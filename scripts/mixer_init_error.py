@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from convert import Source, build_hybrid, parse_layer_spec, plan_layers
+from raven_convert import Source, build_hybrid, parse_layer_spec, plan_layers
 from raven_layers import mixer_names
 
 

@@ -76,7 +76,7 @@ def smollm2_dir(tmp_path_factory) -> Path:
     gguf = os.environ.get(SMOLLM2_ENV)
     if not gguf or not Path(gguf).is_file():
         pytest.skip(f"real SmolLM2 not available: set {SMOLLM2_ENV} to the GGUF file (.ci/run does)")
-    from convert import Source
+    from raven_convert import Source
 
     source = Source.resolve(gguf)
     out = tmp_path_factory.mktemp("smollm2")

@@ -1,5 +1,5 @@
-"""Test helpers: a tiny text corpus, and code run where transformers is importable but this toolkit is not (as on a
-machine that only downloads a model)."""
+"""Test helpers: the packages the toolkit installs, a tiny text corpus, and code run where transformers is importable
+but this toolkit is not (as on a machine that only downloads a model)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,19 @@ import sys
 import textwrap
 from pathlib import Path
 
-TOOLKIT_PACKAGES = ("convert", "raven_layers", "kernels")
+import tomllib
+
+REPO = Path(__file__).resolve().parents[1]
+SETUPTOOLS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+PACKAGES = SETUPTOOLS["packages"]  # ["raven_convert", "raven_convert.evaluate", ...]
+TOOLKIT_PACKAGES = sorted({name.split(".")[0] for name in PACKAGES})  # the top-level import names
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly big mice".split()
+
+
+def package_folder(package: str) -> Path:
+    """The folder of the repository that installs as `package`."""
+    top, *rest = package.split(".")
+    return REPO / SETUPTOOLS["package-dir"].get(top, top) / Path(*rest)
 
 
 def corpus(folder: Path) -> Path:

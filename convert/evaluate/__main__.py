@@ -1,4 +1,4 @@
-"""`raven-eval` (also `python -m convert.evaluate`): evaluate a model and write a report.
+"""`raven-eval` (also `python -m raven_convert.evaluate`): evaluate a model and write a report.
 
 raven-eval runs/smollm2-raven --out runs/smollm2-raven/eval --lengths 1k,2k,4k --tasks passkey,niah_single_2
 raven-eval model.gguf --out eval --ppl-data ../shared/data/pg_essays --speed-lengths 1k,4k,16k
@@ -12,8 +12,8 @@ import re
 import sys
 from pathlib import Path
 
-from convert.console import command_line, interrupted
-from convert.files import check_writable
+from raven_convert.console import command_line, interrupted
+from raven_convert.files import check_writable
 
 from .perplexity import parse_lengths
 from .report import EvalRequest, evaluate_model

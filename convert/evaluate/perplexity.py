@@ -8,7 +8,7 @@ beyond it shows the break where it happens. `plot_loss_curve` draws those curves
 
 Command line (each --model a Hub id, a model directory, an exported hybrid or a .gguf file):
 
-    python -m convert.evaluate.perplexity --model Qwen/Qwen3-0.6B --model qwen3-raven \\
+    python -m raven_convert.evaluate.perplexity --model Qwen/Qwen3-0.6B --model qwen3-raven \\
         --data ../shared/data/corpus/python-3.11-docs.jsonl.gz --lengths 1024,8192,32768 --max-windows 8 \\
         --out ppl.json --plot ppl.png
 """
@@ -466,7 +466,7 @@ def parse_lengths(text: str) -> list[int]:
 
 def load_for_evaluation(src: str, dtype: str = "auto", device: str | None = None):
     """(model, tokenizer) from a Hub id, a directory (teacher or exported hybrid) or a .gguf file."""
-    from convert import Source
+    from raven_convert import Source
 
     source = Source.resolve(src)
     model = source.load_model(dtype)
@@ -476,7 +476,7 @@ def load_for_evaluation(src: str, dtype: str = "auto", device: str | None = None
 
 
 def compare_models(args, measure, table, plot) -> dict:
-    """What the comparison commands (`python -m convert.evaluate.perplexity` and `.speed`) do with their models:
+    """What the comparison commands (`python -m raven_convert.evaluate.perplexity` and `.speed`) do with their models:
     load each `--model` in turn (args.dtype, args.device), measure(model, tokenizer) it and free it before the next;
     then print table(results), write them to `--out` as JSON and plot(results, path) them to `--plot`, where given.
     Returns {model: result}."""
@@ -495,7 +495,9 @@ def compare_models(args, measure, table, plot) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m convert.evaluate.perplexity", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m raven_convert.evaluate.perplexity", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--model", action="append", required=True, help="repeatable; Hub id, directory or .gguf")
     p.add_argument("--data", required=True, help=".txt, .jsonl(.gz) or a directory of them")
     p.add_argument("--lengths", type=parse_lengths, default=parse_lengths("512,2048,8192"))

@@ -15,7 +15,7 @@ higher); `peak_memory_method` says which, and both values are null where neither
 
 Command line:
 
-    python -m convert.evaluate.speed --model Qwen/Qwen3-0.6B --model qwen3-raven --lengths 1k,4k,16k,64k \\
+    python -m raven_convert.evaluate.speed --model Qwen/Qwen3-0.6B --model qwen3-raven --lengths 1k,4k,16k,64k \\
         --dtype bfloat16 --out speed.json --plot speed.png
 """
 
@@ -366,7 +366,7 @@ def plot_speed(results_by_model: dict[str, list[dict]], path: str | Path) -> Pat
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m convert.evaluate.speed", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m raven_convert.evaluate.speed", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", action="append", required=True, help="repeatable; Hub id, directory or .gguf")
     p.add_argument("--lengths", type=parse_lengths, default=parse_lengths("1k,4k,16k"))
     p.add_argument("--batch-size", type=int, default=1)

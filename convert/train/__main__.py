@@ -1,5 +1,5 @@
-"""`python -m convert.train RECIPE.yaml --run-dir DIR [--src MODEL] [--data PATH] [--haystack DIR] [--ppl-data PATH]
-[--stages align,train] [--redo STAGE] [--set key=value]`."""
+"""`python -m raven_convert.train RECIPE.yaml --run-dir DIR [--src MODEL] [--data PATH] [--haystack DIR]
+[--ppl-data PATH] [--stages align,train] [--redo STAGE] [--set key=value]`."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import argparse
 import json
 import sys
 
-from convert.console import command_line, interrupted, invoked_as
-from convert.files import DiskSpaceError
-from convert.train.recipe import INPUT_FLAGS, STAGES, load_recipe
-from convert.train.stages import run_recipe, saved_so_far
+from raven_convert.console import command_line, interrupted, invoked_as
+from raven_convert.files import DiskSpaceError
+from raven_convert.train.recipe import INPUT_FLAGS, STAGES, load_recipe
+from raven_convert.train.stages import run_recipe, saved_so_far
 
 
 def resume_command(args: argparse.Namespace) -> str:
@@ -21,7 +21,7 @@ def resume_command(args: argparse.Namespace) -> str:
         words += [flag, getattr(args, field)] if getattr(args, field) is not None else []
     for item in args.overrides:
         words += ["--set", item]
-    return command_line(invoked_as("convert.train", ("raven-train",)), words)
+    return command_line(invoked_as("raven_convert.train", ("raven-train",)), words)
 
 
 def input_overrides(args: argparse.Namespace) -> list[str]:
@@ -32,7 +32,7 @@ def input_overrides(args: argparse.Namespace) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m convert.train",
+        prog="python -m raven_convert.train",
         description=f"Run a recipe's stages ({' -> '.join(STAGES)}) into --run-dir, skipping those already DONE.",
     )
     parser.add_argument("recipe", help="recipe YAML (relative paths in it resolve against the current directory)")

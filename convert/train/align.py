@@ -21,10 +21,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from convert.console import eta
-from convert.train.checkpoint import latest_checkpoint, save_checkpoint
-from convert.train.common import converted_layers, lr_at, mixer_parameters, model_inputs
-from convert.train.losses import alignment_mse, mixers_aux_loss
+from raven_convert.console import eta
+from raven_convert.train.checkpoint import latest_checkpoint, save_checkpoint
+from raven_convert.train.common import converted_layers, lr_at, mixer_parameters, model_inputs
+from raven_convert.train.losses import alignment_mse, mixers_aux_loss
 from raven_layers.modeling_hybrid import find_packed_documents
 
 

@@ -21,7 +21,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from convert.files import disk_bytes, normal_modes, replace_dir, room_for
+from raven_convert.files import disk_bytes, normal_modes, replace_dir, room_for
 
 CHECKPOINTS = "checkpoints"
 META = "checkpoint.json"

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from convert.files import atomic_file
-from convert.train.retrieval_data import RetrievalMix, WholeDocument, mix_retrieval
+from raven_convert.files import atomic_file
+from raven_convert.train.retrieval_data import RetrievalMix, WholeDocument, mix_retrieval
 
 # File extension -> datasets builder. Compressed variants (.gz, .bz2, .xz, .zst) are read transparently.
 BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet"}

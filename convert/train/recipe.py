@@ -20,15 +20,15 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from convert.evaluate.settings import EvaluateSettings
-from convert.layer_spec import ACCEPTED_FORMS, LayerSpecError, parse_layer_spec
-from convert.train.retrieval_data import RetrievalMix
-from convert.train.stage2 import MixedPrecision, TrainConfig
+from raven_convert.evaluate.settings import EvaluateSettings
+from raven_convert.layer_spec import ACCEPTED_FORMS, LayerSpecError, parse_layer_spec
+from raven_convert.train.retrieval_data import RetrievalMix
+from raven_convert.train.stage2 import MixedPrecision, TrainConfig
 from raven_layers import get_mixer, resolve_mixer
 from raven_layers.common import did_you_mean
 
 STAGES = ("convert", "align", "weights", "train", "extend", "evaluate", "export")
-# The fields naming inputs from outside the repository, each with the `python -m convert.train` flag that sets it
+# The fields naming inputs from outside the repository, each with the `python -m raven_convert.train` flag that sets it
 # (sugar for --set FIELD=VALUE), its metavar and help.
 INPUT_FLAGS = {
     "source": ("--src", "MODEL", "the teacher: Hub id, model directory or .gguf file"),
@@ -305,10 +305,10 @@ def check_inputs(recipe: Recipe, stages: list[str]) -> None:
     data.cache_dir must be writable."""
     import os
 
-    from convert.evaluate.needles import HAYSTACK_ENV, TASKS
-    from convert.files import check_writable
-    from convert.sources import Source
-    from convert.train.data import check_data_source
+    from raven_convert.evaluate.needles import HAYSTACK_ENV, TASKS
+    from raven_convert.files import check_writable
+    from raven_convert.sources import Source
+    from raven_convert.train.data import check_data_source
 
     reads_data = any(uses_data(recipe, s) for s in stages)
     if "convert" in stages or reads_data:  # the stages that load the teacher

@@ -49,12 +49,12 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 from torch import nn
 from torch.utils.data import Dataset
 
-from convert.console import eta
-from convert.train.checkpoint import latest_checkpoint, save_checkpoint
-from convert.train.common import attention_layers, lr_at, mixer_parameters, model_inputs
-from convert.train.data import PackedDataset, batch_iterator
-from convert.train.losses import aux_loss, ce_loss, kd_loss, prediction_mask, training_loss
-from convert.train.token_weights import schedule_weights
+from raven_convert.console import eta
+from raven_convert.train.checkpoint import latest_checkpoint, save_checkpoint
+from raven_convert.train.common import attention_layers, lr_at, mixer_parameters, model_inputs
+from raven_convert.train.data import PackedDataset, batch_iterator
+from raven_convert.train.losses import aux_loss, ce_loss, kd_loss, prediction_mask, training_loss
+from raven_convert.train.token_weights import schedule_weights
 
 # "no" or "bf16"; YAML reads a bare `no` as false, which means "no" here
 MixedPrecision = Annotated[Literal["no", "bf16"], BeforeValidator(lambda v: "no" if v is False else v)]

@@ -24,7 +24,7 @@ not the checkpoints of an unfinished stage unless told so (CLI: --discard-checkp
 to log and checkpoint, how many checkpoints to keep) are left out of the fingerprints.
 
 Several GPUs: run the stages before train in one process, then
-    accelerate launch --num_processes 2 -m convert.train RECIPE --run-dir DIR --stages train
+    accelerate launch --num_processes 2 -m raven_convert.train RECIPE --run-dir DIR --stages train
 train and extend are data parallel (train.batch_size rows per process); only the main process writes files.
 """
 
@@ -40,10 +40,10 @@ from pathlib import Path
 
 import torch
 
-from convert.console import is_main_process
-from convert.files import check_writable, copy_dir, disk_bytes, format_bytes, write_json
-from convert.train.checkpoint import CHECKPOINTS
-from convert.train.recipe import STAGES, Recipe, check_inputs
+from raven_convert.console import is_main_process
+from raven_convert.files import check_writable, copy_dir, disk_bytes, format_bytes, write_json
+from raven_convert.train.checkpoint import CHECKPOINTS
+from raven_convert.train.recipe import STAGES, Recipe, check_inputs
 
 MARKER = "DONE"
 # Fields that change how a stage logs and checkpoints, not what it computes: changing them keeps its results valid.
@@ -125,7 +125,7 @@ def _stale(run_dir: Path, stage: str, done: dict, recipe: Recipe, prints: dict[s
 def stage_state(run_dir: Path, stage: str) -> str:
     """What a rerun of an unfinished `stage` starts from: its latest complete checkpoint (evaluate: the parts its
     report.json finished), or nothing of it."""
-    from convert.train.checkpoint import latest_checkpoint
+    from raven_convert.train.checkpoint import latest_checkpoint
 
     report = Path(run_dir) / "evaluate" / "report.json"
     finished = json.loads(report.read_text()).get("finished") if stage == "evaluate" and report.is_file() else None
@@ -141,7 +141,7 @@ def stage_state(run_dir: Path, stage: str) -> str:
 
 def resumable_checkpoints(run_dir: Path, stages) -> list[str]:
     """For each of `stages` with a checkpoint but no DONE: 'PATH (step N) of the unfinished STAGE stage'."""
-    from convert.train.checkpoint import latest_checkpoint
+    from raven_convert.train.checkpoint import latest_checkpoint
 
     found = []
     for stage in stages:
@@ -197,7 +197,7 @@ def _device() -> torch.device:
 
 
 def _load_teacher(recipe: Recipe):
-    from convert.sources import Source
+    from raven_convert.sources import Source
 
     return Source.resolve(recipe.source).load_model(recipe.dtype).to(_device()).eval().requires_grad_(False)
 
@@ -216,7 +216,7 @@ def _dataset(recipe: Recipe, run_dir: Path, model_dir: Path, seq_len: int | None
     into rows of data.seq_len tokens or of `seq_len`."""
     from transformers import AutoTokenizer
 
-    from convert.train.data import build_dataset
+    from raven_convert.train.data import build_dataset
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     d = recipe.data
@@ -237,14 +237,14 @@ def _save_model(model, model_dir_from: Path, out: Path, base_model: str) -> None
     """A complete model dir at `out` (atomic): weights of `model`, code and tokenizer of `model_dir_from`."""
     from transformers import AutoTokenizer
 
-    from convert.export import save_hybrid
+    from raven_convert.export import save_hybrid
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir_from))
     save_hybrid(model.cpu(), tokenizer, out, base_model=base_model, overwrite=True)
 
 
 def _stage_convert(recipe: Recipe, run_dir: Path, done: dict) -> dict:
-    from convert.pipeline import ConvertRequest, convert_model
+    from raven_convert.pipeline import ConvertRequest, convert_model
 
     out = run_dir / "convert" / "model"
     request = ConvertRequest(
@@ -263,8 +263,8 @@ def _stage_convert(recipe: Recipe, run_dir: Path, done: dict) -> dict:
 
 
 def _stage_align(recipe: Recipe, run_dir: Path, done: dict) -> dict:
-    from convert.train.align import align, validation_losses
-    from convert.train.data import batch_iterator
+    from raven_convert.train.align import align, validation_losses
+    from raven_convert.train.data import batch_iterator
 
     settings, model_dir = recipe.align, _latest_model(run_dir, done)
     if settings.steps == 0:
@@ -306,8 +306,8 @@ def _stage_align(recipe: Recipe, run_dir: Path, done: dict) -> dict:
 def _stage_weights(recipe: Recipe, run_dir: Path, done: dict) -> dict:
     from transformers import AutoTokenizer
 
-    from convert.train.data import save_atomic
-    from convert.train.token_weights import plot_token_weights, weight_table
+    from raven_convert.train.data import save_atomic
+    from raven_convert.train.token_weights import plot_token_weights, weight_table
 
     settings = recipe.token_weights
     if not settings.enabled:
@@ -344,7 +344,7 @@ def _stage_weights(recipe: Recipe, run_dir: Path, done: dict) -> dict:
 
 
 def _stage_train(recipe: Recipe, run_dir: Path, done: dict) -> dict:
-    from convert.train.stage2 import TrainConfig, train
+    from raven_convert.train.stage2 import TrainConfig, train
 
     settings, model_dir = recipe.train, _latest_model(run_dir, done)
     if settings.steps == 0:
@@ -370,8 +370,8 @@ def _stage_train(recipe: Recipe, run_dir: Path, done: dict) -> dict:
 
 def _finish_training(student, config, history, model_dir: Path, run_dir: Path, stage: str, base_model: str) -> dict:
     """Merge LoRA, save the model under RUN_DIR/stage/model (main process only), and summarise the run."""
-    from convert.train.checkpoint import latest_checkpoint
-    from convert.train.stage2 import merge_lora
+    from raven_convert.train.checkpoint import latest_checkpoint
+    from raven_convert.train.stage2 import merge_lora
 
     if config.trainable == "mixers+lora":
         merge_lora(student)
@@ -389,8 +389,8 @@ def _finish_training(student, config, history, model_dir: Path, run_dir: Path, s
 
 
 def _stage_extend(recipe: Recipe, run_dir: Path, done: dict) -> dict:
-    from convert.train.stage2 import TrainConfig, train
-    from convert.train.token_weights import token_weights
+    from raven_convert.train.stage2 import TrainConfig, train
+    from raven_convert.train.token_weights import token_weights
 
     settings, model_dir = recipe.extend, _latest_model(run_dir, done)
     if settings is None:
@@ -424,7 +424,7 @@ def _stage_extend(recipe: Recipe, run_dir: Path, done: dict) -> dict:
 
 
 def _stage_evaluate(recipe: Recipe, run_dir: Path, done: dict) -> dict:
-    from convert.evaluate.report import EvalRequest, evaluate_model
+    from raven_convert.evaluate.report import EvalRequest, evaluate_model
 
     model_dir = _latest_model(run_dir, done)
     if recipe.evaluate is None:
@@ -488,7 +488,7 @@ def _disk_use(run_dir: Path, stage: str, summary: dict) -> int:
 
 def _held_out_batches(rows, batch_size: int, seed: int, count: int = 4) -> list[dict]:
     """Up to `count` fixed batches of held-out rows (fewer rows than batch_size: one smaller batch)."""
-    from convert.train.data import batch_iterator
+    from raven_convert.train.data import batch_iterator
 
     if not len(rows):
         return []

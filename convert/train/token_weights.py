@@ -42,8 +42,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from convert.console import eta
-from convert.train.checkpoint import latest_checkpoint, save_checkpoint
+from raven_convert.console import eta
+from raven_convert.train.checkpoint import latest_checkpoint, save_checkpoint
 from raven_layers.architectures import get_architecture
 from raven_layers.modeling_hybrid import find_packed_documents
 

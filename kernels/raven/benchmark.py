@@ -2,7 +2,7 @@
 and the share of (chunk, slot block) pairs on the exact in-chunk path. Launch variants override launch_config
 ("a+b" both); "level0", "level1" time chunk_raven's other checkpoint levels (what the backward recomputes).
 
-    PYTHONPATH=$PWD python3 kernels/raven/benchmark.py [--variants o8+dq8,level0,...] [--shapes 4x4096x256x32]
+    python3 -m raven_kernels.raven.benchmark [--variants o8+dq8,level0,...] [--shapes 4x4096x256x32]
 
 `--topk` times the router's top-K instead: `topk_slots` against `torch.topk` on [B, T, H_kv, M] float32 logits
 (the prefill shapes of SmolLM2, H_kv = 3, and of the kernel shapes above).
@@ -13,10 +13,10 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from kernels.chunked import RANGE_NATS
-from kernels.raven import chunk as raven_chunk
-from kernels.raven import chunk_raven, topk_slots
-from kernels.timing import time_training
+from raven_kernels.chunked import RANGE_NATS
+from raven_kernels.raven import chunk as raven_chunk
+from raven_kernels.raven import chunk_raven, topk_slots
+from raven_kernels.timing import time_training
 
 H, D = 16, 128
 SHAPES = [(4, 4096, 256, 32), (1, 32768, 64, 8)]  # B, T, M, K

@@ -1,6 +1,6 @@
 """GPU timings of `fused_recurrent_sila` beside fla's peers (needs CUDA; fla unless --without-fla):
 
-    python -m kernels.sila.benchmark [--dims 128] [--sweep-warps 4 16] [--chunk-warps 4] [--without-fla]
+    python -m raven_kernels.sila.benchmark [--dims 128] [--sweep-warps 4 16] [--chunk-warps 4] [--without-fla]
 
 Prints, per head dim, the median forward and forward+backward times (triton.testing.do_bench after a warm-up),
 the first-call time, the share of each kernel, and one decoding step.
@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from kernels.sila import fused_recurrent_sila, utils
-from kernels.timing import time_call
+from raven_kernels.sila import fused_recurrent_sila, utils
+from raven_kernels.timing import time_call
 
 
 def sila_inputs(B, T, H, d, G=1, dtype=torch.bfloat16):

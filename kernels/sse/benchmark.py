@@ -1,11 +1,11 @@
-"""GPU timings of the SSE kernels beside fla's `chunk_gla`: `python -m kernels.sse.benchmark` (needs CUDA; fla
+"""GPU timings of the SSE kernels beside fla's `chunk_gla`: `python -m raven_kernels.sse.benchmark` (needs CUDA; fla
 optional). B=4, T=4096, H=16, c = d = 128, bf16 q/k/v, float32 log-gates, by default.
 
 Prints the median forward and forward+backward times (triton.testing.do_bench after a warm-up) and the first-call
-time of: fla's dense chunk_gla, this chunk_gla on the same inputs, SSE n4k1 with the shared partition through
-chunk_sse (varlen and masking, regrouping included) and through chunk_gla alone on the regrouped entries; the
-per-kernel CUDA time of one SSE forward+backward; one decoding step (B=64) against sse_recurrent; and the
-forward+backward time under other warp counts.
+time of: fla's dense chunk_gla, this chunk_gla on the same inputs, SSE n4k1 with the shared partition through its
+varlen and masking forms on these kernels (`sse_parallel`, regrouping included) and through chunk_gla alone on the
+regrouped entries; the per-kernel CUDA time of one SSE forward+backward; one decoding step (B=64) against
+sse_recurrent; and the forward+backward time under other warp counts.
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from kernels.sse import chunk as chunk_module
-from kernels.sse import chunk_gla, chunk_sse, fused_recurrent_sse
-from kernels.sse.naive import sse_recurrent
-from kernels.timing import kernel_times, time_call
+import raven_kernels.sse
+from raven_kernels.sse import chunk as chunk_module
+from raven_kernels.sse import chunk_gla, fused_recurrent_sse
+from raven_kernels.sse.naive import sse_recurrent
+from raven_kernels.timing import kernel_times, time_call
+from raven_layers.sse import sse_parallel
 
 
 def sse_inputs(B, T, H, c, d, N=4, dtype=torch.bfloat16, seed=0):
@@ -72,8 +74,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     leaves, idx, P = sse_inputs(B, T, H, D, D)
     for impl in ("varlen", "masking"):
-        fn = lambda q, k, v, g, impl=impl: chunk_sse(q, k, v, g, idx, P, D**-0.5, implementation=impl)  # noqa: E731
-        report(f"SSE n4k1+shared chunk_sse ({impl})", time_call(fn, leaves))
+        form = sse_parallel(impl, raven_kernels.sse)
+        fn = lambda q, k, v, g, form=form: form(q, k, v, g, idx, P, D**-0.5)  # noqa: E731
+        report(f"SSE n4k1+shared sse_{impl}", time_call(fn, leaves))
 
     # chunk_gla alone on the entries regrouped as sse_varlen does (its cu_seqlens and order)
     segment = (torch.arange(B * H, device="cuda").view(B, 1, H, 1) * P + idx).flatten()
@@ -90,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
         "chunk_gla on the regrouped SSE entries", time_call(lambda *a: chunk_gla(*a, D**-0.5, None, True, cu), packed)
     )
 
-    fn = lambda q, k, v, g: chunk_sse(q, k, v, g, idx, P, D**-0.5)  # noqa: E731
+    varlen = sse_parallel("varlen", raven_kernels.sse)
+    fn = lambda q, k, v, g: varlen(q, k, v, g, idx, P, D**-0.5)  # noqa: E731
     grad = torch.randn(B, T, H, 1, D, device="cuda", dtype=torch.bfloat16)
     kernels = kernel_times(lambda: fn(*leaves)[0].backward(grad))
     print(f"one SSE varlen forward+backward, per kernel (ms of {sum(r[0] for r in kernels):.2f} device ms):")

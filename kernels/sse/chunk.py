@@ -31,12 +31,8 @@ over the chunk-to-state part of dk.
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import triton
-
-from raven_layers.sse import sse_masking, varlen_entries
 
 from ..chunked import needs_exact, scan_config, state_scan
 from .chunk_bwd import sse_bwd_kernel_dA, sse_bwd_kernel_dg, sse_bwd_kernel_dh, sse_bwd_kernel_dqk, sse_bwd_kernel_dv
@@ -198,6 +194,14 @@ class ChunkGLAFunction(torch.autograd.Function):
         return dq, dk.view(k_shape), dv, dg.view(k_shape), None, dh0, None, None
 
 
+def _check(op: str, q, k, v) -> None:
+    allowed = (torch.float32, torch.bfloat16, torch.float16)
+    if q.dtype not in allowed:
+        raise ValueError(f"{op}: q.dtype = {q.dtype} is not supported; allowed: {list(allowed)}")
+    if max(k.shape[-1], v.shape[-1]) > 256:
+        raise ValueError(f"{op}: K = {k.shape[-1]}, V = {v.shape[-1]}; allowed: at most 256 each")
+
+
 def chunk_gla(q, k, v, log_g, scale: float, initial_state=None, output_final_state: bool = False, cu_seqlens=None):
     """Chunked gated linear attention with a per-key-channel gate (the kernel of `gla_recurrent`).
 
@@ -219,63 +223,29 @@ def chunk_gla(q, k, v, log_g, scale: float, initial_state=None, output_final_sta
         )
     if log_g.shape != k.shape or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"chunk_gla: log_g {tuple(log_g.shape)} and q's last dim must match k {tuple(k.shape)}")
-    allowed = (torch.float32, torch.bfloat16, torch.float16)
-    if q.dtype not in allowed:
-        raise ValueError(f"chunk_gla: q.dtype = {q.dtype} is not supported; allowed: {list(allowed)}")
-    if max(k.shape[-1], v.shape[-1]) > 256:
-        raise ValueError(f"chunk_gla: K = {k.shape[-1]}, V = {v.shape[-1]}; allowed: at most 256 each")
+    _check("chunk_gla", q, k, v)
     if cu_seqlens is not None and q.shape[0] != 1:
         raise ValueError(f"cu_seqlens needs a batch of 1 packed sequence, got batch {q.shape[0]}")
     o, final = ChunkGLAFunction.apply(q, k, v, log_g, float(scale), initial_state, cu_seqlens)
     return o, final if output_final_state else None
 
 
-def _gla(q, k, v, log_g, scale: float, initial_state=None, cu_seqlens=None):
-    return chunk_gla(q, k, v, log_g, scale, initial_state, True, cu_seqlens)
-
-
-def _sse_varlen(q, k, v, log_g, idx, num_partitions: int, scale: float, initial_state=None, cu_seqlens=None):
-    """`sse_varlen` with the regrouping inside the kernels: they read every entry's rows in place through the entry
-    order (`varlen_entries`), and o and the gradients come back in the inputs' layout, with no gathered copies."""
-    B, T, H, G, M, c = q.shape
-    d, P = v.shape[-1], num_partitions
-    order, cu, S = varlen_entries(idx, P, cu_seqlens)
-    s0 = None if initial_state is None else initial_state.reshape(S * H * P, 1, c, d)
-    rows = (q.reshape(-1, G, M, c), k.reshape(-1, c), v.reshape(-1, d), log_g.reshape(-1, c))
-    o, state = ChunkGLAFunction.apply(*rows, float(scale), s0, cu, order.to(torch.int32))
-    return o.view(B, T, H, G, d), state.view(S, H, P, c, d)
-
-
-IMPLEMENTATIONS = {"varlen": _sse_varlen, "masking": partial(sse_masking, gla=_gla)}
-
-
-def chunk_sse(
-    q, k, v, log_g, idx, num_partitions: int, scale: float, initial_state=None, implementation="varlen", cu_seqlens=None
-):
-    """SSE's parallel forms on `chunk_gla`'s kernels: `sse_varlen` (paper Algorithm 2: every (batch row, kv head,
-    partition) one segment of a single packed sequence, the kernels reading the entries in place) or `sse_masking`
-    (Algorithm 1: every partition a head), same arguments and results as those.
+def chunk_gla_entries(q, k, v, log_g, order, cu_seqlens, scale: float, initial_state=None):
+    """`chunk_gla` over the (token, partition) entries of SSE's varlen form, read in place (`sse_varlen` passes it
+    as `gla_entries`; reference `chunk_gla_entries_reference`): no gathered copies, and o and the gradients come
+    back in the inputs' layout.
 
     Args:
-        q: [B, T, H, G, M, c]; k, log_g: [B, T, H, M, c]; v: [B, T, H, d]; idx: [B, T, H, M] in [0, P), the M
-            distinct partitions each token touches (see `sse_recurrent`).
-        num_partitions: P, partitions of the state (routed + shared).
-        initial_state: [B, H, P, c, d]; zeros when None. Differentiable.
-        implementation: "varlen" or "masking".
-        cu_seqlens: [S + 1] offsets of S documents packed along T (B == 1); each starts from its own state
-            (initial_state [S, H, P, c, d]), and the final state is [S, H, P, c, d].
+        q: [B, T, H, G, M, K]; k, log_g: [B, T, H, M, K]; v: [B, T, H, V]: the M entries of every token.
+        order: [E] the E = B T H M flat (b, t, h, m) entries, segment by segment (`varlen_entries`).
+        cu_seqlens: [S' + 1] the segments' bounds in `order`; empty segments allowed.
+        initial_state: [S', 1, K, V]; zeros when None. Differentiable.
 
     Returns:
-        o: [B, T, H, G, d] in q's dtype and the final state [B, H, P, c, d] float32.
+        o: [B, T, H, G, V] in q's dtype, each token's M entries summed, and the final state [S', 1, K, V] float32.
     """
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"chunk_sse: implementation = {implementation!r} is not allowed; allowed: {list(IMPLEMENTATIONS)}"
-        )
-    allowed = (torch.float32, torch.bfloat16, torch.float16)
-    if q.dtype not in allowed:
-        raise ValueError(f"chunk_sse: q.dtype = {q.dtype} is not supported; allowed: {list(allowed)}")
-    if max(k.shape[-1], v.shape[-1]) > 256:
-        raise ValueError(f"chunk_sse: c = {k.shape[-1]}, d = {v.shape[-1]}; allowed: at most 256 each")
-    form = IMPLEMENTATIONS[implementation]
-    return form(q, k, v, log_g, idx, num_partitions, scale, initial_state, cu_seqlens=cu_seqlens)
+    B, T, H, G, M, K = q.shape
+    _check("chunk_gla_entries", q, k, v)
+    rows = (q.reshape(-1, G, M, K), k.reshape(-1, K), v.reshape(-1, v.shape[-1]), log_g.reshape(-1, K))
+    o, final = ChunkGLAFunction.apply(*rows, float(scale), initial_state, cu_seqlens, order.to(torch.int32))
+    return o.view(B, T, H, G, -1), final

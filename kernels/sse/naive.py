@@ -1,5 +1,19 @@
 """PyTorch references of the SSE kernels (they live with the mixer, in raven_layers/sse.py)."""
 
-from raven_layers.sse import chunk_gla_reference, gla_recurrent, sse_masking, sse_recurrent, sse_varlen
+from raven_layers.sse import (
+    chunk_gla_entries_reference,
+    chunk_gla_reference,
+    gla_recurrent,
+    sse_masking,
+    sse_recurrent,
+    sse_varlen,
+)
 
-__all__ = ["chunk_gla_reference", "gla_recurrent", "sse_masking", "sse_recurrent", "sse_varlen"]
+__all__ = [
+    "chunk_gla_entries_reference",
+    "chunk_gla_reference",
+    "gla_recurrent",
+    "sse_masking",
+    "sse_recurrent",
+    "sse_varlen",
+]

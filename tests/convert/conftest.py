@@ -2,8 +2,8 @@
 
 import pytest
 
-from convert.train.recipe import parse_recipe
-from convert.train.stages import run_recipe
+from raven_convert.train.recipe import parse_recipe
+from raven_convert.train.stages import run_recipe
 from tests.convert.faults import recipe_data
 from tests.helpers import corpus
 

@@ -27,7 +27,7 @@ def recipe_data(source: Path, data: Path, **sections) -> dict:
 
 
 def prepare(converted: dict, tmp_path: Path, **sections) -> tuple[list[str], Path]:
-    """A copy of the converted run and a recipe file with `sections`: (argv of convert.train, run dir)."""
+    """A copy of the converted run and a recipe file with `sections`: (argv of raven_convert.train, run dir)."""
     run = tmp_path / "run"
     shutil.copytree(converted["run"], run)
     path = tmp_path / "recipe.yaml"

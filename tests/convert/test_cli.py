@@ -5,8 +5,8 @@ import re
 import pytest
 from transformers import GPT2Config
 
-from convert import Source
-from convert.cli import main
+from raven_convert import Source
+from raven_convert.cli import main
 
 
 @pytest.fixture

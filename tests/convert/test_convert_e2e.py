@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from convert import build_hybrid, plan_layers
-from convert.cli import main
+from raven_convert import build_hybrid, plan_layers
+from raven_convert.cli import main
 from raven_layers import BUNDLED_FILES, output_cache
 from tests.helpers import run_without_toolkit
 
@@ -119,6 +119,34 @@ def test_standalone_load_without_the_toolkit(tiny_sources, tmp_path):
     assert result["text"].startswith("hello")
 
 
+def test_exported_model_runs_the_installed_kernels(tiny_sources, tmp_path):
+    # a process that loads the model's own code (not the toolkit's classes) where the toolkit is installed: the
+    # model's backend.py imports its kernels by their installed names (on CPU in the Triton interpreter)
+    mixers = ["--mixer", "sse", "--layers", "1", "--mixer", "sila", "--layers", "2", *MIXED[8:]]
+    out = convert_tiny(tiny_sources, tmp_path, "llama", "0", *mixers)
+    code = f"""
+import importlib, json, sys, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True).eval()
+mixer = type(model.model.layers[0].self_attn)
+backend = importlib.import_module(mixer.__module__.rpartition(".")[0] + ".backend")
+with torch.no_grad():
+    with backend.use_backend("torch"):
+        reference = model(torch.tensor({IDS})).logits
+    with backend.use_backend("triton"):
+        logits = model(torch.tensor({IDS})).logits
+loaded = {{name: module.__file__ for name, module in backend._modules.items() if module is not None}}
+print(json.dumps({{"backend": backend.__name__, "loaded": loaded, "error": (logits - reference).abs().max().item(),
+                  "toolkit_classes": "raven_layers" in sys.modules}}))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["backend"].startswith("transformers_modules.") and not result["toolkit_classes"]
+    assert sorted(result["loaded"]) == ["raven_kernels.raven", "raven_kernels.sila", "raven_kernels.sse"], result
+    assert result["error"] < 1e-4
+
+
 def test_sharded_weights(tiny_sources, tmp_path):
     out = convert_tiny(tiny_sources, tmp_path, "llama", "0-3:2", *RAVEN, "--max-shard-size", "100KB")
     assert (out / "model.safetensors.index.json").is_file()
@@ -184,8 +212,9 @@ def test_bfloat16_export(tiny_sources, tmp_path):
     )  # recurrent states accumulate in float32
 
 
-def test_python_dash_m_convert(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "convert", "--help"], capture_output=True, text=True, check=True)
+def test_python_dash_m_raven_convert(tmp_path):
+    command = [sys.executable, "-m", "raven_convert", "--help"]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, check=True)
     assert "--layers" in proc.stdout and "0-23:5" in proc.stdout
 
 

@@ -22,14 +22,14 @@ import torch
 import yaml
 from pydantic import BaseModel
 
-import convert.export
-import convert.files
-from convert.cli import main as convert_main
-from convert.evaluate.__main__ import main as eval_main
-from convert.sources import Source
-from convert.train import data as train_data
-from convert.train.__main__ import main as train_main
-from convert.train.recipe import Recipe, parse_recipe
+import raven_convert.export
+import raven_convert.files
+from raven_convert.cli import main as convert_main
+from raven_convert.evaluate.__main__ import main as eval_main
+from raven_convert.sources import Source
+from raven_convert.train import data as train_data
+from raven_convert.train.__main__ import main as train_main
+from raven_convert.train.recipe import Recipe, parse_recipe
 from raven_layers import get_mixer, registered_mixers
 from tests.conftest import tiny_tokenizer
 from tests.convert.faults import interrupt, one_line, recipe_data
@@ -297,7 +297,7 @@ def test_a_bad_shard_size_is_refused_before_loading(size, tiny_sources, tmp_path
 
 def test_raven_convert_is_installed_next_to_convert():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["raven-convert"] == scripts["convert"] == "convert.cli:main"
+    assert scripts["raven-convert"] == scripts["convert"] == "raven_convert.cli:main"
 
 
 def test_help_says_which_program_this_is(capsys):
@@ -326,10 +326,13 @@ def test_ctrl_c_in_convert_leaves_nothing_behind(tiny_sources, tmp_path, monkeyp
         str(out),
     ]
 
-    monkeypatch.setattr(convert.export, "model_card", interrupt)  # while the weights are being written
+    monkeypatch.setattr(raven_convert.export, "model_card", interrupt)  # while the weights are being written
     assert convert_main(argv) == 130
     line = one_line(capsys.readouterr().err)
-    assert line == f"interrupted: nothing was written to --out {out}. To resume: python -m convert {shlex.join(argv)}"
+    assert (
+        line
+        == f"interrupted: nothing was written to --out {out}. To resume: python -m raven_convert {shlex.join(argv)}"
+    )
     assert not out.exists() and list(out.parent.glob(".*")) == []  # no hidden partial directory either
 
     monkeypatch.undo()
@@ -361,7 +364,7 @@ def test_a_truncated_gguf_is_named_as_such(tmp_path, capsys, keep):
 
 
 def test_too_little_free_space_is_refused_before_writing(tiny_sources, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(convert.files, "free_bytes", lambda folder: 1_000_000)
+    monkeypatch.setattr(raven_convert.files, "free_bytes", lambda folder: 1_000_000)
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as exit_info:
         convert_main(["--src", str(tiny_sources["llama"]), "--mixer", "raven", "--layers", "0", "--out", str(out)])
@@ -374,7 +377,7 @@ def test_a_full_disk_midway_leaves_nothing_and_says_what_was_needed(tiny_sources
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(convert.export.shutil, "copy2", full)  # while the modeling code is copied in
+    monkeypatch.setattr(raven_convert.export.shutil, "copy2", full)  # while the modeling code is copied in
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as exit_info:
         convert_main(["--src", str(tiny_sources["llama"]), "--mixer", "raven", "--layers", "0", "--out", str(out)])
@@ -385,8 +388,8 @@ def test_a_full_disk_midway_leaves_nothing_and_says_what_was_needed(tiny_sources
 
 
 def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint(tmp_path):
-    from convert.files import DiskSpaceError
-    from convert.train.checkpoint import latest_checkpoint, save_checkpoint
+    from raven_convert.files import DiskSpaceError
+    from raven_convert.train.checkpoint import latest_checkpoint, save_checkpoint
 
     save_checkpoint(tmp_path, 1, lambda folder: (folder / "w.bin").write_bytes(b"x" * 2_000_000), {"step": 1}, keep=2)
 

@@ -20,14 +20,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-import convert.evaluate.report
-import convert.train.align
-import convert.train.stage2
-import convert.train.token_weights
-from convert.console import eta
-from convert.train.__main__ import main as train_main
-from convert.train.recipe import STAGES, parse_recipe
-from convert.train.stages import run_recipe
+import raven_convert.evaluate.report
+import raven_convert.train.align
+import raven_convert.train.stage2
+import raven_convert.train.token_weights
+from raven_convert.console import eta
+from raven_convert.train.__main__ import main as train_main
+from raven_convert.train.recipe import STAGES, parse_recipe
+from raven_convert.train.stages import run_recipe
 from tests.convert.faults import checkpoints, fail_at, interrupt, left_behind, one_line, prepare, recipe_data
 from tests.helpers import corpus
 
@@ -37,7 +37,7 @@ TRAIN = {"steps": 4, "batch_size": 2, "save_every": 2, "log_every": 1, "lr": 1e-
 
 def test_non_finite_train_loss_stops_and_keeps_the_last_good_checkpoint(converted, tmp_path, monkeypatch, capsys):
     argv, run = prepare(converted, tmp_path, train=TRAIN)
-    fail_at(monkeypatch, convert.train.stage2, "ce_loss", 3, lambda loss: loss * float("nan"))
+    fail_at(monkeypatch, raven_convert.train.stage2, "ce_loss", 3, lambda loss: loss * float("nan"))
     assert train_main(argv) == 1
     line = one_line(capsys.readouterr().err)
     assert line.startswith("error: the train stage stopped: loss not finite at step 3 (ce); nothing applied;")
@@ -58,7 +58,7 @@ def test_non_finite_align_loss_stops_and_writes_nothing(converted, tmp_path, mon
     argv, run = prepare(converted, tmp_path, align={"steps": 3, "batch_size": 2, "log_every": 1})
     stamp = (run / "convert" / "DONE").stat().st_mtime_ns
     nan = lambda losses: {i: v * float("nan") for i, v in losses.items()}  # noqa: E731
-    fail_at(monkeypatch, convert.train.align, "alignment_losses", 2, nan, counted=torch.is_grad_enabled)
+    fail_at(monkeypatch, raven_convert.train.align, "alignment_losses", 2, nan, counted=torch.is_grad_enabled)
     assert train_main(argv) == 1
     line = one_line(capsys.readouterr().err)
     assert line.startswith("error: the align stage stopped: alignment loss is not finite at step 2 in layer(s) [1];")
@@ -69,17 +69,24 @@ def test_non_finite_align_loss_stops_and_writes_nothing(converted, tmp_path, mon
 
 # stage: (module, function, its call to interrupt, recipe sections, output file, the step the kill falls back to)
 KILLED = {
-    "align": (convert.train.align, "alignment_losses", 3, {"align": TRAIN}, "model/model.safetensors", 2),
+    "align": (raven_convert.train.align, "alignment_losses", 3, {"align": TRAIN}, "model/model.safetensors", 2),
     "weights": (  # 67 rows in 9 batches of 8, checkpoints every 2: killed in batch 5
-        convert.train.token_weights,
+        raven_convert.train.token_weights,
         "token_weights",
         5,
         {"token_weights": {"enabled": True, "batch_size": 8, "save_every": 2}},
         "weights.pt",
         4,
     ),
-    "train": (convert.train.stage2, "ce_loss", 3, {"train": TRAIN}, "model/model.safetensors", 2),
-    "extend": (convert.train.stage2, "ce_loss", 3, {"extend": TRAIN | {"seq_len": 48}}, "model/model.safetensors", 2),
+    "train": (raven_convert.train.stage2, "ce_loss", 3, {"train": TRAIN}, "model/model.safetensors", 2),
+    "extend": (
+        raven_convert.train.stage2,
+        "ce_loss",
+        3,
+        {"extend": TRAIN | {"seq_len": 48}},
+        "model/model.safetensors",
+        2,
+    ),
 }
 
 
@@ -133,20 +140,20 @@ def test_evaluate_killed_midway_keeps_the_parts_it_finished(converted, tmp_path,
     argv, whole = prepare(converted, tmp_path / "whole", evaluate=EVALUATE)
     assert train_main([*argv, *stages]) == 0
     argv, run = prepare(converted, tmp_path / "killed", evaluate=EVALUATE)
-    fail_at(monkeypatch, convert.evaluate.report, "run_retrieval", 2, interrupt)  # in the second part
+    fail_at(monkeypatch, raven_convert.evaluate.report, "run_retrieval", 2, interrupt)  # in the second part
     assert train_main([*argv, *stages]) == 130
     report = run / "evaluate" / "report.json"
     line = one_line(capsys.readouterr().err)
     assert f"the evaluate stage's finished parts (retrieval passkey (standard)) are kept in {report}" in line
     monkeypatch.undo()
 
-    ran, original = [], convert.evaluate.report.run_retrieval
+    ran, original = [], raven_convert.evaluate.report.run_retrieval
 
     def spy(model, tokenizer, samples, **kwargs):
         ran.append(samples[0].variant)
         return original(model, tokenizer, samples, **kwargs)
 
-    monkeypatch.setattr(convert.evaluate.report, "run_retrieval", spy)
+    monkeypatch.setattr(raven_convert.evaluate.report, "run_retrieval", spy)
     assert train_main([*argv, *stages]) == 0
     assert ran == ["no_inst"] and "resuming: retrieval passkey (standard) done already" in capsys.readouterr().err
     expected, result = json.loads((whole / "evaluate" / "report.json").read_text()), json.loads(report.read_text())
@@ -156,10 +163,10 @@ def test_evaluate_killed_midway_keeps_the_parts_it_finished(converted, tmp_path,
 
 def test_ctrl_c_in_training_says_what_was_saved_and_how_to_resume(converted, tmp_path, monkeypatch, capsys):
     argv, run = prepare(converted, tmp_path, train=TRAIN)
-    fail_at(monkeypatch, convert.train.stage2, "ce_loss", 3, interrupt)
+    fail_at(monkeypatch, raven_convert.train.stage2, "ce_loss", 3, interrupt)
     assert train_main([*argv, "--redo", "train", "--set", "train.log_every=2"]) == 130
     line = one_line(capsys.readouterr().err)
-    resume = shlex.join(["python", "-m", "convert.train", *argv, "--set", "train.log_every=2"])
+    resume = shlex.join(["python", "-m", "raven_convert.train", *argv, "--set", "train.log_every=2"])
     assert line == (
         f"interrupted: stages done in {run}: convert, align, weights; the train stage's last good checkpoint "
         f"{run / 'train' / 'checkpoints' / 'step_2'} is kept, a rerun resumes after step 2. To resume: {resume}"
@@ -184,7 +191,7 @@ def test_ctrl_c_under_torchrun_is_reported_by_one_process(converted, tmp_path):
     log = tmp_path / "log.txt"
     with open(log, "w") as out:
         launch = subprocess.Popen(
-            [*launcher, "-m", "convert.train", *argv, "--stages", "train"],
+            [*launcher, "-m", "raven_convert.train", *argv, "--stages", "train"],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,

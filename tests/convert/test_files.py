@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from convert.files import atomic_file, copy_dir, disk_bytes, format_bytes, write_json
+from raven_convert.files import atomic_file, copy_dir, disk_bytes, format_bytes, write_json
 
 
 @pytest.mark.parametrize("mask, mode", [(0o022, 0o644), (0o027, 0o640)])

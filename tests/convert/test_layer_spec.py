@@ -2,7 +2,7 @@
 
 import pytest
 
-from convert import LayerSpecError, parse_layer_spec
+from raven_convert import LayerSpecError, parse_layer_spec
 
 
 @pytest.mark.parametrize(

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM
 
-from convert import Source
-from convert.cli import build_parser
-from convert.cli import main as convert_main
-from convert.evaluate.report import EvalRequest, mixer_pictures
-from convert.train.recipe import parse_recipe
-from convert.train.stages import run_recipe
+from raven_convert import Source
+from raven_convert.cli import build_parser
+from raven_convert.cli import main as convert_main
+from raven_convert.evaluate.report import EvalRequest, mixer_pictures
+from raven_convert.train.recipe import parse_recipe
+from raven_convert.train.stages import run_recipe
 from raven_layers import ENTRY_POINT_GROUP
 from tests.conftest import tiny_tokenizer
 from tests.convert.train.test_recipe import haystack
@@ -72,7 +72,7 @@ def test_a_mixer_named_by_import_path_gets_its_flags(mixer_registry, tiny_source
 @pytest.mark.parametrize(
     "line, why",
     [
-        ("from convert.files import write_json", "imports what the model does not carry"),
+        ("from raven_convert.files import write_json", "imports what the model does not carry"),
         ("from raven_layers.modeling_hybrid import HybridModel", "imports what the model does not carry"),
         ("import raven_layers.common", "imports a package the model does not carry"),
     ],
@@ -152,11 +152,11 @@ def test_an_own_mixer_converts_aligns_trains_exports_reloads_clean_and_evaluates
     assert record["module"].startswith("transformers_modules")
 
     # the toolkit, in a new process, imports the mixer from where the model's config says it was declared
-    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     args = [str(exported), "--out", "again", "--tasks", "passkey", "--lengths", "300", "--depths", "0.5"]
     args += ["--samples", "1", "--haystack-dir", "essays", "--picture-length", "300"]
     proc = subprocess.run(
-        [sys.executable, "-m", "convert.evaluate", *args], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "raven_convert.evaluate", *args], env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     again = json.loads((tmp_path / "again" / "report.json").read_text())

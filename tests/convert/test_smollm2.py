@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from convert import build_hybrid, plan_layers
-from convert.cli import main
+from raven_convert import build_hybrid, plan_layers
+from raven_convert.cli import main
 from raven_layers import output_cache
 from tests.helpers import run_without_toolkit
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import decode_attention, naive_decode_attention
-from kernels.attention.decode import split_config
+from raven_kernels.attention import decode_attention
+from raven_kernels.attention.decode import split_config
+from raven_kernels.attention.naive import naive_decode_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -7,9 +7,10 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from kernels import split
-from kernels.raven import chunk as raven_chunk
-from kernels.raven import chunk_raven, fused_recurrent_raven, naive_raven, topk_slots
+from raven_kernels import split
+from raven_kernels.raven import chunk as raven_chunk
+from raven_kernels.raven import chunk_raven, fused_recurrent_raven, topk_slots
+from raven_kernels.raven.naive import naive_raven
 from raven_layers import RavenMixer, RavenSettings
 from raven_layers.backend import use_backend
 

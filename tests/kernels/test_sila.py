@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from kernels.sila import fused_recurrent_sila, naive_recurrent_sila, utils
+from raven_kernels.sila import fused_recurrent_sila, utils
+from raven_kernels.sila.naive import naive_recurrent_sila
 from raven_layers.backend import use_backend
 from raven_layers.sila import SILAMixer, SILASettings, l2_normalize
 

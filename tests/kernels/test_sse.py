@@ -4,11 +4,13 @@ the mixer under the triton and torch backends. On CPU the kernels run under the 
 import pytest
 import torch
 
-from kernels.chunked import RANGE_NATS, needs_exact
-from kernels.sse import chunk as chunk_module
-from kernels.sse import chunk_gla, chunk_sse, fused_recurrent_sse
-from kernels.sse.naive import chunk_gla_reference, gla_recurrent, sse_masking, sse_recurrent, sse_varlen
+import raven_kernels.sse
+from raven_kernels.chunked import RANGE_NATS, needs_exact
+from raven_kernels.sse import chunk as chunk_module
+from raven_kernels.sse import chunk_gla, fused_recurrent_sse
+from raven_kernels.sse.naive import chunk_gla_reference, gla_recurrent, sse_masking, sse_recurrent, sse_varlen
 from raven_layers.backend import use_backend
+from raven_layers.sse import sse_parallel
 from tests.raven_layers.test_sse import CONFIG, FakeCache, random_gla, random_sse, tiny_mixer
 
 
@@ -27,6 +29,11 @@ def forms(request, monkeypatch):
     monkeypatch.setattr(chunk_module, "split_scan", lambda programs: split)
     monkeypatch.setattr(chunk_module, "needs_exact", lambda gl: lambda: not split)
     return request.param
+
+
+def chunk_sse(*args, implementation="varlen", cu_seqlens=None):
+    """SSE's parallel form on the kernels' GLA, as the mixer runs it."""
+    return sse_parallel(implementation, raven_kernels.sse)(*args, cu_seqlens=cu_seqlens)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -163,8 +170,14 @@ def test_chunk_sse_varlen_packed_documents_span_chunks(forms):
 
 def test_chunk_sse_names_a_bad_implementation():
     q, keys, v, log_g, idx, P = random_sse(1, 3, 1, 1, 16, 16, 4, 1, 1, True)
-    with pytest.raises(ValueError, match=r"implementation = 'dense' is not allowed; allowed: \['varlen', 'masking'\]"):
+    with pytest.raises(ValueError, match=r"implementation = 'dense' is not allowed; allowed: \['masking', 'varlen'\]"):
         chunk_sse(q, keys, v, log_g, idx, P, 1.0, implementation="dense")
+
+
+def test_chunk_gla_entries_names_bad_inputs():
+    q, keys, v, log_g, idx, P = random_sse(1, 3, 1, 1, 16, 16, 4, 1, 1, True)
+    with pytest.raises(ValueError, match=r"chunk_gla_entries: q.dtype = torch.float64 is not supported"):
+        chunk_sse(q.double(), keys, v, log_g, idx, P, 1.0)
 
 
 @pytest.mark.parametrize(("T", "G", "c", "d"), [(1, 1, 16, 16), (1, 3, 8, 40), (5, 2, 16, 16)])

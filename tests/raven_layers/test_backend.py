@@ -9,18 +9,18 @@ from raven_layers import backend
 def test_auto_runs_pytorch_on_cpu_and_float64(monkeypatch):
     monkeypatch.delenv(backend.ENV_VAR, raising=False)
     assert backend.get_backend() == "auto"
-    assert backend.kernel_module("kernels.raven", torch.zeros(1)) is None
+    assert backend.kernel_module("raven_kernels.raven", torch.zeros(1)) is None
     cuda_float64 = torch.empty(1, dtype=torch.float64, device="meta")
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    assert backend.kernel_module("kernels.raven", cuda_float64) is None
-    assert backend.kernel_module("kernels.raven", torch.empty(1, device="meta")) is not None
+    assert backend.kernel_module("raven_kernels.raven", cuda_float64) is None
+    assert backend.kernel_module("raven_kernels.raven", torch.empty(1, device="meta")) is not None
 
 
 def test_triton_and_torch_are_forced(monkeypatch):
     with backend.use_backend("triton"):
-        assert backend.kernel_module("kernels.sila", torch.zeros(1)).__name__ == "kernels.sila"
+        assert backend.kernel_module("raven_kernels.sila", torch.zeros(1)).__name__ == "raven_kernels.sila"
         with backend.use_backend("torch"):
-            assert backend.kernel_module("kernels.sila", torch.zeros(1)) is None
+            assert backend.kernel_module("raven_kernels.sila", torch.zeros(1)) is None
         assert backend.get_backend() == "triton"  # restored on exit
     monkeypatch.setenv(backend.ENV_VAR, "torch")
     assert backend.get_backend() == "torch"
@@ -37,8 +37,8 @@ def test_bad_names_are_refused(monkeypatch):
 
 
 def test_forcing_kernels_that_cannot_import_is_an_error(monkeypatch):
-    monkeypatch.setitem(backend._modules, "kernels.raven", None)
-    with backend.use_backend("triton"), pytest.raises(RuntimeError, match="kernels.raven cannot be imported"):
-        backend.kernel_module("kernels.raven", torch.zeros(1))
+    monkeypatch.setitem(backend._modules, "raven_kernels.raven", None)
+    with backend.use_backend("triton"), pytest.raises(RuntimeError, match="raven_kernels.raven cannot be imported"):
+        backend.kernel_module("raven_kernels.raven", torch.zeros(1))
     with backend.use_backend("auto"):
-        assert backend.kernel_module("kernels.raven", torch.zeros(1)) is None
+        assert backend.kernel_module("raven_kernels.raven", torch.zeros(1)) is None

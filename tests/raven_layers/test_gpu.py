@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from convert import build_hybrid, plan_layers
+from raven_convert import build_hybrid, plan_layers
 from raven_layers import output_cache
 from raven_layers.backend import use_backend
 from tests.conftest import tiny_config

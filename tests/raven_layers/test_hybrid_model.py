@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from convert import build_hybrid, plan_layers
+from raven_convert import build_hybrid, plan_layers
 from raven_layers import output_cache
 
 # Every mixer in several positions of every supported architecture (mistral: all layers windowed).

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from convert import build_hybrid, plan_layers
+from raven_convert import build_hybrid, plan_layers
 from raven_layers import HybridCache, StaticHybridCache, output_cache
 from raven_layers.backend import use_backend
 from raven_layers.decode_attention import decode_attention

@@ -15,7 +15,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import logging as hf_logging
 
-from convert import build_hybrid, plan_layers
+from raven_convert import build_hybrid, plan_layers
 from raven_layers import ARCHITECTURES, HybridCache, output_cache
 from raven_layers.cache import OUTPUT_CACHE_FIELD, cache_argument
 from raven_layers.common import one_cache

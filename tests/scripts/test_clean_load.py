@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import transformers
 
-from convert.cli import main
+from raven_convert.cli import main
 
 pytestmark = pytest.mark.transformers_api
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from convert.evaluate.analysis import capture_mixer_inputs
-from convert.evaluate.pictures import PictureContext
+from raven_convert.evaluate.analysis import capture_mixer_inputs
+from raven_convert.evaluate.pictures import PictureContext
 
 
 def gla_pictures(context: PictureContext, layer: int) -> dict[str, str]:

@@ -8,8 +8,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.text import Text
 from transformers import AutoModelForCausalLM
 
-from convert import build_hybrid
-from convert.evaluate import analysis as A
+from raven_convert import build_hybrid
+from raven_convert.evaluate import analysis as A
 from raven_layers import sila_chunked
 from tests.conftest import tiny_config
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from convert.cli import main
+from raven_convert.cli import main
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness is part of the [test] extra")
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from convert.evaluate.perplexity import (
+from raven_convert.evaluate.perplexity import (
     _Scorer,
     compare_models,
     load_texts,

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from convert.cli import main as convert_main
-from convert.evaluate.__main__ import main as eval_main
+from raven_convert.cli import main as convert_main
+from raven_convert.evaluate.__main__ import main as eval_main
 
 PARAGRAPHS = [
     "Startups grow fast when founders talk to users. Most ideas look bad at first.",
@@ -98,7 +98,7 @@ def test_bad_flags_are_refused_before_loading(tmp_path, capsys, flag, value, mes
 
 
 def test_a_failing_part_keeps_the_report_of_the_others(tiny_sources, tmp_path, haystack, monkeypatch, capsys):
-    import convert.evaluate.report as report_module
+    import raven_convert.evaluate.report as report_module
 
     def broken(*args, **kwargs):
         raise RuntimeError("speed broke")
@@ -117,7 +117,7 @@ def test_a_failing_part_keeps_the_report_of_the_others(tiny_sources, tmp_path, h
 def test_ctrl_c_says_what_finished_and_the_rerun_resumes(tiny_sources, tmp_path, haystack, monkeypatch, capsys):
     import shlex
 
-    import convert.evaluate.report as report_module
+    import raven_convert.evaluate.report as report_module
 
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt

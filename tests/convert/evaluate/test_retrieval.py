@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from convert.evaluate import retrieval as R
+from raven_convert.evaluate import retrieval as R
 from tests.conftest import SMOLLM2_ENV, tiny_config, tiny_tokenizer
 
 PARAGRAPHS = [
@@ -270,7 +270,7 @@ def test_run_retrieval_tiny_llama(tok):
 
 def test_run_retrieval_hybrid(tok):
     """A converted hybrid (Raven and SILA layers) answers the same batched, left-padded, as one by one."""
-    from convert import build_hybrid
+    from raven_convert import build_hybrid
 
     torch.manual_seed(0)
     source = AutoModelForCausalLM.from_config(tiny_config("llama", **LOUD)).eval()
@@ -318,7 +318,7 @@ def test_real_tokenizer(hay_dir):
     gguf = os.environ.get(SMOLLM2_ENV)
     if not gguf or not Path(gguf).is_file():
         pytest.skip(f"real SmolLM2 not available: set {SMOLLM2_ENV} to the GGUF file (.ci/run does)")
-    from convert import Source
+    from raven_convert import Source
 
     tok = Source.resolve(gguf).load_tokenizer()
     for chat in (False, True):

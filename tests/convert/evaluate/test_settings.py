@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-import convert.evaluate.__main__ as cli
-from convert.evaluate.settings import EvalRequest, EvaluateSettings
-from convert.train import recipe
+import raven_convert.evaluate.__main__ as cli
+from raven_convert.evaluate.settings import EvalRequest, EvaluateSettings
+from raven_convert.train import recipe
 
 
 def test_raven_eval_defaults_are_the_schemas(tmp_path, monkeypatch):

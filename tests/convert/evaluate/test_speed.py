@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import convert.evaluate.speed as speed
-from convert import build_hybrid, plan_layers
-from convert.evaluate.speed import cache_bytes, format_speed_table, measure_speed, plot_speed
+import raven_convert.evaluate.speed as speed
+from raven_convert import build_hybrid, plan_layers
+from raven_convert.evaluate.speed import cache_bytes, format_speed_table, measure_speed, plot_speed
 from tests.conftest import tiny_config
 
 LENGTHS = [16, 64]

@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from convert import build_hybrid, plan_layers
-from convert.train.align import align, alignment_losses, attention_taps
-from convert.train.common import mixer_parameters
+from raven_convert import build_hybrid, plan_layers
+from raven_convert.train.align import align, alignment_losses, attention_taps
+from raven_convert.train.common import mixer_parameters
 
 SETTINGS = {"raven": {"num_slots": 16, "top_k": 4}, "sse": {"lora_rank": 8}, "sila": {}}
 

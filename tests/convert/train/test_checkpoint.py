@@ -10,13 +10,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from convert import build_hybrid, plan_layers
-from convert.train.align import align
-from convert.train.checkpoint import latest_checkpoint, save_checkpoint
-from convert.train.data import PackedDataset, batch_iterator
-from convert.train.recipe import parse_recipe
-from convert.train.stage2 import TrainConfig, train
-from convert.train.stages import run_recipe
+from raven_convert import build_hybrid, plan_layers
+from raven_convert.train.align import align
+from raven_convert.train.checkpoint import latest_checkpoint, save_checkpoint
+from raven_convert.train.data import PackedDataset, batch_iterator
+from raven_convert.train.recipe import parse_recipe
+from raven_convert.train.stage2 import TrainConfig, train
+from raven_convert.train.stages import run_recipe
 
 SETTINGS = {"raven": {"num_slots": 8, "top_k": 2}, "sse": {"lora_rank": 4}, "sila": {}}
 ALIGN = dict(steps=6, lr=3e-3, warmup_steps=2, log_every=0, save_every=2, keep_checkpoints=3)
@@ -218,7 +218,7 @@ def test_redo_keeps_the_checkpoints_of_an_unfinished_stage_unless_told(tmp_path,
 
 
 def test_bookkeeping_fields_leave_the_results_valid():
-    from convert.train.stages import fingerprints
+    from raven_convert.train.stages import fingerprints
 
     before = fingerprints(recipe())
     assert fingerprints(recipe(align={"save_every": 7, "keep_checkpoints": 5, "log_every": 1})) == before
@@ -226,7 +226,7 @@ def test_bookkeeping_fields_leave_the_results_valid():
 
 
 def test_discard_checkpoints_needs_redo(tmp_path, capsys):
-    from convert.train.__main__ import main
+    from raven_convert.train.__main__ import main
 
     with pytest.raises(SystemExit) as exit_code:
         main(["recipe.yaml", "--run-dir", str(tmp_path), "--discard-checkpoints"])

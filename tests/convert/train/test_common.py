@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from convert import build_hybrid, plan_layers
-from convert.train.common import attention_layers, converted_layers, lr_at, mixer_parameters, model_inputs
+from raven_convert import build_hybrid, plan_layers
+from raven_convert.train.common import attention_layers, converted_layers, lr_at, mixer_parameters, model_inputs
 from tests.conftest import tiny_config
 
 
@@ -44,7 +44,7 @@ def test_lr_warms_up_then_follows_a_cosine_to_a_tenth_or_stays():
 
 
 def test_one_schedule_drives_align_and_train():
-    from convert.train import align, stage2
+    from raven_convert.train import align, stage2
 
     assert align.lr_at is stage2.lr_at is lr_at
     assert align.model_inputs is stage2.model_inputs is model_inputs

@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from convert.train import data
-from convert.train.data import (
+from raven_convert.train import data
+from raven_convert.train.data import (
     PackedDataset,
     batch_iterator,
     build_dataset,

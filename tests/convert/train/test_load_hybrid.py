@@ -7,18 +7,18 @@ from pathlib import Path
 
 import pytest
 
-import convert
-from convert.cli import main as convert_main
+import raven_convert
+from raven_convert.cli import main as convert_main
 from tests.helpers import run_python
 
-ROOT = Path(convert.__file__).resolve().parents[1]  # this checkout, whatever is installed
+ROOT = Path(raven_convert.__file__).resolve().parents[1]  # this checkout, whatever is installed
 ORDERS = {
     # transformers loads the directory before anything of the toolkit is imported: it runs the code the directory
     # carries; the stages imported after it still load the toolkit's own classes
     "the directory's own code first": """
         from transformers import AutoModelForCausalLM
         first = AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)
-        from convert.train.stages import _load_hybrid
+        from raven_convert.train.stages import _load_hybrid
         hybrid = _load_hybrid(OUT)
     """,
     # one module of the model package, then a plain Auto load (no trust_remote_code): the package's import registered
@@ -27,14 +27,14 @@ ORDERS = {
         from raven_layers.modeling_hybrid import find_packed_documents
         from transformers import AutoModelForCausalLM
         first = AutoModelForCausalLM.from_pretrained(OUT)
-        from convert.train.stages import _load_hybrid
+        from raven_convert.train.stages import _load_hybrid
         hybrid = _load_hybrid(OUT)
     """,
     # the source loader (raven-eval, the teacher) on its own
     "the source loader first": """
-        from convert.sources import Source
+        from raven_convert.sources import Source
         first = Source.resolve(OUT).load_model()
-        from convert.train.stages import _load_hybrid
+        from raven_convert.train.stages import _load_hybrid
         hybrid = _load_hybrid(OUT)
     """,
 }

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from convert.train.losses import (
+from raven_convert.train.losses import (
     alignment_mse,
     aux_loss,
     ce_loss,

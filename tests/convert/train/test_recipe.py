@@ -10,9 +10,9 @@ import pytest
 import yaml
 from transformers import AutoModelForCausalLM
 
-from convert.train.__main__ import build_parser, input_overrides, main, resume_command
-from convert.train.recipe import INPUT_FLAGS, STAGES, load_recipe, parse_recipe
-from convert.train.stages import run_recipe
+from raven_convert.train.__main__ import build_parser, input_overrides, main, resume_command
+from raven_convert.train.recipe import INPUT_FLAGS, STAGES, load_recipe, parse_recipe
+from raven_convert.train.stages import run_recipe
 from tests.helpers import WORDS, corpus
 
 RECIPES = sorted((Path(__file__).resolve().parents[3] / "recipes").glob("*.yaml"))
@@ -37,7 +37,14 @@ def header_command(path: Path) -> list[str]:
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
 def test_shipped_recipe_loads_and_its_header_command_sets_every_input(path):
     words = header_command(path)
-    assert words[:6] == ["python", "-m", "convert.train", f"recipes/{path.name}", "--run-dir", f"runs/{path.stem}"]
+    assert words[:6] == [
+        "python",
+        "-m",
+        "raven_convert.train",
+        f"recipes/{path.name}",
+        "--run-dir",
+        f"runs/{path.stem}",
+    ]
     bare = load_recipe(path)
     assert bare.layers and bare.data.seq_len >= 2
     assert bare.data.source is None and bare.evaluate.haystack_dir is None and bare.evaluate.ppl_data is None
@@ -82,7 +89,7 @@ def test_the_recipes_readme_commands_run_the_recipes():
     commands = [shlex.split(line.split("#")[0]) for line in block.splitlines()]
     assert commands[0] == header_command(RECIPES[0].parent / "smollm2-raven.yaml")
     for words in commands:
-        assert words[:3] == ["python", "-m", "convert.train"]
+        assert words[:3] == ["python", "-m", "raven_convert.train"]
         args = build_parser().parse_args(words[3:])
         load_recipe(RECIPES[0].parents[1] / args.recipe, input_overrides(args) + args.overrides)  # from the root
 

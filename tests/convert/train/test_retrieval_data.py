@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from convert.evaluate import needles
-from convert.train.data import build_dataset, cache_key, pack_documents
-from convert.train.recipe import DataSettings, apply_overrides, parse_recipe
-from convert.train.retrieval_data import (
+from raven_convert.evaluate import needles
+from raven_convert.train.data import build_dataset, cache_key, pack_documents
+from raven_convert.train.recipe import DataSettings, apply_overrides, parse_recipe
+from raven_convert.train.retrieval_data import (
     FORMATS,
     VALUE_KINDS,
     RetrievalMix,

@@ -7,11 +7,11 @@ import torch
 from pydantic import ValidationError
 from transformers import AutoModelForCausalLM
 
-from convert import build_hybrid, plan_layers
-from convert.train.common import converted_layers
-from convert.train.data import PackedDataset, batch_iterator
-from convert.train.losses import ce_loss
-from convert.train.stage2 import TrainConfig, is_lora, latest_checkpoint, merge_lora, train
+from raven_convert import build_hybrid, plan_layers
+from raven_convert.train.common import converted_layers
+from raven_convert.train.data import PackedDataset, batch_iterator
+from raven_convert.train.losses import ce_loss
+from raven_convert.train.stage2 import TrainConfig, is_lora, latest_checkpoint, merge_lora, train
 
 SETTINGS = {"sse": {"lora_rank": 8}, "sila": {}}
 FAST = dict(batch_size=4, lr=3e-3, warmup_steps=2, log_every=0, save_every=1000)

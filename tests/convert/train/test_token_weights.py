@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from convert.train.token_weights import plot_token_weights, schedule_weights, token_weights, token_weights_naive
+from raven_convert.train.token_weights import plot_token_weights, schedule_weights, token_weights, token_weights_naive
 from tests.conftest import tiny_config, tiny_tokenizer
 
 T = 37  # prime: no query block below divides it
