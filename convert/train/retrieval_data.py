@@ -62,7 +62,7 @@ class WholeDocument(str):
 class RetrievalMix(BaseModel):
     """How much synthetic retrieval text to mix in, and of which kinds (recipe field data.retrieval)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     ratio: float = Field(0.2, ge=0, le=0.9, description="share of the mixed text's characters that is synthetic")
     seed: int = 0

@@ -100,9 +100,12 @@ def test_every_float_recipe_field_refuses_non_finite():
         f for f, _ in fields
     }
     for path, is_list in fields:
-        section, name = path.split(".")
+        section, *inner = path.split(".")
         for bad in BAD_FLOATS:
-            data = MINIMAL | {section: REQUIRED.get(section, {}) | {name: [bad] if is_list else bad}}
+            value = [bad] if is_list else bad
+            for name in reversed(inner):  # data.retrieval.ratio -> {"retrieval": {"ratio": bad}}
+                value = {name: value}
+            data = MINIMAL | {section: REQUIRED.get(section, {}) | value}
             with pytest.raises(ValueError) as info:
                 parse_recipe(data)
             line = [x for x in str(info.value).splitlines() if x.startswith(path)]

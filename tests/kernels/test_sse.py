@@ -216,8 +216,6 @@ def test_mixer_runs_the_kernels_like_the_torch_forms(implementation):
     out_ref, grads_ref = results["torch"]
     out, grads = results["triton"]
     assert rel_err(out, out_ref) < 1e-5
-    noise = grads_ref.pop("partition_weight")  # rounding noise both ways: e_t only shifts a softmax (eq. 11)
-    assert noise.abs().max() < 1e-4 and grads["partition_weight"].abs().max() < 1e-4
     for name, g_ref in grads_ref.items():
         assert rel_err(grads[name], g_ref) < 1e-4, name
 
