@@ -156,14 +156,12 @@ def state_scan(xs, gl, h0, seq_chunks, store_final: bool, config, reverse: bool 
     NC, H, M, D = xs[0].shape
     N = seq_chunks.numel() - 1
     BP, BM, BD, warps = config
-    pair = len(xs) == 2
     hs = tuple(torch.empty_like(x) for x in xs)
     ht = tuple(xs[0].new_empty(N, H, M, D, dtype=torch.float32) for _ in xs)
-    h0 = h0 if h0 is not None else (None,) * len(xs)
-    second = (lambda t: t[1]) if pair else (lambda t: None)
+    (xk, xv), (hk, hv), (h0k, h0v), (tk, tv) = ((*t, None)[:2] for t in (xs, hs, h0 or (None,), ht))
     grid = (triton.cdiv(M, BM) * triton.cdiv(D, BD), N * H)
     scan_fwd_kernel[grid](
-        xs[0], second(xs), gl, hs[0], second(hs), h0[0], second(h0), ht[0], second(ht), seq_chunks, H, M, D, BP, BM,
-        BD, pair, reverse, h0[0] is not None, store_final, num_warps=warps,
+        xk, xv, gl, hk, hv, h0k, h0v, tk, tv, seq_chunks, H, M, D, BP, BM, BD, xv is not None, reverse,
+        h0k is not None, store_final, num_warps=warps,
     )  # fmt: skip
     return hs, (ht if store_final else None)

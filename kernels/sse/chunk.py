@@ -128,11 +128,11 @@ class ChunkGLAFunction(torch.autograd.Function):
         else:
             hs = torch.empty(Nc, H, K, V, device=dev, dtype=_state_dtype(q))  # state entering each chunk
             ht = torch.empty(S, H, K, V, device=dev, dtype=torch.float32)
-        if S and not split:
-            sse_fwd_kernel_h[(S * H, BK // hk, BV // hv)](
-                k, v, gc, h0, hs, ht, src, cu, chunk_off, H, K, V, BT, hk, hv, M, h0 is not None, gather,
-                num_warps=WARPS["h"],
-            )  # fmt: skip
+            if S:
+                sse_fwd_kernel_h[(S * H, BK // hk, BV // hv)](
+                    k, v, gc, h0, hs, ht, src, cu, chunk_off, H, K, V, BT, hk, hv, M, h0 is not None, gather,
+                    num_warps=WARPS["h"],
+                )  # fmt: skip
         del x
         if Nc and exact():  # read once the scan is queued: the GPU stays busy while the host waits
             sse_fwd_kernel_o_exact[(Nc, H * G, BT // BC)](
