@@ -7,9 +7,9 @@
 # pyproject.toml installs the folders convert/ and kernels/ as raven_convert and raven_kernels. Without installing,
 # .packages/ gives them those names: relative links to the folders, so the snapshot of the checkout a background job
 # runs in (gpu_jobs.sh) imports its own copy, where an editable install would point at the live checkout.
-if [ -d .whl ] && [ ! -f /tmp/site/.installed ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null &&
-    touch /tmp/site/.installed
+if [ -d .whl ] && [ "$(cat /tmp/site/.installed 2>/dev/null)" != "$(ls .whl)" ]; then  # again when .whl/ changed
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    2>/dev/null && ls .whl >/tmp/site/.installed
 fi
 mkdir -p .packages
 for link in raven_convert:convert raven_kernels:kernels raven_layers:raven_layers; do

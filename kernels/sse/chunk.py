@@ -45,6 +45,9 @@ WARPS = {"h": 4, "o": 4, "o_exact": 4, "dh": 4, "dqk": 4, "dv": 4}  # fixed laun
 # key channels per dq/dk program: 32 when reading SSE's entries in place, whose live int64 row vectors cost registers
 # (docs/KERNELS.md, Settings: SSE dq/dk block)
 BLOCK_K = {"dqk": 64, "dqk_gather": 32}
+# float32 inputs take the exact output kernel: the one-product kernel's tf32 products also round the diagonal scores,
+# which an output norm magnifies on rows whose output nearly cancels (kernels/sse/NOTES.md, run 10)
+FAST_FLOAT32 = False
 LOW_PRECISION_STATES = True  # bf16/fp16 inputs: per-chunk states (and their grads) stored in that dtype, half the bytes
 
 
@@ -122,7 +125,7 @@ class ChunkGLAFunction(torch.autograd.Function):
             sse_fwd_kernel_gate[(Nc, H, BV // hv if split else 1)](
                 log_g, gc, gl, k, v, x, src, cu, chunk_seq, chunk_pos, H, K, V, BT, BK, hv, M, split, gather,
             )  # fmt: skip
-        exact = needs_exact(gl)
+        exact = (lambda: True) if q.dtype == torch.float32 and not FAST_FLOAT32 else needs_exact(gl)
         if split and S:
             (hs,), (ht,) = state_scan((x,), gl, None if h0 is None else (h0,), chunk_off, True, scan_config(K, V))
         else:

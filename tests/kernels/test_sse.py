@@ -17,6 +17,7 @@ from tests.raven_layers.test_sse import CONFIG, FakeCache, random_gla, random_ss
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
     monkeypatch.setattr(chunk_module, "POISON", True)  # kernel outputs start as NaN: an unwritten element fails
+    monkeypatch.setattr(chunk_module, "FAST_FLOAT32", True)  # the interpreter's products are exact float32
     for name in chunk_module.BLOCK_K:  # so K = 32 at these sizes still runs two key blocks
         monkeypatch.setitem(chunk_module.BLOCK_K, name, 16)
 
@@ -111,6 +112,19 @@ def test_chunk_gla_output_kernel_follows_the_decay_range(monkeypatch, reach, exa
     ref = run_with_grads(lambda *a: gla_recurrent(*a[:4], 0.3, a[4]), (q, k, v, log_g), None)
     assert chosen == [exact]
     assert_all_close(got, ref, 1e-5, grad_tol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_gla_float32_keeps_the_exact_output_kernel(monkeypatch, dtype):
+    # on a GPU the one-product kernel rounds the diagonal scores to tf32: float32 asks for more and never takes it
+    monkeypatch.setattr(chunk_module, "FAST_FLOAT32", False)
+    asked = []
+    monkeypatch.setattr(chunk_module, "needs_exact", lambda gl: asked.append(gl) or needs_exact(gl))
+    q, k, v, log_g = random_gla(1, 70, 1, 1, 16, 16, seed=3)
+    o, _ = chunk_gla(q.to(dtype), k.to(dtype), v.to(dtype), log_g, 0.3)
+    assert len(asked) == (dtype != torch.float32)
+X
+        assert rel_err(o, gla_recurrent(q, k, v, log_g, 0.3)[0]) < 1e-5
 
 
 def test_chunk_gla_bf16_gates():
