@@ -123,7 +123,7 @@ def test_chunk_gla_float32_keeps_the_exact_output_kernel(monkeypatch, dtype):
     q, k, v, log_g = random_gla(1, 70, 1, 1, 16, 16, seed=3)
     o, _ = chunk_gla(q.to(dtype), k.to(dtype), v.to(dtype), log_g, 0.3)
     assert len(asked) == (dtype != torch.float32)
-X
+    if dtype == torch.float32:  # bf16 values: the GPU tests (the interpreter returns nonsense for bf16 q, k, v)
         assert rel_err(o, gla_recurrent(q, k, v, log_g, 0.3)[0]) < 1e-5
 
 
