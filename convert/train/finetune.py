@@ -52,7 +52,7 @@ from raven_convert.console import is_main_process
 from raven_convert.files import replace_dir
 from raven_convert.train.checkpoint import CHECKPOINTS
 from raven_convert.train.data import PackedDataset, save_atomic
-from raven_convert.train.recipe import FinetuneRecipe, FinetuneWeights, WeightSettings
+from raven_convert.train.recipe import FinetuneRecipe, FinetuneTrain, FinetuneWeights, WeightSettings
 from raven_convert.train.stage2 import TrainConfig, merge_lora, train
 from raven_convert.train.stages import (
     _device,
@@ -210,7 +210,8 @@ def finetune(
     each token's loss weighted by the token weights of `reference` (a Transformer sharing the model's tokenizer,
     on its device; None: uniform weights), and return stage2.train's history.
 
-    config: stage2.TrainConfig (or its fields; `trainable` "all", "patterns" or "lora"); out_dir: where the
+    config: stage2.TrainConfig, or the fields of recipe.FinetuneTrain (`trainable` "all" by default, "patterns"
+    or "lora"); out_dir: where the
     checkpoints go and a rerun resumes from. tokenizer, reference_tokenizer: the two models' tokenizers, checked
     to be the same before any weight is computed (default: loaded from each model's name_or_path). weights:
     recipe.FinetuneWeights or its fields (tau, lam, batch_size, ...; enabled false: uniform); the table is cached
@@ -218,7 +219,7 @@ def finetune(
     kd_weight > 0 distils from `reference`. save_to: a folder for the trained model in its own format (LoRA merged)
     and its tokenizer (main process only); LoRA is merged in any case.
     """
-    config = TrainConfig.model_validate(config)
+    config = config if isinstance(config, TrainConfig) else FinetuneTrain.model_validate(config)
     settings = FinetuneWeights.model_validate(weights or {})
     weighted = reference is not None and settings.enabled and token_weights is None
     if weighted or save_to is not None:

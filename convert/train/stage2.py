@@ -312,7 +312,8 @@ def train(
 ) -> list[dict]:
     """Train `student` (a HybridForCausalLM; any causal LM with trainable "all", "patterns" or "lora") on `dataset`
     (a PackedDataset or a dataset of row dicts) for `config.steps` optimizer steps, checkpointing into
-    out_dir/checkpoints (see checkpoint.py) and resuming from the newest intact checkpoint there. `teacher` (frozen) is only run when config.kd_weight > 0 and may then not be None.
+    out_dir/checkpoints (see checkpoint.py) and resuming from the newest intact checkpoint there. `teacher`
+    (frozen) is only run when config.kd_weight > 0 and may then not be None.
 
     Returns one record per step run by this call: {"step", "loss", "ce", "kd", "aux", "lr", "tokens_per_second"}
     ("step" is 1-based; loss parts are means over the step's micro-batches and processes; the rate counts from the end
