@@ -79,10 +79,12 @@ class Source:
     def load_config(self):
         return self._load("config", AutoConfig.from_pretrained)
 
-    def load_model(self, dtype: str = "auto"):
+    def load_model(self, dtype: str = "auto", trust_remote_code: bool = False):
+        """The causal LM (trust_remote_code: its class may come with the model's own code), in eval mode."""
         if dtype != "auto" and dtype not in DTYPES:
             raise SourceError(f"dtype {dtype!r} is not allowed; expected one of {['auto', *DTYPES]}")
-        model = self._load("model", AutoModelForCausalLM.from_pretrained, dtype=DTYPES.get(dtype, "auto"))
+        load = AutoModelForCausalLM.from_pretrained
+        model = self._load("model", load, dtype=DTYPES.get(dtype, "auto"), trust_remote_code=trust_remote_code)
         if self.gguf_file:
             # transformers dequantises GGUF tensors on load; what remains is a plain float model, so forget the
             # quantizer (it would forbid saving and mark the converted config as GGUF-quantised)
@@ -93,8 +95,8 @@ class Source:
             model.config.__dict__.pop("quantization_config", None)
         return model.eval()
 
-    def load_tokenizer(self):
-        return self._load("tokenizer", AutoTokenizer.from_pretrained)
+    def load_tokenizer(self, trust_remote_code: bool = False):
+        return self._load("tokenizer", AutoTokenizer.from_pretrained, trust_remote_code=trust_remote_code)
 
 
 def smollm2_gguf(cache_dir: str | Path | None = None) -> Path:

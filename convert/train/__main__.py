@@ -1,5 +1,6 @@
-"""`python -m raven_convert.train RECIPE.yaml --run-dir DIR [--src MODEL] [--data PATH] [--haystack DIR]
-[--ppl-data PATH] [--stages align,train] [--redo STAGE] [--set key=value]`."""
+"""`python -m raven_convert.train RECIPE.yaml --run-dir DIR [--src MODEL] [--reference MODEL] [--data PATH]
+[--haystack DIR] [--ppl-data PATH] [--stages align,train] [--redo STAGE] [--set key=value]`: a recipe with `layers`
+runs the conversion pipeline (stages.run_recipe), one without a fine-tune (finetune.run_finetune_recipe)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import sys
 
 from raven_convert.console import command_line, interrupted, invoked_as
 from raven_convert.files import DiskSpaceError
-from raven_convert.train.recipe import INPUT_FLAGS, STAGES, load_recipe
+from raven_convert.train.finetune import run_finetune_recipe
+from raven_convert.train.recipe import INPUT_FLAGS, STAGES, FinetuneRecipe, load_recipe
 from raven_convert.train.stages import run_recipe, saved_so_far
 
 
@@ -33,7 +35,8 @@ def input_overrides(args: argparse.Namespace) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m raven_convert.train",
-        description=f"Run a recipe's stages ({' -> '.join(STAGES)}) into --run-dir, skipping those already DONE.",
+        description=f"Run a recipe's stages ({' -> '.join(STAGES)}; a recipe without `layers` fine-tunes: "
+        "weights -> train -> export) into --run-dir, skipping those already DONE.",
     )
     parser.add_argument("recipe", help="recipe YAML (relative paths in it resolve against the current directory)")
     parser.add_argument("--run-dir", required=True, help="where every stage writes its outputs and DONE marker")
@@ -66,9 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.discard_checkpoints and args.redo is None:
         parser.error("--discard-checkpoints only applies with --redo STAGE")
     stages = None if args.stages is None else [s.strip() for s in args.stages.split(",") if s.strip()]
+    order = STAGES
     try:
         recipe = load_recipe(args.recipe, input_overrides(args) + args.overrides)
-        run_recipe(recipe, args.run_dir, stages, redo=args.redo, discard_checkpoints=args.discard_checkpoints)
+        order = recipe.stages
+        run = run_finetune_recipe if isinstance(recipe, FinetuneRecipe) else run_recipe
+        run(recipe, args.run_dir, stages, redo=args.redo, discard_checkpoints=args.discard_checkpoints)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -79,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        return interrupted(saved_so_far(args.run_dir, stages), resume_command(args))
+        return interrupted(saved_so_far(args.run_dir, stages, order), resume_command(args))
     return 0
 
 

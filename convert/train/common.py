@@ -1,6 +1,7 @@
-"""What align (stage 1, align.py) and train (stage 2, stage2.py) share: which layers were converted and their
-parameters, the model inputs of a batch, and the learning-rate schedule.
+"""What align (stage 1, align.py) and train (stage 2, stage2.py) share: whether a model is a hybrid, which layers
+were converted and their parameters, the model inputs of a batch, and the learning-rate schedule.
 
+    is_hybrid(model)                                        # False for a plain causal LM (finetune.py trains those)
     layers = converted_layers(hybrid)                       # [0, 2, 5]: the layers whose attention became a mixer
     outputs = model(**model_inputs(batch, device))          # packed rows by position_ids, padded ones by their mask
     lr = lr_at(step, lr=1e-3, steps=200, warmup_steps=10)   # linear warmup, then cosine to 10% (or constant)
@@ -11,6 +12,11 @@ from __future__ import annotations
 import math
 
 from torch import nn
+
+
+def is_hybrid(model) -> bool:
+    """Whether `model` is a converted hybrid (its config lists each layer's mixer), not a plain causal LM."""
+    return getattr(model.config, "layer_mixers", None) is not None
 
 
 def converted_layers(model) -> list[int]:

@@ -3,11 +3,16 @@
     recipe = load_recipe("recipes/smollm2-raven.yaml")
     run_recipe(recipe, "runs/smollm2-raven")                      # convert -> align -> weights -> train -> ...
 
-Relative paths in a recipe (source and data.source when they exist as local paths, data.cache_dir, export.dir,
-evaluate.haystack_dir, evaluate.ppl_data) are resolved against the current working directory when the recipe is
-loaded, not against the recipe file's directory. Names that do not exist locally (Hub ids such as Qwen/Qwen3-0.6B)
-are kept as given. The shipped recipes name no local paths: the inputs come from INPUT_FLAGS (--src, --data,
---haystack, --ppl-data), and check_inputs says which flag or field to set when one is missing or does not exist.
+A recipe without `layers` is a fine-tuning recipe (FinetuneRecipe, run by finetune.run_finetune_recipe): the model
+in `source` is trained as it is, in its own class, with token weights from a `reference` Transformer
+(weights -> train -> export).
+
+Relative paths in a recipe (source, reference and data.source when they exist as local paths, data.cache_dir,
+token_weights.cache_dir, export.dir, evaluate.haystack_dir, evaluate.ppl_data) are resolved against the current
+working directory when the recipe is loaded, not against the recipe file's directory. Names that do not exist
+locally (Hub ids such as Qwen/Qwen3-0.6B) are kept as given. The shipped recipes name no local paths: the inputs
+come from INPUT_FLAGS (--src, --reference, --data, --haystack, --ppl-data), and check_inputs says which flag or
+field to set when one is missing or does not exist.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import sys
 import typing
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -28,10 +33,12 @@ from raven_layers import get_mixer, resolve_mixer
 from raven_layers.common import did_you_mean
 
 STAGES = ("convert", "align", "weights", "train", "extend", "evaluate", "export")
+FINETUNE_STAGES = ("weights", "train", "export")
 # The fields naming inputs from outside the repository, each with the `python -m raven_convert.train` flag that sets it
 # (sugar for --set FIELD=VALUE), its metavar and help.
 INPUT_FLAGS = {
-    "source": ("--src", "MODEL", "the teacher: Hub id, model directory or .gguf file"),
+    "source": ("--src", "MODEL", "the teacher (of a fine-tuning recipe: the model trained): Hub id, directory, .gguf"),
+    "reference": ("--reference", "MODEL", "fine-tuning recipes: the Transformer whose attention gives token weights"),
     "data.source": ("--data", "PATH", "training text: .txt/.jsonl(.gz)/.parquet file or folder, or a Hub dataset"),
     "evaluate.haystack_dir": ("--haystack", "DIR", "folder of *.txt essays the needle tasks hide needles in"),
     "evaluate.ppl_data": ("--ppl-data", "PATH", ".txt/.jsonl(.gz) file or folder for perplexity (unset: skipped)"),
@@ -101,15 +108,20 @@ class AlignSettings(_Strict):
     keep_checkpoints: int = Field(2, ge=1, description="how many of the newest checkpoints stay on disk")
 
 
-class TokenWeightSettings(_Strict):
-    enabled: bool = False
+class WeightSettings(_Strict):
+    """How token_weights.weight_table computes SILA's token weights (tau, lam: Algorithm 1's threshold and scale)."""
+
     tau: float = Field(0.2, ge=0, le=1)
     lam: float = Field(0.5, ge=0)
-    reference: Literal["teacher"] = "teacher"
     batch_size: int = Field(8, ge=1)
     query_block: int = Field(256, ge=1)
     save_every: int = Field(100, ge=1, description="batches between checkpoints (and one at the end)")
     keep_checkpoints: int = Field(2, ge=1, description="how many of the newest checkpoints stay on disk")
+
+
+class TokenWeightSettings(WeightSettings):
+    enabled: bool = False
+    reference: Literal["teacher"] = "teacher"
 
 
 class TrainSettings(TrainConfig):
@@ -133,6 +145,17 @@ class ExportSettings(_Strict):
 
 
 class Recipe(_Strict):
+    stages: ClassVar[tuple[str, ...]] = STAGES
+    # The recipe fields each stage reads (its own settings and what shapes its inputs); stages.py fingerprints them.
+    stage_fields: ClassVar[dict[str, tuple[str, ...]]] = {
+        "convert": ("source", "layers", "mixer_settings", "sliding_window", "window_layers", "dtype", "seed"),
+        "align": ("data", "align"),
+        "weights": ("data", "token_weights"),
+        "train": ("data", "train"),
+        "extend": ("data", "token_weights", "extend"),
+        "evaluate": ("evaluate",),
+        "export": ("export",),
+    }
     source: str = Field(description="teacher: Hub id, model directory or .gguf file")
     layers: list[LayerAssignment] = Field(min_length=1)
     mixer_settings: dict[str, dict] = Field(default_factory=dict)
@@ -168,6 +191,39 @@ class Recipe(_Strict):
         return value
 
 
+class FinetuneWeights(WeightSettings):
+    enabled: bool = Field(True, description="false: a plain, uniformly weighted fine-tune")
+    cache_dir: str | None = Field(
+        None, description="weight tables, keyed by reference and data (shared by runs); default data.cache_dir"
+    )
+
+
+class FinetuneTrain(TrainConfig):
+    """stage2.TrainConfig for a model that is not a hybrid: everything, named parameters, or LoRA trains."""
+
+    trainable: Literal["all", "patterns", "lora"] = "all"
+
+
+class FinetuneRecipe(_Strict):
+    """A recipe without `layers`: fine-tune `source` in its own class (no conversion), its loss weighted by token
+    weights from `reference`'s attention, which must share the source's tokenizer."""
+
+    stages: ClassVar[tuple[str, ...]] = FINETUNE_STAGES
+    stage_fields: ClassVar[dict[str, tuple[str, ...]]] = {
+        "weights": ("source", "reference", "trust_remote_code", "dtype", "data", "token_weights"),
+        "train": ("source", "trust_remote_code", "dtype", "data", "train"),
+        "export": ("export",),
+    }
+    source: str = Field(description="the model to fine-tune: Hub id, model directory or .gguf file")
+    reference: str | None = Field(None, description="the Transformer giving the token weights; None: source itself")
+    trust_remote_code: bool = Field(False, description="load models whose class comes with their own code")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    data: DataSettings = Field(default_factory=DataSettings)
+    token_weights: FinetuneWeights = Field(default_factory=FinetuneWeights)
+    train: FinetuneTrain
+    export: ExportSettings | None = None
+
+
 # names people bring from other trainers, for the suggestion on an unknown field
 FIELD_ALIASES = {"learning_rate": "lr", "max_steps": "steps", "num_steps": "steps", "warmup": "warmup_steps"}
 
@@ -187,24 +243,26 @@ def _section_at(root: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
     return model
 
 
-def _unknown_field(loc: tuple) -> str:
+def _unknown_field(loc: tuple, root: type[BaseModel] = Recipe) -> str:
     """'not a recipe field', with the closest valid name when one is near and the names allowed there."""
-    section = _section_at(Recipe, loc)
+    section = _section_at(root, loc)
     if section is None:
         return "not a recipe field"
     allowed = list(section.model_fields)
     where = ".".join(str(p) for p in loc[:-1]) or "the recipe"
+    if root is FinetuneRecipe and len(loc) == 1 and loc[0] in Recipe.model_fields:
+        where = "a fine-tuning recipe (one without `layers`; add `layers` to convert the model)"
     return f"not a field of {where}; {did_you_mean(loc[-1], allowed, FIELD_ALIASES)}allowed: {', '.join(allowed)}"
 
 
-def format_validation_error(err: ValidationError, prefix: str = "") -> str:
+def format_validation_error(err: ValidationError, prefix: str = "", root: type[BaseModel] = Recipe) -> str:
     """One line per error: 'field.path: message (got VALUE)', the value shown when it is a plain one; an unknown
-    field gets the closest valid name and the names allowed in its section."""
+    field gets the closest valid name and the names allowed in its section (of `root`, the recipe's class)."""
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(recipe)"
         if e["type"] == "extra_forbidden":
-            lines.append(f"{prefix}{loc}: {_unknown_field(e['loc'])}")
+            lines.append(f"{prefix}{loc}: {_unknown_field(e['loc'], root)}")
             continue
         value = e.get("input")
         shown = isinstance(value, (bool, int, float, str)) and e["type"] != "missing"
@@ -222,7 +280,7 @@ def _if_exists(value: str, base: Path) -> str:
     return str(path.resolve()) if path.exists() else value
 
 
-def resolve_paths(recipe: Recipe, base: str | Path | None = None) -> Recipe:
+def resolve_paths(recipe: Recipe | FinetuneRecipe, base: str | Path | None = None) -> Recipe | FinetuneRecipe:
     """A copy of `recipe` with relative paths resolved against `base` (default: the current directory)."""
     base = Path(base or Path.cwd())
     r = recipe.model_copy(deep=True)
@@ -233,6 +291,12 @@ def resolve_paths(recipe: Recipe, base: str | Path | None = None) -> Recipe:
         r.data.cache_dir = _local(r.data.cache_dir, base)
     if r.export and r.export.dir:
         r.export.dir = _local(r.export.dir, base)
+    if isinstance(r, FinetuneRecipe):
+        if r.reference:
+            r.reference = _if_exists(r.reference, base)
+        if r.token_weights.cache_dir:
+            r.token_weights.cache_dir = _local(r.token_weights.cache_dir, base)
+        return r
     if r.evaluate:
         if r.evaluate.haystack_dir:
             r.evaluate.haystack_dir = _local(r.evaluate.haystack_dir, base)
@@ -241,14 +305,17 @@ def resolve_paths(recipe: Recipe, base: str | Path | None = None) -> Recipe:
     return r
 
 
-def parse_recipe(data, base: str | Path | None = None, name: str = "recipe") -> Recipe:
-    """Validate a recipe mapping; ValueError with one 'field.path: message' line per problem."""
+def parse_recipe(data, base: str | Path | None = None, name: str = "recipe") -> Recipe | FinetuneRecipe:
+    """Validate a recipe mapping (a FinetuneRecipe when it has no `layers`); ValueError with one
+    'field.path: message' line per problem."""
     if not isinstance(data, dict):
         raise ValueError(f"{name}: expected a mapping of recipe fields, got {type(data).__name__}")
+    kind = Recipe if "layers" in data else FinetuneRecipe
     try:
-        recipe = Recipe.model_validate(data)
+        recipe = kind.model_validate(data)
     except ValidationError as err:
-        raise ValueError(f"{name} is not a valid recipe:\n{format_validation_error(err)}") from None
+        what = "recipe" if kind is Recipe else "fine-tuning recipe (it has no `layers`)"
+        raise ValueError(f"{name} is not a valid {what}:\n{format_validation_error(err, root=kind)}") from None
     return resolve_paths(recipe, base)
 
 
@@ -276,7 +343,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
+def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe | FinetuneRecipe:
     """Read and validate a YAML recipe, after `overrides` (see apply_overrides); relative paths resolve against
     the current working directory."""
     path = Path(path)
@@ -289,8 +356,10 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
     return parse_recipe(apply_overrides(data, list(overrides)), name=str(path))
 
 
-def uses_data(recipe: Recipe, stage: str) -> bool:
+def uses_data(recipe: Recipe | FinetuneRecipe, stage: str) -> bool:
     """Whether `stage` reads the training data under this recipe."""
+    if isinstance(recipe, FinetuneRecipe):
+        return {"weights": recipe.token_weights.enabled, "train": True}.get(stage, False)
     return {
         "align": recipe.align.steps > 0,
         "weights": recipe.token_weights.enabled,
@@ -299,7 +368,7 @@ def uses_data(recipe: Recipe, stage: str) -> bool:
     }.get(stage, False)
 
 
-def check_inputs(recipe: Recipe, stages: list[str]) -> None:
+def check_inputs(recipe: Recipe | FinetuneRecipe, stages: list[str]) -> None:
     """Before any of `stages` (those left to run) starts: each input they read is set and exists, else a
     ValueError naming the field and the flag that sets it. The data source is also sampled (check_data_source), and
     data.cache_dir must be writable."""
@@ -316,13 +385,18 @@ def check_inputs(recipe: Recipe, stages: list[str]) -> None:
             Source.resolve(recipe.source)
         except ValueError as err:
             raise ValueError(f"source: {err}") from None
+    if isinstance(recipe, FinetuneRecipe) and recipe.reference and "weights" in stages and reads_data:
+        try:
+            Source.resolve(recipe.reference)
+        except ValueError as err:
+            raise ValueError(f"reference: {err}") from None
     if reads_data:
         if recipe.data.source is None:
             raise ValueError(f"data.source is not set: {how_to_set('data.source')}")
         check_data_source(recipe.data.source, recipe.data.text_field, hint=f"; {how_to_set('data.source')}")
         if recipe.data.cache_dir:
             check_writable(recipe.data.cache_dir, "data.cache_dir")
-    evaluate = recipe.evaluate
+    evaluate = getattr(recipe, "evaluate", None)
     if "evaluate" not in stages or evaluate is None:
         return
     essays = [t for t in evaluate.tasks if TASKS[t].haystack != "noise"]

@@ -24,9 +24,14 @@ Choices:
   (e.g. `lambda b: token_weights(teacher, b["input_ids"])`). Dataset items cannot carry the weights themselves,
   since batch_iterator casts every field to int64. KD = T^2 * KL(teacher || student) of the logits at temperature
   T, averaged over real tokens. aux is the student's own `aux_loss` (already weighted).
-- LoRA ("mixers+lora"): peft's `inject_adapter_in_model` adds adapters in place (the model keeps its class and
-  weight names, plus `lora_A`/`lora_B`) on `lora_targets` of the attention layers only; `train` leaves them
-  unmerged (a resumed run re-injects and reloads them), and `merge_lora` folds them into the base weights.
+- What trains (`trainable`): "mixers" (the converted layers' mixers), "mixers+lora" (and LoRA on the kept attention
+  layers), "all", "patterns" (the parameters whose names match one of the regular expressions
+  `trainable_patterns`, re.search) or "lora" (LoRA only). The mixer choices need a converted hybrid; the others
+  train any causal LM (finetune.py: a plain or trust_remote_code model, with token weights from a reference).
+- LoRA ("mixers+lora", "lora"): peft's `inject_adapter_in_model` adds adapters in place (the model keeps its class
+  and weight names, plus `lora_A`/`lora_B`) on the modules named in `lora_targets`: of the attention layers only in
+  a hybrid, of every layer in any other model; `train` leaves them unmerged (a resumed run re-injects and reloads
+  them), and `merge_lora` folds them into the base weights.
 - Learning rate: linear warmup over `warmup_steps`, then cosine to 10% of `lr` at `steps` or constant; a function
   of the step alone, so nothing about it needs saving. A resumed run must use the same `steps` for the same curve.
 - A non-finite loss part or gradient raises FloatingPointError naming the step before the optimizer step and before
@@ -51,7 +56,7 @@ from torch.utils.data import Dataset
 
 from raven_convert.console import eta
 from raven_convert.train.checkpoint import latest_checkpoint, save_checkpoint
-from raven_convert.train.common import attention_layers, lr_at, mixer_parameters, model_inputs
+from raven_convert.train.common import attention_layers, is_hybrid, lr_at, mixer_parameters, model_inputs
 from raven_convert.train.data import PackedDataset, batch_iterator
 from raven_convert.train.losses import aux_loss, ce_loss, kd_loss, prediction_mask, training_loss
 from raven_convert.train.token_weights import schedule_weights
@@ -74,7 +79,10 @@ class TrainConfig(BaseModel):
     warmup_steps: int = Field(0, ge=0)
     schedule: Literal["cosine", "constant"] = "cosine"
     grad_clip: float | None = Field(1.0, gt=0, description="max gradient norm; None: no clipping")
-    trainable: Literal["mixers", "mixers+lora", "all"] = "mixers"
+    trainable: Literal["mixers", "mixers+lora", "all", "patterns", "lora"] = "mixers"
+    trainable_patterns: list[str] = Field(
+        default_factory=list, description="with trainable 'patterns': regular expressions of parameter names"
+    )
     lora_rank: int = Field(16, ge=1)
     lora_alpha: float = Field(32.0, gt=0)
     lora_targets: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
@@ -104,6 +112,21 @@ class TrainConfig(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _patterns_with_their_mode(self):
+        if self.trainable == "patterns" and not self.trainable_patterns:
+            raise ValueError(
+                "trainable = 'patterns' needs trainable_patterns: regular expressions of parameter names, e.g. "
+                "['mlp', 'norm']"
+            )
+        if self.trainable_patterns and self.trainable != "patterns":
+            raise ValueError(f"trainable_patterns only apply with trainable = 'patterns', not {self.trainable!r}")
+        return self
+
+    @property
+    def uses_lora(self) -> bool:
+        return self.trainable in ("mixers+lora", "lora")
+
     def tau_tokens(self, run_tokens: int) -> float:
         """tau of schedule_weights in tokens. Relative to a run of `run_tokens` training tokens by default (0.1: the
         uniform part falls below 1% at half the run, so every run ends purely weighted); the paper's 1e9 tokens
@@ -120,6 +143,16 @@ class TrainConfig(BaseModel):
             raise ValueError(f"lora_targets must be module names such as 'q_proj', got {bad}")
         return value
 
+    @field_validator("trainable_patterns")
+    @classmethod
+    def _regexes(cls, value: list[str]) -> list[str]:
+        for pattern in value:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"{pattern!r} is not a regular expression: {err}") from None
+        return value
+
 
 def _lora_layer_type():
     from peft.tuners.lora import LoraLayer
@@ -128,17 +161,27 @@ def _lora_layer_type():
 
 
 def add_lora(model, config: TrainConfig) -> None:
-    """Inject LoRA adapters (in place) on `lora_targets` of the layers that kept attention; no-op if present."""
+    """Inject LoRA adapters (in place) on `lora_targets`: of the layers that kept attention in a hybrid, of every
+    module so named in any other model (ValueError naming the targets when none is found); no-op if present."""
     from peft import LoraConfig, inject_adapter_in_model
 
     if any(isinstance(m, _lora_layer_type()) for m in model.modules()):
         return
-    kept = [str(i) for i in attention_layers(model)]
-    if not kept:
-        return
     names = "|".join(re.escape(t) for t in config.lora_targets)
-    pattern = rf"model\.layers\.({'|'.join(kept)})\.(self_attn|mlp)\.({names})"
-    lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0, target_modules=pattern)
+    if is_hybrid(model):
+        kept = [str(i) for i in attention_layers(model)]
+        if not kept:
+            return
+        target = rf"model\.layers\.({'|'.join(kept)})\.(self_attn|mlp)\.({names})"
+    else:
+        target = rf"(.*\.)?({names})"  # peft matches the whole module name
+        linear = sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        if not set(config.lora_targets) & set(linear):
+            raise ValueError(
+                f"lora_targets {config.lora_targets} name no module of {type(model).__name__}; its linear layers "
+                f"are named {linear}"
+            )
+    lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0, target_modules=target)
     inject_adapter_in_model(lora, model)
 
 
@@ -159,12 +202,28 @@ def is_lora(name: str) -> bool:
 
 
 def select_trainable(model, config: TrainConfig) -> list[nn.Parameter]:
-    """Set requires_grad per `config.trainable` (injecting LoRA if asked) and return the trainable parameters."""
+    """Set requires_grad per `config.trainable` (injecting LoRA if asked) and return the trainable parameters.
+    ValueError when the choice fits no part of the model: mixers of a model that is not a hybrid, patterns that
+    match no parameter name."""
+    if config.trainable.startswith("mixers") and not is_hybrid(model):
+        raise ValueError(
+            f"trainable = {config.trainable!r} trains a converted hybrid's mixers, and {type(model).__name__} is not "
+            "a hybrid; choose 'all', 'patterns' (with trainable_patterns) or 'lora' (with lora_targets)"
+        )
     if config.trainable == "all":
         chosen = set(id(p) for p in model.parameters())
+    elif config.trainable == "patterns":
+        found = [re.compile(p) for p in config.trainable_patterns]
+        chosen = {id(p) for n, p in model.named_parameters() if any(r.search(n) for r in found)}
+        if not chosen:
+            names = [n for n, _ in model.named_parameters()][:4]
+            raise ValueError(
+                f"trainable_patterns {config.trainable_patterns} match no parameter of {type(model).__name__} "
+                f"(its names look like {names})"
+            )
     else:
-        chosen = {id(p) for p in mixer_parameters(model)}
-        if config.trainable == "mixers+lora":
+        chosen = {id(p) for p in mixer_parameters(model)} if config.trainable.startswith("mixers") else set()
+        if config.uses_lora:
             add_lora(model, config)
             chosen |= {id(p) for n, p in model.named_parameters() if is_lora(n)}
     for p in model.parameters():
@@ -251,9 +310,10 @@ def train(
     token_weights: torch.Tensor | Callable[[dict], torch.Tensor] | None = None,
     validation=None,
 ) -> list[dict]:
-    """Train `student` (a HybridForCausalLM) on `dataset` (a PackedDataset or a dataset of row dicts) for
-    `config.steps` optimizer steps, checkpointing into out_dir/checkpoints (see checkpoint.py) and resuming from the
-    newest intact checkpoint there. `teacher` (frozen) is only run when config.kd_weight > 0 and may then not be None.
+    """Train `student` (a HybridForCausalLM; any causal LM with trainable "all", "patterns" or "lora") on `dataset`
+    (a PackedDataset or a dataset of row dicts) for `config.steps` optimizer steps, checkpointing into
+    out_dir/checkpoints (see checkpoint.py) and resuming from the newest intact checkpoint there. `teacher`
+    (frozen) is only run when config.kd_weight > 0 and may then not be None.
 
     Returns one record per step run by this call: {"step", "loss", "ce", "kd", "aux", "lr", "tokens_per_second"}
     ("step" is 1-based; loss parts are means over the step's micro-batches and processes; the rate counts from the end

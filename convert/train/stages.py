@@ -17,6 +17,9 @@ before it; a missing one is an error naming it. The inputs of the stages left to
 perplexity texts) are checked before the first one starts (recipe.check_inputs), so a missing path or a bad data
 file costs no stage. A non-finite loss stops its stage with a FloatingPointError naming the step and what was kept.
 
+A fine-tuning recipe (recipe.FinetuneRecipe) runs its own stages (weights -> train -> export, finetune.py's
+runners) through the same machinery: `recipe.stages` orders them, `recipe.stage_fields` names what each reads.
+
 A stage's fingerprint hashes the recipe fields it reads and the fingerprints of the stages before it. When a DONE
 was written under another fingerprint (the recipe changed since), the run stops and names the changed fields
 instead of silently reusing stale results; `redo` (CLI: --redo STAGE) deletes that stage and every later one, but
@@ -43,23 +46,13 @@ import torch
 from raven_convert.console import is_main_process
 from raven_convert.files import check_writable, copy_dir, disk_bytes, format_bytes, write_json
 from raven_convert.train.checkpoint import CHECKPOINTS
-from raven_convert.train.recipe import STAGES, Recipe, check_inputs
+from raven_convert.train.recipe import STAGES, FinetuneRecipe, Recipe, check_inputs
+from raven_convert.train.token_weights import load_weight_table
 
 MARKER = "DONE"
 # Fields that change how a stage logs and checkpoints, not what it computes: changing them keeps its results valid.
 BOOKKEEPING = ("log_every", "save_every", "keep_checkpoints")
 DATA_PARALLEL = ("train", "extend")  # the stages that run under `accelerate launch` on several processes
-
-# The recipe fields each stage reads (its own settings and what shapes its inputs).
-STAGE_FIELDS = {
-    "convert": ("source", "layers", "mixer_settings", "sliding_window", "window_layers", "dtype", "seed"),
-    "align": ("data", "align"),
-    "weights": ("data", "token_weights"),
-    "train": ("data", "train"),
-    "extend": ("data", "token_weights", "extend"),
-    "evaluate": ("evaluate",),
-    "export": ("export",),
-}
 
 
 def log(message: str) -> None:
@@ -71,11 +64,11 @@ def read_done(run_dir: Path, stage: str) -> dict | None:
     return json.loads(marker.read_text()) if marker.is_file() else None
 
 
-def stage_inputs(recipe: Recipe, stage: str) -> dict:
+def stage_inputs(recipe: Recipe | FinetuneRecipe, stage: str) -> dict:
     """{"field.path": value} of the recipe fields `stage` reads (JSON-ready), without BOOKKEEPING."""
     data = recipe.model_dump(mode="json")
     inputs = {}
-    for path in STAGE_FIELDS[stage]:
+    for path in recipe.stage_fields[stage]:
         value = data
         for key in path.split("."):
             value = value.get(key) if isinstance(value, dict) else None
@@ -83,10 +76,10 @@ def stage_inputs(recipe: Recipe, stage: str) -> dict:
     return inputs
 
 
-def fingerprints(recipe: Recipe) -> dict[str, str]:
+def fingerprints(recipe: Recipe | FinetuneRecipe) -> dict[str, str]:
     """{stage: hash of its inputs and of every earlier stage's fingerprint}."""
     out, previous = {}, ""
-    for stage in STAGES:
+    for stage in recipe.stages:
         text = previous + json.dumps(stage_inputs(recipe, stage), sort_keys=True)
         out[stage] = previous = hashlib.sha256(text.encode()).hexdigest()[:16]
     return out
@@ -108,7 +101,7 @@ def _stale(run_dir: Path, stage: str, done: dict, recipe: Recipe, prints: dict[s
     if done.get("fingerprint", prints[stage]) == prints[stage]:
         return None
     changed, first = [], stage
-    for earlier in STAGES[: STAGES.index(stage) + 1]:
+    for earlier in recipe.stages[: recipe.stages.index(stage) + 1]:
         recorded = (read_done(run_dir, earlier) or {}).get("inputs")
         if recorded is not None:
             new = [p for p in _changed_fields(recorded, stage_inputs(recipe, earlier)) if p not in changed]
@@ -151,19 +144,20 @@ def resumable_checkpoints(run_dir: Path, stages) -> list[str]:
     return found
 
 
-def saved_so_far(run_dir: str | Path, stages: list[str] | None = None) -> str:
-    """One sentence: the stages DONE in run_dir, and what the first unfinished one of `stages` resumes from."""
+def saved_so_far(run_dir: str | Path, stages: list[str] | None = None, order: tuple[str, ...] = STAGES) -> str:
+    """One sentence: the stages DONE in run_dir, and what the first unfinished one of `stages` resumes from (`order`:
+    the recipe's stages)."""
     run_dir = Path(run_dir).resolve()
-    finished = [s for s in STAGES if (run_dir / s / MARKER).is_file()]
+    finished = [s for s in order if (run_dir / s / MARKER).is_file()]
     text = f"stages done in {run_dir}: {', '.join(finished)}" if finished else f"no stage finished in {run_dir}"
-    pending = [s for s in (stages or STAGES) if s in STAGES and s not in finished]
+    pending = [s for s in (stages or order) if s in order and s not in finished]
     return f"{text}; {stage_state(run_dir, pending[0])}" if pending else text
 
 
-def _require(run_dir: Path, stage: str) -> dict:
-    """DONE of every stage before `stage`, all present, else a ValueError naming the first missing one."""
+def _require(run_dir: Path, stage: str, order: tuple[str, ...]) -> dict:
+    """DONE of every stage before `stage` in `order`, all present, else a ValueError naming the first missing one."""
     done = {}
-    for earlier in STAGES[: STAGES.index(stage)]:
+    for earlier in order[: order.index(stage)]:
         summary = read_done(run_dir, earlier)
         if summary is None:
             raise ValueError(
@@ -211,14 +205,15 @@ def _load_hybrid(model_dir: Path):
     return HybridForCausalLM.from_pretrained(str(model_dir)).to(_device())
 
 
-def _dataset(recipe: Recipe, run_dir: Path, model_dir: Path, seq_len: int | None = None):
-    """(train, val) packed with the converted model's tokenizer (same for every stage, so the cache is shared),
-    into rows of data.seq_len tokens or of `seq_len`."""
+def recipe_dataset(recipe: Recipe | FinetuneRecipe, run_dir: Path, tokenizer, seq_len: int | None = None):
+    """(train, val) of data.source packed with `tokenizer` (or the one in that model directory: the converted
+    model's, the same for every stage, so the cache is shared), into rows of data.seq_len tokens or of `seq_len`."""
     from transformers import AutoTokenizer
 
     from raven_convert.train.data import build_dataset
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if isinstance(tokenizer, (str, Path)):
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
     d = recipe.data
     return build_dataset(
         d.source,
@@ -269,7 +264,7 @@ def _stage_align(recipe: Recipe, run_dir: Path, done: dict) -> dict:
     settings, model_dir = recipe.align, _latest_model(run_dir, done)
     if settings.steps == 0:
         return {"skipped": True, "model": str(model_dir.relative_to(run_dir))}
-    train_rows, val_rows = _dataset(recipe, run_dir, model_dir)
+    train_rows, val_rows = recipe_dataset(recipe, run_dir, model_dir)
     teacher, hybrid = _load_teacher(recipe), _load_hybrid(model_dir)
     held_out = _held_out_batches(val_rows, settings.batch_size, settings.seed)
     before = validation_losses(teacher, hybrid, held_out) if held_out else None
@@ -312,7 +307,7 @@ def _stage_weights(recipe: Recipe, run_dir: Path, done: dict) -> dict:
     settings = recipe.token_weights
     if not settings.enabled:
         return {"skipped": True}
-    train_rows, _ = _dataset(recipe, run_dir, run_dir / done["convert"]["model"])
+    train_rows, _ = recipe_dataset(recipe, run_dir, run_dir / done["convert"]["model"])
     weights = weight_table(  # [len(train_rows), T], row i belongs to train_rows[i]
         _load_teacher(recipe),
         train_rows,
@@ -349,15 +344,10 @@ def _stage_train(recipe: Recipe, run_dir: Path, done: dict) -> dict:
     settings, model_dir = recipe.train, _latest_model(run_dir, done)
     if settings.steps == 0:
         return {"skipped": True, "model": str(model_dir.relative_to(run_dir))}
-    train_rows, val_rows = _dataset(recipe, run_dir, run_dir / done["convert"]["model"])
+    train_rows, val_rows = recipe_dataset(recipe, run_dir, run_dir / done["convert"]["model"])
     weights = None
     if not done["weights"].get("skipped"):
-        weights = torch.load(run_dir / done["weights"]["file"], weights_only=True)
-        if tuple(weights.shape) != (len(train_rows), train_rows.seq_len):
-            raise ValueError(
-                f"{run_dir / done['weights']['file']} has shape {tuple(weights.shape)} but the training data has "
-                f"{len(train_rows)} rows of {train_rows.seq_len}: delete {run_dir / 'weights'} and rerun weights"
-            )
+        weights = load_weight_table(run_dir / done["weights"]["file"], train_rows)
     config = TrainConfig(**settings.model_dump())
     teacher = _load_teacher(recipe) if config.kd_weight > 0 else None
     student = _load_hybrid(model_dir)
@@ -370,13 +360,19 @@ def _stage_train(recipe: Recipe, run_dir: Path, done: dict) -> dict:
 
 def _finish_training(student, config, history, model_dir: Path, run_dir: Path, stage: str, base_model: str) -> dict:
     """Merge LoRA, save the model under RUN_DIR/stage/model (main process only), and summarise the run."""
-    from raven_convert.train.checkpoint import latest_checkpoint
     from raven_convert.train.stage2 import merge_lora
 
-    if config.trainable == "mixers+lora":
+    if config.uses_lora:
         merge_lora(student)
     if is_main_process():
         _save_model(student, model_dir, run_dir / stage / "model", base_model)
+    return training_summary(config, history, run_dir, stage)
+
+
+def training_summary(config, history: list[dict], run_dir: Path, stage: str) -> dict:
+    """The DONE summary of a training stage whose model is RUN_DIR/stage/model; its history.json written."""
+    from raven_convert.train.checkpoint import latest_checkpoint
+
     summary = {"model": f"{stage}/model", "steps": config.steps, "steps_this_run": len(history)}
     if history:
         summary |= {k: history[-1][k] for k in ("loss", "ce", "kd", "aux", "tokens_per_second")}
@@ -395,7 +391,7 @@ def _stage_extend(recipe: Recipe, run_dir: Path, done: dict) -> dict:
     settings, model_dir = recipe.extend, _latest_model(run_dir, done)
     if settings is None:
         return {"skipped": True, "model": str(model_dir.relative_to(run_dir))}
-    train_rows, val_rows = _dataset(recipe, run_dir, run_dir / done["convert"]["model"], settings.seq_len)
+    train_rows, val_rows = recipe_dataset(recipe, run_dir, run_dir / done["convert"]["model"], settings.seq_len)
     config = TrainConfig(**settings.model_dump(exclude={"seq_len"}))
     weighted = recipe.token_weights.enabled
     teacher = _load_teacher(recipe) if config.kd_weight > 0 or weighted else None
@@ -497,33 +493,38 @@ def _held_out_batches(rows, batch_size: int, seed: int, count: int = 4) -> list[
 
 
 def run_recipe(
-    recipe: Recipe,
+    recipe: Recipe | FinetuneRecipe,
     run_dir: str | Path,
     stages: list[str] | None = None,
     redo: str | None = None,
     discard_checkpoints: bool = False,
+    runners: dict | None = None,
 ) -> dict:
     """Run `stages` (default: all, in order) of `recipe` into `run_dir`, skipping those whose DONE exists.
 
     `redo` deletes that stage's outputs and every later stage's first (checkpoints included), so they run again.
     It refuses (ValueError) to delete the checkpoint of a stage that has not finished, which a rerun would resume
-    from, unless `discard_checkpoints`.
+    from, unless `discard_checkpoints`. `runners` ({stage: function(recipe, run_dir, done) -> summary}, default
+    the pipeline's) run the stages; finetune.run_finetune_recipe passes those of a fine-tuning recipe.
     Returns {stage: summary} for the stages asked for (a skipped stage's summary is read from its DONE).
     """
     run_dir = Path(run_dir).resolve()
-    wanted = list(STAGES) if stages is None else list(stages)
-    unknown = [s for s in wanted + ([redo] if redo else []) if s not in STAGES]
+    order, runners = recipe.stages, RUNNERS if runners is None else runners
+    if isinstance(recipe, FinetuneRecipe) and runners is RUNNERS:
+        raise TypeError("a fine-tuning recipe (no `layers`) runs with raven_convert.train.finetune.run_finetune_recipe")
+    wanted = list(order) if stages is None else list(stages)
+    unknown = [s for s in wanted + ([redo] if redo else []) if s not in order]
     if unknown:
-        raise ValueError(f"unknown stage(s) {unknown}; allowed: {', '.join(STAGES)}")
-    wanted = [s for s in STAGES if s in wanted]
+        raise ValueError(f"unknown stage(s) {unknown}; allowed: {', '.join(order)}")
+    wanted = [s for s in order if s in wanted]
     several = [s for s in wanted if s not in DATA_PARALLEL]
     if _world_size() > 1 and (several or redo):
         raise ValueError(
             f"under a multi-process launch only the {'/'.join(DATA_PARALLEL)} stages run (with --stages), without "
             f"--redo; run {several or 'the others'} in one process first"
         )
-    rerun = set(STAGES[STAGES.index(redo) :]) if redo else set()
-    resumable = resumable_checkpoints(run_dir, [s for s in STAGES if s in rerun])
+    rerun = set(order[order.index(redo) :]) if redo else set()
+    resumable = resumable_checkpoints(run_dir, [s for s in order if s in rerun])
     if resumable and not discard_checkpoints:
         raise ValueError(
             f"--redo {redo} would delete the checkpoint {'; '.join(resumable)}, which a rerun without --redo resumes "
@@ -535,7 +536,7 @@ def run_recipe(
         check_writable(export_dir(recipe, run_dir), "export.dir", swapped=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     if redo:
-        for stage in STAGES[STAGES.index(redo) :]:
+        for stage in order[order.index(redo) :]:
             if (run_dir / stage).exists():
                 lost = [r for r in resumable if r.endswith(f" {stage} stage")]
                 log(
@@ -557,7 +558,7 @@ def run_recipe(
             _drop_checkpoints(run_dir, stage)  # left behind when a run was killed right after DONE
             results[stage] = existing
             continue
-        done = _require(run_dir, stage)
+        done = _require(run_dir, stage, order)
         for earlier, summary in done.items():
             reason = _stale(run_dir, earlier, summary, recipe, prints)
             if reason:
@@ -566,7 +567,7 @@ def run_recipe(
         clock = time.perf_counter()
         (run_dir / stage).mkdir(parents=True, exist_ok=True)
         try:
-            summary = RUNNERS[stage](recipe, run_dir, done)
+            summary = runners[stage](recipe, run_dir, done)
         except FloatingPointError as err:  # a diverged step: say what survives instead of a traceback
             advice = f"Lower {stage}.lr (--set {stage}.lr=...) or check" if _learns(recipe, stage) else "Check"
             raise FloatingPointError(

@@ -341,6 +341,18 @@ def weight_table(
     return torch.cat(parts)
 
 
+def load_weight_table(path: Path, rows) -> Tensor:
+    """The weight table saved at `path` for the training rows `rows` (a PackedDataset): [len(rows), T], else a
+    ValueError saying that it belongs to other data."""
+    weights = torch.load(path, weights_only=True)
+    if tuple(weights.shape) != (len(rows), rows.seq_len):
+        raise ValueError(
+            f"{path} has shape {tuple(weights.shape)} but the training data has {len(rows)} rows of {rows.seq_len}: "
+            f"delete {Path(path).parent} and rerun weights"
+        )
+    return weights
+
+
 def schedule_weights(
     w: Tensor, tokens_seen: float, tau_tokens: float = 1e9, attention_mask: Tensor | None = None
 ) -> Tensor:

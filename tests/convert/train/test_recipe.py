@@ -11,11 +11,13 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from raven_convert.train.__main__ import build_parser, input_overrides, main, resume_command
-from raven_convert.train.recipe import INPUT_FLAGS, STAGES, load_recipe, parse_recipe
+from raven_convert.train.recipe import INPUT_FLAGS, STAGES, FinetuneRecipe, load_recipe, parse_recipe
 from raven_convert.train.stages import run_recipe
 from tests.helpers import WORDS, corpus
 
-RECIPES = sorted((Path(__file__).resolve().parents[3] / "recipes").glob("*.yaml"))
+SHIPPED = sorted((Path(__file__).resolve().parents[3] / "recipes").glob("*.yaml"))
+FINETUNE_RECIPES = [p for p in SHIPPED if "layers" not in yaml.safe_load(p.read_text())]  # FinetuneRecipe
+RECIPES = [p for p in SHIPPED if p not in FINETUNE_RECIPES]
 MINIMAL = {"source": "Qwen/Qwen3-0.6B", "layers": [{"mixer": "raven", "layers": "0-23:5"}], "data": {"source": "x"}}
 
 
@@ -58,10 +60,36 @@ def test_shipped_recipe_loads_and_its_header_command_sets_every_input(path):
         assert recipe.source.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and recipe.evaluate.ppl_data
 
 
+@pytest.mark.parametrize("path", FINETUNE_RECIPES, ids=[p.stem for p in FINETUNE_RECIPES])
+def test_shipped_finetune_recipe_loads_and_its_header_command_sets_every_input(path):
+    words = header_command(path)
+    assert words[:6] == [
+        "python",
+        "-m",
+        "raven_convert.train",
+        f"recipes/{path.name}",
+        "--run-dir",
+        f"runs/{path.stem}",
+    ]
+    bare = load_recipe(path)
+    assert isinstance(bare, FinetuneRecipe) and bare.data.source is None and bare.token_weights.enabled
+    assert re.fullmatch(r"[\w.-]+/[\w.-]+", bare.source), "the model is named by its Hub id"
+    args = build_parser().parse_args(words[3:])
+    recipe = load_recipe(path, input_overrides(args))
+    assert recipe.data.source.endswith("shared/data/corpus")
+    assert recipe.source.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
 def test_recipes_readme_matches_the_recipes():
     readme = (RECIPES[0].parent / "README.md").read_text()
     rows = {line.split("|")[1].strip(" `"): line.split("|")[2:-1] for line in readme.splitlines() if ".yaml` |" in line}
-    assert sorted(rows) == [p.name for p in RECIPES]
+    assert sorted(rows) == [p.name for p in SHIPPED]
+    for path in FINETUNE_RECIPES:
+        recipe, cells = load_recipe(path), [c.strip() for c in rows[path.name]]
+        source, reference, dtype, weights, train = cells
+        assert source == recipe.source and reference == (recipe.reference or "the model itself"), path.name
+        assert dtype == recipe.dtype and weights == ("yes" if recipe.token_weights.enabled else "no"), path.name
+        assert train == f"{recipe.train.steps} ({recipe.train.trainable})", path.name
     for path in RECIPES:
         recipe, cells = load_recipe(path), [c.strip() for c in rows[path.name]]
         source, mixer, dtype, align, weights, train, extend, evaluate = cells
