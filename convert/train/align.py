@@ -139,6 +139,19 @@ def _share(batch: dict, parallel) -> dict:
     return {k: v[parallel.rank * size : (parallel.rank + 1) * size] for k, v in batch.items()}
 
 
+def place_mixers(hybrid, parallel) -> None:
+    """Put the mixers of `hybrid`, what align runs of it, on this process's device: under fsdp each mixer sharded
+    (a unit of its own). The rest of the model stays where it is. Once is enough; again does nothing."""
+    from torch.distributed.fsdp import FSDPModule
+
+    mixers = [hybrid.model.layers[i].self_attn for i in converted_layers(hybrid)]
+    if parallel.sharded and not any(isinstance(m, FSDPModule) for m in mixers):
+        parallel.shard(hybrid, units=mixers, root=False)
+    elif not parallel.sharded:
+        for mixer in mixers:
+            mixer.to(parallel.device)
+
+
 def align(
     teacher,
     hybrid,
@@ -190,12 +203,7 @@ def align(
     if mixed_precision not in ("no", "bf16"):
         raise ValueError(f"mixed_precision = {mixed_precision!r} is not allowed; expected 'no' or 'bf16'")
     parallel = parallel or Parallel()
-    mixers = [hybrid.model.layers[i].self_attn for i in converted_layers(hybrid)]
-    if parallel.sharded:
-        parallel.shard(hybrid, units=mixers)
-    else:
-        for mixer in mixers:
-            mixer.to(parallel.device)
+    place_mixers(hybrid, parallel)
     autocast = torch.autocast(parallel.device.type, dtype=torch.bfloat16, enabled=mixed_precision == "bf16")
     teacher.eval()
     was_training = hybrid.training

@@ -74,7 +74,7 @@ def wait_for(path: Path, poll: float = 1.0) -> None:
 
 def decoder_layers(model) -> list[nn.Module]:
     """The decoder layers of a Hugging Face causal LM (teacher or hybrid): the units FSDP gathers one at a time."""
-    return list(model.model.layers)
+    return list(model.base_model.layers)
 
 
 class Parallel:
@@ -122,23 +122,32 @@ class Parallel:
             "offload_policy": offload,
         }
 
-    def shard(self, model: nn.Module, units: list[nn.Module] | None = None) -> nn.Module:
-        """FSDP2 on each of `units` (default: the decoder layers), then on `model` itself (what no unit holds: the
-        embeddings, final norm and head). Parameters may be on the CPU: each is moved to its process's device as it
-        is split, so no process holds more than one unit's full weights on its device. In place; returns `model`."""
+    def shard(self, model: nn.Module, units: list[nn.Module] | None = None, root: bool = True) -> nn.Module:
+        """FSDP2 on each of `units` (default: the decoder layers), then, with `root`, on `model` itself (what no unit
+        holds: the embeddings, final norm and head). Parameters may be on the CPU: each is moved to its process's
+        device as it is split, so no process holds more than one unit's full weights on its device. In place."""
         from torch.distributed.fsdp import fully_shard
 
         kwargs = self._shard_kwargs()
         for unit in decoder_layers(model) if units is None else units:
             fully_shard(unit, **kwargs)
-        if units is None:
+        if root:
             fully_shard(model, **kwargs)
         return model
 
     def frozen(self, model: nn.Module) -> nn.Module:
-        """A frozen model (the teacher) in eval mode: sharded under fsdp, else a full copy on this process's device."""
+        """A frozen causal LM (the teacher) in eval mode: sharded under fsdp, else a full copy on this process's
+        device. Sharded, its decoder stack (`model.base_model`, which token weights call on their own) is the FSDP
+        root and the rest (the head) a full copy on the device."""
         model.eval().requires_grad_(False)
-        return self.shard(model) if self.sharded else model.to(self.device)
+        if not self.sharded:
+            return model.to(self.device)
+        base = model.base_model
+        self.shard(base, decoder_layers(model))
+        for child in model.children():
+            if child is not base:
+                child.to(self.device)
+        return model
 
     def average_gradients(self, params: list[nn.Parameter]) -> None:
         """ddp without a DistributedDataParallel wrapper (align calls the mixers directly): the mean of every
@@ -152,6 +161,17 @@ class Parallel:
                 p.grad = torch.zeros_like(p)  # a parameter unused on one process still joins the mean
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
             p.grad.div_(self.world)
+
+    def share(self, count: torch.Tensor) -> torch.Tensor | float:
+        """N * count / (the sum of count over the N processes): the factor that turns this process's mean over its
+        `count` tokens into its part of the global mean, when the processes' losses are averaged. 1 on one process."""
+        if self.world == 1:
+            return 1.0
+        import torch.distributed as dist
+
+        total = count.detach().float().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return count.float() * self.world / total.clamp(min=1)
 
     def gather(self, value: object) -> list:
         """Every process's `value` (any picklable object), in process order."""

@@ -360,11 +360,13 @@ def train(
                 if token_weights is not None:
                     w = token_weights[batch["index"].cpu()] if torch.is_tensor(token_weights) else token_weights(batch)
                     weights = schedule_weights(w.to(device).float(), tokens_seen, tau, batch["attention_mask"])
-                parts = {"ce": ce_loss(out.logits, ids, mask, weights)}
+                # each process's mean weighted by its share of the predictions: the processes' mean is the global one
+                parts = {"ce": ce_loss(out.logits, ids, mask, weights) * parallel.share(mask[:, :-1].sum())}
                 if config.kd_weight > 0:
                     with torch.no_grad(), accelerator.autocast():
                         teacher_logits = teacher(**inputs).logits
-                    parts["kd"] = kd_loss(out.logits, teacher_logits, config.kd_temperature, mask)
+                    kd = kd_loss(out.logits, teacher_logits, config.kd_temperature, mask)
+                    parts["kd"] = kd * parallel.share(mask.sum())
                 aux = aux_loss(out)
                 if aux is not None:
                     parts["aux"] = aux

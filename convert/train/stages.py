@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sys
 import time
@@ -43,14 +42,17 @@ import torch
 from raven_convert.console import is_main_process
 from raven_convert.files import check_writable, copy_dir, disk_bytes, format_bytes, write_json
 from raven_convert.train.checkpoint import CHECKPOINTS
+from raven_convert.train.distributed import Parallel, wait_for, world_size
 from raven_convert.train.recipe import STAGES, Recipe, check_inputs
 
 MARKER = "DONE"
 # Fields that change how a stage logs and checkpoints, not what it computes: changing them keeps its results valid.
 BOOKKEEPING = ("log_every", "save_every", "keep_checkpoints")
-DATA_PARALLEL = ("train", "extend")  # the stages that run under `accelerate launch` on several processes
+PER_PROCESS = ("align", "train", "extend")  # the sections whose batch_size counts the rows of one process
+MAIN_ONLY = ("convert", "evaluate", "export")  # under a launch, the main process runs these; the others wait
 
-# The recipe fields each stage reads (its own settings and what shapes its inputs).
+# The recipe fields each stage reads (its own settings and what shapes its inputs). `distributed` is none of them: the
+# strategy and the process count change memory and speed, not results (at one global batch).
 STAGE_FIELDS = {
     "convert": ("source", "layers", "mixer_settings", "sliding_window", "window_layers", "dtype", "seed"),
     "align": ("data", "align"),
@@ -72,8 +74,13 @@ def read_done(run_dir: Path, stage: str) -> dict | None:
 
 
 def stage_inputs(recipe: Recipe, stage: str) -> dict:
-    """{"field.path": value} of the recipe fields `stage` reads (JSON-ready), without BOOKKEEPING."""
+    """{"field.path": value} of the recipe fields `stage` reads (JSON-ready), without BOOKKEEPING. The batch sizes
+    of align, train and extend (rows per process) count as the global batch, batch_size x processes: a run may go on
+    under another number of processes with the same global batch."""
     data = recipe.model_dump(mode="json")
+    for section in PER_PROCESS:
+        if isinstance(data.get(section), dict):
+            data[section]["batch_size"] *= world_size()
     inputs = {}
     for path in STAGE_FIELDS[stage]:
         value = data
@@ -186,29 +193,39 @@ def _learns(recipe: Recipe, stage: str) -> bool:
     return hasattr(getattr(recipe, stage, None), "lr")
 
 
-def _world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch / torchrun
-
-
-def _device() -> torch.device:
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))  # one GPU per process under a launcher
-
-
-def _load_teacher(recipe: Recipe):
+def _load_teacher(recipe: Recipe, parallel: Parallel):
+    """The frozen teacher, read on the CPU and then placed: sharded under fsdp, whole on this process's device else."""
     from raven_convert.sources import Source
 
-    return Source.resolve(recipe.source).load_model(recipe.dtype).to(_device()).eval().requires_grad_(False)
+    return parallel.frozen(Source.resolve(recipe.source).load_model(recipe.dtype))
 
 
-def _load_hybrid(model_dir: Path):
+def _load_hybrid(model_dir: Path, device: torch.device | str | None = None):
     """The hybrid in `model_dir` as the toolkit's own HybridForCausalLM (its kernels, its mixer registry), whatever
     was imported or loaded before in this process: never the copy of the code the directory carries, which
-    AutoModelForCausalLM with trust_remote_code would pick where nothing registered the toolkit's classes."""
+    AutoModelForCausalLM with trust_remote_code would pick where nothing registered the toolkit's classes. On
+    `device` (default: this process's), or "cpu" for a model sharded afterwards."""
     from raven_layers import HybridForCausalLM
 
-    return HybridForCausalLM.from_pretrained(str(model_dir)).to(_device())
+    return HybridForCausalLM.from_pretrained(str(model_dir)).to(device or Parallel().device)
+
+
+def _whole(parallel: Parallel, model, model_dir: Path, lora=None):
+    """The trained `model` whole on the main process, None on the others. Under fsdp its shards are gathered into a
+    fresh copy of `model_dir`'s model on the CPU (with LoRA adapters added as `lora`, a TrainConfig, says); every
+    process must call it."""
+    if not parallel.sharded:
+        return model if parallel.is_main else None
+    state = parallel.full_state_dict(model)
+    if not parallel.is_main:
+        return None
+    fresh = _load_hybrid(model_dir, "cpu")
+    if lora is not None and lora.trainable == "mixers+lora":
+        from raven_convert.train.stage2 import add_lora
+
+        add_lora(fresh, lora)
+    fresh.load_state_dict(state)
+    return fresh
 
 
 def _dataset(recipe: Recipe, run_dir: Path, model_dir: Path, seq_len: int | None = None):
@@ -220,17 +237,18 @@ def _dataset(recipe: Recipe, run_dir: Path, model_dir: Path, seq_len: int | None
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     d = recipe.data
-    return build_dataset(
-        d.source,
-        tokenizer,
-        seq_len or d.seq_len,
-        d.cache_dir or run_dir / "cache",
-        validation_fraction=d.validation_fraction,
-        max_documents=d.max_documents,
-        seed=d.seed,
-        text_field=d.text_field,
-        retrieval=d.retrieval,
-    )
+    with Parallel().state.main_process_first():  # under a launch the main process tokenises, the others read its cache
+        return build_dataset(
+            d.source,
+            tokenizer,
+            seq_len or d.seq_len,
+            d.cache_dir or run_dir / "cache",
+            validation_fraction=d.validation_fraction,
+            max_documents=d.max_documents,
+            seed=d.seed,
+            text_field=d.text_field,
+            retrieval=d.retrieval,
+        )
 
 
 def _save_model(model, model_dir_from: Path, out: Path, base_model: str) -> None:
@@ -243,7 +261,7 @@ def _save_model(model, model_dir_from: Path, out: Path, base_model: str) -> None
     save_hybrid(model.cpu(), tokenizer, out, base_model=base_model, overwrite=True)
 
 
-def _stage_convert(recipe: Recipe, run_dir: Path, done: dict) -> dict:
+def _stage_convert(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:
     from raven_convert.pipeline import ConvertRequest, convert_model
 
     out = run_dir / "convert" / "model"
@@ -262,29 +280,34 @@ def _stage_convert(recipe: Recipe, run_dir: Path, done: dict) -> dict:
     return {"model": "convert/model", "layers": [[a.mixer, a.layers] for a in recipe.layers]}
 
 
-def _stage_align(recipe: Recipe, run_dir: Path, done: dict) -> dict:
-    from raven_convert.train.align import align, validation_losses
+def _stage_align(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:
+    from raven_convert.train.align import align, place_mixers, validation_losses
     from raven_convert.train.data import batch_iterator
 
     settings, model_dir = recipe.align, _latest_model(run_dir, done)
     if settings.steps == 0:
         return {"skipped": True, "model": str(model_dir.relative_to(run_dir))}
     train_rows, val_rows = _dataset(recipe, run_dir, model_dir)
-    teacher, hybrid = _load_teacher(recipe), _load_hybrid(model_dir)
+    teacher, hybrid = _load_teacher(recipe, parallel), _load_hybrid(model_dir, "cpu")  # align places the mixers
     held_out = _held_out_batches(val_rows, settings.batch_size, settings.seed)
+    place_mixers(hybrid, parallel)
     before = validation_losses(teacher, hybrid, held_out) if held_out else None
+    rows = settings.batch_size * parallel.world  # a global batch: batch_size rows per process
     history = align(
         teacher,
         hybrid,
-        lambda first: batch_iterator(train_rows, settings.batch_size, settings.seed, start_step=first),
+        lambda first: batch_iterator(train_rows, rows, settings.seed, start_step=first),
         out_dir=run_dir / "align",
+        parallel=parallel,
         **settings.model_dump(exclude={"batch_size"}),  # the recipe's align fields are align()'s arguments
     )
     after = validation_losses(teacher, hybrid, held_out) if held_out else None
-    _save_model(hybrid, model_dir, run_dir / "align" / "model", recipe.source)
+    whole = _whole(parallel, hybrid, model_dir)
     final = history[-1]
-    write_json({"history": history}, run_dir / "align" / "history.json")
-    if after is not None:
+    if parallel.is_main:
+        _save_model(whole, model_dir, run_dir / "align" / "model", recipe.source)
+        write_json({"history": history}, run_dir / "align" / "history.json")
+    if after is not None and parallel.is_main:
         worst = sorted(after["layers"], key=lambda i: -after["layers"][i])[:3]
         log(
             f"[align] validation MSE {before['loss']:.4g} -> {after['loss']:.4g}; worst layers "
@@ -303,7 +326,7 @@ def _stage_align(recipe: Recipe, run_dir: Path, done: dict) -> dict:
     }
 
 
-def _stage_weights(recipe: Recipe, run_dir: Path, done: dict) -> dict:
+def _stage_weights(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:
     from transformers import AutoTokenizer
 
     from raven_convert.train.data import save_atomic
@@ -314,7 +337,7 @@ def _stage_weights(recipe: Recipe, run_dir: Path, done: dict) -> dict:
         return {"skipped": True}
     train_rows, _ = _dataset(recipe, run_dir, run_dir / done["convert"]["model"])
     weights = weight_table(  # [len(train_rows), T], row i belongs to train_rows[i]
-        _load_teacher(recipe),
+        _load_teacher(recipe, parallel),
         train_rows,
         settings.batch_size,
         tau=settings.tau,
@@ -324,7 +347,12 @@ def _stage_weights(recipe: Recipe, run_dir: Path, done: dict) -> dict:
         save_every=settings.save_every,
         keep_checkpoints=settings.keep_checkpoints,
         log=log,
+        parallel=parallel,
     )
+    summary = {"picture": "weights/weights.png", "file": "weights/weights.pt", "shape": list(weights.shape)}
+    summary |= {"mean": weights.mean().item(), "max": weights.max().item()}
+    if not parallel.is_main:
+        return summary
     save_atomic(weights, run_dir / "weights" / "weights.pt")
     tokenizer = AutoTokenizer.from_pretrained(str(run_dir / done["convert"]["model"]))
     shown = train_rows[0]["input_ids"][:400]
@@ -334,16 +362,10 @@ def _stage_weights(recipe: Recipe, run_dir: Path, done: dict) -> dict:
         run_dir / "weights" / "weights.png",
         title="token loss weights of the first training row (darker: retrieves from further back)",
     )
-    return {
-        "picture": "weights/weights.png",
-        "file": "weights/weights.pt",
-        "shape": list(weights.shape),
-        "mean": weights.mean().item(),
-        "max": weights.max().item(),
-    }
+    return summary
 
 
-def _stage_train(recipe: Recipe, run_dir: Path, done: dict) -> dict:
+def _stage_train(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:
     from raven_convert.train.stage2 import TrainConfig, train
 
     settings, model_dir = recipe.train, _latest_model(run_dir, done)
@@ -359,24 +381,34 @@ def _stage_train(recipe: Recipe, run_dir: Path, done: dict) -> dict:
                 f"{len(train_rows)} rows of {train_rows.seq_len}: delete {run_dir / 'weights'} and rerun weights"
             )
     config = TrainConfig(**settings.model_dump())
-    teacher = _load_teacher(recipe) if config.kd_weight > 0 else None
-    student = _load_hybrid(model_dir)
+    teacher = _load_teacher(recipe, parallel) if config.kd_weight > 0 else None
+    student = _load_hybrid(model_dir, "cpu" if parallel.sharded else None)  # fsdp moves each shard to its device
     validation = val_rows if len(val_rows) else None
     history = train(
-        student, teacher, train_rows, config, run_dir / "train", token_weights=weights, validation=validation
+        student,
+        teacher,
+        train_rows,
+        config,
+        run_dir / "train",
+        token_weights=weights,
+        validation=validation,
+        parallel=parallel,
     )
-    return _finish_training(student, config, history, model_dir, run_dir, "train", recipe.source)
+    return _finish_training(student, config, history, model_dir, run_dir, "train", recipe.source, parallel)
 
 
-def _finish_training(student, config, history, model_dir: Path, run_dir: Path, stage: str, base_model: str) -> dict:
-    """Merge LoRA, save the model under RUN_DIR/stage/model (main process only), and summarise the run."""
+def _finish_training(
+    student, config, history, model_dir: Path, run_dir: Path, stage: str, base_model: str, parallel: Parallel
+) -> dict:
+    """Gather the model (fsdp), merge LoRA, save it under RUN_DIR/stage/model (main process only), and summarise."""
     from raven_convert.train.checkpoint import latest_checkpoint
     from raven_convert.train.stage2 import merge_lora
 
-    if config.trainable == "mixers+lora":
-        merge_lora(student)
-    if is_main_process():
-        _save_model(student, model_dir, run_dir / stage / "model", base_model)
+    whole = _whole(parallel, student, model_dir, lora=config)
+    if whole is not None:
+        if config.trainable == "mixers+lora":
+            merge_lora(whole)
+        _save_model(whole, model_dir, run_dir / stage / "model", base_model)
     summary = {"model": f"{stage}/model", "steps": config.steps, "steps_this_run": len(history)}
     if history:
         summary |= {k: history[-1][k] for k in ("loss", "ce", "kd", "aux", "tokens_per_second")}
@@ -388,7 +420,7 @@ def _finish_training(student, config, history, model_dir: Path, run_dir: Path, s
     return summary
 
 
-def _stage_extend(recipe: Recipe, run_dir: Path, done: dict) -> dict:
+def _stage_extend(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:
     from raven_convert.train.stage2 import TrainConfig, train
     from raven_convert.train.token_weights import token_weights
 
@@ -398,7 +430,7 @@ def _stage_extend(recipe: Recipe, run_dir: Path, done: dict) -> dict:
     train_rows, val_rows = _dataset(recipe, run_dir, run_dir / done["convert"]["model"], settings.seq_len)
     config = TrainConfig(**settings.model_dump(exclude={"seq_len"}))
     weighted = recipe.token_weights.enabled
-    teacher = _load_teacher(recipe) if config.kd_weight > 0 or weighted else None
+    teacher = _load_teacher(recipe, parallel) if config.kd_weight > 0 or weighted else None
     weights = None
     if weighted:
         tw = recipe.token_weights
@@ -413,17 +445,24 @@ def _stage_extend(recipe: Recipe, run_dir: Path, done: dict) -> dict:
                 query_block=tw.query_block,
             )
 
-    student = _load_hybrid(model_dir)
+    student = _load_hybrid(model_dir, "cpu" if parallel.sharded else None)
     validation = val_rows if len(val_rows) else None
     history = train(
-        student, teacher, train_rows, config, run_dir / "extend", token_weights=weights, validation=validation
+        student,
+        teacher,
+        train_rows,
+        config,
+        run_dir / "extend",
+        token_weights=weights,
+        validation=validation,
+        parallel=parallel,
     )
-    return _finish_training(student, config, history, model_dir, run_dir, "extend", recipe.source) | {
+    return _finish_training(student, config, history, model_dir, run_dir, "extend", recipe.source, parallel) | {
         "seq_len": settings.seq_len
     }
 
 
-def _stage_evaluate(recipe: Recipe, run_dir: Path, done: dict) -> dict:
+def _stage_evaluate(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:
     from raven_convert.evaluate.report import EvalRequest, evaluate_model
 
     model_dir = _latest_model(run_dir, done)
@@ -452,7 +491,7 @@ def export_dir(recipe: Recipe, run_dir: Path) -> Path:
     return target
 
 
-def _stage_export(recipe: Recipe, run_dir: Path, done: dict) -> dict:
+def _stage_export(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:
     model_dir = _latest_model(run_dir, done)
     if recipe.export is None:
         return {"skipped": True, "model": str(model_dir.relative_to(run_dir))}
@@ -516,12 +555,8 @@ def run_recipe(
     if unknown:
         raise ValueError(f"unknown stage(s) {unknown}; allowed: {', '.join(STAGES)}")
     wanted = [s for s in STAGES if s in wanted]
-    several = [s for s in wanted if s not in DATA_PARALLEL]
-    if _world_size() > 1 and (several or redo):
-        raise ValueError(
-            f"under a multi-process launch only the {'/'.join(DATA_PARALLEL)} stages run (with --stages), without "
-            f"--redo; run {several or 'the others'} in one process first"
-        )
+    if world_size() > 1 and redo:
+        raise ValueError(f"--redo {redo} deletes stages: run it in one process, not under a multi-process launch")
     rerun = set(STAGES[STAGES.index(redo) :]) if redo else set()
     resumable = resumable_checkpoints(run_dir, [s for s in STAGES if s in rerun])
     if resumable and not discard_checkpoints:
@@ -546,6 +581,7 @@ def run_recipe(
     if is_main_process():
         write_json(recipe.model_dump(mode="json"), run_dir / "recipe.json")
     prints = fingerprints(recipe)
+    parallel = Parallel(recipe.distributed)
     results = {}
     for stage in wanted:
         existing = read_done(run_dir, stage)
@@ -563,10 +599,14 @@ def run_recipe(
             if reason:
                 raise ValueError(reason)
         log(f"[{stage}] starting")
+        if stage in MAIN_ONLY and not parallel.is_main:
+            wait_for(run_dir / stage / MARKER)  # the main process runs it alone; its DONE ends the wait
+            results[stage] = read_done(run_dir, stage)
+            continue
         clock = time.perf_counter()
         (run_dir / stage).mkdir(parents=True, exist_ok=True)
         try:
-            summary = RUNNERS[stage](recipe, run_dir, done)
+            summary = RUNNERS[stage](recipe, run_dir, done, parallel)
         except FloatingPointError as err:  # a diverged step: say what survives instead of a traceback
             advice = f"Lower {stage}.lr (--set {stage}.lr=...) or check" if _learns(recipe, stage) else "Check"
             raise FloatingPointError(
@@ -578,6 +618,8 @@ def run_recipe(
         if is_main_process():
             write_json(summary, run_dir / stage / MARKER)
             _drop_checkpoints(run_dir, stage)
+        if stage not in MAIN_ONLY:
+            parallel.barrier()  # every process reads this DONE before the next stage
         if summary.get("skipped"):
             log(f"[{stage}] skipped (turned off by the recipe)")
         else:
