@@ -84,6 +84,12 @@ class Parallel:
         from accelerate import PartialState
 
         self.settings = settings or DistributedSettings()
+        if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+            raise ValueError(
+                "accelerate's own FSDP (--use_fsdp, distributed_type: FSDP) is not used here: launch with "
+                "recipes/accelerate/fsdp.yaml and set distributed.strategy=fsdp in the recipe (--set distributed."
+                "strategy=fsdp); allowed strategies: " + ", ".join(STRATEGIES)
+            )
         self.state = PartialState(cpu=on_cpu())  # joins the process group of a launch; nothing on one process
         self.rank, self.world = self.state.process_index, self.state.num_processes
         self.device = self.state.device

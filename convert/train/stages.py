@@ -23,9 +23,11 @@ instead of silently reusing stale results; `redo` (CLI: --redo STAGE) deletes th
 not the checkpoints of an unfinished stage unless told so (CLI: --discard-checkpoints). BOOKKEEPING fields (how often
 to log and checkpoint, how many checkpoints to keep) are left out of the fingerprints.
 
-Several GPUs: run the stages before train in one process, then
-    accelerate launch --num_processes 2 -m raven_convert.train RECIPE --run-dir DIR --stages train
-train and extend are data parallel (train.batch_size rows per process); only the main process writes files.
+Several GPUs: every stage runs under a launch of N processes (see distributed.py for the strategies):
+    accelerate launch --config_file recipes/accelerate/ddp.yaml --num_processes 2 -m raven_convert.train RECIPE ...
+align, weights, train and extend split the work (batch_size rows per process in align, train and extend);
+convert, evaluate and export run on the main process while the others wait for its DONE; only the main process
+writes files. A stage's fingerprint counts its global batch (batch_size x the processes it ran on).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from raven_convert.console import is_main_process
 from raven_convert.files import check_writable, copy_dir, disk_bytes, format_bytes, write_json
 from raven_convert.train.checkpoint import CHECKPOINTS
 from raven_convert.train.distributed import Parallel, wait_for, world_size
+from raven_convert.train.models import load_hybrid, load_teacher, save_model, whole_model
 from raven_convert.train.recipe import STAGES, Recipe, check_inputs
 
 MARKER = "DONE"
@@ -73,14 +76,14 @@ def read_done(run_dir: Path, stage: str) -> dict | None:
     return json.loads(marker.read_text()) if marker.is_file() else None
 
 
-def stage_inputs(recipe: Recipe, stage: str) -> dict:
+def stage_inputs(recipe: Recipe, stage: str, processes: int = 1) -> dict:
     """{"field.path": value} of the recipe fields `stage` reads (JSON-ready), without BOOKKEEPING. The batch sizes
-    of align, train and extend (rows per process) count as the global batch, batch_size x processes: a run may go on
-    under another number of processes with the same global batch."""
+    of align, train and extend (rows per process) count as the global batch, batch_size x `processes` (those the
+    stage runs or ran on): a run may go on under another number of processes with the same global batch."""
     data = recipe.model_dump(mode="json")
     for section in PER_PROCESS:
         if isinstance(data.get(section), dict):
-            data[section]["batch_size"] *= world_size()
+            data[section]["batch_size"] *= processes
     inputs = {}
     for path in STAGE_FIELDS[stage]:
         value = data
@@ -90,11 +93,12 @@ def stage_inputs(recipe: Recipe, stage: str) -> dict:
     return inputs
 
 
-def fingerprints(recipe: Recipe) -> dict[str, str]:
-    """{stage: hash of its inputs and of every earlier stage's fingerprint}."""
+def fingerprints(recipe: Recipe, processes: dict[str, int] | None = None) -> dict[str, str]:
+    """{stage: hash of its inputs and of every earlier stage's fingerprint}; `processes`: {stage: the processes it
+    ran on} (default 1)."""
     out, previous = {}, ""
     for stage in STAGES:
-        text = previous + json.dumps(stage_inputs(recipe, stage), sort_keys=True)
+        text = previous + json.dumps(stage_inputs(recipe, stage, (processes or {}).get(stage, 1)), sort_keys=True)
         out[stage] = previous = hashlib.sha256(text.encode()).hexdigest()[:16]
     return out
 
@@ -110,6 +114,11 @@ def _changed_fields(old: dict, new: dict) -> list[str]:
     return [] if old == new else [""]
 
 
+def _processes(run_dir: Path) -> dict[str, int]:
+    """{stage: the processes it ran on}: those its DONE records (1 before they were recorded), else this launch's."""
+    return {s: (read_done(run_dir, s) or {"processes": world_size()}).get("processes", 1) for s in STAGES}
+
+
 def _stale(run_dir: Path, stage: str, done: dict, recipe: Recipe, prints: dict[str, str]) -> str | None:
     """Why `stage`'s DONE no longer matches the recipe (a message naming the changed fields), or None."""
     if done.get("fingerprint", prints[stage]) == prints[stage]:
@@ -118,7 +127,8 @@ def _stale(run_dir: Path, stage: str, done: dict, recipe: Recipe, prints: dict[s
     for earlier in STAGES[: STAGES.index(stage) + 1]:
         recorded = (read_done(run_dir, earlier) or {}).get("inputs")
         if recorded is not None:
-            new = [p for p in _changed_fields(recorded, stage_inputs(recipe, earlier)) if p not in changed]
+            now = stage_inputs(recipe, earlier, _processes(run_dir)[earlier])
+            new = [p for p in _changed_fields(recorded, now) if p not in changed]
             if new and not changed:
                 first = earlier  # the earliest stage whose own settings changed
             changed += new
@@ -193,41 +203,6 @@ def _learns(recipe: Recipe, stage: str) -> bool:
     return hasattr(getattr(recipe, stage, None), "lr")
 
 
-def _load_teacher(recipe: Recipe, parallel: Parallel):
-    """The frozen teacher, read on the CPU and then placed: sharded under fsdp, whole on this process's device else."""
-    from raven_convert.sources import Source
-
-    return parallel.frozen(Source.resolve(recipe.source).load_model(recipe.dtype))
-
-
-def _load_hybrid(model_dir: Path, device: torch.device | str | None = None):
-    """The hybrid in `model_dir` as the toolkit's own HybridForCausalLM (its kernels, its mixer registry), whatever
-    was imported or loaded before in this process: never the copy of the code the directory carries, which
-    AutoModelForCausalLM with trust_remote_code would pick where nothing registered the toolkit's classes. On
-    `device` (default: this process's), or "cpu" for a model sharded afterwards."""
-    from raven_layers import HybridForCausalLM
-
-    return HybridForCausalLM.from_pretrained(str(model_dir)).to(device or Parallel().device)
-
-
-def _whole(parallel: Parallel, model, model_dir: Path, lora=None):
-    """The trained `model` whole on the main process, None on the others. Under fsdp its shards are gathered into a
-    fresh copy of `model_dir`'s model on the CPU (with LoRA adapters added as `lora`, a TrainConfig, says); every
-    process must call it."""
-    if not parallel.sharded:
-        return model if parallel.is_main else None
-    state = parallel.full_state_dict(model)
-    if not parallel.is_main:
-        return None
-    fresh = _load_hybrid(model_dir, "cpu")
-    if lora is not None and lora.trainable == "mixers+lora":
-        from raven_convert.train.stage2 import add_lora
-
-        add_lora(fresh, lora)
-    fresh.load_state_dict(state)
-    return fresh
-
-
 def _dataset(recipe: Recipe, run_dir: Path, model_dir: Path, seq_len: int | None = None):
     """(train, val) packed with the converted model's tokenizer (same for every stage, so the cache is shared),
     into rows of data.seq_len tokens or of `seq_len`."""
@@ -249,16 +224,6 @@ def _dataset(recipe: Recipe, run_dir: Path, model_dir: Path, seq_len: int | None
             text_field=d.text_field,
             retrieval=d.retrieval,
         )
-
-
-def _save_model(model, model_dir_from: Path, out: Path, base_model: str) -> None:
-    """A complete model dir at `out` (atomic): weights of `model`, code and tokenizer of `model_dir_from`."""
-    from transformers import AutoTokenizer
-
-    from raven_convert.export import save_hybrid
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir_from))
-    save_hybrid(model.cpu(), tokenizer, out, base_model=base_model, overwrite=True)
 
 
 def _stage_convert(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:
@@ -288,7 +253,7 @@ def _stage_align(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) 
     if settings.steps == 0:
         return {"skipped": True, "model": str(model_dir.relative_to(run_dir))}
     train_rows, val_rows = _dataset(recipe, run_dir, model_dir)
-    teacher, hybrid = _load_teacher(recipe, parallel), _load_hybrid(model_dir, "cpu")  # align places the mixers
+    teacher, hybrid = load_teacher(recipe, parallel), load_hybrid(model_dir, "cpu")  # align places the mixers
     held_out = _held_out_batches(val_rows, settings.batch_size, settings.seed)
     place_mixers(hybrid, parallel)
     before = validation_losses(teacher, hybrid, held_out) if held_out else None
@@ -302,10 +267,10 @@ def _stage_align(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) 
         **settings.model_dump(exclude={"batch_size"}),  # the recipe's align fields are align()'s arguments
     )
     after = validation_losses(teacher, hybrid, held_out) if held_out else None
-    whole = _whole(parallel, hybrid, model_dir)
+    whole = whole_model(parallel, hybrid, model_dir)
     final = history[-1]
     if parallel.is_main:
-        _save_model(whole, model_dir, run_dir / "align" / "model", recipe.source)
+        save_model(whole, model_dir, run_dir / "align" / "model", recipe.source)
         write_json({"history": history}, run_dir / "align" / "history.json")
     if after is not None and parallel.is_main:
         worst = sorted(after["layers"], key=lambda i: -after["layers"][i])[:3]
@@ -337,7 +302,7 @@ def _stage_weights(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel
         return {"skipped": True}
     train_rows, _ = _dataset(recipe, run_dir, run_dir / done["convert"]["model"])
     weights = weight_table(  # [len(train_rows), T], row i belongs to train_rows[i]
-        _load_teacher(recipe, parallel),
+        load_teacher(recipe, parallel),
         train_rows,
         settings.batch_size,
         tau=settings.tau,
@@ -381,8 +346,8 @@ def _stage_train(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) 
                 f"{len(train_rows)} rows of {train_rows.seq_len}: delete {run_dir / 'weights'} and rerun weights"
             )
     config = TrainConfig(**settings.model_dump())
-    teacher = _load_teacher(recipe, parallel) if config.kd_weight > 0 else None
-    student = _load_hybrid(model_dir, "cpu" if parallel.sharded else None)  # fsdp moves each shard to its device
+    teacher = load_teacher(recipe, parallel) if config.kd_weight > 0 else None
+    student = load_hybrid(model_dir, "cpu" if parallel.sharded else None)  # fsdp moves each shard to its device
     validation = val_rows if len(val_rows) else None
     history = train(
         student,
@@ -404,11 +369,11 @@ def _finish_training(
     from raven_convert.train.checkpoint import latest_checkpoint
     from raven_convert.train.stage2 import merge_lora
 
-    whole = _whole(parallel, student, model_dir, lora=config)
+    whole = whole_model(parallel, student, model_dir, lora=config)
     if whole is not None:
         if config.trainable == "mixers+lora":
             merge_lora(whole)
-        _save_model(whole, model_dir, run_dir / stage / "model", base_model)
+        save_model(whole, model_dir, run_dir / stage / "model", base_model)
     summary = {"model": f"{stage}/model", "steps": config.steps, "steps_this_run": len(history)}
     if history:
         summary |= {k: history[-1][k] for k in ("loss", "ce", "kd", "aux", "tokens_per_second")}
@@ -430,7 +395,7 @@ def _stage_extend(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel)
     train_rows, val_rows = _dataset(recipe, run_dir, run_dir / done["convert"]["model"], settings.seq_len)
     config = TrainConfig(**settings.model_dump(exclude={"seq_len"}))
     weighted = recipe.token_weights.enabled
-    teacher = _load_teacher(recipe, parallel) if config.kd_weight > 0 or weighted else None
+    teacher = load_teacher(recipe, parallel) if config.kd_weight > 0 or weighted else None
     weights = None
     if weighted:
         tw = recipe.token_weights
@@ -445,7 +410,7 @@ def _stage_extend(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel)
                 query_block=tw.query_block,
             )
 
-    student = _load_hybrid(model_dir, "cpu" if parallel.sharded else None)
+    student = load_hybrid(model_dir, "cpu" if parallel.sharded else None)
     validation = val_rows if len(val_rows) else None
     history = train(
         student,
@@ -580,7 +545,8 @@ def run_recipe(
                 shutil.rmtree(run_dir / stage)
     if is_main_process():
         write_json(recipe.model_dump(mode="json"), run_dir / "recipe.json")
-    prints = fingerprints(recipe)
+    processes = _processes(run_dir)
+    prints = fingerprints(recipe, processes)
     parallel = Parallel(recipe.distributed)
     results = {}
     for stage in wanted:
@@ -614,7 +580,8 @@ def run_recipe(
             ) from err
         summary["seconds"] = round(time.perf_counter() - clock, 3)
         summary["disk_bytes"] = _disk_use(run_dir, stage, summary)
-        summary |= {"fingerprint": prints[stage], "inputs": stage_inputs(recipe, stage)}
+        summary |= {"fingerprint": prints[stage], "inputs": stage_inputs(recipe, stage, processes[stage])}
+        summary["processes"] = processes[stage]
         if is_main_process():
             write_json(summary, run_dir / stage / MARKER)
             _drop_checkpoints(run_dir, stage)
