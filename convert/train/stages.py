@@ -119,9 +119,9 @@ def _processes(run_dir: Path) -> dict[str, int]:
     return {s: (read_done(run_dir, s) or {"processes": world_size()}).get("processes", 1) for s in STAGES}
 
 
-def _stale(run_dir: Path, stage: str, done: dict, recipe: Recipe, prints: dict[str, str]) -> str | None:
+def _stale(run_dir: Path, stage: str, done: dict, recipe: Recipe, prints: dict[str, str], now=None) -> str | None:
     """Why `stage`'s DONE no longer matches the recipe (a message naming the changed fields), or None."""
-    if done.get("fingerprint", prints[stage]) == prints[stage]:
+    if done.get("fingerprint", prints[stage]) in (prints[stage], (now or prints)[stage]):
         return None
     changed, first = [], stage
     for earlier in STAGES[: STAGES.index(stage) + 1]:
@@ -546,13 +546,14 @@ def run_recipe(
     if is_main_process():
         write_json(recipe.model_dump(mode="json"), run_dir / "recipe.json")
     processes = _processes(run_dir)
-    prints = fingerprints(recipe, processes)
+    prints = fingerprints(recipe, processes)  # what each DONE recorded, if the recipe is unchanged
+    now = fingerprints(recipe, dict.fromkeys(STAGES, world_size()))  # the same global batches on this launch
     parallel = Parallel(recipe.distributed)
     results = {}
     for stage in wanted:
         existing = read_done(run_dir, stage)
         if existing is not None:
-            reason = _stale(run_dir, stage, existing, recipe, prints)
+            reason = _stale(run_dir, stage, existing, recipe, prints, now)
             if reason:
                 raise ValueError(reason)
             log(f"[{stage}] done already ({run_dir / stage / MARKER}); skipping")
@@ -561,7 +562,7 @@ def run_recipe(
             continue
         done = _require(run_dir, stage)
         for earlier, summary in done.items():
-            reason = _stale(run_dir, earlier, summary, recipe, prints)
+            reason = _stale(run_dir, earlier, summary, recipe, prints, now)
             if reason:
                 raise ValueError(reason)
         log(f"[{stage}] starting")
