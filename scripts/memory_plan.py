@@ -34,7 +34,7 @@ QWEN3_8B = {
 }
 TINY = QWEN3_8B | {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
 TINY |= {"head_dim": 16, "intermediate_size": 128, "vocab_size": 256}
-STAGES = ["convert", "align", "weights", "train", "evaluate", "export"]
+STAGES = ["convert", "align", "weights", "train", "extend", "evaluate", "export"]  # extend and evaluate: off (skipped)
 
 
 def recipe(teacher: Path, data: Path, tiny: bool, strategy: str) -> dict:
@@ -122,8 +122,11 @@ def main() -> int:
     path.write_text(json.dumps(recipe(teacher, data, args.tiny, args.strategy)))
     run_dir, report = out / f"run-{name}", out / f"memory-{name}"
     subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(args.processes)]
-    launch += ["--cpu"] if args.tiny else (["--multi_gpu"] if args.processes > 1 else [])
+    if args.tiny:  # accelerate launch --cpu starts one process (several are its MPI path): torchrun, gloo
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.processes)]
+    else:
+        launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(args.processes)]
+        launch += ["--multi_gpu"] if args.processes > 1 else []
     launch += [__file__, "--worker", "--recipe", str(path), "--run-dir", str(run_dir), "--report", str(report)]
     subprocess.run(launch, check=True)
     ranks = [json.loads(report.with_suffix(f".rank{r}.json").read_text()) for r in range(args.processes)]
