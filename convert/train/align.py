@@ -11,7 +11,6 @@ received and the output it produced; each mixer then sees that same input and is
 from __future__ import annotations
 
 import itertools
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -24,6 +23,13 @@ from torch import nn
 from raven_convert.console import eta
 from raven_convert.train.checkpoint import latest_checkpoint, save_checkpoint
 from raven_convert.train.common import converted_layers, lr_at, mixer_parameters, model_inputs
+from raven_convert.train.distributed import (
+    Parallel,
+    full_optimizer_state,
+    full_tensor,
+    shard_like,
+    sharded_optimizer_state,
+)
 from raven_convert.train.losses import alignment_mse, mixers_aux_loss
 from raven_layers.modeling_hybrid import find_packed_documents
 
@@ -90,16 +96,24 @@ def validation_losses(teacher, hybrid, batches: Iterable[dict]) -> dict:
     return {"loss": sum(layers.values()), "layers": layers}
 
 
-def _save(out_dir, step: int, params: dict[str, nn.Parameter], optimizer, history: list[dict], keep: int) -> None:
-    """A checkpoint of the state after `step` steps: mixer weights, optimizer, RNG states and the history so far."""
+def _save(
+    out_dir, step: int, params: dict[str, nn.Parameter], optimizer, history: list[dict], keep: int, parallel
+) -> None:
+    """A checkpoint of the state after `step` steps: mixer weights, optimizer, RNG states and the history so far,
+    whole (gathered from the fsdp shards), so that it resumes on any number of processes."""
+    weights = {name: full_tensor(p.detach()).cpu().contiguous() for name, p in params.items()}
+    optimizer_state = full_optimizer_state(optimizer)
 
     def write(folder: Path) -> None:
-        save_file({name: p.detach().cpu().contiguous() for name, p in params.items()}, folder / "mixers.safetensors")
-        torch.save(optimizer.state_dict(), folder / "optimizer.pt")
+        if not parallel.is_main:
+            return
+        save_file(weights, folder / "mixers.safetensors")
+        torch.save(optimizer_state, folder / "optimizer.pt")
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
         torch.save({"cpu": torch.get_rng_state(), "cuda": cuda}, folder / "rng.pt")
 
-    save_checkpoint(out_dir, step, write, {"step": step, "history": history}, keep)
+    meta = {"step": step, "history": history, "processes": parallel.world}
+    save_checkpoint(out_dir, step, write, meta, keep, main=parallel.is_main, barrier=parallel.barrier)
 
 
 def _load(path: Path, params: dict[str, nn.Parameter], optimizer) -> None:
@@ -108,12 +122,34 @@ def _load(path: Path, params: dict[str, nn.Parameter], optimizer) -> None:
         raise ValueError(f"{path} holds weights of other mixers than this model's; delete it to start align over")
     with torch.no_grad():
         for name, p in params.items():
-            p.copy_(weights[name])
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+            p.copy_(shard_like(weights[name], p))
+    optimizer.load_state_dict(sharded_optimizer_state(torch.load(path / "optimizer.pt", weights_only=True), optimizer))
     rng = torch.load(path / "rng.pt", weights_only=True)
     torch.set_rng_state(rng["cpu"])
     if rng["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def _share(batch: dict, parallel) -> dict:
+    """This process's rows of a global batch: the `rank`-th of `world` equal slices."""
+    rows = len(batch["input_ids"])
+    if rows % parallel.world:
+        raise ValueError(f"align's batch of {rows} rows does not split evenly over {parallel.world} processes")
+    size = rows // parallel.world
+    return {k: v[parallel.rank * size : (parallel.rank + 1) * size] for k, v in batch.items()}
+
+
+def place_mixers(hybrid, parallel) -> None:
+    """Put the mixers of `hybrid`, what align runs of it, on this process's device: under fsdp each mixer sharded
+    (a unit of its own). The rest of the model stays where it is. Once is enough; again does nothing."""
+    from torch.distributed.fsdp import FSDPModule
+
+    mixers = [hybrid.model.layers[i].self_attn for i in converted_layers(hybrid)]
+    if parallel.sharded and not any(isinstance(m, FSDPModule) for m in mixers):
+        parallel.shard(hybrid, units=mixers, root=False)
+    elif not parallel.sharded:
+        for mixer in mixers:
+            mixer.to(parallel.device)
 
 
 def align(
@@ -131,6 +167,7 @@ def align(
     save_every: int = 100,
     keep_checkpoints: int = 2,
     seed: int | None = None,
+    parallel: Parallel | None = None,
 ) -> list[dict]:
     """Train the mixers of `hybrid` to match `teacher`'s attention for `steps` batches ({"input_ids", and either
     "position_ids" for packed documents or an optional "attention_mask"}); returns one record per step:
@@ -150,6 +187,11 @@ def align(
     `lambda s: batch_iterator(rows, B, seed, start_step=s)`; an iterable is advanced past the steps already done.
     `seed` seeds torch's global generator (Raven's router noise draws from it) unless the run resumes, which restores
     the generator as it was saved; None leaves it as it is.
+
+    Under a launch of N processes (`parallel`, see distributed.py) every batch is a global one: each process aligns
+    on its 1/N of the rows (the teacher's layer outputs computed for those rows only) and the gradients are averaged,
+    so the result is one process's on the same batches. The mixers go to this process's device (under fsdp, sharded);
+    the rest of `hybrid` stays where it is.
     """
     for name, value, least in (
         ("steps", steps, 1),
@@ -160,8 +202,9 @@ def align(
             raise ValueError(f"{name} = {value!r} is not allowed; expected an integer >= {least}")
     if mixed_precision not in ("no", "bf16"):
         raise ValueError(f"mixed_precision = {mixed_precision!r} is not allowed; expected 'no' or 'bf16'")
-    device_type = next(hybrid.parameters()).device.type
-    autocast = torch.autocast(device_type, dtype=torch.bfloat16, enabled=mixed_precision == "bf16")
+    parallel = parallel or Parallel()
+    place_mixers(hybrid, parallel)
+    autocast = torch.autocast(parallel.device.type, dtype=torch.bfloat16, enabled=mixed_precision == "bf16")
     teacher.eval()
     was_training = hybrid.training
     hybrid.train()
@@ -174,15 +217,13 @@ def align(
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
 
     history, first = [], 0
-    resumed = (
-        None if out_dir is None else latest_checkpoint(out_dir, warn=lambda m: print(f"[align] {m}", file=sys.stderr))
-    )
+    resumed = None if out_dir is None else latest_checkpoint(out_dir, warn=lambda m: parallel.print(f"[align] {m}"))
     if resumed is not None:
         path, meta = resumed
         _load(path, named, optimizer)
         first = meta["step"]
         history = [r | {"layers": {int(i): v for i, v in r["layers"].items()}} for r in meta["history"]][:first]
-        print(f"[align] resumed from {path} (step {first})", file=sys.stderr)
+        parallel.print(f"[align] resumed from {path} (step {first})")
     elif seed is not None:
         torch.manual_seed(seed)
     batches = batches(first) if callable(batches) else itertools.islice(batches, first, None)
@@ -192,38 +233,42 @@ def align(
             step_lr = lr_at(step, lr, steps, warmup_steps)
             for group in optimizer.param_groups:
                 group["lr"] = step_lr
-            inputs = model_inputs(batch, teacher.device)
+            inputs = model_inputs(_share(batch, parallel), parallel.device)
             with autocast:
                 losses = alignment_losses(teacher, hybrid, **inputs)
-            bad = [i for i, loss in losses.items() if not torch.isfinite(loss)]
-            if bad:
-                raise FloatingPointError(f"alignment loss is not finite at step {step + 1} in layer(s) {bad}")
             aux = mixers_aux_loss(hybrid, losses)  # SSE's balance loss trains its router here too
             total = torch.stack(list(losses.values())).sum() + (0.0 if aux is None else aux)
+            parts = [total, *losses.values()] + ([] if aux is None else [aux])
+            means = parallel.mean(torch.stack([v.detach().float() for v in parts]))  # the global batch's losses
+            bad = [i for i, loss in zip(losses, means[1:]) if not torch.isfinite(loss)]
+            if bad:  # every process sees the same means, so all of them stop here together
+                raise FloatingPointError(f"alignment loss is not finite at step {step + 1} in layer(s) {bad}")
             optimizer.zero_grad(set_to_none=True)
             total.backward()
+            parallel.average_gradients(params)
             if grad_clip:
                 torch.nn.utils.clip_grad_norm_(params, grad_clip)
             optimizer.step()
             mask = inputs.get("attention_mask")
-            tokens += int(mask.sum()) if mask is not None else inputs["input_ids"].numel()
+            local = int(mask.sum()) if mask is not None else inputs["input_ids"].numel()
+            tokens += int(parallel.mean(torch.tensor(float(local), device=parallel.device)) * parallel.world)
             now = time.perf_counter()
             rate = tokens / max(now - start, 1e-9)
             if step == first:  # the first step compiles kernels and allocates: the rate counts from its end
                 first_step_seconds, start, tokens = now - start, now, 0
-            record = {"step": step, "loss": total.item(), "layers": {i: v.item() for i, v in losses.items()}}
+            values = means.tolist()
+            record = {"step": step, "loss": values[0], "layers": dict(zip(losses, values[1:]))}
             if aux is not None:
-                record["aux"] = aux.item()
+                record["aux"] = values[-1]
             history.append(record | {"tokens_per_second": rate, "lr": step_lr})
             if log_every and (step % log_every == 0 or step == steps - 1):
                 per_step = (now - start) / (step - first) if step > first else first_step_seconds
-                print(
-                    f"[align] step {step + 1}/{steps} loss {total.item():.4g} | {rate:,.0f} tok/s"
-                    f" | {eta((steps - step - 1) * per_step)}",
-                    file=sys.stderr,
+                parallel.print(
+                    f"[align] step {step + 1}/{steps} loss {values[0]:.4g} | {rate:,.0f} tok/s"
+                    f" | {eta((steps - step - 1) * per_step)}"
                 )
             if out_dir is not None and ((step + 1) % save_every == 0 or step + 1 == steps):
-                _save(out_dir, step + 1, named, optimizer, history, keep_checkpoints)
+                _save(out_dir, step + 1, named, optimizer, history, keep_checkpoints, parallel)
     finally:
         for p, requires_grad in frozen:
             p.requires_grad_(requires_grad)

@@ -52,16 +52,10 @@ from raven_convert.console import is_main_process
 from raven_convert.files import replace_dir
 from raven_convert.train.checkpoint import CHECKPOINTS
 from raven_convert.train.data import PackedDataset, save_atomic
+from raven_convert.train.distributed import Parallel
 from raven_convert.train.recipe import FinetuneRecipe, FinetuneTrain, FinetuneWeights, WeightSettings
 from raven_convert.train.stage2 import TrainConfig, merge_lora, train
-from raven_convert.train.stages import (
-    _device,
-    _stage_export,
-    log,
-    recipe_dataset,
-    run_recipe,
-    training_summary,
-)
+from raven_convert.train.stages import log, recipe_dataset, run_recipe, stage_export, training_summary
 from raven_convert.train.token_weights import load_weight_table, plot_token_weights, weight_table
 
 WEIGHTS_FORMAT = 1  # bump when the weight table's computation changes, so that old caches are not reused
@@ -254,7 +248,7 @@ def _sources(recipe: FinetuneRecipe):
     return Source.resolve(recipe.source), Source.resolve(recipe.reference or recipe.source)
 
 
-def _stage_weights(recipe: FinetuneRecipe, run_dir: Path, done: dict) -> dict:
+def _stage_weights(recipe: FinetuneRecipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:
     settings = recipe.token_weights
     if not settings.enabled:
         return {"skipped": True}
@@ -264,7 +258,7 @@ def _stage_weights(recipe: FinetuneRecipe, run_dir: Path, done: dict) -> dict:
     if recipe.reference:  # before the data is packed or a model loaded
         check_same_tokenizer(tokenizer, reference.load_tokenizer(trust), recipe.source, recipe.reference)
     train_rows, _ = recipe_dataset(recipe, run_dir, tokenizer)
-    model = reference.load_model(recipe.dtype, trust).to(_device())
+    model = reference.load_model(recipe.dtype, trust).to(parallel.device)
     cache = settings.cache_dir or recipe.data.cache_dir or run_dir / "cache"
     table, cached = cached_weight_table(model, train_rows, settings, cache, log)
     target = run_dir / "weights" / "weights.pt"
@@ -290,7 +284,7 @@ def _stage_weights(recipe: FinetuneRecipe, run_dir: Path, done: dict) -> dict:
     }
 
 
-def _stage_train(recipe: FinetuneRecipe, run_dir: Path, done: dict) -> dict:
+def _stage_train(recipe: FinetuneRecipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:
     student, reference = _sources(recipe)
     trust, config = recipe.trust_remote_code, recipe.train
     tokenizer = student.load_tokenizer(trust)
@@ -298,8 +292,8 @@ def _stage_train(recipe: FinetuneRecipe, run_dir: Path, done: dict) -> dict:
     weights = None
     if not done["weights"].get("skipped"):
         weights = load_weight_table(run_dir / done["weights"]["file"], train_rows)
-    model = student.load_model(recipe.dtype, trust).to(_device())
-    teacher = reference.load_model(recipe.dtype, trust).to(_device()) if config.kd_weight > 0 else None
+    model = student.load_model(recipe.dtype, trust).to(parallel.device)
+    teacher = reference.load_model(recipe.dtype, trust).to(parallel.device) if config.kd_weight > 0 else None
     history = finetune(
         model,
         teacher,
@@ -315,7 +309,7 @@ def _stage_train(recipe: FinetuneRecipe, run_dir: Path, done: dict) -> dict:
     return training_summary(config, history, run_dir, "train") | {"class": type(model).__name__}
 
 
-RUNNERS = {"weights": _stage_weights, "train": _stage_train, "export": _stage_export}
+RUNNERS = {"weights": _stage_weights, "train": _stage_train, "export": stage_export}
 
 
 def run_finetune_recipe(

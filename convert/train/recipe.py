@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from raven_convert.evaluate.settings import EvaluateSettings
 from raven_convert.layer_spec import ACCEPTED_FORMS, LayerSpecError, parse_layer_spec
+from raven_convert.train.distributed import DistributedSettings
 from raven_convert.train.retrieval_data import RetrievalMix
 from raven_convert.train.stage2 import MixedPrecision, TrainConfig
 from raven_layers import get_mixer, resolve_mixer
@@ -170,6 +171,9 @@ class Recipe(_Strict):
     extend: ExtendSettings | None = None
     evaluate: EvaluateSettings | None = None
     export: ExportSettings | None = None
+    distributed: DistributedSettings = Field(
+        default_factory=DistributedSettings, description="how the processes of a multi-process launch share the work"
+    )
 
     @field_validator("mixer_settings")
     @classmethod

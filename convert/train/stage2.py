@@ -58,6 +58,7 @@ from raven_convert.console import eta
 from raven_convert.train.checkpoint import latest_checkpoint, save_checkpoint
 from raven_convert.train.common import attention_layers, is_hybrid, lr_at, mixer_parameters, model_inputs
 from raven_convert.train.data import PackedDataset, batch_iterator
+from raven_convert.train.distributed import Parallel, on_cpu
 from raven_convert.train.losses import aux_loss, ce_loss, kd_loss, prediction_mask, training_loss
 from raven_convert.train.token_weights import schedule_weights
 
@@ -252,18 +253,24 @@ class _IndexedPacked(PackedDataset):
         return super().batch(indices) | {"index": torch.as_tensor(indices, dtype=torch.long)}
 
 
-def _save(accelerator, out_dir, step: int, tokens_seen: int, config: TrainConfig) -> None:
-    """accelerator.save_state into a checkpoint (see checkpoint.save_checkpoint), pruned to config.keep_checkpoints."""
-    meta = {"step": step, "tokens_seen": tokens_seen, "config": config.model_dump()}
+def _save(parallel, model, optimizer, out_dir, step: int, tokens_seen: int, config: TrainConfig) -> None:
+    """The trainable weights and optimizer state (sharded under fsdp) in a checkpoint (see checkpoint.save_checkpoint),
+    pruned to config.keep_checkpoints."""
+    meta = {"step": step, "tokens_seen": tokens_seen, "config": config.model_dump(), "processes": parallel.world}
     save_checkpoint(
         out_dir,
         step,
-        lambda folder: accelerator.save_state(str(folder)),
+        lambda folder: parallel.save(folder, model, optimizer),
         meta,
         config.keep_checkpoints,
-        main=accelerator.is_main_process,
-        barrier=accelerator.wait_for_everyone,
+        main=parallel.is_main,
+        barrier=parallel.barrier,
     )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this process (FSDP2's parameters and gradients), any other tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _micro_batches(dataset, config: TrainConfig, accelerator, start_step: int):
@@ -309,6 +316,7 @@ def train(
     out_dir,
     token_weights: torch.Tensor | Callable[[dict], torch.Tensor] | None = None,
     validation=None,
+    parallel: Parallel | None = None,
 ) -> list[dict]:
     """Train `student` (a HybridForCausalLM; any causal LM with trainable "all", "patterns" or "lora") on `dataset`
     (a PackedDataset or a dataset of row dicts) for `config.steps` optimizer steps, checkpointing into
@@ -319,8 +327,13 @@ def train(
     ("step" is 1-based; loss parts are means over the step's micro-batches and processes; the rate counts from the end
     of the first step, which compiles kernels, and leaves out validation), plus "val_ce" at the
     steps where `validation` (held-out rows, like `dataset`) was scored: every `eval_every` steps and at the end.
+
+    Under a launch of N processes (see distributed.py; `parallel` says how, default ddp) each process trains on its
+    slice of every global micro-batch; under fsdp `student` and `teacher` are sharded in place, and the trained
+    student is read back whole with `parallel.full_state_dict(student)`.
     """
     from accelerate import Accelerator
+    from torch.distributed.fsdp import FSDPModule
 
     config = config if isinstance(config, TrainConfig) else TrainConfig(**config)
     if config.kd_weight > 0 and teacher is None:
@@ -331,7 +344,9 @@ def train(
     tracker = (
         "tensorboard" if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX") else None
     )
+    parallel = parallel or Parallel()
     accelerator = Accelerator(
+        cpu=on_cpu(),
         mixed_precision=config.mixed_precision,
         gradient_accumulation_steps=config.grad_accum,
         project_dir=str(out_dir),
@@ -350,10 +365,15 @@ def train(
         else:
             student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     student.train()
-    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    model, optimizer = accelerator.prepare(student, optimizer)
-    if config.kd_weight > 0:
-        teacher.to(accelerator.device).eval().requires_grad_(False)
+    if parallel.sharded:  # FSDP2 replaces the parameters by their shards: the optimizer holds the shards
+        model = parallel.shard(student)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = accelerator.prepare(torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay))
+    else:
+        optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+        model, optimizer = accelerator.prepare(student, optimizer)
+    if config.kd_weight > 0 and not isinstance(teacher, FSDPModule):
+        teacher = parallel.frozen(teacher)
 
     if token_weights is not None:
         row_tokens = len(dataset[0]["input_ids"])
@@ -366,7 +386,7 @@ def train(
     start_step, tokens_seen = 0, 0
     if resumed is not None:
         path, meta = resumed
-        accelerator.load_state(str(path))
+        parallel.load(path, accelerator.unwrap_model(model), optimizer)
         start_step, tokens_seen = meta["step"], meta["tokens_seen"]
         accelerator.print(f"[stage2] resumed from {path} (step {start_step}, {tokens_seen:,} tokens)", file=sys.stderr)
     if isinstance(token_weights, torch.Tensor):
@@ -400,11 +420,13 @@ def train(
                 if token_weights is not None:
                     w = token_weights[batch["index"].cpu()] if torch.is_tensor(token_weights) else token_weights(batch)
                     weights = schedule_weights(w.to(device).float(), tokens_seen, tau, batch["attention_mask"])
-                parts = {"ce": ce_loss(out.logits, ids, mask, weights)}
+                # each process's mean weighted by its share of the predictions: the processes' mean is the global one
+                parts = {"ce": ce_loss(out.logits, ids, mask, weights) * parallel.share(mask[:, :-1].sum())}
                 if config.kd_weight > 0:
                     with torch.no_grad(), accelerator.autocast():
                         teacher_logits = teacher(**inputs).logits
-                    parts["kd"] = kd_loss(out.logits, teacher_logits, config.kd_temperature, mask)
+                    kd = kd_loss(out.logits, teacher_logits, config.kd_temperature, mask)
+                    parts["kd"] = kd * parallel.share(mask.sum())
                 aux = aux_loss(out)
                 if aux is not None:
                     parts["aux"] = aux
@@ -415,7 +437,7 @@ def train(
                 sums[name] += value.item() / config.grad_accum
             sums["loss"] += total.item() / config.grad_accum
             local_tokens += int(batch["attention_mask"].sum())
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = [_local(p.grad) for p in params if p.grad is not None]  # this process's shards: finite or not
         norm = torch.stack([g.float().norm() for g in grads]).norm() if grads else torch.zeros((), device=device)
         check({"gradient norm": norm}, step, "gradient")
         if config.grad_clip:
@@ -452,7 +474,7 @@ def train(
             if tracker:
                 accelerator.log({"val_ce": record["val_ce"]}, step=step)
         if step % config.save_every == 0 or step == config.steps:
-            _save(accelerator, out_dir, step, tokens_seen, config)
+            _save(parallel, accelerator.unwrap_model(model), optimizer, out_dir, step, tokens_seen, config)
     if tracker:
         accelerator.end_training()
     return history

@@ -26,33 +26,38 @@ instead of silently reusing stale results; `redo` (CLI: --redo STAGE) deletes th
 not the checkpoints of an unfinished stage unless told so (CLI: --discard-checkpoints). BOOKKEEPING fields (how often
 to log and checkpoint, how many checkpoints to keep) are left out of the fingerprints.
 
-Several GPUs: run the stages before train in one process, then
-    accelerate launch --num_processes 2 -m raven_convert.train RECIPE --run-dir DIR --stages train
-train and extend are data parallel (train.batch_size rows per process); only the main process writes files.
+Several GPUs: every stage runs under a launch of N processes (see distributed.py for the strategies):
+    accelerate launch --config_file recipes/accelerate/ddp.yaml --num_processes 2 -m raven_convert.train RECIPE ...
+align, weights, train and extend split the work (batch_size rows per process in align, train and extend);
+convert, evaluate and export run on the main process while the others wait for its DONE; only the main process
+writes files. A stage's fingerprint counts its global batch (batch_size x the processes it ran on).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 from raven_convert.console import is_main_process
 from raven_convert.files import check_writable, copy_dir, disk_bytes, format_bytes, write_json
 from raven_convert.train.checkpoint import CHECKPOINTS
+from raven_convert.train.distributed import Parallel, wait_for, world_size
+from raven_convert.train.models import load_hybrid, load_teacher, save_model, whole_model
 from raven_convert.train.recipe import STAGES, FinetuneRecipe, Recipe, check_inputs
 from raven_convert.train.token_weights import load_weight_table
 
 MARKER = "DONE"
 # Fields that change how a stage logs and checkpoints, not what it computes: changing them keeps its results valid.
 BOOKKEEPING = ("log_every", "save_every", "keep_checkpoints")
-DATA_PARALLEL = ("train", "extend")  # the stages that run under `accelerate launch` on several processes
+PER_PROCESS = ("align", "train", "extend")  # the sections whose batch_size counts the rows of one process
+MAIN_ONLY = ("convert", "evaluate", "export")  # under a launch, the main process runs these; the others wait
+
+# `distributed` is in no stage's fields (recipe.stage_fields): the strategy and the process count change memory and
+# speed, not results (at one global batch).
 
 
 def log(message: str) -> None:
@@ -64,9 +69,14 @@ def read_done(run_dir: Path, stage: str) -> dict | None:
     return json.loads(marker.read_text()) if marker.is_file() else None
 
 
-def stage_inputs(recipe: Recipe | FinetuneRecipe, stage: str) -> dict:
-    """{"field.path": value} of the recipe fields `stage` reads (JSON-ready), without BOOKKEEPING."""
+def stage_inputs(recipe: Recipe | FinetuneRecipe, stage: str, processes: int = 1) -> dict:
+    """{"field.path": value} of the recipe fields `stage` reads (JSON-ready), without BOOKKEEPING. The batch sizes
+    of align, train and extend (rows per process) count as the global batch, batch_size x `processes` (those the
+    stage runs or ran on): a run may go on under another number of processes with the same global batch."""
     data = recipe.model_dump(mode="json")
+    for section in PER_PROCESS:
+        if isinstance(data.get(section), dict):
+            data[section]["batch_size"] *= processes
     inputs = {}
     for path in recipe.stage_fields[stage]:
         value = data
@@ -76,11 +86,12 @@ def stage_inputs(recipe: Recipe | FinetuneRecipe, stage: str) -> dict:
     return inputs
 
 
-def fingerprints(recipe: Recipe | FinetuneRecipe) -> dict[str, str]:
-    """{stage: hash of its inputs and of every earlier stage's fingerprint}."""
+def fingerprints(recipe: Recipe | FinetuneRecipe, processes: dict[str, int] | None = None) -> dict[str, str]:
+    """{stage: hash of its inputs and of every earlier stage's fingerprint}; `processes`: {stage: the processes it
+    ran on} (default 1)."""
     out, previous = {}, ""
     for stage in recipe.stages:
-        text = previous + json.dumps(stage_inputs(recipe, stage), sort_keys=True)
+        text = previous + json.dumps(stage_inputs(recipe, stage, (processes or {}).get(stage, 1)), sort_keys=True)
         out[stage] = previous = hashlib.sha256(text.encode()).hexdigest()[:16]
     return out
 
@@ -96,15 +107,21 @@ def _changed_fields(old: dict, new: dict) -> list[str]:
     return [] if old == new else [""]
 
 
-def _stale(run_dir: Path, stage: str, done: dict, recipe: Recipe, prints: dict[str, str]) -> str | None:
+def _processes(run_dir: Path) -> dict[str, int]:
+    """{stage: the processes it ran on}: those its DONE records (1 before they were recorded), else this launch's."""
+    return {s: (read_done(run_dir, s) or {"processes": world_size()}).get("processes", 1) for s in STAGES}
+
+
+def _stale(run_dir: Path, stage: str, done: dict, recipe: Recipe, prints: dict[str, str], now=None) -> str | None:
     """Why `stage`'s DONE no longer matches the recipe (a message naming the changed fields), or None."""
-    if done.get("fingerprint", prints[stage]) == prints[stage]:
+    if done.get("fingerprint", prints[stage]) in (prints[stage], (now or prints)[stage]):
         return None
     changed, first = [], stage
     for earlier in recipe.stages[: recipe.stages.index(stage) + 1]:
         recorded = (read_done(run_dir, earlier) or {}).get("inputs")
         if recorded is not None:
-            new = [p for p in _changed_fields(recorded, stage_inputs(recipe, earlier)) if p not in changed]
+            now = stage_inputs(recipe, earlier, _processes(run_dir)[earlier])
+            new = [p for p in _changed_fields(recorded, now) if p not in changed]
             if new and not changed:
                 first = earlier  # the earliest stage whose own settings changed
             changed += new
@@ -180,34 +197,10 @@ def _learns(recipe: Recipe, stage: str) -> bool:
     return hasattr(getattr(recipe, stage, None), "lr")
 
 
-def _world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch / torchrun
-
-
-def _device() -> torch.device:
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))  # one GPU per process under a launcher
-
-
-def _load_teacher(recipe: Recipe):
-    from raven_convert.sources import Source
-
-    return Source.resolve(recipe.source).load_model(recipe.dtype).to(_device()).eval().requires_grad_(False)
-
-
-def _load_hybrid(model_dir: Path):
-    """The hybrid in `model_dir` as the toolkit's own HybridForCausalLM (its kernels, its mixer registry), whatever
-    was imported or loaded before in this process: never the copy of the code the directory carries, which
-    AutoModelForCausalLM with trust_remote_code would pick where nothing registered the toolkit's classes."""
-    from raven_layers import HybridForCausalLM
-
-    return HybridForCausalLM.from_pretrained(str(model_dir)).to(_device())
-
-
 def recipe_dataset(recipe: Recipe | FinetuneRecipe, run_dir: Path, tokenizer, seq_len: int | None = None):
     """(train, val) of data.source packed with `tokenizer` (or the one in that model directory: the converted
-    model's, the same for every stage, so the cache is shared), into rows of data.seq_len tokens or of `seq_len`."""
+    model's, the same for every stage, so the cache is shared), into rows of data.seq_len tokens or of `seq_len`.
+    Under a launch the main process tokenises and the others read its cache."""
     from transformers import AutoTokenizer
 
     from raven_convert.train.data import build_dataset
@@ -215,30 +208,21 @@ def recipe_dataset(recipe: Recipe | FinetuneRecipe, run_dir: Path, tokenizer, se
     if isinstance(tokenizer, (str, Path)):
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
     d = recipe.data
-    return build_dataset(
-        d.source,
-        tokenizer,
-        seq_len or d.seq_len,
-        d.cache_dir or run_dir / "cache",
-        validation_fraction=d.validation_fraction,
-        max_documents=d.max_documents,
-        seed=d.seed,
-        text_field=d.text_field,
-        retrieval=d.retrieval,
-    )
+    with Parallel().state.main_process_first():  # under a launch the main process tokenises, the others read its cache
+        return build_dataset(
+            d.source,
+            tokenizer,
+            seq_len or d.seq_len,
+            d.cache_dir or run_dir / "cache",
+            validation_fraction=d.validation_fraction,
+            max_documents=d.max_documents,
+            seed=d.seed,
+            text_field=d.text_field,
+            retrieval=d.retrieval,
+        )
 
 
-def _save_model(model, model_dir_from: Path, out: Path, base_model: str) -> None:
-    """A complete model dir at `out` (atomic): weights of `model`, code and tokenizer of `model_dir_from`."""
-    from transformers import AutoTokenizer
-
-    from raven_convert.export import save_hybrid
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir_from))
-    save_hybrid(model.cpu(), tokenizer, out, base_model=base_model, overwrite=True)
-
-
-def _stage_convert(recipe: Recipe, run_dir: Path, done: dict) -> dict:
+def _stage_convert(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:
     from raven_convert.pipeline import ConvertRequest, convert_model
 
     out = run_dir / "convert" / "model"
@@ -257,29 +241,34 @@ def _stage_convert(recipe: Recipe, run_dir: Path, done: dict) -> dict:
     return {"model": "convert/model", "layers": [[a.mixer, a.layers] for a in recipe.layers]}
 
 
-def _stage_align(recipe: Recipe, run_dir: Path, done: dict) -> dict:
-    from raven_convert.train.align import align, validation_losses
+def _stage_align(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:
+    from raven_convert.train.align import align, place_mixers, validation_losses
     from raven_convert.train.data import batch_iterator
 
     settings, model_dir = recipe.align, _latest_model(run_dir, done)
     if settings.steps == 0:
         return {"skipped": True, "model": str(model_dir.relative_to(run_dir))}
     train_rows, val_rows = recipe_dataset(recipe, run_dir, model_dir)
-    teacher, hybrid = _load_teacher(recipe), _load_hybrid(model_dir)
+    teacher, hybrid = load_teacher(recipe, parallel), load_hybrid(model_dir, "cpu")  # align places the mixers
     held_out = _held_out_batches(val_rows, settings.batch_size, settings.seed)
+    place_mixers(hybrid, parallel)
     before = validation_losses(teacher, hybrid, held_out) if held_out else None
+    rows = settings.batch_size * parallel.world  # a global batch: batch_size rows per process
     history = align(
         teacher,
         hybrid,
-        lambda first: batch_iterator(train_rows, settings.batch_size, settings.seed, start_step=first),
+        lambda first: batch_iterator(train_rows, rows, settings.seed, start_step=first),
         out_dir=run_dir / "align",
+        parallel=parallel,
         **settings.model_dump(exclude={"batch_size"}),  # the recipe's align fields are align()'s arguments
     )
     after = validation_losses(teacher, hybrid, held_out) if held_out else None
-    _save_model(hybrid, model_dir, run_dir / "align" / "model", recipe.source)
+    whole = whole_model(parallel, hybrid, model_dir)
     final = history[-1]
-    write_json({"history": history}, run_dir / "align" / "history.json")
-    if after is not None:
+    if parallel.is_main:
+        save_model(whole, model_dir, run_dir / "align" / "model", recipe.source)
+        write_json({"history": history}, run_dir / "align" / "history.json")
+    if after is not None and parallel.is_main:
         worst = sorted(after["layers"], key=lambda i: -after["layers"][i])[:3]
         log(
             f"[align] validation MSE {before['loss']:.4g} -> {after['loss']:.4g}; worst layers "
@@ -298,7 +287,7 @@ def _stage_align(recipe: Recipe, run_dir: Path, done: dict) -> dict:
     }
 
 
-def _stage_weights(recipe: Recipe, run_dir: Path, done: dict) -> dict:
+def _stage_weights(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:
     from transformers import AutoTokenizer
 
     from raven_convert.train.data import save_atomic
@@ -309,7 +298,7 @@ def _stage_weights(recipe: Recipe, run_dir: Path, done: dict) -> dict:
         return {"skipped": True}
     train_rows, _ = recipe_dataset(recipe, run_dir, run_dir / done["convert"]["model"])
     weights = weight_table(  # [len(train_rows), T], row i belongs to train_rows[i]
-        _load_teacher(recipe),
+        load_teacher(recipe, parallel),
         train_rows,
         settings.batch_size,
         tau=settings.tau,
@@ -319,7 +308,12 @@ def _stage_weights(recipe: Recipe, run_dir: Path, done: dict) -> dict:
         save_every=settings.save_every,
         keep_checkpoints=settings.keep_checkpoints,
         log=log,
+        parallel=parallel,
     )
+    summary = {"picture": "weights/weights.png", "file": "weights/weights.pt", "shape": list(weights.shape)}
+    summary |= {"mean": weights.mean().item(), "max": weights.max().item()}
+    if not parallel.is_main:
+        return summary
     save_atomic(weights, run_dir / "weights" / "weights.pt")
     tokenizer = AutoTokenizer.from_pretrained(str(run_dir / done["convert"]["model"]))
     shown = train_rows[0]["input_ids"][:400]
@@ -329,16 +323,10 @@ def _stage_weights(recipe: Recipe, run_dir: Path, done: dict) -> dict:
         run_dir / "weights" / "weights.png",
         title="token loss weights of the first training row (darker: retrieves from further back)",
     )
-    return {
-        "picture": "weights/weights.png",
-        "file": "weights/weights.pt",
-        "shape": list(weights.shape),
-        "mean": weights.mean().item(),
-        "max": weights.max().item(),
-    }
+    return summary
 
 
-def _stage_train(recipe: Recipe, run_dir: Path, done: dict) -> dict:
+def _stage_train(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:
     from raven_convert.train.stage2 import TrainConfig, train
 
     settings, model_dir = recipe.train, _latest_model(run_dir, done)
@@ -349,23 +337,33 @@ def _stage_train(recipe: Recipe, run_dir: Path, done: dict) -> dict:
     if not done["weights"].get("skipped"):
         weights = load_weight_table(run_dir / done["weights"]["file"], train_rows)
     config = TrainConfig(**settings.model_dump())
-    teacher = _load_teacher(recipe) if config.kd_weight > 0 else None
-    student = _load_hybrid(model_dir)
+    teacher = load_teacher(recipe, parallel) if config.kd_weight > 0 else None
+    student = load_hybrid(model_dir, "cpu" if parallel.sharded else None)  # fsdp moves each shard to its device
     validation = val_rows if len(val_rows) else None
     history = train(
-        student, teacher, train_rows, config, run_dir / "train", token_weights=weights, validation=validation
+        student,
+        teacher,
+        train_rows,
+        config,
+        run_dir / "train",
+        token_weights=weights,
+        validation=validation,
+        parallel=parallel,
     )
-    return _finish_training(student, config, history, model_dir, run_dir, "train", recipe.source)
+    return _finish_training(student, config, history, model_dir, run_dir, "train", recipe.source, parallel)
 
 
-def _finish_training(student, config, history, model_dir: Path, run_dir: Path, stage: str, base_model: str) -> dict:
-    """Merge LoRA, save the model under RUN_DIR/stage/model (main process only), and summarise the run."""
+def _finish_training(
+    student, config, history, model_dir: Path, run_dir: Path, stage: str, base_model: str, parallel: Parallel
+) -> dict:
+    """Gather the model (fsdp), merge LoRA, save it under RUN_DIR/stage/model (main process only), and summarise."""
     from raven_convert.train.stage2 import merge_lora
 
-    if config.uses_lora:
-        merge_lora(student)
-    if is_main_process():
-        _save_model(student, model_dir, run_dir / stage / "model", base_model)
+    whole = whole_model(parallel, student, model_dir, lora=config)
+    if whole is not None:
+        if config.uses_lora:
+            merge_lora(whole)
+        save_model(whole, model_dir, run_dir / stage / "model", base_model)
     return training_summary(config, history, run_dir, stage)
 
 
@@ -384,7 +382,7 @@ def training_summary(config, history: list[dict], run_dir: Path, stage: str) -> 
     return summary
 
 
-def _stage_extend(recipe: Recipe, run_dir: Path, done: dict) -> dict:
+def _stage_extend(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:
     from raven_convert.train.stage2 import TrainConfig, train
     from raven_convert.train.token_weights import token_weights
 
@@ -394,7 +392,7 @@ def _stage_extend(recipe: Recipe, run_dir: Path, done: dict) -> dict:
     train_rows, val_rows = recipe_dataset(recipe, run_dir, run_dir / done["convert"]["model"], settings.seq_len)
     config = TrainConfig(**settings.model_dump(exclude={"seq_len"}))
     weighted = recipe.token_weights.enabled
-    teacher = _load_teacher(recipe) if config.kd_weight > 0 or weighted else None
+    teacher = load_teacher(recipe, parallel) if config.kd_weight > 0 or weighted else None
     weights = None
     if weighted:
         tw = recipe.token_weights
@@ -409,17 +407,24 @@ def _stage_extend(recipe: Recipe, run_dir: Path, done: dict) -> dict:
                 query_block=tw.query_block,
             )
 
-    student = _load_hybrid(model_dir)
+    student = load_hybrid(model_dir, "cpu" if parallel.sharded else None)
     validation = val_rows if len(val_rows) else None
     history = train(
-        student, teacher, train_rows, config, run_dir / "extend", token_weights=weights, validation=validation
+        student,
+        teacher,
+        train_rows,
+        config,
+        run_dir / "extend",
+        token_weights=weights,
+        validation=validation,
+        parallel=parallel,
     )
-    return _finish_training(student, config, history, model_dir, run_dir, "extend", recipe.source) | {
+    return _finish_training(student, config, history, model_dir, run_dir, "extend", recipe.source, parallel) | {
         "seq_len": settings.seq_len
     }
 
 
-def _stage_evaluate(recipe: Recipe, run_dir: Path, done: dict) -> dict:
+def _stage_evaluate(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:
     from raven_convert.evaluate.report import EvalRequest, evaluate_model
 
     model_dir = _latest_model(run_dir, done)
@@ -448,7 +453,7 @@ def export_dir(recipe: Recipe, run_dir: Path) -> Path:
     return target
 
 
-def _stage_export(recipe: Recipe, run_dir: Path, done: dict) -> dict:
+def stage_export(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:
     model_dir = _latest_model(run_dir, done)
     if recipe.export is None:
         return {"skipped": True, "model": str(model_dir.relative_to(run_dir))}
@@ -464,7 +469,7 @@ RUNNERS = {
     "train": _stage_train,
     "extend": _stage_extend,
     "evaluate": _stage_evaluate,
-    "export": _stage_export,
+    "export": stage_export,
 }
 
 
@@ -517,12 +522,8 @@ def run_recipe(
     if unknown:
         raise ValueError(f"unknown stage(s) {unknown}; allowed: {', '.join(order)}")
     wanted = [s for s in order if s in wanted]
-    several = [s for s in wanted if s not in DATA_PARALLEL]
-    if _world_size() > 1 and (several or redo):
-        raise ValueError(
-            f"under a multi-process launch only the {'/'.join(DATA_PARALLEL)} stages run (with --stages), without "
-            f"--redo; run {several or 'the others'} in one process first"
-        )
+    if world_size() > 1 and redo:
+        raise ValueError(f"--redo {redo} deletes stages: run it in one process, not under a multi-process launch")
     rerun = set(order[order.index(redo) :]) if redo else set()
     resumable = resumable_checkpoints(run_dir, [s for s in order if s in rerun])
     if resumable and not discard_checkpoints:
@@ -546,12 +547,15 @@ def run_recipe(
                 shutil.rmtree(run_dir / stage)
     if is_main_process():
         write_json(recipe.model_dump(mode="json"), run_dir / "recipe.json")
-    prints = fingerprints(recipe)
+    processes = _processes(run_dir)
+    prints = fingerprints(recipe, processes)  # what each DONE recorded, if the recipe is unchanged
+    now = fingerprints(recipe, dict.fromkeys(STAGES, world_size()))  # the same global batches on this launch
+    parallel = Parallel(getattr(recipe, "distributed", None))  # a fine-tuning recipe runs data parallel
     results = {}
     for stage in wanted:
         existing = read_done(run_dir, stage)
         if existing is not None:
-            reason = _stale(run_dir, stage, existing, recipe, prints)
+            reason = _stale(run_dir, stage, existing, recipe, prints, now)
             if reason:
                 raise ValueError(reason)
             log(f"[{stage}] done already ({run_dir / stage / MARKER}); skipping")
@@ -560,14 +564,18 @@ def run_recipe(
             continue
         done = _require(run_dir, stage, order)
         for earlier, summary in done.items():
-            reason = _stale(run_dir, earlier, summary, recipe, prints)
+            reason = _stale(run_dir, earlier, summary, recipe, prints, now)
             if reason:
                 raise ValueError(reason)
         log(f"[{stage}] starting")
+        if stage in MAIN_ONLY and not parallel.is_main:
+            wait_for(run_dir / stage / MARKER)  # the main process runs it alone; its DONE ends the wait
+            results[stage] = read_done(run_dir, stage)
+            continue
         clock = time.perf_counter()
         (run_dir / stage).mkdir(parents=True, exist_ok=True)
         try:
-            summary = runners[stage](recipe, run_dir, done)
+            summary = runners[stage](recipe, run_dir, done, parallel)
         except FloatingPointError as err:  # a diverged step: say what survives instead of a traceback
             advice = f"Lower {stage}.lr (--set {stage}.lr=...) or check" if _learns(recipe, stage) else "Check"
             raise FloatingPointError(
@@ -575,10 +583,13 @@ def run_recipe(
             ) from err
         summary["seconds"] = round(time.perf_counter() - clock, 3)
         summary["disk_bytes"] = _disk_use(run_dir, stage, summary)
-        summary |= {"fingerprint": prints[stage], "inputs": stage_inputs(recipe, stage)}
+        summary |= {"fingerprint": prints[stage], "inputs": stage_inputs(recipe, stage, processes[stage])}
+        summary["processes"] = processes[stage]
         if is_main_process():
             write_json(summary, run_dir / stage / MARKER)
             _drop_checkpoints(run_dir, stage)
+        if stage not in MAIN_ONLY:
+            parallel.barrier()  # every process reads this DONE before the next stage
         if summary.get("skipped"):
             log(f"[{stage}] skipped (turned off by the recipe)")
         else:

@@ -286,6 +286,7 @@ def weight_table(
     save_every: int = 100,
     keep_checkpoints: int = 2,
     log: Callable[[str], None] = print,
+    parallel=None,
 ) -> Tensor:
     """token_weights of every row of `rows` (a PackedDataset, each packed document weighted on its own), computed
     `batch_size` rows at a time: float32 [len(rows), T], row i's weights at index i, on the CPU.
@@ -293,7 +294,15 @@ def weight_table(
     With `out_dir`, a checkpoint (see checkpoint.py; step k: the first k batches done) of the rows done so far is
     written every `save_every` batches and at the end, the newest `keep_checkpoints` kept, and a call resumes after
     the newest intact one: the batches are the same, so the table is the one an uninterrupted call returns.
+
+    Under a launch of N processes (`parallel`, see distributed.py) the batches are dealt out N at a time (batch k to
+    process k mod N) and every process returns the whole table; only the main process logs and writes checkpoints,
+    which resume on any number of processes.
     """
+    from raven_convert.train.distributed import Parallel
+
+    parallel = parallel or Parallel()
+    log = log if parallel.is_main else (lambda message: None)
     n, length = len(rows), rows.seq_len
     batches = -(-n // batch_size)
     device = next(teacher.parameters()).device
@@ -313,7 +322,10 @@ def weight_table(
         parts = [saved]
         log(f"[weights] resumed from {path} (step {first}, {len(saved)} of {n} rows done)")
     clock = time.perf_counter()
-    for step in range(first, batches):
+    for first_of_round in range(first, batches, parallel.world):
+        done = min(first_of_round + parallel.world, batches)  # batches done after this round
+        # a process past the last batch repeats it and drops the result: a sharded teacher needs every process
+        step = min(first_of_round + parallel.rank, batches - 1)
         start, stop = step * batch_size, min((step + 1) * batch_size, n)
         batch = rows.batch(torch.arange(start, stop))
         w = token_weights(
@@ -324,19 +336,21 @@ def weight_table(
             lam=lam,
             query_block=query_block,
         )
-        parts.append(w.cpu())
+        parts += parallel.gather(w.cpu())[: done - first_of_round]
         elapsed = time.perf_counter() - clock
-        rate = (step + 1 - first) / max(elapsed, 1e-9)  # batches per second in this call
-        log(f"[weights] rows {stop}/{n} | {rate * batch_size * length:,.0f} tok/s | {eta((batches - step - 1) / rate)}")
-        if out_dir is not None and ((step + 1) % save_every == 0 or step + 1 == batches):
+        rate = (done - first) / max(elapsed, 1e-9)  # batches per second in this call
+        rows_done, left = min(done * batch_size, n), eta((batches - done) / rate)
+        log(f"[weights] rows {rows_done}/{n} | {rate * batch_size * length:,.0f} tok/s | {left}")
+        if out_dir is not None and (done // save_every > first_of_round // save_every or done == batches):
             parts = [torch.cat(parts)]
-            meta = {"step": step + 1, "rows": n, "batch_size": batch_size}
+            meta = {"step": done, "rows": n, "batch_size": batch_size}
+
+            def write(folder, table=parts[0]):
+                if parallel.is_main:
+                    save_file({"weights": table}, folder / "weights.safetensors")
+
             save_checkpoint(
-                out_dir,
-                step + 1,
-                lambda folder, table=parts[0]: save_file({"weights": table}, folder / "weights.safetensors"),
-                meta,
-                keep_checkpoints,
+                out_dir, done, write, meta, keep_checkpoints, main=parallel.is_main, barrier=parallel.barrier
             )
     return torch.cat(parts)
 

@@ -60,5 +60,6 @@ def checkpoints(run: Path, stage: str) -> list[str]:
 
 
 def left_behind(*folders: Path) -> list[Path]:
-    """Hidden temporaries (.tmp_step_*, .X.partial*, .X.old, .name.*.tmp) anywhere under `folders`."""
-    return [p for folder in folders for p in folder.rglob(".*")]
+    """Hidden temporaries (.tmp_step_*, .X.partial*, .X.old, .name.*.tmp) anywhere under `folders`; not the
+    `.metadata` index of a torch.distributed.checkpoint folder (train and extend checkpoints)."""
+    return [p for folder in folders for p in folder.rglob(".*") if p.name != ".metadata"]

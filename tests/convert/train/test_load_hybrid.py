@@ -18,8 +18,8 @@ ORDERS = {
     "the directory's own code first": """
         from transformers import AutoModelForCausalLM
         first = AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)
-        from raven_convert.train.stages import _load_hybrid
-        hybrid = _load_hybrid(OUT)
+        from raven_convert.train.models import load_hybrid
+        hybrid = load_hybrid(OUT)
     """,
     # one module of the model package, then a plain Auto load (no trust_remote_code): the package's import registered
     # the hybrid, so the load finds the toolkit's classes
@@ -27,15 +27,15 @@ ORDERS = {
         from raven_layers.modeling_hybrid import find_packed_documents
         from transformers import AutoModelForCausalLM
         first = AutoModelForCausalLM.from_pretrained(OUT)
-        from raven_convert.train.stages import _load_hybrid
-        hybrid = _load_hybrid(OUT)
+        from raven_convert.train.models import load_hybrid
+        hybrid = load_hybrid(OUT)
     """,
     # the source loader (raven-eval, the teacher) on its own
     "the source loader first": """
         from raven_convert.sources import Source
         first = Source.resolve(OUT).load_model()
-        from raven_convert.train.stages import _load_hybrid
-        hybrid = _load_hybrid(OUT)
+        from raven_convert.train.models import load_hybrid
+        hybrid = load_hybrid(OUT)
     """,
 }
 

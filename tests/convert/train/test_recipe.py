@@ -242,10 +242,22 @@ def test_a_stage_without_its_inputs_fails_clearly(tmp_path):
         run_recipe(recipe, tmp_path / "run", stages=["distill"])
 
 
-def test_a_multi_process_launch_runs_only_the_data_parallel_stages(tmp_path, monkeypatch):
+def test_a_multi_process_launch_refuses_redo(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match=r"only the train/extend stages run.*\['convert', 'align'"):
-        run_recipe(parse_recipe(MINIMAL), tmp_path / "run")
+    with pytest.raises(ValueError, match=r"--redo train deletes stages: run it in one process"):
+        run_recipe(parse_recipe(MINIMAL), tmp_path / "run", redo="train")
+
+
+def test_the_distributed_section_is_checked_and_changes_no_fingerprint():
+    from raven_convert.train.stages import fingerprints
+
+    with pytest.raises(ValueError, match=r"distributed.strategy: Input should be 'ddp' or 'fsdp' \(got 'zero3'\)"):
+        parse_recipe(MINIMAL | {"distributed": {"strategy": "zero3"}})
+    allowed = "allowed: strategy, reshard_after_forward, cpu_offload"
+    with pytest.raises(ValueError, match=rf"distributed.shards: not a field of distributed; {allowed}"):
+        parse_recipe(MINIMAL | {"distributed": {"shards": 2}})
+    fsdp = parse_recipe(MINIMAL | {"distributed": {"strategy": "fsdp", "cpu_offload": True}})
+    assert fingerprints(fsdp) == fingerprints(parse_recipe(MINIMAL))  # same global batch, same results
 
 
 def test_overrides_apply_before_validation(tmp_path):

@@ -1,0 +1,279 @@
+"""Several processes under `accelerate launch` (or torchrun): the recipe's `distributed` section, the process group,
+sharding of the student and the frozen teacher, checkpoints that resume on any number of processes, and the full
+state dict the main process exports.
+
+    parallel = Parallel(recipe.distributed)        # the process group: gloo on CPU, nccl on GPUs
+    teacher = parallel.frozen(teacher)             # fsdp: sharded per decoder layer; ddp: a full copy per process
+    parallel.save(folder, model, optimizer)        # torch.distributed.checkpoint: resumable on another process count
+    state = parallel.full_state_dict(model)        # the whole model on the main process ({} on the others)
+
+Strategies (recipe `distributed.strategy`):
+
+- ddp: every process holds the whole model; gradients are averaged (DistributedDataParallel, or an all-reduce of
+  the mixers' gradients in align). Where the model fits one GPU, the fastest.
+- fsdp: FSDP2 (torch.distributed.fsdp.fully_shard) on every decoder layer and the model: parameters, gradients and
+  optimizer state are split across processes and gathered one layer at a time; the frozen teacher is sharded the
+  same way. The same code runs on CPU (gloo) and GPUs (nccl), so the CPU tests check the path GPUs take; accelerate's
+  own FSDP plugin is not used because it refuses CPU processes.
+
+On one process both strategies are plain single-process training. Each process works on its slice of the global
+batch and gradients are averaged, so N processes with batch_size B reach the parameters one process reaches with
+batch_size N * B (float tolerance): the strategy changes memory and speed, not results, and is left out of the
+stages' fingerprints. Checkpoints are torch.distributed.checkpoint folders (the trained parameters and the optimizer
+state by parameter name, plus each process's random-number state), which load on a different number of processes
+and under the other strategy.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+STRATEGIES = ("ddp", "fsdp")
+
+
+class DistributedSettings(BaseModel):
+    """The recipe's `distributed` section: how several processes of a launch share the work."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    strategy: Literal["ddp", "fsdp"] = Field("ddp", description="ddp: a full model per process; fsdp: FSDP2 shards")
+    reshard_after_forward: bool = Field(
+        True, description="fsdp: free each layer's gathered parameters after its forward (less memory, more traffic)"
+    )
+    cpu_offload: bool = Field(False, description="fsdp: keep the parameter shards and optimizer state in CPU memory")
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch / torchrun
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def on_cpu() -> bool:
+    """Whether the processes run on the CPU (gloo): accelerate needs to be told so, else it runs them unconnected."""
+    return not torch.cuda.is_available()
+
+
+def wait_for(path: Path, poll: float = 1.0) -> None:
+    """Block until the main process has written `path` (a stage's DONE). Polling, not a barrier: a long stage the main
+    process runs alone (convert, evaluate) cannot time the others' collective out; the launcher ends them if it
+    fails."""
+    while not Path(path).is_file():
+        time.sleep(poll)
+
+
+def decoder_layers(model) -> list[nn.Module]:
+    """The decoder layers of a Hugging Face causal LM (teacher or hybrid): the units FSDP gathers one at a time."""
+    return list(model.base_model.layers)
+
+
+class Parallel:
+    """The processes of this launch (one without a launcher) and `settings`' way of spreading a model over them."""
+
+    def __init__(self, settings: DistributedSettings | None = None):
+        from accelerate import PartialState
+
+        self.settings = settings or DistributedSettings()
+        if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+            raise ValueError(
+                "accelerate's own FSDP (--use_fsdp, distributed_type: FSDP) is not used here: launch with "
+                "recipes/accelerate/fsdp.yaml and set distributed.strategy=fsdp in the recipe (--set distributed."
+                "strategy=fsdp); allowed strategies: " + ", ".join(STRATEGIES)
+            )
+        self.state = PartialState(cpu=on_cpu())  # joins the process group of a launch; nothing on one process
+        self.rank, self.world = self.state.process_index, self.state.num_processes
+        self.device = self.state.device
+        self.is_main = self.state.is_main_process
+        self.sharded = self.settings.strategy == "fsdp" and self.world > 1
+        self._mesh = None
+
+    def barrier(self) -> None:
+        self.state.wait_for_everyone()
+
+    def print(self, message: str) -> None:
+        """A progress line on stderr, from the main process only."""
+        if self.is_main:
+            print(message, file=sys.stderr, flush=True)
+
+    def mean(self, values: torch.Tensor) -> torch.Tensor:
+        """The mean of `values` over the processes (itself on one)."""
+        if self.world == 1:
+            return values
+        import torch.distributed as dist
+
+        values = values.to(self.device).clone()
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        return values / self.world
+
+    def _shard_kwargs(self) -> dict:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+        if self._mesh is None:
+            self._mesh = init_device_mesh(self.device.type, (self.world,))
+        offload = CPUOffloadPolicy() if self.settings.cpu_offload else OffloadPolicy()
+        return {
+            "mesh": self._mesh,
+            "reshard_after_forward": self.settings.reshard_after_forward,
+            "offload_policy": offload,
+        }
+
+    def shard(self, model: nn.Module, units: list[nn.Module] | None = None, root: bool = True) -> nn.Module:
+        """FSDP2 on each of `units` (default: the decoder layers), then, with `root`, on `model` itself (what no unit
+        holds: the embeddings, final norm and head). Parameters may be on the CPU: each is moved to its process's
+        device as it is split, so no process holds more than one unit's full weights on its device. In place."""
+        from torch.distributed.fsdp import fully_shard
+
+        kwargs = self._shard_kwargs()
+        for unit in decoder_layers(model) if units is None else units:
+            fully_shard(unit, **kwargs)
+        if root:
+            fully_shard(model, **kwargs)
+        return model
+
+    def frozen(self, model: nn.Module) -> nn.Module:
+        """A frozen causal LM (the teacher) in eval mode: sharded under fsdp, else a full copy on this process's
+        device. Sharded, its decoder stack (`model.base_model`, which token weights call on their own) is the FSDP
+        root and the rest (the head) a full copy on the device."""
+        model.eval().requires_grad_(False)
+        if not self.sharded:
+            return model.to(self.device)
+        base = model.base_model
+        self.shard(base, decoder_layers(model))
+        for child in model.children():
+            if child is not base:
+                child.to(self.device)
+        return model
+
+    def average_gradients(self, params: list[nn.Parameter]) -> None:
+        """ddp without a DistributedDataParallel wrapper (align calls the mixers directly): the mean of every
+        process's gradients, in place. fsdp averages its gradients itself, one process has nothing to do."""
+        if self.world == 1 or self.sharded:
+            return
+        import torch.distributed as dist
+
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # a parameter unused on one process still joins the mean
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            p.grad.div_(self.world)
+
+    def share(self, count: torch.Tensor) -> torch.Tensor | float:
+        """N * count / (the sum of count over the N processes): the factor that turns this process's mean over its
+        `count` tokens into its part of the global mean, when the processes' losses are averaged. 1 on one process."""
+        if self.world == 1:
+            return 1.0
+        import torch.distributed as dist
+
+        total = count.detach().float().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return count.float() * self.world / total.clamp(min=1)
+
+    def gather(self, value: object) -> list:
+        """Every process's `value` (any picklable object), in process order."""
+        if self.world == 1:
+            return [value]
+        import torch.distributed as dist
+
+        out = [None] * self.world
+        dist.all_gather_object(out, value)
+        return out
+
+    def save(self, folder: Path, model: nn.Module, optimizer) -> None:
+        """Write the trainable parameters and the optimizer state of `model` into `folder` (every process calls it;
+        each writes its shards), and this process's random-number state."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        options = StateDictOptions(ignore_frozen_params=True)
+        model_state, optimizer_state = get_state_dict(model, _plain(optimizer), options=options)
+        dcp.save(
+            {"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder), no_dist=self.world == 1
+        )
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+        torch.save({"cpu": torch.get_rng_state(), "cuda": cuda}, Path(folder) / f"rng_{self.rank}.pt")
+
+    def load(self, folder: Path, model: nn.Module, optimizer) -> None:
+        """Read what `save` wrote, whatever the number of processes and the strategy that wrote it. The
+        random-number state is this process's own where the writer had as many processes, else left as seeded."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+        options = StateDictOptions(ignore_frozen_params=True, strict=False)
+        model_state, optimizer_state = get_state_dict(model, _plain(optimizer), options=options)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=str(folder), no_dist=self.world == 1)
+        set_state_dict(
+            model,
+            _plain(optimizer),
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=options,
+        )
+        rng = Path(folder) / f"rng_{self.rank}.pt"
+        if rng.is_file():
+            saved = torch.load(rng, weights_only=True)
+            torch.set_rng_state(saved["cpu"])
+            if saved["cuda"] and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(saved["cuda"])
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer of `model`, whole and on the CPU, on the main process ({} on the others); every
+        process must call it (fsdp gathers the shards)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if not self.sharded:
+            return {k: v.detach().cpu() for k, v in model.state_dict().items()} if self.is_main else {}
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(model, options=options)
+
+
+def _plain(optimizer):
+    """The torch optimizer inside accelerate's AcceleratedOptimizer (state_dict helpers need the plain one)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor (an FSDP2 shard) gathered whole, any other tensor itself; every process must call it for a DTensor."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def shard_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`full` split as `param` is (its DTensor shard on this process), or `full` itself for a plain parameter."""
+    if not hasattr(param, "device_mesh"):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.to(param.device_mesh.device_type), param.device_mesh, param.placements)
+
+
+def full_optimizer_state(optimizer) -> dict:
+    """optimizer.state_dict() with every sharded state tensor gathered whole, on the CPU: the same on any number of
+    processes (every process must call it)."""
+    state = optimizer.state_dict()
+    state["state"] = {
+        i: {k: full_tensor(v).detach().cpu() if torch.is_tensor(v) else v for k, v in values.items()}
+        for i, values in state["state"].items()
+    }
+    return state
+
+
+def sharded_optimizer_state(state: dict, optimizer) -> dict:
+    """A full optimizer state (full_optimizer_state) split like `optimizer`'s parameters, for load_state_dict."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = dict(state)
+    state["state"] = {
+        i: {k: shard_like(v, params[int(i)]) if torch.is_tensor(v) and v.dim() else v for k, v in values.items()}
+        for i, values in state["state"].items()
+    }
+    return state

@@ -1,0 +1,62 @@
+"""The models of the recipe's stages: the frozen teacher and the hybrid, loaded and placed for this launch, the
+trained model gathered whole, and saved as a model directory.
+
+    teacher = load_teacher(recipe, parallel)            # sharded under fsdp, a full copy per process else
+    student = load_hybrid(model_dir, "cpu")             # the toolkit's own HybridForCausalLM
+    whole = whole_model(parallel, student, model_dir)   # on the main process, None on the others
+    save_model(whole, model_dir, out, base_model)       # atomic: weights, code, tokenizer
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from raven_convert.train.distributed import Parallel
+from raven_convert.train.recipe import Recipe
+
+
+def load_teacher(recipe: Recipe, parallel: Parallel):
+    """The frozen teacher, read on the CPU and then placed: sharded under fsdp, whole on this process's device else."""
+    from raven_convert.sources import Source
+
+    return parallel.frozen(Source.resolve(recipe.source).load_model(recipe.dtype))
+
+
+def load_hybrid(model_dir: Path, device: torch.device | str | None = None):
+    """The hybrid in `model_dir` as the toolkit's own HybridForCausalLM (its kernels, its mixer registry), whatever
+    was imported or loaded before in this process: never the copy of the code the directory carries, which
+    AutoModelForCausalLM with trust_remote_code would pick where nothing registered the toolkit's classes. On
+    `device` (default: this process's), or "cpu" for a model sharded afterwards."""
+    from raven_layers import HybridForCausalLM
+
+    return HybridForCausalLM.from_pretrained(str(model_dir)).to(device or Parallel().device)
+
+
+def whole_model(parallel: Parallel, model, model_dir: Path, lora=None):
+    """The trained `model` whole on the main process, None on the others. Under fsdp its shards are gathered into a
+    fresh copy of `model_dir`'s model on the CPU (with LoRA adapters added as `lora`, a TrainConfig, says); every
+    process must call it."""
+    if not parallel.sharded:
+        return model if parallel.is_main else None
+    state = parallel.full_state_dict(model)
+    if not parallel.is_main:
+        return None
+    fresh = load_hybrid(model_dir, "cpu")
+    if lora is not None and lora.uses_lora:
+        from raven_convert.train.stage2 import add_lora
+
+        add_lora(fresh, lora)
+    fresh.load_state_dict(state)
+    return fresh
+
+
+def save_model(model, model_dir_from: Path, out: Path, base_model: str) -> None:
+    """A complete model dir at `out` (atomic): weights of `model`, code and tokenizer of `model_dir_from`."""
+    from transformers import AutoTokenizer
+
+    from raven_convert.export import save_hybrid
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir_from))
+    save_hybrid(model.cpu(), tokenizer, out, base_model=base_model, overwrite=True)
