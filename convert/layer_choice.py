@@ -261,23 +261,38 @@ def score_layers(hybrid, probes: dict, settings: ChoiceSettings, eos: int, log=p
 
 
 def auto_assignment(
-    assignments: list[tuple[str, str]], num_layers: int, window_layers: str | None = None
+    assignments: list[tuple[str, str]],
+    num_layers: int | None,
+    window_layers: str | None = None,
+    names: tuple[str, str] = ("--layers", "--window-layers"),
 ) -> tuple[str, int] | None:
-    """(mixer, N) where the assignments ask for `auto:N`, else None; ValueError for an N out of 1..num_layers-1,
-    an auto:N beside other assignments, or beside --window-layers (which names layers not chosen yet)."""
-    autos = [(mixer, auto_count(spec, num_layers)) for mixer, spec in assignments]
+    """(mixer, N) where the assignments ask for `auto:N`, else None. ValueError, naming the option or recipe field
+    of `names`, for an N out of 1..num_layers-1 (only N >= 1 without num_layers), an auto:N beside other
+    assignments, or one beside window_layers (which would name layers not chosen yet)."""
+    layers, windows = names
+    autos = [(mixer, auto_count(spec, num_layers, layers)) for mixer, spec in assignments]
     autos = [(mixer, n) for mixer, n in autos if n is not None]
     if not autos:
         return None
     if len(assignments) > 1:
-        given = " ".join(f"--layers {spec!r}" for _, spec in assignments)
-        raise ValueError(f"--layers auto:N chooses every converted layer, so it comes alone; got {given}")
+        given = ", ".join(repr(spec) for _, spec in assignments)
+        raise ValueError(f"{layers} auto:N chooses every converted layer, so it must come alone; got {given}")
     if window_layers is not None:
         raise ValueError(
-            f"--window-layers {window_layers!r} cannot name kept layers before --layers auto:N has chosen them; "
-            "leave it out (--sliding-window then applies to every kept attention layer)"
+            f"{windows} {window_layers!r} cannot name kept layers before {layers} auto:N has chosen them; leave it "
+            "out (the sliding window then applies to every kept attention layer)"
         )
     return autos[0]
+
+
+def stage_summary(model_dir: Path, run_dir: Path) -> dict:
+    """The convert stage's record of an auto:N choice in `model_dir` (chosen layers, ranking, scores, the picture
+    relative to `run_dir`), or {}."""
+    record = json.loads((Path(model_dir) / "config.json").read_text()).get("layer_choice")
+    if not record:
+        return {}
+    keys = ("chosen", "order", "score", "retrieval", "kl", "cache_key")
+    return {"layer_choice": {k: record[k] for k in keys}, "picture": str(model_dir.relative_to(run_dir) / "layer_choice.png")}
 
 
 def default_cache_dir() -> Path:

@@ -60,6 +60,7 @@ STAGE_FIELDS = {
     "evaluate": ("evaluate",),
     "export": ("export",),
 }
+CHOICE_FIELDS = ("layer_choice", "data.source", "data.text_field")  # what convert also reads under layers: auto:N
 
 
 def log(message: str) -> None:
@@ -75,7 +76,7 @@ def stage_inputs(recipe: Recipe, stage: str) -> dict:
     """{"field.path": value} of the recipe fields `stage` reads (JSON-ready), without BOOKKEEPING."""
     data = recipe.model_dump(mode="json")
     inputs = {}
-    for path in STAGE_FIELDS[stage]:
+    for path in STAGE_FIELDS[stage] + (CHOICE_FIELDS if stage == "convert" and recipe.auto() else ()):
         value = data
         for key in path.split("."):
             value = value.get(key) if isinstance(value, dict) else None
@@ -244,6 +245,7 @@ def _save_model(model, model_dir_from: Path, out: Path, base_model: str) -> None
 
 
 def _stage_convert(recipe: Recipe, run_dir: Path, done: dict) -> dict:
+    from raven_convert.layer_choice import ChoiceSettings, stage_summary
     from raven_convert.pipeline import ConvertRequest, convert_model
 
     out = run_dir / "convert" / "model"
@@ -257,9 +259,14 @@ def _stage_convert(recipe: Recipe, run_dir: Path, done: dict) -> dict:
         dtype=recipe.dtype,
         seed=recipe.seed,
         overwrite=True,
+        choice_data=recipe.data.source,
+        choice_text_field=recipe.data.text_field,
+        choice_settings=recipe.layer_choice or ChoiceSettings(),
+        choice_cache=Path(recipe.data.cache_dir or run_dir / "cache") / "layer_choice",
     )
     convert_model(request, log=lambda m: log(f"[convert] {m}"))
-    return {"model": "convert/model", "layers": [[a.mixer, a.layers] for a in recipe.layers]}
+    summary = {"model": "convert/model", "layers": [[a.mixer, a.layers] for a in recipe.layers]}
+    return summary | stage_summary(out, run_dir)
 
 
 def _stage_align(recipe: Recipe, run_dir: Path, done: dict) -> dict:
