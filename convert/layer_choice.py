@@ -210,9 +210,10 @@ def _scan(stack: _Stack, batches: list[dict], windowed: set[int], candidates: li
             if i in candidates:  # the layers before i ran once, for every candidate after them
                 ablated = stack.finish(stack.layer(i, h, context, True), i + 1, context, windowed)
                 sums[i] = [a + b for a, b in zip(sums[i], measure(ablated))]
+                progress(1)
             h = stack.layer(i, h, context, i in windowed)
         sums["base"] = [a + b for a, b in zip(sums["base"], measure(stack.inner.norm(h)))]
-        progress(len(candidates) + 1)
+        progress(1)
     return sums, tokens, positions
 
 
@@ -292,7 +293,10 @@ def stage_summary(model_dir: Path, run_dir: Path) -> dict:
     if not record:
         return {}
     keys = ("chosen", "order", "score", "retrieval", "kl", "cache_key")
-    return {"layer_choice": {k: record[k] for k in keys}, "picture": str(model_dir.relative_to(run_dir) / "layer_choice.png")}
+    return {
+        "layer_choice": {k: record[k] for k in keys},
+        "picture": str(model_dir.relative_to(run_dir) / "layer_choice.png"),
+    }
 
 
 def default_cache_dir() -> Path:
