@@ -361,6 +361,8 @@ def rank_layers(model, tokenizer, documents: Iterable[str], settings: ChoiceSett
     )
     clock = time.perf_counter()
     hybrid = build_hybrid(model, ["attention"] * L, {}).to(_device())
+    if hybrid.config._attn_implementation not in ("sdpa", "eager"):  # flash kernels would not see the masks' windows
+        hybrid.config._attn_implementation = "sdpa"
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     ranking = score_layers(hybrid, probes, settings, eos, log)
     del hybrid

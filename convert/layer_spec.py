@@ -74,10 +74,11 @@ def auto_count(spec: str, num_layers: int | None = None, option: str = "--layers
     if not text.startswith("auto"):
         return None
     number = text.removeprefix("auto").removeprefix(":").strip()
-    top = f"{num_layers - 1} (the model has {num_layers} layers; one must keep attention)" if num_layers else "N"
-    allowed = f"auto:N with N a whole number from 1 to {top}"
+    top = f"{num_layers - 1} (the model has {num_layers} layers;" if num_layers else "the number of layers - 1 (as"
+    allowed = f"auto:N with N a whole number from 1 to {top} one must keep attention)"
     if not number.isdigit():
-        raise ValueError(f"{option} {spec!r}: {number or 'no N'!r} is not a number of layers; expected {allowed}")
+        problem = f"{number!r} is not a number of layers" if number else "N is missing"
+        raise ValueError(f"{option} {spec!r}: {problem}; expected {allowed}")
     n = int(number)
     if n < 1 or (num_layers is not None and n > num_layers - 1):
         raise ValueError(f"{option} {spec!r}: N = {n} is out of range; expected {allowed}")

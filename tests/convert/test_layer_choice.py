@@ -55,7 +55,7 @@ def test_auto_grammar():
             auto_count(bad, 30)
     with pytest.raises(ValueError, match=r"auto:30.*from 1 to 29 \(the model has 30 layers"):
         auto_count("auto:30", 30)
-    with pytest.raises(ValueError, match="'no N' is not a number"):
+    with pytest.raises(ValueError, match="N is missing"):
         auto_count("auto", 30)
 
 
