@@ -10,9 +10,11 @@ keeps exactly; the far context it can only summarise), on probe prompts, with fo
   `retrieval` is the rise of the answer tokens' mean NLL (nats per token);
 - plain corpus rows: `kl` is the rise of the mean KL from the unablated teacher's next-token distribution to the
   ablated model's (nats per token), over the positions a window can change (from `window` on).
-score = retrieval + kl_weight * kl. Layers interact (two layers may each back up the other's retrieval), so the
-ranking is greedy over `rounds`: each round scores the layers not yet ranked with those already ranked windowed,
-ranks its lowest-scoring share next, and windows them for the rounds after. `auto:N` converts the first N of the
+score = max(retrieval, 0) + kl_weight * kl: a window that happens to lower the answer NLL (noise over a few answers,
+or a distracting layer) counts as no harm rather than as a bonus, so the KL ranks the harmless layers. Layers
+interact (two layers may each back up the other's retrieval), so the ranking is greedy over `rounds`: each round
+scores the layers not yet ranked with those already ranked windowed, ranks its lowest-scoring share next, and
+windows them for the rounds after. `auto:N` converts the first N of the
 ranking; the ranking does not depend on N, so one scan serves every N.
 
 A scan reuses the hidden states before the layer it changes (a layer's ablation runs only the layers from it on).
@@ -55,7 +57,7 @@ class ChoiceSettings(BaseModel):
     text_rows: int = Field(8, ge=0, description="plain corpus rows for the KL part")
     seq_len: int = Field(1024, ge=16, description="tokens per probe")
     rounds: int = Field(3, ge=1, description="greedy rounds; 1 ranks every layer by its ablation alone")
-    kl_weight: float = Field(1.0, ge=0, description="score = retrieval NLL rise + kl_weight * KL rise")
+    kl_weight: float = Field(1.0, ge=0, description="score = max(NLL rise, 0) + kl_weight * KL rise")
     batch_size: int = Field(4, ge=1)
     seed: int = 0
 
@@ -253,7 +255,7 @@ def score_layers(hybrid, probes: dict, settings: ChoiceSettings, eos: int, log=p
         for i in left:
             retrieval = sums[i][0] / max(tokens, 1) - base_nll
             kl = sums[i][1] / max(positions, 1) - base_kl
-            score = retrieval + settings.kl_weight * kl
+            score = max(retrieval, 0.0) + settings.kl_weight * kl  # only harm to retrieval counts
             rows.append({"layer": i, "round": r + 1, "retrieval": retrieval, "kl": kl, "score": score})
         rows.sort(key=lambda row: (row["score"], row["layer"]))
         ranked += rows[:share]
@@ -405,7 +407,8 @@ def format_table(record: dict) -> str:
     """The per-layer score table: layer, round, retrieval and KL rise, score, rank, whether it is converted."""
     chosen, order = set(record["chosen"]), record["order"]
     lines = [
-        f"layer choice ({record['method']}; score = retrieval + {record['probes']['kl_weight']:g} * kl, nats/token):",
+        f"layer choice ({record['method']}; score = max(retrieval, 0) + {record['probes']['kl_weight']:g} * kl, "
+        "nats/token):",
         "  layer  round  retrieval        kl     score  rank  converted",
     ]
     for i, score in enumerate(record["score"]):
@@ -453,8 +456,8 @@ def card_section(record: dict) -> str:
 The converted layers were chosen by measurement (`--layers auto:{record["n"]}`, {record["method"]}): each attention
 layer of the teacher was cut to a sliding window of {p["window"]} tokens on {p["samples"]} synthetic retrieval probes
 and {p["text_rows"]} corpus rows of up to {p["seq_len"]} tokens (seed {record["seed"]}, {p["rounds"]} greedy
-round(s)). Its score is the rise of the answer tokens' NLL plus {p["kl_weight"]:g} x the rise of the KL to the
-unablated teacher on plain text (nats per token); the {record["n"]} lowest-ranked layers were converted.
+round(s)). Its score is the rise of the answer tokens' NLL (0 where it falls) plus {p["kl_weight"]:g} x the rise of
+the KL to the unablated teacher on plain text (nats per token); the {record["n"]} lowest-ranked layers were converted.
 
 - converted: {chosen}
 - kept attention: {kept}
