@@ -142,6 +142,9 @@ def request_from_args(args: argparse.Namespace) -> ConvertRequest:
         if "." in key:
             mixer, name = key.split(".", 1)
             settings.setdefault(mixer, {})[name] = value
+    given = settings.get("choice") or args.choice_data or args.choice_cache
+    if given and not any(spec.strip().lower().startswith("auto") for spec in args.layers):  # N checked later
+        raise ValueError("the --choice-* options set how --layers auto:N measures the layers; no --layers is auto:N")
     try:
         choice = ChoiceSettings(**settings.pop("choice", {}))
     except ValidationError as err:

@@ -177,7 +177,7 @@ class Recipe(_Strict):
 
     @model_validator(mode="after")
     def _auto(self) -> Recipe:
-        auto_assignment([(a.mixer, a.layers) for a in self.layers], None, self.window_layers, NAMES)
+        self.auto()  # auto:N alone, and not beside window_layers
         return self
 
     def auto(self) -> tuple[str, int] | None:

@@ -222,6 +222,12 @@ def test_cli_needs_choice_data(teacher, tmp_path, capsys, monkeypatch):
     assert "--choice-window 0: Input should be greater than or equal to 1" in capsys.readouterr().err
 
 
+def test_cli_choice_options_need_auto(teacher, words_corpus, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--src", str(teacher), "--layers", "0", "--out", str(tmp_path / "o"), "--choice-data", str(words_corpus)])
+    assert "no --layers is auto:N" in capsys.readouterr().err
+
+
 def _recipe(teacher, corpus, layers="auto:2", **extra) -> dict:
     return {
         "source": str(teacher),
