@@ -212,10 +212,10 @@ def _scan(stack: _Stack, batches: list[dict], windowed: set[int], candidates: li
             if i in candidates:  # the layers before i ran once, for every candidate after them
                 ablated = stack.finish(stack.layer(i, h, context, True), i + 1, context, windowed)
                 sums[i] = [a + b for a, b in zip(sums[i], measure(ablated))]
-                progress(1)
+                progress(len(stack.inner.layers) - i)  # the layers it ran
             h = stack.layer(i, h, context, i in windowed)
         sums["base"] = [a + b for a, b in zip(sums["base"], measure(stack.inner.norm(h)))]
-        progress(1)
+        progress(len(stack.inner.layers))
     return sums, tokens, positions
 
 
@@ -233,17 +233,18 @@ def score_layers(hybrid, probes: dict, settings: ChoiceSettings, eos: int, log=p
     L = len(hybrid.model.layers)
     share = math.ceil(L / settings.rounds)
     rounds = math.ceil(L / share)
-    total = sum(L - r * share + 1 for r in range(rounds)) * len(batches)  # forward passes of a layer's ablation
+    # layer passes: an ablation of layer i runs L - i layers (on average (L + 1) / 2), the round's base L
+    total = round(sum((L - r * share) * (L + 1) / 2 + L for r in range(rounds)) * len(batches))
     clock, done, last = time.perf_counter(), [0], [0.0]
 
     def progress(units: int) -> None:
         done[0] += units
         spent = time.perf_counter() - clock
-        if spent - last[0] >= 10 or done[0] == total:
+        if spent - last[0] >= 10:  # the total is an estimate: never shown as reached before the end
             last[0] = spent
             log(
-                f"layer choice: {done[0]}/{total} ablation passes, {spent:.0f} s, "
-                f"{eta(spent / done[0] * (total - done[0]))}"
+                f"layer choice: {done[0]:,}/~{total:,} layer passes, {spent:.0f} s, "
+                f"{eta(spent / done[0] * max(total - done[0], 1))}"
             )
 
     left, ranked = list(range(L)), []
