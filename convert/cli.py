@@ -5,6 +5,7 @@ Hugging Face decoder into a hybrid with linear-time mixers (Raven, SSE, SILA, or
     convert --src model.gguf --mixer raven --layers 0-3 --mixer raven --layers -2,-1 \\
             --raven-num-slots 64 --raven-top-k 8 --sliding-window 512 --out out
     convert --src model.gguf --mixer mypkg.gla:MIXER --layers 0-29:2 --gla-expand 2 --out out
+    convert --src model.gguf --mixer sse --layers auto:15 --choice-data corpus/ --out out
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ import sys
 import typing
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from raven_layers import DEFAULT_MIXER, mixer_names, registered_mixers, resolve_mixer
 
 from .console import command_line, interrupted, invoked_as
 from .files import DiskSpaceError
-from .layer_spec import ACCEPTED_FORMS
+from .layer_choice import ChoiceSettings
+from .layer_spec import ACCEPTED_FORMS, AUTO_FORM
 from .pipeline import ConvertRequest, convert_model
 from .sources import DEFAULT_SRC, DTYPES
 
@@ -85,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"mixer for the next --layers: {', '.join(mixer_names())} (default {DEFAULT_MIXER}), or the import path "
         "of one declared elsewhere, mypkg.module:NAME (see the README's 'Add a mixer')",
     )
-    p.add_argument("--layers", action="append", required=True, help=f"layers to replace: {ACCEPTED_FORMS}")
+    p.add_argument(
+        "--layers", action="append", required=True, help=f"layers to replace: {ACCEPTED_FORMS}, or {AUTO_FORM}"
+    )
     p.add_argument("--out", type=Path, required=True, help="output directory (exactly what --push-to-hub uploads)")
     p.add_argument("--sliding-window", type=int, metavar="W", help="kept attention layers attend to the last W tokens")
     p.add_argument("--window-layers", metavar="SPEC", help="which kept attention layers get --sliding-window (all)")
@@ -95,6 +101,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.add_argument("--push-to-hub", metavar="REPO_ID", help="upload --out to this Hub model repository")
     p.add_argument("--private", action="store_true", help="create the Hub repository as private")
+
+    choice = p.add_argument_group("--layers auto:N options (see raven_convert.layer_choice)")
+    choice.add_argument("--choice-data", metavar="PATH", help="corpus the layers are measured on (required by auto:N)")
+    choice.add_argument("--choice-text-field", default="text", metavar="NAME", help="its text field (default text)")
+    choice.add_argument("--choice-cache", type=Path, metavar="DIR", help="where the scores are kept (default ~/.cache)")
+    hints = typing.get_type_hints(ChoiceSettings)
+    for name, info in ChoiceSettings.model_fields.items():
+        choice.add_argument(
+            f"--choice-{name.replace('_', '-')}",
+            dest=f"choice.{name}",
+            type=_value_parser(hints[name]),
+            default=argparse.SUPPRESS,
+            metavar="VALUE",
+            help=f"{info.description or name} (default {info.default})",
+        )
 
     # One option per field of each mixer's settings: --raven-num-slots, --raven-top-k, ...
     for spec in registered_mixers():
@@ -121,6 +142,16 @@ def request_from_args(args: argparse.Namespace) -> ConvertRequest:
         if "." in key:
             mixer, name = key.split(".", 1)
             settings.setdefault(mixer, {})[name] = value
+    given = settings.get("choice") or args.choice_data or args.choice_cache
+    if given and not any(spec.strip().lower().startswith("auto") for spec in args.layers):  # N checked later
+        raise ValueError("the --choice-* options set how --layers auto:N measures the layers; no --layers is auto:N")
+    try:
+        choice = ChoiceSettings(**settings.pop("choice", {}))
+    except ValidationError as err:
+        problems = "; ".join(
+            f"--choice-{e['loc'][0].replace('_', '-')} {e['input']!r}: {e['msg']}" for e in err.errors()
+        )
+        raise ValueError(problems) from None
     return ConvertRequest(
         out=args.out,
         assignments=list(zip(mixers, args.layers)),
@@ -134,6 +165,10 @@ def request_from_args(args: argparse.Namespace) -> ConvertRequest:
         overwrite=args.overwrite,
         push_to_hub=args.push_to_hub,
         private=args.private,
+        choice_data=args.choice_data,
+        choice_text_field=args.choice_text_field,
+        choice_settings=choice,
+        choice_cache=args.choice_cache,
     )
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from raven_convert.bundle import write_code
 from raven_convert.files import check_writable, normal_modes, replace_dir, room_for
+from raven_convert.layer_choice import card_section, plot_choice
 from raven_layers import HybridForCausalLM
 
 AUTO_MAP = {
@@ -66,6 +67,8 @@ def save_hybrid(
             write_code(model.config, tmp)
             tokenizer.save_pretrained(tmp)
             (tmp / "README.md").write_text(model_card(model, base_model))
+            if getattr(model.config, "layer_choice", None):  # chosen by --layers auto:N: the scores' picture
+                plot_choice(model.config.layer_choice, tmp / "layer_choice.png")
             normal_modes(tmp)
         except BaseException:  # a failure or Ctrl-C leaves no hidden half-written directory behind
             shutil.rmtree(tmp, ignore_errors=True)
@@ -110,6 +113,7 @@ def model_card(model: HybridForCausalLM, base_model: str) -> str:
         lines.append(f"- {kind} layer: constant state of {size / 1024:.0f} KiB (per key/value head: {state})")
     sizes_text = "\n".join(lines)
     n_params = sum(p.numel() for p in model.parameters())
+    choice = "\n" + card_section(config.layer_choice) if getattr(config, "layer_choice", None) else ""
     front = {
         "library_name": "transformers",
         "pipeline_tag": "text-generation",
@@ -160,7 +164,7 @@ Only `transformers` and `torch` are needed: the modeling code ships with the wei
 | layer | mixer |
 | --- | --- |
 {table}
-"""
+{choice}"""
 
 
 def push_to_hub(out_dir: str | Path, repo_id: str, *, private: bool = False, token: str | None = None, api=None):

@@ -1,6 +1,7 @@
 """The `--layers` grammar: which layers of an L-layer model a mixer replaces.
 
     all | none | ITEM[,ITEM...]      ITEM = I | A-B | A-B:S
+    auto:N                           the N layers that matter least, measured (see layer_choice.py)
 
 `A-B` is inclusive, `A-B:S` steps by S (`0-23:5` is 0,5,10,15,20); negative indices count from the end
 (`-1` is the last layer, `-4--1` the last four).
@@ -11,6 +12,7 @@ from __future__ import annotations
 import re
 
 ACCEPTED_FORMS = "'all', 'none', 'I', 'A-B', 'A-B:S' and comma-separated mixtures such as '0-3,8,12-20:4'"
+AUTO_FORM = "'auto:N' (the N layers that matter least, measured; N from 1 to the number of layers - 1)"
 _ITEM = re.compile(r"^(-?\d+)(?:-(-?\d+)(?::(\d+))?)?$")
 
 
@@ -62,3 +64,22 @@ def parse_layer_spec(spec: str, num_layers: int, option: str = "--layers") -> li
     if duplicates:
         raise LayerSpecError(spec, num_layers, f"layer(s) {duplicates} are named more than once", option)
     return sorted(layers)
+
+
+def auto_count(spec: str, num_layers: int | None = None, option: str = "--layers") -> int | None:
+    """N of an `auto:N` spec, or None for any other spec. N must be a whole number from 1 to num_layers - 1 (a
+    hybrid keeps at least one attention layer); without num_layers only N >= 1 is checked (ValueError naming
+    `option`)."""
+    text = spec.strip().lower()
+    if not text.startswith("auto"):
+        return None
+    number = text.removeprefix("auto").removeprefix(":").strip()
+    top = f"{num_layers - 1} (the model has {num_layers} layers;" if num_layers else "the number of layers - 1 (as"
+    allowed = f"auto:N with N a whole number from 1 to {top} one must keep attention)"
+    if not number.isdigit():
+        problem = f"{number!r} is not a number of layers" if number else "N is missing"
+        raise ValueError(f"{option} {spec!r}: {problem}; expected {allowed}")
+    n = int(number)
+    if n < 1 or (num_layers is not None and n > num_layers - 1):
+        raise ValueError(f"{option} {spec!r}: N = {n} is out of range; expected {allowed}")
+    return n

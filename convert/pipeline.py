@@ -10,6 +10,7 @@ from raven_layers import get_architecture, get_mixer
 
 from .bundle import check_bundle
 from .export import check_out_dir, check_shard_size, push_to_hub, save_hybrid
+from .layer_choice import ChoiceSettings, auto_assignment, check_choice_data, choose_kinds
 from .sources import DEFAULT_SRC, Source
 from .surgery import build_hybrid, check_mixers_fit, format_layer_map, plan_layers, plan_windows
 
@@ -18,7 +19,8 @@ from .surgery import build_hybrid, check_mixers_fit, format_layer_map, plan_laye
 class ConvertRequest:
     """Everything `convert` needs. `assignments` pairs a mixer with a `--layers` spec, e.g. [("raven", "0-23:5")]; a
     mixer is a registered name or the import path of a declaration (see raven_layers.registry). `mixer_settings`
-    is keyed by the mixers' names."""
+    is keyed by the mixers' names. A spec `auto:N` (the only assignment then) converts the N layers that matter
+    least, measured on `choice_data` (see layer_choice.py), with the scores cached in `choice_cache`."""
 
     out: Path
     assignments: list[tuple[str, str]]
@@ -32,6 +34,10 @@ class ConvertRequest:
     overwrite: bool = False
     push_to_hub: str | None = None
     private: bool = False
+    choice_data: str | None = None  # corpus of auto:N's probes: file, folder or Hub dataset (see train/data.py)
+    choice_text_field: str = "text"
+    choice_settings: ChoiceSettings = field(default_factory=ChoiceSettings)
+    choice_cache: Path | None = None  # None: layer_choice.default_cache_dir()
 
 
 def convert_model(request: ConvertRequest, log=print) -> Path:
@@ -46,7 +52,11 @@ def convert_model(request: ConvertRequest, log=print) -> Path:
         validate_repo_id(request.push_to_hub)
     config = source.load_config()
     arch = get_architecture(getattr(config, "model_type", None))
-    kinds = plan_layers(request.assignments, config.num_hidden_layers)  # registers mixers named by import path
+    auto = auto_assignment(request.assignments, config.num_hidden_layers, request.window_layers)
+    if auto:  # until the layers are measured, the mixer is checked on the first N
+        check_choice_data(request.choice_data, request.choice_text_field)
+    assignments = [(auto[0], f"0-{auto[1] - 1}")] if auto else request.assignments
+    kinds = plan_layers(assignments, config.num_hidden_layers)  # registers mixers named by import path
     for mixer, values in request.mixer_settings.items():
         try:
             spec = get_mixer(mixer)
@@ -57,15 +67,23 @@ def convert_model(request: ConvertRequest, log=print) -> Path:
     used = {k: request.mixer_settings.get(k, {}) for k in set(kinds) - {"attention"}}
     check_bundle(check_mixers_fit(config, kinds, used, windows))
     log(f"source: {source.name} ({arch.model_type}, {config.num_hidden_layers} layers)")
-    log(format_layer_map(kinds, windows or arch.sliding_windows(config)))
+    if not auto:
+        log(format_layer_map(kinds, windows or arch.sliding_windows(config)))
 
     start = time.perf_counter()
     model = source.load_model(request.dtype)
     tokenizer = source.load_tokenizer()
     log(f"loaded the source in {time.perf_counter() - start:.1f} s ({model.dtype})")
+    record = None
+    if auto:
+        kinds, record = choose_kinds(model, tokenizer, auto, request, log)
+        windows = plan_windows(kinds, arch.sliding_windows(config), request.sliding_window, request.window_layers)
+        log(format_layer_map(kinds, windows or arch.sliding_windows(config)))
 
     hybrid = build_hybrid(model, kinds, used, seed=request.seed, attention_windows=windows)
     del model
+    if record is not None:
+        hybrid.config.layer_choice = record  # saved in config.json, drawn and described by save_hybrid
     save_hybrid(
         hybrid,
         tokenizer,

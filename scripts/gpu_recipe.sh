@@ -31,7 +31,8 @@ from pathlib import Path
 run, out = Path(sys.argv[1]), Path(sys.argv[2])
 done = {p.parent.name: json.loads(p.read_text()) for p in sorted(run.glob("*/DONE"))}
 (out / "summary.json").write_text(json.dumps(done, indent=1))
-keep = [run / "evaluate" / "report.json", *sorted((run / "evaluate").glob("niah_*.png"))[:3], run / "weights" / "weights.png"]
+keep = [run / "evaluate" / "report.json", *sorted((run / "evaluate").glob("niah_*.png"))[:3], run / "weights" / "weights.png",
+        run / "convert" / "model" / "layer_choice.png"]  # the last: the scores of layers: auto:N
 for path in keep:
     if path.is_file():
         shutil.copy(path, out / f"{path.parent.name}-{path.name}")

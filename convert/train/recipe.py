@@ -23,10 +23,11 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from raven_convert.evaluate.settings import EvaluateSettings
-from raven_convert.layer_spec import ACCEPTED_FORMS, LayerSpecError, parse_layer_spec
+from raven_convert.layer_choice import ChoiceSettings, auto_assignment
+from raven_convert.layer_spec import ACCEPTED_FORMS, AUTO_FORM, LayerSpecError, auto_count, parse_layer_spec
 from raven_convert.train.distributed import DistributedSettings
 from raven_convert.train.retrieval_data import RetrievalMix
 from raven_convert.train.stage2 import MixedPrecision, TrainConfig
@@ -75,11 +76,17 @@ class LayerAssignment(_Strict):
     @field_validator("layers")
     @classmethod
     def _spec(cls, value: str) -> str:
-        try:
-            parse_layer_spec(value, 1 << 20)  # syntax only; ranges are checked against the model at convert
-        except LayerSpecError:
-            raise ValueError(f"{value!r} is not a layer spec; accepted forms: {ACCEPTED_FORMS}") from None
-        return value
+        if auto_count(value, option="layers") is not None:  # N's range is checked once the model's config is read
+            return value
+        return _fixed_spec(value)
+
+
+def _fixed_spec(value: str) -> str:
+    try:
+        parse_layer_spec(value, 1 << 20)  # syntax only; ranges are checked against the model at convert
+    except LayerSpecError:
+        raise ValueError(f"{value!r} is not a layer spec; accepted forms: {ACCEPTED_FORMS}, or {AUTO_FORM}") from None
+    return value
 
 
 class DataSettings(_Strict):
@@ -164,6 +171,7 @@ class Recipe(_Strict):
     window_layers: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     seed: int = 0
+    layer_choice: ChoiceSettings | None = Field(None, description="how layers: auto:N scores them (None: defaults)")
     data: DataSettings = Field(default_factory=DataSettings)
     align: AlignSettings = Field(default_factory=AlignSettings)
     token_weights: TokenWeightSettings = Field(default_factory=TokenWeightSettings)
@@ -191,8 +199,20 @@ class Recipe(_Strict):
     @classmethod
     def _window_spec(cls, value: str | None) -> str | None:
         if value is not None:
-            LayerAssignment._spec(value)
+            _fixed_spec(value)
         return value
+
+    @model_validator(mode="after")
+    def _auto(self) -> Recipe:
+        self.auto()  # auto:N alone, and not beside window_layers
+        return self
+
+    def auto(self) -> tuple[str, int] | None:
+        """(mixer, N) when `layers` asks for auto:N, else None."""
+        return auto_assignment([(a.mixer, a.layers) for a in self.layers], None, self.window_layers, NAMES)
+
+
+NAMES = ("layers", "window_layers")  # the recipe fields auto:N's errors name
 
 
 class FinetuneWeights(WeightSettings):
@@ -383,10 +403,11 @@ def check_inputs(recipe: Recipe | FinetuneRecipe, stages: list[str]) -> None:
     from raven_convert.sources import Source
     from raven_convert.train.data import check_data_source
 
-    reads_data = any(uses_data(recipe, s) for s in stages)
+    choosing = "convert" in stages and recipe.auto() is not None  # auto:N measures the layers on the data
+    reads_data = choosing or any(uses_data(recipe, s) for s in stages)
     if "convert" in stages or reads_data:  # the stages that load the teacher
         try:
-            Source.resolve(recipe.source)
+            source = Source.resolve(recipe.source)
         except ValueError as err:
             raise ValueError(f"source: {err}") from None
     if isinstance(recipe, FinetuneRecipe) and recipe.reference and "weights" in stages and reads_data:
@@ -394,6 +415,9 @@ def check_inputs(recipe: Recipe | FinetuneRecipe, stages: list[str]) -> None:
             Source.resolve(recipe.reference)
         except ValueError as err:
             raise ValueError(f"reference: {err}") from None
+    if choosing:  # N against the model's layers, from its config (no weights loaded)
+        layers = source.load_config().num_hidden_layers
+        auto_assignment([(a.mixer, a.layers) for a in recipe.layers], layers, recipe.window_layers, NAMES)
     if reads_data:
         if recipe.data.source is None:
             raise ValueError(f"data.source is not set: {how_to_set('data.source')}")

@@ -58,6 +58,7 @@ MAIN_ONLY = ("convert", "evaluate", "export")  # under a launch, the main proces
 
 # `distributed` is in no stage's fields (recipe.stage_fields): the strategy and the process count change memory and
 # speed, not results (at one global batch).
+CHOICE_FIELDS = ("layer_choice", "data.source", "data.text_field")  # what convert also reads under layers: auto:N
 
 
 def log(message: str) -> None:
@@ -78,7 +79,7 @@ def stage_inputs(recipe: Recipe | FinetuneRecipe, stage: str, processes: int = 1
         if isinstance(data.get(section), dict):
             data[section]["batch_size"] *= processes
     inputs = {}
-    for path in recipe.stage_fields[stage]:
+    for path in recipe.stage_fields[stage] + (CHOICE_FIELDS if stage == "convert" and recipe.auto() else ()):
         value = data
         for key in path.split("."):
             value = value.get(key) if isinstance(value, dict) else None
@@ -223,6 +224,7 @@ def recipe_dataset(recipe: Recipe | FinetuneRecipe, run_dir: Path, tokenizer, se
 
 
 def _stage_convert(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:
+    from raven_convert.layer_choice import ChoiceSettings, stage_summary
     from raven_convert.pipeline import ConvertRequest, convert_model
 
     out = run_dir / "convert" / "model"
@@ -236,9 +238,14 @@ def _stage_convert(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel
         dtype=recipe.dtype,
         seed=recipe.seed,
         overwrite=True,
+        choice_data=recipe.data.source,
+        choice_text_field=recipe.data.text_field,
+        choice_settings=recipe.layer_choice or ChoiceSettings(),
+        choice_cache=Path(recipe.data.cache_dir or run_dir / "cache") / "layer_choice",
     )
     convert_model(request, log=lambda m: log(f"[convert] {m}"))
-    return {"model": "convert/model", "layers": [[a.mixer, a.layers] for a in recipe.layers]}
+    summary = {"model": "convert/model", "layers": [[a.mixer, a.layers] for a in recipe.layers]}
+    return summary | stage_summary(out, run_dir)
 
 
 def _stage_align(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:

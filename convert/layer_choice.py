@@ -1,0 +1,477 @@
+"""`--layers auto:N`: measure how much each attention layer of the teacher matters, convert the N that matter least.
+
+    ranking = rank_layers(model, tokenizer, load_documents(corpus), ChoiceSettings(), cache_dir)
+    record = choice_record(ranking, n=15)           # {"chosen": [...], "scores": [...], ...}: config + model card
+
+A layer is scored by ablation: its attention is cut to a sliding window of `window` tokens (what a linear-time mixer
+keeps exactly; the far context it can only summarise), on probe prompts, with forward passes only:
+- retrieval probes: corpus text with facts inserted at random depths and a question answered at the end, drawn by
+  the training-side generator (train/retrieval_data.build_sample), never the evaluation's needles or haystack;
+  `retrieval` is the rise of the answer tokens' mean NLL (nats per token);
+- plain corpus rows: `kl` is the rise of the mean KL from the unablated teacher's next-token distribution to the
+  ablated model's (nats per token), over the positions a window can change (from `window` on).
+score = max(retrieval, 0) + kl_weight * kl: a window that happens to lower the answer NLL (noise over a few answers,
+or a distracting layer) counts as no harm rather than as a bonus, so the KL ranks the harmless layers. Layers
+interact (two layers may each back up the other's retrieval), so the ranking is greedy over `rounds`: each round
+scores the layers not yet ranked with those already ranked windowed, ranks its lowest-scoring share next, and
+windows them for the rounds after. `auto:N` converts the first N of the
+ranking; the ranking does not depend on N, so one scan serves every N.
+
+A scan reuses the hidden states before the layer it changes (a layer's ablation runs only the layers from it on).
+The ranking is cached as JSON in `cache_dir` under a key hashing the teacher's config and weights, the probe
+tokens and the settings: the same teacher, corpus and settings never scan twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from raven_convert.console import eta
+from raven_convert.files import atomic_file, write_json
+from raven_convert.layer_spec import auto_count
+from raven_convert.train.retrieval_data import POOL_SIZE, VALUE_KINDS, WORD, build_sample
+
+METHOD = "sliding-window ablation (see docs/LAYER_CHOICE.md)"
+PROBE_FORMATS = ("single", "multi", "kv")  # the formats answered by one value at the very end
+MIN_WORDS = 32  # distinct corpus words the probes need for keys and values
+CACHE_VERSION = 1
+
+
+class ChoiceSettings(BaseModel):
+    """How `auto:N` scores the layers (recipe field layer_choice; convert's --choice-* flags)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    window: int = Field(64, ge=1, description="tokens an ablated layer still attends to")
+    samples: int = Field(16, ge=1, description="retrieval probes")
+    text_rows: int = Field(8, ge=0, description="plain corpus rows for the KL part")
+    seq_len: int = Field(1024, ge=16, description="tokens per probe")
+    rounds: int = Field(3, ge=1, description="greedy rounds; 1 ranks every layer by its ablation alone")
+    kl_weight: float = Field(1.0, ge=0, description="score = max(NLL rise, 0) + kl_weight * KL rise")
+    batch_size: int = Field(4, ge=1)
+    seed: int = 0
+
+
+def read_corpus(documents: Iterable[str], chars: int) -> list[str]:
+    """The first documents of `documents`, about `chars` characters in all."""
+    kept, total = [], 0
+    for text in documents:
+        kept.append(text)
+        total += len(text)
+        if total >= chars:
+            break
+    return kept
+
+
+def build_probes(documents: Iterable[str], tokenizer, settings: ChoiceSettings) -> dict:
+    """{"retrieval": [(ids, answer_start)], "text": [ids]}: `samples` retrieval prompts of at most seq_len tokens
+    whose answer tokens are ids[answer_start:], and up to `text_rows` rows of seq_len corpus tokens. The first part
+    of the corpus gives the plain rows, the rest the retrieval fillers; `seed` decides everything else."""
+    rng = random.Random(f"layer-choice:{settings.seed}")
+    docs = read_corpus(documents, (settings.samples + settings.text_rows) * settings.seq_len * 6)
+    words = list(dict.fromkeys(w for d in docs for w in WORD.findall(d)))[:POOL_SIZE]
+    if len(words) < MIN_WORDS:
+        raise ValueError(
+            f"the probe corpus has {len(words)} distinct words of 4-12 letters; layer choice needs at least {MIN_WORDS}"
+        )
+    text = "\n\n".join(docs)
+    ids = tokenizer(text[:2_000_000], add_special_tokens=False)["input_ids"]
+    chars_per_token = min(len(text), 2_000_000) / max(len(ids), 1)
+    rows = min(settings.text_rows, len(ids) // (2 * settings.seq_len))  # at most half the corpus goes to rows
+    plain = [ids[i * settings.seq_len : (i + 1) * settings.seq_len] for i in range(rows)]
+    used = int(rows * settings.seq_len * chars_per_token)
+    corpus = " ".join(text[used:].split()) or " ".join(text.split())
+    retrieval = []
+    for _ in range(settings.samples):
+        size = int((settings.seq_len - 48) * chars_per_token)
+        for _ in range(4):  # a longer tokenisation than estimated shrinks the filler
+            size = max(1, min(len(corpus), size))
+            start = rng.randint(0, len(corpus) - size)
+            fmt, kind = rng.choice(PROBE_FORMATS), rng.choice(VALUE_KINDS)
+            sample, (answer,) = build_sample(rng, fmt, kind, words, corpus[start : start + size], max_facts=8)
+            prompt = tokenizer(sample[: -len(answer) - 1])["input_ids"]
+            tail = tokenizer(" " + answer, add_special_tokens=False)["input_ids"]
+            if len(prompt) + len(tail) <= settings.seq_len:
+                break
+            size = int(size * 0.9 * settings.seq_len / (len(prompt) + len(tail)))
+        prompt = prompt[max(0, len(prompt) + len(tail) - settings.seq_len) :]  # still too long: keep the end
+        retrieval.append((prompt + tail, len(prompt)))
+    return {"retrieval": retrieval, "text": plain}
+
+
+def fingerprint(model) -> str:
+    """A hash of the model's config and weights (each tensor's name, shape, sum and first values)."""
+    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    for name, tensor in model.state_dict().items():
+        t = tensor.detach().float()
+        digest.update(f"{name}{tuple(t.shape)}{t.sum().item():.6e}{t.flatten()[:8].tolist()}".encode())
+    return digest.hexdigest()[:16]
+
+
+class _Stack:
+    """The decoder stack of an attention-only hybrid, run layer by layer with chosen layers windowed."""
+
+    def __init__(self, hybrid, window: int):
+        self.inner, self.head, self.window = hybrid.model, hybrid.lm_head, window
+
+    def start(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """[B, T] token ids -> the embeddings [B, T, H] and what every layer needs (positions, masks)."""
+        inner = self.inner
+        h = inner.embed_tokens(ids)  # [B, T, H]
+        B, T = ids.shape
+        positions = torch.arange(T, device=ids.device).expand(B, -1)
+        windows = {*inner.windows, self.window}
+        masks = {w: inner._attention_mask(None, B, T, 0, w, h, None) for w in windows}
+        return h, {"positions": positions, "rotary": inner.rotary_emb(h, positions), "masks": masks}
+
+    def layer(self, i: int, h: torch.Tensor, context: dict, windowed: bool) -> torch.Tensor:
+        window = self.window if windowed else self.inner.windows[i]
+        if windowed and self.inner.windows[i] is not None:
+            window = min(window, self.inner.windows[i])
+        return self.inner.layers[i](
+            h,
+            attention_mask=context["masks"][window],
+            position_ids=context["positions"],
+            position_embeddings=context["rotary"],
+            use_cache=False,
+            **{self.inner.cache_argument: None},
+        )
+
+    def finish(self, h: torch.Tensor, first: int, context: dict, windowed: set[int]) -> torch.Tensor:
+        """Layers first.. on h, then the final norm: [B, T, H] -> [B, T, H]."""
+        for i in range(first, len(self.inner.layers)):
+            h = self.layer(i, h, context, i in windowed)
+        return self.inner.norm(h)
+
+
+def _answer_nll(stack: _Stack, final: torch.Tensor, ids: torch.Tensor, starts: list[int], ends: list[int]) -> float:
+    """Summed NLL of the answer tokens ids[b, starts[b]:ends[b]], from final hidden states [B, T, H]."""
+    total = 0.0
+    for b, (s, e) in enumerate(zip(starts, ends)):
+        logits = stack.head(final[b, s - 1 : e - 1]).float()  # [A, V], each predicting the next answer token
+        total += torch.nn.functional.cross_entropy(logits, ids[b, s:e], reduction="sum").item()
+    return total
+
+
+def _kl(stack: _Stack, final: torch.Tensor, teacher: torch.Tensor, chunk: int = 256) -> float:
+    """Summed KL(teacher || model) over [B, T', H] final hidden states, in chunks of positions."""
+    total = 0.0
+    for c in range(0, final.shape[1], chunk):
+        p = stack.head(teacher[:, c : c + chunk]).float().log_softmax(-1)  # [B, C, V]
+        q = stack.head(final[:, c : c + chunk]).float().log_softmax(-1)
+        total += (p.exp() * (p - q)).sum().item()
+    return total
+
+
+def _batches(probes: dict, settings: ChoiceSettings, eos: int, device) -> list[dict]:
+    """Probe batches on `device`: retrieval ones right-padded with `eos` (causal: a pad never reaches an answer)."""
+    out = []
+    items = probes["retrieval"]
+    for b in range(0, len(items), settings.batch_size):
+        group = items[b : b + settings.batch_size]
+        width = max(len(ids) for ids, _ in group)
+        ids = torch.tensor([ids + [eos] * (width - len(ids)) for ids, _ in group], device=device)  # [B, T]
+        out.append({"ids": ids, "starts": [s for _, s in group], "ends": [len(i) for i, _ in group]})
+    rows = probes["text"]
+    for b in range(0, len(rows), settings.batch_size):
+        out.append({"ids": torch.tensor(rows[b : b + settings.batch_size], device=device)})
+    return out
+
+
+@torch.no_grad()
+def _scan(stack: _Stack, batches: list[dict], windowed: set[int], candidates: list[int], window: int, progress):
+    """Summed answer NLL and plain-text KL with the `windowed` layers windowed ("base"), and with each candidate
+    windowed besides: ({"base" or layer: [nll, kl]}, answer tokens, KL positions)."""
+    sums = {key: [0.0, 0.0] for key in ["base", *candidates]}
+    tokens = positions = 0
+    for batch in batches:
+        ids = batch["ids"]
+        if "starts" in batch:
+            tokens += sum(e - s for s, e in zip(batch["starts"], batch["ends"]))
+
+            def measure(final, batch=batch):
+                return _answer_nll(stack, final, batch["ids"], batch["starts"], batch["ends"]), 0.0
+        else:
+            positions += ids.shape[0] * max(0, ids.shape[1] - window)
+
+            def measure(final, teacher=batch["teacher"][:, window:]):
+                return 0.0, _kl(stack, final[:, window:], teacher)
+
+        h, context = stack.start(ids)
+        for i in range(len(stack.inner.layers)):
+            if i in candidates:  # the layers before i ran once, for every candidate after them
+                ablated = stack.finish(stack.layer(i, h, context, True), i + 1, context, windowed)
+                sums[i] = [a + b for a, b in zip(sums[i], measure(ablated))]
+                progress(len(stack.inner.layers) - i)  # the layers it ran
+            h = stack.layer(i, h, context, i in windowed)
+        sums["base"] = [a + b for a, b in zip(sums["base"], measure(stack.inner.norm(h)))]
+        progress(len(stack.inner.layers))
+    return sums, tokens, positions
+
+
+@torch.no_grad()
+def score_layers(hybrid, probes: dict, settings: ChoiceSettings, eos: int, log=print) -> list[dict]:
+    """The ranking of the layers of `hybrid` (attention only, eval mode), one row per layer in ranking order:
+    {layer, round, retrieval, kl, score}, each a rise over its round's base (the layers ranked before windowed)."""
+    device = next(hybrid.parameters()).device
+    stack = _Stack(hybrid, settings.window)
+    batches = _batches(probes, settings, eos, device)
+    for batch in batches:
+        if "starts" not in batch:  # the unablated teacher's final hidden states, the reference of the KL
+            h, context = stack.start(batch["ids"])
+            batch["teacher"] = stack.finish(h, 0, context, set())
+    L = len(hybrid.model.layers)
+    share = math.ceil(L / settings.rounds)
+    rounds = math.ceil(L / share)
+    # layer passes: an ablation of layer i runs L - i layers (on average (L + 1) / 2), the round's base L
+    total = round(sum((L - r * share) * (L + 1) / 2 + L for r in range(rounds)) * len(batches))
+    clock, done, last = time.perf_counter(), [0], [0.0]
+
+    def progress(units: int) -> None:
+        done[0] += units
+        spent = time.perf_counter() - clock
+        if spent - last[0] >= 10:  # the total is an estimate: never shown as reached before the end
+            last[0] = spent
+            log(
+                f"layer choice: {done[0]:,}/~{total:,} layer passes, {spent:.0f} s, "
+                f"{eta(spent / done[0] * max(total - done[0], 1))}"
+            )
+
+    left, ranked = list(range(L)), []
+    for r in range(rounds):
+        windowed = {row["layer"] for row in ranked}
+        sums, tokens, positions = _scan(stack, batches, windowed, left, settings.window, progress)
+        base_nll, base_kl = sums["base"][0] / max(tokens, 1), sums["base"][1] / max(positions, 1)
+        rows = []
+        for i in left:
+            retrieval = sums[i][0] / max(tokens, 1) - base_nll
+            kl = sums[i][1] / max(positions, 1) - base_kl
+            score = max(retrieval, 0.0) + settings.kl_weight * kl  # only harm to retrieval counts
+            rows.append({"layer": i, "round": r + 1, "retrieval": retrieval, "kl": kl, "score": score})
+        rows.sort(key=lambda row: (row["score"], row["layer"]))
+        ranked += rows[:share]
+        left = [i for i in left if i not in {row["layer"] for row in ranked}]
+    return ranked
+
+
+def auto_assignment(
+    assignments: list[tuple[str, str]],
+    num_layers: int | None,
+    window_layers: str | None = None,
+    names: tuple[str, str] = ("--layers", "--window-layers"),
+) -> tuple[str, int] | None:
+    """(mixer, N) where the assignments ask for `auto:N`, else None. ValueError, naming the option or recipe field
+    of `names`, for an N out of 1..num_layers-1 (only N >= 1 without num_layers), an auto:N beside other
+    assignments, or one beside window_layers (which would name layers not chosen yet)."""
+    layers, windows = names
+    autos = [(mixer, auto_count(spec, num_layers, layers)) for mixer, spec in assignments]
+    autos = [(mixer, n) for mixer, n in autos if n is not None]
+    if not autos:
+        return None
+    if len(assignments) > 1:
+        given = ", ".join(repr(spec) for _, spec in assignments)
+        raise ValueError(f"{layers} auto:N chooses every converted layer, so it must come alone; got {given}")
+    if window_layers is not None:
+        raise ValueError(
+            f"{windows} {window_layers!r} cannot name kept layers before {layers} auto:N has chosen them; leave it "
+            "out (the sliding window then applies to every kept attention layer)"
+        )
+    return autos[0]
+
+
+def stage_summary(model_dir: Path, run_dir: Path) -> dict:
+    """The convert stage's record of an auto:N choice in `model_dir` (chosen layers, ranking, scores, the picture
+    relative to `run_dir`), or {}."""
+    record = json.loads((Path(model_dir) / "config.json").read_text()).get("layer_choice")
+    if not record:
+        return {}
+    keys = ("chosen", "order", "score", "retrieval", "kl", "cache_key")
+    return {
+        "layer_choice": {k: record[k] for k in keys},
+        "picture": str(model_dir.relative_to(run_dir) / "layer_choice.png"),
+    }
+
+
+def default_cache_dir() -> Path:
+    """Where `convert` keeps the layer scores: $XDG_CACHE_HOME/raven_convert/layer_choice (~/.cache by default)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "raven_convert" / "layer_choice"
+
+
+def check_choice_data(source: str | None, text_field: str = "text") -> None:
+    """The probe corpus of auto:N is given and readable (ValueError naming --choice-data otherwise)."""
+    from raven_convert.train.data import check_data_source
+
+    if source is None:
+        raise ValueError(
+            "--layers auto:N measures the layers on corpus text: pass --choice-data PATH (a .txt/.jsonl(.gz)/.parquet "
+            "file or folder, or a Hub dataset); a recipe uses data.source"
+        )
+    try:
+        check_data_source(source, text_field, hint="; pass another --choice-data")
+    except ValueError as err:  # its messages name the recipe's field
+        raise ValueError(str(err).replace("data.source", "--choice-data", 1)) from None
+
+
+def choose_kinds(model, tokenizer, auto: tuple[str, int], request, log=print) -> tuple[list[str], dict]:
+    """Per-layer kinds with `auto` = (mixer, N) on the N layers that matter least, and the record of the choice
+    (see choice_record). `request` is the ConvertRequest (choice_data, choice_text_field, choice_settings,
+    choice_cache); the table goes to `log`."""
+    from raven_convert.train.data import load_documents
+
+    documents = load_documents(request.choice_data, request.choice_text_field)
+    cache = request.choice_cache or default_cache_dir()
+    result = rank_layers(model, tokenizer, documents, request.choice_settings, cache, log)
+    record = choice_record(result, auto[1])
+    log(format_table(record))
+    kinds = ["attention"] * model.config.num_hidden_layers
+    for i in record["chosen"]:
+        kinds[i] = auto[0]
+    return kinds, record
+
+
+def _device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def rank_layers(model, tokenizer, documents: Iterable[str], settings: ChoiceSettings, cache_dir, log=print) -> dict:
+    """{"key", "teacher", "settings", "seconds", "ranking"} for the layers of `model` (a transformers causal LM),
+    read from `cache_dir` when this teacher, probe set and settings were scanned before, else scanned (on CUDA when
+    there is one) and saved there."""
+    from raven_convert.surgery import build_hybrid
+
+    probes = build_probes(documents, tokenizer, settings)
+    teacher = fingerprint(model)
+    key_text = json.dumps([CACHE_VERSION, teacher, settings.model_dump(), probes], sort_keys=True)
+    key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
+    path = Path(cache_dir) / f"{key}.json"
+    if path.is_file():
+        log(f"layer choice: scores read from {path}")
+        return json.loads(path.read_text())
+    L = model.config.num_hidden_layers
+    log(
+        f"layer choice: scoring {L} layers on {len(probes['retrieval'])} retrieval probes and {len(probes['text'])} "
+        f"text rows of up to {settings.seq_len} tokens, window {settings.window}, {settings.rounds} round(s)"
+    )
+    clock = time.perf_counter()
+    hybrid = build_hybrid(model, ["attention"] * L, {}).to(_device())
+    if hybrid.config._attn_implementation not in ("sdpa", "eager"):  # flash kernels would not see the masks' windows
+        hybrid.config._attn_implementation = "sdpa"
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    ranking = score_layers(hybrid, probes, settings, eos, log)
+    del hybrid
+    result = {
+        "key": key,
+        "teacher": teacher,
+        "settings": settings.model_dump(),
+        "seconds": round(time.perf_counter() - clock, 2),
+        "device": str(_device()),
+        "ranking": ranking,
+    }
+    write_json(result, path)
+    log(f"layer choice: scored in {result['seconds']:.1f} s on {result['device']}; saved to {path}")
+    return result
+
+
+def choice_record(result: dict, n: int) -> dict:
+    """What the converted model's config records (`layer_choice`): the N layers converted and every layer's score
+    parts, as lists indexed by layer."""
+    ranking = result["ranking"]
+    L = len(ranking)
+    by_layer = {row["layer"]: (rank, row) for rank, row in enumerate(ranking)}
+    rows = [by_layer[i] for i in range(L)]
+    return {
+        "method": METHOD,
+        "n": n,
+        "chosen": sorted(row["layer"] for row in ranking[:n]),
+        "order": [row["layer"] for row in ranking],
+        "score": [round(row["score"], 6) for _, row in rows],
+        "retrieval": [round(row["retrieval"], 6) for _, row in rows],
+        "kl": [round(row["kl"], 6) for _, row in rows],
+        "round": [row["round"] for _, row in rows],
+        "seed": result["settings"]["seed"],
+        "probes": result["settings"],
+        "cache_key": result["key"],
+    }
+
+
+def format_table(record: dict) -> str:
+    """The per-layer score table: layer, round, retrieval and KL rise, score, rank, whether it is converted."""
+    chosen, order = set(record["chosen"]), record["order"]
+    lines = [
+        f"layer choice ({record['method']}; score = max(retrieval, 0) + {record['probes']['kl_weight']:g} * kl, "
+        "nats/token):",
+        "  layer  round  retrieval        kl     score  rank  converted",
+    ]
+    for i, score in enumerate(record["score"]):
+        lines.append(
+            f"  {i:>5}  {record['round'][i]:>5}  {record['retrieval'][i]:>9.4f}  {record['kl'][i]:>8.4f}  "
+            f"{score:>8.4f}  {order.index(i) + 1:>4}  {'yes' if i in chosen else 'no'}"
+        )
+    return "\n".join(lines)
+
+
+def plot_choice(record: dict, path: str | Path) -> Path:
+    """A bar chart of every layer's score, the converted layers highlighted, written atomically to `path` (PNG)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    chosen, scores = set(record["chosen"]), record["score"]
+    colours = ["tab:orange" if i in chosen else "tab:blue" for i in range(len(scores))]
+    fig = Figure(figsize=(max(6.0, 0.3 * len(scores)), 3.6))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.bar(range(len(scores)), scores, color=colours)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("score (nats/token)")
+    ax.set_xticks(range(len(scores)))
+    ax.tick_params(axis="x", labelsize=7)
+    ax.axhline(0, color="grey", linewidth=0.5)
+    window = record["probes"]["window"]
+    ax.set_title(f"loss rise with the layer's attention cut to {window} tokens; {len(chosen)} lowest converted")
+    ax.legend(handles=[Patch(color="tab:orange", label="converted"), Patch(color="tab:blue", label="kept attention")])
+    fig.tight_layout()
+    with atomic_file(path, "wb") as f:
+        fig.savefig(f, dpi=110, format="png")
+    return Path(path)
+
+
+def card_section(record: dict) -> str:
+    """The model card's account of the choice (Markdown), with the picture save_hybrid writes beside it."""
+    chosen = ", ".join(map(str, record["chosen"]))
+    kept = ", ".join(str(i) for i in range(len(record["score"])) if i not in set(record["chosen"]))
+    p = record["probes"]
+    return (
+        f"""## Layer choice
+
+The converted layers were chosen by measurement (`--layers auto:{record["n"]}`, {record["method"]}): each attention
+layer of the teacher was cut to a sliding window of {p["window"]} tokens on {p["samples"]} synthetic retrieval probes
+and {p["text_rows"]} corpus rows of up to {p["seq_len"]} tokens (seed {record["seed"]}, {p["rounds"]} greedy
+round(s)). Its score is the rise of the answer tokens' NLL (0 where it falls) plus {p["kl_weight"]:g} x the rise of
+the KL to the unablated teacher on plain text (nats per token); the {record["n"]} lowest-ranked layers were converted.
+
+- converted: {chosen}
+- kept attention: {kept}
+
+![per-layer scores](layer_choice.png)
+
+| layer | round | retrieval | KL | score | converted |
+| --- | --- | --- | --- | --- | --- |
+"""
+        + "\n".join(
+            f"| {i} | {record['round'][i]} | {record['retrieval'][i]:.4f} | {record['kl'][i]:.4f} | {s:.4f} | "
+            f"{'yes' if i in record['chosen'] else 'no'} |"
+            for i, s in enumerate(record["score"])
+        )
+        + "\n"
+    )

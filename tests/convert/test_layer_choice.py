@@ -1,0 +1,292 @@
+"""--layers auto:N: seeded, cached layer scores; the N lowest converted; the choice recorded in config, card and
+DONE; the grammar's errors in the CLI and in recipes."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from raven_convert import layer_choice
+from raven_convert.cli import main
+from raven_convert.layer_choice import ChoiceSettings, build_probes, choice_record, rank_layers
+from raven_convert.layer_spec import auto_count
+from raven_convert.sources import Source
+from raven_convert.train.data import load_documents
+from raven_convert.train.recipe import parse_recipe
+from raven_convert.train.stages import run_recipe
+from tests.conftest import make_tiny_source
+
+SMALL = ChoiceSettings(window=8, samples=3, text_rows=2, seq_len=96, rounds=2, batch_size=4)
+SMALL_FLAGS = ["--choice-window", "8", "--choice-samples", "3", "--choice-text-rows", "2", "--choice-seq-len", "96"]
+
+
+@pytest.fixture(scope="module")
+def words_corpus(tmp_path_factory) -> Path:
+    """A folder with one .jsonl of 20 documents over 80 made-up words (the probes need 32 distinct ones)."""
+    folder = tmp_path_factory.mktemp("words")
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnop") for _ in range(rng.randint(4, 8))) for _ in range(80)]
+    docs = [" ".join(rng.choice(words) for _ in range(60)) + "." for _ in range(20)]
+    (folder / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory) -> Path:
+    return make_tiny_source("llama", tmp_path_factory.mktemp("teacher") / "llama", num_hidden_layers=6)
+
+
+@pytest.fixture(scope="module")
+def loaded(teacher):
+    source = Source.resolve(str(teacher))
+    return source.load_model("float32"), source.load_tokenizer()
+
+
+def test_auto_grammar():
+    assert auto_count("auto:3") == 3
+    assert auto_count(" AUTO:29 ", 30) == 29
+    assert auto_count("0-29:2", 30) is None
+    for bad, problem in [("auto:0", "N = 0 is out of range"), ("auto:abc", "'abc' is not a number of layers")]:
+        with pytest.raises(ValueError, match=problem):
+            auto_count(bad, 30)
+    with pytest.raises(ValueError, match=r"auto:30.*from 1 to 29 \(the model has 30 layers"):
+        auto_count("auto:30", 30)
+    with pytest.raises(ValueError, match="N is missing"):
+        auto_count("auto", 30)
+
+
+def test_probes_come_from_the_training_generator(words_corpus, loaded):
+    _, tokenizer = loaded
+    probes = build_probes(load_documents(str(words_corpus)), tokenizer, SMALL)
+    assert len(probes["retrieval"]) == 3 and len(probes["text"]) == 2
+    for ids, start in probes["retrieval"]:
+        assert len(ids) <= SMALL.seq_len and 0 < start < len(ids)
+    assert all(len(row) == SMALL.seq_len for row in probes["text"])
+    again = build_probes(load_documents(str(words_corpus)), tokenizer, SMALL)
+    assert again == probes  # seeded
+    other = build_probes(load_documents(str(words_corpus)), tokenizer, SMALL.model_copy(update={"seed": 1}))
+    assert other["retrieval"] != probes["retrieval"]
+
+
+def test_scores_are_seeded_and_cached(words_corpus, loaded, tmp_path, monkeypatch):
+    model, tokenizer = loaded
+    first = rank_layers(model, tokenizer, load_documents(str(words_corpus)), SMALL, tmp_path / "a", log=lambda m: None)
+    again = rank_layers(model, tokenizer, load_documents(str(words_corpus)), SMALL, tmp_path / "b", log=lambda m: None)
+    assert first["ranking"] == again["ranking"] and first["key"] == again["key"]  # a fresh cache: same scores
+    assert sorted(row["layer"] for row in first["ranking"]) == list(range(6))
+    assert [row["round"] for row in first["ranking"]] == [1, 1, 1, 2, 2, 2]  # 2 rounds of 3 layers each
+
+    def no_scan(*args, **kwargs):
+        raise AssertionError("scored again despite the cache")
+
+    monkeypatch.setattr(layer_choice, "score_layers", no_scan)
+    cached = rank_layers(model, tokenizer, load_documents(str(words_corpus)), SMALL, tmp_path / "a", log=print)
+    assert cached == first
+
+
+def _fake_scores(monkeypatch, important: int | None = None, calls: list | None = None):
+    """score_layers replaced by one ranking layers by index, descending (layer 5 lowest), with `important` highest."""
+
+    def fake(hybrid, probes, settings, eos, log=print):
+        if calls is not None:
+            calls.append(1)
+        L = len(hybrid.model.layers)
+        scores = {i: float(L - i) + (100.0 if i == important else 0.0) for i in range(L)}
+        rows = [{"layer": i, "round": 1, "retrieval": s, "kl": 0.0, "score": s} for i, s in scores.items()]
+        return sorted(rows, key=lambda r: r["score"])
+
+    monkeypatch.setattr(layer_choice, "score_layers", fake)
+
+
+def test_auto_n_converts_the_n_lowest(loaded, words_corpus, tmp_path, monkeypatch):
+    model, tokenizer = loaded
+    result = rank_layers(
+        model,
+        tokenizer,
+        load_documents(str(words_corpus)),
+        SMALL.model_copy(update={"rounds": 1}),
+        tmp_path,
+        log=lambda m: None,
+    )
+    for n in (1, 3, 5):
+        record = choice_record(result, n)
+        scores = record["score"]
+        assert len(record["chosen"]) == n
+        kept = [i for i in range(6) if i not in record["chosen"]]
+        assert max(scores[i] for i in record["chosen"]) <= min(scores[i] for i in kept)
+    _fake_scores(monkeypatch, important=5)
+    result = rank_layers(
+        model,
+        tokenizer,
+        load_documents(str(words_corpus)),
+        SMALL.model_copy(update={"seed": 3}),
+        tmp_path,
+        log=lambda m: None,
+    )
+    assert choice_record(result, 5)["chosen"] == [0, 1, 2, 3, 4]  # layer 5, the lowest but made important, kept
+    assert choice_record(result, 2)["chosen"] == [3, 4]
+
+
+def test_cli_auto_end_to_end(teacher, words_corpus, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = [
+        "--src",
+        str(teacher),
+        "--mixer",
+        "sse",
+        "--sse-lora-rank",
+        "8",
+        "--layers",
+        "auto:2",
+        "--out",
+        str(out),
+        "--choice-data",
+        str(words_corpus),
+        "--choice-cache",
+        str(tmp_path / "cache"),
+        *SMALL_FLAGS,
+    ]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "layer  round  retrieval" in printed and "layer map:" in printed
+    config = json.loads((out / "config.json").read_text())
+    record = config["layer_choice"]
+    assert len(record["chosen"]) == 2 and len(record["score"]) == 6 and record["seed"] == 0
+    assert [i for i, k in enumerate(config["layer_mixers"]) if k == "sse"] == record["chosen"]
+    card = (out / "README.md").read_text()
+    assert "## Layer choice" in card and f"- converted: {', '.join(map(str, record['chosen']))}" in card
+    assert (out / "layer_choice.png").read_bytes()[:4] == b"\x89PNG"
+    from raven_layers import HybridForCausalLM
+
+    reloaded = HybridForCausalLM.from_pretrained(str(out))  # the record survives a reload and a re-save
+    assert reloaded.config.layer_choice == record
+
+
+@pytest.mark.parametrize(
+    ("layers", "extra", "problem"),
+    [
+        ("auto:0", [], "N = 0 is out of range; expected auto:N with N a whole number from 1 to 5"),
+        ("auto:6", [], "N = 6 is out of range"),
+        ("auto:abc", [], "'abc' is not a number of layers"),
+        ("auto:2", ["--layers", "0"], "must come alone"),
+        ("auto:2", ["--sliding-window", "4", "--window-layers", "0"], "--window-layers '0' cannot name kept layers"),
+    ],
+)
+def test_cli_refuses_bad_auto(teacher, words_corpus, tmp_path, capsys, monkeypatch, layers, extra, problem):
+    monkeypatch.setattr(Source, "load_model", lambda *a, **k: pytest.fail("loaded the model despite bad input"))
+    argv = [
+        "--src",
+        str(teacher),
+        "--mixer",
+        "sse",
+        "--layers",
+        layers,
+        "--out",
+        str(tmp_path / "o"),
+        "--choice-data",
+        str(words_corpus),
+        *extra,
+    ]
+    if extra[:1] == ["--layers"]:
+        argv[2:2] = ["--mixer", "sse"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert problem in capsys.readouterr().err
+
+
+def test_cli_needs_choice_data(teacher, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(Source, "load_model", lambda *a, **k: pytest.fail("loaded the model despite bad input"))
+    with pytest.raises(SystemExit):
+        main(["--src", str(teacher), "--layers", "auto:2", "--out", str(tmp_path / "o")])
+    assert "pass --choice-data PATH" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(
+            [
+                "--src",
+                str(teacher),
+                "--layers",
+                "auto:2",
+                "--out",
+                str(tmp_path / "o"),
+                "--choice-data",
+                str(tmp_path / "missing"),
+                "--choice-window",
+                "0",
+            ]
+        )
+    assert "--choice-window 0: Input should be greater than or equal to 1" in capsys.readouterr().err
+
+
+def test_cli_choice_options_need_auto(teacher, words_corpus, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--src", str(teacher), "--layers", "0", "--out", str(tmp_path / "o"), "--choice-data", str(words_corpus)])
+    assert "no --layers is auto:N" in capsys.readouterr().err
+
+
+def _recipe(teacher, corpus, layers="auto:2", **extra) -> dict:
+    return {
+        "source": str(teacher),
+        "layers": [{"mixer": "sse", "layers": layers}],
+        "mixer_settings": {"sse": {"lora_rank": 8}},
+        "dtype": "float32",
+        "layer_choice": SMALL.model_dump(),
+        "data": {"source": str(corpus), "seq_len": 32, "validation_fraction": 0.1},
+        **extra,
+    }
+
+
+def test_recipe_parsing(teacher, words_corpus, tmp_path):
+    assert parse_recipe(_recipe(teacher, words_corpus)).auto() == ("sse", 2)
+    for layers, problem in [
+        ("auto:0", "layers.0.layers: Value error, layers 'auto:0': N = 0 is out of range"),
+        ("auto:abc", "'abc' is not a number of layers"),
+    ]:
+        with pytest.raises(ValueError, match=problem):
+            parse_recipe(_recipe(teacher, words_corpus, layers))
+    with pytest.raises(ValueError, match="layers auto:N chooses every converted layer"):
+        parse_recipe(
+            _recipe(teacher, words_corpus)
+            | {"layers": [{"mixer": "sse", "layers": "auto:2"}, {"mixer": "sila", "layers": "0"}]}
+        )
+    with pytest.raises(ValueError, match=r"N = 6 is out of range; expected .* from 1 to 5 \(the model has 6"):
+        run_recipe(parse_recipe(_recipe(teacher, words_corpus, "auto:6")), tmp_path / "run", stages=["convert"])
+    assert not (tmp_path / "run" / "convert").exists()
+
+
+def test_recipe_convert_stage_records_the_choice(teacher, words_corpus, tmp_path, monkeypatch):
+    calls = []
+    _fake_scores(monkeypatch, important=5, calls=calls)
+    recipe = parse_recipe(_recipe(teacher, words_corpus))
+    done = run_recipe(recipe, tmp_path / "run", stages=["convert"])["convert"]
+    assert done["layer_choice"]["chosen"] == [3, 4]
+    assert (tmp_path / "run" / done["picture"]).is_file()
+    assert "layer_choice" in done["inputs"] and "data.source" in done["inputs"]
+    assert any((tmp_path / "run" / "cache" / "layer_choice").glob("*.json"))
+    run_recipe(
+        recipe,
+        tmp_path / "again",
+        stages=["convert"],
+    )
+    assert len(calls) == 2  # another run dir has its own cache
+    fixed = parse_recipe(_recipe(teacher, words_corpus, "0-5:2"))
+    assert "layer_choice" not in run_recipe(fixed, tmp_path / "fixed", stages=["convert"])["convert"]["inputs"]
+
+
+def test_scoring_reuses_the_prefix(loaded):
+    """Windowing a layer changes nothing before it, and a window as long as the probe changes nothing at all."""
+    model, _ = loaded
+    from raven_convert.surgery import build_hybrid
+
+    hybrid = build_hybrid(model, ["attention"] * 6, {})
+    stack = layer_choice._Stack(hybrid, window=96)
+    ids = torch.randint(3, 100, (2, 64))
+    h, context = stack.start(ids)
+    full = stack.finish(h, 0, context, set())
+    reference = hybrid.model(ids).last_hidden_state
+    torch.testing.assert_close(full, reference)
+    assert torch.equal(stack.finish(h, 0, context, {2, 4}), full)  # window 96 >= 64 tokens: no change
