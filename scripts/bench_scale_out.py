@@ -1,11 +1,13 @@
 """Align and train of a recipe on one GPU and on N under ddp and fsdp, at one global batch: tokens/s and memory per GPU.
 
     python scripts/bench_scale_out.py recipes/smollm2-raven.yaml --src /tmp/smollm2 --data ../shared/data/corpus \
-        --gpus 2 --align-steps 20 --train-steps 20 --max-documents 400 --out runs/scale-out
+        --gpus 2 --align-steps 20 --train-steps 20 --max-documents 400 --out runs/scale-out [--scaling weak]
 
 Each run goes through `python -m raven_convert.train` (convert, align, train; token weights, evaluate and export
-off), the N-process ones under `accelerate launch` with the shipped configs (recipes/accelerate/) and batch_size
-divided by N, so that every run sees the same global batches. The data is tokenised once into OUT/cache. Rates
+off), the N-process ones under `accelerate launch` with the shipped configs (recipes/accelerate/). --scaling strong
+(default) divides batch_size by N, so that every run sees the same global batches (and ends with the same
+parameters); weak keeps the recipe's batch_size per GPU, so the global batch grows N-fold. The data is tokenised
+once into OUT/cache. A run that fails is reported in the table and the others still run. Rates
 come from the stages' DONE summaries (counted from the end of the first step); memory is the largest
 `nvidia-smi` reading of each GPU while the run's align and train stages ran (the whole process: CUDA context and
 the allocator's cache included), sampled every 0.2 s. Prints one Markdown table last and writes OUT/scale_out.json.
@@ -52,11 +54,12 @@ def run(args, name: str, processes: int, strategy: str) -> dict:
     """One run of convert, align and train into OUT/name; its stages' summaries and the GPUs' peak memory."""
     recipe = yaml.safe_load(Path(args.recipe).read_text())
     run_dir = Path(args.out) / name
+    share = processes if args.scaling == "strong" else 1
     overrides = {
         "align.steps": args.align_steps,
         "train.steps": args.train_steps,
-        "align.batch_size": recipe["align"]["batch_size"] // processes,
-        "train.batch_size": recipe["train"]["batch_size"] // processes,
+        "align.batch_size": recipe["align"]["batch_size"] // share,
+        "train.batch_size": recipe["train"]["batch_size"] // share,
         "train.save_every": 10**6,
         "data.max_documents": args.max_documents,
         "data.cache_dir": str(Path(args.out) / "cache"),
@@ -74,17 +77,18 @@ def run(args, name: str, processes: int, strategy: str) -> dict:
     if processes > 1:
         config = Path("recipes/accelerate") / f"{strategy}.yaml"
         launch = ["accelerate", "launch", "--config_file", str(config), "--num_processes", str(processes), "-m"]
-        command = launch + ["raven_convert.train"] + words + ["--stages", "align,train"]
+        command = launch + ["raven_convert.train"] + words + ["--stages", "align,weights,train"]
     else:
-        command = module + words + ["--stages", "align,train"]
+        command = module + words + ["--stages", "align,weights,train"]
     print("$", " ".join(command), flush=True)
     with GpuMemory() as memory:
-        subprocess.run(command, check=True)
-    done = {s: json.loads((run_dir / s / "DONE").read_text()) for s in ("align", "train")}
+        failed = subprocess.run(command).returncode != 0
+    done = {s: json.loads(p.read_text()) if (p := run_dir / s / "DONE").is_file() else {} for s in ("align", "train")}
     return {
-        "run": name,
+        "run": name + (" (failed)" if failed else ""),
         "processes": processes,
         "strategy": strategy,
+        "rows_per_gpu": recipe["train"]["batch_size"] // share,
         "align_tokens_per_second": done["align"].get("tokens_per_second"),
         "train_tokens_per_second": done["train"].get("tokens_per_second"),
         "gpu_memory_mib": [memory.peak.get(i, 0) for i in range(processes)],
@@ -100,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--align-steps", type=int, default=20)
     parser.add_argument("--train-steps", type=int, default=20)
     parser.add_argument("--max-documents", type=int, default=400)
+    parser.add_argument("--scaling", choices=["strong", "weak"], default="strong", help="see above")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if args.gpus < 2:
@@ -110,18 +115,16 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(run(args, f"gpu{args.gpus}-{strategy}", args.gpus, strategy))
     (Path(args.out) / "scale_out.json").write_text(json.dumps(rows, indent=1))
     base = rows[0]
-    print("| run | processes | align tok/s | vs 1 GPU | train tok/s | vs 1 GPU | peak memory per GPU (GiB) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    columns = ["run", "processes", "rows per GPU", "align tok/s", "vs 1 GPU", "train tok/s", "vs 1 GPU"]
+    print("| " + " | ".join(columns + ["peak memory per GPU (GiB)"]) + " |")
+    print("| --- " * (len(columns) + 1) + "|")
     for row in rows:
-        ratios = [
-            row[k] / base[k] if row[k] and base[k] else float("nan")
-            for k in ("align_tokens_per_second", "train_tokens_per_second")
-        ]
+        cells = []
+        for key in ("align_tokens_per_second", "train_tokens_per_second"):
+            rate, ratio = row[key], row[key] / base[key] if row[key] and base[key] else None
+            cells += [f"{rate:,.0f}" if rate else "-", f"{ratio:.2f}x" if ratio else "-"]
         memory = ", ".join(f"{m / 1024:.1f}" for m in row["gpu_memory_mib"])
-        print(
-            f"| {row['run']} | {row['processes']} | {row['align_tokens_per_second']:,.0f} | {ratios[0]:.2f}x "
-            f"| {row['train_tokens_per_second']:,.0f} | {ratios[1]:.2f}x | {memory} |"
-        )
+        print(f"| {row['run']} | {row['processes']} | {row['rows_per_gpu']} | {' | '.join(cells)} | {memory} |")
     return 0
 
 

@@ -145,10 +145,14 @@ class Parallel:
         """A frozen causal LM (the teacher) in eval mode: sharded under fsdp, else a full copy on this process's
         device. Sharded, its decoder stack (`model.base_model`, which token weights call on their own) is the FSDP
         root and the rest (the head) a full copy on the device."""
+        from torch.distributed.fsdp import FSDPModule
+
         model.eval().requires_grad_(False)
         if not self.sharded:
             return model.to(self.device)
         base = model.base_model
+        if isinstance(base, FSDPModule):  # placed already (models.load_teacher before stage2.train)
+            return model
         self.shard(base, decoder_layers(model))
         for child in model.children():
             if child is not base:

@@ -476,5 +476,6 @@ def train(
         if step % config.save_every == 0 or step == config.steps:
             _save(parallel, accelerator.unwrap_model(model), optimizer, out_dir, step, tokens_seen, config)
     if tracker:
-        accelerator.end_training()
+        for open_tracker in accelerator.trackers:  # not end_training(), which ends the launch's process group too
+            open_tracker.finish()
     return history

@@ -41,7 +41,7 @@ def recipe(source: Path, data: Path, cache: Path, processes: int, strategy: str 
         mixer_settings={"raven": {"num_slots": 8, "top_k": 2, "gumbel": False}},
         align=STEPS | {"batch_size": rows},
         token_weights={"enabled": True, "batch_size": 8},
-        train=STEPS | {"batch_size": rows, "schedule": "constant"},
+        train=STEPS | {"batch_size": rows, "schedule": "constant", "kd_weight": 1.0},  # kd: the teacher sharded too
         distributed={"strategy": strategy},
     ) | {"data": {"source": str(data), "seq_len": 32, "validation_fraction": 0.1, "cache_dir": str(cache)}}
 
