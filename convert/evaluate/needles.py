@@ -100,12 +100,18 @@ class TaskSpec:
     name: str
     haystack: str  # "noise" | "essay"
     value_kind: str  # "passkey" (5 digits) | "number" (7 digits) | "uuid" | "phrase" (two English words)
-    num_keys: int = 1  # keys in the haystack; the first is asked about, the others distract
-    num_values: int = 1  # values of the asked key; all must be returned
+    num_keys: int = 1  # keys in the haystack; the first num_queries are asked about, the others distract
+    num_values: int = 1  # values of each asked key; all must be returned
+    num_queries: int = 1  # keys asked about in one question (RULER's multi-query)
     description: str = ""
 
+    @property
+    def num_answers(self) -> int:
+        return self.num_queries * self.num_values
+
     def make_needles(self, rng: random.Random) -> tuple[str, list[tuple[str, str]]]:
-        """(query key, [(key, value)] with the asked key's values first); the passkey has the key ""."""
+        """(the asked keys as the question names them, [(key, value)] with the asked keys' num_answers values
+        first); the passkey has the key ""."""
         if self.value_kind == "passkey":
             return "", [("", str(rng.randint(10000, 99999)))]
         keys: list[str] = []
@@ -113,11 +119,14 @@ class TaskSpec:
             key = f"{rng.choice(ADJECTIVES)}-{rng.choice(KEY_NOUNS)}"
             keys += [key] if key not in keys else []
         values: list[str] = []
-        while len(values) < self.num_values + self.num_keys - 1:
+        while len(values) < self.num_answers + self.num_keys - self.num_queries:
             value = self._value(rng)
             values += [value] if value not in values else []
-        pairs = [(keys[0], v) for v in values[: self.num_values]]
-        return keys[0], pairs + list(zip(keys[1:], values[self.num_values :]))
+        asked = keys[: self.num_queries]
+        pairs = [(k, values[i * self.num_values + j]) for i, k in enumerate(asked) for j in range(self.num_values)]
+        pairs += list(zip(keys[self.num_queries :], values[self.num_answers :]))
+        names = asked[0] if len(asked) == 1 else f"{', '.join(asked[:-1])} and {asked[-1]}"
+        return names, pairs
 
     def _value(self, rng: random.Random) -> str:
         if self.value_kind == "number":
@@ -141,13 +150,13 @@ class TaskSpec:
             inst = PASSKEY_STRONG_INSTRUCTION if variant == "strong_inst" else PASSKEY_INSTRUCTION
             return (None if variant == "no_inst" else inst), "What is the pass key?", "The pass key is"
         t, about = self.noun, f" for {key}" if variant == "strong_inst" else ""
-        if self.num_keys == self.num_values == 1:  # SILA Appendix C.1, word for word
+        if self.num_keys == self.num_values == self.num_answers == 1:  # SILA Appendix C.1, word for word
             inst = f"A special magic {t} is hidden within the following text. Make sure to memorize it. "
             inst += f"I will quiz you about the {t}{about} afterwards."
         else:  # RULER's plural form: several needles are hidden
             inst = f"Some special magic {t}s are hidden within the following text. Make sure to memorize them. "
-            inst += f"I will quiz you about the {t}{'s' if self.num_values > 1 else ''}{about} afterwards."
-        if self.num_values > 1:
+            inst += f"I will quiz you about the {t}{'s' if self.num_answers > 1 else ''}{about} afterwards."
+        if self.num_answers > 1:
             question = f"What are all the special magic {t}s for {key} mentioned in the provided text?"
             prefix = f"The special magic {t}s for {key} mentioned in the provided text are"
         else:
@@ -165,6 +174,16 @@ TASKS: dict[str, TaskSpec] = {
         TaskSpec("niah_single_3", "essay", "uuid", description="RULER: UUID in essays"),
         TaskSpec("niah_multikey", "essay", "number", num_keys=4, description="RULER: 4 keys, one asked"),
         TaskSpec("niah_multivalue", "essay", "number", num_values=4, description="RULER: one key, 4 values"),
+        TaskSpec(
+            "niah_multiquery", "essay", "number", num_keys=4, num_queries=4, description="RULER: 4 keys, all asked"
+        ),
+        TaskSpec(
+            "niah_multikey_word",
+            "essay",
+            "phrase",
+            num_keys=4,
+            description="4 keys with English-phrase values, one asked",
+        ),
         TaskSpec("niah_word", "essay", "phrase", description="SILA NIAH-Word: an English phrase in essays"),
     ]
 }
@@ -370,7 +389,7 @@ def _make_sample(spec, variant, tokenizer, chat, prefill, length, depth, index, 
     return Sample(
         task=spec.name,
         prompt=prompt,
-        answers=[v for k, v in needles if k == key],
+        answers=[v for _, v in needles[: spec.num_answers]],
         length=length,
         depth=depth,
         variant=variant,

@@ -28,7 +28,7 @@ PARAGRAPHS = [
     "Mountains make their own weather. Clouds gather at noon and break by evening. "
     "Hikers learn to start before dawn and to turn back early.",
 ]
-LENGTHS = (700, 1200)  # character-level tokens: every task fits with room for a haystack
+LENGTHS = (800, 1200)  # character-level tokens: every task fits with room for a haystack
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 LENGTH_TOLERANCE = 3  # tokens
 DEPTH_TOLERANCE = 0.05  # fraction of the haystack
@@ -87,7 +87,8 @@ def test_prompt_length_depth_and_variant(task, variant, tok, hay_dir):
         assert (s.task, s.variant) == (task, variant)
         assert n_tokens(tok, s) == s.meta["n_tokens"]
         assert abs(s.meta["n_tokens"] - s.length) <= LENGTH_TOLERANCE, s.meta["id"]
-        assert len(s.answers) == spec.num_values and len(s.meta["needles"]) == spec.num_keys + spec.num_values - 1
+        assert len(s.answers) == spec.num_answers
+        assert len(s.meta["needles"]) == spec.num_keys + spec.num_answers - spec.num_queries
         # every needle sits at its recorded character and token span, holding its value
         ids = tok(s.prompt, add_special_tokens=s.meta["add_special_tokens"])["input_ids"]
         for needle in s.meta["needles"]:
@@ -109,6 +110,18 @@ def test_prompt_length_depth_and_variant(task, variant, tok, hay_dir):
         else:
             assert "hidden" in head and key not in head
         assert s.prompt.endswith(s.meta["answer_prefix"])
+
+
+def test_multi_query_asks_every_key_and_wants_every_value(tok, hay_dir):
+    for s in R.build_samples("niah_multiquery", tok, [1500], [0.3], 2, seed=1, haystack_dir=hay_dir):
+        keys = [n["key"] for n in s.meta["needles"]]
+        assert len(set(keys)) == 4 and s.answers == [n["value"] for n in s.meta["needles"]]
+        question = s.prompt.rsplit("\n", 1)[-1]
+        assert f"{', '.join(keys[:3])} and {keys[3]}" in s.meta["answer_prefix"] and "are" in question
+        assert R.score(", ".join(s.answers[:2]), s.answers) == 0.5  # half the keys answered: half the score
+    distracted = R.build_samples("niah_multikey_word", tok, [1500], [0.3], 1, seed=1, haystack_dir=hay_dir)[0]
+    assert len(distracted.meta["needles"]) == 4 and len(distracted.answers) == 1
+    assert distracted.answers[0] == distracted.meta["needles"][0]["value"] and " " in distracted.answers[0]
 
 
 def test_needles_at_sentence_starts(tok, hay_dir):
@@ -201,8 +214,9 @@ class EchoModel:
     def answer(self, prompt: str) -> str:
         if "pass key" in prompt.split("\n")[-1]:
             return ", ".join(re.findall(r"The pass key is (\d+)\. Remember it", prompt))
-        key = re.findall(r"magic \w+ for (\S+) mentioned in the provided text", prompt)[-1]
-        return ", ".join(re.findall(rf"for {re.escape(key)} is: (.+?)\.(?=\s|$)", prompt))
+        asked = re.findall(r"magic \w+ for (.+?) mentioned in the provided text", prompt)[-1]
+        keys = re.split(r", | and ", asked)  # multi-query: "k1, k2, k3 and k4"
+        return ", ".join(v for k in keys for v in re.findall(rf"for {re.escape(k)} is: (.+?)\.(?=\s|$)", prompt))
 
     def generate(self, input_ids, attention_mask, max_new_tokens, pad_token_id, **kwargs):
         assert kwargs["do_sample"] is False
@@ -230,6 +244,8 @@ def mixed_samples(tok, hay_dir):
         ("niah_word", "strong_inst"),
         ("niah_multikey", "standard"),
         ("niah_single_3", "standard"),
+        ("niah_multiquery", "standard"),
+        ("niah_multikey_word", "no_inst"),
     ]:
         samples += R.build_samples(task, tok, [700, 1000], [0.2, 0.8], 1, seed=5, variant=variant, haystack_dir=hay_dir)
     return samples
@@ -243,12 +259,12 @@ def test_run_retrieval_echo_and_empty(tok, mixed_samples, capsys):
     assert sum(b[0] for b in model.batches) == len(mixed_samples) and max(b[0] for b in model.batches) == 3
     # sorted by length: batches pad a token or two, but for the one batch holding both 700- and 1000-token prompts
     assert max(model.pads) > 0 and sum(pad > 10 for pad in model.pads) == 1
-    assert "20/20 samples" in capsys.readouterr().err
+    assert "28/28 samples" in capsys.readouterr().err
     assert tok.padding_side == "right"  # restored
     empty = R.run_retrieval(EchoModel(tok, empty=True), tok, mixed_samples, batch_size=4, progress=False)
     assert all(r["score"] == 0.0 and r["prediction"] == "" for r in empty)
     summary = R.summarize(results + empty)
-    assert summary["accuracy"] == 0.5 and summary["n"] == 40
+    assert summary["accuracy"] == 0.5 and summary["n"] == 56
 
 
 def test_run_retrieval_tiny_llama(tok):
@@ -297,7 +313,7 @@ def test_summary_table_plot_and_json(tok, mixed_samples, tmp_path):
     assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = R.save_results(results, summary, tmp_path / "res.json")
     data = json.loads(out.read_text())
-    assert data["summary"]["tasks"]["passkey/standard"]["accuracy"] == 0.75 and len(data["results"]) == 20
+    assert data["summary"]["tasks"]["passkey/standard"]["accuracy"] == 0.75 and len(data["results"]) == 28
     assert [p.name for p in tmp_path.iterdir() if p.is_file()] == ["res.json"]  # no temporary file left behind
 
 
