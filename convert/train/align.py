@@ -30,6 +30,7 @@ from raven_convert.train.distributed import (
     shard_like,
     sharded_optimizer_state,
 )
+from raven_convert.train.flops import align_flops, mfu, mfu_text
 from raven_convert.train.losses import alignment_mse, mixers_aux_loss
 from raven_layers.modeling_hybrid import find_packed_documents
 
@@ -171,8 +172,9 @@ def align(
 ) -> list[dict]:
     """Train the mixers of `hybrid` to match `teacher`'s attention for `steps` batches ({"input_ids", and either
     "position_ids" for packed documents or an optional "attention_mask"}); returns one record per step:
-    {"step", "loss", "layers": {layer: mse}, "tokens_per_second", and "aux" where a mixer has a balance loss} (the
-    rate counts from the end of the first step of this call, which compiles kernels). The loss is the layers' MSE
+    {"step", "loss", "layers": {layer: mse}, "tokens_per_second", "mfu" (flops.py; None off known GPUs), "lr", and
+    "aux" where a mixer has a balance loss} (the rate counts from the end of the first step of this call, which
+    compiles kernels). The loss is the layers' MSE
     plus the mixers' balance losses (SSE's, as in stage 2).
 
     Only mixer parameters receive gradients (others are frozen for the duration and restored after). The learning
@@ -228,6 +230,7 @@ def align(
         torch.manual_seed(seed)
     batches = batches(first) if callable(batches) else itertools.islice(batches, first, None)
     start, tokens, first_step_seconds = time.perf_counter(), 0, 0.0
+    per_token = None  # model FLOPs per token, once the rows' length is seen
     try:
         for step, batch in zip(range(first, steps), batches):
             step_lr = lr_at(step, lr, steps, warmup_steps)
@@ -260,11 +263,14 @@ def align(
             record = {"step": step, "loss": values[0], "layers": dict(zip(losses, values[1:]))}
             if aux is not None:
                 record["aux"] = values[-1]
-            history.append(record | {"tokens_per_second": rate, "lr": step_lr})
+            if per_token is None:
+                per_token = align_flops(teacher, hybrid, inputs["input_ids"].shape[1])
+            utilisation = mfu(rate * per_token, parallel.device, parallel.world)
+            history.append(record | {"tokens_per_second": rate, "mfu": utilisation, "lr": step_lr})
             if log_every and (step % log_every == 0 or step == steps - 1):
                 per_step = (now - start) / (step - first) if step > first else first_step_seconds
                 parallel.print(
-                    f"[align] step {step + 1}/{steps} loss {values[0]:.4g} | {rate:,.0f} tok/s"
+                    f"[align] step {step + 1}/{steps} loss {values[0]:.4g} | {rate:,.0f} tok/s{mfu_text(utilisation)}"
                     f" | {eta((steps - step - 1) * per_step)}"
                 )
             if out_dir is not None and ((step + 1) % save_every == 0 or step + 1 == steps):

@@ -59,6 +59,7 @@ from raven_convert.train.checkpoint import latest_checkpoint, save_checkpoint
 from raven_convert.train.common import attention_layers, is_hybrid, lr_at, mixer_parameters, model_inputs
 from raven_convert.train.data import PackedDataset, batch_iterator
 from raven_convert.train.distributed import Parallel, on_cpu
+from raven_convert.train.flops import mfu, mfu_text, train_flops
 from raven_convert.train.losses import aux_loss, ce_loss, kd_loss, prediction_mask, training_loss
 from raven_convert.train.token_weights import schedule_weights
 
@@ -323,9 +324,10 @@ def train(
     out_dir/checkpoints (see checkpoint.py) and resuming from the newest intact checkpoint there. `teacher`
     (frozen) is only run when config.kd_weight > 0 and may then not be None.
 
-    Returns one record per step run by this call: {"step", "loss", "ce", "kd", "aux", "lr", "tokens_per_second"}
-    ("step" is 1-based; loss parts are means over the step's micro-batches and processes; the rate counts from the end
-    of the first step, which compiles kernels, and leaves out validation), plus "val_ce" at the
+    Returns one record per step run by this call: {"step", "loss", "ce", "kd", "aux", "lr", "tokens_per_second",
+    "mfu"} ("step" is 1-based; loss parts are means over the step's micro-batches and processes; the rate counts from
+    the end of the first step, which compiles kernels, and leaves out validation; "mfu" is flops.py's model FLOPs
+    utilisation, None off known GPUs), plus "val_ce" at the
     steps where `validation` (held-out rows, like `dataset`) was scored: every `eval_every` steps and at the end.
 
     Under a launch of N processes (see distributed.py; `parallel` says how, default ddp) each process trains on its
@@ -365,6 +367,7 @@ def train(
         else:
             student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     student.train()
+    per_token = train_flops(student, len(dataset[0]["input_ids"]), teacher if config.kd_weight > 0 else None)
     if parallel.sharded:  # FSDP2 replaces the parameters by their shards: the optimizer holds the shards
         model = parallel.shard(student)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -455,15 +458,16 @@ def train(
         rate = timed_tokens / elapsed
         if step == start_step + 1:  # the first step compiles kernels and allocates: the rate counts from its end
             clock, timed_tokens = time.perf_counter(), 0
-        record = {"step": step, **sums, "lr": lr, "tokens_per_second": rate}
+        utilisation = mfu(rate * per_token, device, parallel.world)
+        record = {"step": step, **sums, "lr": lr, "tokens_per_second": rate, "mfu": utilisation}
         history.append(record)
         if tracker:
-            accelerator.log({k: v for k, v in record.items() if k != "step"}, step=step)
+            accelerator.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=step)
         if config.log_every and (step % config.log_every == 0 or step == config.steps):
             left = (config.steps - step) * elapsed / max(step - start_step - 1, 1)
             accelerator.print(
                 f"[stage2] step {step}/{config.steps} loss {sums['loss']:.4g} (ce {sums['ce']:.4g} kd {sums['kd']:.4g}"
-                f" aux {sums['aux']:.4g}) lr {lr:.3g} | {rate:,.0f} tok/s | {eta(left)}",
+                f" aux {sums['aux']:.4g}) lr {lr:.3g} | {rate:,.0f} tok/s{mfu_text(utilisation)} | {eta(left)}",
                 file=sys.stderr,
             )
         if validation is not None and (step == config.steps or (config.eval_every and step % config.eval_every == 0)):

@@ -288,6 +288,7 @@ def _stage_align(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) 
         "final_layer_losses": {str(k): v for k, v in final["layers"].items()},
         "first_layer_losses": {str(k): v for k, v in history[0]["layers"].items()},
         "tokens_per_second": final["tokens_per_second"],
+        "mfu": final["mfu"],
         "validation_before": None if before is None else before["loss"],
         "validation_after": None if after is None else after["loss"],
         "validation_layers_after": None if after is None else {str(k): v for k, v in after["layers"].items()},
@@ -380,7 +381,7 @@ def training_summary(config, history: list[dict], run_dir: Path, stage: str) -> 
 
     summary = {"model": f"{stage}/model", "steps": config.steps, "steps_this_run": len(history)}
     if history:
-        summary |= {k: history[-1][k] for k in ("loss", "ce", "kd", "aux", "tokens_per_second")}
+        summary |= {k: history[-1][k] for k in ("loss", "ce", "kd", "aux", "tokens_per_second", "mfu")}
         summary["val_ce"] = history[-1].get("val_ce")
         if is_main_process():
             write_json({"history": history}, run_dir / stage / "history.json")
