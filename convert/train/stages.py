@@ -487,11 +487,13 @@ def _drop_checkpoints(run_dir: Path, stage: str) -> None:
 
 
 def _disk_use(run_dir: Path, stage: str, summary: dict) -> int:
-    """Bytes a finished stage leaves (its checkpoints go, DONE is not counted). The export lies outside its stage
-    folder and its weights are hard links to the model it exported, which take no more space."""
+    """Bytes a finished stage leaves (its checkpoints go, DONE is not counted), less the weight files it hard-links
+    from earlier stages' models. The export lies outside its stage folder, its weights linked to the model it
+    exported."""
+    earlier = [run_dir / s for s in STAGES[: STAGES.index(stage)]]
     if "exported_to" in summary:
-        return disk_bytes(run_dir / stage, summary["exported_to"], besides=(run_dir / summary["model"],))
-    return disk_bytes(run_dir / stage) - disk_bytes(run_dir / stage / CHECKPOINTS)
+        return disk_bytes(run_dir / stage, summary["exported_to"], besides=earlier)
+    return disk_bytes(run_dir / stage, besides=earlier) - disk_bytes(run_dir / stage / CHECKPOINTS)
 
 
 def _held_out_batches(rows, batch_size: int, seed: int, count: int = 4) -> list[dict]:
