@@ -10,6 +10,7 @@ from pathlib import Path
 from raven_convert.bundle import write_code
 from raven_convert.files import check_writable, normal_modes, replace_dir, room_for
 from raven_convert.layer_choice import card_section, plot_choice
+from raven_convert.weights import shard_bytes, unchanged_shards, weight_shards, write_weights
 from raven_layers import HybridForCausalLM
 
 AUTO_MAP = {
@@ -50,20 +51,29 @@ def save_hybrid(
     base_model: str,
     max_shard_size: str = "2GB",
     overwrite: bool = False,
+    link_from: str | Path | None = None,
 ) -> Path:
-    """Write `out_dir` atomically: config.json (with auto_map), safetensors shards, the modeling code (see
-    bundle.py), tokenizer files, generation_config.json and a README.md model card. Exactly what `--push-to-hub`
-    uploads."""
+    """Write `out_dir` atomically: config.json (with auto_map), safetensors shards (mixers and the rest apart, see
+    weights.py), the modeling code (see bundle.py), tokenizer files, generation_config.json and a README.md model
+    card. Exactly what `--push-to-hub` uploads. `link_from`: the model directory `model` was trained from; its
+    weight files that hold the same tensors are hard-linked, not written again."""
     out = Path(out_dir)
     check_out_dir(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
-    needed = weight_bytes(model) + (64 << 20)  # the shards, and a margin for tokenizer, code and card
-    with room_for(out.parent, needed, f"the model {out.name}"):
+    shards = weight_shards(model, max_shard_size)
+    linked = unchanged_shards(shards, link_from, out.parent)
+    written = sum(shard_bytes(tensors) for file, tensors in shards.items() if file not in linked)
+    with room_for(out.parent, written + (64 << 20), f"the model {out.name}"):  # a margin for tokenizer, code, card
         try:
+            tmp.mkdir()
             model.config.auto_map = AUTO_MAP
-            model.save_pretrained(tmp, max_shard_size=max_shard_size)
+            model.config.dtype = str(model.dtype).removeprefix("torch.")  # what save_pretrained records
+            model.config.architectures = [type(model).__name__]
+            model.config.save_pretrained(tmp)
+            model.generation_config.save_pretrained(tmp)
+            write_weights(shards, tmp, linked, link_from)
             write_code(model.config, tmp)
             tokenizer.save_pretrained(tmp)
             (tmp / "README.md").write_text(model_card(model, base_model))
@@ -76,14 +86,6 @@ def save_hybrid(
 
     replace_dir(tmp, out)  # the old directory disappears only once the new one is complete
     return out
-
-
-def weight_bytes(model) -> int:
-    """Bytes of the model's tensors as saved: parameters and buffers, tied ones once."""
-    seen = {}
-    for t in [*model.parameters(), *model.buffers()]:
-        seen.setdefault(t.data_ptr(), t.numel() * t.element_size())
-    return sum(seen.values())
 
 
 def state_sizes(model: HybridForCausalLM) -> dict[str, int]:

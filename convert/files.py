@@ -143,7 +143,7 @@ def check_writable(path: str | Path, name: str, swapped: bool = False) -> None:
             )
 
 
-def _link_or_copy(src: str, dst: str) -> None:
+def link_or_copy(src: str, dst: str) -> None:
     """Hard-link a weights file (never rewritten in place: each writer swaps in a new file), else copy."""
     if src.endswith(".safetensors"):
         with contextlib.suppress(OSError):  # another file system, or links not allowed: copy
@@ -164,7 +164,7 @@ def copy_dir(src: str | Path, dst: str | Path) -> None:
         tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.partial"))
         try:
             shutil.rmtree(tmp)
-            shutil.copytree(src, tmp, copy_function=_link_or_copy)
+            shutil.copytree(src, tmp, copy_function=link_or_copy)
             replace_dir(tmp, dst)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -33,6 +33,15 @@ def corpus(folder: Path) -> Path:
     return folder
 
 
+def read_weights(folder: Path) -> dict:
+    """{name: tensor} of a model directory's weights: the safetensors files its index lists, or model.safetensors."""
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    files = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else {"model.safetensors"}
+    return {name: tensor for file in sorted(files) for name, tensor in load_file(folder / file).items()}
+
+
 def site_packages() -> list[str]:
     """The site-packages directories this interpreter imports from, in order: a venv's own first, then any it links
     to (scripts/test_oldest_transformers.sh links the test environment's after an older transformers)."""

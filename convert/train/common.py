@@ -29,9 +29,20 @@ def attention_layers(model) -> list[int]:
     return [i for i, kind in enumerate(model.config.layer_mixers) if kind == "attention"]
 
 
+def mixers(model) -> list[nn.Module]:
+    """The converted layers' mixers, in layer order."""
+    return [model.model.layers[i].self_attn for i in converted_layers(model)]
+
+
 def mixer_parameters(model) -> list[nn.Parameter]:
     """Every parameter of the converted layers' mixers (what align trains, and train's "mixers")."""
-    return [p for i in converted_layers(model) for p in model.model.layers[i].self_attn.parameters()]
+    return [p for mixer in mixers(model) for p in mixer.parameters()]
+
+
+def mixer_prefixes(model) -> tuple[str, ...]:
+    """The state-dict prefixes of the mixers ("model.layers.1.self_attn."): the tensors that align changes."""
+    found = {id(mixer) for mixer in mixers(model)}
+    return tuple(f"{name}." for name, module in model.named_modules() if id(module) in found)
 
 
 def model_inputs(batch: dict, device=None) -> dict:

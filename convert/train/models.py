@@ -4,7 +4,7 @@ trained model gathered whole, and saved as a model directory.
     teacher = load_teacher(recipe, parallel)            # sharded under fsdp, a full copy per process else
     student = load_hybrid(model_dir, "cpu")             # the toolkit's own HybridForCausalLM
     whole = whole_model(parallel, student, model_dir)   # on the main process, None on the others
-    save_model(whole, model_dir, out, base_model)       # atomic: weights, code, tokenizer
+    save_model(whole, model_dir, out, base_model)       # atomic: weights (unchanged files linked), code, tokenizer
 """
 
 from __future__ import annotations
@@ -53,10 +53,11 @@ def whole_model(parallel: Parallel, model, model_dir: Path, lora=None):
 
 
 def save_model(model, model_dir_from: Path, out: Path, base_model: str) -> None:
-    """A complete model dir at `out` (atomic): weights of `model`, code and tokenizer of `model_dir_from`."""
+    """A complete model dir at `out` (atomic): weights of `model`, code and tokenizer of `model_dir_from`, whose
+    weight files `model` left unchanged (the non-mixer one after align or trainable: mixers) are hard-linked."""
     from transformers import AutoTokenizer
 
     from raven_convert.export import save_hybrid
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir_from))
-    save_hybrid(model.cpu(), tokenizer, out, base_model=base_model, overwrite=True)
+    save_hybrid(model.cpu(), tokenizer, out, base_model=base_model, overwrite=True, link_from=model_dir_from)

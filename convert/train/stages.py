@@ -10,9 +10,10 @@ last and atomically, RUN_DIR/S/DONE (JSON: the stage's summary, including "model
 directory after the stage, its fingerprint, and "disk_bytes", what its outputs take, also logged). A stage whose
 DONE exists is skipped, so an interrupted run continues where it stopped: align, weights, train and extend resume
 from their own checkpoints (see checkpoint.py), evaluate from the parts its report.json records, and each stage's
-checkpoints are deleted once its DONE is written. The export hard-links the final model's weights (no second copy
-on one file system). A stage turned off by the recipe (steps 0, token weights disabled, extend/evaluate/export
-null) still writes DONE with "skipped": true. Running a stage needs the DONE of every stage
+checkpoints are deleted once its DONE is written. A stage's model hard-links the weight files it left unchanged
+from the model it started from (align writes only the mixers' file, see weights.py), the export those of the final
+model (no second copy on one file system). A stage turned off by the recipe (steps 0, token weights disabled,
+extend/evaluate/export null) still writes DONE with "skipped": true. Running a stage needs the DONE of every stage
 before it; a missing one is an error naming it. The inputs of the stages left to run (teacher, data, haystack,
 perplexity texts) are checked before the first one starts (recipe.check_inputs), so a missing path or a bad data
 file costs no stage. A non-finite loss stops its stage with a FloatingPointError naming the step and what was kept.
@@ -488,11 +489,10 @@ def _drop_checkpoints(run_dir: Path, stage: str) -> None:
 
 
 def _disk_use(run_dir: Path, stage: str, summary: dict) -> int:
-    """Bytes a finished stage leaves (its checkpoints go, DONE is not counted). The export lies outside its stage
-    folder and its weights are hard links to the model it exported, which take no more space."""
-    if "exported_to" in summary:
-        return disk_bytes(run_dir / stage, summary["exported_to"], besides=(run_dir / summary["model"],))
-    return disk_bytes(run_dir / stage) - disk_bytes(run_dir / stage / CHECKPOINTS)
+    """Bytes a finished stage (and its export) adds: no checkpoint, DONE or weight file linked from earlier stages."""
+    folders = [run_dir / stage, *([summary["exported_to"]] if "exported_to" in summary else [])]
+    earlier = [run_dir / s for s in STAGES[: STAGES.index(stage)]]
+    return disk_bytes(*folders, besides=earlier) - disk_bytes(run_dir / stage / CHECKPOINTS)
 
 
 def _held_out_batches(rows, batch_size: int, seed: int, count: int = 4) -> list[dict]:

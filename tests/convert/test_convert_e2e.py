@@ -41,7 +41,8 @@ def test_layers_none_is_the_source_model(tiny_sources, tmp_path, arch):
 def test_converted_directory_is_complete_and_reloads(tiny_sources, tmp_path, arch):
     out = convert_tiny(tiny_sources, tmp_path, arch, SPECS[arch], *RAVEN, "--seed", "3")
     files = {p.name for p in out.iterdir()}
-    assert {"config.json", "model.safetensors", "generation_config.json", "README.md", "tokenizer.json"} <= files
+    assert {"config.json", "model.safetensors.index.json", "generation_config.json", "README.md"} <= files
+    assert {"tokenizer.json", "model-mixers.safetensors", "model-base.safetensors"} <= files  # see weights.py
     assert set(BUNDLED_FILES) <= files
 
     config = json.loads((out / "config.json").read_text())
@@ -150,7 +151,7 @@ print(json.dumps({{"backend": backend.__name__, "loaded": loaded, "error": (logi
 def test_sharded_weights(tiny_sources, tmp_path):
     out = convert_tiny(tiny_sources, tmp_path, "llama", "0-3:2", *RAVEN, "--max-shard-size", "100KB")
     assert (out / "model.safetensors.index.json").is_file()
-    assert len(list(out.glob("model-*.safetensors"))) > 1
+    assert len(list(out.glob("model-base-*-of-*.safetensors"))) > 1
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
     assert model.config.layer_mixers == ["raven", "attention", "raven", "attention"]
 

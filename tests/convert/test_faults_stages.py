@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import raven_convert.evaluate.report
@@ -30,7 +29,7 @@ from raven_convert.train.__main__ import main as train_main
 from raven_convert.train.recipe import STAGES, parse_recipe
 from raven_convert.train.stages import run_recipe
 from tests.convert.faults import checkpoints, fail_at, interrupt, left_behind, one_line, prepare, recipe_data
-from tests.helpers import corpus
+from tests.helpers import corpus, read_weights
 
 pytestmark = pytest.mark.usefixtures("private_datasets_cache")
 TRAIN = {"steps": 4, "batch_size": 2, "save_every": 2, "log_every": 1, "lr": 1e-3}
@@ -71,7 +70,7 @@ def test_non_finite_align_loss_stops_and_writes_nothing(converted, tmp_path, mon
 
 # stage: (module, function, its call to interrupt, recipe sections, output file, the step the kill falls back to)
 KILLED = {
-    "align": (raven_convert.train.align, "alignment_losses", 3, {"align": TRAIN}, "model/model.safetensors", 2),
+    "align": (raven_convert.train.align, "alignment_losses", 3, {"align": TRAIN}, "model", 2),
     "weights": (  # 67 rows in 9 batches of 8, checkpoints every 2: killed in batch 5
         raven_convert.train.token_weights,
         "token_weights",
@@ -80,20 +79,20 @@ KILLED = {
         "weights.pt",
         4,
     ),
-    "train": (raven_convert.train.stage2, "ce_loss", 3, {"train": TRAIN}, "model/model.safetensors", 2),
+    "train": (raven_convert.train.stage2, "ce_loss", 3, {"train": TRAIN}, "model", 2),
     "extend": (
         raven_convert.train.stage2,
         "ce_loss",
         3,
         {"extend": TRAIN | {"seq_len": 48}},
-        "model/model.safetensors",
+        "model",
         2,
     ),
 }
 
 
 def outputs(path: Path) -> dict[str, torch.Tensor]:
-    return load_file(path) if path.suffix == ".safetensors" else {"weights": torch.load(path, weights_only=True)}
+    return read_weights(path) if path.is_dir() else {"weights": torch.load(path, weights_only=True)}
 
 
 @pytest.mark.parametrize("stage", list(KILLED))
@@ -238,8 +237,8 @@ def two_runs(tiny_sources, tmp_path_factory) -> list[Path]:
 
 
 def test_two_cpu_runs_with_one_seed_give_the_same_model(two_runs):
-    for output in ("convert/model/model.safetensors", "align/model/model.safetensors", "model/model.safetensors"):
-        first, second = (load_file(run / output) for run in two_runs)
+    for output in ("convert/model", "align/model", "model"):
+        first, second = (read_weights(run / output) for run in two_runs)
         assert set(first) == set(second)
         assert all(torch.equal(first[name], second[name]) for name in first), output
     first, second = (torch.load(run / "weights" / "weights.pt", weights_only=True) for run in two_runs)
@@ -249,12 +248,15 @@ def test_two_cpu_runs_with_one_seed_give_the_same_model(two_runs):
 def test_a_finished_run_keeps_one_copy_of_each_model_and_no_checkpoint(two_runs):
     run = two_runs[0]
     assert not list(run.rglob("checkpoints")) and not left_behind(run)
-    exported = run / "model" / "model.safetensors"
-    assert exported.samefile(run / "train" / "model" / "model.safetensors")  # a hard link: no second copy
-    with safe_open(exported, "pt") as f:  # in the recipe's dtype
-        assert {f.get_slice(name).get_dtype() for name in f.keys()} == {"BF16"}
+    exported = sorted((run / "model").glob("*.safetensors"))
+    assert [f.name for f in exported] == ["model-base.safetensors", "model-mixers.safetensors"]
+    for file in exported:
+        assert file.samefile(run / "train" / "model" / file.name)  # a hard link: no second copy
+        with safe_open(file, "pt") as f:  # in the recipe's dtype
+            assert {f.get_slice(name).get_dtype() for name in f.keys()} == {"BF16"}
+    assert (run / "align" / "model" / "model-base.safetensors").samefile(run / "convert" / "model" / exported[0].name)
     weights = {(f.stat().st_dev, f.stat().st_ino) for f in run.rglob("*.safetensors")}
-    assert len(weights) == 3  # convert, align and train models: what --redo align / --redo train start from
+    assert len(weights) == 5  # convert's 2 files, align's mixers (the rest linked), train's 2 (LoRA merged in)
     done = {stage: json.loads((run / stage / "DONE").read_text()) for stage in STAGES}
     unlinked = [f for f in (run / "model").rglob("*") if f.is_file() and f.suffix != ".safetensors"]
     assert done["export"]["disk_bytes"] == sum(f.stat().st_size for f in unlinked)  # code, config and tokenizer

@@ -15,12 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 
 from raven_convert.train.recipe import parse_recipe
 from raven_convert.train.stages import run_recipe
 from tests.convert.faults import recipe_data
-from tests.helpers import corpus
+from tests.helpers import corpus, read_weights
 
 pytestmark = [
     pytest.mark.usefixtures("private_datasets_cache"),
@@ -87,8 +86,8 @@ def launch(setup: dict, strategy: str, name: str, stages: str, **env) -> tuple[P
 def assert_same_model(run: Path, reference: Path, stage: str) -> None:
     """`stage`'s model in `run` is the reference run's (float tolerance: Adam magnifies the rounding of near-zero
     gradients, summed in another order), and differs from the converted model."""
-    ours, theirs = (load_file(r / stage / "model" / "model.safetensors") for r in (run, reference))
-    converted = load_file(reference.parent / "converted" / "convert" / "model" / "model.safetensors")
+    ours, theirs = (read_weights(r / stage / "model") for r in (run, reference))
+    converted = read_weights(reference.parent / "converted" / "convert" / "model")
     assert set(ours) == set(theirs) and any(not torch.equal(theirs[n], converted[n]) for n in theirs)
     for name in ours:
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-3, atol=1e-4, msg=f"{stage}: {name}")
