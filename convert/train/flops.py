@@ -39,10 +39,13 @@ def _attention_layers(model) -> list[int | None]:
 
 
 def forward_flops(model, seq_len: int) -> float:
-    """FLOPs of one forward pass per token of rows of `seq_len` tokens (see the module docstring)."""
+    """FLOPs of one forward pass per token of rows of `seq_len` tokens (see the module docstring). A model whose
+    config names no attention heads (a custom recurrent model, say) counts its linear layers only."""
     config = model.config
-    width = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    width *= config.num_attention_heads
+    heads = getattr(config, "num_attention_heads", None)
+    if not heads:
+        return 2 * _linear_weights(model)
+    width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
     attention = sum(4 * width * min(w or seq_len, seq_len) for w in _attention_layers(model))
     return 2 * _linear_weights(model) + attention
 

@@ -36,6 +36,17 @@ def test_forward_counts_matrix_products_and_attention(models):
     assert flops.forward_flops(mistral, T) == 2 * linear_weights(mistral) + 4 * width * 8 * 4
 
 
+def test_a_model_without_attention_heads_counts_its_linear_layers(models):
+    class Recurrent(nn.Module):
+        config = type("Config", (), {"hidden_size": 8})()
+
+        def __init__(self):
+            super().__init__()
+            self.mix, self.head = nn.Linear(8, 8), nn.Linear(8, 32)
+
+    assert flops.forward_flops(Recurrent(), T) == 2 * (8 * 8 + 8 * 32)
+
+
 def test_stage_counts(models):
     teacher, hybrid = models
     forward = flops.forward_flops(hybrid, T)
