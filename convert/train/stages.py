@@ -564,7 +564,8 @@ def run_recipe(
     parallel = Parallel(getattr(recipe, "distributed", None))  # a fine-tuning recipe runs data parallel
     results = {}
     for stage in wanted:
-        existing = read_done(run_dir, stage)
+        # The main process's reading: a slower one may look after the main process has written this launch's DONE.
+        existing = parallel.gather(read_done(run_dir, stage))[0]
         if existing is not None:
             reason = _stale(run_dir, stage, existing, recipe, prints, now)
             if reason:
