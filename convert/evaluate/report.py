@@ -144,9 +144,9 @@ def evaluate_model(request: EvalRequest, log=print, resume: bool = False, parall
     def ppl() -> None:
         texts = load_texts(request.ppl_data)
         result = perplexity(model, tokenizer, texts, request.ppl_lengths, request.ppl_windows, parallel=parallel)
-        report["perplexity"] = result
         if parallel.is_main:
             plot_loss_curve({name: result}, out / "loss_curve.png")
+        report["perplexity"] = result
         log(format_perplexity_table({name: result}))
 
     def speed() -> None:

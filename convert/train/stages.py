@@ -564,8 +564,7 @@ def run_recipe(
     parallel = Parallel(getattr(recipe, "distributed", None))  # a fine-tuning recipe runs data parallel
     results = {}
     for stage in wanted:
-        # The main process's reading: a slower one may look after the main process has written this launch's DONE.
-        existing = parallel.gather(read_done(run_dir, stage))[0]
+        existing = parallel.gather(read_done(run_dir, stage))[0]  # the main's view: a slow process may see its DONE
         if existing is not None:
             reason = _stale(run_dir, stage, existing, recipe, prints, now)
             if reason:

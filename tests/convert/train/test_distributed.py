@@ -1,6 +1,7 @@
 """Two gloo processes on the CPU (torchrun), as `accelerate launch` runs them on GPUs: align, token weights and train
-under ddp and under fsdp (FSDP2) end with the parameters and the table of one process on the same global batch, and
-a sharded 2-process train checkpoint resumes on one process to the same model.
+under ddp and under fsdp (FSDP2) end with the parameters and the table of one process on the same global batch;
+a sharded 2-process train checkpoint resumes on one process to the same model, and a 2-process evaluation (also
+resumed) writes one process's retrieval answers and perplexities.
 
 One process aligns and trains with batch_size 4; the launches with batch_size 2 per process. Raven's Gumbel noise
 is off, so that the runs differ only in how the sums are split (float tolerance)."""
@@ -60,13 +61,20 @@ def one_process(tiny_sources, tmp_path_factory) -> dict:
 
 
 def launch(
-    setup: dict, strategy: str, name: str, stages: str, base: str = "converted", sections: dict | None = None, **env
+    setup: dict,
+    strategy: str,
+    name: str,
+    stages: str,
+    base: str | None = "converted",
+    sections: dict | None = None,
+    **env,
 ) -> tuple[Path, subprocess.CompletedProcess]:
-    """Run `stages` on 2 processes under torchrun in a copy of the run `base` (default: the converted one), the
-    recipe's sections updated with `sections`; (run dir, finished process)."""
+    """Run `stages` on 2 processes under torchrun in a copy of the run `base` (default: the converted one; None: in
+    the run `name` as it is), the recipe's sections updated with `sections`; (run dir, finished process)."""
     root = setup["root"]
     run = root / name
-    shutil.copytree(root / base, run)
+    if base is not None:
+        shutil.copytree(root / base, run)
     path = root / f"{name}.yaml"
     path.write_text(
         yaml.safe_dump(recipe(setup["source"], setup["data"], setup["cache"], 2, strategy) | (sections or {}))
@@ -147,7 +155,8 @@ def evaluation(root: Path, data: Path) -> dict:
 
 def test_two_processes_evaluate_as_one(one_process):
     """Retrieval answers and perplexities of a 2-process evaluation are one process's (one thread each: the same
-    float sums); speed and pictures come from the main process."""
+    float sums); speed and pictures come from the main process. A resumed 2-process evaluation runs only the part
+    report.json has not finished, on both processes."""
     setup, root = one_process, one_process["root"]
     sections = {"evaluate": evaluation(root, setup["data"])}
     shutil.copytree(setup["run"], root / "eval_one")
@@ -175,3 +184,12 @@ def test_two_processes_evaluate_as_one(one_process):
     ]
     assert lengths[0] == lengths[1] and [e["windows"] for e in lengths[0]] == [3, 3]
     assert [e["context_length"] for e in ours["speed"]] == [16]
+    (run / "evaluate" / "DONE").unlink()
+    ours["finished"].remove("perplexity")
+    (run / "evaluate" / "report.json").write_text(json.dumps(ours))
+    _, done = launch(setup, "ddp", "eval_two", "evaluate", base=None, sections=sections)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert done.stderr.count("resuming: retrieval passkey (standard), ") == 1 and "8 prompts" not in done.stderr
+    resumed = json.loads((run / "evaluate" / "report.json").read_text())
+    assert resumed["finished"][-1] == "perplexity" and (run / "evaluate" / "DONE").is_file()
+    assert [{k: v for k, v in e.items() if k not in timing} for e in resumed["perplexity"]["results"]] == lengths[1]
