@@ -16,6 +16,7 @@ Command line (each --model a Hub id, a model directory, an exported hybrid or a 
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import json
 import math
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..console import eta
+from .shares import OneProcess, spread
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
 # Beyond this many positions the loss curve is averaged over log-spaced buckets of positions (see `perplexity`).
@@ -277,6 +279,7 @@ def perplexity(
     curve_points: int | None = DEFAULT_CURVE_POINTS,
     logits_rows: int = DEFAULT_LOGITS_ROWS,
     progress: bool = True,
+    parallel=None,
 ) -> dict:
     """Mean NLL and perplexity of `model` on windows of each length in `context_lengths`.
 
@@ -288,8 +291,10 @@ def perplexity(
     the reported mean NLL. With `curve_points` set and L - 1 above it, the curve is averaged over about that many
     log-spaced buckets of positions instead (`bucketed: true`). Lengths the stream is too short for, or that run
     out of device memory, are returned with `skipped: true` and the reason. The model runs in its own dtype on its
-    own device; the loss is computed in float32.
+    own device; the loss is computed in float32. Under a launch (`parallel`, see shares.py) each process scores every
+    world-th batch of each length and the sums are added in window order, as one process adds them.
     """
+    parallel = parallel or OneProcess()
     if isinstance(texts, str):
         texts = [texts]
     lengths = [int(L) for L in context_lengths]
@@ -313,9 +318,41 @@ def perplexity(
         "results": [],
     }
     plan = {L: min(max_windows, len(stream) // L) for L in lengths}
-    total_tokens = sum(n * L for L, n in plan.items())
+    starts = {L: range(0, n, batch_size) for L, n in plan.items()}  # the first window of each batch
+    share = {L: starts[L][parallel.rank :: parallel.world] for L in lengths}
+    mine = {L: sum(min(batch_size, n - w0) for w0 in share[L]) for L, n in plan.items()}  # this process's windows
+    total_tokens = sum(n * L for L, n in mine.items())
     done_tokens, started, last_report = 0, time.perf_counter(), 0.0
     scorer = _Scorer(model, logits_rows)
+
+    def score(L: int, n: int, batches: range) -> list[torch.Tensor | str]:
+        """This process's batches (by first window) -> the NLL at each position summed over the batch's windows
+        (float64 [L - 1]), or, from the batch that ran out of memory on, why they stopped."""
+        nonlocal done_tokens, last_report
+        sums, windows = [], 0
+        try:
+            with torch.inference_mode():
+                for w0 in batches:
+                    k = min(batch_size, n - w0)
+                    ids = stream_t[w0 * L : (w0 + k) * L].view(k, L).to(device)  # [k, L]
+                    sums.append(scorer(ids).double().sum(0).cpu())
+                    windows += k
+                    done_tokens += k * L
+                    now = time.perf_counter()
+                    if progress and parallel.is_main and (now - last_report > 5 or windows == mine[L]):
+                        last_report = now
+                        rate = done_tokens / max(now - started, 1e-9)
+                        print(
+                            f"[perplexity] L={L}: windows {windows}/{mine[L]}, {rate:,.0f} tokens/s, "
+                            f"{eta((total_tokens - done_tokens) / rate)}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+        except OutOfMemory as err:
+            done_tokens += (mine[L] - windows) * L
+            return sums + [str(err).splitlines()[0][:200]] * (len(batches) - len(sums))
+        return sums
+
     was_training = model.training
     model.eval()
     try:
@@ -327,34 +364,18 @@ def perplexity(
                     {**entry, "skipped": True, "reason": f"the texts give {len(stream)} tokens, fewer than {L}"}
                 )
                 continue
-            sums = torch.zeros(L - 1, dtype=torch.float64)
-            windows, t0, oom = 0, time.perf_counter(), None
-            try:
-                with torch.inference_mode():
-                    for w0 in range(0, n, batch_size):
-                        k = min(batch_size, n - w0)
-                        ids = stream_t[w0 * L : (w0 + k) * L].view(k, L).to(device)
-                        nll = scorer(ids)
-                        sums += nll.double().sum(0).cpu()
-                        windows += k
-                        done_tokens += k * L
-                        now = time.perf_counter()
-                        if progress and (now - last_report > 5 or windows == n):
-                            last_report = now
-                            rate = done_tokens / max(now - started, 1e-9)
-                            print(
-                                f"[perplexity] L={L}: windows {windows}/{n}, {rate:,.0f} tokens/s, "
-                                f"{eta((total_tokens - done_tokens) / rate)}",
-                                file=sys.stderr,
-                                flush=True,
-                            )
-            except OutOfMemory as err:
-                oom = f"out of memory after {windows} of {n} windows: {str(err).splitlines()[0][:200]}"
+            t0 = time.perf_counter()
+            scored = spread(starts[L], functools.partial(score, L, n), parallel)
+            oom = next((s for s in scored if isinstance(s, str)), None)
             if oom is not None:
-                done_tokens += (n - windows) * L
+                windows = sum(min(batch_size, n - w0) for w0, s in zip(starts[L], scored) if not isinstance(s, str))
                 _free(device, collect=True)
-                result["results"].append({**entry, "skipped": True, "reason": oom})
+                reason = f"out of memory after {windows} of {n} windows: {oom}"
+                result["results"].append({**entry, "skipped": True, "reason": reason})
                 continue
+            sums, windows = torch.zeros(L - 1, dtype=torch.float64), n
+            for batch_sum in scored:  # in window order, as one process adds them
+                sums += batch_sum
             _sync(device)
             seconds = time.perf_counter() - t0
             position_mean = sums / windows

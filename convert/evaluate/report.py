@@ -6,6 +6,12 @@ Parts: retrieval (passkey and RULER-style needles, heatmaps), perplexity with po
 texts are given), speed and memory versus context (when lengths are given), and for hybrids the pictures each
 mixer's declaration names (the papers' pictures of the built-in mixers' memories) on a passkey prompt. The recipe
 pipeline calls `evaluate_model` at its end.
+
+Under a launch of N processes (the recipe's evaluate stage passes its `parallel`, see shares.py) retrieval and
+perplexity are split across the processes, each on its own device, and every process gets the results in one
+process's order, so report.json is the one a single process writes. Speed and the mixer pictures run on the main
+process alone, after the others have returned (timings must not share the machine with other work); only the main
+process writes files.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from .perplexity import format_perplexity_table, load_for_evaluation, load_texts
 from .pictures import PictureContext
 from .retrieval import build_samples, format_table, plot_niah_heatmap, run_retrieval, save_results, summarize
 from .settings import EvalRequest
+from .shares import OneProcess
 from .speed import format_speed_table, measure_speed, plot_speed
 
 
@@ -66,16 +73,23 @@ def _earlier_report(out: Path, report: dict, log) -> dict | None:
     return earlier
 
 
-def evaluate_model(request: EvalRequest, log=print, resume: bool = False) -> dict:
+def evaluate_model(request: EvalRequest, log=print, resume: bool = False, parallel=None) -> dict:
     """Run every requested part, write `request.out`/report.json and the PNGs, print the tables; return the report.
 
     report.json is rewritten after every part and lists the parts done under "finished", so an interruption keeps
     them; with `resume`, the parts that an earlier report.json in `request.out` (same request, same model files)
     finished are kept instead of run again. A part that raises is recorded under "failed" (part -> error) and the
-    others still run; the caller decides what a failure means."""
+    others still run; the caller decides what a failure means.
+
+    With `parallel` (rank, world, is_main, device, gather: shares.py) every process of a launch calls this; each
+    loads the model on its own device (`parallel.device` unless `request.device`) and the main process logs and
+    writes. The others return after perplexity, without speed and pictures: their caller waits for the main
+    process's result (the recipe stage polls for its DONE, which no collective's timeout cuts short)."""
+    parallel = parallel or OneProcess()
+    log = log if parallel.is_main else lambda message: None
     out = Path(request.out)
     out.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load_for_evaluation(request.model, request.dtype, request.device)
+    model, tokenizer = load_for_evaluation(request.model, request.dtype, request.device or parallel.device)
     if request.attention_window is not None:
         if not hasattr(model, "set_attention_window"):
             raise ValueError(
@@ -86,7 +100,8 @@ def evaluate_model(request: EvalRequest, log=print, resume: bool = False) -> dic
     name = Path(request.model).name or request.model
     report = {"request": request.model_dump(mode="json")}
     report |= {"model_stamp": model_stamp(request.model), "run": run_info(model), "retrieval": {}, "finished": []}
-    earlier = _earlier_report(out, report, log) if resume else None
+    earlier = _earlier_report(out, report, log) if resume and parallel.is_main else None
+    earlier = parallel.gather(earlier)[0]  # the main process's reading: every process skips the same parts
     if earlier is not None:
         report |= {
             k: v for k, v in earlier.items() if k in ("retrieval", "perplexity", "speed", "pictures", "finished")
@@ -102,7 +117,8 @@ def evaluate_model(request: EvalRequest, log=print, resume: bool = False) -> dic
         except Exception as err:  # one part failing must not cost the parts that ran, nor hide them
             failed[name] = f"{type(err).__name__}: {err}"
             log(f"{name} failed: {failed[name]}")
-        write_json(report | ({"failed": failed} if failed else {}), out / "report.json")  # a kill keeps these
+        if parallel.is_main:
+            write_json(report | ({"failed": failed} if failed else {}), out / "report.json")  # a kill keeps these
 
     def retrieval(task: str, variant: str) -> None:
         samples = build_samples(
@@ -117,16 +133,19 @@ def evaluate_model(request: EvalRequest, log=print, resume: bool = False) -> dic
             chat_template=request.chat_template,
         )
         log(f"{task} ({variant}): {len(samples)} prompts")
-        results = run_retrieval(model, tokenizer, samples, batch_size=request.batch_size)
+        results = run_retrieval(model, tokenizer, samples, batch_size=request.batch_size, parallel=parallel)
         summary = summarize(results)
-        save_results(results, summary, out / f"retrieval_{task}_{variant}.json")
-        plot_niah_heatmap(results, out / f"niah_{task}_{variant}.png", f"{name}: {task} ({variant})")
+        if parallel.is_main:
+            save_results(results, summary, out / f"retrieval_{task}_{variant}.json")
+            plot_niah_heatmap(results, out / f"niah_{task}_{variant}.png", f"{name}: {task} ({variant})")
         report["retrieval"].update(summary["tasks"])
         log(format_table(summary))
 
     def ppl() -> None:
-        result = perplexity(model, tokenizer, load_texts(request.ppl_data), request.ppl_lengths, request.ppl_windows)
-        plot_loss_curve({name: result}, out / "loss_curve.png")
+        texts = load_texts(request.ppl_data)
+        result = perplexity(model, tokenizer, texts, request.ppl_lengths, request.ppl_windows, parallel=parallel)
+        if parallel.is_main:
+            plot_loss_curve({name: result}, out / "loss_curve.png")
         report["perplexity"] = result
         log(format_perplexity_table({name: result}))
 
@@ -141,6 +160,8 @@ def evaluate_model(request: EvalRequest, log=print, resume: bool = False) -> dic
             part(f"retrieval {task} ({variant})", lambda t=task, v=variant: retrieval(t, v))
     if request.ppl_data:
         part("perplexity", ppl)
+    if not parallel.is_main:  # speed and pictures: the main process alone
+        return report | ({"failed": failed} if failed else {})
     if request.speed_lengths:
         part("speed", speed)
     if request.pictures and getattr(model.config, "layer_mixers", None):

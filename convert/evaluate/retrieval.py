@@ -35,6 +35,7 @@ from .needles import (  # noqa: F401  (re-exported: the prompt side of the API)
     count_tokens,
     load_essay_paragraphs,
 )
+from .shares import OneProcess, spread
 
 
 def score(prediction: str, answers: list[str]) -> float:
@@ -77,12 +78,16 @@ def run_retrieval(
     batch_size: int = 8,
     max_new_tokens: int | None = None,
     progress: bool = True,
+    parallel=None,
 ) -> list[dict]:
     """Greedy answers to every sample, scored; results in the order of `samples`.
 
     Samples are sorted by length and batched (left padding, pad token falling back to EOS), so a batch pads little.
     Only the generated tokens are decoded. `max_new_tokens=None` allows the longest answer of the batch plus a margin.
+    Under a launch (`parallel`, see shares.py) each process answers every world-th batch, the batches one process
+    would make, so the results are one process's; every process returns them all.
     """
+    parallel = parallel or OneProcess()
 
     def flag(i: int) -> bool:  # chat prompts are tokenised without special tokens: never batched with others
         return samples[i].meta.get("add_special_tokens", True)
@@ -91,16 +96,12 @@ def run_retrieval(
     groups = [list(g) for _, g in itertools.groupby(order, key=flag)]
     batches = [g[j : j + batch_size] for g in groups for j in range(0, len(g), batch_size)]
     saved_side, saved_pad = tokenizer.padding_side, tokenizer.pad_token
-    results: list[dict | None] = [None] * len(samples)
-    start, done, tokens = time.perf_counter(), 0, 0
-    try:
-        tokenizer.padding_side = "left"
-        if tokenizer.pad_token is None:
-            if tokenizer.eos_token is None:
-                raise ValueError("the tokenizer has neither a pad token nor an EOS token to pad with")
-            tokenizer.pad_token = tokenizer.eos_token
-        device = getattr(model, "device", None) or torch.device("cpu")
-        for batch in batches:
+    device = getattr(model, "device", None) or torch.device("cpu")
+
+    def answer(share: list[list[int]]) -> list[list[dict]]:  # this process's batches -> their results
+        start, done, tokens, total = time.perf_counter(), 0, 0, sum(map(len, share))
+        answered = []
+        for batch in share:
             group = [samples[i] for i in batch]
             enc = tokenizer(
                 [s.prompt for s in group], return_tensors="pt", padding=True, add_special_tokens=flag(batch[0])
@@ -113,16 +114,30 @@ def run_retrieval(
             new = out[:, input_ids.shape[1] :].cpu()  # [b, <= n_new] generated tokens only
             predictions = tokenizer.batch_decode(new, skip_special_tokens=True)
             tokens += int(mask.sum()) + int((new != tokenizer.pad_token_id).sum())
-            for i, s, pred in zip(batch, group, predictions):
-                results[i] = {k: s.meta.get(k) for k in ("id", "n_tokens", "depth_actual", "chat")} | dict(
+            answered.append([])
+            for s, pred in zip(group, predictions):
+                result = {k: s.meta.get(k) for k in ("id", "n_tokens", "depth_actual", "chat")} | dict(
                     task=s.task, variant=s.variant, length=s.length, depth=s.depth, answers=list(s.answers)
                 )
-                results[i] |= dict(prediction=pred, score=score(pred, s.answers))
+                answered[-1].append(result | dict(prediction=pred, score=score(pred, s.answers)))
             done += len(batch)
-            if progress:
-                _progress(done, len(samples), tokens, start, final=done == len(samples))
+            if progress and parallel.is_main:  # the main process's share stands for the others'
+                _progress(done, total, tokens, start, final=done == total)
+        return answered
+
+    try:
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:
+            if tokenizer.eos_token is None:
+                raise ValueError("the tokenizer has neither a pad token nor an EOS token to pad with")
+            tokenizer.pad_token = tokenizer.eos_token
+        answered = spread(batches, answer, parallel)
     finally:
         tokenizer.padding_side, tokenizer.pad_token = saved_side, saved_pad
+    results: list[dict | None] = [None] * len(samples)
+    for batch, rows in zip(batches, answered):
+        for i, row in zip(batch, rows):
+            results[i] = row
     return results
 
 

@@ -29,9 +29,10 @@ to log and checkpoint, how many checkpoints to keep) are left out of the fingerp
 
 Several GPUs: every stage runs under a launch of N processes (see distributed.py for the strategies):
     accelerate launch --config_file recipes/accelerate/ddp.yaml --num_processes 2 -m raven_convert.train RECIPE ...
-align, weights, train and extend split the work (batch_size rows per process in align, train and extend);
-convert, evaluate and export run on the main process while the others wait for its DONE; only the main process
-writes files. A stage's fingerprint counts its global batch (batch_size x the processes it ran on).
+align, weights, train and extend split the work (batch_size rows per process in align, train and extend), evaluate
+splits retrieval and perplexity (speed and pictures on the main process alone); convert and export run on the main
+process while the others wait for its DONE; only the main process writes files. A stage's fingerprint counts its
+global batch (batch_size x the processes it ran on).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ MARKER = "DONE"
 # Fields that change how a stage logs and checkpoints, not what it computes: changing them keeps its results valid.
 BOOKKEEPING = ("log_every", "save_every", "keep_checkpoints")
 PER_PROCESS = ("align", "train", "extend")  # the sections whose batch_size counts the rows of one process
-MAIN_ONLY = ("convert", "evaluate", "export")  # under a launch, the main process runs these; the others wait
+MAIN_ONLY = ("convert", "export")  # under a launch, the main process runs these; the others wait
 
 # `distributed` is in no stage's fields (recipe.stage_fields): the strategy and the process count change memory and
 # speed, not results (at one global batch).
@@ -441,7 +442,10 @@ def _stage_evaluate(recipe: Recipe, run_dir: Path, done: dict, parallel: Paralle
         return {"skipped": True, "model": str(model_dir.relative_to(run_dir))}
     out = run_dir / "evaluate"
     request = EvalRequest(model=str(model_dir), out=out, **recipe.evaluate.model_dump())
-    report = evaluate_model(request, log=lambda m: log(f"[evaluate] {m}"), resume=True)
+    report = evaluate_model(request, log=lambda m: log(f"[evaluate] {m}"), resume=True, parallel=parallel)
+    if not parallel.is_main:  # speed and pictures run on the main process alone: wait, polling, for its DONE
+        wait_for(run_dir / "evaluate" / MARKER)
+        return read_done(run_dir, "evaluate")
     if report.get("failed"):  # not DONE: a rerun evaluates again, the parts that ran stay readable meanwhile
         parts = "; ".join(f"{part}: {error}" for part, error in report["failed"].items())
         raise ValueError(f"evaluation parts failed ({parts}); the parts that ran are in {out / 'report.json'}")
@@ -561,7 +565,7 @@ def run_recipe(
     parallel = Parallel(getattr(recipe, "distributed", None))  # a fine-tuning recipe runs data parallel
     results = {}
     for stage in wanted:
-        existing = read_done(run_dir, stage)
+        existing = parallel.gather(read_done(run_dir, stage))[0]  # the main's view: a slow process may see its DONE
         if existing is not None:
             reason = _stale(run_dir, stage, existing, recipe, prints, now)
             if reason:

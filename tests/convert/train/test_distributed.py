@@ -1,10 +1,12 @@
 """Two gloo processes on the CPU (torchrun), as `accelerate launch` runs them on GPUs: align, token weights and train
-under ddp and under fsdp (FSDP2) end with the parameters and the table of one process on the same global batch, and
-a sharded 2-process train checkpoint resumes on one process to the same model.
+under ddp and under fsdp (FSDP2) end with the parameters and the table of one process on the same global batch;
+a sharded 2-process train checkpoint resumes on one process to the same model, and a 2-process evaluation (also
+resumed) writes one process's retrieval answers and perplexities.
 
 One process aligns and trains with batch_size 4; the launches with batch_size 2 per process. Raven's Gumbel noise
 is off, so that the runs differ only in how the sums are split (float tolerance)."""
 
+import json
 import os
 import shutil
 import socket
@@ -19,7 +21,7 @@ import yaml
 from raven_convert.train.recipe import parse_recipe
 from raven_convert.train.stages import run_recipe
 from tests.convert.faults import recipe_data
-from tests.helpers import corpus, read_weights
+from tests.helpers import WORDS, corpus, read_weights
 
 pytestmark = [
     pytest.mark.usefixtures("private_datasets_cache"),
@@ -57,13 +59,25 @@ def one_process(tiny_sources, tmp_path_factory) -> dict:
     return {"root": root, "source": source, "data": data, "cache": cache, "run": root / "one"}
 
 
-def launch(setup: dict, strategy: str, name: str, stages: str, **env) -> tuple[Path, subprocess.CompletedProcess]:
-    """Run `stages` on 2 processes under torchrun in a copy of the converted run; (run dir, finished process)."""
+def launch(
+    setup: dict,
+    strategy: str,
+    name: str,
+    stages: str,
+    base: str | None = "converted",
+    sections: dict | None = None,
+    **env,
+) -> tuple[Path, subprocess.CompletedProcess]:
+    """Run `stages` on 2 processes under torchrun in a copy of the run `base` (default: the converted one; None: in
+    the run `name` as it is), the recipe's sections updated with `sections`; (run dir, finished process)."""
     root = setup["root"]
     run = root / name
-    shutil.copytree(root / "converted", run)
+    if base is not None:
+        shutil.copytree(root / base, run)
     path = root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(recipe(setup["source"], setup["data"], setup["cache"], 2, strategy)))
+    path.write_text(
+        yaml.safe_dump(recipe(setup["source"], setup["data"], setup["cache"], 2, strategy) | (sections or {}))
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -114,3 +128,67 @@ def test_a_two_process_fsdp_checkpoint_resumes_on_one_process(one_process):
     )
     assert summary["train"]["steps_this_run"] == 2
     assert_same_model(run, one_process["run"], "train")
+
+
+def evaluation(root: Path, data: Path) -> dict:
+    """An evaluate section for the tiny hybrid: 2 tasks, each 2 lengths x 2 depths x 2 samples in batches of 3 (uneven
+    shares of retrieval batches), perplexity on 3 windows at 2 lengths, speed and pictures (main process only)."""
+    essays = root / "essays"
+    if not essays.is_dir():
+        essays.mkdir()
+        (essays / "essay.txt").write_text("\n\n".join(f"Paragraph {i}. " + " ".join(WORDS) + "." for i in range(40)))
+    return {
+        "tasks": ["passkey", "niah_single_2"],
+        "lengths": [400, 480],
+        "depths": [0.0, 1.0],
+        "samples": 2,
+        "batch_size": 3,
+        "haystack_dir": str(essays),
+        "ppl_data": str(data),
+        "ppl_lengths": [16, 24],
+        "ppl_windows": 3,
+        "speed_lengths": [16],
+        "picture_length": 300,
+    }
+
+
+def test_two_processes_evaluate_as_one(one_process):
+    """Retrieval answers and perplexities of a 2-process evaluation are one process's (one thread each: the same
+    float sums); speed and pictures come from the main process. A resumed 2-process evaluation runs only the part
+    report.json has not finished, on both processes."""
+    setup, root = one_process, one_process["root"]
+    sections = {"evaluate": evaluation(root, setup["data"])}
+    shutil.copytree(setup["run"], root / "eval_one")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each launched process runs (OMP_NUM_THREADS=1)
+    try:
+        single = recipe(setup["source"], setup["data"], setup["cache"], 1) | sections
+        run_recipe(parse_recipe(single), root / "eval_one", stages=["extend", "evaluate"])
+    finally:
+        torch.set_num_threads(threads)
+    run, done = launch(setup, "ddp", "eval_two", "extend,evaluate", base="one", sections=sections)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    ours, theirs = (json.loads((r / "evaluate" / "report.json").read_text()) for r in (run, root / "eval_one"))
+    assert ours["finished"] == theirs["finished"] and "failed" not in ours and set(ours["pictures"])
+    assert ours["retrieval"] == theirs["retrieval"] and set(ours["retrieval"]) == {
+        "passkey/standard",
+        "niah_single_2/standard",
+    }
+    for name in ("retrieval_passkey_standard.json", "retrieval_niah_single_2_standard.json"):
+        answers = [json.loads((r / "evaluate" / name).read_text())["results"] for r in (run, root / "eval_one")]
+        assert answers[0] == answers[1] and len(answers[0]) == 8
+    timing = ("seconds", "tokens_per_second")
+    lengths = [
+        [{k: v for k, v in e.items() if k not in timing} for e in r["perplexity"]["results"]] for r in (ours, theirs)
+    ]
+    assert lengths[0] == lengths[1] and [e["windows"] for e in lengths[0]] == [3, 3]
+    assert [e["context_length"] for e in ours["speed"]] == [16]
+    (run / "evaluate" / "DONE").unlink()
+    ours["finished"].remove("perplexity")
+    (run / "evaluate" / "report.json").write_text(json.dumps(ours))
+    _, done = launch(setup, "ddp", "eval_two", "evaluate", base=None, sections=sections)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert done.stderr.count("resuming: retrieval passkey (standard), ") == 1 and "8 prompts" not in done.stderr
+    resumed = json.loads((run / "evaluate" / "report.json").read_text())
+    assert resumed["finished"][-1] == "perplexity" and (run / "evaluate" / "DONE").is_file()
+    assert [{k: v for k, v in e.items() if k not in timing} for e in resumed["perplexity"]["results"]] == lengths[1]
