@@ -56,7 +56,7 @@ from raven_convert.train.distributed import Parallel
 from raven_convert.train.recipe import FinetuneRecipe, FinetuneTrain, FinetuneWeights, WeightSettings
 from raven_convert.train.stage2 import TrainConfig, merge_lora, train
 from raven_convert.train.stages import log, recipe_dataset, run_recipe, stage_export, training_summary
-from raven_convert.train.token_weights import load_weight_table, plot_token_weights, weight_table
+from raven_convert.train.token_weights import load_weight_table, plot_first_row, weight_table
 
 WEIGHTS_FORMAT = 1  # bump when the weight table's computation changes, so that old caches are not reused
 SAMPLED_VALUES = 4096  # values of each reference parameter hashed into the cache key
@@ -267,13 +267,7 @@ def _stage_weights(recipe: FinetuneRecipe, run_dir: Path, done: dict, parallel: 
         os.link(cached, target)  # the run keeps its table however the cache is cleaned, at no extra space
     except OSError:
         shutil.copy2(cached, target)
-    shown = train_rows[0]["input_ids"][:400]
-    plot_token_weights(
-        tokenizer.convert_ids_to_tokens(shown.tolist()),
-        table[0, : len(shown)],
-        run_dir / "weights" / "weights.png",
-        title="token loss weights of the first training row (darker: retrieves from further back)",
-    )
+    plot_first_row(tokenizer, train_rows, table, run_dir / "weights" / "weights.png")
     return {
         "picture": "weights/weights.png",
         "file": "weights/weights.pt",

@@ -301,7 +301,7 @@ def _stage_weights(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel
     from transformers import AutoTokenizer
 
     from raven_convert.train.data import save_atomic
-    from raven_convert.train.token_weights import plot_token_weights, weight_table
+    from raven_convert.train.token_weights import plot_first_row, weight_table
 
     settings = recipe.token_weights
     if not settings.enabled:
@@ -326,13 +326,7 @@ def _stage_weights(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel
         return summary
     save_atomic(weights, run_dir / "weights" / "weights.pt")
     tokenizer = AutoTokenizer.from_pretrained(str(run_dir / done["convert"]["model"]))
-    shown = train_rows[0]["input_ids"][:400]
-    plot_token_weights(
-        tokenizer.convert_ids_to_tokens(shown.tolist()),
-        weights[0, : len(shown)],
-        run_dir / "weights" / "weights.png",
-        title="token loss weights of the first training row (darker: retrieves from further back)",
-    )
+    plot_first_row(tokenizer, train_rows, weights, run_dir / "weights" / "weights.png")
     return summary
 
 

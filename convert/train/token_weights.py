@@ -383,6 +383,17 @@ def schedule_weights(
     return out
 
 
+def plot_first_row(tokenizer, rows, table: Tensor, path: str | Path, shown: int = 400) -> Path:
+    """The weights stage's picture: the first `shown` tokens of rows[0] shaded by their weights table[0]."""
+    ids = rows[0]["input_ids"][:shown]
+    return plot_token_weights(
+        tokenizer.convert_ids_to_tokens(ids.tolist()),
+        table[0, : len(ids)],
+        path,
+        title="token loss weights of the first training row (darker: retrieves from further back)",
+    )
+
+
 def plot_token_weights(
     tokens: Sequence[str],
     weights: Tensor | Sequence[float],

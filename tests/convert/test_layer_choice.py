@@ -104,14 +104,12 @@ def _fake_scores(monkeypatch, important: int | None = None, calls: list | None =
 
 def test_auto_n_converts_the_n_lowest(loaded, words_corpus, tmp_path, monkeypatch):
     model, tokenizer = loaded
-    result = rank_layers(
-        model,
-        tokenizer,
-        load_documents(str(words_corpus)),
-        SMALL.model_copy(update={"rounds": 1}),
-        tmp_path,
-        log=lambda m: None,
-    )
+
+    def rank(**settings):
+        corpus = load_documents(str(words_corpus))
+        return rank_layers(model, tokenizer, corpus, SMALL.model_copy(update=settings), tmp_path, log=lambda m: None)
+
+    result = rank(rounds=1)
     for n in (1, 3, 5):
         record = choice_record(result, n)
         scores = record["score"]
@@ -119,14 +117,7 @@ def test_auto_n_converts_the_n_lowest(loaded, words_corpus, tmp_path, monkeypatc
         kept = [i for i in range(6) if i not in record["chosen"]]
         assert max(scores[i] for i in record["chosen"]) <= min(scores[i] for i in kept)
     _fake_scores(monkeypatch, important=5)
-    result = rank_layers(
-        model,
-        tokenizer,
-        load_documents(str(words_corpus)),
-        SMALL.model_copy(update={"seed": 3}),
-        tmp_path,
-        log=lambda m: None,
-    )
+    result = rank(seed=3)
     assert choice_record(result, 5)["chosen"] == [0, 1, 2, 3, 4]  # layer 5, the lowest but made important, kept
     assert choice_record(result, 2)["chosen"] == [3, 4]
 

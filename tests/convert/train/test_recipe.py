@@ -36,17 +36,17 @@ def header_command(path: Path) -> list[str]:
             return shlex.split(text)
 
 
+def runnable_header(path) -> list[str]:
+    """The recipe's header command, which runs it from the repository root into runs/<its name>."""
+    words = header_command(path)
+    run = [f"recipes/{path.name}", "--run-dir", f"runs/{path.stem}"]
+    assert words[:6] == ["python", "-m", "raven_convert.train", *run]
+    return words
+
+
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
 def test_shipped_recipe_loads_and_its_header_command_sets_every_input(path):
-    words = header_command(path)
-    assert words[:6] == [
-        "python",
-        "-m",
-        "raven_convert.train",
-        f"recipes/{path.name}",
-        "--run-dir",
-        f"runs/{path.stem}",
-    ]
+    words = runnable_header(path)
     bare = load_recipe(path)
     assert bare.layers and bare.data.seq_len >= 2
     assert bare.data.source is None and bare.evaluate.haystack_dir is None and bare.evaluate.ppl_data is None
@@ -62,15 +62,7 @@ def test_shipped_recipe_loads_and_its_header_command_sets_every_input(path):
 
 @pytest.mark.parametrize("path", FINETUNE_RECIPES, ids=[p.stem for p in FINETUNE_RECIPES])
 def test_shipped_finetune_recipe_loads_and_its_header_command_sets_every_input(path):
-    words = header_command(path)
-    assert words[:6] == [
-        "python",
-        "-m",
-        "raven_convert.train",
-        f"recipes/{path.name}",
-        "--run-dir",
-        f"runs/{path.stem}",
-    ]
+    words = runnable_header(path)
     bare = load_recipe(path)
     assert isinstance(bare, FinetuneRecipe) and bare.data.source is None and bare.token_weights.enabled
     assert re.fullmatch(r"[\w.-]+/[\w.-]+", bare.source), "the model is named by its Hub id"
