@@ -331,7 +331,7 @@ def _stage_weights(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel
 
 
 def _stage_train(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:
-    from raven_convert.train.stage2 import TrainConfig, train
+    from raven_convert.train.stage2 import TrainConfig
 
     settings, model_dir = recipe.train, _latest_model(run_dir, done)
     if settings.steps == 0:
@@ -342,32 +342,27 @@ def _stage_train(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) 
         weights = load_weight_table(run_dir / done["weights"]["file"], train_rows)
     config = TrainConfig(**settings.model_dump())
     teacher = load_teacher(recipe, parallel) if config.kd_weight > 0 else None
+    rows = (train_rows, val_rows)
+    return _train_hybrid(recipe, run_dir, "train", model_dir, config, teacher, rows, weights, parallel)
+
+
+def _train_hybrid(recipe, run_dir: Path, stage: str, model_dir: Path, config, teacher, rows, weights, parallel) -> dict:
+    """Stage 2's loop (train and extend) on the hybrid in `model_dir` over rows = (train, validation): the model
+    gathered (fsdp), LoRA merged, saved under RUN_DIR/stage/model (main process only), and the run summarised."""
+    from raven_convert.train.stage2 import merge_lora, train
+
     student = load_hybrid(model_dir, "cpu" if parallel.sharded else None)  # fsdp moves each shard to its device
+    train_rows, val_rows = rows
     validation = val_rows if len(val_rows) else None
+    out = run_dir / stage
     history = train(
-        student,
-        teacher,
-        train_rows,
-        config,
-        run_dir / "train",
-        token_weights=weights,
-        validation=validation,
-        parallel=parallel,
+        student, teacher, train_rows, config, out, token_weights=weights, validation=validation, parallel=parallel
     )
-    return _finish_training(student, config, history, model_dir, run_dir, "train", recipe.source, parallel)
-
-
-def _finish_training(
-    student, config, history, model_dir: Path, run_dir: Path, stage: str, base_model: str, parallel: Parallel
-) -> dict:
-    """Gather the model (fsdp), merge LoRA, save it under RUN_DIR/stage/model (main process only), and summarise."""
-    from raven_convert.train.stage2 import merge_lora
-
     whole = whole_model(parallel, student, model_dir, lora=config)
     if whole is not None:
         if config.uses_lora:
             merge_lora(whole)
-        save_model(whole, model_dir, run_dir / stage / "model", base_model)
+        save_model(whole, model_dir, run_dir / stage / "model", recipe.source)
     return training_summary(config, history, run_dir, stage)
 
 
@@ -387,7 +382,7 @@ def training_summary(config, history: list[dict], run_dir: Path, stage: str) -> 
 
 
 def _stage_extend(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:
-    from raven_convert.train.stage2 import TrainConfig, train
+    from raven_convert.train.stage2 import TrainConfig
     from raven_convert.train.token_weights import token_weights
 
     settings, model_dir = recipe.extend, _latest_model(run_dir, done)
@@ -411,21 +406,9 @@ def _stage_extend(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel)
                 query_block=tw.query_block,
             )
 
-    student = load_hybrid(model_dir, "cpu" if parallel.sharded else None)
-    validation = val_rows if len(val_rows) else None
-    history = train(
-        student,
-        teacher,
-        train_rows,
-        config,
-        run_dir / "extend",
-        token_weights=weights,
-        validation=validation,
-        parallel=parallel,
-    )
-    return _finish_training(student, config, history, model_dir, run_dir, "extend", recipe.source, parallel) | {
-        "seq_len": settings.seq_len
-    }
+    rows = (train_rows, val_rows)
+    summary = _train_hybrid(recipe, run_dir, "extend", model_dir, config, teacher, rows, weights, parallel)
+    return summary | {"seq_len": settings.seq_len}
 
 
 def _stage_evaluate(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:
