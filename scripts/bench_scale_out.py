@@ -1,12 +1,13 @@
 """Align and train of a recipe on one GPU and on N under ddp and fsdp, at one global batch: tokens/s and memory per GPU.
 
     python scripts/bench_scale_out.py recipes/smollm2-raven.yaml --src /tmp/smollm2 --data ../shared/data/corpus \
-        --gpus 2 --align-steps 20 --train-steps 20 --max-documents 400 --out runs/scale-out [--scaling weak]
+        --gpus 2 --align-steps 20 --train-steps 20 --max-documents 400 --out runs/scale-out [--scaling strong,weak]
 
 Each run goes through `python -m raven_convert.train` (convert, align, train; token weights, evaluate and export
 off), the N-process ones under `accelerate launch` with the shipped configs (recipes/accelerate/). --scaling strong
 (default) divides batch_size by N, so that every run sees the same global batches (and ends with the same
-parameters); weak keeps the recipe's batch_size per GPU, so the global batch grows N-fold. The data is tokenised
+parameters); weak keeps the recipe's batch_size per GPU, so the global batch grows N-fold; strong,weak runs both
+(one single-GPU run is the baseline of both). The data is tokenised
 once into OUT/cache. A run that fails is reported in the table and the others still run. Rates
 come from the stages' DONE summaries (counted from the end of the first step); memory is the largest
 `nvidia-smi` reading of each GPU while the run's align and train stages ran (the whole process: CUDA context and
@@ -50,11 +51,11 @@ class GpuMemory:
         self._thread.join()
 
 
-def run(args, name: str, processes: int, strategy: str) -> dict:
+def run(args, name: str, processes: int, strategy: str, scaling: str = "strong") -> dict:
     """One run of convert, align and train into OUT/name; its stages' summaries and the GPUs' peak memory."""
     recipe = yaml.safe_load(Path(args.recipe).read_text())
     run_dir = Path(args.out) / name
-    share = processes if args.scaling == "strong" else 1
+    share = processes if scaling == "strong" else 1
     overrides = {
         "align.steps": args.align_steps,
         "train.steps": args.train_steps,
@@ -88,6 +89,7 @@ def run(args, name: str, processes: int, strategy: str) -> dict:
         "run": name + (" (failed)" if failed else ""),
         "processes": processes,
         "strategy": strategy,
+        "scaling": scaling,
         "rows_per_gpu": recipe["train"]["batch_size"] // share,
         "align_tokens_per_second": done["align"].get("tokens_per_second"),
         "train_tokens_per_second": done["train"].get("tokens_per_second"),
@@ -104,15 +106,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--align-steps", type=int, default=20)
     parser.add_argument("--train-steps", type=int, default=20)
     parser.add_argument("--max-documents", type=int, default=400)
-    parser.add_argument("--scaling", choices=["strong", "weak"], default="strong", help="see above")
+    parser.add_argument("--scaling", default="strong", help="strong, weak or strong,weak: see above")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if args.gpus < 2:
         parser.error(f"--gpus {args.gpus}: the multi-GPU runs need at least 2")
+    scalings = args.scaling.split(",")
+    if unknown := [s for s in scalings if s not in ("strong", "weak")]:
+        parser.error(f"--scaling {unknown[0]!r}: allowed strong, weak or both, comma-separated")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     rows = [run(args, "gpu1", 1, "ddp")]
-    for strategy in ("ddp", "fsdp"):
-        rows.append(run(args, f"gpu{args.gpus}-{strategy}", args.gpus, strategy))
+    for scaling in scalings:
+        for strategy in ("ddp", "fsdp"):
+            rows.append(run(args, f"gpu{args.gpus}-{strategy}-{scaling}", args.gpus, strategy, scaling))
     (Path(args.out) / "scale_out.json").write_text(json.dumps(rows, indent=1))
     base = rows[0]
     columns = ["run", "processes", "rows per GPU", "align tok/s", "vs 1 GPU", "train tok/s", "vs 1 GPU"]

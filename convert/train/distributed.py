@@ -30,13 +30,14 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal, TypeVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 STRATEGIES = ("ddp", "fsdp")
+T = TypeVar("T")
 
 
 class DistributedSettings(BaseModel):
@@ -104,6 +105,21 @@ class Parallel:
         """A progress line on stderr, from the main process only."""
         if self.is_main:
             print(message, file=sys.stderr, flush=True)
+
+    def in_turn(self, load: Callable[[], T]) -> T:
+        """`load()` on one process at a time, in rank order: a model read into host memory and placed (moved to the
+        device or sharded) by one process before the next starts, so that the host holds one full copy at a time, not
+        one per process. Every process must call it."""
+        if self.world == 1:
+            return load()
+        if self.sharded:
+            self._shard_kwargs()  # the device mesh is made by all processes together, before the turns
+        result = None
+        for turn in range(self.world):
+            if turn == self.rank:
+                result = load()
+            self.barrier()
+        return result
 
     def mean(self, values: torch.Tensor) -> torch.Tensor:
         """The mean of `values` over the processes (itself on one)."""

@@ -18,10 +18,12 @@ from raven_convert.train.recipe import Recipe
 
 
 def load_teacher(recipe: Recipe, parallel: Parallel):
-    """The frozen teacher, read on the CPU and then placed: sharded under fsdp, whole on this process's device else."""
+    """The frozen teacher, read on the CPU and then placed: sharded under fsdp, whole on this process's device else.
+    The processes of a launch read it in turn, so the host holds one full copy at a time."""
     from raven_convert.sources import Source
 
-    return parallel.frozen(Source.resolve(recipe.source).load_model(recipe.dtype))
+    source = Source.resolve(recipe.source)
+    return parallel.in_turn(lambda: parallel.frozen(source.load_model(recipe.dtype)))
 
 
 def load_hybrid(model_dir: Path, device: torch.device | str | None = None):

@@ -109,8 +109,12 @@ def assert_same_model(run: Path, reference: Path, stage: str) -> None:
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_processes_align_weight_and_train_as_one(one_process, strategy):
-    run, done = launch(one_process, strategy, strategy, "align,weights,train")
+    loads = one_process["root"] / f"loads-{strategy}.log"
+    run, done = launch(one_process, strategy, strategy, "align,weights,train", LOG_LOADS=str(loads))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    # the teacher (align, weights, train's distillation) is read by one process at a time, in rank order
+    events = [line.split()[:2] for line in loads.read_text().splitlines()]
+    assert events == [["start", "0"], ["end", "0"], ["start", "1"], ["end", "1"]] * 3, events
     for stage in ("align", "train"):
         assert_same_model(run, one_process["run"], stage)
     tables = [torch.load(r / "weights" / "weights.pt", weights_only=True) for r in (run, one_process["run"])]
