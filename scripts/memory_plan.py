@@ -191,6 +191,7 @@ def main() -> int:
             launch(args, processes, path, run_dir, report)
         except subprocess.CalledProcessError as error:
             runs.append(row | {"failed": str(error)})
+            shutil.rmtree(run_dir)
             continue
         ranks = [json.loads(report.with_suffix(f".rank{r}.json").read_text()) for r in range(processes)]
         stages = {s: {k: max(r[s][k] or 0 for r in ranks) for k in ("gpu", "host")} for s in STAGES[1:]}
