@@ -71,6 +71,8 @@ def make_inputs(out: Path, tiny: bool) -> tuple[Path, Path]:
         with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # random init of 8B: minutes on a CPU
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if tiny else torch.bfloat16)
         model.save_pretrained(teacher)
+        del model
+        torch.cuda.empty_cache()  # this process stays alive beside the launched ones: it keeps no GPU memory
         vocab = {c: i for i, c in enumerate(["<pad>", "<s>", "</s>", "<unk>", *sorted(set(string.printable))])}
         backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
         backend.decoder = decoders.Fuse()
@@ -140,6 +142,7 @@ def convert_once(args, out: Path, teacher: Path, data: Path) -> dict:
     host_peak_gib(reset=True)
     run_recipe(parse_recipe(recipe(teacher, data, args.tiny, "ddp")), converted, stages=["convert"])
     gpu = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    torch.cuda.empty_cache()
     return {"gpu": gpu, "host": host_peak_gib()}
 
 
