@@ -37,12 +37,15 @@ global batch (batch_size x the processes it ran on).
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import shutil
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 from raven_convert.console import is_main_process
 from raven_convert.files import check_writable, copy_dir, disk_bytes, format_bytes, write_json
@@ -61,6 +64,15 @@ MAIN_ONLY = ("convert", "export")  # under a launch, the main process runs these
 # `distributed` is in no stage's fields (recipe.stage_fields): the strategy and the process count change memory and
 # speed, not results (at one global batch).
 CHOICE_FIELDS = ("layer_choice", "data.source", "data.text_field")  # what convert also reads under layers: auto:N
+
+
+def release_memory() -> None:
+    """Free what a finished stage left in reference cycles (FSDP2's modules and their hooks point at each other), so
+    the next stage starts with only what it loads: without it a launch's stages pile their models up on the GPU
+    until Python's collector happens to run."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def log(message: str) -> None:
@@ -570,6 +582,7 @@ def run_recipe(
             raise FloatingPointError(
                 f"the {stage} stage stopped: {err}; {stage_state(run_dir, stage)}. {advice} the data before rerunning"
             ) from err
+        release_memory()
         summary["seconds"] = round(time.perf_counter() - clock, 3)
         summary["disk_bytes"] = _disk_use(run_dir, stage, summary)
         summary |= {"fingerprint": prints[stage], "inputs": stage_inputs(recipe, stage, processes[stage])}
