@@ -6,7 +6,8 @@
 Each NAME=PATH names a `report.json` written by `raven-eval` or by a recipe's evaluate stage: the file itself, its
 directory, or a recipe run directory (RUN_DIR/evaluate/report.json). Columns: perplexity at one context length
 (and its ratio to the reference model's), accuracy per context length of every retrieval task found (standard
-variant unless --variant), and decoding tokens/s with the per-sequence cache or state at one context length.
+variant unless --variant; a task on a named haystack, TASK@NAME, beside TASK), and decoding tokens/s with the
+per-sequence cache or state at one context length.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def table(reports: dict[str, dict], reference: str | None, ppl_length: int, spee
             if (var or "standard") == variant:
                 lengths = tasks.setdefault(task, [])
                 lengths += [int(n) for n in summary["by_length"] if int(n) not in lengths]
+    bases = list(dict.fromkeys(task.partition("@")[0] for task in tasks))
+    tasks = {t: tasks[t] for t in sorted(tasks, key=lambda t: bases.index(t.partition("@")[0]))}  # TASK@NAME by TASK
     header = ["model", f"ppl @{short(ppl_length)}"]
     header += [f"{task} {short(n)}" for task, lengths in tasks.items() for n in sorted(lengths)]
     header += [f"decode tok/s @{short(speed_length)}", f"cache/state per sequence @{short(speed_length)}"]

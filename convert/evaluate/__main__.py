@@ -2,6 +2,7 @@
 
 raven-eval runs/smollm2-raven --out runs/smollm2-raven/eval --lengths 1k,2k,4k --tasks passkey,niah_single_2
 raven-eval model.gguf --out eval --ppl-data ../shared/data/pg_essays --speed-lengths 1k,4k,16k
+raven-eval MODEL --out eval --tasks niah_single_2,niah_single_2@papers --haystacks papers=../shared/papers
 """
 
 from __future__ import annotations
@@ -12,23 +13,41 @@ import re
 import sys
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from raven_convert.console import command_line, interrupted
 from raven_convert.files import check_writable
 
+from .needles import haystack_files
 from .perplexity import parse_lengths
 from .report import EvalRequest, evaluate_model
 from .retrieval import TASKS, VARIANTS
 
 
-def _names(allowed):
+def _names(allowed=None):
+    """Comma-separated names, each one of `allowed` (None: any, checked with the other flags by EvalRequest)."""
+
     def parse(text: str) -> list[str]:
         names = [n.strip() for n in text.split(",") if n.strip()]
-        bad = [n for n in names if n not in allowed]
-        if bad or not names:
-            raise argparse.ArgumentTypeError(f"{bad or text!r} not allowed; choose from {sorted(allowed)}")
+        if not names:
+            raise argparse.ArgumentTypeError(f"{text!r} names none")
+        bad = [n for n in names if allowed is not None and n not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{bad!r} not allowed; choose from {sorted(allowed)}")
         return names
 
     return parse
+
+
+def _haystack(text: str) -> tuple[str, str]:
+    name, sep, folder = text.partition("=")
+    if not sep or not name or not folder:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=DIR (e.g. papers=../shared/papers)")
+    try:
+        haystack_files(folder, f"haystack {name!r}")
+    except FileNotFoundError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return name, folder
 
 
 def _depths(text: str) -> list[float]:
@@ -67,13 +86,26 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="keep the parts that --out's report.json finished with the same flags and model; run the others",
     )
-    p.add_argument("--tasks", type=_names(TASKS), default=d.tasks, help=f"comma-separated, from {sorted(TASKS)}")
+    p.add_argument(
+        "--tasks",
+        type=_names(),  # TASK@NAME needs --haystacks NAME: checked by EvalRequest
+        default=d.tasks,
+        help=f"comma-separated, from {sorted(TASKS)}; TASK@NAME: an essay task on the --haystacks NAME",
+    )
     p.add_argument("--variants", type=_names(VARIANTS), default=d.variants, help=f"from {list(VARIANTS)}")
     p.add_argument("--lengths", type=parse_lengths, default=d.lengths, help="prompt lengths in tokens (1k = 1024)")
     p.add_argument("--depths", type=_depths, default=d.depths, help="needle depths in [0, 1]")
     p.add_argument("--samples", type=_positive, default=d.samples, help="prompts per (length, depth)")
     p.add_argument("--batch-size", type=_positive, default=d.batch_size)
     p.add_argument("--haystack-dir", type=_existing, help="essay haystack directory (default: $RAVEN_HAYSTACK_DIR)")
+    p.add_argument(
+        "--haystacks",
+        type=_haystack,
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="a further haystack, a folder of *.txt, for the tasks TASK@NAME (repeatable)",
+    )
     p.add_argument(
         "--chat-template",
         choices=["off", "on", "auto"],
@@ -99,7 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.chat_template = {"off": False, "on": True, "auto": None}[args.chat_template]
     resume = vars(args).pop("resume")
-    request = EvalRequest(**vars(args))
+    args.haystacks = dict(args.haystacks)
+    try:
+        request = EvalRequest(**vars(args))
+    except ValidationError as err:  # what one flag cannot check alone: the tasks against --haystacks
+        first = err.errors()[0]
+        p.error(f"argument --{str(first['loc'][0]).replace('_', '-')}: {first['msg'].removeprefix('Value error, ')}")
     try:
         check_writable(args.out, "--out")
         report = evaluate_model(request, resume=resume)

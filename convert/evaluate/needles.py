@@ -15,10 +15,13 @@ from the sample's RNG.
 
 Haystacks. Noise tasks (passkey, niah_single_1) repeat RULER's five sentences. Essay tasks read every `*.txt` in
 `haystack_dir` (Paul Graham's essays), split them into paragraphs and, following SILA Section 3.2, shuffle the
-paragraphs afresh for every sample. All randomness comes from string-seeded `random.Random`s: the same seed gives
-the same prompts, and the paragraph order of a sample depends on (seed, length, depth, index) only, so tasks and
-variants built with one seed read the same text, each cut to its own size (paired comparisons, as SILA's NIAH-2 vs
-NIAH-Word). Depths 0 and 1 are exact: before the first and after the last haystack token.
+paragraphs afresh for every sample. "TASK@NAME" is an essay task with its essays replaced by the named haystack, any
+folder of `*.txt` (`haystacks={NAME: folder}`), with the same needles at the same depths as TASK. A text haystack
+must hold at least the longest prompt's tokens, so that no prompt repeats its text. All randomness comes from
+string-seeded `random.Random`s: the same seed gives the same prompts, and the paragraph order of a sample depends on
+(seed, length, depth, index) only, so tasks and variants built with one seed read the same text, each cut to its own
+size (paired comparisons, as SILA's NIAH-2 vs NIAH-Word). Depths 0 and 1 are exact: before the first and after the
+last haystack token.
 
 Variants (SILA Appendix C.1): "standard" states the kind of value before the context (RULER); "no_inst" gives no
 instruction before the context, only the question after it; "strong_inst" names the key (or the pass key) before the
@@ -40,10 +43,14 @@ import os
 import random
 import re
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from raven_layers.common import did_you_mean
+
 HAYSTACK_ENV = "RAVEN_HAYSTACK_DIR"
+BUILT_IN_HAYSTACKS = ("noise", "essay")  # TaskSpec.haystack; named haystacks take other names
 VARIANTS = ("standard", "no_inst", "strong_inst")
 MIN_HAYSTACK_TOKENS = 32  # below this a depth means little: lengths must leave at least this much haystack
 SNAP_FRACTION = 0.025  # a needle moves at most this fraction of the haystack to reach a sentence start
@@ -98,7 +105,7 @@ class TaskSpec:
     """A task as data: which haystack, what the needle values are, how many keys and values."""
 
     name: str
-    haystack: str  # "noise" | "essay"
+    haystack: str  # one of BUILT_IN_HAYSTACKS
     value_kind: str  # "passkey" (5 digits) | "number" (7 digits) | "uuid" | "phrase" (two English words)
     num_keys: int = 1  # keys in the haystack; the first num_queries are asked about, the others distract
     num_values: int = 1  # values of each asked key; all must be returned
@@ -189,17 +196,46 @@ TASKS: dict[str, TaskSpec] = {
 }
 
 
-def load_essay_paragraphs(haystack_dir: str | Path) -> list[str]:
+def split_task(task: str, haystacks: Collection[str] | None = None) -> tuple[TaskSpec, str | None]:
+    """A task string, TASK or TASK@NAME -> (TASK's spec, NAME or None); a ValueError names the bad part and the
+    allowed ones. `haystacks`: the names @NAME may take (None: any, checked where the names are known)."""
+    name, at, haystack = task.partition("@")
+    if name not in TASKS:
+        raise ValueError(f"unknown task {task!r}; {did_you_mean(name, TASKS)}allowed: {', '.join(TASKS)}")
+    if at and TASKS[name].haystack == "noise":
+        texts = [t.name for t in TASKS.values() if t.haystack != "noise"]
+        raise ValueError(
+            f"task {task!r}: {name} hides its needles in repeated noise, not in a text haystack; @NAME applies to "
+            f"the essay tasks: {', '.join(texts)}"
+        )
+    if at and haystacks is not None and haystack not in haystacks:
+        defined = ", ".join(haystacks) or "none"
+        raise ValueError(
+            f"task {task!r}: no haystack named {haystack!r}; {did_you_mean(haystack, haystacks)}defined: {defined} "
+            "(haystacks: NAME -> folder of *.txt)"
+        )
+    return TASKS[name], haystack or None
+
+
+def haystack_files(folder: str | Path, what: str = "haystack_dir") -> list[Path]:
+    """The *.txt files of a haystack folder, sorted; FileNotFoundError naming `what` (the field or flag) if none."""
+    if not Path(folder).expanduser().is_dir():
+        raise FileNotFoundError(f"{what} {folder}: no such directory")
+    files = sorted(Path(folder).expanduser().glob("*.txt"))
+    if not files:
+        raise FileNotFoundError(f"{what} {folder}: no *.txt files in it")
+    return files
+
+
+def load_essay_paragraphs(haystack_dir: str | Path, what: str = "haystack_dir") -> list[str]:
     """Paragraphs of every *.txt file in the folder, hard line wraps undone.
 
     RULER's copy of the essays lost most paragraph breaks ("accelerating.We wouldn't"): a sentence end, footnote
     mark ("[1]No one") or date line ("July 2010What") glued to a capital letter is taken as a paragraph break too.
+    Other texts (papers with equations, tables and numbers) rarely match these and keep their own paragraphs.
     """
-    files = sorted(Path(haystack_dir).glob("*.txt"))
-    if not files:
-        raise FileNotFoundError(f"no *.txt files in haystack_dir {str(haystack_dir)!r}")
     paragraphs = []
-    for file in files:
+    for file in haystack_files(haystack_dir, what):
         text = file.read_text(encoding="utf-8", errors="replace")
         text = re.sub(r"Want to start a startup\?\s*Get funded by\s*Y Combinator\.", "\n\n", text)
         text = re.sub(r"([a-z][.!?][\"')]?|\]|\b(?:%s) \d{4})(?=[A-Z\[])" % _MONTHS, "\\1\n\n", text)
@@ -285,6 +321,19 @@ def _essay_haystack(tokenizer, paragraphs: list[str], rng: random.Random, n_toke
         want_chars = int(len(text) * 1.3 * n_tokens / max(len(hay), 1)) + 200
 
 
+def _check_size(tokenizer, paragraphs: list[str], length: int, what: str) -> None:
+    """Refuse a haystack holding fewer tokens than the longest prompt: its text would repeat within a prompt."""
+    n, chunk = 0, 64
+    for start in range(0, len(paragraphs), chunk):  # counted until enough: a large haystack costs one prompt
+        n += count_tokens(tokenizer, "\n\n".join(paragraphs[start : start + chunk]), False)
+        if n >= length:
+            return
+    raise ValueError(
+        f"{what} holds {n:,} tokens of text, fewer than the longest length asked, {length:,}: add *.txt files to it "
+        "or ask shorter lengths"
+    )
+
+
 def count_tokens(tokenizer, text: str, add_special_tokens: bool) -> int:
     return len(tokenizer(text, add_special_tokens=add_special_tokens, verbose=False)["input_ids"])
 
@@ -332,7 +381,7 @@ def _token_index(tokenizer, prompt: str, add_special_tokens: bool, chars: list[i
     return [count_tokens(tokenizer, prompt[:c], add_special_tokens) for c in chars]
 
 
-def _make_sample(spec, variant, tokenizer, chat, prefill, length, depth, index, seed, hay_source) -> Sample:
+def _make_sample(task, spec, variant, tokenizer, chat, prefill, length, depth, index, seed, hay_source) -> Sample:
     add_special = not chat
     needle_rng = random.Random(f"needles:{seed}:{spec.name}:{length}:{depth!r}:{index}")
     key, needles = spec.make_needles(needle_rng)
@@ -344,7 +393,7 @@ def _make_sample(spec, variant, tokenizer, chat, prefill, length, depth, index, 
     empty = count_tokens(tokenizer, build(_Haystack("", [0], [0], [], [], [], []), 0)[0], add_special)
     if length - empty < MIN_HAYSTACK_TOKENS:
         raise ValueError(
-            f"length {length} is too short for task {spec.name!r} ({variant}) with this tokenizer: instruction, "
+            f"length {length} is too short for task {task!r} ({variant}) with this tokenizer: instruction, "
             f"needles and question take {empty} tokens; use lengths of at least {empty + MIN_HAYSTACK_TOKENS}"
         )
     hay = hay_source(length, depth, index)  # [>= length tokens]
@@ -381,13 +430,13 @@ def _make_sample(spec, variant, tokenizer, chat, prefill, length, depth, index, 
         needle_meta.append(
             dict(key=k, value=v, char_span=[cs, ce], token_span=[ts, te], depth=round(before / max(hay_tokens, 1), 4))
         )
-    meta = dict(id=f"{spec.name}/{variant}/{length}/{depth:g}/{index}", seed=seed, index=index, n_tokens=n, key=key)
+    meta = dict(id=f"{task}/{variant}/{length}/{depth:g}/{index}", seed=seed, index=index, n_tokens=n, key=key)
     meta |= dict(chat=chat, add_special_tokens=add_special, prefilled=prefill or not chat)
     meta |= dict(answer_prefix=spec.texts(variant, key)[2], needle_token_span=tok_spans[0])
     meta |= dict(depth_actual=needle_meta[0]["depth"], haystack_tokens=hay_tokens, context_char_span=list(ctx))
     meta["needles"] = needle_meta
     return Sample(
-        task=spec.name,
+        task=task,
         prompt=prompt,
         answers=[v for _, v in needles[: spec.num_answers]],
         length=length,
@@ -408,15 +457,17 @@ def build_samples(
     haystack_dir: str | Path | None = None,
     chat_template: bool | None = None,
     prefill_answer: bool = True,
+    haystacks: dict[str, str | Path] | None = None,
 ) -> list[Sample]:
     """Samples for every (length, depth) cell, `samples_per_cell` each, in length-depth-index order.
 
+    task: a name of TASKS, or "TASK@NAME" for an essay task on the haystack `haystacks[NAME]` (a folder of *.txt).
     lengths: prompt lengths in tokens of `tokenizer`; depths: needle depths in [0, 1]. `haystack_dir` (essay tasks
     only) defaults to $RAVEN_HAYSTACK_DIR. `chat_template`: True wraps prompts in the tokenizer's chat template, False
     never does, None does when the tokenizer has one. See the module docstring for sizing, depths and prefilling.
     """
-    if task not in TASKS:
-        raise ValueError(f"unknown retrieval task {task!r}; expected one of {sorted(TASKS)}")
+    haystacks = haystacks or {}
+    spec, named = split_task(task, haystacks)
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; expected one of {list(VARIANTS)}")
     lengths, depths = [int(x) for x in lengths], [float(d) for d in depths]
@@ -428,7 +479,6 @@ def build_samples(
     if chat_template and not has_template:
         raise ValueError("chat_template=True but the tokenizer has no chat template")
     chat = has_template if chat_template is None else bool(chat_template)
-    spec = TASKS[task]
 
     if spec.haystack == "noise":  # one haystack for all samples: only the needles differ
         n_max = max(lengths) + 64
@@ -438,13 +488,19 @@ def build_samples(
         def hay_source(length, depth, index):
             return noise
     else:
-        haystack_dir = haystack_dir or os.environ.get(HAYSTACK_ENV)
-        if not haystack_dir:
+        if named:
+            folder, what = haystacks[named], f"haystack {named!r}"
+        elif haystack_dir:
+            folder, what = haystack_dir, "haystack_dir"
+        else:
+            folder, what = os.environ.get(HAYSTACK_ENV), f"${HAYSTACK_ENV}"
+        if not folder:
             raise ValueError(
                 f"task {task!r} needs an essay haystack: pass haystack_dir= or set ${HAYSTACK_ENV} to a folder of "
                 f"*.txt files (RULER's Paul Graham essays, e.g. ../shared/data/pg_essays)"
             )
-        paragraphs = load_essay_paragraphs(haystack_dir)
+        paragraphs = load_essay_paragraphs(folder, what)
+        _check_size(tokenizer, paragraphs, max(lengths), f"{what} ({folder})")
         probe = "\n\n".join(paragraphs)[:20000]
         chars_per_token = len(probe) / max(count_tokens(tokenizer, probe, False), 1)
 
@@ -453,7 +509,7 @@ def build_samples(
             return _essay_haystack(tokenizer, paragraphs, rng, length + 64, chars_per_token)
 
     return [
-        _make_sample(spec, variant, tokenizer, chat, prefill_answer, length, depth, i, seed, hay_source)
+        _make_sample(task, spec, variant, tokenizer, chat, prefill_answer, length, depth, i, seed, hay_source)
         for length in sorted(lengths)
         for depth in depths
         for i in range(samples_per_cell)

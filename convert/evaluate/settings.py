@@ -3,16 +3,20 @@
 settings plus the model, the report directory and the device.
 
     request = EvalRequest(model="runs/smollm2-raven/model", out="runs/smollm2-raven/eval", lengths=[1024, 4096])
+    request = EvalRequest(model=..., out=..., tasks=["niah_word", "niah_word@papers"], haystacks={"papers": "papers/"})
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from .needles import TASKS, VARIANTS
+from .needles import BUILT_IN_HAYSTACKS, VARIANTS, split_task
+
+HAYSTACK_NAME = r"[a-z][a-z0-9_]{0,23}"  # a named haystack: short, and safe in a task string and a file name
 
 
 class EvaluateSettings(BaseModel):
@@ -21,6 +25,10 @@ class EvaluateSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
+    # before tasks: their validator reads it
+    haystacks: dict[str, str] = Field(
+        default_factory=dict, description="further haystacks, name -> folder of *.txt; task TASK@NAME reads NAME's"
+    )
     tasks: list[str] = Field(default_factory=lambda: ["passkey", "niah_single_2"], min_length=1)
     variants: list[Literal[VARIANTS]] = Field(default_factory=lambda: ["standard"])
     lengths: list[int] = Field(default_factory=lambda: [1024, 2048, 4096], min_length=1)
@@ -43,12 +51,28 @@ class EvaluateSettings(BaseModel):
         None, ge=1, description="a hybrid's kept attention layers attend within this many tokens (None: as converted)"
     )
 
+    @field_validator("haystacks")
+    @classmethod
+    def _haystacks(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, folder in value.items():
+            if not re.fullmatch(HAYSTACK_NAME, name):
+                raise ValueError(
+                    f"haystack name {name!r} is not a short identifier: a lowercase letter, then up to 23 lowercase "
+                    "letters, digits or _"
+                )
+            if name in BUILT_IN_HAYSTACKS:
+                raise ValueError(
+                    f"haystack name {name!r} is built in ({', '.join(BUILT_IN_HAYSTACKS)}); choose another"
+                )
+            if not folder.strip():
+                raise ValueError(f"haystack {name!r} names no folder")
+        return value
+
     @field_validator("tasks")
     @classmethod
-    def _tasks(cls, value: list[str]) -> list[str]:
-        unknown = [t for t in value if t not in TASKS]
-        if unknown:
-            raise ValueError(f"unknown task(s) {unknown}; allowed: {', '.join(TASKS)}")
+    def _tasks(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        for task in value:  # the haystack names are checked when haystacks is valid
+            split_task(task, info.data.get("haystacks"))
         return value
 
     @field_validator("lengths", "ppl_lengths", "speed_lengths")

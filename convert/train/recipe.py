@@ -8,11 +8,12 @@ in `source` is trained as it is, in its own class, with token weights from a `re
 (weights -> train -> export).
 
 Relative paths in a recipe (source, reference and data.source when they exist as local paths, data.cache_dir,
-token_weights.cache_dir, export.dir, evaluate.haystack_dir, evaluate.ppl_data) are resolved against the current
-working directory when the recipe is loaded, not against the recipe file's directory. Names that do not exist
-locally (Hub ids such as Qwen/Qwen3-0.6B) are kept as given. The shipped recipes name no local paths: the inputs
-come from INPUT_FLAGS (--src, --reference, --data, --haystack, --ppl-data), and check_inputs says which flag or
-field to set when one is missing or does not exist.
+token_weights.cache_dir, export.dir, evaluate.haystack_dir, the folders of evaluate.haystacks, evaluate.ppl_data)
+are resolved against the current working directory when the recipe is loaded, not against the recipe file's
+directory. Names that do not exist locally (Hub ids such as Qwen/Qwen3-0.6B) are kept as given. The shipped
+recipes name no local paths: the inputs come from INPUT_FLAGS (--src, --reference, --data, --haystack, --ppl-data;
+named haystacks from --set evaluate.haystacks.NAME=DIR), and check_inputs says which flag or field to set when one
+is missing or does not exist.
 """
 
 from __future__ import annotations
@@ -324,6 +325,7 @@ def resolve_paths(recipe: Recipe | FinetuneRecipe, base: str | Path | None = Non
     if r.evaluate:
         if r.evaluate.haystack_dir:
             r.evaluate.haystack_dir = _local(r.evaluate.haystack_dir, base)
+        r.evaluate.haystacks = {name: _local(folder, base) for name, folder in r.evaluate.haystacks.items()}
         if r.evaluate.ppl_data:
             r.evaluate.ppl_data = _local(r.evaluate.ppl_data, base)
     return r
@@ -398,7 +400,7 @@ def check_inputs(recipe: Recipe | FinetuneRecipe, stages: list[str]) -> None:
     data.cache_dir must be writable."""
     import os
 
-    from raven_convert.evaluate.needles import HAYSTACK_ENV, TASKS
+    from raven_convert.evaluate.needles import HAYSTACK_ENV, haystack_files, split_task
     from raven_convert.files import check_writable
     from raven_convert.sources import Source
     from raven_convert.train.data import check_data_source
@@ -427,16 +429,26 @@ def check_inputs(recipe: Recipe | FinetuneRecipe, stages: list[str]) -> None:
     evaluate = getattr(recipe, "evaluate", None)
     if "evaluate" not in stages or evaluate is None:
         return
-    essays = [t for t in evaluate.tasks if TASKS[t].haystack != "noise"]
+    tasks = {task: split_task(task) for task in evaluate.tasks}  # task -> (spec, named haystack or None)
+    essays = [t for t, (spec, named) in tasks.items() if spec.haystack != "noise" and named is None]
     haystack = evaluate.haystack_dir or os.environ.get(HAYSTACK_ENV)
-    named = "evaluate.haystack_dir" if evaluate.haystack_dir else f"${HAYSTACK_ENV}"
     if essays and not haystack:
         raise ValueError(
             f"evaluate.haystack_dir is not set, and tasks {essays} hide their needles in essays (a folder of *.txt "
             f"files, e.g. Paul Graham's): {how_to_set('evaluate.haystack_dir')} (or set ${HAYSTACK_ENV})"
         )
-    if essays and not Path(haystack).is_dir():
-        raise ValueError(f"{named} {haystack}: no such directory; {how_to_set('evaluate.haystack_dir')}")
+    folders = {}  # what names the folder -> (the folder, how to set it)
+    if essays:
+        what = "evaluate.haystack_dir" if evaluate.haystack_dir else f"${HAYSTACK_ENV}"
+        folders[what] = (haystack, how_to_set("evaluate.haystack_dir"))
+    for name in dict.fromkeys(n for _, n in tasks.values() if n):
+        field = f"evaluate.haystacks.{name}"
+        folders[field] = (evaluate.haystacks[name], f"set it with --set {field}=DIR")
+    for what, (folder, hint) in folders.items():
+        try:
+            haystack_files(folder, what)
+        except FileNotFoundError as err:
+            raise ValueError(f"{err}; {hint}") from None
     if evaluate.ppl_data and not Path(evaluate.ppl_data).exists():
         raise ValueError(
             f"evaluate.ppl_data {evaluate.ppl_data}: no such file or directory; {how_to_set('evaluate.ppl_data')}"

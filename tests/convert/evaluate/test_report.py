@@ -13,6 +13,7 @@ PARAGRAPHS = [
     "Cities attract ambitious people. Each city sends a message about what matters there.",
     "Good taste can be learned. It comes from looking closely at the best work in a field.",
 ]
+PAPER = "Theorem 1. The state $S_t$ of size 64 x 128 stays bounded by 2.5 for all t. Table 3 lists 41.2 and 38.9."
 
 
 @pytest.fixture
@@ -64,11 +65,84 @@ def test_teacher_report_with_speed(tiny_sources, tmp_path, haystack):
     assert (out / "speed.png").stat().st_size > 1000
 
 
+@pytest.fixture
+def papers(tmp_path):
+    folder = tmp_path / "papers"
+    folder.mkdir()
+    (folder / "paper.txt").write_text("\n\n".join([PAPER] * 12))
+    return folder
+
+
 def test_bad_task_is_named(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         eval_main(["model", "--out", str(tmp_path), "--tasks", "passkey,needle"])
     assert exit_info.value.code == 2
-    assert "['needle'] not allowed; choose from ['niah_multikey'" in capsys.readouterr().err
+    assert "argument --tasks: unknown task 'needle'; allowed: passkey, niah_single_1," in capsys.readouterr().err
+
+
+def test_a_task_on_a_named_haystack_is_reported_beside_the_task_and_resumed_apart(
+    tiny_sources, tmp_path, haystack, papers, monkeypatch, capsys
+):
+    import raven_convert.evaluate.report as report_module
+
+    run_retrieval, asked = report_module.run_retrieval, []
+
+    def answer_until(stop):  # run_retrieval that records the tasks asked, interrupted at task `stop`
+        def run(model, tokenizer, samples, **kwargs):
+            asked.append(samples[0].task)
+            if samples[0].task == stop:
+                raise KeyboardInterrupt
+            text, on_papers = " ".join(s.prompt for s in samples), "@" in samples[0].task
+            assert (PAPER[:40] in text) == on_papers and any(p[:40] in text for p in PARAGRAPHS) != on_papers
+            return run_retrieval(model, tokenizer, samples, **kwargs)
+
+        return run
+
+    out = tmp_path / "eval"
+    args = [str(tiny_sources["llama"]), "--out", str(out), "--lengths", "700", "--depths", "0,1", "--samples", "1"]
+    args += ["--haystack-dir", str(haystack), "--haystacks", f"papers={papers}", "--no-pictures"]
+    args += ["--tasks", "niah_single_2,niah_single_2@papers"]
+    monkeypatch.setattr(report_module, "run_retrieval", answer_until("niah_single_2@papers"))
+    assert eval_main(args) == 130
+    assert json.loads((out / "report.json").read_text())["finished"] == ["retrieval niah_single_2 (standard)"]
+    assert "To resume:" in capsys.readouterr().err
+
+    monkeypatch.setattr(report_module, "run_retrieval", answer_until("niah_single_2"))  # finished: not asked again
+    assert eval_main([*args, "--resume"]) == 0
+    assert asked == ["niah_single_2", "niah_single_2@papers", "niah_single_2@papers"]
+    report = json.loads((out / "report.json").read_text())
+    assert report["request"]["haystacks"] == {"papers": str(papers)}
+    assert report["finished"] == ["retrieval niah_single_2 (standard)", "retrieval niah_single_2@papers (standard)"]
+    assert list(report["retrieval"]) == ["niah_single_2/standard", "niah_single_2@papers/standard"]
+    assert all(t["n"] == 2 for t in report["retrieval"].values())
+    assert "niah_single_2@papers/standard: " in capsys.readouterr().out  # the printed table
+    for name in ("niah_niah_single_2_standard.png", "niah_niah_single_2@papers_standard.png"):
+        assert (out / name).stat().st_size > 1000, name
+    results = json.loads((out / "retrieval_niah_single_2@papers_standard.json").read_text())["results"]
+    assert [r["id"] for r in results] == [
+        "niah_single_2@papers/standard/700/0/0",
+        "niah_single_2@papers/standard/700/1/0",
+    ]
+
+
+def test_named_haystacks_are_checked_before_loading(tmp_path, capsys, papers):
+    (tmp_path / "empty").mkdir()
+    for flags, message in [
+        (["--haystacks", f"papers={tmp_path / 'empty'}"], f"haystack 'papers' {tmp_path / 'empty'}: no *.txt files"),
+        (["--haystacks", "papers=no/such/papers"], "argument --haystacks: haystack 'papers' no/such/papers: no such"),
+        (["--haystacks", str(papers)], f"argument --haystacks: '{papers}' is not NAME=DIR"),
+        (["--haystacks", f"Papers={papers}"], "argument --haystacks: haystack name 'Papers' is not a short identifier"),
+        (["--tasks", "niah_word@papers"], "argument --tasks: task 'niah_word@papers': no haystack named 'papers'; "),
+        (
+            ["--tasks", "niah_word@paper", "--haystacks", f"papers={papers}"],
+            "no haystack named 'paper'; did you mean 'papers'? defined: papers",
+        ),
+        (["--tasks", "passkey@papers"], "argument --tasks: task 'passkey@papers': passkey hides its needles in"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:  # "model" does not exist: a refusal that loads nothing
+            eval_main(["model", "--out", str(tmp_path / "eval"), *flags])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err, flags
+        assert not (tmp_path / "eval").exists()
 
 
 def test_attention_window_needs_a_hybrid(tiny_sources, tmp_path, capsys):
@@ -85,6 +159,8 @@ def test_attention_window_needs_a_hybrid(tiny_sources, tmp_path, capsys):
         ("--samples", "0", "argument --samples: expected an integer >= 1, got '0'"),
         ("--speed-lengths", "0", "argument --speed-lengths: '0' is not a length"),
         ("--lengths", ",", "argument --lengths: ',' names no length"),
+        ("--tasks", ",", "argument --tasks: ',' names none"),
+        ("--variants", "loud", "argument --variants: ['loud'] not allowed; choose from ['no_inst', 'standard',"),
         ("--depths", "0,half", "argument --depths: '0,half' is not a list of numbers"),
         ("--ppl-data", "no/such/texts", "argument --ppl-data: 'no/such/texts' does not exist"),
         ("--haystack-dir", "no/such/essays", "argument --haystack-dir: 'no/such/essays' does not exist"),

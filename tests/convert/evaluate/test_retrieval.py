@@ -28,6 +28,14 @@ PARAGRAPHS = [
     "Mountains make their own weather. Clouds gather at noon and break by evening. "
     "Hikers learn to start before dawn and to turn back early.",
 ]
+# a second haystack, as papers are: equations, numbers, tables (ASCII: the tiny tokenizer's characters)
+PAPER = [
+    "Lemma 2. For every $x_i \\in [0, 1]$ the update $S_t = \\lambda S_{t-1} + k_t v_t^T$ stays below 3.75.",
+    "Table 4 reports 41.2, 38.9 and 44.5 on three benchmarks; the gate (Eq. 7) adds 0.6 points at 16K tokens.",
+    "| model | state | 8k | 16k |\n| GLA | 128 x 128 | 92.1 | 40.7 |\n| Raven | 64 slots | 99.8 | 94.2 |",
+    "We train for 20B tokens with a learning rate of 3e-4, warmup over 2,000 steps and a cosine decay to 10%.",
+]
+PAPERS_ENV = "RAVEN_PAPERS_DIR"  # the project's papers (../shared/papers), a real second haystack
 LENGTHS = (800, 1200)  # character-level tokens: every task fits with room for a haystack
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 LENGTH_TOLERANCE = 3  # tokens
@@ -47,10 +55,18 @@ def tok():
 
 @pytest.fixture(scope="module")
 def hay_dir(tmp_path_factory) -> Path:
-    """Three small 'essays' of two paragraphs each: far shorter than a prompt, so haystacks also wrap around."""
+    """Three small 'essays', each its two paragraphs twelve times: text for the longest prompt (4,000 characters,
+    2,000 SmolLM2 tokens)."""
     root = tmp_path_factory.mktemp("essays")
     for i in range(3):
-        (root / f"essay{i}.txt").write_text("\n\n".join(PARAGRAPHS[2 * i : 2 * i + 2]) + "\n")
+        (root / f"essay{i}.txt").write_text("\n\n".join(PARAGRAPHS[2 * i : 2 * i + 2] * 12) + "\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def paper_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("papers")
+    (root / "paper.txt").write_text("\n\n".join(PAPER * 12))
     return root
 
 
@@ -150,11 +166,48 @@ def test_seeds_and_sample_level_shuffling(tok, hay_dir):
     assert len({tuple(s.answers) for s in noise}) == 3
 
 
+def starts(paragraphs: list[str]) -> list[str]:
+    """The first 40 characters of each paragraph, whitespace as strip_needles leaves it."""
+    return [" ".join(p.split())[:40] for p in paragraphs]
+
+
+def test_a_named_haystack_replaces_the_essays_under_the_same_needles(tok, hay_dir, paper_dir):
+    def build(task):
+        haystacks = {"papers": paper_dir}
+        return R.build_samples(task, tok, [900], [0.0, 0.5, 1.0], 2, seed=4, haystack_dir=hay_dir, haystacks=haystacks)
+
+    essays, papers = build("niah_multikey"), build("niah_multikey@papers")
+    for e, p in zip(essays, papers, strict=True):
+        assert (e.task, p.task) == ("niah_multikey", "niah_multikey@papers")
+        assert p.meta["id"] == "niah_multikey@papers" + e.meta["id"].removeprefix("niah_multikey")
+        assert p.answers == e.answers and p.meta["needles"][0]["value"] == e.meta["needles"][0]["value"]  # paired
+        assert [n["key"] for n in p.meta["needles"]] == [n["key"] for n in e.meta["needles"]]
+        assert abs(n_tokens(tok, p) - 900) <= LENGTH_TOLERANCE and abs(haystack_depth(p) - p.depth) <= DEPTH_TOLERANCE
+        text, essay_text = strip_needles(p), strip_needles(e)
+        assert any(start in text for start in starts(PAPER)) and not any(start in text for start in starts(PARAGRAPHS))
+        assert any(start in essay_text for start in starts(PARAGRAPHS)) and "Lemma" not in essay_text
+
+
+def test_a_haystack_shorter_than_the_longest_prompt_is_refused(tok, tmp_path):
+    (tmp_path / "short.txt").write_text("\n\n".join(PAPER))
+    held = sum(len(" ".join(p.split())) for p in PAPER) + 2 * (len(PAPER) - 1)  # characters: the tiny tokenizer's
+    message = rf"haystack 'short' \({re.escape(str(tmp_path))}\) holds {held} tokens of text, fewer than the "
+    with pytest.raises(ValueError, match=message + r"longest length asked, 1,200: add \*.txt files"):
+        R.build_samples("niah_single_2@short", tok, [300, 1200], [0.5], 1, seed=0, haystacks={"short": tmp_path})
+    assert R.build_samples("niah_single_2@short", tok, [held], [0.5], 1, seed=0, haystacks={"short": tmp_path})
+
+
 def test_validation_errors(tok, hay_dir, monkeypatch):
     with pytest.raises(ValueError, match="niah_single_1"):
         R.build_samples("niah_single_9", tok, [500], [0.5], 1, seed=0)
     with pytest.raises(ValueError, match="strong_inst"):
         R.build_samples("passkey", tok, [500], [0.5], 1, seed=0, variant="strong")
+    with pytest.raises(ValueError, match=r"'passkey@papers': passkey hides its needles in repeated noise"):
+        R.build_samples("passkey@papers", tok, [500], [0.5], 1, seed=0, haystacks={"papers": hay_dir})
+    with pytest.raises(ValueError, match=r"no haystack named 'paper'; did you mean 'papers'\? defined: papers"):
+        R.build_samples("niah_word@paper", tok, [500], [0.5], 1, seed=0, haystacks={"papers": hay_dir})
+    with pytest.raises(FileNotFoundError, match=r"haystack 'papers' .*: no \*.txt files in it"):
+        R.build_samples("niah_word@papers", tok, [500], [0.5], 1, seed=0, haystacks={"papers": hay_dir.parent})
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         R.build_samples("passkey", tok, [500], [1.5], 1, seed=0)
     with pytest.raises(ValueError, match="at least") as err:
@@ -327,6 +380,21 @@ def test_real_essays(tok):
         assert abs(haystack_depth(s) - s.depth) <= DEPTH_TOLERANCE
         assert "Want to start a startup?" not in s.prompt  # the essays' boilerplate is dropped
     assert len({strip_needles(s) for s in samples}) == len(samples)
+
+
+def test_real_papers(tok):
+    """The project's papers (markdown, LaTeX, tables, numbers) as a second haystack, and how much text they hold."""
+    papers = os.environ.get(PAPERS_ENV)
+    if not papers:
+        pytest.skip(f"set {PAPERS_ENV} to the papers folder (e.g. ../shared/papers)")
+    haystacks = {"papers": papers}
+    samples = R.build_samples("niah_multikey@papers", tok, [3000], [0.0, 0.5, 1.0], 2, seed=0, haystacks=haystacks)
+    for s in samples:
+        assert abs(n_tokens(tok, s) - 3000) <= LENGTH_TOLERANCE
+        assert abs(haystack_depth(s) - s.depth) <= DEPTH_TOLERANCE
+    assert len({strip_needles(s) for s in samples}) == len(samples)
+    with pytest.raises(ValueError, match=r"haystack 'papers' .* holds [\d,]+ tokens of text, fewer than .* 10,000,000"):
+        R.build_samples("niah_single_2@papers", tok, [10_000_000], [0.5], 1, seed=0, haystacks=haystacks)
 
 
 def test_real_tokenizer(hay_dir):

@@ -33,3 +33,38 @@ def test_bad_values_are_refused_with_the_field(field, value):
         EvalRequest(model="m", out=Path("eval"), **{field: value})
     with pytest.raises(ValidationError, match="unknown_field"):
         EvaluateSettings(unknown_field=1)
+
+
+def test_named_haystacks_and_the_tasks_on_them():
+    settings = EvaluateSettings(
+        haystacks={"papers": "p", "code_2": "c"}, tasks=["niah_single_2", "niah_single_2@papers", "niah_word@code_2"]
+    )
+    assert settings.tasks[1:] == ["niah_single_2@papers", "niah_word@code_2"]
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"tasks": ["niah_singel_2"]}, "unknown task 'niah_singel_2'; did you mean 'niah_single_2'? allowed: passkey,"),
+        ({"tasks": ["niah_single_2@papers"]}, "task 'niah_single_2@papers': no haystack named 'papers'; defined: none"),
+        (
+            {"tasks": ["niah_multikey@paper"], "haystacks": {"papers": "p", "code": "c"}},
+            "no haystack named 'paper'; did you mean 'papers'? defined: papers, code",
+        ),
+        (
+            {"tasks": ["passkey@papers"], "haystacks": {"papers": "p"}},
+            "task 'passkey@papers': passkey hides its needles in repeated noise, not in a text haystack; @NAME applies "
+            "to the essay tasks: niah_single_2,",
+        ),
+        ({"tasks": ["niah_single_1@papers"], "haystacks": {"papers": "p"}}, "niah_single_1 hides its needles in"),
+        ({"haystacks": {"Papers": "p"}}, "haystack name 'Papers' is not a short identifier: a lowercase letter, then"),
+        ({"haystacks": {"a" * 25: "p"}}, f"haystack name '{'a' * 25}' is not a short identifier"),
+        ({"haystacks": {"essay": "p"}}, "haystack name 'essay' is built in (noise, essay); choose another"),
+        ({"haystacks": {"papers": " "}}, "haystack 'papers' names no folder"),
+    ],
+)
+def test_bad_tasks_and_haystacks_are_refused_naming_the_value(values, message):
+    with pytest.raises(ValidationError) as err:
+        EvaluateSettings(**values)
+    assert message in str(err.value)
+    assert [e["loc"] for e in err.value.errors()] == [(next(iter(values)),)]  # one error, on the field at fault

@@ -299,6 +299,16 @@ ESSAY_EVAL = {"tasks": ["passkey", "niah_word"], "lengths": [400], "samples": 1}
             "essays: no such directory; pass --haystack DIR or set evaluate.haystack_dir in the recipe",
         ),
         (
+            {"evaluate": ESSAY_EVAL | {"tasks": ["passkey", "niah_word@papers"], "haystacks": {"papers": "papers"}}},
+            ["--stages", "evaluate"],
+            "papers: no such directory; set it with --set evaluate.haystacks.papers=DIR",
+        ),
+        (
+            {"evaluate": ESSAY_EVAL | {"tasks": ["niah_word@papers"]}},
+            ["--stages", "evaluate", "--set", "evaluate.haystacks.papers=."],
+            "no *.txt files in it; set it with --set evaluate.haystacks.papers=DIR",
+        ),
+        (
             {"evaluate": ESSAY_EVAL | {"tasks": ["passkey"]}},
             ["--stages", "evaluate", "--ppl-data", "texts.jsonl"],
             "texts.jsonl: no such file or directory; pass --ppl-data PATH or set evaluate.ppl_data in the recipe",
@@ -329,8 +339,19 @@ def test_input_flags_are_set_overrides_read_as_plain_strings(tmp_path):
 
 
 def test_unknown_evaluation_task_is_refused_naming_the_allowed_ones():
-    with pytest.raises(ValueError, match=r"evaluate.tasks: .*unknown task\(s\) \['niah'\]; allowed: passkey, "):
+    with pytest.raises(ValueError, match=r"evaluate.tasks: .*unknown task 'niah'; .*allowed: passkey, "):
         parse_recipe(MINIMAL | {"evaluate": {"tasks": ["passkey", "niah"]}})
+    with pytest.raises(ValueError, match=r"evaluate.tasks: .*no haystack named 'paper'; did you mean 'papers'\?"):
+        parse_recipe(MINIMAL | {"evaluate": {"tasks": ["niah_word@paper"], "haystacks": {"papers": "p"}}})
+
+
+def test_a_named_haystack_set_from_the_command_line_resolves_like_haystack_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(MINIMAL | {"evaluate": {"tasks": ["niah_word", "niah_word@papers"]}}))
+    recipe = load_recipe(path, ["evaluate.haystack_dir=essays", "evaluate.haystacks.papers=../papers"])
+    assert recipe.evaluate.haystacks == {"papers": str(tmp_path.parent / "papers")}
+    assert recipe.evaluate.haystack_dir == str(tmp_path / "essays")
 
 
 def test_outputs_are_readable_by_others_and_each_stage_reports_its_disk_use(tiny_sources, tmp_path, capsys):
