@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.profiler import record_function
 
 from raven_convert.console import eta
 from raven_convert.train.checkpoint import latest_checkpoint, save_checkpoint
@@ -65,16 +66,17 @@ def alignment_losses(teacher, hybrid, input_ids, attention_mask=None, position_i
     if attention_mask is not None and position_ids is not None:
         raise ValueError("pass attention_mask (padded rows) or position_ids (packed documents), not both")
     layers = converted_layers(hybrid)
-    with torch.no_grad(), attention_taps(teacher, layers) as captured:
+    with torch.no_grad(), attention_taps(teacher, layers) as captured, record_function("align.teacher"):
         teacher(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     real = None if attention_mask is None else attention_mask.bool()  # [B, T]
     packed = None if position_ids is None else find_packed_documents(position_ids)
     extra = {"padding_mask": real} if packed is None else {"cu_seqlens": packed[1]}
     losses = {}
-    for i in layers:
-        x, y = captured[i]
-        out, _ = hybrid.model.layers[i].self_attn(x.to(hybrid.dtype), **extra)
-        losses[i] = alignment_mse(out, y, real)
+    with record_function("align.mixers"):
+        for i in layers:
+            x, y = captured[i]
+            out, _ = hybrid.model.layers[i].self_attn(x.to(hybrid.dtype), **extra)
+            losses[i] = alignment_mse(out, y, real)
     return losses
 
 
@@ -247,11 +249,13 @@ def align(
             if bad:  # every process sees the same means, so all of them stop here together
                 raise FloatingPointError(f"alignment loss is not finite at step {step + 1} in layer(s) {bad}")
             optimizer.zero_grad(set_to_none=True)
-            total.backward()
-            parallel.average_gradients(params)
-            if grad_clip:
-                torch.nn.utils.clip_grad_norm_(params, grad_clip)
-            optimizer.step()
+            with record_function("align.backward"):
+                total.backward()
+            with record_function("align.optimizer"):
+                parallel.average_gradients(params)
+                if grad_clip:
+                    torch.nn.utils.clip_grad_norm_(params, grad_clip)
+                optimizer.step()
             mask = inputs.get("attention_mask")
             local = int(mask.sum()) if mask is not None else inputs["input_ids"].numel()
             tokens += int(parallel.mean(torch.tensor(float(local), device=parallel.device)) * parallel.world)

@@ -52,6 +52,7 @@ from typing import Annotated, Literal
 import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from torch import nn
+from torch.profiler import record_function
 from torch.utils.data import Dataset
 
 from raven_convert.console import eta
@@ -418,7 +419,8 @@ def train(
             ids, inputs, mask = batch["input_ids"], model_inputs(batch) | {"use_cache": False}, prediction_mask(batch)
             sync = micro == config.grad_accum - 1
             with contextlib.nullcontext() if sync else accelerator.no_sync(model):
-                out = model(**inputs)
+                with record_function("train.student_forward"):
+                    out = model(**inputs)
                 weights = None
                 if token_weights is not None:
                     w = token_weights[batch["index"].cpu()] if torch.is_tensor(token_weights) else token_weights(batch)
@@ -426,7 +428,7 @@ def train(
                 # each process's mean weighted by its share of the predictions: the processes' mean is the global one
                 parts = {"ce": ce_loss(out.logits, ids, mask, weights) * parallel.share(mask[:, :-1].sum())}
                 if config.kd_weight > 0:
-                    with torch.no_grad(), accelerator.autocast():
+                    with torch.no_grad(), accelerator.autocast(), record_function("train.teacher_forward"):
                         teacher_logits = teacher(**inputs).logits
                     kd = kd_loss(out.logits, teacher_logits, config.kd_temperature, mask)
                     parts["kd"] = kd * parallel.share(mask.sum())
@@ -435,7 +437,8 @@ def train(
                     parts["aux"] = aux
                 check(parts, step, "loss")
                 total = training_loss(parts, config.kd_weight)
-                accelerator.backward(total)
+                with record_function("train.backward"):
+                    accelerator.backward(total)
             for name, value in parts.items():
                 sums[name] += value.item() / config.grad_accum
             sums["loss"] += total.item() / config.grad_accum
@@ -443,10 +446,11 @@ def train(
         grads = [_local(p.grad) for p in params if p.grad is not None]  # this process's shards: finite or not
         norm = torch.stack([g.float().norm() for g in grads]).norm() if grads else torch.zeros((), device=device)
         check({"gradient norm": norm}, step, "gradient")
-        if config.grad_clip:
-            accelerator.clip_grad_norm_(params, config.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with record_function("train.optimizer"):
+            if config.grad_clip:
+                accelerator.clip_grad_norm_(params, config.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
 
         keys = sorted(sums)  # loss parts averaged over processes: the global batch's, whatever the GPU count
         means = accelerator.reduce(torch.tensor([sums[k] for k in keys], device=device), reduction="mean")
