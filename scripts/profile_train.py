@@ -2,13 +2,13 @@
 
     python scripts/profile_train.py recipes/smollm2-raven.yaml --src MODEL --data CORPUS --stage train --out OUT
 
-Runs convert (kept in OUT/run and reused; align is skipped before train) and the token weights where the recipe
+Runs convert (kept in OUT/run-STAGE and reused; align is skipped before train) and the token weights where the recipe
 trains with them, then STAGE for --warmup + 1 + --active steps through the recipe pipeline (the code of python -m
 raven_convert.train), checkpoints, evaluation and export off. The profiler records the last --active steps (a step
 ends at its optimizer step) and prints, per step:
 - the phases of a step, the record_function ranges of align.py and stage2.py (teacher, mixers or student forward,
   backward, optimizer): CPU time (launching included) and GPU time of the kernels each launched;
-- the ops with the most GPU time, and those with the most CPU time of their own;
+- the GPU kernels and copies with the most time, and the ops with the most CPU time of their own;
 - the GPU's busy share: kernel time over wall time (low: the step waits on the CPU, launches or host syncs).
 Writes OUT/profile-STAGE.json (the same tables as data) and OUT/trace-STAGE.json.gz (Perfetto, chrome://tracing).
 """
@@ -51,17 +51,18 @@ def recipe_overrides(args) -> list[str]:
 
 def device_time(event) -> float:
     """GPU microseconds of an averaged profiler event (the field's name changed across torch versions)."""
-    for name in ("device_time_total", "cuda_time_total"):
-        if hasattr(event, name):
-            return getattr(event, name)
-    return 0.0
+    return getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
 
 
 def self_device_time(event) -> float:
-    for name in ("self_device_time_total", "self_cuda_time_total"):
-        if hasattr(event, name):
-            return getattr(event, name)
-    return 0.0
+    return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
+
+
+def on_gpu(event) -> bool:
+    """A kernel, a copy or a range as the GPU ran it (an op's own row holds the same time again)."""
+    from torch.autograd import DeviceType
+
+    return event.device_type == DeviceType.CUDA
 
 
 def profile(args) -> dict:
@@ -69,7 +70,7 @@ def profile(args) -> dict:
     from raven_convert.train.stages import run_recipe
 
     out = Path(args.out)
-    run_dir = out / "run"
+    run_dir = out / f"run-{args.stage}"
     recipe = load_recipe(args.recipe, recipe_overrides(args))
     before = ["convert"] if args.stage == "align" else ["convert", "align", "weights"]
     run_recipe(recipe, run_dir, stages=before)
@@ -97,13 +98,15 @@ def profile(args) -> dict:
     wall_us = (active[-1] - active[0]) * 1e6 / args.active
     events = prof.key_averages()
     prefix = PHASE_PREFIX[args.stage]
-    phases = {
-        e.key: {"cpu_ms": e.cpu_time_total / 1e3 / args.active, "gpu_ms": device_time(e) / 1e3 / args.active}
-        for e in events
-        if e.key.startswith(prefix)
-    }
-    kernels = sum(self_device_time(e) for e in events) / args.active
-    top_gpu = sorted(events, key=self_device_time, reverse=True)[: args.rows]
+    phases: dict[str, dict] = {}  # a range appears twice: as the CPU ran it and as the GPU did
+    for e in events:
+        if e.key.startswith(prefix):
+            phase = phases.setdefault(e.key, {"cpu_ms": 0.0, "gpu_ms": 0.0})
+            phase["cpu_ms"] = max(phase["cpu_ms"], e.cpu_time_total / 1e3 / args.active)
+            phase["gpu_ms"] = max(phase["gpu_ms"], device_time(e) / 1e3 / args.active)
+    gpu_events = [e for e in events if on_gpu(e) and not e.key.startswith(prefix)]
+    kernels = sum(self_device_time(e) for e in gpu_events) / args.active
+    top_gpu = sorted(gpu_events, key=self_device_time, reverse=True)[: args.rows]
     top_cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[: args.rows]
     trace = out / f"trace-{args.stage}.json"
     prof.export_chrome_trace(str(trace))
@@ -132,7 +135,7 @@ def print_tables(result: dict) -> None:
     print("| phase | CPU ms per step | GPU ms per step |\n| --- | --- | --- |")
     for name, t in sorted(result["phases"].items(), key=lambda kv: -kv[1]["gpu_ms"] - kv[1]["cpu_ms"]):
         print(f"| {name} | {t['cpu_ms']:.1f} | {t['gpu_ms']:.1f} |")
-    print("\n| op (most GPU time) | GPU ms per step | calls |\n| --- | --- | --- |")
+    print("\n| GPU kernel or copy (most time) | GPU ms per step | calls |\n| --- | --- | --- |")
     for row in result["top_gpu"]:
         print(f"| {row['op'][:90]} | {row['gpu_ms']:.2f} | {row['calls']} |")
     print("\n| op (most CPU time of its own) | CPU ms per step | calls |\n| --- | --- | --- |")
