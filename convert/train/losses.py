@@ -10,7 +10,11 @@
 - `mixers_aux_loss`: the same balance losses as align gets them, from the mixers it called one by one.
 - `training_loss`: stage 2's total, CE + kd_weight * KD + aux.
 
-Every mean over tokens is `masked_mean`: a sum over the tokens that count divided by their number (at least 1).
+Every mean over tokens is `masked_mean`: a sum over the tokens that count divided by their number (at least 1);
+`ce_loss` and `kd_loss` instead weigh each token by 1 / that number inside `_RowLoss`, which works through the
+[B * T, V] logits a chunk of rows at a time in float32 and computes their gradient in the same pass, instead of
+keeping float32 copies of the logits for backward and running cross_entropy over a transposed [B, V, T] layout
+(a slow softmax kernel; docs/TRAINING_SPEED.md has the profile).
 """
 
 from __future__ import annotations
@@ -42,23 +46,88 @@ def prediction_mask(batch: dict) -> torch.Tensor:
     return F.pad(keep, (0, 1))
 
 
+# rows of logits per chunk: ~2^27 float32 values (512 MiB) at a time, whatever the vocabulary
+CHUNK_VALUES = 2**27
+
+
+class _RowLoss(torch.autograd.Function):
+    """sum_n scale[n] * f(row n) for logits [N, V], with its gradient computed in the same pass, chunk by chunk in
+    float32 and kept in the logits' dtype (what autograd would hand a bf16 head anyway): no float32 copy of the whole
+    [N, V] logits is made or kept for backward. rows(start, stop, grad) -> (f of those rows [n], df/dlogits [n, V]
+    or None), both float32."""
+
+    @staticmethod
+    def forward(ctx, logits, scale, rows, chunk):
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None  # none under no_grad (validation)
+        for start in range(0, logits.shape[0], chunk):
+            stop = min(start + chunk, logits.shape[0])
+            values, d = rows(start, stop, grad is not None)
+            w = scale[start:stop]  # [n]
+            total += (values * w).sum()
+            if grad is not None:
+                grad[start:stop] = d.mul_(w[:, None])
+        ctx.save_for_backward(grad)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_total.to(grad.dtype), None, None, None
+
+
+def _row_loss(logits, scale, rows) -> torch.Tensor:
+    """_RowLoss on logits [N, V]; outside autograd (no_grad, or logits without grad) no gradient is computed."""
+    chunk = max(1, CHUNK_VALUES // logits.shape[-1])
+    if not (torch.is_grad_enabled() and logits.requires_grad):
+        logits = logits.detach()
+    return _RowLoss.apply(logits, scale, rows, chunk)
+
+
 def ce_loss(logits, input_ids, mask, weights=None) -> torch.Tensor:
     """Next-token cross-entropy: position t predicts input_ids[:, t + 1]; weights [B, T] scale position t's loss.
     mask [B, T] is 1 where position t's prediction counts (see prediction_mask). Averaged over those predictions
-    (a weighted sum over their count when weights are given)."""
-    ce = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), input_ids[:, 1:], reduction="none")  # [B, T-1]
-    if weights is not None:
-        ce = ce * weights[:, :-1].to(ce)
-    return masked_mean(ce, mask[:, :-1])
+    (a weighted sum over their count when weights are given). logits [B, T, V]: float32 math, chunk by chunk."""
+    batch, length, vocab = logits.shape
+    counted = mask[:, :-1].float()  # [B, T-1]
+    scale = counted if weights is None else counted * weights[:, :-1].float()
+    scale = F.pad(scale / counted.sum().clamp(min=1), (0, 1)).reshape(-1).detach()  # [B*T]: the last predicts nothing
+    targets = F.pad(input_ids[:, 1:], (0, 1)).reshape(-1)  # [B*T]
+    flat = logits.reshape(batch * length, vocab)
+
+    def rows(start: int, stop: int, grad: bool):
+        x = flat[start:stop].to(torch.float32, copy=True)  # [n, V], changed in place below
+        picked = targets[start:stop, None]  # [n, 1]
+        lse = torch.logsumexp(x, dim=-1)  # [n]
+        values = lse - x.gather(1, picked).squeeze(1)
+        if not grad:
+            return values, None
+        d = x.sub_(lse[:, None]).exp_()  # softmax, in place of the copy
+        return values, d.scatter_add_(1, picked, torch.full_like(picked, -1, dtype=d.dtype))
+
+    return _row_loss(flat, scale, rows)
 
 
 def kd_loss(student_logits, teacher_logits, temperature: float = 1.0, mask=None) -> torch.Tensor:
     """T^2 * KL(teacher || student) of softmax(logits / T), summed over the vocabulary and averaged over tokens
-    (those with mask == 1 when given). Zero when the logits agree."""
-    log_s = F.log_softmax(student_logits.float() / temperature, dim=-1)
-    log_t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
-    kl = (log_t.exp() * (log_t - log_s)).sum(-1)  # [B, T]
-    return masked_mean(kl, mask) * temperature**2
+    (those with mask == 1 when given). Zero when the logits agree. float32 math, chunk by chunk; the gradient goes
+    to the student only (T * (p_student - p_teacher) per token)."""
+    batch, length, vocab = student_logits.shape
+    counted = torch.ones(batch, length, device=student_logits.device) if mask is None else mask.float()
+    scale = (counted / counted.sum().clamp(min=1) * temperature**2).reshape(-1).detach()  # [B*T]
+    student = student_logits.reshape(batch * length, vocab)
+    teacher = teacher_logits.detach().reshape(batch * length, vocab)
+
+    def rows(start: int, stop: int, grad: bool):
+        log_s = F.log_softmax(student[start:stop].float() / temperature, dim=-1)  # [n, V]
+        log_t = F.log_softmax(teacher[start:stop].float() / temperature, dim=-1)
+        p_t = log_t.exp()
+        values = (p_t * (log_t - log_s)).sum(-1)  # [n]
+        if not grad:
+            return values, None
+        return values, log_s.exp_().sub_(p_t).div_(temperature)  # d KL / d student logits
+
+    return _row_loss(student, scale, rows)
 
 
 def aux_loss(outputs) -> torch.Tensor | None:

@@ -66,6 +66,61 @@ def test_kd_is_zero_for_equal_logits_and_positive_otherwise():
     assert kd_loss(logits, other, 1.0, mask).abs() < 1e-6
 
 
+def reference_ce(logits, ids, mask, weights=None):
+    """The loss as plain autograd ops: cross-entropy of the float32 logits over the counted predictions."""
+    per_token = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
+    if weights is not None:
+        per_token = per_token * weights[:, :-1]
+    counted = mask[:, :-1].float()
+    return (per_token * counted).sum() / counted.sum()
+
+
+def reference_kd(student, teacher, temperature, mask):
+    log_s = F.log_softmax(student.float() / temperature, dim=-1)
+    log_t = F.log_softmax(teacher.float() / temperature, dim=-1)
+    kl = (log_t.exp() * (log_t - log_s)).sum(-1)
+    return (kl * mask).sum() / mask.sum() * temperature**2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_values", [2**27, 3 * 11])  # one chunk; three rows per chunk (the last one short)
+def test_chunked_losses_and_gradients_match_plain_autograd(monkeypatch, dtype, chunk_values):
+    import raven_convert.train.losses as losses
+
+    monkeypatch.setattr(losses, "CHUNK_VALUES", chunk_values)
+    torch.manual_seed(0)
+    shape = (2, 7, 11)
+    logits = (3 * torch.randn(shape)).to(dtype).requires_grad_()
+    teacher = (3 * torch.randn(shape)).to(dtype)
+    ids = torch.randint(0, 11, shape[:2])
+    mask = torch.tensor([[1, 1, 0, 1, 1, 1, 0], [1, 1, 1, 1, 0, 1, 0]])
+    weights = torch.rand(shape[:2]) + 0.5
+
+    def total(ce, kd):  # as stage 2 combines them: scaled parts, kd_weight, a gradient that is not 1; kd on all
+        return 3.0 * (0.7 * ce(logits, ids, mask, weights) + 0.5 * kd(logits, teacher, 2.0, torch.ones(shape[:2])))
+
+    ours = total(ce_loss, kd_loss)
+    (grad,) = torch.autograd.grad(ours, logits)
+    expected = total(reference_ce, reference_kd)
+    (expected_grad,) = torch.autograd.grad(expected, logits)
+    torch.testing.assert_close(ours, expected)
+    assert grad.dtype == dtype
+    # bf16: the stored gradient is rounded once more than plain autograd's (then scaled by the total's gradient)
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-3}
+    torch.testing.assert_close(grad, expected_grad, **tolerance)
+    (ce_grad,) = torch.autograd.grad(ce_loss(logits, ids, mask), logits)
+    uncounted = ce_grad.float()[F.pad(mask[:, :-1], (0, 1)) == 0]  # predictions that do not count, and the last
+    assert torch.equal(uncounted, torch.zeros_like(uncounted)) and ce_grad.abs().sum() > 0
+
+
+def test_chunked_losses_keep_no_gradient_without_autograd():
+    logits, ids = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
+    with torch.no_grad():
+        loss = ce_loss(logits.requires_grad_(), ids, torch.ones(2, 5))
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, reference_ce(logits.detach(), ids, torch.ones(2, 5)))
+
+
 def test_aux_and_the_total():
     class Out:
         aux_loss = torch.tensor(0.25, dtype=torch.bfloat16)
