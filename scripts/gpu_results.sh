@@ -6,7 +6,8 @@
 #   bash scripts/gpu_jobs.sh wait 540        # in each later call, until the jobs end
 #   bash scripts/gpu_jobs.sh collect         # $OUT/runs.tar.gz: stage summaries, reports, pictures; logs.tar.gz
 #
-# RECIPE_ARGS adds overrides to every run (a smoke test: RECIPE_ARGS="--set align.steps=2 ...").
+# RECIPE_ARGS adds overrides to every run (a smoke test: RECIPE_ARGS="--set align.steps=2 ..."; 40 prompts per
+# retrieval cell: RECIPE_ARGS="--set evaluate.samples=8"). WINDOWED=0 skips the sliding-window evaluation.
 # Jobs (each one run directory under ~/runs, with the recipe's own settings and these paths):
 #   teacher       the teacher, evaluated with the recipes' evaluate settings
 #   raven|sse|sila  recipes/smollm2-<mixer>.yaml, every stage but export; after training, the trained model is
@@ -15,6 +16,9 @@
 #                 4K sliding windows (training at 2K context is the same with or without a 4K window)
 #   sila-uniform  SILA's ablation: its aligned model trained with uniform token weights (started by the sila job
 #                 unless ABLATION=0)
+#   sse-auto15    the sse job with layers: auto:15 (the 15 layers raven_convert.layer_choice ranks least
+#                 important) instead of 0-29:2: issue 22's layer-choice comparison, the sse job its baseline.
+#                 On two GPUs: CUDA_VISIBLE_DEVICES=0 ... start sse, then CUDA_VISIBLE_DEVICES=1 ... start sse-auto15
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/device_env.sh
@@ -24,14 +28,17 @@ export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # several jobs share th
 recipe() {  # recipe MIXER RUN [ARGS...]: the SmolLM2 recipe of MIXER into ~/runs/RUN
   read -ra extra <<< "${RECIPE_ARGS:-}"
   local_paths
-  python3 -m raven_convert.train "recipes/smollm2-$1.yaml" --run-dir "$RUNS/$2" "${LOCAL_PATHS[@]}" "${extra[@]}" "${@:3}"
+  python3 -m raven_convert.train "recipes/smollm2-$1.yaml" --run-dir "$RUNS/$2" "${LOCAL_PATHS[@]}" "${extra[@]}" \
+    ${LAYERS:+--set "layers=$LAYERS"} "${@:3}"
 }
 
 trained() {  # trained MIXER RUN: train RUN, check that its model loads without the toolkit, evaluate it windowed and as is
   recipe "$1" "$2" --stages convert,align,weights,train,extend || return 1
   bash scripts/clean_load.sh "$RUNS/$2/train/model" "$RUNS/$2/load_check.json"
-  rm -rf "$RUNS/$2-sw" && cp -a "$RUNS/$2" "$RUNS/$2-sw" &&
-    recipe "$1" "$2-sw" --stages evaluate --redo evaluate --set evaluate.attention_window=4096
+  if [ "${WINDOWED:-1}" = 1 ]; then
+    rm -rf "$RUNS/$2-sw" && cp -a "$RUNS/$2" "$RUNS/$2-sw" &&
+      recipe "$1" "$2-sw" --stages evaluate --redo evaluate --set evaluate.attention_window=4096
+  fi
   recipe "$1" "$2"
 }
 
@@ -69,8 +76,11 @@ PY
   sila-uniform)
     recipe sila sila-uniform --set token_weights.enabled=false
     ;;
+  sse-auto15)
+    LAYERS='[{mixer: sse, layers: "auto:15"}]' trained sse sse-auto15
+    ;;
   *)
-    echo "unknown job $1; jobs: teacher raven sse sila sila-uniform" >&2
+    echo "unknown job $1; jobs: teacher raven sse sila sila-uniform sse-auto15" >&2
     return 2
     ;;
   esac
