@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 import re
 import sys
 import time
@@ -400,20 +401,29 @@ def train(
     batches = _micro_batches(data, config, accelerator, start_step)
     device = accelerator.device
 
-    def check(values: dict[str, torch.Tensor], step: int, what: str) -> None:
-        bad = torch.tensor([float(not torch.isfinite(v).all()) for v in values.values()], device=device)
-        bad = accelerator.reduce(bad, reduction="sum")
-        if bad.any():
-            names = [n for n, b in zip(values, bad.tolist()) if b]
-            raise FloatingPointError(f"{what} not finite at step {step} ({', '.join(names)}); nothing applied")
+    parts_names = ("ce", "kd", "aux", "loss")  # what a step records, summed on the device over its micro-batches
+
+    def step_totals(sums: dict[str, torch.Tensor], norm: torch.Tensor, tokens: torch.Tensor, step: int):
+        """The global batch's loss parts and token count from every process's sums, in one reduction and one host
+        sync per step; a loss part or the gradient norm that is not finite (on any process: sums carry it) stops
+        the run before the optimizer applies anything."""
+        local = torch.stack([sums[k] for k in parts_names] + [norm.float(), tokens.float()])
+        values = accelerator.reduce(local, reduction="sum").tolist()
+        bad_loss = [k for k, v in zip(parts_names[:-1], values) if not math.isfinite(v)]
+        if bad_loss:
+            raise FloatingPointError(f"loss not finite at step {step} ({', '.join(bad_loss)}); nothing applied")
+        if not math.isfinite(values[-2]):
+            raise FloatingPointError(f"gradient not finite at step {step} (gradient norm); nothing applied")
+        world = accelerator.num_processes  # loss parts: the processes' mean is the global batch's
+        return {k: v / world for k, v in zip(parts_names, values)}, int(values[-1])
 
     history, clock, timed_tokens = [], time.perf_counter(), 0
     for step in range(start_step + 1, config.steps + 1):
         lr = lr_at(step - 1, config.lr, config.steps, config.warmup_steps, config.schedule)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        sums = {"loss": 0.0, "ce": 0.0, "kd": 0.0, "aux": 0.0}
-        local_tokens = 0
+        sums = {k: torch.zeros((), device=device) for k in parts_names}
+        local_tokens = torch.zeros((), device=device)
         for micro in range(config.grad_accum):
             batch = {k: v.to(device) for k, v in next(batches).items()}
             ids, inputs, mask = batch["input_ids"], model_inputs(batch) | {"use_cache": False}, prediction_mask(batch)
@@ -435,27 +445,21 @@ def train(
                 aux = aux_loss(out)
                 if aux is not None:
                     parts["aux"] = aux
-                check(parts, step, "loss")
                 total = training_loss(parts, config.kd_weight)
                 with record_function("train.backward"):
                     accelerator.backward(total)
-            for name, value in parts.items():
-                sums[name] += value.item() / config.grad_accum
-            sums["loss"] += total.item() / config.grad_accum
-            local_tokens += int(batch["attention_mask"].sum())
+            for name, value in (parts | {"loss": total}).items():
+                sums[name] += value.detach().float() / config.grad_accum
+            local_tokens += batch["attention_mask"].sum()
         grads = [_local(p.grad) for p in params if p.grad is not None]  # this process's shards: finite or not
         norm = torch.stack([g.float().norm() for g in grads]).norm() if grads else torch.zeros((), device=device)
-        check({"gradient norm": norm}, step, "gradient")
+        sums, step_tokens = step_totals(sums, norm, local_tokens, step)
         with record_function("train.optimizer"):
             if config.grad_clip:
                 accelerator.clip_grad_norm_(params, config.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        keys = sorted(sums)  # loss parts averaged over processes: the global batch's, whatever the GPU count
-        means = accelerator.reduce(torch.tensor([sums[k] for k in keys], device=device), reduction="mean")
-        sums = dict(zip(keys, means.tolist()))
-        step_tokens = int(accelerator.reduce(torch.tensor(local_tokens, device=device), reduction="sum"))
         tokens_seen += step_tokens
         timed_tokens += step_tokens
         elapsed = max(time.perf_counter() - clock, 1e-9)
