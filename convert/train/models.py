@@ -38,19 +38,28 @@ def load_hybrid(model_dir: Path, device: torch.device | str | None = None):
 
 def whole_model(parallel: Parallel, model, model_dir: Path, lora=None):
     """The trained `model` whole on the main process, None on the others. Under fsdp its shards are gathered into a
-    fresh copy of `model_dir`'s model on the CPU (with LoRA adapters added as `lora`, a TrainConfig, says); every
-    process must call it."""
+    copy of `model_dir`'s model built on the meta device (with LoRA adapters added as `lora`, a TrainConfig, says)
+    that takes the gathered tensors as they are: the host holds the model once, not the gathered state and a
+    second copy read from disk. Every process must call it."""
     if not parallel.sharded:
         return model if parallel.is_main else None
     state = parallel.full_state_dict(model)
     if not parallel.is_main:
         return None
-    fresh = load_hybrid(model_dir, "cpu")
+    from raven_layers import HybridConfig, HybridForCausalLM
+
+    with torch.device("meta"):
+        fresh = HybridForCausalLM(HybridConfig.from_pretrained(str(model_dir)))
     if lora is not None and lora.uses_lora:
         from raven_convert.train.stage2 import add_lora
 
         add_lora(fresh, lora)
-    fresh.load_state_dict(state)
+    fresh.load_state_dict(state, assign=True)
+    for name, buffer in list(fresh.named_buffers()):  # buffers no state dict holds (RoPE's inverse frequencies)
+        if buffer.is_meta:
+            owner, _, leaf = name.rpartition(".")
+            fresh.get_submodule(owner)._buffers[leaf] = model.get_buffer(name).detach().cpu()
+    fresh.tie_weights()  # assign=True gave tied weights (embeddings and head) tensors of their own
     return fresh
 
 

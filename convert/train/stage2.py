@@ -166,7 +166,10 @@ def _lora_layer_type():
 
 def add_lora(model, config: TrainConfig) -> None:
     """Inject LoRA adapters (in place) on `lora_targets`: of the layers that kept attention in a hybrid, of every
-    module so named in any other model (ValueError naming the targets when none is found); no-op if present."""
+    module so named in any other model (ValueError naming the targets when none is found); no-op if present. The
+    adapters are drawn from `config.seed` alone, so every process of a launch starts from the same ones (fsdp shards
+    them as each process drew them; ddp would broadcast the main process's), and the random state is left as it
+    was."""
     from peft import LoraConfig, inject_adapter_in_model
 
     if any(isinstance(m, _lora_layer_type()) for m in model.modules()):
@@ -186,7 +189,9 @@ def add_lora(model, config: TrainConfig) -> None:
                 f"are named {linear}"
             )
     lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0, target_modules=target)
-    inject_adapter_in_model(lora, model)
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        torch.manual_seed(config.seed)
+        inject_adapter_in_model(lora, model)
 
 
 def merge_lora(model) -> nn.Module:
