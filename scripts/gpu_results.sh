@@ -34,7 +34,9 @@ recipe() {  # recipe MIXER RUN [ARGS...]: the SmolLM2 recipe of MIXER into ~/run
 
 trained() {  # trained MIXER RUN: train RUN, check that its model loads without the toolkit, evaluate it windowed and as is
   recipe "$1" "$2" --stages convert,align,weights,train,extend || return 1
-  bash scripts/clean_load.sh "$RUNS/$2/train/model" "$RUNS/$2/load_check.json"
+  local model="$RUNS/$2/extend/model"
+  [ -d "$model" ] || model="$RUNS/$2/train/model"  # a recipe without extend
+  bash scripts/clean_load.sh "$model" "$RUNS/$2/load_check.json"
   if [ "${WINDOWED:-1}" = 1 ]; then
     rm -rf "$RUNS/$2-sw" && cp -a "$RUNS/$2" "$RUNS/$2-sw" &&
       recipe "$1" "$2-sw" --stages evaluate --redo evaluate --set evaluate.attention_window=4096
