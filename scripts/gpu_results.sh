@@ -6,19 +6,23 @@
 #   bash scripts/gpu_jobs.sh wait 540        # in each later call, until the jobs end
 #   bash scripts/gpu_jobs.sh collect         # $OUT/runs.tar.gz: stage summaries, reports, pictures; logs.tar.gz
 #
-# RECIPE_ARGS adds overrides to every run (a smoke test: RECIPE_ARGS="--set align.steps=2 ..."; 40 prompts per
-# retrieval cell: RECIPE_ARGS="--set evaluate.samples=8"). WINDOWED=0 skips the sliding-window evaluation.
+# RECIPE_ARGS adds overrides to every run (a smoke test: RECIPE_ARGS="--set align.steps=2 ...").
+# WINDOWED=0 skips the sliding-window evaluation.
 # Jobs (each one run directory under ~/runs, with the recipe's own settings and these paths):
-#   teacher       the teacher, evaluated with the recipes' evaluate settings
-#   raven|sse|sila  recipes/smollm2-<mixer>.yaml, every stage but export; after training, the trained model is
-#                 loaded and generates in a process without the toolkit (scripts/clean_load.sh -> RUN/load_check.json)
-#                 Before its own evaluation, RUN-sw: the trained hybrid evaluated with its kept attention layers as
-#                 4K sliding windows (training at 2K context is the same with or without a 4K window)
-#   sila-uniform  SILA's ablation: its aligned model trained with uniform token weights (started by the sila job
-#                 unless ABLATION=0)
-#   sse-auto15    the sse job with layers: auto:15 (the 15 layers raven_convert.layer_choice ranks least
-#                 important) instead of 0-29:2: issue 22's layer-choice comparison, the sse job its baseline.
-#                 On two GPUs: CUDA_VISIBLE_DEVICES=0 ... start sse, then CUDA_VISIBLE_DEVICES=1 ... start sse-auto15
+#   teacher        the teacher, evaluated with the recipes' evaluate settings
+#   raven|sse|sila recipes/smollm2-<mixer>.yaml, every stage but export; after training, the final model is loaded
+#                  and generates in a process without the toolkit (scripts/clean_load.sh -> RUN/load_check.json).
+#                  Before its own evaluation, RUN-sw: the trained hybrid evaluated with its kept attention layers
+#                  as 4K sliding windows (it trained with full attention)
+#   sila-uniform   SILA's ablation: its aligned model trained with uniform token weights (started by the sila job
+#                  unless ABLATION=0)
+#   sse-auto15     ablations of the sse job, its baseline, for the ablation table of docs/RESULTS.md: layers
+#                  auto:15 (the 15 layers raven_convert.layer_choice ranks least important) instead of 0-29:2;
+#   sse-retrieval  synthetic retrieval samples in the data (data.retrieval, ratio 0.2);
+#   sse-noextend   no extend stage;
+#   sse-norouter   SSE's router without the language-model gradient (router_gradient: false).
+#                  Two at once on two GPUs: CUDA_VISIBLE_DEVICES=0 ... start sse; CUDA_VISIBLE_DEVICES=1 ... start
+#                  sse-auto15
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/device_env.sh
@@ -28,20 +32,20 @@ export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # several jobs share th
 recipe() {  # recipe MIXER RUN [ARGS...]: the SmolLM2 recipe of MIXER into ~/runs/RUN
   read -ra extra <<< "${RECIPE_ARGS:-}"
   local_paths
-  python3 -m raven_convert.train "recipes/smollm2-$1.yaml" --run-dir "$RUNS/$2" "${LOCAL_PATHS[@]}" "${extra[@]}" \
-    ${LAYERS:+--set "layers=$LAYERS"} "${@:3}"
+  python3 -m raven_convert.train "recipes/smollm2-$1.yaml" --run-dir "$RUNS/$2" "${LOCAL_PATHS[@]}" "${extra[@]}" "${@:3}"
 }
 
-trained() {  # trained MIXER RUN: train RUN, check that its model loads without the toolkit, evaluate it windowed and as is
-  recipe "$1" "$2" --stages convert,align,weights,train,extend || return 1
+trained() {  # trained MIXER RUN [ARGS...]: train RUN, check that its model loads without the toolkit, evaluate it
+  # windowed and as is; ARGS (--set overrides) go to every step of the run
+  recipe "$1" "$2" --stages convert,align,weights,train,extend "${@:3}" || return 1
   local model="$RUNS/$2/extend/model"
   [ -d "$model" ] || model="$RUNS/$2/train/model"  # a recipe without extend
   bash scripts/clean_load.sh "$model" "$RUNS/$2/load_check.json"
   if [ "${WINDOWED:-1}" = 1 ]; then
     rm -rf "$RUNS/$2-sw" && cp -a "$RUNS/$2" "$RUNS/$2-sw" &&
-      recipe "$1" "$2-sw" --stages evaluate --redo evaluate --set evaluate.attention_window=4096
+      recipe "$1" "$2-sw" --stages evaluate --redo evaluate --set evaluate.attention_window=4096 "${@:3}"
   fi
-  recipe "$1" "$2"
+  recipe "$1" "$2" "${@:3}"
 }
 
 run() {
@@ -79,10 +83,19 @@ PY
     recipe sila sila-uniform --set token_weights.enabled=false
     ;;
   sse-auto15)
-    LAYERS='[{mixer: sse, layers: "auto:15"}]' trained sse sse-auto15
+    trained sse sse-auto15 --set 'layers=[{mixer: sse, layers: "auto:15"}]'
+    ;;
+  sse-retrieval)
+    trained sse sse-retrieval --set data.retrieval.ratio=0.2
+    ;;
+  sse-noextend)
+    trained sse sse-noextend --set extend=null
+    ;;
+  sse-norouter)
+    trained sse sse-norouter --set mixer_settings.sse.router_gradient=false
     ;;
   *)
-    echo "unknown job $1; jobs: teacher raven sse sila sila-uniform sse-auto15" >&2
+    echo "unknown job $1; jobs: teacher raven sse sila sila-uniform sse-auto15 sse-retrieval sse-noextend sse-norouter" >&2
     return 2
     ;;
   esac
