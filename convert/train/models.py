@@ -60,7 +60,7 @@ def whole_model(parallel: Parallel, model, model_dir: Path, lora=None):
             owner, _, leaf = name.rpartition(".")
             fresh.get_submodule(owner)._buffers[leaf] = model.get_buffer(name).detach().cpu()
     fresh.tie_weights()  # assign=True gave tied weights (embeddings and head) tensors of their own
-    return fresh
+    return fresh.eval()  # as from_pretrained gives it
 
 
 def save_model(model, model_dir_from: Path, out: Path, base_model: str) -> None:
