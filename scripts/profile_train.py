@@ -59,10 +59,12 @@ def self_device_time(event) -> float:
 
 
 def on_gpu(event) -> bool:
-    """A kernel, a copy or a range as the GPU ran it (an op's own row holds the same time again)."""
+    """A kernel or a copy as the GPU ran it: not an op's row (which holds the same time again) and not a range
+    (record_function's and the profiler's own steps, which span the kernels in them)."""
     from torch.autograd import DeviceType
 
-    return event.device_type == DeviceType.CUDA
+    annotation = getattr(event, "is_user_annotation", False) or event.key.startswith("ProfilerStep")
+    return event.device_type == DeviceType.CUDA and not annotation
 
 
 def profile(args) -> dict:
