@@ -9,6 +9,12 @@ align and train get the given step counts, evaluation and export are off, and th
 `--max-documents` so that tokenising and the token-weight pass stay short. Extra `--set` overrides apply to every
 recipe (e.g. --set data.seq_len=1024). Rates come from each stage's DONE summary (counted from the end of the first
 step, which compiles the kernels). Prints one markdown table last; --json writes the summaries.
+
+--baseline JSON (an earlier run's --json, e.g. of the previous version of the toolkit on the same GPU in the same
+session) adds each rate's ratio to the baseline's for the same recipe:
+
+    (cd OLD_CHECKOUT && python scripts/measure_stages.py RECIPES ... --json old.json)
+    python scripts/measure_stages.py RECIPES ... --baseline old.json
 """
 
 from __future__ import annotations
@@ -33,6 +39,14 @@ def run(recipe: str, run_dir: Path, overrides: list[str]) -> dict:
     return done
 
 
+def rate(done: dict, baseline: dict | None) -> str:
+    """A stage's tokens/s and MFU, with its ratio to the baseline's rate for the same stage where there is one."""
+    value = done.get("tokens_per_second") or 0
+    text = f"{value:,.0f}" + (f" ({done['mfu']:.1%} MFU)" if done.get("mfu") else "")
+    old = (baseline or {}).get("tokens_per_second")
+    return text + (f", {value / old:.2f}x" if old else "")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipes", nargs="+")
@@ -42,7 +56,9 @@ def main() -> int:
     parser.add_argument("--run-root", default="runs/measure")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--baseline", default=None, help="an earlier run's --json: rates as ratios to it")
     args = parser.parse_args()
+    baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else {}
     common = [
         f"align.steps={args.align_steps}",
         f"train.steps={args.train_steps}",
@@ -74,9 +90,10 @@ def main() -> int:
         mse = f"{before:.4g} -> {after:.4g}"
         weights = "skipped" if w.get("skipped") else f"{w.get('seconds', 0):.0f}"
         val = t.get("val_ce")
+        base = baseline.get(name, {})
         print(
-            f"| {name} | {a.get('tokens_per_second', 0):,.0f} | {mse} | {weights} | "
-            f"{t.get('tokens_per_second', 0):,.0f} | {'-' if val is None else f'{val:.3f}'} |"
+            f"| {name} | {rate(a, base.get('align'))} | {mse} | {weights} | "
+            f"{rate(t, base.get('train'))} | {'-' if val is None else f'{val:.3f}'} |"
         )
     return 0
 

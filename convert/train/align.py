@@ -10,7 +10,9 @@ received and the output it produced; each mixer then sees that same input and is
 
 from __future__ import annotations
 
+import inspect
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -33,6 +35,7 @@ from raven_convert.train.distributed import (
 )
 from raven_convert.train.flops import align_flops, mfu, mfu_text
 from raven_convert.train.losses import alignment_mse, mixers_aux_loss
+from raven_convert.train.precision import frozen_linears_in
 from raven_layers.modeling_hybrid import find_packed_documents
 
 
@@ -56,6 +59,13 @@ def attention_taps(teacher, layers: list[int]) -> Iterator[dict[int, tuple[torch
             handle.remove()
 
 
+def _one_logit(teacher) -> dict:
+    """The keyword that has a causal LM compute its head for the last position only (transformers'
+    `logits_to_keep`), where its forward takes it: the taps need the layers, not the [B, T, vocab] logits."""
+    forward = inspect.signature(type(teacher).forward).parameters
+    return {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
+
+
 def alignment_losses(teacher, hybrid, input_ids, attention_mask=None, position_ids=None) -> dict[int, torch.Tensor]:
     """Per converted layer, the MSE between its mixer and the teacher's attention on the teacher's own inputs.
 
@@ -67,7 +77,13 @@ def alignment_losses(teacher, hybrid, input_ids, attention_mask=None, position_i
         raise ValueError("pass attention_mask (padded rows) or position_ids (packed documents), not both")
     layers = converted_layers(hybrid)
     with torch.no_grad(), attention_taps(teacher, layers) as captured, record_function("align.teacher"):
-        teacher(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        teacher(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            **_one_logit(teacher),
+        )
     real = None if attention_mask is None else attention_mask.bool()  # [B, T]
     packed = None if position_ids is None else find_packed_documents(position_ids)
     extra = {"padding_mask": real} if packed is None else {"cu_seqlens": packed[1]}
@@ -234,51 +250,55 @@ def align(
     start, tokens, first_step_seconds = time.perf_counter(), 0, 0.0
     per_token = None  # model FLOPs per token, once the rows' length is seen
     try:
-        for step, batch in zip(range(first, steps), batches):
-            step_lr = lr_at(step, lr, steps, warmup_steps)
-            for group in optimizer.param_groups:
-                group["lr"] = step_lr
-            inputs = model_inputs(_share(batch, parallel), parallel.device)
-            with autocast:
-                losses = alignment_losses(teacher, hybrid, **inputs)
-            aux = mixers_aux_loss(hybrid, losses)  # SSE's balance loss trains its router here too
-            total = torch.stack(list(losses.values())).sum() + (0.0 if aux is None else aux)
-            parts = [total, *losses.values()] + ([] if aux is None else [aux])
-            means = parallel.mean(torch.stack([v.detach().float() for v in parts]))  # the global batch's losses
-            bad = [i for i, loss in zip(losses, means[1:]) if not torch.isfinite(loss)]
-            if bad:  # every process sees the same means, so all of them stop here together
-                raise FloatingPointError(f"alignment loss is not finite at step {step + 1} in layer(s) {bad}")
-            optimizer.zero_grad(set_to_none=True)
-            with record_function("align.backward"):
-                total.backward()
-            with record_function("align.optimizer"):
-                parallel.average_gradients(params)
-                if grad_clip:
-                    torch.nn.utils.clip_grad_norm_(params, grad_clip)
-                optimizer.step()
-            mask = inputs.get("attention_mask")
-            local = int(mask.sum()) if mask is not None else inputs["input_ids"].numel()
-            tokens += int(parallel.mean(torch.tensor(float(local), device=parallel.device)) * parallel.world)
-            now = time.perf_counter()
-            rate = tokens / max(now - start, 1e-9)
-            if step == first:  # the first step compiles kernels and allocates: the rate counts from its end
-                first_step_seconds, start, tokens = now - start, now, 0
-            values = means.tolist()
-            record = {"step": step, "loss": values[0], "layers": dict(zip(losses, values[1:]))}
-            if aux is not None:
-                record["aux"] = values[-1]
-            if per_token is None:
-                per_token = align_flops(teacher, hybrid, inputs["input_ids"].shape[1])
-            utilisation = mfu(rate * per_token, parallel.device, parallel.world)
-            history.append(record | {"tokens_per_second": rate, "mfu": utilisation, "lr": step_lr})
-            if log_every and (step % log_every == 0 or step == steps - 1):
-                per_step = (now - start) / (step - first) if step > first else first_step_seconds
-                parallel.print(
-                    f"[align] step {step + 1}/{steps} loss {values[0]:.4g} | {rate:,.0f} tok/s{mfu_text(utilisation)}"
-                    f" | {eta((steps - step - 1) * per_step)}"
-                )
-            if out_dir is not None and ((step + 1) % save_every == 0 or step + 1 == steps):
-                _save(out_dir, step + 1, named, optimizer, history, keep_checkpoints, parallel)
+        # the teacher's linear weights in bf16 while the loop runs (exact under bf16 autocast; precision.py)
+        bf16 = mixed_precision == "bf16" and not parallel.sharded
+        with frozen_linears_in([teacher], torch.bfloat16, enabled=bf16):
+            for step, batch in zip(range(first, steps), batches):
+                step_lr = lr_at(step, lr, steps, warmup_steps)
+                for group in optimizer.param_groups:
+                    group["lr"] = step_lr
+                inputs = model_inputs(_share(batch, parallel), parallel.device)
+                with autocast:
+                    losses = alignment_losses(teacher, hybrid, **inputs)
+                aux = mixers_aux_loss(hybrid, losses)  # SSE's balance loss trains its router here too
+                total = torch.stack(list(losses.values())).sum() + (0.0 if aux is None else aux)
+                optimizer.zero_grad(set_to_none=True)
+                with record_function("align.backward"):
+                    total.backward()
+                mask = inputs.get("attention_mask")
+                local = inputs["input_ids"].new_tensor(inputs["input_ids"].numel()) if mask is None else mask.sum()
+                parts = [total, *losses.values()] + ([] if aux is None else [aux])
+                # the global batch's losses and token count in the step's one host sync, checked before the
+                # optimizer applies anything; every process sees the same means, so all of them stop together
+                values = parallel.mean(torch.stack([v.detach().float() for v in parts] + [local.float()])).tolist()
+                values, tokens = values[:-1], tokens + round(values[-1] * parallel.world)
+                bad = [i for i, loss in zip(losses, values[1:]) if not math.isfinite(loss)]
+                if bad:
+                    raise FloatingPointError(f"alignment loss is not finite at step {step + 1} in layer(s) {bad}")
+                with record_function("align.optimizer"):
+                    parallel.average_gradients(params)
+                    if grad_clip:
+                        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+                    optimizer.step()
+                now = time.perf_counter()
+                rate = tokens / max(now - start, 1e-9)
+                if step == first:  # the first step compiles kernels and allocates: the rate counts from its end
+                    first_step_seconds, start, tokens = now - start, now, 0
+                record = {"step": step, "loss": values[0], "layers": dict(zip(losses, values[1:]))}
+                if aux is not None:
+                    record["aux"] = values[-1]
+                if per_token is None:
+                    per_token = align_flops(teacher, hybrid, inputs["input_ids"].shape[1])
+                utilisation = mfu(rate * per_token, parallel.device, parallel.world)
+                history.append(record | {"tokens_per_second": rate, "mfu": utilisation, "lr": step_lr})
+                if log_every and (step % log_every == 0 or step == steps - 1):
+                    per_step = (now - start) / (step - first) if step > first else first_step_seconds
+                    parallel.print(
+                        f"[align] step {step + 1}/{steps} loss {values[0]:.4g} | {rate:,.0f} tok/s"
+                        f"{mfu_text(utilisation)} | {eta((steps - step - 1) * per_step)}"
+                    )
+                if out_dir is not None and ((step + 1) % save_every == 0 or step + 1 == steps):
+                    _save(out_dir, step + 1, named, optimizer, history, keep_checkpoints, parallel)
     finally:
         for p, requires_grad in frozen:
             p.requires_grad_(requires_grad)

@@ -57,10 +57,13 @@ def train_flops(student, seq_len: int, teacher=None) -> float:
 
 
 def align_flops(teacher, hybrid, seq_len: int) -> float:
-    """Per token of align: the teacher's forward (its layers' inputs and outputs) and each mixer's forward and
-    backward on its layer's input."""
+    """Per token of align: the teacher's forward without its output head (align needs its layers' inputs and
+    outputs, and has the head compute one position per row) and each mixer's forward and backward on its layer's
+    input."""
     mixers = sum(_linear_weights(hybrid.model.layers[i].self_attn) for i in converted_layers(hybrid))
-    return forward_flops(teacher, seq_len) + 3 * 2 * mixers
+    head = teacher.get_output_embeddings()
+    head_flops = 2 * head.weight.numel() if isinstance(head, nn.Linear) else 0
+    return forward_flops(teacher, seq_len) - head_flops + 3 * 2 * mixers
 
 
 def peak_flops(device: torch.device | str) -> float | None:

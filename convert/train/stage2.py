@@ -63,6 +63,7 @@ from raven_convert.train.data import PackedDataset, batch_iterator
 from raven_convert.train.distributed import Parallel, on_cpu
 from raven_convert.train.flops import mfu, mfu_text, train_flops
 from raven_convert.train.losses import aux_loss, ce_loss, kd_loss, prediction_mask, training_loss
+from raven_convert.train.precision import frozen_linears_in
 from raven_convert.train.token_weights import schedule_weights
 
 # "no" or "bf16"; YAML reads a bare `no` as false, which means "no" here
@@ -422,76 +423,92 @@ def train(
         world = accelerator.num_processes  # loss parts: the processes' mean is the global batch's
         return {k: v / world for k, v in zip(parts_names, values)}, int(values[-1])
 
-    history, clock, timed_tokens = [], time.perf_counter(), 0
-    for step in range(start_step + 1, config.steps + 1):
-        lr = lr_at(step - 1, config.lr, config.steps, config.warmup_steps, config.schedule)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        sums = {k: torch.zeros((), device=device) for k in parts_names}
-        local_tokens = torch.zeros((), device=device)
-        for micro in range(config.grad_accum):
-            batch = {k: v.to(device) for k, v in next(batches).items()}
-            ids, inputs, mask = batch["input_ids"], model_inputs(batch) | {"use_cache": False}, prediction_mask(batch)
-            sync = micro == config.grad_accum - 1
-            with contextlib.nullcontext() if sync else accelerator.no_sync(model):
-                with record_function("train.student_forward"):
-                    out = model(**inputs)
-                weights = None
-                if token_weights is not None:
-                    w = token_weights[batch["index"].cpu()] if torch.is_tensor(token_weights) else token_weights(batch)
-                    weights = schedule_weights(w.to(device).float(), tokens_seen, tau, batch["attention_mask"])
-                # each process's mean weighted by its share of the predictions: the processes' mean is the global one
-                parts = {"ce": ce_loss(out.logits, ids, mask, weights) * parallel.share(mask[:, :-1].sum())}
-                if config.kd_weight > 0:
-                    with torch.no_grad(), accelerator.autocast(), record_function("train.teacher_forward"):
-                        teacher_logits = teacher(**inputs).logits
-                    kd = kd_loss(out.logits, teacher_logits, config.kd_temperature, mask)
-                    parts["kd"] = kd * parallel.share(mask.sum())
-                aux = aux_loss(out)
-                if aux is not None:
-                    parts["aux"] = aux
-                total = training_loss(parts, config.kd_weight)
-                with record_function("train.backward"):
-                    accelerator.backward(total)
-            for name, value in (parts | {"loss": total}).items():
-                sums[name] += value.detach().float() / config.grad_accum
-            local_tokens += batch["attention_mask"].sum()
-        grads = [_local(p.grad) for p in params if p.grad is not None]  # this process's shards: finite or not
-        norm = torch.stack([g.float().norm() for g in grads]).norm() if grads else torch.zeros((), device=device)
-        sums, step_tokens = step_totals(sums, norm, local_tokens, step)
-        with record_function("train.optimizer"):
-            if config.grad_clip:
-                accelerator.clip_grad_norm_(params, config.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+    # frozen linear weights in bf16 while the loop runs (exact under bf16 autocast; precision.py)
+    casts = [accelerator.unwrap_model(model), teacher if config.kd_weight > 0 else None]
+    bf16 = config.mixed_precision == "bf16" and not parallel.sharded
+    with frozen_linears_in(casts, torch.bfloat16, enabled=bf16):
+        history, clock, timed_tokens = [], time.perf_counter(), 0
+        for step in range(start_step + 1, config.steps + 1):
+            lr = lr_at(step - 1, config.lr, config.steps, config.warmup_steps, config.schedule)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            sums = {k: torch.zeros((), device=device) for k in parts_names}
+            local_tokens = torch.zeros((), device=device)
+            for micro in range(config.grad_accum):
+                batch = {k: v.to(device) for k, v in next(batches).items()}
+                ids, inputs, mask = (
+                    batch["input_ids"],
+                    model_inputs(batch) | {"use_cache": False},
+                    prediction_mask(batch),
+                )
+                sync = micro == config.grad_accum - 1
+                with contextlib.nullcontext() if sync else accelerator.no_sync(model):
+                    with record_function("train.student_forward"):
+                        out = model(**inputs)
+                    weights = None
+                    if token_weights is not None:
+                        w = (
+                            token_weights[batch["index"].cpu()]
+                            if torch.is_tensor(token_weights)
+                            else token_weights(batch)
+                        )
+                        weights = schedule_weights(w.to(device).float(), tokens_seen, tau, batch["attention_mask"])
+                    # each process's mean weighted by its share of the predictions: the processes' mean is the global
+                    # one
+                    parts = {"ce": ce_loss(out.logits, ids, mask, weights) * parallel.share(mask[:, :-1].sum())}
+                    if config.kd_weight > 0:
+                        with torch.no_grad(), accelerator.autocast(), record_function("train.teacher_forward"):
+                            teacher_logits = teacher(**inputs).logits
+                        kd = kd_loss(out.logits, teacher_logits, config.kd_temperature, mask)
+                        parts["kd"] = kd * parallel.share(mask.sum())
+                    aux = aux_loss(out)
+                    if aux is not None:
+                        parts["aux"] = aux
+                    total = training_loss(parts, config.kd_weight)
+                    with record_function("train.backward"):
+                        accelerator.backward(total)
+                for name, value in (parts | {"loss": total}).items():
+                    sums[name] += value.detach().float() / config.grad_accum
+                local_tokens += batch["attention_mask"].sum()
+            grads = [_local(p.grad) for p in params if p.grad is not None]  # this process's shards: finite or not
+            norm = torch.stack([g.float().norm() for g in grads]).norm() if grads else torch.zeros((), device=device)
+            sums, step_tokens = step_totals(sums, norm, local_tokens, step)
+            with record_function("train.optimizer"):
+                if config.grad_clip:
+                    accelerator.clip_grad_norm_(params, config.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
 
-        tokens_seen += step_tokens
-        timed_tokens += step_tokens
-        elapsed = max(time.perf_counter() - clock, 1e-9)
-        rate = timed_tokens / elapsed
-        if step == start_step + 1:  # the first step compiles kernels and allocates: the rate counts from its end
-            clock, timed_tokens = time.perf_counter(), 0
-        utilisation = mfu(rate * per_token, device, parallel.world)
-        record = {"step": step, **sums, "lr": lr, "tokens_per_second": rate, "mfu": utilisation}
-        history.append(record)
-        if tracker:
-            accelerator.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=step)
-        if config.log_every and (step % config.log_every == 0 or step == config.steps):
-            left = (config.steps - step) * elapsed / max(step - start_step - 1, 1)
-            accelerator.print(
-                f"[stage2] step {step}/{config.steps} loss {sums['loss']:.4g} (ce {sums['ce']:.4g} kd {sums['kd']:.4g}"
-                f" aux {sums['aux']:.4g}) lr {lr:.3g} | {rate:,.0f} tok/s{mfu_text(utilisation)} | {eta(left)}",
-                file=sys.stderr,
-            )
-        if validation is not None and (step == config.steps or (config.eval_every and step % config.eval_every == 0)):
-            paused = time.perf_counter()
-            record["val_ce"] = validation_ce(model, validation, config, accelerator)
-            clock += time.perf_counter() - paused  # validation time is not training throughput
-            accelerator.print(f"[stage2] step {step} validation CE {record['val_ce']:.4g}", file=sys.stderr)
+            tokens_seen += step_tokens
+            timed_tokens += step_tokens
+            elapsed = max(time.perf_counter() - clock, 1e-9)
+            rate = timed_tokens / elapsed
+            if step == start_step + 1:  # the first step compiles kernels and allocates: the rate counts from its end
+                clock, timed_tokens = time.perf_counter(), 0
+            utilisation = mfu(rate * per_token, device, parallel.world)
+            record = {"step": step, **sums, "lr": lr, "tokens_per_second": rate, "mfu": utilisation}
+            history.append(record)
             if tracker:
-                accelerator.log({"val_ce": record["val_ce"]}, step=step)
-        if step % config.save_every == 0 or step == config.steps:
-            _save(parallel, accelerator.unwrap_model(model), optimizer, out_dir, step, tokens_seen, config)
+                accelerator.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=step)
+            if config.log_every and (step % config.log_every == 0 or step == config.steps):
+                left = (config.steps - step) * elapsed / max(step - start_step - 1, 1)
+                accelerator.print(
+                    f"[stage2] step {step}/{config.steps} loss {sums['loss']:.4g} (ce {sums['ce']:.4g}"
+                    f" kd {sums['kd']:.4g} aux {sums['aux']:.4g}) lr {lr:.3g} | {rate:,.0f} tok/s"
+                    f"{mfu_text(utilisation)} | {eta(left)}",
+                    file=sys.stderr,
+                )
+            if validation is not None and (
+                step == config.steps or (config.eval_every and step % config.eval_every == 0)
+            ):
+                paused = time.perf_counter()
+                record["val_ce"] = validation_ce(model, validation, config, accelerator)
+                clock += time.perf_counter() - paused  # validation time is not training throughput
+                accelerator.print(f"[stage2] step {step} validation CE {record['val_ce']:.4g}", file=sys.stderr)
+                if tracker:
+                    accelerator.log({"val_ce": record["val_ce"]}, step=step)
+            if step % config.save_every == 0 or step == config.steps:
+                _save(parallel, accelerator.unwrap_model(model), optimizer, out_dir, step, tokens_seen, config)
     if tracker:
         for open_tracker in accelerator.trackers:  # not end_training(), which ends the launch's process group too
             open_tracker.finish()
