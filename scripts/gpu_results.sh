@@ -21,6 +21,9 @@
 #   sse-retrieval  synthetic retrieval samples in the data (data.retrieval, ratio 0.2);
 #   sse-noextend   no extend stage;
 #   sse-norouter   SSE's router without the language-model gradient (router_gradient: false).
+#   speed          short runs of the SSE and SILA recipes, one table of each stage's tokens/s
+#                  (scripts/measure_stages.py); with BASE=DIR (an older checkout's files, copied outside this one)
+#                  the same runs of BASE's code first, and the rates as ratios to them.
 #                  Two at once on two GPUs: CUDA_VISIBLE_DEVICES=0 ... start sse; CUDA_VISIBLE_DEVICES=1 ... start
 #                  sse-auto15
 set -uo pipefail
@@ -46,6 +49,18 @@ trained() {  # trained MIXER RUN [ARGS...]: train RUN, check that its model load
       recipe "$1" "$2-sw" --stages evaluate --redo evaluate --set evaluate.attention_window=4096 "${@:3}"
   fi
   recipe "$1" "$2" "${@:3}"
+}
+
+speed() {  # stage rates of the SSE and SILA recipes (short runs), against BASE's (an older checkout) where set
+  local recipes=(recipes/smollm2-sse.yaml recipes/smollm2-sila.yaml)
+  local flags=(--align-steps 40 --train-steps 30 --max-documents 300 --set "source=$TEACHER"
+    --set "data.source=$CORPUS")
+  if [ -n "${BASE:-}" ]; then
+    (cd "$BASE" && source scripts/device_env.sh && python3 scripts/measure_stages.py "${recipes[@]}" "${flags[@]}" \
+      --run-root "$RUNS/speed-base" --json "$RUNS/speed-base.json") || return 1
+    flags+=(--baseline "$RUNS/speed-base.json")
+  fi
+  python3 scripts/measure_stages.py "${recipes[@]}" "${flags[@]}" --run-root "$RUNS/speed" --json "$RUNS/speed.json"
 }
 
 run() {
@@ -94,8 +109,12 @@ PY
   sse-norouter)
     trained sse sse-norouter --set mixer_settings.sse.router_gradient=false
     ;;
+  speed)
+    speed
+    ;;
   *)
-    echo "unknown job $1; jobs: teacher raven sse sila sila-uniform sse-auto15 sse-retrieval sse-noextend sse-norouter" >&2
+    echo "unknown job $1; jobs: teacher raven sse sila sila-uniform sse-auto15 sse-retrieval sse-noextend sse-norouter" \
+      "speed" >&2
     return 2
     ;;
   esac
