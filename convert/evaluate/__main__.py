@@ -50,6 +50,13 @@ def _haystack(text: str) -> tuple[str, str]:
     return name, folder
 
 
+def _task_lengths(text: str) -> tuple[str, list[int]]:
+    task, sep, lengths = text.partition("=")
+    if not sep or not task or not lengths:
+        raise argparse.ArgumentTypeError(f"{text!r} is not TASK=LENGTHS (e.g. niah_multikey=1k,2k,4k,8k)")
+    return task, parse_lengths(lengths)
+
+
 def _depths(text: str) -> list[float]:
     try:
         depths = [float(d) for d in text.split(",")]
@@ -94,6 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--variants", type=_names(VARIANTS), default=d.variants, help=f"from {list(VARIANTS)}")
     p.add_argument("--lengths", type=parse_lengths, default=d.lengths, help="prompt lengths in tokens (1k = 1024)")
+    p.add_argument(
+        "--task-lengths",
+        type=_task_lengths,
+        action="append",
+        default=[],
+        metavar="TASK=LENGTHS",
+        help="lengths of one of --tasks in place of --lengths, e.g. niah_multikey=1k,8k (repeatable)",
+    )
     p.add_argument("--depths", type=_depths, default=d.depths, help="needle depths in [0, 1]")
     p.add_argument("--samples", type=_positive, default=d.samples, help="prompts per (length, depth)")
     p.add_argument("--batch-size", type=_positive, default=d.batch_size)
@@ -131,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.chat_template = {"off": False, "on": True, "auto": None}[args.chat_template]
     resume = vars(args).pop("resume")
-    args.haystacks = dict(args.haystacks)
+    args.haystacks, args.task_lengths = dict(args.haystacks), dict(args.task_lengths)
     try:
         request = EvalRequest(**vars(args))
     except ValidationError as err:  # what one flag cannot check alone: the tasks against --haystacks

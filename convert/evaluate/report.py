@@ -124,7 +124,7 @@ def evaluate_model(request: EvalRequest, log=print, resume: bool = False, parall
         samples = build_samples(
             task,
             tokenizer,
-            request.lengths,
+            request.lengths_of(task),
             request.depths,
             request.samples,
             request.seed,

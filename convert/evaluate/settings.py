@@ -4,6 +4,8 @@ settings plus the model, the report directory and the device.
 
     request = EvalRequest(model="runs/smollm2-raven/model", out="runs/smollm2-raven/eval", lengths=[1024, 4096])
     request = EvalRequest(model=..., out=..., tasks=["niah_word", "niah_word@papers"], haystacks={"papers": "papers/"})
+    request = EvalRequest(model=..., out=..., tasks=["passkey", "niah_multikey"], lengths=[1024, 16384],
+                          task_lengths={"niah_multikey": [1024, 8192]})
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from raven_layers.common import did_you_mean
 
 from .needles import BUILT_IN_HAYSTACKS, VARIANTS, split_task
 
@@ -32,6 +36,9 @@ class EvaluateSettings(BaseModel):
     tasks: list[str] = Field(default_factory=lambda: ["passkey", "niah_single_2"], min_length=1)
     variants: list[Literal[VARIANTS]] = Field(default_factory=lambda: ["standard"])
     lengths: list[int] = Field(default_factory=lambda: [1024, 2048, 4096], min_length=1)
+    task_lengths: dict[str, list[int]] = Field(
+        default_factory=dict, description="TASK -> its lengths, in place of `lengths` for that task (one of tasks)"
+    )
     depths: list[float] = Field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0], min_length=1)
     samples: int = Field(4, ge=1, description="prompts per (length, depth) cell")
     batch_size: int = Field(8, ge=1)
@@ -74,6 +81,26 @@ class EvaluateSettings(BaseModel):
         for task in value:  # the haystack names are checked when haystacks is valid
             split_task(task, info.data.get("haystacks"))
         return value
+
+    @field_validator("task_lengths")
+    @classmethod
+    def _task_lengths(cls, value: dict[str, list[int]], info: ValidationInfo) -> dict[str, list[int]]:
+        tasks = info.data.get("tasks")
+        if tasks is None:  # tasks failed its own check, which says why
+            return value
+        for task, lengths in value.items():
+            if task not in tasks:
+                raise ValueError(
+                    f"task_lengths names {task!r}, which is not one of tasks {tasks}; "
+                    f"{did_you_mean(task, tasks)}task_lengths sets the lengths of a task that runs"
+                )
+            if not lengths or any(n < 1 for n in lengths):
+                raise ValueError(f"task_lengths of {task!r} must be lengths >= 1, got {lengths}")
+        return value
+
+    def lengths_of(self, task: str) -> list[int]:
+        """The prompt lengths of `task`: its task_lengths entry, else `lengths`."""
+        return self.task_lengths.get(task, self.lengths)
 
     @field_validator("lengths", "ppl_lengths", "speed_lengths")
     @classmethod

@@ -125,6 +125,14 @@ def test_a_task_on_a_named_haystack_is_reported_beside_the_task_and_resumed_apar
     ]
 
 
+def test_task_lengths_run_each_task_at_its_own_lengths(tiny_sources, tmp_path, haystack):
+    flags = ["--tasks", "passkey,niah_word", "--lengths", "450,700", "--task-lengths", "niah_word=450", "--depths", "0"]
+    report = run_eval(tiny_sources["llama"], tmp_path / "eval", haystack, *flags, "--no-pictures")
+    assert report["request"]["task_lengths"] == {"niah_word": [450]}
+    lengths = {task: sorted(map(int, r["by_length"])) for task, r in report["retrieval"].items()}
+    assert lengths == {"passkey/standard": [450, 700], "niah_word/standard": [450]}
+
+
 def test_named_haystacks_are_checked_before_loading(tmp_path, capsys, papers):
     (tmp_path / "empty").mkdir()
     for flags, message in [

@@ -61,6 +61,13 @@ def test_named_haystacks_and_the_tasks_on_them():
         ({"haystacks": {"a" * 25: "p"}}, f"haystack name '{'a' * 25}' is not a short identifier"),
         ({"haystacks": {"essay": "p"}}, "haystack name 'essay' is built in (noise, essay); choose another"),
         ({"haystacks": {"papers": " "}}, "haystack 'papers' names no folder"),
+        (
+            {"task_lengths": {"niah_multikei": [1024]}, "tasks": ["passkey", "niah_multikey"]},
+            "task_lengths names 'niah_multikei', which is not one of tasks ['passkey', 'niah_multikey']; did you mean "
+            "'niah_multikey'? task_lengths sets the lengths of a task that runs",
+        ),
+        ({"task_lengths": {"passkey": [1024, 0]}}, "task_lengths of 'passkey' must be lengths >= 1, got [1024, 0]"),
+        ({"task_lengths": {"passkey": []}}, "task_lengths of 'passkey' must be lengths >= 1, got []"),
     ],
 )
 def test_bad_tasks_and_haystacks_are_refused_naming_the_value(values, message):
@@ -68,3 +75,24 @@ def test_bad_tasks_and_haystacks_are_refused_naming_the_value(values, message):
         EvaluateSettings(**values)
     assert message in str(err.value)
     assert [e["loc"] for e in err.value.errors()] == [(next(iter(values)),)]  # one error, on the field at fault
+
+
+def test_task_lengths_replace_the_lengths_of_their_task_only():
+    settings = EvaluateSettings(
+        tasks=["passkey", "niah_multikey"], lengths=[1024, 16384], task_lengths={"niah_multikey": [1024, 8192]}
+    )
+    assert settings.lengths_of("passkey") == [1024, 16384] and settings.lengths_of("niah_multikey") == [1024, 8192]
+
+
+def test_raven_eval_task_lengths_flag(tmp_path, monkeypatch, capsys):
+    seen = []
+    monkeypatch.setattr(cli, "evaluate_model", lambda request, resume: seen.append(request) or {})
+    args = ["m", "--out", str(tmp_path / "eval"), "--tasks", "passkey,niah_word", "--task-lengths", "niah_word=1k,2k"]
+    assert cli.main(args) == 0
+    assert seen[0].task_lengths == {"niah_word": [1024, 2048]}
+    with pytest.raises(SystemExit):
+        cli.main([*args[:5], "--task-lengths", "niah_word"])
+    assert "'niah_word' is not TASK=LENGTHS (e.g. niah_multikey=1k,2k,4k,8k)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main([*args[:5], "--task-lengths", "niah_wrd=1k"])
+    assert "argument --task-lengths: task_lengths names 'niah_wrd'" in capsys.readouterr().err
