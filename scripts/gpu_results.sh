@@ -19,6 +19,7 @@
 #   sse-auto15     ablations of the sse job, its baseline, for the ablation table of docs/RESULTS.md: layers
 #                  auto:15 (the 15 layers raven_convert.layer_choice ranks least important) instead of 0-29:2;
 #   sse-retrieval  synthetic retrieval samples in the data (data.retrieval, ratio 0.2);
+#   sse-auto15-retrieval  both;
 #   sse-noextend   no extend stage;
 #   sse-norouter   SSE's router without the language-model gradient (router_gradient: false).
 #   speed          short runs of the SSE and SILA recipes, one table of each stage's tokens/s
@@ -103,6 +104,9 @@ PY
   sse-retrieval)
     trained sse sse-retrieval --set data.retrieval.ratio=0.2
     ;;
+  sse-auto15-retrieval)
+    trained sse sse-auto15-retrieval --set 'layers=[{mixer: sse, layers: "auto:15"}]' --set data.retrieval.ratio=0.2
+    ;;
   sse-noextend)
     trained sse sse-noextend --set extend=null
     ;;
@@ -113,8 +117,8 @@ PY
     speed
     ;;
   *)
-    echo "unknown job $1; jobs: teacher raven sse sila sila-uniform sse-auto15 sse-retrieval sse-noextend sse-norouter" \
-      "speed" >&2
+    echo "unknown job $1; jobs: teacher raven sse sila sila-uniform sse-auto15 sse-retrieval sse-auto15-retrieval" \
+      "sse-noextend sse-norouter speed" >&2
     return 2
     ;;
   esac
