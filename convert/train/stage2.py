@@ -343,6 +343,7 @@ def train(
     student is read back whole with `parallel.full_state_dict(student)`.
     """
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from torch.distributed.fsdp import FSDPModule
 
     config = config if isinstance(config, TrainConfig) else TrainConfig(**config)
@@ -355,6 +356,9 @@ def train(
         "tensorboard" if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX") else None
     )
     parallel = parallel or Parallel()
+    # accelerate keeps one AcceleratorState per process and refuses a second Accelerator with another mixed precision
+    # (train without, extend with): start it afresh, keeping the launch's process group (its PartialState)
+    AcceleratorState._reset_state(reset_partial_state=False)
     accelerator = Accelerator(
         cpu=on_cpu(),
         mixed_precision=config.mixed_precision,
@@ -443,7 +447,8 @@ def train(
                 )
                 sync = micro == config.grad_accum - 1
                 with contextlib.nullcontext() if sync else accelerator.no_sync(model):
-                    with record_function("train.student_forward"):
+                    # autocast here too: a model an earlier Accelerator prepared is not wrapped again
+                    with record_function("train.student_forward"), accelerator.autocast():
                         out = model(**inputs)
                     weights = None
                     if token_weights is not None:

@@ -197,3 +197,11 @@ def test_lora_resumes_and_merges_into_plain_weights(teacher, tmp_path):
     assert not any(is_lora(n) for n, _ in a.named_parameters())
     assert set(a.state_dict()) == set(hybrid(teacher).state_dict())
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+
+
+def test_stages_with_different_mixed_precision_run_in_one_process(teacher, tmp_path):
+    # a recipe's train without mixed precision, then its extend with bf16 (accelerate keeps one state per process)
+    student, data = hybrid(teacher), rows()
+    train(student, teacher, data, TrainConfig(steps=1, **FAST), tmp_path / "train")
+    history = train(student, teacher, data, TrainConfig(steps=1, mixed_precision="bf16", **FAST), tmp_path / "extend")
+    assert math.isfinite(history[0]["loss"])
