@@ -98,6 +98,8 @@ def test_recipes_readme_matches_the_recipes():
             continue
         lengths = f"{min(recipe.evaluate.lengths) // 1024}K-{max(recipe.evaluate.lengths) // 1024}K"
         assert evaluate.startswith(", ".join(recipe.evaluate.tasks)) and lengths in evaluate, path.name
+        for task_lengths in recipe.evaluate.task_lengths.values():  # tasks at their own lengths say so
+            assert f"{min(task_lengths) // 1024}K-{max(task_lengths) // 1024}K)" in evaluate, path.name
         assert ("prompts" in evaluate) == (len(recipe.evaluate.variants) > 1), path.name
     for field, (flag, metavar, _) in INPUT_FLAGS.items():
         assert f"| `{flag} {metavar}` | `{field}` |" in readme
