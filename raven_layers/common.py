@@ -10,6 +10,7 @@ import difflib
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, is_dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -98,6 +99,17 @@ def init_fresh_parameters(module: nn.Module, inits: dict[str, Callable[[torch.Te
             init(param)
 
 
+_COMPILED: dict[Callable, Callable] = {}
+
+
+def compiled(fn: Callable) -> Callable:
+    """`fn` under torch.compile, built once per function: a mixer's layers pass themselves as its first argument,
+    their parameters become the graph's inputs, and all of them share the graphs traced for the first."""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn)
+    return _COMPILED[fn]
+
+
 class Mixer(nn.Module):
     """Base of the mixers: the source attention's head layout, its projections under their names and shapes (so
     conversion copies the teacher's weights into them), the optional output gate, and the decode-state plumbing.
@@ -105,10 +117,15 @@ class Mixer(nn.Module):
     Subclasses build their own parameters after `super().__init__`, and implement `reset_mixer_parameters`,
     `fresh_parameter_names`, `state_numel` and `mix(hidden_states, cache, padding_mask, cu_seqlens)`; without a
     kernel that takes `cu_seqlens`, `mix` hands packed input to `forward_packed`. `forward` takes the calling
-    convention of whichever transformers release runs the decoder layer around it.
+    convention of whichever transformers release runs the decoder layer around it. `mix` calls the PyTorch work
+    around its kernels (projections, routing, gates, the read-out) through `glue`, which compiles it while
+    `compile_glue` is set.
     """
 
     aux_loss: torch.Tensor | None = None  # an auxiliary loss of the last forward, summed by the model
+    # set while training (convert/train/compiling.py): the many small operations around the kernels, fused by
+    # torch.compile, launch a few kernels instead of dozens per layer, forward and backward
+    compile_glue: bool = False
 
     def __init__(self, config, layer_idx: int, settings, qk_head_dim: int | None = None):
         super().__init__()
@@ -166,11 +183,21 @@ class Mixer(nn.Module):
         out, _ = self(rows, padding_mask=mask)
         return from_rows(out, where, hidden_states.shape[:2]), None
 
+    def glue(self, method: Callable) -> Callable:
+        """`method`, a method of this mixer free of kernels and host syncs, as `mix` should call it: compiled
+        (`compiled`, shared by the mixer's layers) while `compile_glue` is set, else as it is."""
+        return partial(compiled(method.__func__), self) if self.compile_glue else method
+
     def project_out(self, o: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, None]:
         """Output gate and o_proj: o [B, T, H * d] -> ([B, T, hidden], None), the attention's return shape."""
         if self.settings.output_gate:
             o = o * 2 * torch.sigmoid(F.linear(x, self.gate_weight))
         return self.o_proj(o), None
+
+    def read_out(self, o: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The read o [B, T, ..., d] of hidden states x [B, T, hidden], in the recurrence's dtype -> the layer's
+        output ([B, T, hidden], None) in x's dtype (`project_out`)."""
+        return self.project_out(o.to(x.dtype).reshape(*x.shape[:2], -1), x)
 
 
 @dataclass(frozen=True)

@@ -266,6 +266,20 @@ class RavenMixer(Mixer):
         log_f = r.new_zeros(*idx.shape[:-1], self.settings.num_slots)
         return log_f.scatter(-1, idx, a.unsqueeze(-1) * r)
 
+    def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, T, H_kv, G, d], k and v [B, T, H_kv, d] of hidden states x [B, T, hidden], after the q/k norms
+        and feature map."""
+        B, T, _ = x.shape
+        H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).view(B, T, Hkv, H // Hkv, d)
+        k = self.k_proj(x).view(B, T, Hkv, d)
+        v = self.v_proj(x).view(B, T, Hkv, d)
+        if self.use_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.settings.feature_map == "silu":
+            q, k = F.silu(q), F.silu(k)
+        return q, k, v
+
     def mix(
         self,
         hidden_states: torch.Tensor,
@@ -277,15 +291,8 @@ class RavenMixer(Mixer):
         if cu_seqlens is not None and kernels is None:  # packed documents, each from an empty state
             return self.forward_packed(hidden_states, cu_seqlens)
         x = hidden_states  # [B, T, hidden]
-        B, T, _ = x.shape
-        H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(x).view(B, T, Hkv, H // Hkv, d)
-        k = self.k_proj(x).view(B, T, Hkv, d)
-        v = self.v_proj(x).view(B, T, Hkv, d)
-        if self.use_qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.settings.feature_map == "silu":
-            q, k = F.silu(q), F.silu(k)
+        T = x.shape[1]
+        q, k, v = self.glue(self.projections)(x)
         state = self.load_state(cache)
         if kernels is not None:  # Triton: the router's choice goes to the kernels, which build the gates on chip
             a, idx, r = self.route(x, padding_mask, kernels)
@@ -294,7 +301,7 @@ class RavenMixer(Mixer):
                 o, _ = kernels.chunk_raven(
                     *packed, self.scale, s.num_slots, cu_seqlens=cu_seqlens, checkpoint_level=s.checkpoint_level
                 )
-                return self.project_out(o.to(x.dtype).reshape(B, T, H * d), x)
+                return self.glue(self.read_out)(o, x)
             if T == 1 and state is not None:
                 o, new_state = kernels.fused_recurrent_raven(q, k, v, a, idx, r, self.scale, s.num_slots, state, True)
             else:
@@ -302,14 +309,14 @@ class RavenMixer(Mixer):
                     q, k, v, a, idx, r, self.scale, s.num_slots, state, True, checkpoint_level=s.checkpoint_level
                 )
             self.save_state(cache, new_state, num_tokens=T)
-            return self.project_out(o.to(x.dtype).reshape(B, T, H * d), x)
+            return self.glue(self.read_out)(o, x)
         log_f = self.write_gates(x, padding_mask)
         if T == 1 and state is not None:
             o, new_state = raven_recurrent(q, k, v, log_f, self.scale, state)
         else:
             o, new_state = raven_chunked(q, k, v, log_f, self.scale, state, self.settings.chunk_size)
         self.save_state(cache, new_state, num_tokens=T)
-        return self.project_out(o.to(x.dtype).reshape(B, T, H * d), x)
+        return self.glue(self.read_out)(o, x)
 
 
 MIXER = MixerSpec(

@@ -411,13 +411,13 @@ class SILAMixer(Mixer):
         B, T, _ = x.shape
         state = self.load_state(cache)
         memory, tail = state if state is not None else (None, None)
-        inputs, tail = self.recurrence_inputs(x, tail, padding_mask, cu_seqlens)
+        inputs, tail = self.glue(self.recurrence_inputs)(x, tail, padding_mask, cu_seqlens)
         mask = padding_mask.bool() if padding_mask is not None else None
         args = (*inputs, self.beta_state_weight, self.gamma_state_weight, memory, mask)
         if cu_seqlens is not None:  # packed documents: one sequence of B * T tokens cut at cu_seqlens
             packed = [t.flatten(0, 1).unsqueeze(0) for t in args[:6]]
             o, _ = kernels.fused_recurrent_sila(*packed, *args[6:8], cu_seqlens=cu_seqlens)
-            return self.project_out(o.to(x.dtype).reshape(B, T, -1), x)
+            return self.glue(self.read_out)(o, x)
         if kernels is not None:  # Triton: one fused recurrent kernel for training, prefill and decode steps
             o, memory = kernels.fused_recurrent_sila(*args, output_final_state=True)
         elif T == 1 and memory is not None:
@@ -425,7 +425,7 @@ class SILAMixer(Mixer):
         else:
             o, memory = sila_chunked(*args, chunk_size=self.settings.chunk_size)
         self.save_state(cache, (memory, tail), num_tokens=T)
-        return self.project_out(o.to(x.dtype).reshape(B, T, -1), x)
+        return self.glue(self.read_out)(o, x)
 
 
 MIXER = MixerSpec(

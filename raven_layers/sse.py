@@ -524,6 +524,22 @@ class SSEMixer(Mixer):
             k, log_g = k * real, log_g * real
         return q, k, log_g, idx, top[..., : s.top_k]
 
+    def kernel_inputs(self, x: torch.Tensor, padding_mask: torch.Tensor | None):
+        """What the SSE forms take from hidden states x [B, T, hidden]: q, k, v [B, T, H_kv, d], log_g and idx (see
+        `partition_inputs`), and the balance loss (None when balance_coef = 0)."""
+        B, T, _ = x.shape
+        scores = self.partition_scores(x)  # e_t
+        q, k, log_g, idx, top = self.partition_inputs(x, scores, padding_mask)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        return q, k, v, log_g, idx, self.balance_loss(scores, top, padding_mask)
+
+    def read_out(self, o: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """`Mixer.read_out` with the per-head RMSNorm of the read o [B, T, H_kv, G, d] (`output_norm`) first."""
+        o = o.to(x.dtype)
+        if self.settings.output_norm:
+            o = self.o_norm(o)
+        return self.project_out(o.reshape(*x.shape[:2], -1), x)
+
     def mix(
         self,
         hidden_states: torch.Tensor,
@@ -534,11 +550,7 @@ class SSEMixer(Mixer):
         x = hidden_states  # [B, T, hidden]
         B, T, _ = x.shape
         s = self.settings
-        scores = self.partition_scores(x)  # e_t
-        q, k, log_g, idx, top = self.partition_inputs(x, scores, padding_mask)
-        self.aux_loss = self.balance_loss(scores, top, padding_mask)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-
+        q, k, v, log_g, idx, self.aux_loss = self.glue(self.kernel_inputs)(x, padding_mask)
         state = self.load_state(cache)
         initial = state[0] if state is not None else None
         args = (q, k, v, log_g, idx, self.num_partitions, self.scale, initial)
@@ -555,11 +567,7 @@ class SSEMixer(Mixer):
             o, new_state = sse_parallel(form, kernels, s.chunk_size)(*args)
         if cu_seqlens is None:
             self.save_state(cache, (new_state,), num_tokens=T)
-
-        o = o.to(x.dtype)  # [B, T, H_kv, G, d]
-        if s.output_norm:
-            o = self.o_norm(o)
-        return self.project_out(o.reshape(B, T, self.num_heads * self.head_dim), x)
+        return self.glue(self.read_out)(o, x)
 
 
 MIXER = MixerSpec(

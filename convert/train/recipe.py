@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from raven_convert.evaluate.settings import EvaluateSettings
 from raven_convert.layer_choice import ChoiceSettings, auto_assignment
 from raven_convert.layer_spec import ACCEPTED_FORMS, AUTO_FORM, LayerSpecError, auto_count, parse_layer_spec
+from raven_convert.train.compiling import CompileSetting
 from raven_convert.train.distributed import DistributedSettings
 from raven_convert.train.retrieval_data import RetrievalMix
 from raven_convert.train.stage2 import MixedPrecision, TrainConfig
@@ -113,6 +114,9 @@ class AlignSettings(_Strict):
     seed: int = Field(0, description="data order, and the random numbers of a fresh run (Raven's router noise)")
     log_every: int = Field(10, ge=0)
     mixed_precision: MixedPrecision = "no"
+    compile: CompileSetting = Field(
+        "auto", description="torch.compile the mixers' PyTorch work around their kernels (compiling.py); auto: on CUDA"
+    )
     save_every: int = Field(100, ge=1, description="steps between checkpoints (and one at the end)")
     keep_checkpoints: int = Field(2, ge=1, description="how many of the newest checkpoints stay on disk")
 

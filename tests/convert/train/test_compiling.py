@@ -1,0 +1,93 @@
+"""The mixers' glue compiled while a stage trains: the same outputs and gradients as eager, every mixer's parts
+compiled once for all its layers, the flag put back afterwards; "auto" compiles on CUDA only."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from raven_convert import build_hybrid, plan_layers
+from raven_convert.train import align as align_module
+from raven_convert.train.align import align
+from raven_convert.train.compiling import compiled_glue, resolve_compile
+from raven_convert.train.recipe import AlignSettings
+from raven_layers import common
+from raven_layers.raven import RavenMixer
+from raven_layers.sila import SILAMixer
+from raven_layers.sse import SSEMixer
+from tests.raven_layers.test_hybrid_model import perturb_fresh_parameters
+
+SETTINGS = {"raven": {"num_slots": 16, "top_k": 4, "gumbel": False}, "sse": {"lora_rank": 8}, "sila": {}}
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_sources):
+    source = AutoModelForCausalLM.from_pretrained(tiny_sources["llama"])
+    kinds = plan_layers([("raven", "0"), ("sse", "1,3"), ("sila", "2")], 4)  # two SSE layers share one graph
+    return perturb_fresh_parameters(build_hybrid(source, kinds, SETTINGS)).train()
+
+
+def forward_backward(model, ids, mask):
+    model.zero_grad(set_to_none=True)
+    logits = model(ids, attention_mask=mask).logits
+    logits.float().square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), grads
+
+
+def test_compiled_glue_equals_eager_and_is_put_back(hybrid):
+    ids = torch.randint(3, 100, (2, 19), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding: the compiled gates must honour it too
+    expected, expected_grads = forward_backward(hybrid, ids, mask)
+    torch._dynamo.utils.counters.clear()
+    with compiled_glue([hybrid, None]) as mixers:
+        assert len(mixers) == 4 and all(m.compile_glue for m in mixers)
+        logits, grads = forward_backward(hybrid, ids, mask)
+    assert not any(m.compile_glue for m in mixers) and all("compile_glue" not in vars(m) for m in mixers)
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    parts = {SSEMixer.kernel_inputs, SSEMixer.read_out, SILAMixer.recurrence_inputs, RavenMixer.projections}
+    assert parts | {common.Mixer.read_out} <= set(common._COMPILED)
+    # one graph per part and mixer, however many layers (the second SSE layer reuses the first's): SSE's two,
+    # SILA's and Raven's inputs, and Mixer.read_out for each of them
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 6
+
+
+def test_align_compiles_when_asked(hybrid, tiny_sources, monkeypatch):
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_sources["llama"]).eval()
+    seen = []
+    real = align_module.compiled_glue
+
+    def spy(models, enabled=True):
+        seen.append(enabled)
+        return real(models, enabled)
+
+    monkeypatch.setattr(align_module, "compiled_glue", spy)
+    batch = {"input_ids": torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(1))}
+    eager = align(teacher, hybrid, [batch], steps=1, lr=0.0, compile=False, log_every=0)
+    compiled = align(teacher, hybrid, [batch], steps=1, lr=0.0, compile=True, log_every=0)
+    assert seen == [False, True]
+    for layer, mse in eager[0]["layers"].items():
+        assert compiled[0]["layers"][layer] == pytest.approx(mse, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("setting", "device", "sharded", "expected"),
+    [
+        ("auto", "cpu", False, False),  # a compile costs more on the CPU than it saves
+        ("auto", "cuda", False, True),
+        ("auto", "cuda", True, False),  # FSDP's sharded parameters
+        (True, "cpu", False, True),
+        (False, "cuda", False, False),
+    ],
+)
+def test_auto_compiles_on_cuda_only(setting, device, sharded, expected):
+    assert resolve_compile(setting, torch.device(device), sharded) is expected
+
+
+def test_the_setting_is_validated():
+    assert AlignSettings(compile=False).compile is False
+    with pytest.raises(ValueError, match="compile"):
+        AlignSettings(compile="sometimes")
