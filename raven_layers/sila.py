@@ -340,12 +340,11 @@ class SILAMixer(Mixer):
         out = F.conv1d(full.transpose(1, 2), self.conv_weight.to(x.dtype).unsqueeze(1), groups=Cn)
         return out.transpose(1, 2), full[:, T:].clone()
 
-    def short_conv_packed(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """`short_conv` of packed documents x [B, T, C] (offsets cu_seqlens in the flattened B * T tokens): every
-        document starts from a zero tail, so no input reaches across a boundary."""
-        B, T, Cn = x.shape
-        K = self.settings.conv_size
-        offset = document_positions(cu_seqlens, B * T)[1].view(B, T, 1)  # tokens since the document start
+    def short_conv_packed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`short_conv` of packed documents x [B, T, C], positions [B, T] each token's position in its document:
+        every document starts from a zero tail, so no input reaches across a boundary."""
+        T, K = x.shape[1], self.settings.conv_size
+        offset = positions.unsqueeze(-1)  # [B, T, 1] tokens since the document start
         weight = self.conv_weight.to(x.dtype)  # [C, K]: tap K - 1 - j multiplies x_{t - j}
         out = x * weight[:, K - 1]
         for j in range(1, min(K, T)):
@@ -367,12 +366,13 @@ class SILAMixer(Mixer):
         x: torch.Tensor,
         tail: torch.Tensor | None = None,
         padding_mask: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ):
         """What the recurrence takes from hidden states x [B, T, hidden]: ((q [B, T, H_kv, G, d], k, v
         [B, T, H_kv, d], alpha [B, T, H_kv, G], beta_x, gamma_x [B, T, H_kv]), the new convolution tail) after the
-        cached `tail` (None: a fresh sequence; packed documents, cu_seqlens, each start from zeros and return None).
-        With the state weights W_b1, W_g1 they are the arguments of `sila_recurrent` / `sila_chunked`."""
+        cached `tail` (None: a fresh sequence). Packed documents come with `positions` [B, T], each token's position
+        in its document: each starts from zeros, and the tail returned is None. With the state weights W_b1, W_g1
+        they are the arguments of `sila_recurrent` / `sila_chunked`."""
         B, T, _ = x.shape
         H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -382,10 +382,10 @@ class SILAMixer(Mixer):
         qkv = torch.cat([q, k, v], dim=-1)  # [B, T, (H + 2 H_kv) d]
         if padding_mask is not None:  # padding must not reach the convolution windows of real tokens
             qkv = qkv * padding_mask.unsqueeze(-1).to(qkv.dtype)
-        if cu_seqlens is None:
+        if positions is None:
             qkv, tail = self.short_conv(qkv, tail)
         else:
-            qkv, tail = self.short_conv_packed(qkv, cu_seqlens), None
+            qkv, tail = self.short_conv_packed(qkv, positions), None
         if self.settings.feature_map == "silu":
             qkv = F.silu(qkv)
         q, k, v = qkv.split([H * d, Hkv * d, Hkv * d], dim=-1)
@@ -411,7 +411,9 @@ class SILAMixer(Mixer):
         B, T, _ = x.shape
         state = self.load_state(cache)
         memory, tail = state if state is not None else (None, None)
-        inputs, tail = self.glue(self.recurrence_inputs)(x, tail, padding_mask, cu_seqlens)
+        # packed documents: positions [B, T], not cu_seqlens, whose length changes with the batch, go to the glue
+        positions = None if cu_seqlens is None else document_positions(cu_seqlens, B * T)[1].view(B, T)
+        inputs, tail = self.glue(self.recurrence_inputs)(x, tail, padding_mask, positions)
         mask = padding_mask.bool() if padding_mask is not None else None
         args = (*inputs, self.beta_state_weight, self.gamma_state_weight, memory, mask)
         if cu_seqlens is not None:  # packed documents: one sequence of B * T tokens cut at cu_seqlens

@@ -11,6 +11,7 @@ from raven_convert.train.align import align
 from raven_convert.train.compiling import compiled_glue, resolve_compile
 from raven_convert.train.recipe import AlignSettings
 from raven_layers import common
+from raven_layers.backend import use_backend
 from raven_layers.raven import RavenMixer
 from raven_layers.sila import SILAMixer
 from raven_layers.sse import SSEMixer
@@ -53,6 +54,19 @@ def test_compiled_glue_equals_eager_and_is_put_back(hybrid):
     # one graph per part and mixer, however many layers (the second SSE layer reuses the first's): SSE's two,
     # SILA's and Raven's inputs, and Mixer.read_out for each of them
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 6
+
+
+def test_packed_batches_share_the_graphs_whatever_their_documents(hybrid):
+    """Align and train pack documents: the glue must take nothing shaped by their count (SILA's convolution gets
+    positions, not cu_seqlens), or each batch would compile again."""
+    sila = hybrid.model.layers[2].self_attn  # the one mixer whose glue reads the packing
+    x = torch.randn(1, 20, hybrid.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    graphs = []
+    with compiled_glue([sila]), use_backend("triton"), torch.no_grad():
+        for lengths in ([20], [7, 13], [5, 1, 14]):
+            sila(x, cu_seqlens=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]))
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert graphs[0] == graphs[1] == graphs[2]
 
 
 def test_align_compiles_when_asked(hybrid, tiny_sources, monkeypatch):
