@@ -167,8 +167,8 @@ def test_chunk_sse_matches_recurrence(implementation, N, k, k_read, shared, with
 
 
 def test_chunk_sse_varlen_packed_documents_span_chunks(forms):
-    # segments of up to 75 entries cross the kernels' 64-row chunks; an empty document keeps its state
-    lengths = [70, 0, 5, 75]
+    # segments of up to 70 entries cross the kernels' 64-row chunks; an empty document keeps its state
+    lengths = [70, 0, 5]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     q, keys, v, log_g, idx, P = random_sse(1, sum(lengths), 1, 2, 32, 16, 2, 1, 1, True, seed=5)
     state = torch.randn(len(lengths), 1, P, 32, 16)
@@ -219,10 +219,11 @@ def test_fused_recurrent_sse_updates_the_state_in_place():
 @pytest.mark.parametrize("implementation", ["masking", "varlen"])
 def test_mixer_runs_the_kernels_like_the_torch_forms(implementation):
     torch.manual_seed(0)
-    x = torch.randn(2, 13, CONFIG.hidden_size)
+    x = torch.randn(1, 13, CONFIG.hidden_size)  # one row: test_chunk_sse_matches_recurrence runs batches of two
     results = {}
     for backend in ("torch", "triton"):
-        mixer = tiny_mixer(implementation=implementation).train()
+        # 2 partitions + the shared one, not 4 + 1: fewer heads to interpret, the same parameters and paths
+        mixer = tiny_mixer(implementation=implementation, num_partitions=2).train()
         with use_backend(backend):
             out, _ = mixer(x)
             out.square().sum().backward()

@@ -244,8 +244,11 @@ def test_packed_documents_under_the_kernels(tiny_sources):
 
     source = AutoModelForCausalLM.from_pretrained(tiny_sources["llama"]).eval()
     kinds = plan_layers([("raven", "1"), ("sila", "2"), ("sse", "3")], source.config.num_hidden_layers)
-    model = perturb_fresh_parameters(build_hybrid(source, kinds, SETTINGS))
-    docs, ids, positions = packed_documents([[7, 2, 9], [1, 17]], seed=3)  # ids [2, 18]
+    # SSE at 2 partitions, top-1 (not 4, top-2): its interpreted heads were most of the time; the same packed path
+    settings = {**SETTINGS, "sse": {**SETTINGS["sse"], "num_partitions": 2, "top_k": 1}}
+    model = perturb_fresh_parameters(build_hybrid(source, kinds, settings))
+    # three documents (the interpreter runs a chunk per document and SSE head): a 1-token one mid-pack, one of 17
+    docs, ids, positions = packed_documents([[16, 1], [17]], seed=3)  # ids [2, 17]
     with use_backend("torch"):
         alone = logits_alone(model, docs)
     with use_backend("triton"):

@@ -1,5 +1,7 @@
 """The static hybrid cache computes what the dynamic one does: decoding, left padding, windows that wrap, beams."""
 
+import copy
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -18,9 +20,16 @@ SETTINGS = {
 }
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
-def hybrid(request, tiny_sources):
-    source = AutoModelForCausalLM.from_pretrained(tiny_sources[request.param]).eval()
+# qwen3 at 5 layers, not the shared fixture's 24: raven, windowed attention, sila, full attention, sse; every layer
+# runs in each interpreted decode step
+LAYERS = {"llama": 4, "qwen3": 5}
+
+
+@pytest.fixture(scope="module", params=sorted(LAYERS))
+def hybrid(request):
+    torch.manual_seed(0)
+    config = tiny_config(request.param, num_hidden_layers=LAYERS[request.param])
+    source = AutoModelForCausalLM.from_config(config).eval()
     n = source.config.num_hidden_layers
     kinds = plan_layers([("raven", "0"), ("sila", "2"), ("sse", "-1")], n)
     windows = [5 if i % 4 == 1 else None for i in range(n)]  # a 5-token ring next to full attention
@@ -67,22 +76,25 @@ def test_static_beam_search_equals_dynamic(hybrid):
     assert torch.equal(static.sequences, dynamic.sequences)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+# the kernels once, on qwen3 (llama's layers run the same kernels at the same shapes)
+@pytest.mark.parametrize(
+    ("hybrid", "backend"), [("llama", "torch"), ("qwen3", "torch"), ("qwen3", "triton")], indirect=["hybrid"]
+)
 def test_decode_steps_by_hand_equal_a_full_forward(hybrid, backend):
     """Decode steps through the PyTorch forms, and through the kernels (decode attention included, interpreted on
     CPU), against one full forward of the PyTorch forms."""
-    ids = torch.randint(3, 100, (2, 20), generator=torch.Generator().manual_seed(2))
-    cache = StaticHybridCache(hybrid.config, batch_size=2, max_length=20)
+    ids = torch.randint(3, 100, (2, 13), generator=torch.Generator().manual_seed(2))  # 7 steps: the 5-token ring wraps
+    cache = StaticHybridCache(hybrid.config, batch_size=2, max_length=13)
     with torch.no_grad():
         full = hybrid(ids, use_cache=False).logits
         with use_backend(backend):
             steps = [hybrid(ids[:, :6], cache=cache, use_cache=True).logits]
-            steps += [hybrid(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(6, 20)]
+            steps += [hybrid(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(6, 13)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
-    assert cache.get_seq_length() == 20 and int(cache.step) == 20
+    assert cache.get_seq_length() == 13 and int(cache.step) == 13
     sizes = cache.state_bytes()
     assert sizes["mixer"] > 0 and sizes["attention"] > 0
-    with pytest.raises(ValueError, match="the static cache holds 20 tokens per sequence; 20 are cached and 1 more"):
+    with pytest.raises(ValueError, match="the static cache holds 13 tokens per sequence; 13 are cached and 1 more"):
         hybrid(ids[:, :1], cache=cache, use_cache=True)
 
 
@@ -145,17 +157,21 @@ def test_compiled_decode_step_equals_eager():
     source = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=5)).eval()
     kinds = plan_layers([("raven", "0"), ("sila", "2"), ("sse", "4")], 5)
     hybrid = build_hybrid(source, kinds, SETTINGS, attention_windows=[None, 5, None, None, None]).eval()
-    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(3))  # 6 steps: the 5-token ring wraps
     mask = torch.ones(2, 6, dtype=torch.long)
     mask[1, :2] = 0
+
+    prefilled = StaticHybridCache(hybrid.config, batch_size=2, max_length=12)
+    with torch.no_grad(), use_backend("torch"):  # the prefill is not under test: the PyTorch forms fill the cache
+        first = hybrid(ids[:, :6], attention_mask=mask, cache=prefilled).logits[:, -1:]
 
     def decode(compiled: bool) -> torch.Tensor:
         hybrid.compile_decode = compiled
         step = hybrid.decode_function()
-        cache = StaticHybridCache(hybrid.config, batch_size=2, max_length=16)
+        cache = copy.deepcopy(prefilled)  # one prefill for both: compile_decode changes only the steps
+        logits = [first]
         with torch.no_grad(), use_backend("triton"):
-            logits = [hybrid(ids[:, :6], attention_mask=mask, cache=cache).logits[:, -1:]]
-            for t in range(6, 16):
+            for t in range(6, 12):
                 with cache.decoding_step(), decode_attention(hybrid.config):
                     logits.append(step(ids[:, t : t + 1], cache))
                 cache.advance(1)
