@@ -18,8 +18,7 @@
 #                  unless ABLATION=0)
 #   sse-auto15     ablations of the sse job, its baseline, for the ablation table of docs/RESULTS.md: layers
 #                  auto:15 (the 15 layers raven_convert.layer_choice ranks least important) instead of 0-29:2;
-#   sse-retrieval  synthetic retrieval samples in the data (data.retrieval, ratio 0.2);
-#   sse-auto15-retrieval  both;
+#   sse-noretrieval  no synthetic retrieval samples in the data (the recipe mixes in 20%, data.retrieval);
 #   sse-noextend   no extend stage;
 #   sse-norouter   SSE's router without the language-model gradient (router_gradient: false).
 #   speed          short runs of the SSE and SILA recipes, one table of each stage's tokens/s
@@ -101,11 +100,8 @@ PY
   sse-auto15)
     trained sse sse-auto15 --set 'layers=[{mixer: sse, layers: "auto:15"}]'
     ;;
-  sse-retrieval)
-    trained sse sse-retrieval --set data.retrieval.ratio=0.2
-    ;;
-  sse-auto15-retrieval)
-    trained sse sse-auto15-retrieval --set 'layers=[{mixer: sse, layers: "auto:15"}]' --set data.retrieval.ratio=0.2
+  sse-noretrieval)
+    trained sse sse-noretrieval --set data.retrieval=null
     ;;
   sse-noextend)
     trained sse sse-noextend --set extend=null
@@ -117,7 +113,7 @@ PY
     speed
     ;;
   *)
-    echo "unknown job $1; jobs: teacher raven sse sila sila-uniform sse-auto15 sse-retrieval sse-auto15-retrieval" \
+    echo "unknown job $1; jobs: teacher raven sse sila sila-uniform sse-auto15 sse-noretrieval" \
       "sse-noextend sse-norouter speed" >&2
     return 2
     ;;

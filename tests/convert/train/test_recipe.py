@@ -84,7 +84,9 @@ def test_recipes_readme_matches_the_recipes():
         assert train == f"{recipe.train.steps} ({recipe.train.trainable})", path.name
     for path in RECIPES:
         recipe, cells = load_recipe(path), [c.strip() for c in rows[path.name]]
-        source, mixer, dtype, align, weights, train, extend, evaluate = cells
+        source, mixer, dtype, align, weights, retrieval, train, extend, evaluate = cells
+        mix = recipe.data.retrieval
+        assert retrieval == ("no" if mix is None else f"{round(100 * mix.ratio)}%"), path.name
         assert source == recipe.source and align == str(recipe.align.steps), path.name
         assert {a.mixer for a in recipe.layers} == {mixer.split()[0]} and dtype == recipe.dtype, path.name
         if len(recipe.layers) == 1:
