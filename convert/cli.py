@@ -30,7 +30,17 @@ from .sources import DEFAULT_SRC, DTYPES
 
 
 def _value_parser(hint):
-    """argparse `type=` for a settings field annotated `int`, `float`, `str`, `bool`, or `X | None`."""
+    """argparse `type=` for a settings field annotated `int`, `float`, `str`, `bool`, `X | None` or a Literal."""
+    if typing.get_origin(hint) is typing.Literal:
+        allowed = typing.get_args(hint)
+
+        def choose(text: str):
+            if text not in allowed:
+                raise argparse.ArgumentTypeError(f"expected one of {list(allowed)}, got {text!r}")
+            return text
+
+        choose.__name__ = "choice"
+        return choose
     kinds = set(typing.get_args(hint)) or {hint}
     optional = type(None) in kinds
     (base,) = kinds - {type(None)}

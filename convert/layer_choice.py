@@ -17,6 +17,12 @@ scores the layers not yet ranked with those already ranked windowed, ranks its l
 windows them for the rounds after. `auto:N` converts the first N of the
 ranking; the ranking does not depend on N, so one scan serves every N.
 
+With `ablation: mixer` a layer is scored by replacing its attention with the mixer it would be converted to, after
+`fit_steps` steps of align that train the mixers of every layer at once on `fit_rows` corpus rows (a short run of
+stage 1): the score then also counts how well a mixer can imitate the layer, which a window cannot see (a layer whose
+far context matters little may still be one no mixer reproduces well). The greedy rounds run the ranked layers'
+mixers. The fit costs one short align of all the layers, and the scan a mixer's forward where a window ran.
+
 A scan reuses the hidden states before the layer it changes (a layer's ablation runs only the layers from it on).
 The ranking is cached as JSON in `cache_dir` under a key hashing the teacher's config and weights, the probe
 tokens and the settings: the same teacher, corpus and settings never scan twice.
@@ -32,6 +38,7 @@ import random
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -42,7 +49,10 @@ from raven_convert.layer_spec import auto_count
 from raven_convert.sources import model_fingerprint
 from raven_convert.train.retrieval_data import POOL_SIZE, VALUE_KINDS, WORD, build_sample
 
-METHOD = "sliding-window ablation (see docs/LAYER_CHOICE.md)"
+METHODS = {
+    "window": "sliding-window ablation (see docs/LAYER_CHOICE.md)",
+    "mixer": "replacement by briefly aligned mixers (see docs/LAYER_CHOICE.md)",
+}
 PROBE_FORMATS = ("single", "multi", "kv")  # the formats answered by one value at the very end
 MIN_WORDS = 32  # distinct corpus words the probes need for keys and values
 CACHE_VERSION = 1
@@ -61,6 +71,13 @@ class ChoiceSettings(BaseModel):
     kl_weight: float = Field(1.0, ge=0, description="score = max(NLL rise, 0) + kl_weight * KL rise")
     batch_size: int = Field(4, ge=1)
     seed: int = 0
+    ablation: Literal["window", "mixer"] = Field(
+        "window", description="what replaces a scored layer's attention: a window, or its briefly aligned mixer"
+    )
+    fit_steps: int = Field(100, ge=1, description="with ablation mixer: align steps that fit the mixers")
+    fit_rows: int = Field(64, ge=1, description="with ablation mixer: corpus rows of seq_len tokens they fit on")
+    fit_batch_size: int = Field(8, ge=1, description="with ablation mixer: rows per align step")
+    fit_lr: float = Field(1e-3, gt=0, description="with ablation mixer: align's learning rate")
 
 
 def read_corpus(documents: Iterable[str], chars: int) -> list[str]:
@@ -76,10 +93,12 @@ def read_corpus(documents: Iterable[str], chars: int) -> list[str]:
 
 def build_probes(documents: Iterable[str], tokenizer, settings: ChoiceSettings) -> dict:
     """{"retrieval": [(ids, answer_start)], "text": [ids]}: `samples` retrieval prompts of at most seq_len tokens
-    whose answer tokens are ids[answer_start:], and up to `text_rows` rows of seq_len corpus tokens. The first part
-    of the corpus gives the plain rows, the rest the retrieval fillers; `seed` decides everything else."""
+    whose answer tokens are ids[answer_start:], and up to `text_rows` rows of seq_len corpus tokens; with ablation
+    "mixer" also "fit": up to `fit_rows` rows the mixers align on. The first part of the corpus gives the plain rows,
+    the next the fit rows, the rest the retrieval fillers; `seed` decides everything else."""
     rng = random.Random(f"layer-choice:{settings.seed}")
-    docs = read_corpus(documents, (settings.samples + settings.text_rows) * settings.seq_len * 6)
+    fitting = settings.fit_rows if settings.ablation == "mixer" else 0
+    docs = read_corpus(documents, (settings.samples + settings.text_rows + fitting) * settings.seq_len * 6)
     words = list(dict.fromkeys(w for d in docs for w in WORD.findall(d)))[:POOL_SIZE]
     if len(words) < MIN_WORDS:
         raise ValueError(
@@ -88,8 +107,10 @@ def build_probes(documents: Iterable[str], tokenizer, settings: ChoiceSettings) 
     text = "\n\n".join(docs)
     ids = tokenizer(text[:2_000_000], add_special_tokens=False)["input_ids"]
     chars_per_token = min(len(text), 2_000_000) / max(len(ids), 1)
-    rows = min(settings.text_rows, len(ids) // (2 * settings.seq_len))  # at most half the corpus goes to rows
-    plain = [ids[i * settings.seq_len : (i + 1) * settings.seq_len] for i in range(rows)]
+    # at most half the corpus goes to rows, the plain ones first
+    rows = min(settings.text_rows + fitting, len(ids) // (2 * settings.seq_len))
+    cut = [ids[i * settings.seq_len : (i + 1) * settings.seq_len] for i in range(rows)]
+    plain, fit = cut[: settings.text_rows], cut[settings.text_rows :]
     used = int(rows * settings.seq_len * chars_per_token)
     corpus = " ".join(text[used:].split()) or " ".join(text.split())
     retrieval = []
@@ -107,14 +128,22 @@ def build_probes(documents: Iterable[str], tokenizer, settings: ChoiceSettings) 
             size = int(size * 0.9 * settings.seq_len / (len(prompt) + len(tail)))
         prompt = prompt[max(0, len(prompt) + len(tail) - settings.seq_len) :]  # still too long: keep the end
         retrieval.append((prompt + tail, len(prompt)))
-    return {"retrieval": retrieval, "text": plain}
+    probes = {"retrieval": retrieval, "text": plain}
+    if settings.ablation == "mixer":
+        if not fit:
+            raise ValueError(f"the probe corpus is too short for any fit row of {settings.seq_len} tokens")
+        probes["fit"] = fit
+    return probes
 
 
 class _Stack:
-    """The decoder stack of an attention-only hybrid, run layer by layer with chosen layers windowed."""
+    """The decoder stack of an attention-only hybrid, run layer by layer with chosen layers ablated: windowed, or
+    with `replacements` (the decoder layers of a hybrid of the same teacher whose every layer is a mixer) run in
+    their place."""
 
-    def __init__(self, hybrid, window: int):
+    def __init__(self, hybrid, window: int, replacements=None):
         self.inner, self.head, self.window = hybrid.model, hybrid.lm_head, window
+        self.replacements = replacements
 
     def start(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """[B, T] token ids -> the embeddings [B, T, H] and what every layer needs (positions, masks)."""
@@ -130,7 +159,10 @@ class _Stack:
         window = self.window if windowed else self.inner.windows[i]
         if windowed and self.inner.windows[i] is not None:
             window = min(window, self.inner.windows[i])
-        return self.inner.layers[i](
+        if windowed and self.replacements is not None:
+            window = self.inner.windows[i]  # a mixer reads no mask
+        layers = self.replacements if windowed and self.replacements is not None else self.inner.layers
+        return layers[i](
             h,
             attention_mask=context["masks"][window],
             position_ids=context["positions"],
@@ -212,11 +244,12 @@ def _scan(stack: _Stack, batches: list[dict], windowed: set[int], candidates: li
 
 
 @torch.no_grad()
-def score_layers(hybrid, probes: dict, settings: ChoiceSettings, eos: int, log=print) -> list[dict]:
+def score_layers(hybrid, probes: dict, settings: ChoiceSettings, eos: int, log=print, fitted=None) -> list[dict]:
     """The ranking of the layers of `hybrid` (attention only, eval mode), one row per layer in ranking order:
-    {layer, round, retrieval, kl, score}, each a rise over its round's base (the layers ranked before windowed)."""
+    {layer, round, retrieval, kl, score}, each a rise over its round's base (the layers ranked before ablated).
+    `fitted`: the hybrid of aligned mixers whose layers replace the ablated ones (ablation "mixer"); None: windows."""
     device = next(hybrid.parameters()).device
-    stack = _Stack(hybrid, settings.window)
+    stack = _Stack(hybrid, settings.window, None if fitted is None else fitted.model.layers)
     batches = _batches(probes, settings, eos, device)
     for batch in batches:
         if "starts" not in batch:  # the unablated teacher's final hidden states, the reference of the KL
@@ -317,12 +350,13 @@ def check_choice_data(source: str | None, text_field: str = "text") -> None:
 def choose_kinds(model, tokenizer, auto: tuple[str, int], request, log=print) -> tuple[list[str], dict]:
     """Per-layer kinds with `auto` = (mixer, N) on the N layers that matter least, and the record of the choice
     (see choice_record). `request` is the ConvertRequest (choice_data, choice_text_field, choice_settings,
-    choice_cache); the table goes to `log`."""
+    choice_cache, and mixer_settings, which the mixers of ablation "mixer" are built with); the table goes to `log`."""
     from raven_convert.train.data import load_documents
 
     documents = load_documents(request.choice_data, request.choice_text_field)
     cache = request.choice_cache or default_cache_dir()
-    result = rank_layers(model, tokenizer, documents, request.choice_settings, cache, log)
+    mixer = (auto[0], request.mixer_settings.get(auto[0], {}))
+    result = rank_layers(model, tokenizer, documents, request.choice_settings, cache, log, mixer)
     record = choice_record(result, auto[1])
     log(format_table(record))
     kinds = ["attention"] * model.config.num_hidden_layers
@@ -335,15 +369,58 @@ def _device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def rank_layers(model, tokenizer, documents: Iterable[str], settings: ChoiceSettings, cache_dir, log=print) -> dict:
+def fit_mixers(model, teacher, mixer: tuple[str, dict], rows: list[list[int]], settings: ChoiceSettings, log=print):
+    """A hybrid of `model` (the source) whose every layer is `mixer` (name, settings), its mixers aligned for
+    `fit_steps` steps on `rows` to the attention of `teacher` (the attention-only hybrid the scan runs), on the
+    teacher's device; in eval mode."""
+    from raven_convert.surgery import build_hybrid
+    from raven_convert.train.align import align
+
+    device = next(teacher.parameters()).device
+    L = model.config.num_hidden_layers
+    fitted = build_hybrid(model, [mixer[0]] * L, {mixer[0]: mixer[1]}).to(device)
+    data = torch.tensor(rows)  # [R, seq_len]
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(settings.seed))
+
+    def batches(first: int):
+        for s in range(first, settings.fit_steps):
+            pick = order[[(s * settings.fit_batch_size + j) % len(rows) for j in range(settings.fit_batch_size)]]
+            yield {"input_ids": data[pick]}
+
+    clock = time.perf_counter()
+    history = align(
+        teacher,
+        fitted,
+        batches,
+        steps=settings.fit_steps,
+        lr=settings.fit_lr,
+        warmup_steps=min(10, settings.fit_steps // 10),
+        log_every=0,
+        mixed_precision="bf16" if device.type == "cuda" else "no",
+        seed=settings.seed,
+    )
+    log(
+        f"layer choice: {L} {mixer[0]} mixers aligned for {settings.fit_steps} steps in "
+        f"{time.perf_counter() - clock:.1f} s (MSE summed over layers {history[0]['loss']:.4g} -> "
+        f"{history[-1]['loss']:.4g})"
+    )
+    return fitted.eval()
+
+
+def rank_layers(
+    model, tokenizer, documents: Iterable[str], settings: ChoiceSettings, cache_dir, log=print, mixer=None
+) -> dict:
     """{"key", "teacher", "settings", "seconds", "ranking"} for the layers of `model` (a transformers causal LM),
     read from `cache_dir` when this teacher, probe set and settings were scanned before, else scanned (on CUDA when
-    there is one) and saved there."""
+    there is one) and saved there. Ablation "mixer" needs `mixer`, (name, settings): the mixer to fit."""
     from raven_convert.surgery import build_hybrid
 
+    if settings.ablation == "mixer" and mixer is None:
+        raise ValueError("layer choice with ablation 'mixer' needs the mixer to fit; none was given")
     probes = build_probes(documents, tokenizer, settings)
     teacher = model_fingerprint(model)[:16]
-    key_text = json.dumps([CACHE_VERSION, teacher, settings.model_dump(), probes], sort_keys=True)
+    fit = {"name": mixer[0], "settings": dict(mixer[1])} if settings.ablation == "mixer" else None
+    key_text = json.dumps([CACHE_VERSION, teacher, settings.model_dump(), probes, fit], sort_keys=True)
     key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"{key}.json"
     if path.is_file():
@@ -359,12 +436,14 @@ def rank_layers(model, tokenizer, documents: Iterable[str], settings: ChoiceSett
     if hybrid.config._attn_implementation not in ("sdpa", "eager"):  # flash kernels would not see the masks' windows
         hybrid.config._attn_implementation = "sdpa"
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    ranking = score_layers(hybrid, probes, settings, eos, log)
-    del hybrid
+    fitted = fit_mixers(model, hybrid, mixer, probes["fit"], settings, log) if settings.ablation == "mixer" else None
+    ranking = score_layers(hybrid, probes, settings, eos, log, fitted)
+    del hybrid, fitted
     result = {
         "key": key,
         "teacher": teacher,
         "settings": settings.model_dump(),
+        **({"mixer": fit} if fit else {}),
         "seconds": round(time.perf_counter() - clock, 2),
         "device": str(_device()),
         "ranking": ranking,
@@ -382,7 +461,8 @@ def choice_record(result: dict, n: int) -> dict:
     by_layer = {row["layer"]: (rank, row) for rank, row in enumerate(ranking)}
     rows = [by_layer[i] for i in range(L)]
     return {
-        "method": METHOD,
+        "method": METHODS[result["settings"].get("ablation", "window")],  # scores cached before mixers: windows
+        **({"mixer": result["mixer"]} if "mixer" in result else {}),
         "n": n,
         "chosen": sorted(row["layer"] for row in ranking[:n]),
         "order": [row["layer"] for row in ranking],
@@ -412,6 +492,15 @@ def format_table(record: dict) -> str:
     return "\n".join(lines)
 
 
+def _ablation_text(record: dict) -> str:
+    """What replaced a scored layer's attention, in words."""
+    p = record["probes"]
+    if p.get("ablation", "window") == "mixer":
+        mixer = record["mixer"]["name"]
+        return f"the layer's attention replaced by its {mixer} mixer after {p['fit_steps']} align steps"
+    return f"the layer's attention cut to {p['window']} tokens"
+
+
 def plot_choice(record: dict, path: str | Path) -> Path:
     """A bar chart of every layer's score, the converted layers highlighted, written atomically to `path` (PNG)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -429,8 +518,7 @@ def plot_choice(record: dict, path: str | Path) -> Path:
     ax.set_xticks(range(len(scores)))
     ax.tick_params(axis="x", labelsize=7)
     ax.axhline(0, color="grey", linewidth=0.5)
-    window = record["probes"]["window"]
-    ax.set_title(f"loss rise with the layer's attention cut to {window} tokens; {len(chosen)} lowest converted")
+    ax.set_title(f"loss rise with {_ablation_text(record)}; {len(chosen)} lowest converted")
     ax.legend(handles=[Patch(color="tab:orange", label="converted"), Patch(color="tab:blue", label="kept attention")])
     fig.tight_layout()
     with atomic_file(path, "wb") as f:
@@ -447,10 +535,10 @@ def card_section(record: dict) -> str:
         f"""## Layer choice
 
 The converted layers were chosen by measurement (`--layers auto:{record["n"]}`, {record["method"]}): each attention
-layer of the teacher was cut to a sliding window of {p["window"]} tokens on {p["samples"]} synthetic retrieval probes
-and {p["text_rows"]} corpus rows of up to {p["seq_len"]} tokens (seed {record["seed"]}, {p["rounds"]} greedy
-round(s)). Its score is the rise of the answer tokens' NLL (0 where it falls) plus {p["kl_weight"]:g} x the rise of
-the KL to the unablated teacher on plain text (nats per token); the {record["n"]} lowest-ranked layers were converted.
+layer of the teacher was scored with {_ablation_text(record)}, on {p["samples"]} synthetic retrieval probes and
+{p["text_rows"]} corpus rows of up to {p["seq_len"]} tokens (seed {record["seed"]}, {p["rounds"]} greedy round(s)).
+Its score is the rise of the answer tokens' NLL (0 where it falls) plus {p["kl_weight"]:g} x the rise of the KL to
+the unablated teacher on plain text (nats per token); the {record["n"]} lowest-ranked layers were converted.
 
 - converted: {chosen}
 - kept attention: {kept}

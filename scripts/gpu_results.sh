@@ -18,6 +18,8 @@
 #                  unless ABLATION=0)
 #   sse-auto15     ablations of the sse job, its baseline, for the ablation table of docs/RESULTS.md: layers
 #                  auto:15 (the 15 layers raven_convert.layer_choice ranks least important) instead of 0-29:2;
+#   sse-auto15-fit  auto:15 scored by replacing each layer with its briefly aligned mixer
+#                  (layer_choice.ablation: mixer) instead of a 64-token window;
 #   sse-noretrieval  no synthetic retrieval samples in the data (the recipe mixes in 20%, data.retrieval);
 #   sse-noextend   no extend stage;
 #   sse-norouter   SSE's router without the language-model gradient (router_gradient: false).
@@ -100,6 +102,9 @@ PY
   sse-auto15)
     trained sse sse-auto15 --set 'layers=[{mixer: sse, layers: "auto:15"}]'
     ;;
+  sse-auto15-fit)
+    trained sse sse-auto15-fit --set 'layers=[{mixer: sse, layers: "auto:15"}]' --set layer_choice.ablation=mixer
+    ;;
   sse-noretrieval)
     trained sse sse-noretrieval --set data.retrieval=null
     ;;
@@ -113,7 +118,7 @@ PY
     speed
     ;;
   *)
-    echo "unknown job $1; jobs: teacher raven sse sila sila-uniform sse-auto15 sse-noretrieval" \
+    echo "unknown job $1; jobs: teacher raven sse sila sila-uniform sse-auto15 sse-auto15-fit sse-noretrieval" \
       "sse-noextend sse-norouter speed" >&2
     return 2
     ;;

@@ -91,7 +91,7 @@ def test_scores_are_seeded_and_cached(words_corpus, loaded, tmp_path, monkeypatc
 def _fake_scores(monkeypatch, important: int | None = None, calls: list | None = None):
     """score_layers replaced by one ranking layers by index, descending (layer 5 lowest), with `important` highest."""
 
-    def fake(hybrid, probes, settings, eos, log=print):
+    def fake(hybrid, probes, settings, eos, log=print, fitted=None):
         if calls is not None:
             calls.append(1)
         L = len(hybrid.model.layers)
@@ -165,6 +165,7 @@ def test_cli_auto_end_to_end(teacher, words_corpus, tmp_path, capsys):
         ("auto:abc", [], "'abc' is not a number of layers"),
         ("auto:2", ["--layers", "0"], "must come alone"),
         ("auto:2", ["--sliding-window", "4", "--window-layers", "0"], "--window-layers '0' cannot name kept layers"),
+        ("auto:2", ["--choice-ablation", "mixers"], "expected one of ['window', 'mixer'], got 'mixers'"),
     ],
 )
 def test_cli_refuses_bad_auto(teacher, words_corpus, tmp_path, capsys, monkeypatch, layers, extra, problem):
@@ -229,6 +230,49 @@ def _recipe(teacher, corpus, layers="auto:2", **extra) -> dict:
         "data": {"source": str(corpus), "seq_len": 32, "validation_fraction": 0.1},
         **extra,
     }
+
+
+FIT = SMALL.model_copy(update={"ablation": "mixer", "fit_steps": 4, "fit_rows": 4, "fit_batch_size": 2, "rounds": 1})
+
+
+def test_mixer_ablation_keeps_the_layer_its_mixer_imitates_worst(words_corpus, loaded, tmp_path, monkeypatch):
+    """ablation "mixer": the mixers of every layer are aligned, then each replaces its layer in the scan; a mixer
+    made to imitate badly (its output scaled up) makes its layer the one most worth keeping."""
+    model, tokenizer = loaded
+    corpus = str(words_corpus)
+    with pytest.raises(ValueError, match="needs the mixer to fit"):
+        rank_layers(model, tokenizer, load_documents(corpus), FIT, tmp_path, log=lambda m: None)
+    fits, real = [], layer_choice.fit_mixers
+
+    def spoiled(source, teacher, mixer, rows, settings, log=print):
+        fits.append((mixer, len(rows)))
+        fitted = real(source, teacher, mixer, rows, settings, log)
+        with torch.no_grad():
+            fitted.model.layers[2].self_attn.o_proj.weight.mul_(30.0)
+        return fitted
+
+    monkeypatch.setattr(layer_choice, "fit_mixers", spoiled)
+    mixer = ("sila", {"conv_size": 2})
+    result = rank_layers(model, tokenizer, load_documents(corpus), FIT, tmp_path, log=lambda m: None, mixer=mixer)
+    assert fits == [(mixer, 4)]
+    assert result["ranking"][-1]["layer"] == 2 and result["mixer"] == {"name": "sila", "settings": {"conv_size": 2}}
+    record = choice_record(result, 3)
+    assert "aligned mixers" in record["method"] and 2 not in record["chosen"]
+    assert "replaced by its sila mixer after 4 align steps" in layer_choice.card_section(record)
+    layer_choice.plot_choice(record, tmp_path / "choice.png")
+    windows = rank_layers(model, tokenizer, load_documents(corpus), SMALL, tmp_path, log=lambda m: None)
+    other = rank_layers(model, tokenizer, load_documents(corpus), FIT, tmp_path, lambda m: None, ("raven", {}))
+    assert len({result["key"], windows["key"], other["key"]}) == 3  # the mixer and its settings are in the key
+    assert len(fits) == 2
+
+
+def test_recipe_fits_its_own_mixer(teacher, words_corpus, tmp_path):
+    """The recipe's mixer settings build the fitted mixers (SSE's default LoRA rank does not fit the tiny model)."""
+    with pytest.raises(ValueError, match=r"layer_choice.ablation: Input should be 'window' or 'mixer'"):
+        parse_recipe(_recipe(teacher, words_corpus, layer_choice={"ablation": "mixers"}))
+    recipe = parse_recipe(_recipe(teacher, words_corpus, layer_choice=FIT.model_dump()))
+    done = run_recipe(recipe, tmp_path / "run", stages=["convert"])["convert"]
+    assert len(done["layer_choice"]["chosen"]) == 2
 
 
 def test_recipe_parsing(teacher, words_corpus, tmp_path):
