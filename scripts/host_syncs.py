@@ -21,24 +21,13 @@ import warnings
 from pathlib import Path
 
 import torch
+from bench_generate import SMOLLM2_135M  # scripts/: SmolLM2-135M's config
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from raven_convert import build_hybrid, plan_layers
 from raven_convert.train.align import alignment_losses
 from raven_convert.train.compiling import compiled_glue
 
-SMOLLM2 = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    max_position_embeddings=8192,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-    rope_theta=100000.0,
-)
 ROOT = str(Path(__file__).resolve().parents[1])
 
 
@@ -104,7 +93,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU: host syncs are what a GPU step waits on")
-    config = AutoConfig.from_pretrained(args.config) if args.config else LlamaConfig(**SMOLLM2)
+    config = AutoConfig.from_pretrained(args.config) if args.config else LlamaConfig(**SMOLLM2_135M)
     torch.manual_seed(0)
     teacher = AutoModelForCausalLM.from_config(config).cuda().eval().requires_grad_(False)
     kinds = plan_layers([(args.mixer, args.layers)], config.num_hidden_layers)
