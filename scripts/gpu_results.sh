@@ -20,6 +20,8 @@
 #                  auto:15 (the 15 layers raven_convert.layer_choice ranks least important) instead of 0-29:2;
 #   sse-auto15-fit  auto:15 scored by replacing each layer with its briefly aligned mixer
 #                  (layer_choice.ablation: mixer) instead of a 64-token window;
+#   sse-auto15-seed1  sse-auto15 with every training seed 1 (data order, retrieval samples, align, train,
+#                  extend; the same layers): a second seed of the best recipe;
 #   sse-noretrieval  no synthetic retrieval samples in the data (the recipe mixes in 20%, data.retrieval);
 #   sse-noextend   no extend stage;
 #   sse-norouter   SSE's router without the language-model gradient (router_gradient: false).
@@ -105,6 +107,10 @@ PY
   sse-auto15-fit)
     trained sse sse-auto15-fit --set 'layers=[{mixer: sse, layers: "auto:15"}]' --set layer_choice.ablation=mixer
     ;;
+  sse-auto15-seed1)
+    local seeds=(--set data.seed=1 --set data.retrieval.seed=1 --set align.seed=1 --set train.seed=1 --set extend.seed=1)
+    trained sse sse-auto15-seed1 --set 'layers=[{mixer: sse, layers: "auto:15"}]' "${seeds[@]}"
+    ;;
   sse-noretrieval)
     trained sse sse-noretrieval --set data.retrieval=null
     ;;
@@ -118,8 +124,8 @@ PY
     speed
     ;;
   *)
-    echo "unknown job $1; jobs: teacher raven sse sila sila-uniform sse-auto15 sse-auto15-fit sse-noretrieval" \
-      "sse-noextend sse-norouter speed" >&2
+    echo "unknown job $1; jobs: teacher raven sse sila sila-uniform sse-auto15 sse-auto15-fit sse-auto15-seed1" \
+      "sse-noretrieval sse-noextend sse-norouter speed" >&2
     return 2
     ;;
   esac
