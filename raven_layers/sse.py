@@ -315,7 +315,7 @@ def varlen_entries(idx: torch.Tensor, num_partitions: int, cu_seqlens=None):
     segment = (sample * P + idx).flatten()  # [E] segment of each entry: (document, h, partition)
     order = segment.argsort(stable=True)  # entries are flat in time order within a segment: stable keeps it
     ids = torch.arange(S * H * P + 1, device=dev)
-    return order, torch.searchsorted(segment[order], ids), S  # cu: empty segments included, no host sync
+    return order, torch.searchsorted(segment.gather(0, order), ids), S  # cu: empty segments included, no host sync
 
 
 def sse_varlen(

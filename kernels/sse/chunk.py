@@ -71,7 +71,7 @@ def _chunk_layout(B: int, T: int, cu_seqlens, device):
     total = B * triton.cdiv(T, BT) if cu_seqlens is None else (triton.cdiv(T, BT) + S if S else 0)
     chunks = torch.arange(total, device=device, dtype=torch.int32)
     chunk_seq = torch.searchsorted(chunk_off[1:], chunks, right=True, out_int32=True).clamp_max_(max(S - 1, 0))
-    chunk_pos = chunks - chunk_off[chunk_seq.long()]
+    chunk_pos = chunks - chunk_off.gather(0, chunk_seq.long())
     return cu, chunk_seq, chunk_pos, chunk_off, total
 
 
