@@ -110,6 +110,13 @@ def compiled(fn: Callable) -> Callable:
     return _COMPILED[fn]
 
 
+def recompile_limits(limit: int) -> dict[str, int]:
+    """torch._dynamo.config values that let a compiled function compile `limit` times (shapes, modes) before dynamo
+    runs it eager (by default, silently, from the 9th); for `torch._dynamo.config.patch(**...)`."""
+    config = torch._dynamo.config
+    return {n: limit for n in ("recompile_limit", "accumulated_recompile_limit") if hasattr(config, n)}
+
+
 class Mixer(nn.Module):
     """Base of the mixers: the source attention's head layout, its projections under their names and shapes (so
     conversion copies the teacher's weights into them), the optional output gate, and the decode-state plumbing.

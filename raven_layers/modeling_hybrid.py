@@ -20,7 +20,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from .architectures import get_architecture, layer_windows
 from .backend import preload
 from .cache import OUTPUT_CACHE_FIELD, HybridCache, cache_argument, output_cache
-from .common import Mixer, one_cache
+from .common import Mixer, one_cache, recompile_limits
 from .configuration_hybrid import HybridConfig
 from .decode_attention import KERNELS, decode_attention
 from .decode_graph import DecodeGraph
@@ -390,8 +390,7 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
             mixers = {self.config.mixer_spec(kind) for kind in set(self.config.layer_mixers) - {"attention"}}
             preload([KERNELS, *(spec.kernels for spec in mixers if spec.kernels)])
             compiled = torch.compile(self.decode_logits, fullgraph=True, dynamic=False)
-            config = torch._dynamo.config
-            limits = {n: 1 << 20 for n in ("recompile_limit", "accumulated_recompile_limit") if hasattr(config, n)}
+            config, limits = torch._dynamo.config, recompile_limits(1 << 20)
 
             def step(input_ids: torch.Tensor, cache: StaticHybridCache) -> torch.Tensor:
                 # each (model, batch, cache length) compiles once and is then replayed as a graph, never traced

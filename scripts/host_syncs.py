@@ -5,9 +5,10 @@
 Builds a randomly initialised teacher with SmolLM2-135M's shapes (or --config, a model directory or config.json),
 converts --layers to --mixer, and runs steps on packed rows of random documents, as the recipes do: "align" (the
 teacher's forward with its taps, every mixer's forward and the alignment loss's backward) or "student" (the
-hybrid's whole forward and backward, stage 2's student). Under bf16 autocast, with the mixers' glue compiled
-(--no-compile: eager). After --warmup steps, one step runs under torch.cuda.set_sync_debug_mode("warn"): each
-synchronising call is reported with the toolkit's frames that led to it. Then the mean time of --steps steps.
+hybrid's whole forward and backward, stage 2's student). Under bf16 autocast, with the mixers' glue and the layers'
+norms and MLPs compiled (--no-compile: eager). After --warmup steps, one step runs under
+torch.cuda.set_sync_debug_mode("warn"): each synchronising call is reported with the toolkit's frames that led to
+it. Then the mean time of --steps steps.
 Prints a table of call sites and syncs per step last.
 """
 
@@ -26,7 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from raven_convert import build_hybrid, plan_layers
 from raven_convert.train.align import alignment_losses
-from raven_convert.train.compiling import compiled_glue
+from raven_convert.train.compiling import compiled_parts
 
 ROOT = str(Path(__file__).resolve().parents[1])
 
@@ -102,7 +103,7 @@ def main(argv=None) -> None:
         mixer.requires_grad_(True)
     generator = torch.Generator().manual_seed(0)
     batches = [packed_batch(args.rows, args.length, config.vocab_size, generator, "cuda") for _ in range(4)]
-    with compiled_glue([hybrid], enabled=not args.no_compile):
+    with compiled_parts([teacher, hybrid], enabled=not args.no_compile):
         for i in range(args.warmup):
             step(args.stage, teacher, hybrid, batches[i % len(batches)])
         sites = sync_sites(args.stage, teacher, hybrid, batches[0])
@@ -114,7 +115,7 @@ def main(argv=None) -> None:
         seconds = (time.perf_counter() - start) / args.steps
     tokens = args.rows * args.length
     print(
-        f"{args.stage} of {args.mixer} {args.layers}, glue {'eager' if args.no_compile else 'compiled'}: "
+        f"{args.stage} of {args.mixer} {args.layers}, {'eager' if args.no_compile else 'compiled'}: "
         f"{seconds * 1e3:.1f} ms per step, {tokens / seconds:,.0f} tokens/s, {sum(sites.values())} host syncs"
     )
     print("| syncs per step | call site (innermost last) |")

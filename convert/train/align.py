@@ -26,7 +26,7 @@ from torch.profiler import record_function
 from raven_convert.console import eta
 from raven_convert.train.checkpoint import latest_checkpoint, save_checkpoint
 from raven_convert.train.common import converted_layers, lr_at, mixer_parameters, model_inputs
-from raven_convert.train.compiling import CompileSetting, compiled_glue, resolve_compile
+from raven_convert.train.compiling import CompileSetting, compiled_parts, resolve_compile
 from raven_convert.train.distributed import (
     Parallel,
     full_optimizer_state,
@@ -201,8 +201,8 @@ def align(
     rate warms up linearly over `warmup_steps`, then follows a cosine to 10% of `lr`. A non-finite loss stops the
     run with an error naming the step and layers, before any optimiser step applies it. mixed_precision "bf16" runs
     the teacher and the mixers under bfloat16 autocast (weights and optimizer state stay in their own dtype).
-    `compile` (True, False or "auto": on CUDA) runs the mixers' PyTorch work around their kernels compiled
-    (compiling.py).
+    `compile` (True, False or "auto": on CUDA) runs the mixers' PyTorch work around their kernels and the decoder
+    layers' norms and MLPs compiled (compiling.py).
 
     With `out_dir`, a checkpoint (see checkpoint.py) is written every `save_every` steps and at the end, the newest
     `keep_checkpoints` kept, and a call resumes after the newest intact one: its mixer weights, optimizer and RNG
@@ -256,8 +256,11 @@ def align(
     try:
         # the teacher's linear weights in bf16 while the loop runs (exact under bf16 autocast; precision.py)
         bf16 = mixed_precision == "bf16" and not parallel.sharded
-        glue = resolve_compile(compile, parallel.device, parallel.sharded)
-        with frozen_linears_in([teacher], torch.bfloat16, enabled=bf16), compiled_glue([hybrid], enabled=glue):
+        fuse = resolve_compile(compile, parallel.device, parallel.sharded)
+        with (
+            frozen_linears_in([teacher], torch.bfloat16, enabled=bf16),
+            compiled_parts([teacher, hybrid], enabled=fuse),
+        ):
             for step, batch in zip(range(first, steps), batches):
                 step_lr = lr_at(step, lr, steps, warmup_steps)
                 for group in optimizer.param_groups:

@@ -115,7 +115,8 @@ class AlignSettings(_Strict):
     log_every: int = Field(10, ge=0)
     mixed_precision: MixedPrecision = "no"
     compile: CompileSetting = Field(
-        "auto", description="torch.compile the mixers' PyTorch work around their kernels (compiling.py); auto: on CUDA"
+        "auto",
+        description="torch.compile the mixers' glue and the layers' norms and MLPs (compiling.py); auto: on CUDA",
     )
     save_every: int = Field(100, ge=1, description="steps between checkpoints (and one at the end)")
     keep_checkpoints: int = Field(2, ge=1, description="how many of the newest checkpoints stay on disk")

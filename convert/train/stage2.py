@@ -59,7 +59,7 @@ from torch.utils.data import Dataset
 from raven_convert.console import eta
 from raven_convert.train.checkpoint import latest_checkpoint, save_checkpoint
 from raven_convert.train.common import attention_layers, is_hybrid, lr_at, mixer_parameters, model_inputs
-from raven_convert.train.compiling import CompileSetting, compiled_glue, resolve_compile
+from raven_convert.train.compiling import CompileSetting, compiled_parts, resolve_compile
 from raven_convert.train.data import PackedDataset, batch_iterator
 from raven_convert.train.distributed import Parallel, on_cpu
 from raven_convert.train.flops import mfu, mfu_text, train_flops
@@ -102,7 +102,8 @@ class TrainConfig(BaseModel):
     )
     mixed_precision: MixedPrecision = "no"
     compile: CompileSetting = Field(
-        "auto", description="torch.compile the mixers' PyTorch work around their kernels (compiling.py); auto: on CUDA"
+        "auto",
+        description="torch.compile the mixers' glue and the layers' norms and MLPs (compiling.py); auto: on CUDA",
     )
     gradient_checkpointing: bool = False
     save_every: int = Field(500, ge=1, description="steps between checkpoints (and one at the end)")
@@ -434,8 +435,8 @@ def train(
     # frozen linear weights in bf16 while the loop runs (exact under bf16 autocast; precision.py)
     casts = [accelerator.unwrap_model(model), teacher if config.kd_weight > 0 else None]
     bf16 = config.mixed_precision == "bf16" and not parallel.sharded
-    glue = resolve_compile(config.compile, device, parallel.sharded)  # the student's mixers compiled (compiling.py)
-    with frozen_linears_in(casts, torch.bfloat16, enabled=bf16), compiled_glue([casts[0]], enabled=glue):
+    fuse = resolve_compile(config.compile, device, parallel.sharded)  # small operations compiled (compiling.py)
+    with frozen_linears_in(casts, torch.bfloat16, enabled=bf16), compiled_parts(casts, enabled=fuse):
         history, clock, timed_tokens = [], time.perf_counter(), 0
         for step in range(start_step + 1, config.steps + 1):
             lr = lr_at(step - 1, config.lr, config.steps, config.warmup_steps, config.schedule)
