@@ -397,6 +397,7 @@ def fit_mixers(model, teacher, mixer: tuple[str, dict], rows: list[list[int]], s
         warmup_steps=min(10, settings.fit_steps // 10),
         log_every=0,
         mixed_precision="bf16" if device.type == "cuda" else "no",
+        compile=False,  # a first-step compile would cost more than a hundred steps save
         seed=settings.seed,
     )
     log(
