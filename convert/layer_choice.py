@@ -156,12 +156,11 @@ class _Stack:
         return h, {"positions": positions, "rotary": inner.rotary_emb(h, positions), "masks": masks}
 
     def layer(self, i: int, h: torch.Tensor, context: dict, windowed: bool) -> torch.Tensor:
-        window = self.window if windowed else self.inner.windows[i]
-        if windowed and self.inner.windows[i] is not None:
-            window = min(window, self.inner.windows[i])
-        if windowed and self.replacements is not None:
-            window = self.inner.windows[i]  # a mixer reads no mask
-        layers = self.replacements if windowed and self.replacements is not None else self.inner.layers
+        layers, window = self.inner.layers, self.inner.windows[i]
+        if windowed and self.replacements is not None:  # the mixer in place of the attention; it reads no mask
+            layers = self.replacements
+        elif windowed:
+            window = self.window if window is None else min(self.window, window)
         return layers[i](
             h,
             attention_mask=context["masks"][window],

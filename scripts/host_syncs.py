@@ -27,6 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from raven_convert import build_hybrid, plan_layers
 from raven_convert.train.align import alignment_losses
+from raven_convert.train.common import mixer_parameters
 from raven_convert.train.compiling import compiled_parts
 
 ROOT = str(Path(__file__).resolve().parents[1])
@@ -99,8 +100,8 @@ def main(argv=None) -> None:
     teacher = AutoModelForCausalLM.from_config(config).cuda().eval().requires_grad_(False)
     kinds = plan_layers([(args.mixer, args.layers)], config.num_hidden_layers)
     hybrid = build_hybrid(teacher, kinds, {}).cuda().train().requires_grad_(args.stage == "student")
-    for mixer in (m for m in hybrid.modules() if hasattr(m, "compile_glue")):
-        mixer.requires_grad_(True)
+    for p in mixer_parameters(hybrid):  # what align trains
+        p.requires_grad_(True)
     generator = torch.Generator().manual_seed(0)
     batches = [packed_batch(args.rows, args.length, config.vocab_size, generator, "cuda") for _ in range(4)]
     with compiled_parts([teacher, hybrid], enabled=not args.no_compile):

@@ -53,12 +53,12 @@ def compiled_parts(models: Iterable[nn.Module | None], enabled: bool = True) -> 
     """While the block runs, every mixer of `models` (None entries skipped) runs its glue compiled (`compile_glue`)
     and every decoder layer its norms and MLP (`nn.Module.compile`); afterwards each is as it was, also on an
     exception. Yields the mixers and parts it compiled."""
-    models = [model for model in models if model is not None]
-    mixers = [m for model in models for m in model.modules() if isinstance(m, Mixer)]
-    parts = [part for model in models for part in layer_parts(model)]
     if not enabled:
         yield []
         return
+    models = [model for model in models if model is not None]
+    mixers = [m for model in models for m in model.modules() if isinstance(m, Mixer)]
+    parts = [part for model in models for part in layer_parts(model)]
     glue_before = [m.__dict__.get("compile_glue") for m in mixers]  # None: the class default
     calls_before = [part._compiled_call_impl for part in parts]
     for mixer in mixers:
