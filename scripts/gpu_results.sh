@@ -13,7 +13,7 @@
 #   raven|sse|sila recipes/smollm2-<mixer>.yaml, every stage but export; after training, the final model is loaded
 #                  and generates in a process without the toolkit (scripts/clean_load.sh -> RUN/load_check.json).
 #                  Before its own evaluation, RUN-sw: the trained hybrid evaluated with its kept attention layers
-#                  as 4K sliding windows (it trained with full attention)
+#                  as 4K sliding windows (it trained with full attention), on retrieval at 4K-16K (WINDOWED_EVAL)
 #   sila-uniform   SILA's ablation: its aligned model trained with uniform token weights (started by the sila job
 #                  unless ABLATION=0)
 #   sse-auto15     ablations of the sse job, its baseline, for the ablation table of docs/RESULTS.md: layers
@@ -22,6 +22,7 @@
 #                  (layer_choice.ablation: mixer) instead of a 64-token window;
 #   sse-auto15-seed1  sse-auto15 with every training seed 1 (data order, retrieval samples, align, train,
 #                  extend; the same layers): a second seed of the best recipe;
+#   sila-retrieval  the sila job with 20% synthetic retrieval samples in its data (data.retrieval), as the SSE recipe;
 #   sse-noretrieval  no synthetic retrieval samples in the data (the recipe mixes in 20%, data.retrieval);
 #   sse-noextend   no extend stage;
 #   sse-norouter   SSE's router without the language-model gradient (router_gradient: false).
@@ -35,6 +36,11 @@ cd "$(dirname "$0")/.."
 source scripts/device_env.sh
 export TEACHER=$HOME/cache/teacher-hf RUNS=${RUNS:-$HOME/runs}
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # several jobs share the GPU's memory
+
+# The windowed evaluation: its target is passkey at 16K (the teacher scores 0 there), so the retrieval tasks that
+# reach past the 4K window, without the speed part; the whole suite would take as long again as the run's own.
+WINDOWED_EVAL=(--set evaluate.attention_window=4096 --set "evaluate.tasks=[passkey, niah_single_2]"
+  --set "evaluate.lengths=[4096, 8192, 16384]" --set "evaluate.task_lengths={}" --set "evaluate.speed_lengths=[]")
 
 recipe() {  # recipe MIXER RUN [ARGS...]: the SmolLM2 recipe of MIXER into ~/runs/RUN
   read -ra extra <<< "${RECIPE_ARGS:-}"
@@ -50,7 +56,7 @@ trained() {  # trained MIXER RUN [ARGS...]: train RUN, check that its model load
   bash scripts/clean_load.sh "$model" "$RUNS/$2/load_check.json"
   if [ "${WINDOWED:-1}" = 1 ]; then
     rm -rf "$RUNS/$2-sw" && cp -a "$RUNS/$2" "$RUNS/$2-sw" &&
-      recipe "$1" "$2-sw" --stages evaluate --redo evaluate --set evaluate.attention_window=4096 "${@:3}"
+      recipe "$1" "$2-sw" --stages evaluate --redo evaluate "${@:3}" "${WINDOWED_EVAL[@]}"
   fi
   recipe "$1" "$2" "${@:3}"
 }
@@ -111,6 +117,9 @@ PY
     local seeds=(--set data.seed=1 --set data.retrieval.seed=1 --set align.seed=1 --set train.seed=1 --set extend.seed=1)
     trained sse sse-auto15-seed1 --set 'layers=[{mixer: sse, layers: "auto:15"}]' "${seeds[@]}"
     ;;
+  sila-retrieval)
+    trained sila sila-retrieval --set "data.retrieval={ratio: 0.2}"
+    ;;
   sse-noretrieval)
     trained sse sse-noretrieval --set data.retrieval=null
     ;;
@@ -124,7 +133,7 @@ PY
     speed
     ;;
   *)
-    echo "unknown job $1; jobs: teacher raven sse sila sila-uniform sse-auto15 sse-auto15-fit sse-auto15-seed1" \
+    echo "unknown job $1; jobs: teacher raven sse sila sila-uniform sila-retrieval sse-auto15 sse-auto15-fit sse-auto15-seed1" \
       "sse-noretrieval sse-noextend sse-norouter speed" >&2
     return 2
     ;;

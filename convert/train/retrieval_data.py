@@ -5,8 +5,10 @@
 A sample is a stretch of the corpus itself (the documents read just before it) with facts inserted at random depths,
 then a question about some of them and its answer. Formats: one fact ("single"); several facts with distinct keys,
 one asked ("multi"); several asked at once ("multi_query"); a block of key-value lines at one depth, one key looked up
-("kv"). Values: digit strings of 3 to 10 digits ("digits"), one corpus word ("word"), dash-separated alphanumeric
-codes ("code"), two to four corpus words ("phrase"). Keys are corpus words too, so every run draws its own.
+("kv"). Values: digit strings of 3 to 10 digits ("digits"), one corpus word ("word"), dash-separated codes of 2 to 5
+groups of 2 to 19 characters, under 40 in all, lowercase alphanumeric or hexadecimal or uppercase ("code",
+the long ones as hard to hold as UUIDs), two to four corpus words ("phrase"). Keys are corpus words too, so every run
+draws its own.
 
 Nothing here is the evaluation's (convert/evaluate/needles.py): no noise sentences, essay haystack, instructions,
 question wording, key lists or value formats of it, so retrieval measured there is not a template learned here. The
@@ -31,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 FORMATS = ("single", "multi", "multi_query", "kv")
 VALUE_KINDS = ("digits", "word", "code", "phrase")
+CODE_ALPHABETS = (string.ascii_lowercase + string.digits, string.hexdigits[:16], string.ascii_uppercase + string.digits)
 CHARS_PER_TOKEN = 3.5  # characters per token assumed without a tokenizer (English text, on the low side)
 ESTIMATE_CHARS = 200_000  # corpus characters tokenised to measure the characters per token
 WORD = re.compile(r"[A-Za-z]{4,12}")
@@ -76,8 +79,8 @@ def make_value(rng: random.Random, kind: str, words: list[str]) -> str:
     if kind == "word":
         return rng.choice(words).lower()
     if kind == "code":
-        chars = string.ascii_lowercase + string.digits
-        return "-".join("".join(rng.choices(chars, k=rng.randint(3, 6))) for _ in range(rng.randint(2, 4)))
+        chars, groups = rng.choice(CODE_ALPHABETS), rng.randint(2, 5)
+        return "-".join("".join(rng.choices(chars, k=rng.randint(2, 40 // groups - 1))) for _ in range(groups))
     return " ".join(w.lower() for w in rng.sample(words, rng.randint(2, 4)))
 
 

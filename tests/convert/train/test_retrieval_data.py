@@ -59,7 +59,11 @@ def test_every_answer_is_stated_before_its_question(fmt, kind):
 def test_values_have_their_kinds_shape():
     rng, words = random.Random(0), ["Apple", "Stone", "River", "Cloud", "Ember"]
     assert re.fullmatch(r"[1-9]\d{2,9}", make_value(rng, "digits", words))
-    assert re.fullmatch(r"[a-z0-9]{3,6}(-[a-z0-9]{3,6}){1,3}", make_value(rng, "code", words))
+    codes = [make_value(rng, "code", words) for _ in range(200)]
+    assert all(re.fullmatch(r"([a-z0-9-]+|[A-Z0-9-]+)", c) for c in codes)
+    assert all(2 <= c.count("-") + 1 <= 5 and "" not in c.split("-") for c in codes)
+    assert 36 <= max(map(len, codes)) < 40  # as long as a UUID
+    assert any(re.fullmatch(r"[0-9a-f-]+", c) and re.search("[a-f]", c) for c in codes)  # hexadecimal ones too
     assert make_value(rng, "word", words) in {w.lower() for w in words}
     assert 2 <= len(make_value(rng, "phrase", words).split()) <= 4
 
