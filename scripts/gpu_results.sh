@@ -16,12 +16,16 @@
 #                  as 4K sliding windows (it trained with full attention), on retrieval at 4K-16K (WINDOWED_EVAL)
 #   sila-uniform   SILA's ablation: its aligned model trained with uniform token weights (started by the sila job
 #                  unless ABLATION=0)
-#   sse-auto15     ablations of the sse job, its baseline, for the ablation table of docs/RESULTS.md: layers
-#                  auto:15 (the 15 layers raven_convert.layer_choice ranks least important) instead of 0-29:2;
-#   sse-auto15-fit  auto:15 scored by replacing each layer with its briefly aligned mixer
-#                  (layer_choice.ablation: mixer) instead of a 64-token window;
-#   sse-auto15-seed1  sse-auto15 with every training seed 1 (data order, retrieval samples, align, train,
-#                  extend; the same layers): a second seed of the best recipe;
+#   sse-every2     ablations of the sse job (layers auto:15 scored by fitted mixers), for the ablation table of
+#                  docs/RESULTS.md: every other layer (0-29:2) instead;
+#   sse-window-choice  auto:15 scored by cutting each layer's attention to a 64-token window
+#                  (layer_choice.ablation: window) instead of by fitted mixers;
+#   sse-seed1      every training seed 1 (layer fit, data order, retrieval samples, align, train, extend): a second
+#                  seed of the best recipe;
+#   sse-eval-seed1 the sse job's trained model (it waits for it) evaluated again on other prompts
+#                  (evaluate.seed 1): the evaluation's own spread, to read sse-seed1 against;
+#   sse-trained-windows  the kept attention layers as 4K sliding windows from conversion on (sliding_window), so
+#                  the mixers learn to carry what the windows drop (the 16K sliding-window target);
 #   sila-retrieval  the sila job with 20% synthetic retrieval samples in its data (data.retrieval), as the SSE recipe;
 #   sse-noretrieval  no synthetic retrieval samples in the data (the recipe mixes in 20%, data.retrieval);
 #   sse-noextend   no extend stage;
@@ -29,8 +33,8 @@
 #   speed          short runs of the SSE and SILA recipes, one table of each stage's tokens/s
 #                  (scripts/measure_stages.py); with BASE=DIR (an older checkout's files, copied outside this one)
 #                  the same runs of BASE's code first, and the rates as ratios to them.
-#                  Two at once on two GPUs: CUDA_VISIBLE_DEVICES=0 ... start sse; CUDA_VISIBLE_DEVICES=1 ... start
-#                  sse-auto15
+#                  Several at once on several GPUs: CUDA_VISIBLE_DEVICES=0 ... start sse; CUDA_VISIBLE_DEVICES=1 ...
+#                  start sse-seed1
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/device_env.sh
@@ -107,15 +111,24 @@ PY
   sila-uniform)
     recipe sila sila-uniform --set token_weights.enabled=false
     ;;
-  sse-auto15)
-    trained sse sse-auto15 --set 'layers=[{mixer: sse, layers: "auto:15"}]'
+  sse-every2)
+    trained sse sse-every2 --set 'layers=[{mixer: sse, layers: "0-29:2"}]'
     ;;
-  sse-auto15-fit)
-    trained sse sse-auto15-fit --set 'layers=[{mixer: sse, layers: "auto:15"}]' --set layer_choice.ablation=mixer
+  sse-window-choice)
+    trained sse sse-window-choice --set layer_choice.ablation=window
     ;;
-  sse-auto15-seed1)
-    local seeds=(--set data.seed=1 --set data.retrieval.seed=1 --set align.seed=1 --set train.seed=1 --set extend.seed=1)
-    trained sse sse-auto15-seed1 --set 'layers=[{mixer: sse, layers: "auto:15"}]' "${seeds[@]}"
+  sse-seed1)
+    local seeds=(--set data.seed=1 --set data.retrieval.seed=1 --set layer_choice.seed=1 --set align.seed=1
+      --set train.seed=1 --set extend.seed=1)
+    trained sse sse-seed1 "${seeds[@]}"
+    ;;
+  sse-eval-seed1)
+    until [ -f "$RUNS/sse/extend/DONE" ]; do sleep 30; done
+    rm -rf "$RUNS/sse-eval-seed1" && cp -a "$RUNS/sse" "$RUNS/sse-eval-seed1" &&
+      recipe sse sse-eval-seed1 --stages evaluate --redo evaluate --set evaluate.seed=1
+    ;;
+  sse-trained-windows)
+    trained sse sse-trained-windows --set sliding_window=4096
     ;;
   sila-retrieval)
     trained sila sila-retrieval --set "data.retrieval={ratio: 0.2}"
@@ -133,8 +146,8 @@ PY
     speed
     ;;
   *)
-    echo "unknown job $1; jobs: teacher raven sse sila sila-uniform sila-retrieval sse-auto15 sse-auto15-fit sse-auto15-seed1" \
-      "sse-noretrieval sse-noextend sse-norouter speed" >&2
+    echo "unknown job $1; jobs: teacher raven sse sila sila-uniform sila-retrieval sse-every2 sse-window-choice" \
+      "sse-seed1 sse-eval-seed1 sse-trained-windows sse-noretrieval sse-noextend sse-norouter speed" >&2
     return 2
     ;;
   esac
