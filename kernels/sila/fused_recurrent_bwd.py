@@ -51,6 +51,8 @@ def sila_bwd_kernel_dq(
     """
     i_n, i_c, i_h = utils.chunk_program(chunk_indices, IS_VARLEN)
     bos, T_n, state_base = sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK, IS_VARLEN)
+    if i_c * CHUNK >= T_n:  # a spare program past its sequence's last chunk (utils.varlen_layout)
+        return
     o_k, o_v = tl.arange(0, K), tl.arange(0, V)
     # the outputs' share first, stored before the checkpoint is loaded: [V, K] dE and S are never live together
     rows, m_t, b_live = utils.chunk_rows(mask, bos, T_n, i_c, i_h, H, CHUNK, HAS_MASK)
@@ -174,6 +176,8 @@ def sila_bwd_kernel_dkv(
     i_n, i_c, i_h = utils.chunk_program(chunk_indices, IS_VARLEN)
     i_p = tl.program_id(0) if IS_VARLEN else tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
     bos, T_n, state_base = sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK, IS_VARLEN)
+    if i_c * CHUNK >= T_n:  # a spare program past its sequence's last chunk (utils.varlen_layout)
+        return
     b_k, b_v, b_r, b_u, b_beta, b_start, b_D, b_tail, rows, m_t = load_chunk(
         k, v, r, s, beta_x, gamma_x, mask, bos, T_n, i_c, i_h, H, K, V, CHUNK, HAS_MASK
     )
@@ -251,6 +255,8 @@ def fused_recurrent_sila_bwd(
     dbx, dgx = utils.new_output(beta_x.shape, beta_x), utils.new_output(gamma_x.shape, gamma_x)
     n_programs = n_chunks if cu_seqlens is not None else N * n_chunks
     dw = utils.new_output((n_programs, H, 2, V), q, torch.float32)  # per chunk
+    if cu_seqlens is not None:
+        dw.zero_()  # the spare programs past the last real chunk return without writing theirs
     if n_chunks > 0:
         sila_bwd_kernel_dkv[grid](
             q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, mask, r, s, states, dE, do, du, dp, dk, dv, dbx, dgx,

@@ -97,6 +97,8 @@ def sila_fwd_kernel_output(
 ):  # fmt: skip
     i_n, i_c, i_h = utils.chunk_program(chunk_indices, IS_VARLEN)
     bos, T_n, state_base = sequence_bounds(cu_seqlens, state_offsets, i_n, T, CHUNK, IS_VARLEN)
+    if i_c * CHUNK >= T_n:  # a spare program past its sequence's last chunk (utils.varlen_layout)
+        return
     b_k, b_v, _, b_u, _, b_start, b_D, _, rows, m_t = load_chunk(
         k, v, r, s, beta_x, gamma_x, mask, bos, T_n, i_c, i_h, H, K, V, CHUNK, HAS_MASK
     )

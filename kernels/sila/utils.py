@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..varlen import chunk_layout
+
 LOG2 = math.log(2.0)
 DOT_PRECISION = "tf32"  # tensor cores; "tf32x3" is fp32-accurate but spills registers at d = 128
 
@@ -170,18 +172,16 @@ def launch_settings(K: int, V: int) -> dict:
 
 
 def varlen_layout(cu_seqlens: torch.Tensor | None, N: int, T: int, chunk: int):
-    """Checkpoint offsets per sequence [N], (sequence, chunk) per chunk program [C_total, 2] and the counts."""
+    """Checkpoint offsets per sequence [N], (sequence, chunk) per chunk program [C, 2] and the counts of checkpoint
+    slots and chunk programs. With cu_seqlens both counts are bounds, never a host sync (kernels/varlen.py): the
+    chunk kernels return at once for programs past their sequence's last chunk, and no kernel touches the spare
+    slots."""
     if cu_seqlens is None:
         n_chunks = triton.cdiv(T, chunk)
         return None, None, N * (n_chunks + 1), n_chunks
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    chunks = (lens + chunk - 1) // chunk  # [N]
-    offsets = torch.cumsum(chunks + 1, 0) - (chunks + 1)
-    seq = torch.repeat_interleave(torch.arange(N, device=lens.device), chunks)
-    first = torch.repeat_interleave(torch.cumsum(chunks, 0) - chunks, chunks)
-    within = torch.arange(seq.numel(), device=lens.device) - first
-    indices = torch.stack([seq, within], dim=1).to(torch.int32).contiguous()
-    return offsets.to(torch.int32), indices, int((chunks + 1).sum()), indices.shape[0]
+    seq, within, first, n_chunks = chunk_layout(cu_seqlens, T, chunk)
+    offsets = first[:-1] + torch.arange(N, device=first.device, dtype=torch.int32)  # each sequence's chunks + 1
+    return offsets, torch.stack([seq, within], dim=1).contiguous(), n_chunks + N, n_chunks
 
 
 def new_output(shape: tuple, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -35,6 +35,7 @@ import torch
 import triton
 
 from ..chunked import needs_exact, scan_config, state_scan
+from ..varlen import chunk_layout
 from .chunk_bwd import sse_bwd_kernel_dA, sse_bwd_kernel_dg, sse_bwd_kernel_dh, sse_bwd_kernel_dqk, sse_bwd_kernel_dv
 from .chunk_fwd import sse_fwd_kernel_gate, sse_fwd_kernel_h, sse_fwd_kernel_o, sse_fwd_kernel_o_exact
 
@@ -58,20 +59,14 @@ def _block(n: int) -> int:
 def _chunk_layout(B: int, T: int, cu_seqlens, device):
     """cu [S+1] int32, chunk_seq / chunk_pos [Nc] (sequence and index in it of each chunk), chunk_off [S+1], Nc.
 
-    With cu_seqlens the chunk count is the bound ceil(T / BT) + S, never a host sync: the chunks past the last
-    real one point past their sequence's end, and the kernels return at once for them."""
-    if cu_seqlens is None:  # each batch row is one sequence of the packed [B * T] stream
+    With cu_seqlens the chunk count is a bound, never a host sync (kernels/varlen.py): the kernels return at once
+    for the chunks past the last real one."""
+    if cu_seqlens is None:  # each batch row is one sequence of the packed [B * T] stream, with exactly its chunks
         cu = torch.arange(B + 1, device=device, dtype=torch.int32) * T
-        n_chunks = torch.full((B,), triton.cdiv(T, BT), device=device, dtype=torch.int32)
+        total = B * triton.cdiv(T, BT)
     else:
-        cu = cu_seqlens.to(device=device, dtype=torch.int32)
-        n_chunks = (cu.diff() + BT - 1) // BT
-    S = cu.numel() - 1
-    chunk_off = torch.nn.functional.pad(n_chunks.cumsum(0, dtype=torch.int32), (1, 0))
-    total = B * triton.cdiv(T, BT) if cu_seqlens is None else (triton.cdiv(T, BT) + S if S else 0)
-    chunks = torch.arange(total, device=device, dtype=torch.int32)
-    chunk_seq = torch.searchsorted(chunk_off[1:], chunks, right=True, out_int32=True).clamp_max_(max(S - 1, 0))
-    chunk_pos = chunks - chunk_off.gather(0, chunk_seq.long())
+        cu, total = cu_seqlens.to(device=device, dtype=torch.int32), None
+    chunk_seq, chunk_pos, chunk_off, total = chunk_layout(cu, B * T, BT, total)
     return cu, chunk_seq, chunk_pos, chunk_off, total
 
 
