@@ -52,6 +52,7 @@ from raven_convert.console import is_main_process
 from raven_convert.files import replace_dir
 from raven_convert.sources import model_fingerprint
 from raven_convert.train.checkpoint import CHECKPOINTS
+from raven_convert.train.compiling import resolve_compile
 from raven_convert.train.data import PackedDataset, save_atomic
 from raven_convert.train.distributed import Parallel
 from raven_convert.train.recipe import FinetuneRecipe, FinetuneTrain, FinetuneWeights, WeightSettings
@@ -137,6 +138,7 @@ def cached_weight_table(
         save_every=settings.save_every,
         keep_checkpoints=settings.keep_checkpoints,
         log=log,
+        compile=resolve_compile(settings.compile, next(reference.parameters()).device),
     )
     if is_main_process():
         save_atomic(table, path)

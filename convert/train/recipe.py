@@ -131,6 +131,9 @@ class WeightSettings(_Strict):
     query_block: int = Field(256, ge=1)
     save_every: int = Field(100, ge=1, description="batches between checkpoints (and one at the end)")
     keep_checkpoints: int = Field(2, ge=1, description="how many of the newest checkpoints stay on disk")
+    compile: CompileSetting = Field(
+        "auto", description="torch.compile each block of queries (token_weights.compiled_block); auto: on CUDA"
+    )
 
 
 class TokenWeightSettings(WeightSettings):

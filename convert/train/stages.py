@@ -50,14 +50,16 @@ import torch
 from raven_convert.console import is_main_process
 from raven_convert.files import check_writable, copy_dir, disk_bytes, format_bytes, write_json
 from raven_convert.train.checkpoint import CHECKPOINTS
+from raven_convert.train.compiling import resolve_compile
 from raven_convert.train.distributed import Parallel, wait_for, world_size
 from raven_convert.train.models import load_hybrid, load_teacher, save_model, whole_model
 from raven_convert.train.recipe import STAGES, FinetuneRecipe, Recipe, check_inputs
 from raven_convert.train.token_weights import load_weight_table
 
 MARKER = "DONE"
-# Fields that change how a stage logs and checkpoints, not what it computes: changing them keeps its results valid.
-BOOKKEEPING = ("log_every", "save_every", "keep_checkpoints")
+# Fields that change how a stage logs, checkpoints or runs, not what it computes (torch.compile rounds differently,
+# no more): changing them keeps its results valid.
+BOOKKEEPING = ("log_every", "save_every", "keep_checkpoints", "compile")
 PER_PROCESS = ("align", "train", "extend")  # the sections whose batch_size counts the rows of one process
 MAIN_ONLY = ("convert", "export")  # under a launch, the main process runs these; the others wait
 
@@ -331,6 +333,7 @@ def _stage_weights(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel
         keep_checkpoints=settings.keep_checkpoints,
         log=log,
         parallel=parallel,
+        compile=resolve_compile(settings.compile, parallel.device),
     )
     summary = {"picture": "weights/weights.png", "file": "weights/weights.pt", "shape": list(weights.shape)}
     summary |= {"mean": weights.mean().item(), "max": weights.max().item()}
@@ -407,6 +410,7 @@ def _stage_extend(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel)
     weights = None
     if weighted:
         tw = recipe.token_weights
+        fuse = resolve_compile(tw.compile, parallel.device)
 
         def weights(batch):  # [B, T] from the teacher at this length, as each batch is drawn
             return token_weights(
@@ -416,6 +420,7 @@ def _stage_extend(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel)
                 tau=tw.tau,
                 lam=tw.lam,
                 query_block=tw.query_block,
+                compile=fuse,
             )
 
     rows = (train_rows, val_rows)

@@ -34,6 +34,7 @@ Choices where the paper leaves room (line numbers are those of the paper's text,
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -130,6 +131,46 @@ def _sliding_window(attn) -> int | None:
     return getattr(getattr(attn, "config", None), "sliding_window", None)
 
 
+def _block_distance(
+    qb: Tensor,
+    k_t: Tensor,
+    scaling: float,
+    rows: Tensor,
+    window: int | None,
+    real: Tensor,
+    documents: Tensor,
+    positions: Tensor,
+    keys_ok: Tensor,
+    tau: float,
+) -> Tensor:
+    """One block of queries `rows` [b]: sum over heads and keys of thresholded attention times distance, [B, b].
+
+    qb [B, Hkv, G, b, d], k_t [B, Hkv, 1, d, T]; real, documents, positions [B, T] (real tokens, document ids,
+    positions within documents); keys_ok [B, T] (real keys that are not a sink). The block's [B, H, b, T] scores
+    and masks exist only here, so that the compiled block (`compiled_block`) fuses them into a few kernels."""
+    batch, n_kv, group, b, _ = qb.shape
+    idx = torch.arange(k_t.shape[-1], device=qb.device)  # [T] keys
+    allowed = idx[None, :] <= rows[:, None]  # [b, T] causal
+    if window is not None:
+        allowed = allowed & (idx[None, :] > rows[:, None] - window)
+    at = (slice(None), rows)  # the block's queries of a [B, T] tensor
+    allowed = allowed[None] & real[:, None, :] & real[at][:, :, None]  # [B, b, T]
+    allowed = allowed & (documents[:, None, :] == documents[at][:, :, None])
+    scores = (qb @ k_t).reshape(batch, n_kv * group, b, -1) * scaling  # [B, H, b, T]
+    scores = scores.masked_fill(~allowed[:, None], torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1)  # rows with nothing allowed are zeroed next
+    probs = probs * (allowed & keys_ok[:, None, :])[:, None]  # pads, future and sink column -> 0
+    probs = probs * (probs >= tau)  # threshold, no renormalisation
+    distance = positions[at][:, :, None] - positions[:, None, :]  # [B, b, T]: t - j
+    return (probs.sum(dim=1) * distance).sum(dim=-1)  # over heads, then keys
+
+
+@functools.cache
+def compiled_block() -> Callable[..., Tensor]:
+    """`_block_distance` through torch.compile, one per process (its graphs are kept across calls)."""
+    return torch.compile(_block_distance)  # a new shape (the last block or batch) compiles once more
+
+
 def _layer_distance(
     q: Tensor,
     k: Tensor,
@@ -141,12 +182,14 @@ def _layer_distance(
     window: int | None,
     tau: float,
     query_block: int,
+    block: Callable[..., Tensor] = _block_distance,
 ) -> Tensor:
     """One layer: sum over query heads and keys of thresholded attention times distance, [B, T].
 
     q [B, H, T, d], k [B, Hkv, T, d] (H a multiple of Hkv); real, sinks [B, T] bool; positions [B, T] float;
     documents [B, T] (queries see keys of their own document only).
-    Streams over blocks of queries: peak extra memory O(B * H * query_block * T).
+    Streams over blocks of queries (`block`: `_block_distance` or its compiled form): peak extra memory
+    O(B * H * query_block * T).
     """
     q, k = q.float(), k.float()
     batch, n_heads, length, head_dim = q.shape
@@ -156,25 +199,11 @@ def _layer_distance(
     keys_ok = real & ~sinks  # [B, T]: real keys that are not a sink
     k_t = k.transpose(-1, -2)[:, :, None]  # [B, Hkv, 1, d, T]
     out = torch.zeros(batch, length, dtype=torch.float32, device=q.device)
-
     for start in range(0, length, query_block):
         stop = min(start + query_block, length)
-        rows = idx[start:stop]  # [b]
         # query head h uses kv head h // group (transformers' repeat_kv)
         qb = q[:, :, start:stop].reshape(batch, n_kv, group, stop - start, head_dim)  # [B, Hkv, G, b, d]
-        scores = (qb @ k_t).reshape(batch, n_heads, stop - start, length) * scaling  # [B, H, b, T]
-        allowed = idx[None, :] <= rows[:, None]  # [b, T] causal
-        if window is not None:
-            allowed = allowed & (idx[None, :] > rows[:, None] - window)
-        allowed = allowed[None] & real[:, None, :] & real[:, start:stop, None]  # [B, b, T]
-        allowed = allowed & (documents[:, None, :] == documents[:, start:stop, None])
-        scores = scores.masked_fill(~allowed[:, None], torch.finfo(scores.dtype).min)
-        probs = torch.softmax(scores, dim=-1)  # [B, H, b, T]; rows with nothing allowed are zeroed next
-        probs = probs * (allowed & keys_ok[:, None, :])[:, None]  # pads, future and sink column -> 0
-        probs = probs * (probs >= tau)  # threshold, no renormalisation
-        distance = positions[:, start:stop, None] - positions[:, None, :]  # [B, b, T]: t - j
-        out[:, start:stop] += (probs.sum(dim=1) * distance).sum(dim=-1)  # over heads, then keys
-        del scores, probs
+        out[:, start:stop] += block(qb, k_t, scaling, idx[start:stop], window, real, documents, positions, keys_ok, tau)
     return out
 
 
@@ -201,6 +230,7 @@ def token_weights(
     lam: float = 0.5,
     query_block: int = 256,
     position_ids: Tensor | None = None,
+    compile: bool = False,
 ) -> Tensor:
     """Algorithm 1 on a reference causal LM, without ever holding its full [L, H, T, T] attention.
 
@@ -217,6 +247,7 @@ def token_weights(
     documents instead come with position_ids [B, T] restarting at 0 at each document (and no attention_mask): each
     document then gets exactly the weights it would get alone (its own sink, no attention across). Returns float32
     w [B, T] on the input's device, 0 at padded tokens; w[:, t] belongs to query t (see the module docstring).
+    `compile`: the query blocks run through torch.compile (`compiled_block`), the same sums up to rounding.
     """
     if query_block < 1:
         raise ValueError(f"query_block must be >= 1, got {query_block}")
@@ -229,6 +260,7 @@ def token_weights(
     distance_positions, documents, sinks = _layout(real, position_ids)  # [B, T] each
     distance_sum = torch.zeros(batch, length, dtype=torch.float32, device=device)
     n_maps = 0
+    block = compiled_block() if compile else _block_distance
 
     def make_hook(attn):
         window = _sliding_window(attn)
@@ -250,6 +282,7 @@ def token_weights(
                 window,
                 tau,
                 query_block,
+                block,
             ).to(device)
             n_maps += q.shape[1]
 
@@ -287,6 +320,7 @@ def weight_table(
     keep_checkpoints: int = 2,
     log: Callable[[str], None] = print,
     parallel=None,
+    compile: bool = False,
 ) -> Tensor:
     """token_weights of every row of `rows` (a PackedDataset, each packed document weighted on its own), computed
     `batch_size` rows at a time: float32 [len(rows), T], row i's weights at index i, on the CPU.
@@ -335,6 +369,7 @@ def weight_table(
             tau=tau,
             lam=lam,
             query_block=query_block,
+            compile=compile,
         )
         parts += parallel.gather(w.cpu())[: done - first_of_round]
         elapsed = time.perf_counter() - clock

@@ -188,3 +188,17 @@ def test_packed_documents_get_the_weights_they_get_alone(query_block):
         maps = eager(ids, position_ids=positions, use_cache=False, output_attentions=True).attentions
     naive = token_weights_naive(maps, position_ids=positions)
     assert rel_err(naive, token_weights(eager, ids, position_ids=positions)) < 1e-5
+
+
+def test_compiled_blocks_equal_eager():
+    """The weights stage compiles each block of queries on CUDA (recipe field token_weights.compile): the same
+    weights for windowed layers, packed documents, padding and a last block shorter than the others."""
+    model = tiny_model("mistral")  # every layer windowed over 8 tokens
+    ids = random_ids(2, T, seed=3)
+    positions = torch.cat([torch.arange(n) for n in (11, 19, T - 30)])[None].repeat(2, 1)
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[1, :9] = 0
+    for extra in ({"position_ids": positions}, {"attention_mask": mask}):
+        eager = token_weights(model, ids, query_block=12, **extra)
+        compiled = token_weights(model, ids, query_block=12, compile=True, **extra)
+        assert (eager > 0).float().mean() > 0.3 and rel_err(compiled, eager) < 1e-5
