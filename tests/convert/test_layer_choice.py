@@ -310,6 +310,12 @@ def test_recipe_convert_stage_records_the_choice(teacher, words_corpus, tmp_path
     assert len(calls) == 2  # another run dir has its own cache
     fixed = parse_recipe(_recipe(teacher, words_corpus, "0-5:2"))
     assert "layer_choice" not in run_recipe(fixed, tmp_path / "fixed", stages=["convert"])["convert"]["inputs"]
+    windowed = parse_recipe(_recipe(teacher, words_corpus, sliding_window=4))  # the kept layers windowed
+    run_recipe(windowed, tmp_path / "windowed", stages=["convert"])
+    config = json.loads((tmp_path / "windowed" / "convert" / "model" / "config.json").read_text())
+    kinds = config["layer_mixers"]
+    assert [w for w, k in zip(config["attention_windows"], kinds) if k == "attention"] == [4] * (len(kinds) - 2)
+    assert all(w is None for w, k in zip(config["attention_windows"], kinds) if k != "attention")
 
 
 def test_scoring_reuses_the_prefix(loaded):
