@@ -470,6 +470,21 @@ def epoch_order(size: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(size, generator=torch.Generator().manual_seed(mixed))
 
 
+def rows_visited(size: int, batch_size: int, seed: int, batches: int) -> torch.Tensor:
+    """The rows (positions, sorted) [K] that the first `batches` batches of `batch_iterator` take from a dataset of
+    `size` rows with this batch_size and seed: all of them once a run passes an epoch, but what each epoch drops."""
+    per_epoch = size // batch_size if batch_size >= 1 else 0
+    if per_epoch < 1:
+        raise ValueError(f"batch_size = {batch_size} does not fit a dataset of {size} rows")
+    seen = torch.zeros(size, dtype=torch.bool)
+    for epoch in range(-(-batches // per_epoch)):
+        taken = min(per_epoch, batches - epoch * per_epoch) * batch_size
+        seen[epoch_order(size, seed, epoch)[:taken]] = True
+        if seen.all():
+            break
+    return seen.nonzero().squeeze(1)
+
+
 def batch_iterator(
     dataset: Dataset, batch_size: int, seed: int, epochs: int | None = None, start_step: int = 0
 ) -> Iterator[dict[str, torch.Tensor]]:

@@ -167,7 +167,8 @@ class Recipe(_Strict):
     stage_fields: ClassVar[dict[str, tuple[str, ...]]] = {
         "convert": ("source", "layers", "mixer_settings", "sliding_window", "window_layers", "dtype", "seed"),
         "align": ("data", "align"),
-        "weights": ("data", "token_weights"),
+        # the weights stage weights the rows train reads: those its steps, global batch and seed draw
+        "weights": ("data", "token_weights", "train.steps", "train.batch_size", "train.grad_accum", "train.seed"),
         "train": ("data", "train"),
         "extend": ("data", "token_weights", "extend"),
         "evaluate": ("evaluate",),

@@ -60,7 +60,7 @@ from raven_convert.console import eta
 from raven_convert.train.checkpoint import latest_checkpoint, save_checkpoint
 from raven_convert.train.common import attention_layers, is_hybrid, lr_at, mixer_parameters, model_inputs
 from raven_convert.train.compiling import CompileSetting, compiled_parts, resolve_compile
-from raven_convert.train.data import PackedDataset, batch_iterator
+from raven_convert.train.data import PackedDataset, batch_iterator, rows_visited
 from raven_convert.train.distributed import Parallel, on_cpu
 from raven_convert.train.flops import mfu, mfu_text, train_flops
 from raven_convert.train.losses import aux_loss, ce_loss, kd_loss, prediction_mask, training_loss
@@ -287,6 +287,19 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+def _check_weighted(table: torch.Tensor, dataset, config: TrainConfig, processes: int) -> None:
+    """Refuse a token-weight table with no weights (NaN, see token_weights.weight_table's `only`) for a row this run
+    reads: it was computed for another run's steps, global batch or seed."""
+    read = rows_visited(len(dataset), config.batch_size * processes, config.seed, config.steps * config.grad_accum)
+    missing = read[table[read].isnan().any(dim=1)]
+    if len(missing):
+        raise ValueError(
+            f"the token-weight table has no weights for {len(missing):,} of the {len(read):,} rows this run reads "
+            f"(rows {missing[:5].tolist()}...): it was computed for another train.steps, batch size, number of "
+            "processes or seed; compute it again (--redo weights)"
+        )
+
+
 def _micro_batches(dataset, config: TrainConfig, accelerator, start_step: int):
     """This process's slice of every global micro-batch, from optimizer step `start_step` on (forever)."""
     n, rank, b = accelerator.num_processes, accelerator.process_index, config.batch_size
@@ -410,6 +423,7 @@ def train(
         start_step, tokens_seen = meta["step"], meta["tokens_seen"]
         accelerator.print(f"[stage2] resumed from {path} (step {start_step}, {tokens_seen:,} tokens)", file=sys.stderr)
     if isinstance(token_weights, torch.Tensor):
+        _check_weighted(token_weights, dataset, config, accelerator.num_processes)
         data = _IndexedPacked(dataset) if isinstance(dataset, PackedDataset) else _Indexed(dataset)
     else:
         data = dataset

@@ -35,6 +35,7 @@ Choices where the paper leaves room (line numbers are those of the paper's text,
 from __future__ import annotations
 
 import functools
+import hashlib
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -307,6 +308,11 @@ def token_weights(
     return _finish(distance_sum, n_maps, real, lam)
 
 
+def _selection(order: Tensor) -> str:
+    """A short hash of the rows a weight table weights, in order (its checkpoints record it)."""
+    return hashlib.sha256(order.numpy().astype("int64").tobytes()).hexdigest()[:16]
+
+
 def weight_table(
     teacher,
     rows,
@@ -321,9 +327,12 @@ def weight_table(
     log: Callable[[str], None] = print,
     parallel=None,
     compile: bool = False,
+    only: Tensor | None = None,
 ) -> Tensor:
     """token_weights of every row of `rows` (a PackedDataset, each packed document weighted on its own), computed
-    `batch_size` rows at a time: float32 [len(rows), T], row i's weights at index i, on the CPU.
+    `batch_size` rows at a time: float32 [len(rows), T], row i's weights at index i, on the CPU. With `only` (row
+    positions [K], e.g. data.rows_visited: the rows a training run will read), just those rows, in that order; the
+    others are NaN, so that reading one fails loudly (stage2.train checks before its first step).
 
     With `out_dir`, a checkpoint (see checkpoint.py; step k: the first k batches done) of the rows done so far is
     written every `save_every` batches and at the end, the newest `keep_checkpoints` kept, and a call resumes after
@@ -337,7 +346,9 @@ def weight_table(
 
     parallel = parallel or Parallel()
     log = log if parallel.is_main else (lambda message: None)
-    n, length = len(rows), rows.seq_len
+    total, length = len(rows), rows.seq_len
+    order = torch.arange(total) if only is None else torch.as_tensor(only, dtype=torch.long)  # [n] rows to weight
+    n, selection = len(order), _selection(order)
     batches = -(-n // batch_size)
     device = next(teacher.parameters()).device
     found = None if out_dir is None else latest_checkpoint(out_dir, warn=lambda m: log(f"[weights] {m}"))
@@ -347,11 +358,13 @@ def weight_table(
         saved = load_file(path / "weights.safetensors")["weights"]  # [rows done, T]
         first = meta["step"]
         expected = (min(first * batch_size, n), length)
-        if (meta.get("rows"), meta.get("batch_size"), tuple(saved.shape)) != (n, batch_size, expected):
+        weighted = meta.get("selection", _selection(torch.arange(total)))  # checkpoints before `only`: every row
+        got = (meta.get("rows"), meta.get("batch_size"), weighted, tuple(saved.shape))
+        if got != (total, batch_size, selection, expected):
             raise ValueError(
                 f"{path} holds weights of other data ({tuple(saved.shape)} done of {meta.get('rows')} rows in "
-                f"batches of {meta.get('batch_size')}, now {n} rows of {length} in batches of {batch_size}); delete "
-                f"{path.parent} to start the weights over"
+                f"batches of {meta.get('batch_size')}, now {n} of {total} rows of {length} in batches of "
+                f"{batch_size}); delete {path.parent} to start the weights over"
             )
         parts = [saved]
         log(f"[weights] resumed from {path} (step {first}, {len(saved)} of {n} rows done)")
@@ -361,7 +374,7 @@ def weight_table(
         # a process past the last batch repeats it and drops the result: a sharded teacher needs every process
         step = min(first_of_round + parallel.rank, batches - 1)
         start, stop = step * batch_size, min((step + 1) * batch_size, n)
-        batch = rows.batch(torch.arange(start, stop))
+        batch = rows.batch(order[start:stop])
         w = token_weights(
             teacher,
             batch["input_ids"].to(device),
@@ -378,7 +391,7 @@ def weight_table(
         log(f"[weights] rows {rows_done}/{n} | {rate * batch_size * length:,.0f} tok/s | {left}")
         if out_dir is not None and (done // save_every > first_of_round // save_every or done == batches):
             parts = [torch.cat(parts)]
-            meta = {"step": done, "rows": n, "batch_size": batch_size}
+            meta = {"step": done, "rows": total, "batch_size": batch_size, "selection": selection}
 
             def write(folder, table=parts[0]):
                 if parallel.is_main:
@@ -387,7 +400,12 @@ def weight_table(
             save_checkpoint(
                 out_dir, done, write, meta, keep_checkpoints, main=parallel.is_main, barrier=parallel.barrier
             )
-    return torch.cat(parts)
+    if only is None:
+        return torch.cat(parts)
+    table = torch.full((total, length), float("nan"))  # [len(rows), T]: NaN where no row was weighted
+    if n:
+        table[order] = torch.cat(parts)
+    return table
 
 
 def load_weight_table(path: Path, rows) -> Tensor:
@@ -419,11 +437,16 @@ def schedule_weights(
 
 
 def plot_first_row(tokenizer, rows, table: Tensor, path: str | Path, shown: int = 400) -> Path:
-    """The weights stage's picture: the first `shown` tokens of rows[0] shaded by their weights table[0]."""
-    ids = rows[0]["input_ids"][:shown]
+    """The weights stage's picture: the first `shown` tokens of the first weighted row (no NaN) of `table`, shaded by
+    their weights."""
+    weighted = (~table.isnan().any(dim=1)).nonzero()
+    if len(weighted) == 0:
+        raise ValueError("the weight table has no weighted row to plot")
+    first = int(weighted[0])
+    ids = rows[first]["input_ids"][:shown]
     return plot_token_weights(
         tokenizer.convert_ids_to_tokens(ids.tolist()),
-        table[0, : len(ids)],
+        table[first, : len(ids)],
         path,
         title="token loss weights of the first training row (darker: retrieves from further back)",
     )

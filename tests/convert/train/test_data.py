@@ -18,6 +18,7 @@ from raven_convert.train.data import (
     build_dataset,
     load_documents,
     pack_documents,
+    rows_visited,
     tokenize,
 )
 from tests.conftest import tiny_tokenizer
@@ -209,6 +210,14 @@ def test_resuming_matches_an_uninterrupted_run(start_step):
     assert resumed == full[start_step:]
     endless = batch_iterator(ds, batch_size=3, seed=7, start_step=start_step)
     assert [row_ids(b) for b in itertools.islice(endless, len(full) - start_step)] == full[start_step:]
+
+
+@pytest.mark.parametrize("batches", [1, 3, 4, 7, 40])  # within the first epoch, across epochs, every row
+def test_rows_visited_are_the_rows_the_batches_take(batches):
+    ds = numbered_dataset()
+    taken = {r for b in itertools.islice(batch_iterator(ds, batch_size=3, seed=7), batches) for r in row_ids(b)}
+    assert rows_visited(len(ds), 3, 7, batches).tolist() == sorted(taken)
+    assert rows_visited(len(ds), 3, 8, batches).tolist() != sorted(taken) or len(taken) == len(ds)
 
 
 def test_batch_iterator_accepts_any_dataset_of_dicts():

@@ -123,7 +123,8 @@ def test_two_processes_align_weight_and_train_as_one(one_process, strategy):
     for stage in ("align", "train"):
         assert_same_model(run, one_process["run"], stage)
     tables = [torch.load(r / "weights" / "weights.pt", weights_only=True) for r in (run, one_process["run"])]
-    assert torch.equal(*tables)
+    torch.testing.assert_close(*tables, rtol=0, atol=0, equal_nan=True)  # NaN: the rows train never reads
+    assert not tables[0].isnan().all()
     assert not (run / "train" / "checkpoints").exists()
 
 

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from raven_convert import build_hybrid, plan_layers
 from raven_convert.train.common import converted_layers
-from raven_convert.train.data import PackedDataset, batch_iterator
+from raven_convert.train.data import PackedDataset, batch_iterator, rows_visited
 from raven_convert.train.losses import ce_loss
 from raven_convert.train.stage2 import TrainConfig, is_lora, latest_checkpoint, merge_lora, train
 
@@ -80,6 +80,20 @@ def test_token_weights_and_kd_are_logged(teacher, tmp_path):
     assert all(r["kd"] > 0 and r["aux"] > 0 for r in history)
     for r in history:
         assert r["loss"] == pytest.approx(r["ce"] + 0.5 * r["kd"] + r["aux"], rel=1e-5)
+
+
+def test_a_weight_table_missing_rows_this_run_reads_is_refused(teacher, tmp_path):
+    student, data = hybrid(teacher), rows()
+    config = TrainConfig(steps=2, **FAST)
+    read = rows_visited(len(data), config.batch_size, config.seed, 2)
+    w = torch.rand(len(data), data.seq_len)
+    unread = torch.ones(len(data), dtype=torch.bool)
+    unread[read] = False
+    w[unread] = float("nan")  # as weight_table(only=read) leaves them: this run still trains
+    train(student, teacher, data, config, tmp_path / "ok", token_weights=w)
+    w[read[0]] = float("nan")
+    with pytest.raises(ValueError, match=rf"no weights for 1 of the {len(read)} rows this run reads \(rows \["):
+        train(student, teacher, data, config, tmp_path / "missing", token_weights=w)
 
 
 def test_token_weight_tau_is_a_share_of_the_run_unless_fixed(teacher, tmp_path, capsys):

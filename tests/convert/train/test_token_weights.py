@@ -202,3 +202,20 @@ def test_compiled_blocks_equal_eager():
         eager = token_weights(model, ids, query_block=12, **extra)
         compiled = token_weights(model, ids, query_block=12, compile=True, **extra)
         assert (eager > 0).float().mean() > 0.3 and rel_err(compiled, eager) < 1e-5
+
+
+def test_weight_table_of_chosen_rows(tmp_path):
+    """weight_table(only=...): the chosen rows get the weights the whole table gives them, the others NaN; a
+    checkpoint of one choice does not resume another."""
+    from raven_convert.train.data import PackedDataset
+    from raven_convert.train.token_weights import weight_table
+
+    model = tiny_model("llama", attn_implementation="sdpa")
+    ids = random_ids(6, T, seed=9).int()
+    rows = PackedDataset({"input_ids": ids, "document_ids": ids * 0, "position_ids": torch.arange(T).repeat(6, 1)})
+    whole = weight_table(model, rows, 2, log=lambda m: None)
+    only = torch.tensor([4, 1, 2])
+    table = weight_table(model, rows, 2, out_dir=tmp_path, save_every=1, log=lambda m: None, only=only)
+    assert torch.equal(table[only], whole[only]) and table[[0, 3, 5]].isnan().all()
+    with pytest.raises(ValueError, match="holds weights of other data"):
+        weight_table(model, rows, 2, out_dir=tmp_path, log=lambda m: None, only=torch.tensor([0, 1]))
