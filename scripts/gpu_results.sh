@@ -27,6 +27,8 @@
 #   sse-trained-windows  the kept attention layers as 4K sliding windows from conversion on (sliding_window), so
 #                  the mixers learn to carry what the windows drop (the 16K sliding-window target);
 #   sila-retrieval  the sila job with 20% synthetic retrieval samples in its data (data.retrieval), as the SSE recipe;
+#   raven-fit|sila-fit  the raven or sila job as the SSE recipe chooses and feeds its layers: auto:15 scored by
+#                  fitted mixers (layer_choice.ablation: mixer) and 20% retrieval samples;
 #   sse-noretrieval  no synthetic retrieval samples in the data (the recipe mixes in 20%, data.retrieval);
 #   sse-noextend   no extend stage;
 #   sse-norouter   SSE's router without the language-model gradient (router_gradient: false).
@@ -133,6 +135,11 @@ PY
   sila-retrieval)
     trained sila sila-retrieval --set "data.retrieval={ratio: 0.2}"
     ;;
+  raven-fit | sila-fit)
+    local mixer=${1%-fit}
+    trained "$mixer" "$1" --set "layers=[{mixer: $mixer, layers: \"auto:15\"}]" --set "layer_choice={ablation: mixer}" \
+      --set "data.retrieval={ratio: 0.2}"
+    ;;
   sse-noretrieval)
     trained sse sse-noretrieval --set data.retrieval=null
     ;;
@@ -146,8 +153,8 @@ PY
     speed
     ;;
   *)
-    echo "unknown job $1; jobs: teacher raven sse sila sila-uniform sila-retrieval sse-every2 sse-window-choice" \
-      "sse-seed1 sse-eval-seed1 sse-trained-windows sse-noretrieval sse-noextend sse-norouter speed" >&2
+    echo "unknown job $1; jobs: teacher raven sse sila sila-uniform sila-retrieval raven-fit sila-fit sse-every2" \
+      "sse-window-choice sse-seed1 sse-eval-seed1 sse-trained-windows sse-noretrieval sse-noextend sse-norouter speed" >&2
     return 2
     ;;
   esac
