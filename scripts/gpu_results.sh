@@ -125,7 +125,10 @@ PY
     trained sse sse-seed1 "${seeds[@]}"
     ;;
   sse-eval-seed1)
-    until [ -f "$RUNS/sse/extend/DONE" ]; do sleep 30; done
+    until [ -f "$RUNS/sse/extend/DONE" ]; do  # the sse job's trained model; none if that job ended without one
+      [ -f "${JOBS:-$HOME/jobs}/sse.rc" ] && return 1
+      sleep 30
+    done
     rm -rf "$RUNS/sse-eval-seed1" && cp -a "$RUNS/sse" "$RUNS/sse-eval-seed1" &&
       recipe sse sse-eval-seed1 --stages evaluate --redo evaluate --set evaluate.seed=1
     ;;

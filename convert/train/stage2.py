@@ -287,10 +287,16 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+def rows_read(config: TrainConfig, size: int, processes: int) -> torch.Tensor:
+    """The rows [K] (positions, sorted) of a dataset of `size` rows that `train` with `config` on `processes`
+    processes reads: its micro-batches are batch_iterator's batches of the global batch (see _micro_batches)."""
+    return rows_visited(size, config.batch_size * processes, config.seed, config.steps * config.grad_accum)
+
+
 def _check_weighted(table: torch.Tensor, dataset, config: TrainConfig, processes: int) -> None:
     """Refuse a token-weight table with no weights (NaN, see token_weights.weight_table's `only`) for a row this run
     reads: it was computed for another run's steps, global batch or seed."""
-    read = rows_visited(len(dataset), config.batch_size * processes, config.seed, config.steps * config.grad_accum)
+    read = rows_read(config, len(dataset), processes)
     missing = read[table[read].isnan().any(dim=1)]
     if len(missing):
         raise ValueError(

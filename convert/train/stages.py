@@ -314,16 +314,16 @@ def _stage_align(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) 
 def _stage_weights(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:
     from transformers import AutoTokenizer
 
-    from raven_convert.train.data import rows_visited, save_atomic
+    from raven_convert.train.data import save_atomic
+    from raven_convert.train.stage2 import rows_read
     from raven_convert.train.token_weights import plot_first_row, weight_table
 
     settings = recipe.token_weights
     if not settings.enabled or recipe.train.steps == 0:  # only the train stage reads the table
         return {"skipped": True}
     train_rows, _ = recipe_dataset(recipe, run_dir, run_dir / done["convert"]["model"])
-    train = recipe.train  # only the rows the train stage reads get weights (their order: train's seed and batch)
-    only = rows_visited(len(train_rows), train.batch_size * parallel.world, train.seed, train.steps * train.grad_accum)
-    log(f"[weights] {len(only):,} of {len(train_rows):,} rows: those {train.steps:,} train steps read")
+    only = rows_read(recipe.train, len(train_rows), parallel.world)  # only the rows the train stage reads
+    log(f"[weights] {len(only):,} of {len(train_rows):,} rows: those {recipe.train.steps:,} train steps read")
     weights = weight_table(  # [len(train_rows), T], row i belongs to train_rows[i]; NaN where train never reads
         load_teacher(recipe, parallel),
         train_rows,
