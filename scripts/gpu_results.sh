@@ -22,13 +22,16 @@
 #                  (layer_choice.ablation: window) instead of by fitted mixers;
 #   sse-seed1      every training seed 1 (layer fit, data order, retrieval samples, align, train, extend): a second
 #                  seed of the best recipe;
-#   sse-eval-seed1 the sse job's trained model (it waits for it) evaluated again on other prompts
-#                  (evaluate.seed 1): the evaluation's own spread, to read sse-seed1 against;
+#   sse-eval-seed1 the sse job's trained model (it waits for it; EVAL_OF=RUN names another run, into
+#                  RUN-eval-seed1) evaluated again on other prompts (evaluate.seed 1): the evaluation's own spread,
+#                  to read sse-seed1 against;
 #   sse-trained-windows  the kept attention layers as 4K sliding windows from conversion on (sliding_window), so
 #                  the mixers learn to carry what the windows drop (the 16K sliding-window target);
 #   sila-retrieval  the sila job with 20% synthetic retrieval samples in its data (data.retrieval), as the SSE recipe;
-#   raven-fit|sila-fit  the raven or sila job as the SSE recipe chooses and feeds its layers: auto:15 scored by
-#                  fitted mixers (layer_choice.ablation: mixer) and 20% retrieval samples;
+#   raven-fit|sila-fit  the raven or sila job as the SSE recipe chooses, feeds and trains its layers: auto:15
+#                  scored by fitted mixers (layer_choice.ablation: mixer), 20% retrieval samples, align 1200 and
+#                  train 600 steps; evaluated without 16K and speed (FULL_EVAL=1 keeps them), which the every-mixer
+#                  targets (perplexity, passkey at 2K) do not read;
 #   sse-noretrieval  no synthetic retrieval samples in the data (the recipe mixes in 20%, data.retrieval);
 #   sse-noextend   no extend stage;
 #   sse-norouter   SSE's router without the language-model gradient (router_gradient: false).
@@ -47,6 +50,10 @@ export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # several jobs share th
 # reach past the 4K window, without the speed part; the whole suite would take as long again as the run's own.
 WINDOWED_EVAL=(--set evaluate.attention_window=4096 --set "evaluate.tasks=[passkey, niah_single_2]"
   --set "evaluate.lengths=[4096, 8192, 16384]" --set "evaluate.task_lengths={}" --set "evaluate.speed_lengths=[]")
+
+# sse-seed1's settings: every training seed 1 (layer fit, data order, retrieval samples, align, train, extend)
+SEED1=(--set data.seed=1 --set data.retrieval.seed=1 --set layer_choice.seed=1 --set align.seed=1 --set train.seed=1
+  --set extend.seed=1)
 
 recipe() {  # recipe MIXER RUN [ARGS...]: the SmolLM2 recipe of MIXER into ~/runs/RUN
   read -ra extra <<< "${RECIPE_ARGS:-}"
@@ -120,17 +127,17 @@ PY
     trained sse sse-window-choice --set layer_choice.ablation=window
     ;;
   sse-seed1)
-    local seeds=(--set data.seed=1 --set data.retrieval.seed=1 --set layer_choice.seed=1 --set align.seed=1
-      --set train.seed=1 --set extend.seed=1)
-    trained sse sse-seed1 "${seeds[@]}"
+    trained sse sse-seed1 "${SEED1[@]}"
     ;;
   sse-eval-seed1)
-    until [ -f "$RUNS/sse/extend/DONE" ]; do  # the sse job's trained model; none if that job ended without one
-      [ -f "${JOBS:-$HOME/jobs}/sse.rc" ] && return 1
+    local of=${EVAL_OF:-sse} seeds=()
+    [ "$of" = sse-seed1 ] && seeds=("${SEED1[@]}")  # the run's own settings, which its stages' DONE check
+    until [ -f "$RUNS/$of/extend/DONE" ]; do  # that job's trained model; none if the job ended without one
+      [ -f "${JOBS:-$HOME/jobs}/$of.rc" ] && return 1
       sleep 30
     done
-    rm -rf "$RUNS/sse-eval-seed1" && cp -a "$RUNS/sse" "$RUNS/sse-eval-seed1" &&
-      recipe sse sse-eval-seed1 --stages evaluate --redo evaluate --set evaluate.seed=1
+    rm -rf "$RUNS/$of-eval-seed1" && cp -a "$RUNS/$of" "$RUNS/$of-eval-seed1" &&
+      recipe sse "$of-eval-seed1" --stages evaluate --redo evaluate "${seeds[@]}" --set evaluate.seed=1
     ;;
   sse-trained-windows)
     trained sse sse-trained-windows --set sliding_window=4096
@@ -140,8 +147,10 @@ PY
     ;;
   raven-fit | sila-fit)
     local mixer=${1%-fit}
+    local short=(--set "evaluate.lengths=[1024, 2048, 4096, 8192]" --set "evaluate.speed_lengths=[]")
+    [ "${FULL_EVAL:-0}" = 1 ] && short=()
     trained "$mixer" "$1" --set "layers=[{mixer: $mixer, layers: \"auto:15\"}]" --set "layer_choice={ablation: mixer}" \
-      --set "data.retrieval={ratio: 0.2}"
+      --set "data.retrieval={ratio: 0.2}" --set align.steps=1200 --set train.steps=600 "${short[@]}"
     ;;
   sse-noretrieval)
     trained sse sse-noretrieval --set data.retrieval=null
