@@ -27,11 +27,6 @@
 #                  to read sse-seed1 against;
 #   sse-trained-windows  the kept attention layers as 4K sliding windows from conversion on (sliding_window), so
 #                  the mixers learn to carry what the windows drop (the 16K sliding-window target);
-#   sila-retrieval  the sila job with 20% synthetic retrieval samples in its data (data.retrieval), as the SSE recipe;
-#   raven-fit|sila-fit  the raven or sila job as the SSE recipe chooses, feeds and trains its layers: auto:15
-#                  scored by fitted mixers (layer_choice.ablation: mixer), 20% retrieval samples, align 1200 and
-#                  train 600 steps; evaluated without 16K and speed (FULL_EVAL=1 keeps them), which the every-mixer
-#                  targets (perplexity, passkey at 2K) do not read;
 #   sse-noretrieval  no synthetic retrieval samples in the data (the recipe mixes in 20%, data.retrieval);
 #   sse-noextend   no extend stage;
 #   sse-norouter   SSE's router without the language-model gradient (router_gradient: false).
@@ -142,16 +137,6 @@ PY
   sse-trained-windows)
     trained sse sse-trained-windows --set sliding_window=4096
     ;;
-  sila-retrieval)
-    trained sila sila-retrieval --set "data.retrieval={ratio: 0.2}"
-    ;;
-  raven-fit | sila-fit)
-    local mixer=${1%-fit}
-    local short=(--set "evaluate.lengths=[1024, 2048, 4096, 8192]" --set "evaluate.speed_lengths=[]")
-    [ "${FULL_EVAL:-0}" = 1 ] && short=()
-    trained "$mixer" "$1" --set "layers=[{mixer: $mixer, layers: \"auto:15\"}]" --set "layer_choice={ablation: mixer}" \
-      --set "data.retrieval={ratio: 0.2}" --set align.steps=1200 --set train.steps=600 "${short[@]}"
-    ;;
   sse-noretrieval)
     trained sse sse-noretrieval --set data.retrieval=null
     ;;
@@ -165,7 +150,7 @@ PY
     speed
     ;;
   *)
-    echo "unknown job $1; jobs: teacher raven sse sila sila-uniform sila-retrieval raven-fit sila-fit sse-every2" \
+    echo "unknown job $1; jobs: teacher raven sse sila sila-uniform sse-every2" \
       "sse-window-choice sse-seed1 sse-eval-seed1 sse-trained-windows sse-noretrieval sse-noextend sse-norouter speed" >&2
     return 2
     ;;
