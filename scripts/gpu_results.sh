@@ -20,13 +20,13 @@
 #                  docs/RESULTS.md: every other layer (0-29:2) instead;
 #   sse-window-choice  auto:15 scored by cutting each layer's attention to a 64-token window
 #                  (layer_choice.ablation: window) instead of by fitted mixers;
-#   sse-seed1      every training seed 1 (layer fit, data order, retrieval samples, align, train, extend): a second
-#                  seed of the best recipe;
-#   sse-eval-seed1 the sse job's trained model (it waits for it; EVAL_OF=RUN names another run, into
-#                  RUN-eval-seed1) evaluated again on other prompts (evaluate.seed 1): the evaluation's own spread,
-#                  to read sse-seed1 against;
-#   sse-trained-windows  the kept attention layers as 4K sliding windows from conversion on (sliding_window), so
-#                  the mixers learn to carry what the windows drop (the 16K sliding-window target);
+#   MIXER-seed1    (raven, sse or sila) the MIXER job with every training seed 1 (layer fit, data order,
+#                  retrieval samples, align, train, extend): a second seed of that recipe;
+#   MIXER-eval-seed1  the MIXER job's trained model (it waits for it; EVAL_OF=RUN names another run of that
+#                  recipe, e.g. sila-seed1, into RUN-eval-seed1) evaluated again on other prompts (evaluate.seed 1):
+#                  the evaluation's own spread, to read MIXER-seed1 against;
+#   MIXER-trained-windows  the kept attention layers as 4K sliding windows from conversion on (sliding_window),
+#                  so the mixers learn to carry what the windows drop (the 16K sliding-window target);
 #   sse-noretrieval  no synthetic retrieval samples in the data (the recipe mixes in 20%, data.retrieval);
 #   sse-noextend   no extend stage;
 #   sse-norouter   SSE's router without the language-model gradient (router_gradient: false).
@@ -46,7 +46,7 @@ export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # several jobs share th
 WINDOWED_EVAL=(--set evaluate.attention_window=4096 --set "evaluate.tasks=[passkey, niah_single_2]"
   --set "evaluate.lengths=[4096, 8192, 16384]" --set "evaluate.task_lengths={}" --set "evaluate.speed_lengths=[]")
 
-# sse-seed1's settings: every training seed 1 (layer fit, data order, retrieval samples, align, train, extend)
+# MIXER-seed1's settings: every training seed 1 (layer fit, data order, retrieval samples, align, train, extend)
 SEED1=(--set data.seed=1 --set data.retrieval.seed=1 --set layer_choice.seed=1 --set align.seed=1 --set train.seed=1
   --set extend.seed=1)
 
@@ -121,21 +121,22 @@ PY
   sse-window-choice)
     trained sse sse-window-choice --set layer_choice.ablation=window
     ;;
-  sse-seed1)
-    trained sse sse-seed1 "${SEED1[@]}"
-    ;;
-  sse-eval-seed1)
-    local of=${EVAL_OF:-sse} seeds=()
-    [ "$of" = sse-seed1 ] && seeds=("${SEED1[@]}")  # the run's own settings, which its stages' DONE check
+  raven-eval-seed1 | sse-eval-seed1 | sila-eval-seed1)
+    local mixer=${1%%-*}
+    local of=${EVAL_OF:-$mixer} seeds=()
+    [ "$of" = "$mixer-seed1" ] && seeds=("${SEED1[@]}")  # the run's own settings, which its stages' DONE check
     until [ -f "$RUNS/$of/extend/DONE" ]; do  # that job's trained model; none if the job ended without one
       [ -f "${JOBS:-$HOME/jobs}/$of.rc" ] && return 1
       sleep 30
     done
     rm -rf "$RUNS/$of-eval-seed1" && cp -a "$RUNS/$of" "$RUNS/$of-eval-seed1" &&
-      recipe sse "$of-eval-seed1" --stages evaluate --redo evaluate "${seeds[@]}" --set evaluate.seed=1
+      recipe "$mixer" "$of-eval-seed1" --stages evaluate --redo evaluate "${seeds[@]}" --set evaluate.seed=1
     ;;
-  sse-trained-windows)
-    trained sse sse-trained-windows --set sliding_window=4096
+  raven-seed1 | sse-seed1 | sila-seed1)
+    trained "${1%%-*}" "$1" "${SEED1[@]}"
+    ;;
+  raven-trained-windows | sse-trained-windows | sila-trained-windows)
+    trained "${1%%-*}" "$1" --set sliding_window=4096
     ;;
   sse-noretrieval)
     trained sse sse-noretrieval --set data.retrieval=null
@@ -150,8 +151,9 @@ PY
     speed
     ;;
   *)
-    echo "unknown job $1; jobs: teacher raven sse sila sila-uniform sse-every2" \
-      "sse-window-choice sse-seed1 sse-eval-seed1 sse-trained-windows sse-noretrieval sse-noextend sse-norouter speed" >&2
+    echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
+      "MIXER-trained-windows (MIXER: raven, sse or sila) sse-every2 sse-window-choice sse-noretrieval sse-noextend" \
+      "sse-norouter speed" >&2
     return 2
     ;;
   esac
