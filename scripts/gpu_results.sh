@@ -27,6 +27,9 @@
 #                  the evaluation's own spread, to read MIXER-seed1 against;
 #   MIXER-trained-windows  the kept attention layers as 4K sliding windows from conversion on (sliding_window),
 #                  so the mixers learn to carry what the windows drop (the 16K sliding-window target);
+#   MIXER-try-NAME  the MIXER job with TRY_ARGS (overrides split at spaces, so lists without them: TRY_ARGS="--set
+#                  extend.steps=300 --set evaluate.lengths=[1024,2048]") into the run MIXER-try-NAME: a one-off
+#                  experiment, named by what it tries;
 #   sse-noretrieval  no synthetic retrieval samples in the data (the recipe mixes in 20%, data.retrieval);
 #   sse-noextend   no extend stage;
 #   sse-norouter   SSE's router without the language-model gradient (router_gradient: false).
@@ -138,6 +141,11 @@ PY
   raven-trained-windows | sse-trained-windows | sila-trained-windows)
     trained "${1%%-*}" "$1" --set sliding_window=4096
     ;;
+  raven-try-* | sse-try-* | sila-try-*)
+    local tries
+    read -ra tries <<< "${TRY_ARGS:?set TRY_ARGS to the overrides this experiment tries}"
+    trained "${1%%-*}" "$1" "${tries[@]}"
+    ;;
   sse-noretrieval)
     trained sse sse-noretrieval --set data.retrieval=null
     ;;
@@ -152,7 +160,7 @@ PY
     ;;
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
-      "MIXER-trained-windows (MIXER: raven, sse or sila) sse-every2 sse-window-choice sse-noretrieval sse-noextend" \
+      "MIXER-trained-windows MIXER-try-NAME (MIXER: raven, sse or sila) sse-every2 sse-window-choice sse-noretrieval sse-noextend" \
       "sse-norouter speed" >&2
     return 2
     ;;
