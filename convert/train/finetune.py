@@ -52,13 +52,12 @@ from raven_convert.console import is_main_process
 from raven_convert.files import replace_dir
 from raven_convert.sources import model_fingerprint
 from raven_convert.train.checkpoint import CHECKPOINTS
-from raven_convert.train.compiling import resolve_compile
 from raven_convert.train.data import PackedDataset, save_atomic
 from raven_convert.train.distributed import Parallel
 from raven_convert.train.recipe import FinetuneRecipe, FinetuneTrain, FinetuneWeights, WeightSettings
 from raven_convert.train.stage2 import TrainConfig, merge_lora, train
 from raven_convert.train.stages import log, recipe_dataset, run_recipe, stage_export, training_summary
-from raven_convert.train.token_weights import load_weight_table, plot_first_row, weight_table
+from raven_convert.train.token_weights import load_weight_table, plot_first_row, resolve_kernel, weight_table
 
 WEIGHTS_FORMAT = 1  # bump when the weight table's computation changes, so that old caches are not reused
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token")
@@ -138,7 +137,7 @@ def cached_weight_table(
         save_every=settings.save_every,
         keep_checkpoints=settings.keep_checkpoints,
         log=log,
-        compile=resolve_compile(settings.compile, next(reference.parameters()).device),
+        kernel=resolve_kernel(settings.kernel, next(reference.parameters()).device),
     )
     if is_main_process():
         save_atomic(table, path)

@@ -131,8 +131,10 @@ class WeightSettings(_Strict):
     query_block: int = Field(256, ge=1)
     save_every: int = Field(100, ge=1, description="batches between checkpoints (and one at the end)")
     keep_checkpoints: int = Field(2, ge=1, description="how many of the newest checkpoints stay on disk")
-    compile: CompileSetting = Field(
-        "auto", description="torch.compile each block of queries (token_weights.compiled_block); auto: on CUDA"
+    kernel: Literal["auto", "triton", "compiled", "eager"] = Field(
+        "auto",
+        description="how each layer's attention distance is computed (token_weights.token_weights): the fused Triton "
+        "kernel, PyTorch blocks of queries through torch.compile, or eagerly; auto: triton on CUDA, else eager",
     )
 
 

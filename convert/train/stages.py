@@ -50,16 +50,15 @@ import torch
 from raven_convert.console import is_main_process
 from raven_convert.files import check_writable, copy_dir, disk_bytes, format_bytes, write_json
 from raven_convert.train.checkpoint import CHECKPOINTS
-from raven_convert.train.compiling import resolve_compile
 from raven_convert.train.distributed import Parallel, wait_for, world_size
 from raven_convert.train.models import load_hybrid, load_teacher, save_model, whole_model
 from raven_convert.train.recipe import STAGES, FinetuneRecipe, Recipe, check_inputs
 from raven_convert.train.token_weights import load_weight_table
 
 MARKER = "DONE"
-# Fields that change how a stage logs, checkpoints or runs, not what it computes (torch.compile rounds differently,
-# no more): changing them keeps its results valid.
-BOOKKEEPING = ("log_every", "save_every", "keep_checkpoints", "compile")
+# Fields that change how a stage logs, checkpoints or runs, not what it computes (torch.compile and the token weights'
+# kernels round differently, no more): changing them keeps its results valid.
+BOOKKEEPING = ("log_every", "save_every", "keep_checkpoints", "compile", "kernel")
 PER_PROCESS = ("align", "train", "extend")  # the sections whose batch_size counts the rows of one process
 MAIN_ONLY = ("convert", "export")  # under a launch, the main process runs these; the others wait
 
@@ -316,7 +315,7 @@ def _stage_weights(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel
 
     from raven_convert.train.data import save_atomic
     from raven_convert.train.stage2 import rows_read
-    from raven_convert.train.token_weights import plot_first_row, weight_table
+    from raven_convert.train.token_weights import plot_first_row, resolve_kernel, weight_table
 
     settings = recipe.token_weights
     if not settings.enabled or recipe.train.steps == 0:  # only the train stage reads the table
@@ -336,7 +335,7 @@ def _stage_weights(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel
         keep_checkpoints=settings.keep_checkpoints,
         log=log,
         parallel=parallel,
-        compile=resolve_compile(settings.compile, parallel.device),
+        kernel=resolve_kernel(settings.kernel, parallel.device),
         only=only,
     )
     summary = {"picture": "weights/weights.png", "file": "weights/weights.pt", "shape": list(weights.shape)}
@@ -402,7 +401,7 @@ def training_summary(config, history: list[dict], run_dir: Path, stage: str) -> 
 
 def _stage_extend(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:
     from raven_convert.train.stage2 import TrainConfig
-    from raven_convert.train.token_weights import token_weights
+    from raven_convert.train.token_weights import resolve_kernel, token_weights
 
     settings, model_dir = recipe.extend, _latest_model(run_dir, done)
     if settings is None:
@@ -414,7 +413,7 @@ def _stage_extend(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel)
     weights = None
     if weighted:
         tw = recipe.token_weights
-        fuse = resolve_compile(tw.compile, parallel.device)
+        kernel = resolve_kernel(tw.kernel, parallel.device)
 
         def weights(batch):  # [B, T] from the teacher at this length, as each batch is drawn
             return token_weights(
@@ -424,7 +423,7 @@ def _stage_extend(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel)
                 tau=tw.tau,
                 lam=tw.lam,
                 query_block=tw.query_block,
-                compile=fuse,
+                kernel=kernel,
             )
 
     rows = (train_rows, val_rows)

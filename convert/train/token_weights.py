@@ -34,7 +34,6 @@ Choices where the paper leaves room (line numbers are those of the paper's text,
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import time
 from collections.abc import Callable, Sequence
@@ -46,6 +45,7 @@ from torch import Tensor
 
 from raven_convert.console import eta
 from raven_convert.train.checkpoint import latest_checkpoint, save_checkpoint
+from raven_kernels.attention import attention_distance, attention_distance_torch
 from raven_layers.architectures import get_architecture
 from raven_layers.modeling_hybrid import find_packed_documents
 
@@ -132,80 +132,17 @@ def _sliding_window(attn) -> int | None:
     return getattr(getattr(attn, "config", None), "sliding_window", None)
 
 
-def _block_distance(
-    qb: Tensor,
-    k_t: Tensor,
-    scaling: float,
-    rows: Tensor,
-    window: int | None,
-    real: Tensor,
-    documents: Tensor,
-    positions: Tensor,
-    keys_ok: Tensor,
-    tau: float,
-) -> Tensor:
-    """One block of queries `rows` [b]: sum over heads and keys of thresholded attention times distance, [B, b].
-
-    qb [B, Hkv, G, b, d], k_t [B, Hkv, 1, d, T]; real, documents, positions [B, T] (real tokens, document ids,
-    positions within documents); keys_ok [B, T] (real keys that are not a sink). The block's [B, H, b, T] scores
-    and masks exist only here, so that the compiled block (`compiled_block`) fuses them into a few kernels."""
-    batch, n_kv, group, b, _ = qb.shape
-    idx = torch.arange(k_t.shape[-1], device=qb.device)  # [T] keys
-    allowed = idx[None, :] <= rows[:, None]  # [b, T] causal
-    if window is not None:
-        allowed = allowed & (idx[None, :] > rows[:, None] - window)
-    at = (slice(None), rows)  # the block's queries of a [B, T] tensor
-    allowed = allowed[None] & real[:, None, :] & real[at][:, :, None]  # [B, b, T]
-    allowed = allowed & (documents[:, None, :] == documents[at][:, :, None])
-    scores = (qb @ k_t).reshape(batch, n_kv * group, b, -1) * scaling  # [B, H, b, T]
-    scores = scores.masked_fill(~allowed[:, None], torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1)  # rows with nothing allowed are zeroed next
-    probs = probs * (allowed & keys_ok[:, None, :])[:, None]  # pads, future and sink column -> 0
-    probs = probs * (probs >= tau)  # threshold, no renormalisation
-    distance = positions[at][:, :, None] - positions[:, None, :]  # [B, b, T]: t - j
-    return (probs.sum(dim=1) * distance).sum(dim=-1)  # over heads, then keys
+KERNELS = ("triton", "compiled", "eager")  # how each layer's distance is computed (`token_weights`)
 
 
-@functools.cache
-def compiled_block() -> Callable[..., Tensor]:
-    """`_block_distance` through torch.compile, one per process (its graphs are kept across calls)."""
-    return torch.compile(_block_distance)  # a new shape (the last block or batch) compiles once more
-
-
-def _layer_distance(
-    q: Tensor,
-    k: Tensor,
-    scaling: float,
-    real: Tensor,
-    positions: Tensor,
-    documents: Tensor,
-    sinks: Tensor,
-    window: int | None,
-    tau: float,
-    query_block: int,
-    block: Callable[..., Tensor] = _block_distance,
-) -> Tensor:
-    """One layer: sum over query heads and keys of thresholded attention times distance, [B, T].
-
-    q [B, H, T, d], k [B, Hkv, T, d] (H a multiple of Hkv); real, sinks [B, T] bool; positions [B, T] float;
-    documents [B, T] (queries see keys of their own document only).
-    Streams over blocks of queries (`block`: `_block_distance` or its compiled form): peak extra memory
-    O(B * H * query_block * T).
-    """
-    q, k = q.float(), k.float()
-    batch, n_heads, length, head_dim = q.shape
-    n_kv = k.shape[1]
-    group = n_heads // n_kv
-    idx = torch.arange(length, device=q.device)
-    keys_ok = real & ~sinks  # [B, T]: real keys that are not a sink
-    k_t = k.transpose(-1, -2)[:, :, None]  # [B, Hkv, 1, d, T]
-    out = torch.zeros(batch, length, dtype=torch.float32, device=q.device)
-    for start in range(0, length, query_block):
-        stop = min(start + query_block, length)
-        # query head h uses kv head h // group (transformers' repeat_kv)
-        qb = q[:, :, start:stop].reshape(batch, n_kv, group, stop - start, head_dim)  # [B, Hkv, G, b, d]
-        out[:, start:stop] += block(qb, k_t, scaling, idx[start:stop], window, real, documents, positions, keys_ok, tau)
-    return out
+def resolve_kernel(setting: str, device: torch.device) -> str:
+    """The kernel that `setting` names on `device`: "auto" is "triton" on CUDA and "eager" elsewhere (the Triton kernel
+    runs on the CPU only interpreted, far slower); the others are obeyed."""
+    if setting == "auto":
+        return "triton" if torch.device(device).type == "cuda" else "eager"
+    if setting not in KERNELS:
+        raise ValueError(f"kernel must be one of 'auto', {', '.join(map(repr, KERNELS))}; got {setting!r}")
+    return setting
 
 
 def _decoder(model):
@@ -231,37 +168,40 @@ def token_weights(
     lam: float = 0.5,
     query_block: int = 256,
     position_ids: Tensor | None = None,
-    compile: bool = False,
+    kernel: str = "auto",
 ) -> Tensor:
     """Algorithm 1 on a reference causal LM, without ever holding its full [L, H, T, T] attention.
 
     One forward of the decoder stack (no LM head, no cache); a forward pre-hook on every layer's `self_attn` takes
     its input hidden states and (cos, sin), recomputes queries and keys as the module does (the architecture's
-    adapter, see raven_layers/architectures.py: projections, Qwen3's q_norm/k_norm, RoPE), and streams over blocks
-    of `query_block` queries (GQA as transformers' repeat_kv): causal, padding-aware and windowed softmax in
-    float32, sink column zeroed, weights < tau dropped, weighted distance summed. Only [B, H, query_block, T]
-    probabilities live at a time. The model's own attention runs as loaded: load the
-    reference with "sdpa" (or flash) attention, since "eager" builds each layer's [B, H, T, T] map by itself.
+    adapter, see raven_layers/architectures.py: projections, Qwen3's q_norm/k_norm, RoPE), and sums the layer's
+    thresholded attention times distance (GQA as transformers' repeat_kv): causal, padding-aware and windowed
+    softmax in float32, sink column zeroed, weights < tau dropped, weighted distance summed. `kernel` says how
+    (raven_kernels.attention): "triton" fuses it all in one Triton kernel (`attention_distance`, nothing of size
+    T x T stored; CUDA, or the CPU interpreted); "eager" streams over blocks of `query_block` queries in PyTorch
+    (`attention_distance_torch`, the reference: only [B, H, query_block, T] probabilities live at a time);
+    "compiled" runs those blocks through torch.compile; "auto" is "triton" on CUDA, else "eager" (`resolve_kernel`).
+    All give the same sums up to rounding. The model's own attention runs as loaded: load the reference with
+    "sdpa" (or flash) attention, since the "eager" attention implementation builds each layer's [B, H, T, T] map.
 
     input_ids [B, T]; attention_mask [B, T] (1 real, 0 pad; left or right padding). Position ids follow the mask
     (as in `generate()`), so a left-padded row gets the weights of the same sequence unpadded. Rows of packed
     documents instead come with position_ids [B, T] restarting at 0 at each document (and no attention_mask): each
     document then gets exactly the weights it would get alone (its own sink, no attention across). Returns float32
     w [B, T] on the input's device, 0 at padded tokens; w[:, t] belongs to query t (see the module docstring).
-    `compile`: the query blocks run through torch.compile (`compiled_block`), the same sums up to rounding.
     """
     if query_block < 1:
         raise ValueError(f"query_block must be >= 1, got {query_block}")
     base, attns, architecture = _decoder(model)
     batch, length = input_ids.shape
     device = input_ids.device
+    kernel = resolve_kernel(kernel, device)
     if attention_mask is not None and position_ids is not None:
         raise ValueError("pass attention_mask (padded rows) or position_ids (packed documents), not both")
     real = _real_tokens(attention_mask, batch, length, device)  # [B, T]
     distance_positions, documents, sinks = _layout(real, position_ids)  # [B, T] each
     distance_sum = torch.zeros(batch, length, dtype=torch.float32, device=device)
     n_maps = 0
-    block = compiled_block() if compile else _block_distance
 
     def make_hook(attn):
         window = _sliding_window(attn)
@@ -272,19 +212,13 @@ def token_weights(
             rope = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
             q, k = architecture.queries_keys(module, hidden, rope)
             at = q.device  # the layer's device (models spread over devices by device_map)
-            distance_sum += _layer_distance(
-                q,
-                k,
-                module.scaling,
-                real.to(at),
-                distance_positions.to(at),
-                documents.to(at),
-                sinks.to(at),
-                window,
-                tau,
-                query_block,
-                block,
-            ).to(device)
+            layout = (real.to(at), distance_positions.to(at), documents.to(at), sinks.to(at))
+            if kernel == "triton":
+                distance = attention_distance(q, k, module.scaling, *layout, window, tau)
+            else:
+                compiled = kernel == "compiled"
+                distance = attention_distance_torch(q, k, module.scaling, *layout, window, tau, query_block, compiled)
+            distance_sum += distance.to(device)
             n_maps += q.shape[1]
 
         return hook
@@ -326,13 +260,14 @@ def weight_table(
     keep_checkpoints: int = 2,
     log: Callable[[str], None] = print,
     parallel=None,
-    compile: bool = False,
+    kernel: str = "auto",
     only: Tensor | None = None,
 ) -> Tensor:
     """token_weights of every row of `rows` (a PackedDataset, each packed document weighted on its own), computed
     `batch_size` rows at a time: float32 [len(rows), T], row i's weights at index i, on the CPU. With `only` (row
     positions [K], e.g. stage2.rows_read: the rows a training run will read), just those rows, in that order; the
-    others are NaN, so that reading one fails loudly (stage2.train checks before its first step).
+    others are NaN, so that reading one fails loudly (stage2.train checks before its first step). tau, lam,
+    query_block and kernel are token_weights'.
 
     With `out_dir`, a checkpoint (see checkpoint.py; step k: the first k batches done) of the rows done so far is
     written every `save_every` batches and at the end, the newest `keep_checkpoints` kept, and a call resumes after
@@ -382,7 +317,7 @@ def weight_table(
             tau=tau,
             lam=lam,
             query_block=query_block,
-            compile=compile,
+            kernel=kernel,
         )
         parts += parallel.gather(w.cpu())[: done - first_of_round]
         elapsed = time.perf_counter() - clock

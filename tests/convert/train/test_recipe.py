@@ -256,6 +256,24 @@ def test_the_distributed_section_is_checked_and_changes_no_fingerprint():
     assert fingerprints(fsdp) == fingerprints(parse_recipe(MINIMAL))  # same global batch, same results
 
 
+def test_the_token_weights_kernel_is_checked_and_changes_no_fingerprint():
+    from raven_convert.train.stages import fingerprints
+
+    weighted = MINIMAL | {"token_weights": {"enabled": True}}
+    assert parse_recipe(weighted).token_weights.kernel == "auto"
+    triton = parse_recipe(weighted | {"token_weights": {"enabled": True, "kernel": "triton"}})
+    assert triton.token_weights.kernel == "triton"
+    allowed = r"Input should be 'auto', 'triton', 'compiled' or 'eager' \(got 'trition'\)"
+    with pytest.raises(ValueError, match=rf"token_weights.kernel: {allowed}"):
+        parse_recipe(weighted | {"token_weights": {"kernel": "trition"}})
+    before = fingerprints(parse_recipe(weighted))
+    assert "weights" in before and fingerprints(triton) == before  # same weights up to rounding: results stay valid
+    finetune = {"source": "Qwen/Qwen3-0.6B", "data": {"source": "x"}, "train": {"steps": 1}}
+    assert fingerprints(parse_recipe(finetune | {"token_weights": {"kernel": "eager"}})) == fingerprints(
+        parse_recipe(finetune)
+    )
+
+
 def test_overrides_apply_before_validation(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(MINIMAL | {"evaluate": {"samples": 2}}))

@@ -190,18 +190,22 @@ def test_packed_documents_get_the_weights_they_get_alone(query_block):
     assert rel_err(naive, token_weights(eager, ids, position_ids=positions)) < 1e-5
 
 
-def test_compiled_blocks_equal_eager():
-    """The weights stage compiles each block of queries on CUDA (recipe field token_weights.compile): the same
-    weights for windowed layers, packed documents, padding and a last block shorter than the others."""
+def test_kernels_equal_eager():
+    """The weights stage runs the fused Triton kernel on CUDA (recipe field token_weights.kernel; interpreted here)
+    or the compiled blocks of queries: the same weights as the eager reference for windowed layers, packed
+    documents, padding and a last block shorter than the others."""
     model = tiny_model("mistral")  # every layer windowed over 8 tokens
     ids = random_ids(2, T, seed=3)
     positions = torch.cat([torch.arange(n) for n in (11, 19, T - 30)])[None].repeat(2, 1)
     mask = torch.ones(2, T, dtype=torch.long)
     mask[1, :9] = 0
     for extra in ({"position_ids": positions}, {"attention_mask": mask}):
-        eager = token_weights(model, ids, query_block=12, **extra)
-        compiled = token_weights(model, ids, query_block=12, compile=True, **extra)
-        assert (eager > 0).float().mean() > 0.3 and rel_err(compiled, eager) < 1e-5
+        eager = token_weights(model, ids, query_block=12, kernel="eager", **extra)
+        assert (eager > 0).float().mean() > 0.3
+        for kernel in ("triton", "compiled"):
+            assert rel_err(token_weights(model, ids, query_block=12, kernel=kernel, **extra), eager) < 1e-5, kernel
+    with pytest.raises(ValueError, match="kernel must be one of 'auto', 'triton', 'compiled', 'eager'; got 'fused'"):
+        token_weights(model, ids, kernel="fused")
 
 
 def test_weight_table_of_chosen_rows(tmp_path):
