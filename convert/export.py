@@ -9,7 +9,7 @@ from pathlib import Path
 
 from raven_convert.bundle import write_code
 from raven_convert.files import check_writable, normal_modes, replace_dir, room_for
-from raven_convert.layer_choice import card_section, plot_choice
+from raven_convert.layer_choice_report import card_section, plot_choice
 from raven_convert.weights import shard_bytes, unchanged_shards, weight_shards, write_weights
 from raven_layers import HybridForCausalLM
 

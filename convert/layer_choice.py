@@ -23,6 +23,11 @@ stage 1): the score then also counts how well a mixer can imitate the layer, whi
 far context matters little may still be one no mixer reproduces well). The greedy rounds run the ranked layers'
 mixers. The fit costs one short align of all the layers, and the scan a mixer's forward where a window ran.
 
+With `ablation: both` a layer's score is the sum of the two: its window's and its fitted mixer's (each
+max(retrieval, 0) + kl_weight * kl). A mixer fitted on short probes imitates some retrieval layers well there and
+still loses their far context at 4-8K, which the window's score sees; the window misses layers no mixer imitates,
+which the mixer's sees. The greedy rounds run the ranked layers' mixers; the scan runs both ablations.
+
 A scan reuses the hidden states before the layer it changes (a layer's ablation runs only the layers from it on).
 The ranking is cached as JSON in `cache_dir` under a key hashing the teacher's config and weights, the probe
 tokens and the settings: the same teacher, corpus and settings never scan twice.
@@ -44,7 +49,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from raven_convert.console import eta
-from raven_convert.files import atomic_file, write_json
+from raven_convert.files import write_json
+from raven_convert.layer_choice_report import format_table
 from raven_convert.layer_spec import auto_count
 from raven_convert.sources import model_fingerprint
 from raven_convert.train.retrieval_data import POOL_SIZE, VALUE_KINDS, WORD, build_sample
@@ -52,7 +58,9 @@ from raven_convert.train.retrieval_data import POOL_SIZE, VALUE_KINDS, WORD, bui
 METHODS = {
     "window": "sliding-window ablation (see docs/LAYER_CHOICE.md)",
     "mixer": "replacement by briefly aligned mixers (see docs/LAYER_CHOICE.md)",
+    "both": "sliding-window ablation plus replacement by briefly aligned mixers (see docs/LAYER_CHOICE.md)",
 }
+KINDS = {"window": ("window",), "mixer": ("mixer",), "both": ("window", "mixer")}  # the ablations each scan runs
 PROBE_FORMATS = ("single", "multi", "kv")  # the formats answered by one value at the very end
 MIN_WORDS = 32  # distinct corpus words the probes need for keys and values
 CACHE_VERSION = 1
@@ -71,13 +79,20 @@ class ChoiceSettings(BaseModel):
     kl_weight: float = Field(1.0, ge=0, description="score = max(NLL rise, 0) + kl_weight * KL rise")
     batch_size: int = Field(4, ge=1)
     seed: int = 0
-    ablation: Literal["window", "mixer"] = Field(
-        "window", description="what replaces a scored layer's attention: a window, or its briefly aligned mixer"
+    ablation: Literal["window", "mixer", "both"] = Field(
+        "window",
+        description="what replaces a scored layer's attention: a window, its briefly aligned mixer, or each in turn "
+        "(both: the two scores summed)",
     )
-    fit_steps: int = Field(100, ge=1, description="with ablation mixer: align steps that fit the mixers")
-    fit_rows: int = Field(64, ge=1, description="with ablation mixer: corpus rows of seq_len tokens they fit on")
-    fit_batch_size: int = Field(8, ge=1, description="with ablation mixer: rows per align step")
-    fit_lr: float = Field(1e-3, gt=0, description="with ablation mixer: align's learning rate")
+    fit_steps: int = Field(100, ge=1, description="with ablation mixer or both: align steps that fit the mixers")
+    fit_rows: int = Field(64, ge=1, description="with ablation mixer or both: corpus rows of seq_len tokens")
+    fit_batch_size: int = Field(8, ge=1, description="with ablation mixer or both: rows per align step")
+    fit_lr: float = Field(1e-3, gt=0, description="with ablation mixer or both: align's learning rate")
+
+    @property
+    def fits(self) -> bool:
+        """Whether the scan needs fitted mixers."""
+        return "mixer" in KINDS[self.ablation]
 
 
 def read_corpus(documents: Iterable[str], chars: int) -> list[str]:
@@ -93,11 +108,11 @@ def read_corpus(documents: Iterable[str], chars: int) -> list[str]:
 
 def build_probes(documents: Iterable[str], tokenizer, settings: ChoiceSettings) -> dict:
     """{"retrieval": [(ids, answer_start)], "text": [ids]}: `samples` retrieval prompts of at most seq_len tokens
-    whose answer tokens are ids[answer_start:], and up to `text_rows` rows of seq_len corpus tokens; with ablation
-    "mixer" also "fit": up to `fit_rows` rows the mixers align on. The first part of the corpus gives the plain rows,
-    the next the fit rows, the rest the retrieval fillers; `seed` decides everything else."""
+    whose answer tokens are ids[answer_start:], and up to `text_rows` rows of seq_len corpus tokens; with fitted
+    mixers (ablation "mixer" or "both") also "fit": up to `fit_rows` rows they align on. The first part of the
+    corpus gives the plain rows, the next the fit rows, the rest the retrieval fillers; `seed` decides the rest."""
     rng = random.Random(f"layer-choice:{settings.seed}")
-    fitting = settings.fit_rows if settings.ablation == "mixer" else 0
+    fitting = settings.fit_rows if settings.fits else 0
     docs = read_corpus(documents, (settings.samples + settings.text_rows + fitting) * settings.seq_len * 6)
     words = list(dict.fromkeys(w for d in docs for w in WORD.findall(d)))[:POOL_SIZE]
     if len(words) < MIN_WORDS:
@@ -129,7 +144,7 @@ def build_probes(documents: Iterable[str], tokenizer, settings: ChoiceSettings) 
         prompt = prompt[max(0, len(prompt) + len(tail) - settings.seq_len) :]  # still too long: keep the end
         retrieval.append((prompt + tail, len(prompt)))
     probes = {"retrieval": retrieval, "text": plain}
-    if settings.ablation == "mixer":
+    if settings.fits:
         if not fit:
             raise ValueError(f"the probe corpus is too short for any fit row of {settings.seq_len} tokens")
         probes["fit"] = fit
@@ -137,13 +152,15 @@ def build_probes(documents: Iterable[str], tokenizer, settings: ChoiceSettings) 
 
 
 class _Stack:
-    """The decoder stack of an attention-only hybrid, run layer by layer with chosen layers ablated: windowed, or
-    with `replacements` (the decoder layers of a hybrid of the same teacher whose every layer is a mixer) run in
-    their place."""
+    """The decoder stack of an attention-only hybrid, run layer by layer with chosen layers ablated: windowed
+    ("window"), or with `replacements` (the decoder layers of a hybrid of the same teacher whose every layer is a
+    mixer) run in their place ("mixer"). Layers already ranked are ablated as `ranked` says: by their mixers when
+    there are replacements, else windowed."""
 
     def __init__(self, hybrid, window: int, replacements=None):
         self.inner, self.head, self.window = hybrid.model, hybrid.lm_head, window
         self.replacements = replacements
+        self.ranked = "window" if replacements is None else "mixer"
 
     def start(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """[B, T] token ids -> the embeddings [B, T, H] and what every layer needs (positions, masks)."""
@@ -155,11 +172,12 @@ class _Stack:
         masks = {w: inner._attention_mask(None, B, T, 0, w, h, None) for w in windows}
         return h, {"positions": positions, "rotary": inner.rotary_emb(h, positions), "masks": masks}
 
-    def layer(self, i: int, h: torch.Tensor, context: dict, windowed: bool) -> torch.Tensor:
+    def layer(self, i: int, h: torch.Tensor, context: dict, ablation: str | None) -> torch.Tensor:
+        """Layer i on h, as it is (ablation None), windowed ("window") or replaced by its mixer ("mixer")."""
         layers, window = self.inner.layers, self.inner.windows[i]
-        if windowed and self.replacements is not None:  # the mixer in place of the attention; it reads no mask
+        if ablation == "mixer":  # the mixer in place of the attention; it reads no mask
             layers = self.replacements
-        elif windowed:
+        elif ablation == "window":
             window = self.window if window is None else min(self.window, window)
         return layers[i](
             h,
@@ -170,10 +188,10 @@ class _Stack:
             **{self.inner.cache_argument: None},
         )
 
-    def finish(self, h: torch.Tensor, first: int, context: dict, windowed: set[int]) -> torch.Tensor:
-        """Layers first.. on h, then the final norm: [B, T, H] -> [B, T, H]."""
+    def finish(self, h: torch.Tensor, first: int, context: dict, ranked: set[int]) -> torch.Tensor:
+        """Layers first.. on h (the `ranked` ones ablated), then the final norm: [B, T, H] -> [B, T, H]."""
         for i in range(first, len(self.inner.layers)):
-            h = self.layer(i, h, context, i in windowed)
+            h = self.layer(i, h, context, self.ranked if i in ranked else None)
         return self.inner.norm(h)
 
 
@@ -212,10 +230,18 @@ def _batches(probes: dict, settings: ChoiceSettings, eos: int, device) -> list[d
 
 
 @torch.no_grad()
-def _scan(stack: _Stack, batches: list[dict], windowed: set[int], candidates: list[int], window: int, progress):
-    """Summed answer NLL and plain-text KL with the `windowed` layers windowed ("base"), and with each candidate
-    windowed besides: ({"base" or layer: [nll, kl]}, answer tokens, KL positions)."""
-    sums = {key: [0.0, 0.0] for key in ["base", *candidates]}
+def _scan(
+    stack: _Stack,
+    batches: list[dict],
+    ranked: set[int],
+    candidates: list[int],
+    kinds: tuple[str, ...],
+    window: int,
+    progress,
+):
+    """Summed answer NLL and plain-text KL with the `ranked` layers ablated ("base"), and with each candidate
+    ablated besides in each way of `kinds`: ({"base" or (layer, kind): [nll, kl]}, answer tokens, KL positions)."""
+    sums = {key: [0.0, 0.0] for key in ["base", *((i, kind) for i in candidates for kind in kinds)]}
     tokens = positions = 0
     for batch in batches:
         ids = batch["ids"]
@@ -232,11 +258,11 @@ def _scan(stack: _Stack, batches: list[dict], windowed: set[int], candidates: li
 
         h, context = stack.start(ids)
         for i in range(len(stack.inner.layers)):
-            if i in candidates:  # the layers before i ran once, for every candidate after them
-                ablated = stack.finish(stack.layer(i, h, context, True), i + 1, context, windowed)
-                sums[i] = [a + b for a, b in zip(sums[i], measure(ablated))]
+            for kind in kinds if i in candidates else ():  # the layers before i ran once, for every candidate after
+                ablated = stack.finish(stack.layer(i, h, context, kind), i + 1, context, ranked)
+                sums[i, kind] = [a + b for a, b in zip(sums[i, kind], measure(ablated))]
                 progress(len(stack.inner.layers) - i)  # the layers it ran
-            h = stack.layer(i, h, context, i in windowed)
+            h = stack.layer(i, h, context, stack.ranked if i in ranked else None)
         sums["base"] = [a + b for a, b in zip(sums["base"], measure(stack.inner.norm(h)))]
         progress(len(stack.inner.layers))
     return sums, tokens, positions
@@ -245,10 +271,13 @@ def _scan(stack: _Stack, batches: list[dict], windowed: set[int], candidates: li
 @torch.no_grad()
 def score_layers(hybrid, probes: dict, settings: ChoiceSettings, eos: int, log=print, fitted=None) -> list[dict]:
     """The ranking of the layers of `hybrid` (attention only, eval mode), one row per layer in ranking order:
-    {layer, round, retrieval, kl, score}, each a rise over its round's base (the layers ranked before ablated).
-    `fitted`: the hybrid of aligned mixers whose layers replace the ablated ones (ablation "mixer"); None: windows."""
+    {layer, round, retrieval, kl, score}, each a rise over its round's base (the layers ranked before ablated);
+    under ablation "both", retrieval and kl summed over the two ablations, and "parts": {kind: its score}.
+    `fitted`: the hybrid of aligned mixers whose layers replace the ablated ones (ablations "mixer" and "both", and
+    the ranked layers); None: windows."""
     device = next(hybrid.parameters()).device
     stack = _Stack(hybrid, settings.window, None if fitted is None else fitted.model.layers)
+    kinds = KINDS[settings.ablation]
     batches = _batches(probes, settings, eos, device)
     for batch in batches:
         if "starts" not in batch:  # the unablated teacher's final hidden states, the reference of the KL
@@ -258,7 +287,7 @@ def score_layers(hybrid, probes: dict, settings: ChoiceSettings, eos: int, log=p
     share = math.ceil(L / settings.rounds)
     rounds = math.ceil(L / share)
     # layer passes: an ablation of layer i runs L - i layers (on average (L + 1) / 2), the round's base L
-    total = round(sum((L - r * share) * (L + 1) / 2 + L for r in range(rounds)) * len(batches))
+    total = round(sum((L - r * share) * len(kinds) * (L + 1) / 2 + L for r in range(rounds)) * len(batches))
     clock, done, last = time.perf_counter(), [0], [0.0]
 
     def progress(units: int) -> None:
@@ -273,15 +302,21 @@ def score_layers(hybrid, probes: dict, settings: ChoiceSettings, eos: int, log=p
 
     left, ranked = list(range(L)), []
     for r in range(rounds):
-        windowed = {row["layer"] for row in ranked}
-        sums, tokens, positions = _scan(stack, batches, windowed, left, settings.window, progress)
+        done_layers = {row["layer"] for row in ranked}
+        sums, tokens, positions = _scan(stack, batches, done_layers, left, kinds, settings.window, progress)
         base_nll, base_kl = sums["base"][0] / max(tokens, 1), sums["base"][1] / max(positions, 1)
         rows = []
         for i in left:
-            retrieval = sums[i][0] / max(tokens, 1) - base_nll
-            kl = sums[i][1] / max(positions, 1) - base_kl
-            score = max(retrieval, 0.0) + settings.kl_weight * kl  # only harm to retrieval counts
-            rows.append({"layer": i, "round": r + 1, "retrieval": retrieval, "kl": kl, "score": score})
+            row = {"layer": i, "round": r + 1, "retrieval": 0.0, "kl": 0.0, "score": 0.0}
+            parts = {}
+            for kind in kinds:
+                retrieval = sums[i, kind][0] / max(tokens, 1) - base_nll
+                kl = sums[i, kind][1] / max(positions, 1) - base_kl
+                parts[kind] = max(retrieval, 0.0) + settings.kl_weight * kl  # only harm to retrieval counts
+                row["retrieval"] += retrieval
+                row["kl"] += kl
+                row["score"] += parts[kind]
+            rows.append(row | ({"parts": parts} if len(kinds) > 1 else {}))
         rows.sort(key=lambda row: (row["score"], row["layer"]))
         ranked += rows[:share]
         left = [i for i in left if i not in {row["layer"] for row in ranked}]
@@ -349,7 +384,7 @@ def check_choice_data(source: str | None, text_field: str = "text") -> None:
 def choose_kinds(model, tokenizer, auto: tuple[str, int], request, log=print) -> tuple[list[str], dict]:
     """Per-layer kinds with `auto` = (mixer, N) on the N layers that matter least, and the record of the choice
     (see choice_record). `request` is the ConvertRequest (choice_data, choice_text_field, choice_settings,
-    choice_cache, and mixer_settings, which the mixers of ablation "mixer" are built with); the table goes to `log`."""
+    choice_cache, and mixer_settings, which the fitted mixers are built with); the table goes to `log`."""
     from raven_convert.train.data import load_documents
 
     documents = load_documents(request.choice_data, request.choice_text_field)
@@ -412,14 +447,14 @@ def rank_layers(
 ) -> dict:
     """{"key", "teacher", "settings", "seconds", "ranking"} for the layers of `model` (a transformers causal LM),
     read from `cache_dir` when this teacher, probe set and settings were scanned before, else scanned (on CUDA when
-    there is one) and saved there. Ablation "mixer" needs `mixer`, (name, settings): the mixer to fit."""
+    there is one) and saved there. Ablations "mixer" and "both" need `mixer`, (name, settings): the mixer to fit."""
     from raven_convert.surgery import build_hybrid
 
-    if settings.ablation == "mixer" and mixer is None:
-        raise ValueError("layer choice with ablation 'mixer' needs the mixer to fit; none was given")
+    if settings.fits and mixer is None:
+        raise ValueError(f"layer choice with ablation {settings.ablation!r} needs the mixer to fit; none was given")
     probes = build_probes(documents, tokenizer, settings)
     teacher = model_fingerprint(model)[:16]
-    fit = {"name": mixer[0], "settings": dict(mixer[1])} if settings.ablation == "mixer" else None
+    fit = {"name": mixer[0], "settings": dict(mixer[1])} if settings.fits else None
     key_text = json.dumps([CACHE_VERSION, teacher, settings.model_dump(), probes, fit], sort_keys=True)
     key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"{key}.json"
@@ -436,7 +471,7 @@ def rank_layers(
     if hybrid.config._attn_implementation not in ("sdpa", "eager"):  # flash kernels would not see the masks' windows
         hybrid.config._attn_implementation = "sdpa"
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    fitted = fit_mixers(model, hybrid, mixer, probes["fit"], settings, log) if settings.ablation == "mixer" else None
+    fitted = fit_mixers(model, hybrid, mixer, probes["fit"], settings, log) if settings.fits else None
     ranking = score_layers(hybrid, probes, settings, eos, log, fitted)
     del hybrid, fitted
     result = {
@@ -469,89 +504,13 @@ def choice_record(result: dict, n: int) -> dict:
         "score": [round(row["score"], 6) for _, row in rows],
         "retrieval": [round(row["retrieval"], 6) for _, row in rows],
         "kl": [round(row["kl"], 6) for _, row in rows],
+        **(
+            {"parts": {kind: [round(row["parts"][kind], 6) for _, row in rows] for kind in ranking[0]["parts"]}}
+            if "parts" in ranking[0]
+            else {}
+        ),
         "round": [row["round"] for _, row in rows],
         "seed": result["settings"]["seed"],
         "probes": result["settings"],
         "cache_key": result["key"],
     }
-
-
-def format_table(record: dict) -> str:
-    """The per-layer score table: layer, round, retrieval and KL rise, score, rank, whether it is converted."""
-    chosen, order = set(record["chosen"]), record["order"]
-    lines = [
-        f"layer choice ({record['method']}; score = max(retrieval, 0) + {record['probes']['kl_weight']:g} * kl, "
-        "nats/token):",
-        "  layer  round  retrieval        kl     score  rank  converted",
-    ]
-    for i, score in enumerate(record["score"]):
-        lines.append(
-            f"  {i:>5}  {record['round'][i]:>5}  {record['retrieval'][i]:>9.4f}  {record['kl'][i]:>8.4f}  "
-            f"{score:>8.4f}  {order.index(i) + 1:>4}  {'yes' if i in chosen else 'no'}"
-        )
-    return "\n".join(lines)
-
-
-def _ablation_text(record: dict) -> str:
-    """What replaced a scored layer's attention, in words."""
-    p = record["probes"]
-    if p.get("ablation", "window") == "mixer":
-        mixer = record["mixer"]["name"]
-        return f"the layer's attention replaced by its {mixer} mixer after {p['fit_steps']} align steps"
-    return f"the layer's attention cut to {p['window']} tokens"
-
-
-def plot_choice(record: dict, path: str | Path) -> Path:
-    """A bar chart of every layer's score, the converted layers highlighted, written atomically to `path` (PNG)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
-
-    chosen, scores = set(record["chosen"]), record["score"]
-    colours = ["tab:orange" if i in chosen else "tab:blue" for i in range(len(scores))]
-    fig = Figure(figsize=(max(6.0, 0.3 * len(scores)), 3.6))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    ax.bar(range(len(scores)), scores, color=colours)
-    ax.set_xlabel("layer")
-    ax.set_ylabel("score (nats/token)")
-    ax.set_xticks(range(len(scores)))
-    ax.tick_params(axis="x", labelsize=7)
-    ax.axhline(0, color="grey", linewidth=0.5)
-    ax.set_title(f"loss rise with {_ablation_text(record)}; {len(chosen)} lowest converted")
-    ax.legend(handles=[Patch(color="tab:orange", label="converted"), Patch(color="tab:blue", label="kept attention")])
-    fig.tight_layout()
-    with atomic_file(path, "wb") as f:
-        fig.savefig(f, dpi=110, format="png")
-    return Path(path)
-
-
-def card_section(record: dict) -> str:
-    """The model card's account of the choice (Markdown), with the picture save_hybrid writes beside it."""
-    chosen = ", ".join(map(str, record["chosen"]))
-    kept = ", ".join(str(i) for i in range(len(record["score"])) if i not in set(record["chosen"]))
-    p = record["probes"]
-    return (
-        f"""## Layer choice
-
-The converted layers were chosen by measurement (`--layers auto:{record["n"]}`, {record["method"]}): each attention
-layer of the teacher was scored with {_ablation_text(record)}, on {p["samples"]} synthetic retrieval probes and
-{p["text_rows"]} corpus rows of up to {p["seq_len"]} tokens (seed {record["seed"]}, {p["rounds"]} greedy round(s)).
-Its score is the rise of the answer tokens' NLL (0 where it falls) plus {p["kl_weight"]:g} x the rise of the KL to
-the unablated teacher on plain text (nats per token); the {record["n"]} lowest-ranked layers were converted.
-
-- converted: {chosen}
-- kept attention: {kept}
-
-![per-layer scores](layer_choice.png)
-
-| layer | round | retrieval | KL | score | converted |
-| --- | --- | --- | --- | --- | --- |
-"""
-        + "\n".join(
-            f"| {i} | {record['round'][i]} | {record['retrieval'][i]:.4f} | {record['kl'][i]:.4f} | {s:.4f} | "
-            f"{'yes' if i in record['chosen'] else 'no'} |"
-            for i, s in enumerate(record["score"])
-        )
-        + "\n"
-    )

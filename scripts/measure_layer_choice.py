@@ -16,7 +16,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from raven_convert.layer_choice import ChoiceSettings, choice_record, format_table, rank_layers
+from raven_convert.layer_choice import ChoiceSettings, choice_record, rank_layers
+from raven_convert.layer_choice_report import format_table
 from raven_convert.sources import Source
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raven_convert import layer_choice
+from raven_convert import layer_choice, layer_choice_report
 from raven_convert.cli import main
 from raven_convert.layer_choice import ChoiceSettings, build_probes, choice_record, rank_layers
 from raven_convert.layer_spec import auto_count
@@ -165,7 +165,7 @@ def test_cli_auto_end_to_end(teacher, words_corpus, tmp_path, capsys):
         ("auto:abc", [], "'abc' is not a number of layers"),
         ("auto:2", ["--layers", "0"], "must come alone"),
         ("auto:2", ["--sliding-window", "4", "--window-layers", "0"], "--window-layers '0' cannot name kept layers"),
-        ("auto:2", ["--choice-ablation", "mixers"], "expected one of ['window', 'mixer'], got 'mixers'"),
+        ("auto:2", ["--choice-ablation", "mixers"], "expected one of ['window', 'mixer', 'both'], got 'mixers'"),
     ],
 )
 def test_cli_refuses_bad_auto(teacher, words_corpus, tmp_path, capsys, monkeypatch, layers, extra, problem):
@@ -258,17 +258,50 @@ def test_mixer_ablation_keeps_the_layer_its_mixer_imitates_worst(words_corpus, l
     assert result["ranking"][-1]["layer"] == 2 and result["mixer"] == {"name": "sila", "settings": {"conv_size": 2}}
     record = choice_record(result, 3)
     assert "aligned mixers" in record["method"] and 2 not in record["chosen"]
-    assert "replaced by its sila mixer after 4 align steps" in layer_choice.card_section(record)
-    layer_choice.plot_choice(record, tmp_path / "choice.png")
+    assert "replaced by its sila mixer after 4 align steps" in layer_choice_report.card_section(record)
+    layer_choice_report.plot_choice(record, tmp_path / "choice.png")
     windows = rank_layers(model, tokenizer, load_documents(corpus), SMALL, tmp_path, log=lambda m: None)
     other = rank_layers(model, tokenizer, load_documents(corpus), FIT, tmp_path, lambda m: None, ("raven", {}))
     assert len({result["key"], windows["key"], other["key"]}) == 3  # the mixer and its settings are in the key
     assert len(fits) == 2
 
 
+def test_both_sums_the_window_and_the_mixer_scores(words_corpus, loaded, tmp_path):
+    """ablation "both": each layer scored windowed and replaced by its fitted mixer, the two scores summed (one
+    round: the same base for the three scans of the same probes); the record, table and card show the parts."""
+    from raven_convert.surgery import build_hybrid
+
+    model, tokenizer = loaded
+    both_settings = FIT.model_copy(update={"ablation": "both"})
+    probes = build_probes(load_documents(str(words_corpus)), tokenizer, both_settings)
+    hybrid = build_hybrid(model, ["attention"] * 6, {}).eval()
+    mixer = ("sila", {"conv_size": 2})
+    fitted = layer_choice.fit_mixers(model, hybrid, mixer, probes["fit"], FIT, log=lambda m: None)
+
+    def scores(ablation, fitted):
+        settings = FIT.model_copy(update={"ablation": ablation})
+        rows = layer_choice.score_layers(hybrid, probes, settings, 0, lambda m: None, fitted)
+        assert [row["score"] for row in rows] == sorted(row["score"] for row in rows)
+        return {row["layer"]: row for row in rows}
+
+    window, fit, both = scores("window", None), scores("mixer", fitted), scores("both", fitted)
+    for i in range(6):
+        assert both[i]["parts"] == pytest.approx({"window": window[i]["score"], "mixer": fit[i]["score"]}, abs=1e-6)
+        assert both[i]["score"] == pytest.approx(window[i]["score"] + fit[i]["score"], abs=1e-6)
+        assert both[i]["kl"] == pytest.approx(window[i]["kl"] + fit[i]["kl"], abs=1e-6)
+    result = rank_layers(model, tokenizer, load_documents(str(words_corpus)), both_settings, tmp_path, print, mixer)
+    record = choice_record(result, 3)
+    assert sorted(record["parts"]) == ["mixer", "window"] and "plus replacement" in record["method"]
+    table = layer_choice_report.format_table(record)
+    assert "the sum over the window and the mixer" in table and "  window     mixer" in table
+    card = layer_choice_report.card_section(record)
+    assert "cut to 8 tokens, and with the layer's attention replaced by its sila mixer" in card
+    assert "the sum over both ablations" in card
+
+
 def test_recipe_fits_its_own_mixer(teacher, words_corpus, tmp_path):
     """The recipe's mixer settings build the fitted mixers (SSE's default LoRA rank does not fit the tiny model)."""
-    with pytest.raises(ValueError, match=r"layer_choice.ablation: Input should be 'window' or 'mixer'"):
+    with pytest.raises(ValueError, match=r"layer_choice.ablation: Input should be 'window', 'mixer' or 'both'"):
         parse_recipe(_recipe(teacher, words_corpus, layer_choice={"ablation": "mixers"}))
     recipe = parse_recipe(_recipe(teacher, words_corpus, layer_choice=FIT.model_dump()))
     done = run_recipe(recipe, tmp_path / "run", stages=["convert"])["convert"]

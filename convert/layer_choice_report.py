@@ -1,0 +1,101 @@
+"""How a layer choice (layer_choice.choice_record) is shown: the table `convert` prints, the bar chart and the model
+card's section that export writes beside the converted model.
+
+    print(format_table(record)); plot_choice(record, "layer_choice.png"); card = card_section(record)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from raven_convert.files import atomic_file
+
+
+def _score_text(record: dict) -> str:
+    """How a score is made, in words."""
+    one = f"max(retrieval, 0) + {record['probes']['kl_weight']:g} * kl"
+    return f"the sum over the window and the mixer of {one}" if "parts" in record else one
+
+
+def format_table(record: dict) -> str:
+    """The per-layer score table: layer, round, retrieval and KL rise, score (and its parts under ablation
+    "both"), rank, whether it is converted."""
+    chosen, order, parts = set(record["chosen"]), record["order"], record.get("parts", {})
+    lines = [
+        f"layer choice ({record['method']}; score = {_score_text(record)}, nats/token):",
+        "  layer  round  retrieval        kl  " + "".join(f"{k:>8}  " for k in parts) + "   score  rank  converted",
+    ]
+    for i, score in enumerate(record["score"]):
+        lines.append(
+            f"  {i:>5}  {record['round'][i]:>5}  {record['retrieval'][i]:>9.4f}  {record['kl'][i]:>8.4f}  "
+            + "".join(f"{parts[kind][i]:>8.4f}  " for kind in parts)
+            + f"{score:>8.4f}  {order.index(i) + 1:>4}  {'yes' if i in chosen else 'no'}"
+        )
+    return "\n".join(lines)
+
+
+def _ablation_text(record: dict) -> str:
+    """What replaced a scored layer's attention, in words."""
+    p = record["probes"]
+    window = f"the layer's attention cut to {p['window']} tokens"
+    if p.get("ablation", "window") == "window":
+        return window
+    mixer = f"the layer's attention replaced by its {record['mixer']['name']} mixer after {p['fit_steps']} align steps"
+    return mixer if p["ablation"] == "mixer" else f"{window}, and with {mixer}"
+
+
+def plot_choice(record: dict, path: str | Path) -> Path:
+    """A bar chart of every layer's score, the converted layers highlighted, written atomically to `path` (PNG)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    chosen, scores = set(record["chosen"]), record["score"]
+    colours = ["tab:orange" if i in chosen else "tab:blue" for i in range(len(scores))]
+    fig = Figure(figsize=(max(6.0, 0.3 * len(scores)), 3.6))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.bar(range(len(scores)), scores, color=colours)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("score (nats/token)")
+    ax.set_xticks(range(len(scores)))
+    ax.tick_params(axis="x", labelsize=7)
+    ax.axhline(0, color="grey", linewidth=0.5)
+    ax.set_title(f"loss rise with {_ablation_text(record)}; {len(chosen)} lowest converted")
+    ax.legend(handles=[Patch(color="tab:orange", label="converted"), Patch(color="tab:blue", label="kept attention")])
+    fig.tight_layout()
+    with atomic_file(path, "wb") as f:
+        fig.savefig(f, dpi=110, format="png")
+    return Path(path)
+
+
+def card_section(record: dict) -> str:
+    """The model card's account of the choice (Markdown), with the picture save_hybrid writes beside it."""
+    chosen = ", ".join(map(str, record["chosen"]))
+    kept = ", ".join(str(i) for i in range(len(record["score"])) if i not in set(record["chosen"]))
+    p = record["probes"]
+    return (
+        f"""## Layer choice
+
+The converted layers were chosen by measurement (`--layers auto:{record["n"]}`, {record["method"]}): each attention
+layer of the teacher was scored with {_ablation_text(record)}, on {p["samples"]} synthetic retrieval probes and
+{p["text_rows"]} corpus rows of up to {p["seq_len"]} tokens (seed {record["seed"]}, {p["rounds"]} greedy round(s)).
+Its score is {"the sum over both ablations of " if "parts" in record else ""}the rise of the answer tokens' NLL (0
+where it falls) plus {p["kl_weight"]:g} x the rise of the KL to the unablated teacher on plain text (nats per token);
+the {record["n"]} lowest-ranked layers were converted.
+
+- converted: {chosen}
+- kept attention: {kept}
+
+![per-layer scores](layer_choice.png)
+
+| layer | round | retrieval | KL | score | converted |
+| --- | --- | --- | --- | --- | --- |
+"""
+        + "\n".join(
+            f"| {i} | {record['round'][i]} | {record['retrieval'][i]:.4f} | {record['kl'][i]:.4f} | {s:.4f} | "
+            f"{'yes' if i in record['chosen'] else 'no'} |"
+            for i, s in enumerate(record["score"])
+        )
+        + "\n"
+    )
