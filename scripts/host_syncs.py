@@ -26,15 +26,16 @@ from bench_generate import SMOLLM2_135M  # scripts/: SmolLM2-135M's config
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from raven_convert import build_hybrid, plan_layers
-from raven_convert.train.align import alignment_losses
+from raven_convert.train.align import alignment_losses, step_inputs
 from raven_convert.train.common import mixer_parameters
 from raven_convert.train.compiling import compiled_parts
 
 ROOT = str(Path(__file__).resolve().parents[1])
 
 
-def packed_batch(rows: int, length: int, vocab: int, generator: torch.Generator, device) -> dict:
-    """input_ids and position_ids [rows, length] of random documents (64 to 1,024 tokens) packed back to back."""
+def packed_batch(rows: int, length: int, vocab: int, generator: torch.Generator) -> dict:
+    """input_ids and position_ids [rows, length] of random documents (64 to 1,024 tokens) packed back to back, on
+    the host as the data loader gives them."""
     positions = []
     for _ in range(rows):
         row, left = [], length
@@ -44,15 +45,17 @@ def packed_batch(rows: int, length: int, vocab: int, generator: torch.Generator,
             left -= n
         positions.append(torch.cat(row))
     ids = torch.randint(3, vocab, (rows, length), generator=generator)
-    return {"input_ids": ids.to(device), "position_ids": torch.stack(positions).to(device)}
+    return {"input_ids": ids, "position_ids": torch.stack(positions)}
 
 
 def step(stage: str, teacher, hybrid, batch: dict) -> None:
+    """One step's work as align and stage 2 run it, from a host batch (align finds its documents there)."""
+    inputs, packed = step_inputs(batch, "cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         if stage == "align":
-            loss = sum(alignment_losses(teacher, hybrid, **batch).values())
+            loss = sum(alignment_losses(teacher, hybrid, **inputs, packed=packed).values())
         else:
-            loss = hybrid(**batch, use_cache=False).logits[:, -1].float().square().mean()
+            loss = hybrid(**inputs, use_cache=False).logits[:, -1].float().square().mean()
     loss.backward()
     hybrid.zero_grad(set_to_none=True)
 
@@ -103,7 +106,7 @@ def main(argv=None) -> None:
     for p in mixer_parameters(hybrid):  # what align trains
         p.requires_grad_(True)
     generator = torch.Generator().manual_seed(0)
-    batches = [packed_batch(args.rows, args.length, config.vocab_size, generator, "cuda") for _ in range(4)]
+    batches = [packed_batch(args.rows, args.length, config.vocab_size, generator) for _ in range(4)]
     with compiled_parts([teacher, hybrid], enabled=not args.no_compile):
         for i in range(args.warmup):
             step(args.stage, teacher, hybrid, batches[i % len(batches)])

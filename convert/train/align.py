@@ -25,7 +25,7 @@ from torch.profiler import record_function
 
 from raven_convert.console import eta
 from raven_convert.train.checkpoint import latest_checkpoint, save_checkpoint
-from raven_convert.train.common import converted_layers, lr_at, mixer_parameters, model_inputs
+from raven_convert.train.common import converted_layers, lr_at, mixer_parameters, model_inputs, to_device
 from raven_convert.train.compiling import CompileSetting, compiled_parts, resolve_compile
 from raven_convert.train.distributed import (
     Parallel,
@@ -67,26 +67,55 @@ def _one_logit(teacher) -> dict:
     return {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
 
 
-def alignment_losses(teacher, hybrid, input_ids, attention_mask=None, position_ids=None) -> dict[int, torch.Tensor]:
+def document_mask(documents: torch.Tensor) -> torch.Tensor:
+    """[B, 1, T, T] boolean: causal attention within each packed document (documents [B, T]: document ids), the
+    mask transformers builds for sdpa from packed position ids, built here without reading anything back."""
+    length = documents.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=documents.device).tril()  # [T, T]
+    return (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
+
+
+def step_inputs(batch: dict, device) -> tuple[dict, tuple[torch.Tensor, torch.Tensor] | None | str]:
+    """(model inputs, `packed` of alignment_losses) of a batch on the host, on `device`: packed documents are found
+    in the host's position ids and everything is copied without blocking, so that a step never waits for the GPU."""
+    packed = "auto"  # padded rows: nothing to find
+    if "position_ids" in batch and batch["position_ids"].device.type == "cpu":
+        found = find_packed_documents(batch["position_ids"])
+        layout = {} if found is None else dict(zip(("documents", "cu_seqlens"), found))
+        packed = tuple(to_device(layout, device).values()) or None
+    return to_device(model_inputs(batch), device), packed
+
+
+def alignment_losses(
+    teacher, hybrid, input_ids, attention_mask=None, position_ids=None, packed="auto"
+) -> dict[int, torch.Tensor]:
     """Per converted layer, the MSE between its mixer and the teacher's attention on the teacher's own inputs.
 
     Padding (attention_mask == 0) counts neither as input to the mixers' states nor in the mean. Rows of packed
     documents come with position_ids restarting at each document and no attention_mask: the teacher's attention
     then stays within each document (transformers' packed-sequence masks) and so does every mixer's state.
+    `packed`: find_packed_documents(position_ids) on the inputs' device, computed ahead (align reads it from the
+    batch on the host, so that the step never waits for the GPU to find the documents); "auto": found here. With
+    packed documents an sdpa teacher gets their mask ready-made (`document_mask`), which transformers would find
+    by reading the position ids back.
     """
     if attention_mask is not None and position_ids is not None:
         raise ValueError("pass attention_mask (padded rows) or position_ids (packed documents), not both")
+    if packed == "auto":
+        packed = None if position_ids is None else find_packed_documents(position_ids)
+    teacher_mask = attention_mask
+    if packed is not None and teacher.config._attn_implementation == "sdpa":
+        teacher_mask = document_mask(packed[0])  # [B, 1, T, T], which transformers takes as it is
     layers = converted_layers(hybrid)
     with torch.no_grad(), attention_taps(teacher, layers) as captured, record_function("align.teacher"):
         teacher(
             input_ids=input_ids,
-            attention_mask=attention_mask,
+            attention_mask=teacher_mask,
             position_ids=position_ids,
             use_cache=False,
             **_one_logit(teacher),
         )
     real = None if attention_mask is None else attention_mask.bool()  # [B, T]
-    packed = None if position_ids is None else find_packed_documents(position_ids)
     extra = {"padding_mask": real} if packed is None else {"cu_seqlens": packed[1]}
     losses = {}
     with record_function("align.mixers"):
@@ -199,8 +228,11 @@ def align(
 
     Only mixer parameters receive gradients (others are frozen for the duration and restored after). The learning
     rate warms up linearly over `warmup_steps`, then follows a cosine to 10% of `lr`. A non-finite loss stops the
-    run with an error naming the step and layers, before any optimiser step applies it. mixed_precision "bf16" runs
-    the teacher and the mixers under bfloat16 autocast (weights and optimizer state stay in their own dtype).
+    run with an error naming the step and layers, and no optimiser step applies it: a step's losses are read back
+    during the next step (the loop never waits for the GPU), its update skipped on the device when they are not
+    finite (fused AdamW's found_inf), and the error raised before the next update (under fsdp, read at once).
+    mixed_precision "bf16" runs the teacher and the mixers under bfloat16 autocast (weights and optimizer state stay
+    in their own dtype).
     `compile` (True, False or "auto": on CUDA) runs the mixers' PyTorch work around their kernels and the decoder
     layers' norms and MLPs compiled (compiling.py).
 
@@ -238,7 +270,10 @@ def align(
         p.requires_grad_(id(p) in trainable)
     named = {n: p for n, p in hybrid.named_parameters() if id(p) in trainable}
     params = list(named.values())
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    # a step's losses are read back one step later (no host sync in the step): the fused AdamW skips, on the GPU,
+    # the update of a step whose loss is not finite (found_inf), and the next step raises before its own update
+    lagged = not parallel.sharded
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=lagged or None)
 
     history, first = [], 0
     resumed = None if out_dir is None else latest_checkpoint(out_dir, warn=lambda m: parallel.print(f"[align] {m}"))
@@ -251,8 +286,37 @@ def align(
     elif seed is not None:
         torch.manual_seed(seed)
     batches = batches(first) if callable(batches) else itertools.islice(batches, first, None)
-    start, tokens, first_step_seconds = time.perf_counter(), 0, 0.0
+    clock = {"start": time.perf_counter(), "tokens": 0, "first_step_seconds": 0.0}
     per_token = None  # model FLOPs per token, once the rows' length is seen
+    pending = None  # the latest step whose losses are not read back yet
+
+    def book(step: int, step_lr: float, layers: list[int], has_aux: bool, stacked: torch.Tensor, copied=None) -> None:
+        """Read back a step's global losses and token count (stacked [1 + layers (+ aux) + 1]; on the host once the
+        event `copied` has passed), stop on a non-finite loss, record and log the step."""
+        if copied is not None:
+            copied.synchronize()
+        values = stacked.tolist()
+        values, step_tokens = values[:-1], round(values[-1] * parallel.world)
+        bad = [i for i, loss in zip(layers, values[1:]) if not math.isfinite(loss)]
+        if bad or not math.isfinite(values[0]):
+            raise FloatingPointError(f"alignment loss is not finite at step {step + 1} in layer(s) {bad}")
+        now = time.perf_counter()
+        clock["tokens"] += step_tokens
+        rate = clock["tokens"] / max(now - clock["start"], 1e-9)
+        if step == first:  # the first step compiles kernels and allocates: the rate counts from its end
+            clock.update(first_step_seconds=now - clock["start"], start=now, tokens=0)
+        record = {"step": step, "loss": values[0], "layers": dict(zip(layers, values[1:]))}
+        if has_aux:
+            record["aux"] = values[-1]
+        utilisation = mfu(rate * per_token, parallel.device, parallel.world)
+        history.append(record | {"tokens_per_second": rate, "mfu": utilisation, "lr": step_lr})
+        if log_every and (step % log_every == 0 or step == steps - 1):
+            per_step = (now - clock["start"]) / (step - first) if step > first else clock["first_step_seconds"]
+            parallel.print(
+                f"[align] step {step + 1}/{steps} loss {values[0]:.4g} | {rate:,.0f} tok/s"
+                f"{mfu_text(utilisation)} | {eta((steps - step - 1) * per_step)}"
+            )
+
     try:
         # the teacher's linear weights in bf16 while the loop runs (exact under bf16 autocast; precision.py)
         bf16 = mixed_precision == "bf16" and not parallel.sharded
@@ -265,9 +329,9 @@ def align(
                 step_lr = lr_at(step, lr, steps, warmup_steps)
                 for group in optimizer.param_groups:
                     group["lr"] = step_lr
-                inputs = model_inputs(_share(batch, parallel), parallel.device)
+                inputs, packed = step_inputs(_share(batch, parallel), parallel.device)
                 with autocast:
-                    losses = alignment_losses(teacher, hybrid, **inputs)
+                    losses = alignment_losses(teacher, hybrid, **inputs, packed=packed)
                 aux = mixers_aux_loss(hybrid, losses)  # SSE's balance loss trains its router here too
                 total = torch.stack(list(losses.values())).sum() + (0.0 if aux is None else aux)
                 optimizer.zero_grad(set_to_none=True)
@@ -276,37 +340,37 @@ def align(
                 mask = inputs.get("attention_mask")
                 local = inputs["input_ids"].new_tensor(inputs["input_ids"].numel()) if mask is None else mask.sum()
                 parts = [total, *losses.values()] + ([] if aux is None else [aux])
-                # the global batch's losses and token count in the step's one host sync, checked before the
-                # optimizer applies anything; every process sees the same means, so all of them stop together
-                values = parallel.mean(torch.stack([v.detach().float() for v in parts] + [local.float()])).tolist()
-                values, tokens = values[:-1], tokens + round(values[-1] * parallel.world)
-                bad = [i for i, loss in zip(losses, values[1:]) if not math.isfinite(loss)]
-                if bad:
-                    raise FloatingPointError(f"alignment loss is not finite at step {step + 1} in layer(s) {bad}")
+                # the global batch's losses and token count, reduced on the device; every process reads the same
+                # means, so all of them stop together
+                stacked = parallel.mean(torch.stack([v.detach().float() for v in parts] + [local.float()]))
+                if per_token is None:
+                    per_token = align_flops(teacher, hybrid, inputs["input_ids"].shape[1])
+                if pending is not None:  # the step before: long done on the GPU, read before this one's update
+                    book(*pending)
+                    pending = None
+                current = (step, step_lr, list(losses), aux is not None)
+                if lagged:
+                    optimizer.found_inf = (~torch.isfinite(stacked[:-1]).all()).float()  # skips a bad update
+                    host, copied = stacked, None
+                    if stacked.is_cuda:  # into pinned memory, read once the event has passed
+                        host = torch.empty(stacked.shape, pin_memory=True).copy_(stacked, non_blocking=True)
+                        copied = torch.cuda.Event()
+                        copied.record()
+                    pending = (*current, host, copied)
+                else:
+                    book(*current, stacked)  # the step's one host sync, before the optimizer applies anything
                 with record_function("align.optimizer"):
                     parallel.average_gradients(params)
                     if grad_clip:
                         torch.nn.utils.clip_grad_norm_(params, grad_clip)
                     optimizer.step()
-                now = time.perf_counter()
-                rate = tokens / max(now - start, 1e-9)
-                if step == first:  # the first step compiles kernels and allocates: the rate counts from its end
-                    first_step_seconds, start, tokens = now - start, now, 0
-                record = {"step": step, "loss": values[0], "layers": dict(zip(losses, values[1:]))}
-                if aux is not None:
-                    record["aux"] = values[-1]
-                if per_token is None:
-                    per_token = align_flops(teacher, hybrid, inputs["input_ids"].shape[1])
-                utilisation = mfu(rate * per_token, parallel.device, parallel.world)
-                history.append(record | {"tokens_per_second": rate, "mfu": utilisation, "lr": step_lr})
-                if log_every and (step % log_every == 0 or step == steps - 1):
-                    per_step = (now - start) / (step - first) if step > first else first_step_seconds
-                    parallel.print(
-                        f"[align] step {step + 1}/{steps} loss {values[0]:.4g} | {rate:,.0f} tok/s"
-                        f"{mfu_text(utilisation)} | {eta((steps - step - 1) * per_step)}"
-                    )
                 if out_dir is not None and ((step + 1) % save_every == 0 or step + 1 == steps):
+                    if pending is not None:  # a checkpoint holds its steps' records
+                        book(*pending)
+                        pending = None
                     _save(out_dir, step + 1, named, optimizer, history, keep_checkpoints, parallel)
+            if pending is not None:
+                book(*pending)
     finally:
         for p, requires_grad in frozen:
             p.requires_grad_(requires_grad)

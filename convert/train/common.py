@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import nn
 
 
@@ -54,6 +55,19 @@ def model_inputs(batch: dict, device=None) -> dict:
     if device is None:
         return inputs
     return {name: None if value is None else value.to(device) for name, value in inputs.items()}
+
+
+def to_device(tensors: dict, device) -> dict:
+    """{name: tensor or None} on `device`. To a GPU from the host through pinned memory without blocking: the copy
+    queues behind the GPU's work, where a copy from pageable memory would make the host wait for that work."""
+    device = torch.device(device)
+
+    def move(v):
+        if v is None or device.type != "cuda" or v.device.type != "cpu":
+            return None if v is None else v.to(device)
+        return v.pin_memory().to(device, non_blocking=True)
+
+    return {k: move(v) for k, v in tensors.items()}
 
 
 def lr_at(step: int, lr: float, steps: int, warmup_steps: int = 0, schedule: str = "cosine") -> float:

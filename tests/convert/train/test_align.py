@@ -84,3 +84,50 @@ def test_sse_balance_loss_counts_in_align(models):
     mixer = hybrid.model.layers[1].self_attn
     mixer.settings = dataclasses.replace(mixer.settings, balance_coef=0.0)  # off: no aux, the MSE alone
     assert "aux" not in align(teacher, hybrid, batches(seed=1, n=1), steps=1, log_every=0)[0]
+
+
+def test_a_non_finite_step_applies_no_update(models, monkeypatch):
+    """A step's losses are read back during the next step: a non-finite one skips its own update on the device
+    and raises before the next update, so the mixers stay as the last good step left them."""
+    import copy
+
+    from raven_convert.train import align as align_module
+
+    teacher, hybrid = models
+    reference = copy.deepcopy(hybrid)
+    align(teacher, reference, batches(seed=0, n=1), steps=1, log_every=0, seed=0)
+    real, calls = align_module.alignment_losses, []
+
+    def nan_at_second(*args, **kwargs):
+        losses = real(*args, **kwargs)
+        calls.append(1)
+        return {i: v * float("nan") for i, v in losses.items()} if len(calls) == 2 else losses
+
+    monkeypatch.setattr(align_module, "alignment_losses", nan_at_second)
+    with pytest.raises(FloatingPointError, match=r"not finite at step 2 in layer\(s\) \[0, 1, 2\]"):
+        align(teacher, hybrid, batches(seed=0, n=3), steps=3, log_every=0, seed=0)
+    assert len(calls) == 3  # the third step ran its forward, never its update
+    for (name, p), q in zip(hybrid.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_document_mask_is_the_one_transformers_builds(models):
+    """The packed documents' mask align hands an sdpa teacher: the same outputs as transformers' own, which it
+    finds by reading the position ids back."""
+    from raven_convert.train.align import document_mask
+    from raven_layers.modeling_hybrid import find_packed_documents
+
+    teacher, hybrid = models
+    ids = torch.randint(3, 100, (2, 24), generator=torch.Generator().manual_seed(5))
+    positions = torch.cat([torch.arange(n) for n in (7, 1, 16)]).repeat(2, 1)
+    documents, _ = find_packed_documents(positions)
+    with torch.no_grad():  # no cache: transformers finds packed documents only then
+        own = teacher(ids, position_ids=positions, use_cache=False).logits
+        given = teacher(ids, position_ids=positions, attention_mask=document_mask(documents), use_cache=False).logits
+        alone = torch.cat([teacher(ids[:, a:b], use_cache=False).logits for a, b in ((0, 7), (7, 8), (8, 24))], 1)
+    torch.testing.assert_close(given, own, rtol=0, atol=0)
+    torch.testing.assert_close(given, alone)  # each document as if alone
+    packed = find_packed_documents(positions)
+    found = alignment_losses(teacher, hybrid, ids, position_ids=positions)
+    ahead = alignment_losses(teacher, hybrid, ids, position_ids=positions, packed=packed)
+    assert found.keys() == ahead.keys() and all(torch.equal(found[i], ahead[i]) for i in found)
