@@ -20,27 +20,17 @@ import argparse
 import time
 
 import torch
+from bench_generate import SMOLLM2_135M  # scripts/: SmolLM2-135M's config
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from raven_convert.train.token_weights import token_weights
 
-SMOLLM2 = dict(
-    hidden_size=576,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-    intermediate_size=1536,
-    vocab_size=49152,
-    max_position_embeddings=8192,
-    tie_word_embeddings=True,
-)
 KERNELS = ("eager", "compiled", "triton")
 
 
 def teacher(layers: int, qk_scale: float, device):
     torch.manual_seed(0)
-    config = LlamaConfig(**{**SMOLLM2, "num_hidden_layers": layers})
+    config = LlamaConfig(**{**SMOLLM2_135M, "num_hidden_layers": layers})
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device, torch.float32).eval()
     with torch.no_grad():
         for layer in model.model.layers:
@@ -52,7 +42,7 @@ def teacher(layers: int, qk_scale: float, device):
 def packed_batch(batch: int, length: int, documents: int, device, seed: int = 0):
     """(input_ids, position_ids) [B, T]: each row `documents` documents cut at random points."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, SMOLLM2["vocab_size"], (batch, length), generator=g)
+    ids = torch.randint(3, SMOLLM2_135M["vocab_size"], (batch, length), generator=g)
     idx = torch.arange(length)
     starts = torch.zeros(batch, length, dtype=torch.bool)
     starts[:, 0] = True
@@ -85,7 +75,7 @@ def main():
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--documents", type=int, default=4, help="packed documents per row")
     parser.add_argument("--qk-scale", type=float, default=4.0, help="factor on q_proj and k_proj (peaked attention)")
-    parser.add_argument("--layers", type=int, default=SMOLLM2["num_hidden_layers"])
+    parser.add_argument("--layers", type=int, default=SMOLLM2_135M["num_hidden_layers"])
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for a smoke test (TRITON_INTERPRET=1)
     model = teacher(args.layers, args.qk_scale, device)

@@ -33,6 +33,19 @@ def corpus(folder: Path) -> Path:
     return folder
 
 
+def words_corpus(folder: Path, documents: int = 20, words_per_document: int = 60) -> Path:
+    """folder/docs.jsonl: `documents` documents over 80 made-up words (the retrieval samples and the layer choice's
+    probes need at least 32 distinct ones). Returns the folder."""
+    import random
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnop") for _ in range(rng.randint(4, 8))) for _ in range(80)]
+    docs = [" ".join(rng.choice(words) for _ in range(words_per_document)) + "." for _ in range(documents)]
+    (folder / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return folder
+
+
 def read_weights(folder: Path) -> dict:
     """{name: tensor} of a model directory's weights: the safetensors files its index lists, or model.safetensors."""
     from safetensors.torch import load_file

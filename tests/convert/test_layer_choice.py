@@ -4,7 +4,6 @@ DONE; the grammar's errors in the CLI and in recipes."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from raven_convert.train.data import load_documents
 from raven_convert.train.recipe import parse_recipe
 from raven_convert.train.stages import run_recipe
 from tests.conftest import make_tiny_source
+from tests.helpers import words_corpus as make_words_corpus
 
 SMALL = ChoiceSettings(window=8, samples=3, text_rows=2, seq_len=96, rounds=2, batch_size=4)
 SMALL_FLAGS = ["--choice-window", "8", "--choice-samples", "3", "--choice-text-rows", "2", "--choice-seq-len", "96"]
@@ -27,12 +27,7 @@ SMALL_FLAGS = ["--choice-window", "8", "--choice-samples", "3", "--choice-text-r
 @pytest.fixture(scope="module")
 def words_corpus(tmp_path_factory) -> Path:
     """A folder with one .jsonl of 20 documents over 80 made-up words (the probes need 32 distinct ones)."""
-    folder = tmp_path_factory.mktemp("words")
-    rng = random.Random(0)
-    words = ["".join(rng.choice("abcdefghijklmnop") for _ in range(rng.randint(4, 8))) for _ in range(80)]
-    docs = [" ".join(rng.choice(words) for _ in range(60)) + "." for _ in range(20)]
-    (folder / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    return folder
+    return make_words_corpus(tmp_path_factory.mktemp("words"))
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,13 @@ CPU size; the recipe's layers, layer choice, mixer settings, retrieval data, tok
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 
 from raven_convert.train.recipe import load_recipe
 from raven_convert.train.stages import run_recipe
+from tests.helpers import words_corpus as make_words_corpus
 
 RECIPES = Path(__file__).resolve().parents[3] / "recipes"
 CPU_BUDGET = [  # sizes and steps only
@@ -41,12 +41,7 @@ CPU_BUDGET = [  # sizes and steps only
 @pytest.fixture(scope="module")
 def words_corpus(tmp_path_factory) -> Path:
     """30 documents over 80 made-up words: enough distinct words for the retrieval samples and the probes."""
-    folder = tmp_path_factory.mktemp("corpus")
-    rng = random.Random(0)
-    words = ["".join(rng.choice("abcdefghijklmnop") for _ in range(rng.randint(4, 8))) for _ in range(80)]
-    docs = [" ".join(rng.choice(words) for _ in range(120)) + "." for _ in range(30)]
-    (folder / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    return folder
+    return make_words_corpus(tmp_path_factory.mktemp("corpus"), documents=30, words_per_document=120)
 
 
 @pytest.mark.parametrize("mixer", ["sila"])  # the best recipe, and the one that reads the teacher's attention most
