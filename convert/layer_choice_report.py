@@ -73,7 +73,7 @@ def card_section(record: dict) -> str:
     """The model card's account of the choice (Markdown), with the picture save_hybrid writes beside it."""
     chosen = ", ".join(map(str, record["chosen"]))
     kept = ", ".join(str(i) for i in range(len(record["score"])) if i not in set(record["chosen"]))
-    p = record["probes"]
+    p, parts = record["probes"], record.get("parts", {})
     return (
         f"""## Layer choice
 
@@ -89,12 +89,13 @@ the {record["n"]} lowest-ranked layers were converted.
 
 ![per-layer scores](layer_choice.png)
 
-| layer | round | retrieval | KL | score | converted |
-| --- | --- | --- | --- | --- | --- |
+| layer | round | retrieval | KL | {"".join(f"{kind} | " for kind in parts)}score | converted |
+| --- | --- | --- | --- | {"--- | " * len(parts)}--- | --- |
 """
         + "\n".join(
-            f"| {i} | {record['round'][i]} | {record['retrieval'][i]:.4f} | {record['kl'][i]:.4f} | {s:.4f} | "
-            f"{'yes' if i in record['chosen'] else 'no'} |"
+            f"| {i} | {record['round'][i]} | {record['retrieval'][i]:.4f} | {record['kl'][i]:.4f} | "
+            + "".join(f"{parts[kind][i]:.4f} | " for kind in parts)
+            + f"{s:.4f} | {'yes' if i in record['chosen'] else 'no'} |"
             for i, s in enumerate(record["score"])
         )
         + "\n"

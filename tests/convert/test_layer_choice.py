@@ -292,6 +292,9 @@ def test_both_sums_the_window_and_the_mixer_scores(words_corpus, loaded, tmp_pat
     card = layer_choice_report.card_section(record)
     assert "cut to 8 tokens, and with the layer's attention replaced by its sila mixer" in card
     assert "the sum over both ablations" in card
+    assert "| layer | round | retrieval | KL | window | mixer | score |" in card
+    row = f"| 0 | 1 | {record['retrieval'][0]:.4f} | {record['kl'][0]:.4f} | {record['parts']['window'][0]:.4f} | "
+    assert row in card
 
 
 def test_recipe_fits_its_own_mixer(teacher, words_corpus, tmp_path):
