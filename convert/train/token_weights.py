@@ -45,7 +45,7 @@ from torch import Tensor
 
 from raven_convert.console import eta
 from raven_convert.train.checkpoint import latest_checkpoint, save_checkpoint
-from raven_kernels.attention import attention_distance, attention_distance_torch
+from raven_kernels.attention import attention_distance, attention_distance_torch, first_keys
 from raven_layers.architectures import get_architecture
 from raven_layers.modeling_hybrid import find_packed_documents
 
@@ -202,6 +202,7 @@ def token_weights(
     distance_positions, documents, sinks = _layout(real, position_ids)  # [B, T] each
     distance_sum = torch.zeros(batch, length, dtype=torch.float32, device=device)
     n_maps = 0
+    first = first_keys(real, documents) if kernel == "triton" else None  # [B, T]: the same for every layer
 
     def make_hook(attn):
         window = _sliding_window(attn)
@@ -214,7 +215,7 @@ def token_weights(
             at = q.device  # the layer's device (models spread over devices by device_map)
             layout = (real.to(at), distance_positions.to(at), documents.to(at), sinks.to(at))
             if kernel == "triton":
-                distance = attention_distance(q, k, module.scaling, *layout, window, tau)
+                distance = attention_distance(q, k, module.scaling, *layout, window, tau, first=first.to(at))
             else:
                 compiled = kernel == "compiled"
                 distance = attention_distance_torch(q, k, module.scaling, *layout, window, tau, query_block, compiled)

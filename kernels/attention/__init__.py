@@ -8,6 +8,6 @@
 """
 
 from .decode import decode_attention
-from .distance import attention_distance, attention_distance_torch
+from .distance import attention_distance, attention_distance_torch, first_keys
 
-__all__ = ["attention_distance", "attention_distance_torch", "decode_attention"]
+__all__ = ["attention_distance", "attention_distance_torch", "decode_attention", "first_keys"]

@@ -160,6 +160,7 @@ def attention_distance(
     tau: float,
     *,
     blocks: tuple[int, int] | None = None,
+    first: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One layer's sum over query heads and keys of thresholded attention times distance: [B, T] float32.
 
@@ -168,6 +169,7 @@ def attention_distance(
     sinks [B, T] bool; positions [B, T] float; documents [B, T] integer ids (queries see keys of their own document
     only); window: keys j > t - window only (None: all); tau: the threshold. The same as `attention_distance_torch`
     up to rounding. `blocks`: (queries, keys) per program instead of `block_sizes` (powers of two, at least 16).
+    `first`: `first_keys(real, documents)` on q's device, for a caller that runs several layers on one layout.
     """
     B, H, T, D = q.shape if q.dim() == 4 else (0, 0, 0, 0)
     Hkv = k.shape[1] if k.dim() == 4 else 0
@@ -188,7 +190,7 @@ def attention_distance(
     device = q.device
     real = real.to(device=device, dtype=torch.bool).contiguous()
     documents = documents.to(device).contiguous()
-    first = first_keys(real, documents)
+    first = first_keys(real, documents) if first is None else first
     BM, BN, warps = block_sizes(D)
     if blocks is not None:
         BM, BN = blocks
