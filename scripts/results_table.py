@@ -8,6 +8,14 @@ directory, or a recipe run directory (RUN_DIR/evaluate/report.json). Columns: pe
 (and its ratio to the reference model's), accuracy per context length of every retrieval task found (standard
 variant unless --variant; a task on a named haystack, TASK@NAME, beside TASK), and decoding tokens/s with the
 per-sequence cache or state at one context length.
+
+The issue's retrieval targets, checked on the same reports (cells: every task and length of the standard variant,
+--lengths to keep some):
+    python scripts/results_table.py teacher=... sila=... sila-seed1=... --reference teacher \
+        --within 10 --lengths 1024 2048 4096 8192 --agree sila:sila-seed1
+--within P adds, for each model against --reference, how many cells are at most P points under it (or above it)
+and which are not; --agree A:B (repeatable) how many cells two models (two seeds) score within P points of each
+other (P of --within, 10 without it), their mean absolute difference, and the cells further apart.
 """
 
 from __future__ import annotations
@@ -85,6 +93,53 @@ def table(reports: dict[str, dict], reference: str | None, ppl_length: int, spee
     return "\n".join(rows)
 
 
+def retrieval_cells(report: dict, variant: str, lengths: list[int] | None) -> dict[tuple[str, int], float]:
+    """{(task, length): accuracy in points} of one report's retrieval results of `variant`."""
+    cells = {}
+    for label, summary in report.get("retrieval", {}).items():
+        task, _, var = label.partition("/")
+        if (var or "standard") != variant:
+            continue
+        for n, value in summary["by_length"].items():
+            if lengths is None or int(n) in lengths:
+                cells[task, int(n)] = round(100 * value, 6)  # 0.9 * 100 is 90.00000000000001
+    return cells
+
+
+def cell_name(cell: tuple[str, int]) -> str:
+    return f"{cell[0]} {short(cell[1])}"
+
+
+def within_reference(reports: dict[str, dict], reference: str, points: float, variant: str, lengths) -> str:
+    """Per model: the cells at most `points` under the reference's (or above it), and the misses."""
+    ref = retrieval_cells(reports[reference], variant, lengths)
+    rows = [f"| model | cells within {points:g} points of {reference} (or above) | cells under |", "| --- | --- | --- |"]
+    for name, report in reports.items():
+        if name == reference:
+            continue
+        cells = retrieval_cells(report, variant, lengths)
+        shared = [c for c in ref if c in cells]
+        under = [c for c in shared if cells[c] < ref[c] - points]
+        misses = ", ".join(f"{cell_name(c)} {cells[c]:.0f} vs {ref[c]:.0f}" for c in under) or "none"
+        rows.append(f"| {name} | {len(shared) - len(under)} of {len(shared)} | {misses} |")
+    return "\n".join(rows)
+
+
+def agreement(reports: dict[str, dict], pairs: list[tuple[str, str]], points: float, variant: str, lengths) -> str:
+    """Per pair of models (two seeds of a recipe): the cells within `points` of each other and the mean distance."""
+    rows = [f"| pair | cells within {points:g} points | mean difference | cells further apart |", "| --- | --- | --- | --- |"]
+    for a, b in pairs:
+        cells_a = retrieval_cells(reports[a], variant, lengths)
+        cells_b = retrieval_cells(reports[b], variant, lengths)
+        shared = [c for c in cells_a if c in cells_b]
+        diffs = {c: abs(cells_a[c] - cells_b[c]) for c in shared}
+        apart = ", ".join(f"{cell_name(c)} {cells_a[c]:.0f} vs {cells_b[c]:.0f}" for c in shared if diffs[c] > points)
+        mean = sum(diffs.values()) / len(diffs) if diffs else float("nan")
+        close = sum(d <= points for d in diffs.values())
+        rows.append(f"| {a} vs {b} | {close} of {len(shared)} | {mean:.1f} | {apart or 'none'} |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("reports", nargs="+", metavar="NAME=PATH")
@@ -92,16 +147,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ppl-length", type=int, default=2048)
     parser.add_argument("--speed-length", type=int, default=16384)
     parser.add_argument("--variant", default="standard")
+    parser.add_argument("--within", type=float, default=None, metavar="P", help="check cells against --reference")
+    parser.add_argument("--agree", action="append", default=[], metavar="A:B", help="compare two models' cells")
+    parser.add_argument("--lengths", type=int, nargs="+", default=None, help="the lengths --within/--agree check")
     args = parser.parse_args(argv)
-    reports = {}
+    paths = {}
     for item in args.reports:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             parser.error(f"{item!r} is not NAME=PATH")
-        reports[name] = load_report(path)
-    if args.reference is not None and args.reference not in reports:
-        parser.error(f"--reference {args.reference!r} is none of {list(reports)}")
+        paths[name] = path
+    if args.reference is not None and args.reference not in paths:
+        parser.error(f"--reference {args.reference!r} is none of {list(paths)}")
+    pairs = []
+    for item in args.agree:
+        a, sep, b = item.partition(":")
+        if not sep or a not in paths or b not in paths:
+            parser.error(f"--agree {item!r} is not A:B with A and B among {list(paths)}")
+        pairs.append((a, b))
+    if args.lengths and args.within is None and not pairs:
+        parser.error("--lengths applies to --within and --agree only")
+    if args.within is not None and args.reference is None:
+        parser.error("--within needs --reference, the model the cells are checked against")
+    reports = {name: load_report(path) for name, path in paths.items()}
     print(table(reports, args.reference, args.ppl_length, args.speed_length, args.variant))
+    points = 10.0 if args.within is None else args.within
+    if args.within is not None:
+        print("\n" + within_reference(reports, args.reference, points, args.variant, args.lengths))
+    if pairs:
+        print("\n" + agreement(reports, pairs, points, args.variant, args.lengths))
     return 0
 
 

@@ -21,3 +21,30 @@ def test_a_task_on_a_named_haystack_sits_beside_the_task(tmp_path, capsys):
     columns = [c.strip() for c in header.split("|")[3:6]]
     assert columns == ["niah_single_2 1K", "niah_single_2@papers 1K", "passkey 1K"]
     assert [c.strip() for c in row.split("|")[3:6]] == ["100%", "50%", "90%"]
+
+
+def test_within_and_agree_count_the_cells_a_target_reads(tmp_path, capsys):
+    def report(name, passkey, essay):
+        (tmp_path / name).mkdir()
+        retrieval = {
+            "passkey/standard": {"by_length": {"1024": passkey[0], "8192": passkey[1], "16384": 0.0}},
+            "niah_single_2/standard": {"by_length": {"1024": essay[0], "8192": essay[1], "16384": 0.0}},
+        }
+        (tmp_path / name / "report.json").write_text(json.dumps({"retrieval": retrieval}))
+        return f"{name}={tmp_path / name}"
+
+    args = [report("teacher", (1.0, 0.4), (1.0, 0.68)), report("a", (1.0, 0.85), (0.9, 0.45))]
+    args += [report("b", (0.95, 0.7), (1.0, 0.7)), "--reference", "teacher", "--within", "10"]
+    assert main([*args, "--lengths", "1024", "8192", "--agree", "a:b"]) == 0
+    out = capsys.readouterr().out
+    assert "| a | 3 of 4 | niah_single_2 8K 45 vs 68 |" in out  # 90 vs 100 is within 10; above the teacher counts
+    assert "| b | 4 of 4 | none |" in out
+    # a vs b: |100-95| 5, |85-70| 15, |90-100| 10, |45-70| 25 -> 2 of 4 within 10, mean 13.75
+    assert "| a vs b | 2 of 4 | 13.8 | passkey 8K 85 vs 70, niah_single_2 8K 45 vs 70 |" in out
+
+
+def test_within_needs_a_reference():
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["a=x", "--within", "10"])
