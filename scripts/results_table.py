@@ -113,7 +113,8 @@ def cell_name(cell: tuple[str, int]) -> str:
 def within_reference(reports: dict[str, dict], reference: str, points: float, variant: str, lengths) -> str:
     """Per model: the cells at most `points` under the reference's (or above it), and the misses."""
     ref = retrieval_cells(reports[reference], variant, lengths)
-    rows = [f"| model | cells within {points:g} points of {reference} (or above) | cells under |", "| --- | --- | --- |"]
+    rows = [f"| model | cells within {points:g} points of {reference} (or above) | cells under |"]
+    rows.append("| --- | --- | --- |")
     for name, report in reports.items():
         if name == reference:
             continue
@@ -127,7 +128,8 @@ def within_reference(reports: dict[str, dict], reference: str, points: float, va
 
 def agreement(reports: dict[str, dict], pairs: list[tuple[str, str]], points: float, variant: str, lengths) -> str:
     """Per pair of models (two seeds of a recipe): the cells within `points` of each other and the mean distance."""
-    rows = [f"| pair | cells within {points:g} points | mean difference | cells further apart |", "| --- | --- | --- | --- |"]
+    rows = [f"| pair | cells within {points:g} points | mean difference | cells further apart |"]
+    rows.append("| --- | --- | --- | --- |")
     for a, b in pairs:
         cells_a = retrieval_cells(reports[a], variant, lengths)
         cells_b = retrieval_cells(reports[b], variant, lengths)
