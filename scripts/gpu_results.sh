@@ -27,6 +27,9 @@
 #                  the evaluation's own spread, to read MIXER-seed1 against;
 #   MIXER-trained-windows  the kept attention layers as 4K sliding windows from conversion on (sliding_window),
 #                  so the mixers learn to carry what the windows drop (the 16K sliding-window target);
+#   MIXER-far-windows  MIXER-trained-windows whose extend rows carry far facts (extend.retrieval: half the text
+#                  retrieval samples of 0.7-0.95 of a row with every fact in its first quarter, over 4K tokens from
+#                  its question), so the mixers learn to carry what the windows drop (recipes/README.md);
 #   MIXER-try-NAME  the MIXER job with TRY_ARGS (overrides split at spaces, so lists without them: TRY_ARGS="--set
 #                  extend.steps=300 --set evaluate.lengths=[1024,2048]") into the run MIXER-try-NAME: a one-off
 #                  experiment, named by what it tries;
@@ -52,6 +55,9 @@ WINDOWED_EVAL=(--set evaluate.attention_window=4096 --set "evaluate.tasks=[passk
 # MIXER-seed1's settings: every training seed 1 (layer fit, data order, retrieval samples, align, train, extend)
 SEED1=(--set data.seed=1 --set data.retrieval.seed=1 --set layer_choice.seed=1 --set align.seed=1 --set train.seed=1
   --set extend.seed=1)
+
+# MIXER-far-windows' extend data: every fact past a 4K window from its question (retrieval_data.py)
+FAR_FACTS=(--set "extend.retrieval={ratio: 0.5, length: [0.7, 0.95], depth: [0.0, 0.25]}")
 
 recipe() {  # recipe MIXER RUN [ARGS...]: the SmolLM2 recipe of MIXER into ~/runs/RUN
   read -ra extra <<< "${RECIPE_ARGS:-}"
@@ -141,6 +147,9 @@ PY
   raven-trained-windows | sse-trained-windows | sila-trained-windows)
     trained "${1%%-*}" "$1" --set sliding_window=4096
     ;;
+  raven-far-windows | sse-far-windows | sila-far-windows)
+    trained "${1%%-*}" "$1" --set sliding_window=4096 "${FAR_FACTS[@]}"
+    ;;
   raven-try-* | sse-try-* | sila-try-*)
     local tries
     read -ra tries <<< "${TRY_ARGS:?set TRY_ARGS to the overrides this experiment tries}"
@@ -160,7 +169,7 @@ PY
     ;;
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
-      "MIXER-trained-windows MIXER-try-NAME (MIXER: raven, sse or sila) sse-every2 sse-window-choice sse-noretrieval sse-noextend" \
+      "MIXER-trained-windows MIXER-far-windows MIXER-try-NAME (MIXER: raven, sse or sila) sse-every2 sse-window-choice sse-noretrieval sse-noextend" \
       "sse-norouter speed" >&2
     return 2
     ;;

@@ -399,7 +399,7 @@ def cache_key(
         "max_documents": max_documents,
     }
     if retrieval is not None and retrieval.ratio > 0:  # without one, the key of earlier caches
-        payload["retrieval"] = retrieval.model_dump()
+        payload["retrieval"] = retrieval.cache_fields()
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 

@@ -152,11 +152,14 @@ class TrainSettings(TrainConfig):
 class ExtendSettings(TrainConfig):
     """A second stage-2 phase at a longer context (SILA: 1K, then 4K), continuing from the train stage's model.
 
-    Its rows are the same documents packed to `seq_len`; with token weights enabled, each batch's weights are
-    computed from the teacher at that length as the batch is drawn (no precomputed table)."""
+    Its rows are the same documents packed to `seq_len`, with `retrieval`'s samples mixed in (data.retrieval's
+    unless set: e.g. facts placed far from their questions, past a sliding window); with token weights enabled,
+    each batch's weights are computed from the teacher at that length as the batch is drawn (no precomputed
+    table)."""
 
     seq_len: int = Field(ge=2, description="tokens per packed row in this phase")
     steps: int = Field(ge=1, description="optimizer steps of this phase")
+    retrieval: RetrievalMix | None = Field(None, description="this phase's retrieval samples; None: data.retrieval")
 
 
 class ExportSettings(_Strict):

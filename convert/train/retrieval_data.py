@@ -17,7 +17,10 @@ wording of facts and questions varies over several phrasings of each.
 Everything is decided by `random.Random(f"retrieval:{seed}")` and the corpus order: the same seed and data give the
 same samples. The ratio is counted in characters (a proxy for tokens): about `ratio` of the mixed text is synthetic.
 Samples are `WholeDocument`s of under seq_len tokens, which `pack_documents` keeps inside one row, so that a
-question never loses its facts to a row boundary.
+question never loses its facts to a row boundary. `length` sets their size as a share of a row, `depth` where
+their facts go: `length: [0.7, 0.95], depth: [0, 0.25]` puts the facts in the first quarter of samples of most of
+a row (in 8K rows, 4 asked facts in 5 lie over 4K tokens before their question: past a 4K sliding window, so only
+a mixer's state can answer).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 FORMATS = ("single", "multi", "multi_query", "kv")
 VALUE_KINDS = ("digits", "word", "code", "phrase")
@@ -39,6 +42,10 @@ ESTIMATE_CHARS = 200_000  # corpus characters tokenised to measure the character
 WORD = re.compile(r"[A-Za-z]{4,12}")
 POOL_SIZE = 5000  # distinct corpus words kept for keys and values
 MIN_WORDS = 32  # no sample before the corpus has given this many (a kv block takes up to 24 keys)
+LENGTH = (0.125, 0.8)  # a sample's size, as a share of the row: an eighth to 0.8
+DEPTH = (0.0, 1.0)  # facts anywhere in the filler
+DEFAULTS = {"length": LENGTH, "depth": DEPTH}
+RANGES = {"length": (0.01, 0.95), "depth": (0.0, 1.0)}  # a sample leaves room in its row for the question and EOS
 
 FACTS = (
     "The {key} {noun} is {value}.",
@@ -71,6 +78,21 @@ class RetrievalMix(BaseModel):
     seed: int = 0
     formats: tuple[Literal[FORMATS], ...] = Field(FORMATS, min_length=1)
     values: tuple[Literal[VALUE_KINDS], ...] = Field(VALUE_KINDS, min_length=1)
+    length: tuple[float, float] = Field(LENGTH, description="a sample's size as a share of a row, drawn in this range")
+    depth: tuple[float, float] = Field(DEPTH, description="where facts go, as a share of the filler from its start")
+
+    @field_validator("length", "depth")
+    @classmethod
+    def _range(cls, value: tuple[float, float], info) -> tuple[float, float]:
+        low, top = RANGES[info.field_name]
+        if not low <= value[0] <= value[1] <= top:
+            raise ValueError(f"{list(value)} is not a range [low, high] with {low} <= low <= high <= {top}")
+        return value
+
+    def cache_fields(self) -> dict:
+        """The fields that decide the samples, as the data cache keys them: length and depth only where they differ
+        from their defaults, so caches made before they existed stay valid."""
+        return self.model_dump(exclude={k for k in ("length", "depth") if getattr(self, k) == DEFAULTS[k]})
 
 
 def make_value(rng: random.Random, kind: str, words: list[str]) -> str:
@@ -84,9 +106,11 @@ def make_value(rng: random.Random, kind: str, words: list[str]) -> str:
     return " ".join(w.lower() for w in rng.sample(words, rng.randint(2, 4)))
 
 
-def insert_at_depths(rng: random.Random, filler: str, pieces: list[str]) -> str:
-    """filler with each piece inserted at its own random depth, at a word boundary."""
-    cuts = sorted(rng.randint(0, len(filler)) for _ in pieces)
+def insert_at_depths(rng: random.Random, filler: str, pieces: list[str], depth: tuple[float, float] = DEPTH) -> str:
+    """filler with each piece inserted at its own random depth within `depth` (shares of the filler from its start),
+    at a word boundary."""
+    low, high = int(depth[0] * len(filler)), int(depth[1] * len(filler))
+    cuts = sorted(rng.randint(low, high) for _ in pieces)
     cuts = [filler.rfind(" ", 0, c) + 1 if c < len(filler) else c for c in cuts]  # back to a word start
     out, last = [], 0
     for cut, piece in zip(cuts, pieces):
@@ -97,10 +121,17 @@ def insert_at_depths(rng: random.Random, filler: str, pieces: list[str]) -> str:
 
 
 def build_sample(
-    rng: random.Random, fmt: str, kind: str, words: list[str], filler: str, max_facts: int = 24
+    rng: random.Random,
+    fmt: str,
+    kind: str,
+    words: list[str],
+    filler: str,
+    max_facts: int = 24,
+    depth: tuple[float, float] = DEPTH,
 ) -> tuple[str, list[str]]:
-    """One sample, filler with facts inserted then the question and its answer, and the values it answers with.
-    At most `max_facts` facts (at least 2 where the format asks about several)."""
+    """One sample, filler with facts inserted (within `depth`, see insert_at_depths) then the question and its
+    answer, and the values it answers with. At most `max_facts` facts (at least 2 where the format asks about
+    several)."""
     noun = rng.choice(NOUNS)
     count = {"single": 1, "multi": rng.randint(2, 6), "multi_query": rng.randint(2, 6), "kv": rng.randint(6, 24)}[fmt]
     count = min(count, max(max_facts, 1 if fmt == "single" else 2))
@@ -112,11 +143,11 @@ def build_sample(
         asked = [rng.randrange(count)]
     if fmt == "kv":
         block = rng.choice(KV_HEADS) + "\n" + "\n".join(f"{k}: {v}" for k, v in zip(keys, values)) + "\n"
-        text = insert_at_depths(rng, filler, [block])
+        text = insert_at_depths(rng, filler, [block], depth)
         i = asked[0]
         return f"{text}\n\n{rng.choice(KV_QUESTIONS).format(key=keys[i])} {values[i]}", [values[i]]
     facts = [rng.choice(FACTS).format(key=k, noun=noun, value=v) for k, v in zip(keys, values)]
-    text = insert_at_depths(rng, filler, facts)
+    text = insert_at_depths(rng, filler, facts, depth)
     if fmt == "multi_query":
         names = ", ".join(keys[i] for i in asked[:-1]) + f" and {keys[asked[-1]]}"
         answer = "; ".join(f"{keys[i]}: {values[i]}" for i in asked)
@@ -130,7 +161,8 @@ def mix_retrieval(
 ) -> Iterator[str]:
     """The documents of `texts` in order, with a synthetic sample (a WholeDocument) after a document whenever the
     synthetic share of the characters so far falls below mix.ratio. A sample's filler is cut from the documents
-    read before it, for a sample of an eighth to 0.8 of a row. With `count_tokens` (the tokenizer's length of a
+    read before it, for a sample of mix.length's share of a row (an eighth to 0.8 by default), its facts within
+    mix.depth of the filler. With `count_tokens` (the tokenizer's length of a
     text) the characters per token are measured on the first ESTIMATE_CHARS of the corpus, and a sample that still
     comes out longer than seq_len tokens is rebuilt shorter; without it CHARS_PER_TOKEN is assumed."""
     if mix.ratio == 0:
@@ -157,11 +189,13 @@ def mix_retrieval(
         while synthetic < mix.ratio * (real + synthetic) and len(seen) >= MIN_WORDS:
             corpus = " ".join(" ".join(recent).split())
             fmt, kind = rng.choice(mix.formats), rng.choice(mix.values)
-            size, facts = int(rng.randint(seq_len // 8, int(0.8 * seq_len)) * chars_per_token), 24
+            share = rng.randint(int(mix.length[0] * seq_len), int(mix.length[1] * seq_len))
+            size, facts = int(share * chars_per_token), 24
             for _ in range(6):
                 size = min(len(corpus), size)
                 start = rng.randint(0, len(corpus) - size)
-                sample, _ = build_sample(rng, fmt, kind, list(seen), corpus[start : start + size], facts)
+                filler = corpus[start : start + size]
+                sample, _ = build_sample(rng, fmt, kind, list(seen), filler, facts, mix.depth)
                 tokens = 0 if count_tokens is None else count_tokens(sample)
                 if tokens < seq_len:  # packing adds the EOS
                     break

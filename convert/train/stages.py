@@ -213,10 +213,13 @@ def _learns(recipe: Recipe, stage: str) -> bool:
     return hasattr(getattr(recipe, stage, None), "lr")
 
 
-def recipe_dataset(recipe: Recipe | FinetuneRecipe, run_dir: Path, tokenizer, seq_len: int | None = None):
+def recipe_dataset(
+    recipe: Recipe | FinetuneRecipe, run_dir: Path, tokenizer, seq_len: int | None = None, retrieval=None
+):
     """(train, val) of data.source packed with `tokenizer` (or the one in that model directory: the converted
-    model's, the same for every stage, so the cache is shared), into rows of data.seq_len tokens or of `seq_len`.
-    Under a launch the main process tokenises and the others read its cache."""
+    model's, the same for every stage, so the cache is shared), into rows of data.seq_len tokens or of `seq_len`,
+    with data.retrieval's samples or `retrieval`'s (a RetrievalMix). Under a launch the main process tokenises and
+    the others read its cache."""
     from transformers import AutoTokenizer
 
     from raven_convert.train.data import build_dataset
@@ -234,7 +237,7 @@ def recipe_dataset(recipe: Recipe | FinetuneRecipe, run_dir: Path, tokenizer, se
             max_documents=d.max_documents,
             seed=d.seed,
             text_field=d.text_field,
-            retrieval=d.retrieval,
+            retrieval=retrieval or d.retrieval,
         )
 
 
@@ -406,8 +409,9 @@ def _stage_extend(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel)
     settings, model_dir = recipe.extend, _latest_model(run_dir, done)
     if settings is None:
         return {"skipped": True, "model": str(model_dir.relative_to(run_dir))}
-    train_rows, val_rows = recipe_dataset(recipe, run_dir, run_dir / done["convert"]["model"], settings.seq_len)
-    config = TrainConfig(**settings.model_dump(exclude={"seq_len"}))
+    tokenizer = run_dir / done["convert"]["model"]
+    train_rows, val_rows = recipe_dataset(recipe, run_dir, tokenizer, settings.seq_len, settings.retrieval)
+    config = TrainConfig(**settings.model_dump(exclude={"seq_len", "retrieval"}))
     weighted = recipe.token_weights.enabled
     teacher = load_teacher(recipe, parallel) if config.kd_weight > 0 or weighted else None
     weights = None

@@ -420,3 +420,35 @@ def test_export_defaults_outside_the_stage_directories_and_ships_nothing_interna
     with pytest.raises(ValueError, match=r"export.dir = .* overlaps the train stage's directory"):
         run_recipe(inside, tmp_path / "run2")
     assert not (tmp_path / "run2" / "convert").exists()  # refused before the first stage
+
+
+def test_extend_packs_its_rows_with_its_own_retrieval_mix(tiny_sources, tmp_path, monkeypatch):
+    from raven_convert.train import stages
+    from raven_convert.train.distributed import Parallel
+    from raven_convert.train.retrieval_data import RetrievalMix
+
+    far = {"ratio": 0.5, "length": [0.5, 0.95], "depth": [0.0, 0.4]}
+    base = {
+        "source": str(tiny_sources["llama"]),
+        "layers": [{"mixer": "sila", "layers": "1"}],
+        "data": {"source": str(tmp_path), "seq_len": 32, "retrieval": {"ratio": 0.2}},
+        "extend": {"seq_len": 48, "steps": 1, "retrieval": far},
+    }
+    seen = []
+
+    class Read(Exception):
+        pass
+
+    def dataset(recipe, run_dir, tokenizer, seq_len=None, retrieval=None):
+        seen.append((seq_len, retrieval))
+        raise Read  # the rows are all this test needs
+
+    monkeypatch.setattr(stages, "recipe_dataset", dataset)
+    done = {"convert": {"model": "convert/model"}}
+    for extend, expected in ((far, RetrievalMix(**far)), (None, None)):  # None: data.retrieval's (recipe_dataset)
+        recipe = parse_recipe(base | {"extend": {"seq_len": 48, "steps": 1, "retrieval": extend}})
+        with pytest.raises(Read):
+            stages._stage_extend(recipe, tmp_path, done, Parallel())
+        assert seen.pop() == (48, expected)
+    with pytest.raises(ValueError, match=r"extend.retrieval.depth"):
+        parse_recipe(base | {"extend": {"seq_len": 48, "steps": 1, "retrieval": {"depth": [0.5, 0.2]}}})

@@ -115,3 +115,44 @@ def test_recipe_errors_name_the_field():
         parse_recipe(data)
     assert "data.retrieval.ratoi: not a field of data.retrieval; did you mean 'ratio'?" in str(error.value)
     assert "data.retrieval.values.1: Input should be 'digits', 'word', 'code' or 'phrase'" in str(error.value)
+
+
+@pytest.mark.parametrize("depth", [(0.0, 0.3), (0.7, 1.0)])
+def test_facts_go_within_depth(depth):
+    words = [f"w{i}ord" for i in range(40)]
+    for seed in range(20):
+        rng = random.Random(seed)
+        filler = " ".join(rng.choices(["alpha", "beta", "gamma."], k=400))
+        fmt = ("single", "multi", "kv")[seed % 3]
+        sample, (answer,) = build_sample(rng, fmt, "code", words, filler, depth=depth)
+        context = sample.rsplit("\n\n", 1)[0]
+        where = context.index(answer) / len(filler)  # facts before it lengthen the context: a bound, not a share
+        assert depth[0] - 0.01 <= where <= depth[1] + 0.15, (seed, fmt, where)  # 0.01: back to a word start
+
+
+def test_length_sets_the_samples_share_of_a_row():
+    words_of = lambda text: len(text.split())  # noqa: E731 (a tokenizer of whitespace words)
+    for length in ((0.125, 0.8), (0.6, 0.9)):
+        mix = RetrievalMix(ratio=0.3, length=length)
+        sizes = [words_of(d) for d in mix_retrieval(documents(600), mix, 512, words_of) if isinstance(d, WholeDocument)]
+        assert sizes and all(d < 512 for d in sizes)
+        assert max(sizes) <= length[1] * 512 * 1.2, (length, sizes)
+        short = [n for n in sizes if n < length[0] * 512 * 0.8]  # the first: less corpus read than a sample takes
+        assert len(short) <= len(sizes) // 10, (length, sizes)
+
+
+def test_length_and_depth_are_checked_and_keyed_only_when_set(tmp_path):
+    with pytest.raises(ValueError, match=r"length\n.*\[0.9, 0.5\] is not a range \[low, high\] with 0.01 <= low"):
+        RetrievalMix(length=(0.9, 0.5))
+    with pytest.raises(ValueError, match=r"depth\n.*\[-0.1, 0.5\] is not a range"):
+        RetrievalMix(depth=(-0.1, 0.5))
+    with pytest.raises(ValueError, match="length"):
+        RetrievalMix(length=(0.5, 1.0))  # a whole row leaves no room for the question
+    assert "length" not in RetrievalMix().cache_fields()  # caches made before the fields existed stay valid
+    tok, src = tiny_tokenizer(), tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents(10)))
+    keys = {
+        cache_key(src, tok, 64, None, retrieval=RetrievalMix(**kw))
+        for kw in ({}, {"depth": (0, 0.5)}, {"length": (0.5, 0.8)})
+    }
+    assert len(keys) == 3
