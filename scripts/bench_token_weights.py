@@ -9,7 +9,8 @@ A random teacher of SmolLM2-135M's shapes (Llama: hidden 576, 30 layers, 9 query
 float32, sdpa attention), its q_proj and k_proj weights scaled up (--qk-scale) so that its attention is peaked and
 many probabilities pass tau = 0.2, weights rows of packed documents (position ids restarting at a few random
 points) with `token_weights` for kernel eager (PyTorch blocks of queries), compiled (the blocks through
-torch.compile) and triton (`attention_distance`). Prints, per shape and kernel, tokens per second (the mean of
+torch.compile) and triton (`attention_distance`), with the teacher's forward in float32 and under bf16 autocast
+(token_weights.precision). Prints, per shape, precision and kernel, tokens per second (the mean of
 --reps calls after a warm-up call, which also compiles), the share of nonzero weights, and the largest difference
 from the eager weights relative to their largest value; a markdown table last.
 """
@@ -23,7 +24,7 @@ import torch
 from bench_generate import SMOLLM2_135M  # scripts/: SmolLM2-135M's config
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from raven_convert.train.token_weights import token_weights
+from raven_convert.train.token_weights import PRECISIONS, token_weights
 
 KERNELS = ("eager", "compiled", "triton")
 
@@ -57,13 +58,14 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def measure(model, ids, positions, kernel: str, reps: int) -> tuple[float, torch.Tensor]:
+def measure(model, ids, positions, kernel: str, precision: str, reps: int) -> tuple[float, torch.Tensor]:
     """(tokens per second over `reps` calls after a warm-up, the weights)."""
-    weights = token_weights(model, ids, position_ids=positions, kernel=kernel)  # warm-up (and compilation)
+    run = {"position_ids": positions, "kernel": kernel, "precision": precision}
+    weights = token_weights(model, ids, **run)  # warm-up (and compilation)
     sync(ids.device)
     start = time.perf_counter()
     for _ in range(reps):
-        weights = token_weights(model, ids, position_ids=positions, kernel=kernel)
+        weights = token_weights(model, ids, **run)
     sync(ids.device)
     return reps * ids.numel() / (time.perf_counter() - start), weights
 
@@ -72,6 +74,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["8x2048", "2x8192"], help="BATCHxLENGTH of each measurement")
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)
+    parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--documents", type=int, default=4, help="packed documents per row")
     parser.add_argument("--qk-scale", type=float, default=4.0, help="factor on q_proj and k_proj (peaked attention)")
@@ -86,20 +89,21 @@ def main():
     for shape in args.shapes:
         batch, length = (int(x) for x in shape.split("x"))
         ids, positions = packed_batch(batch, length, args.documents, device)
-        eager = None
-        for kernel in args.kernels:
-            rate, weights = measure(model, ids, positions, kernel, args.reps)
-            nonzero = (weights > 0).float().mean().item()
-            if kernel == "eager":
-                eager = weights
-            diff = float("nan") if eager is None else ((weights - eager).abs().max() / eager.abs().max()).item()
-            rows.append((shape, kernel, rate, nonzero, diff))
-            print(f"{shape} {kernel}: {rate:,.0f} tokens/s, nonzero {nonzero:.3f}, vs eager {diff:.2e}", flush=True)
+        eager = None  # float32 eager: the reference of every other measurement
+        for precision in args.precisions:
+            for kernel in args.kernels:
+                rate, weights = measure(model, ids, positions, kernel, precision, args.reps)
+                nonzero = (weights > 0).float().mean().item()
+                if (kernel, precision) == ("eager", "float32"):
+                    eager = weights
+                diff = float("nan") if eager is None else ((weights - eager).abs().max() / eager.abs().max()).item()
+                rows.append((shape, precision, kernel, rate, nonzero, diff))
+                print(f"{shape} {precision} {kernel}: {rate:,.0f} tokens/s, nonzero {nonzero:.3f}, vs eager {diff:.2e}")
 
-    print("\n| batch x length | kernel | tokens/s | nonzero weights | max abs diff / max (vs eager) |")
-    print("| --- | --- | --- | --- | --- |")
-    for shape, kernel, rate, nonzero, diff in rows:
-        print(f"| {shape} | {kernel} | {rate:,.0f} | {nonzero:.3f} | {diff:.1e} |")
+    print("\n| batch x length | forward | kernel | tokens/s | nonzero weights | max abs diff / max (float32 eager) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for shape, precision, kernel, rate, nonzero, diff in rows:
+        print(f"| {shape} | {precision} | {kernel} | {rate:,.0f} | {nonzero:.3f} | {diff:.1e} |")
 
 
 if __name__ == "__main__":

@@ -94,8 +94,8 @@ def check_same_tokenizer(tokenizer, reference_tokenizer, student: str, reference
 
 def weights_cache_key(reference, rows: PackedDataset, settings: WeightSettings) -> str:
     """sha256 (hex) of what decides the weight table: the reference (sources.model_fingerprint), the packed rows
-    (their token and position ids, in order), tau, lam and WEIGHTS_FORMAT. Not the student's: every student with
-    this tokenizer reuses the table."""
+    (their token and position ids, in order), tau, lam, precision and WEIGHTS_FORMAT. Not the student's: every
+    student with this tokenizer reuses the table."""
     data = hashlib.sha256()
     for field in ("input_ids", "position_ids"):
         values = rows.tensors[field][rows.rows].int()  # [N, T]
@@ -108,6 +108,8 @@ def weights_cache_key(reference, rows: PackedDataset, settings: WeightSettings) 
         "tau": settings.tau,
         "lam": settings.lam,
     }
+    if settings.precision != "float32":  # keyed only when set, so tables cached before the field stay valid
+        payload["precision"] = settings.precision
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
@@ -138,6 +140,7 @@ def cached_weight_table(
         keep_checkpoints=settings.keep_checkpoints,
         log=log,
         kernel=resolve_kernel(settings.kernel, next(reference.parameters()).device),
+        precision=settings.precision,
     )
     if is_main_process():
         save_atomic(table, path)

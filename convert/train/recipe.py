@@ -136,6 +136,11 @@ class WeightSettings(_Strict):
         description="how each layer's attention distance is computed (token_weights.token_weights): the fused Triton "
         "kernel, PyTorch blocks of queries through torch.compile, or eagerly; auto: triton on CUDA, else eager",
     )
+    precision: Literal["float32", "bf16"] = Field(
+        "float32",
+        description="the reference's forward in float32 or under bf16 autocast (faster; the weights move slightly: "
+        "token_weights.PRECISIONS)",
+    )
 
 
 class TokenWeightSettings(WeightSettings):

@@ -340,6 +340,7 @@ def _stage_weights(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel
         parallel=parallel,
         kernel=resolve_kernel(settings.kernel, parallel.device),
         only=only,
+        precision=settings.precision,
     )
     summary = {"picture": "weights/weights.png", "file": "weights/weights.pt", "shape": list(weights.shape)}
     summary |= {"rows": len(only), "mean": weights[only].mean().item(), "max": weights[only].max().item()}
@@ -428,6 +429,7 @@ def _stage_extend(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel)
                 lam=tw.lam,
                 query_block=tw.query_block,
                 kernel=kernel,
+                precision=tw.precision,
             )
 
     rows = (train_rows, val_rows)

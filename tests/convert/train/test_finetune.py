@@ -163,6 +163,7 @@ def test_weights_change_the_run_and_are_computed_once_per_reference_and_data(sou
     assert weights_cache_key(load(sources["student"]), train_rows, settings) != key  # another reference
     assert weights_cache_key(reference, rows(sources, tmp_path)[1], settings) != key  # other rows
     assert weights_cache_key(reference, train_rows, FinetuneWeights(lam=1.0)) != key
+    assert weights_cache_key(reference, train_rows, FinetuneWeights(precision="bf16")) != key
 
 
 def test_a_reference_with_another_tokenizer_is_refused_before_any_work(sources, tmp_path, monkeypatch, capsys):

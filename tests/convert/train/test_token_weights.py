@@ -208,6 +208,21 @@ def test_kernels_equal_eager():
         token_weights(model, ids, kernel="fused")
 
 
+
+def test_bf16_forward_moves_the_weights_only_slightly():
+    """precision "bf16" runs the reference under bf16 autocast: other roundings (so not equal), the same weights up
+    to them, and still none at padding."""
+    model = tiny_model("llama", attn_implementation="sdpa")
+    ids, mask = random_ids(2, T, seed=5), torch.ones(2, T, dtype=torch.long)
+    mask[0, :6] = 0
+    full = token_weights(model, ids, mask, kernel="eager")
+    half = token_weights(model, ids, mask, kernel="eager", precision="bf16")
+    assert half.dtype == torch.float32 and not torch.equal(half, full)
+    assert torch.corrcoef(torch.stack([full.flatten(), half.flatten()]))[0, 1] > 0.98
+    assert (half[0, :6] == 0).all()
+    with pytest.raises(ValueError, match=r"precision = 'fp16' is not allowed; expected one of \['float32', 'bf16'\]"):
+        token_weights(model, ids, precision="fp16")
+
 def test_weight_table_of_chosen_rows(tmp_path):
     """weight_table(only=...): the chosen rows get the weights the whole table gives them, the others NaN; a
     checkpoint of one choice does not resume another."""
