@@ -3,6 +3,15 @@
 # background jobs on one H100 (scripts/gpu_jobs.sh), so several share the GPU and outlive a 10-minute device call.
 #
 #   MODEL=~/cache/smollm2.gguf CORPUS=~/cache/corpus ESSAYS=~/cache/essays bash scripts/gpu_results.sh start teacher raven sila
+#
+# after copying the model, corpus and essays in three calls (each carries at most 64 MiB with the checkout; the
+# halves, wheels and corpus parts come from ../shared/tools/gpu-prep.sh and the corpus split into .carry/corpus-*):
+#   carry .carry/smollm2.gguf.part-aa .whl .carry/corpus-b:
+#     mkdir -p ~/cache/corpus && cp .carry/smollm2.gguf.part-aa ~/cache/ && cp .carry/corpus-b/* ~/cache/corpus/
+#   carry .carry/smollm2.gguf.part-ab .carry/corpus-c .carry/pg_essays:
+#     cat ~/cache/smollm2.gguf.part-aa .carry/smollm2.gguf.part-ab > ~/cache/smollm2.gguf &&
+#     cp .carry/corpus-c/* ~/cache/corpus/ && cp -r .carry/pg_essays ~/cache/essays
+#   carry .carry/corpus-a: cp .carry/corpus-a/* ~/cache/corpus/ && ... gpu_results.sh start ...
 #   bash scripts/gpu_jobs.sh wait 540        # in each later call, until the jobs end
 #   bash scripts/gpu_jobs.sh collect         # $OUT/runs.tar.gz: stage summaries, reports, pictures; logs.tar.gz
 #
