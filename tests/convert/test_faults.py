@@ -75,10 +75,10 @@ def test_every_float_flag_refuses_non_finite(mixer, name, text, tmp_path, capsys
 
 
 def recipe_float_fields(model: type[BaseModel] = Recipe, prefix: str = "") -> list[tuple[str, bool]]:
-    """(dotted path, is a list) of every float field of the recipe schema, nested sections included."""
+    """(dotted path, is a list or tuple) of every float field of the recipe schema, nested sections included."""
     found = []
     for name, info in model.model_fields.items():
-        if typing.get_origin(info.annotation) is list:
+        if typing.get_origin(info.annotation) in (list, tuple):  # tuples: ranges such as data.retrieval.depth
             if float in typing.get_args(info.annotation):
                 found.append((prefix + name, True))
             continue
@@ -102,7 +102,7 @@ def test_every_float_recipe_field_refuses_non_finite():
     for path, is_list in fields:
         section, *inner = path.split(".")
         for bad in BAD_FLOATS:
-            value = [bad] if is_list else bad
+            value = [bad, bad] if is_list else bad  # two: a range's both ends
             for name in reversed(inner):  # data.retrieval.ratio -> {"retrieval": {"ratio": bad}}
                 value = {name: value}
             data = MINIMAL | {section: REQUIRED.get(section, {}) | value}
