@@ -208,7 +208,6 @@ def test_kernels_equal_eager():
         token_weights(model, ids, kernel="fused")
 
 
-
 def test_bf16_forward_moves_the_weights_only_slightly():
     """precision "bf16" runs the reference under bf16 autocast: other roundings (so not equal), the same weights up
     to them, and still none at padding."""
@@ -222,6 +221,7 @@ def test_bf16_forward_moves_the_weights_only_slightly():
     assert (half[0, :6] == 0).all()
     with pytest.raises(ValueError, match=r"precision = 'fp16' is not allowed; expected one of \['float32', 'bf16'\]"):
         token_weights(model, ids, precision="fp16")
+
 
 def test_weight_table_of_chosen_rows(tmp_path):
     """weight_table(only=...): the chosen rows get the weights the whole table gives them, the others NaN; a
