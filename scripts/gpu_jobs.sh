@@ -7,6 +7,7 @@
 #   bash scripts/gpu_jobs.sh wait SECONDS           # until every job has ended or SECONDS have passed
 #   bash scripts/gpu_jobs.sh status                 # each job's state, last progress line, and GPU memory
 #   bash scripts/gpu_jobs.sh collect                # summaries, reports, pictures and logs -> $OUT/runs.tar.gz
+#   bash scripts/gpu_jobs.sh deltas RUN...          # the runs' trained hybrids as deltas (raven_convert.delta) -> $OUT
 #
 # Jobs live in $JOBS (~/jobs): NAME.log (output), NAME.rc (exit status, once ended), NAME.src (the snapshot, so a
 # job keeps the code it started with while later calls replace the checkout). Runs write under $RUNS (~/runs).
@@ -73,8 +74,14 @@ collect)
   (cd "$OUT" && ls *.log > /dev/null 2>&1 && tar -czf logs.tar.gz *.log && rm -f *.log)
   ls -la "$OUT"
   ;;
+deltas)  # one call brings back what fits its 64 MiB: about one SmolLM2 hybrid (raven_convert/delta.py)
+  for run in "${@:2}"; do
+    cp "$RUNS/$run/model.delta.safetensors" "$OUT/$run.delta.safetensors" || exit 1
+  done
+  ls -la "$OUT"
+  ;;
 *)
-  echo "usage: bash scripts/gpu_jobs.sh start NAME 'COMMAND' | wait SECONDS | status | collect" >&2
+  echo "usage: bash scripts/gpu_jobs.sh start NAME 'COMMAND' | wait SECONDS | status | collect | deltas RUN..." >&2
   exit 2
   ;;
 esac

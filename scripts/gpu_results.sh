@@ -20,7 +20,10 @@
 # Jobs (each one run directory under ~/runs, with the recipe's own settings and these paths):
 #   teacher        the teacher, evaluated with the recipes' evaluate settings
 #   raven|sse|sila recipes/smollm2-<mixer>.yaml, every stage but export; after training, the final model is loaded
-#                  and generates in a process without the toolkit (scripts/clean_load.sh -> RUN/load_check.json).
+#                  and generates in a process without the toolkit (scripts/clean_load.sh -> RUN/load_check.json)
+#                  and is saved as its difference from the teacher (RUN/model.delta.safetensors, about 54 MB for
+#                  SILA; `bash scripts/gpu_jobs.sh deltas RUN` brings it back, `python -m raven_convert.delta
+#                  apply` rebuilds it).
 #                  Before its own evaluation, RUN-sw: the trained hybrid evaluated with its kept attention layers
 #                  as 4K sliding windows (it trained with full attention), on retrieval at 4K-16K (WINDOWED_EVAL)
 #   sila-uniform   SILA's ablation: its aligned model trained with uniform token weights (started by the sila job
@@ -80,6 +83,8 @@ trained() {  # trained MIXER RUN [ARGS...]: train RUN, check that its model load
   local model="$RUNS/$2/extend/model"
   [ -d "$model" ] || model="$RUNS/$2/train/model"  # a recipe without extend
   bash scripts/clean_load.sh "$model" "$RUNS/$2/load_check.json"
+  # the trained hybrid as its difference from the teacher, small enough to bring back (gpu_jobs.sh deltas RUN)
+  python3 -m raven_convert.delta save "$model" "$TEACHER" "$RUNS/$2/model.delta.safetensors" --bf16
   if [ "${WINDOWED:-1}" = 1 ]; then
     rm -rf "$RUNS/$2-sw" && cp -a "$RUNS/$2" "$RUNS/$2-sw" &&
       recipe "$1" "$2-sw" --stages evaluate --redo evaluate "${@:3}" "${WINDOWED_EVAL[@]}"
