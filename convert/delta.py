@@ -94,6 +94,7 @@ def apply_delta(delta: str | Path, teacher: str, out: str | Path) -> Path:
     from safetensors import safe_open
 
     from raven_convert.export import save_hybrid
+    from raven_convert.train.models import hybrid_from_state
     from raven_layers import HybridConfig, HybridForCausalLM
 
     with safe_open(str(delta), "pt") as f:
@@ -110,9 +111,9 @@ def apply_delta(delta: str | Path, teacher: str, out: str | Path) -> Path:
             f"{delta} was saved against the teacher {metadata['teacher']!r}; {teacher!r} has other weights or config"
         )
     with torch.device("meta"):
-        hybrid = HybridForCausalLM(config)
+        names = HybridForCausalLM(config).state_dict()
     teacher_state = base.state_dict()  # a mixer's layer drops what its attention had (Qwen2's q/k/v biases)
-    state = {k: teacher_state[k].to(dtype) for k in hybrid.state_dict() if k in teacher_state}
+    state = {k: teacher_state[k].to(dtype) for k in names if k in teacher_state}
     for name, value in stored.items():
         if name.endswith(FACTORS[0]):
             target = name.removesuffix(FACTORS[0])
@@ -120,13 +121,8 @@ def apply_delta(delta: str | Path, teacher: str, out: str | Path) -> Path:
             state[target] = (state[target].float() + value @ b).to(dtype)
         elif not name.endswith(FACTORS[1]):
             state[name] = value.to(dtype)
-    hybrid.load_state_dict(state, strict=True, assign=True)
-    for name, buffer in list(hybrid.named_buffers()):  # buffers no state dict holds (RoPE's inverse frequencies)
-        if buffer.is_meta:
-            owner, _, leaf = name.rpartition(".")
-            hybrid.get_submodule(owner)._buffers[leaf] = base.get_buffer(name).detach().clone()
-    hybrid.tie_weights()
-    return save_hybrid(hybrid.eval(), source.load_tokenizer(), out, base_model=metadata["teacher"])
+    hybrid = hybrid_from_state(config, state, base)
+    return save_hybrid(hybrid, source.load_tokenizer(), out, base_model=metadata["teacher"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,21 +46,31 @@ def whole_model(parallel: Parallel, model, model_dir: Path, lora=None):
     state = parallel.full_state_dict(model)
     if not parallel.is_main:
         return None
-    from raven_layers import HybridConfig, HybridForCausalLM
+    from raven_layers import HybridConfig
+
+    return hybrid_from_state(HybridConfig.from_pretrained(str(model_dir)), state, model, lora)
+
+
+def hybrid_from_state(config, state: dict, buffers_from, lora=None):
+    """A HybridForCausalLM of `config` built on the meta device that takes the tensors of `state` as they are (so
+    the host holds them once), with LoRA adapters added first as `lora` (a TrainConfig) says, the buffers no state
+    dict holds (RoPE's inverse frequencies) copied from the model `buffers_from`; in eval mode, as from_pretrained
+    gives a model."""
+    from raven_layers import HybridForCausalLM
 
     with torch.device("meta"):
-        fresh = HybridForCausalLM(HybridConfig.from_pretrained(str(model_dir)))
+        fresh = HybridForCausalLM(config)
     if lora is not None and lora.uses_lora:
         from raven_convert.train.stage2 import add_lora
 
         add_lora(fresh, lora)
     fresh.load_state_dict(state, assign=True)
-    for name, buffer in list(fresh.named_buffers()):  # buffers no state dict holds (RoPE's inverse frequencies)
+    for name, buffer in list(fresh.named_buffers()):
         if buffer.is_meta:
             owner, _, leaf = name.rpartition(".")
-            fresh.get_submodule(owner)._buffers[leaf] = model.get_buffer(name).detach().cpu()
+            fresh.get_submodule(owner)._buffers[leaf] = buffers_from.get_buffer(name).detach().cpu()
     fresh.tie_weights()  # assign=True gave tied weights (embeddings and head) tensors of their own
-    return fresh.eval()  # as from_pretrained gives it
+    return fresh.eval()
 
 
 def save_model(model, model_dir_from: Path, out: Path, base_model: str) -> None:
