@@ -72,7 +72,7 @@ def save_delta(model_dir: str | Path, teacher: str, out: str | Path, max_rank: i
         if old is not None and old.shape == value.shape and value.dim() == 2:
             pair = _factors(value, old.to(value.dtype), max_rank)
         if pair is None:
-            tensors[name] = value.to(whole_dtype or value.dtype).contiguous()
+            tensors[name] = value.to(whole_dtype or value.dtype, copy=True)  # a copy: tied tensors share memory
         else:
             tensors[name + FACTORS[0]], tensors[name + FACTORS[1]] = (t.contiguous() for t in pair)
             factored += 1
