@@ -225,6 +225,9 @@ class MixerSpec:
         references: its PyTorch forms, the references its kernels are tested against.
         pictures: "module:function" drawing the evaluation report's pictures of one of its layers (see
             convert/evaluate/pictures.py); imported only by the report, so the model never depends on it.
+        graph_safe: its training forward and backward on packed documents (with its kernels, on CUDA) read nothing
+            back to the host and size nothing from the data but the shapes, and documents of no tokens change
+            nothing: align can then capture its steps as CUDA graphs (convert/train/graphs.py).
     """
 
     settings: type[MixerSettings]
@@ -233,6 +236,7 @@ class MixerSpec:
     kernels: str | None = None
     references: tuple[Callable, ...] = ()
     pictures: str | None = None
+    graph_safe: bool = False
 
     NAME_PATTERN = re.compile(r"[a-z][a-z0-9_]*")
 

@@ -437,4 +437,5 @@ MIXER = MixerSpec(
     kernels="raven_kernels.sila",
     references=(sila_recurrent, sila_chunked),
     pictures="raven_convert.evaluate.pictures:sila_pictures",
+    graph_safe=True,  # the kernels' packed layout is bounded by shapes (kernels/sila/utils.py varlen_layout)
 )

@@ -35,6 +35,15 @@ from raven_convert.train.distributed import (
     sharded_optimizer_state,
 )
 from raven_convert.train.flops import align_flops, mfu, mfu_text
+from raven_convert.train.graphs import (
+    DOCUMENT_BUCKET,
+    CapturedStep,
+    graph_optimizer,
+    pad_documents,
+    resolve_graphs,
+    restore_graph_settings,
+    set_lr,
+)
 from raven_convert.train.losses import alignment_mse, mixers_aux_loss
 from raven_convert.train.precision import frozen_linears_in
 from raven_layers.modeling_hybrid import find_packed_documents
@@ -75,12 +84,17 @@ def document_mask(documents: torch.Tensor) -> torch.Tensor:
     return (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
 
 
-def step_inputs(batch: dict, device) -> tuple[dict, tuple[torch.Tensor, torch.Tensor] | None | str]:
+def step_inputs(
+    batch: dict, device, bucket: int | None = None
+) -> tuple[dict, tuple[torch.Tensor, torch.Tensor] | None | str]:
     """(model inputs, `packed` of alignment_losses) of a batch on the host, on `device`: packed documents are found
-    in the host's position ids and everything is copied without blocking, so that a step never waits for the GPU."""
+    in the host's position ids and everything is copied without blocking, so that a step never waits for the GPU.
+    `bucket`: the documents' offsets padded with empty documents to a multiple of it (graphs.pad_documents)."""
     packed = "auto"  # padded rows: nothing to find
     if "position_ids" in batch and batch["position_ids"].device.type == "cpu":
         found = find_packed_documents(batch["position_ids"])
+        if found is not None and bucket is not None:
+            found = (found[0], pad_documents(found[1], bucket))
         layout = {} if found is None else dict(zip(("documents", "cu_seqlens"), found))
         packed = tuple(to_device(layout, device).values()) or None
     return to_device(model_inputs(batch), device), packed
@@ -213,6 +227,7 @@ def align(
     log_every: int = 10,
     mixed_precision: str = "no",
     compile: CompileSetting = "auto",
+    cuda_graphs: CompileSetting = False,
     out_dir=None,
     save_every: int = 100,
     keep_checkpoints: int = 2,
@@ -234,7 +249,9 @@ def align(
     mixed_precision "bf16" runs the teacher and the mixers under bfloat16 autocast (weights and optimizer state stay
     in their own dtype).
     `compile` (True, False or "auto": on CUDA) runs the mixers' PyTorch work around their kernels and the decoder
-    layers' norms and MLPs compiled (compiling.py).
+    layers' norms and MLPs compiled (compiling.py). `cuda_graphs` (True, False or "auto": where it can) replays each
+    step, optimizer update included, as a CUDA graph once its layout of packed documents has run eagerly
+    (graphs.py: one process on CUDA, mixers declared graph_safe); the steps compute what the eager ones do.
 
     With `out_dir`, a checkpoint (see checkpoint.py) is written every `save_every` steps and at the end, the newest
     `keep_checkpoints` kept, and a call resumes after the newest intact one: its mixer weights, optimizer and RNG
@@ -259,8 +276,12 @@ def align(
     if mixed_precision not in ("no", "bf16"):
         raise ValueError(f"mixed_precision = {mixed_precision!r} is not allowed; expected 'no' or 'bf16'")
     parallel = parallel or Parallel()
+    graphs = resolve_graphs(cuda_graphs, hybrid, parallel.device, parallel.world)
     place_mixers(hybrid, parallel)
-    autocast = torch.autocast(parallel.device.type, dtype=torch.bfloat16, enabled=mixed_precision == "bf16")
+    # no cache of cast weights: each is cast once per step anyway, and a graph cannot keep the cache's tensors
+    autocast = torch.autocast(
+        parallel.device.type, dtype=torch.bfloat16, enabled=mixed_precision == "bf16", cache_enabled=False
+    )
     teacher.eval()
     was_training = hybrid.training
     hybrid.train()
@@ -270,16 +291,24 @@ def align(
         p.requires_grad_(id(p) in trainable)
     named = {n: p for n, p in hybrid.named_parameters() if id(p) in trainable}
     params = list(named.values())
+    layers = converted_layers(hybrid)
     # a step's losses are read back one step later (no host sync in the step): the fused AdamW skips, on the GPU,
     # the update of a step whose loss is not finite (found_inf), and the next step raises before its own update
     lagged = not parallel.sharded
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=lagged or None)
+    if graphs:
+        optimizer = graph_optimizer(params, lr, weight_decay, parallel.device)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=lagged or None)
+    if lagged:
+        optimizer.found_inf = torch.zeros((), device=parallel.device)
 
     history, first = [], 0
     resumed = None if out_dir is None else latest_checkpoint(out_dir, warn=lambda m: parallel.print(f"[align] {m}"))
     if resumed is not None:
         path, meta = resumed
         _load(path, named, optimizer)
+        if graphs:
+            restore_graph_settings(optimizer, parallel.device)
         first = meta["step"]
         history = [r | {"layers": {int(i): v for i, v in r["layers"].items()}} for r in meta["history"]][:first]
         parallel.print(f"[align] resumed from {path} (step {first})")
@@ -289,8 +318,9 @@ def align(
     clock = {"start": time.perf_counter(), "tokens": 0, "first_step_seconds": 0.0}
     per_token = None  # model FLOPs per token, once the rows' length is seen
     pending = None  # the latest step whose losses are not read back yet
+    has_aux = {}  # whether the mixers add a balance loss, seen at the first step
 
-    def book(step: int, step_lr: float, layers: list[int], has_aux: bool, stacked: torch.Tensor, copied=None) -> None:
+    def book(step: int, step_lr: float, stacked: torch.Tensor, copied=None) -> None:
         """Read back a step's global losses and token count (stacked [1 + layers (+ aux) + 1]; on the host once the
         event `copied` has passed), stop on a non-finite loss, record and log the step."""
         if copied is not None:
@@ -306,7 +336,7 @@ def align(
         if step == first:  # the first step compiles kernels and allocates: the rate counts from its end
             clock.update(first_step_seconds=now - clock["start"], start=now, tokens=0)
         record = {"step": step, "loss": values[0], "layers": dict(zip(layers, values[1:]))}
-        if has_aux:
+        if has_aux["aux"]:
             record["aux"] = values[-1]
         utilisation = mfu(rate * per_token, parallel.device, parallel.world)
         history.append(record | {"tokens_per_second": rate, "mfu": utilisation, "lr": step_lr})
@@ -317,6 +347,41 @@ def align(
                 f"{mfu_text(utilisation)} | {eta((steps - step - 1) * per_step)}"
             )
 
+    def forward_backward(inputs: dict, packed) -> torch.Tensor:
+        """The step's losses and their gradients; returns the global batch's losses and token count, reduced on the
+        device ([total, each layer's, (aux,) tokens]): every process reads the same means, so all stop together."""
+        with autocast:
+            losses = alignment_losses(teacher, hybrid, **inputs, packed=packed)
+        aux = mixers_aux_loss(hybrid, losses)  # SSE's balance loss trains its router here too
+        has_aux.setdefault("aux", aux is not None)
+        total = torch.stack(list(losses.values())).sum() + (0.0 if aux is None else aux)
+        optimizer.zero_grad(set_to_none=not graphs)  # a graph's gradients stay where it found them
+        with record_function("align.backward"):
+            total.backward()
+        mask = inputs.get("attention_mask")
+        local = inputs["input_ids"].new_tensor(inputs["input_ids"].numel()) if mask is None else mask.sum()
+        parts = [total, *losses.values()] + ([] if aux is None else [aux])
+        return parallel.mean(torch.stack([v.detach().float() for v in parts] + [local.float()]))
+
+    def update(stacked: torch.Tensor) -> None:
+        if lagged:  # a step whose losses are not finite changes nothing
+            optimizer.found_inf.copy_(~torch.isfinite(stacked[:-1]).all())
+        with record_function("align.optimizer"):
+            parallel.average_gradients(params)
+            if grad_clip:
+                torch.nn.utils.clip_grad_norm_(params, grad_clip)
+            optimizer.step()
+
+    def whole_step(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """forward_backward and update of one step's tensors (model inputs, and with packed documents their
+        "documents" and "cu_seqlens"): what a graph holds."""
+        packed = (tensors["documents"], tensors["cu_seqlens"]) if "cu_seqlens" in tensors else None
+        inputs = {k: v for k, v in tensors.items() if k not in ("documents", "cu_seqlens")}
+        stacked = forward_backward(inputs, packed)
+        update(stacked)
+        return stacked
+
+    captured = CapturedStep(whole_step) if graphs else None
     try:
         # the teacher's linear weights in bf16 while the loop runs (exact under bf16 autocast; precision.py)
         bf16 = mixed_precision == "bf16" and not parallel.sharded
@@ -327,43 +392,29 @@ def align(
         ):
             for step, batch in zip(range(first, steps), batches):
                 step_lr = lr_at(step, lr, steps, warmup_steps)
-                for group in optimizer.param_groups:
-                    group["lr"] = step_lr
-                inputs, packed = step_inputs(_share(batch, parallel), parallel.device)
-                with autocast:
-                    losses = alignment_losses(teacher, hybrid, **inputs, packed=packed)
-                aux = mixers_aux_loss(hybrid, losses)  # SSE's balance loss trains its router here too
-                total = torch.stack(list(losses.values())).sum() + (0.0 if aux is None else aux)
-                optimizer.zero_grad(set_to_none=True)
-                with record_function("align.backward"):
-                    total.backward()
-                mask = inputs.get("attention_mask")
-                local = inputs["input_ids"].new_tensor(inputs["input_ids"].numel()) if mask is None else mask.sum()
-                parts = [total, *losses.values()] + ([] if aux is None else [aux])
-                # the global batch's losses and token count, reduced on the device; every process reads the same
-                # means, so all of them stop together
-                stacked = parallel.mean(torch.stack([v.detach().float() for v in parts] + [local.float()]))
+                bucket = DOCUMENT_BUCKET if graphs else None
+                inputs, packed = step_inputs(_share(batch, parallel), parallel.device, bucket)
                 if per_token is None:
                     per_token = align_flops(teacher, hybrid, inputs["input_ids"].shape[1])
-                if pending is not None:  # the step before: long done on the GPU, read before this one's update
-                    book(*pending)
-                    pending = None
-                current = (step, step_lr, list(losses), aux is not None)
-                if lagged:
-                    optimizer.found_inf = (~torch.isfinite(stacked[:-1]).all()).float()  # skips a bad update
-                    host, copied = stacked, None
-                    if stacked.is_cuda:  # into pinned memory, read once the event has passed
-                        host = torch.empty(stacked.shape, pin_memory=True).copy_(stacked, non_blocking=True)
-                        copied = torch.cuda.Event()
-                        copied.record()
-                    pending = (*current, host, copied)
+                if captured is not None:
+                    if pending is not None:  # the step before, read before this one's update
+                        book(*pending)
+                        pending = None
+                    set_lr(optimizer, step_lr)
+                    layout = dict(zip(("documents", "cu_seqlens"), packed)) if isinstance(packed, tuple) else {}
+                    tensors = {k: v for k, v in inputs.items() if v is not None} | layout
+                    pending = (step, step_lr, *_read_later(captured(tensors)))
                 else:
-                    book(*current, stacked)  # the step's one host sync, before the optimizer applies anything
-                with record_function("align.optimizer"):
-                    parallel.average_gradients(params)
-                    if grad_clip:
-                        torch.nn.utils.clip_grad_norm_(params, grad_clip)
-                    optimizer.step()
+                    set_lr(optimizer, step_lr)
+                    stacked = forward_backward(inputs, packed)
+                    if pending is not None:  # the step before: long done on the GPU, read before this one's update
+                        book(*pending)
+                        pending = None
+                    if lagged:
+                        pending = (step, step_lr, *_read_later(stacked))
+                    else:
+                        book(step, step_lr, stacked)  # the step's one host sync, before the optimizer applies it
+                    update(stacked)
                 if out_dir is not None and ((step + 1) % save_every == 0 or step + 1 == steps):
                     if pending is not None:  # a checkpoint holds its steps' records
                         book(*pending)
@@ -374,5 +425,18 @@ def align(
     finally:
         for p, requires_grad in frozen:
             p.requires_grad_(requires_grad)
+        if graphs:
+            optimizer.zero_grad(set_to_none=True)  # the gradients held for the graphs
         hybrid.train(was_training)
     return history
+
+
+def _read_later(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """A copy of a step's losses the host can read once the returned event has passed (on the CPU: the tensor
+    itself, and no event), so that queuing the copy does not wait for the step."""
+    if not stacked.is_cuda:
+        return stacked, None
+    host = torch.empty(stacked.shape, pin_memory=True).copy_(stacked, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied

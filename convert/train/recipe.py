@@ -118,6 +118,11 @@ class AlignSettings(_Strict):
         "auto",
         description="torch.compile the mixers' glue and the layers' norms and MLPs (compiling.py); auto: on CUDA",
     )
+    cuda_graphs: CompileSetting = Field(
+        False,
+        description="replay each step as a CUDA graph (graphs.py); auto: where it can (CUDA, one process, mixers "
+        "declared graph_safe); true: or fail",
+    )
     save_every: int = Field(100, ge=1, description="steps between checkpoints (and one at the end)")
     keep_checkpoints: int = Field(2, ge=1, description="how many of the newest checkpoints stay on disk")
 
@@ -225,6 +230,16 @@ class Recipe(_Strict):
     @model_validator(mode="after")
     def _auto(self) -> Recipe:
         self.auto()  # auto:N alone, and not beside window_layers
+        return self
+
+    @model_validator(mode="after")
+    def _graphs(self) -> Recipe:
+        unsafe = sorted({a.mixer for a in self.layers if not get_mixer(a.mixer).graph_safe})
+        if self.align.cuda_graphs is True and unsafe:
+            raise ValueError(
+                f"align.cuda_graphs = true needs mixers declared graph_safe; {', '.join(unsafe)} is not (their "
+                "kernels read values back to the host); use 'auto' (graphs where they can run) or false"
+            )
         return self
 
     def auto(self) -> tuple[str, int] | None:
