@@ -359,7 +359,8 @@ def align(
         with record_function("align.backward"):
             total.backward()
         mask = inputs.get("attention_mask")
-        local = inputs["input_ids"].new_tensor(inputs["input_ids"].numel()) if mask is None else mask.sum()
+        ids = inputs["input_ids"]  # the count by a fill, not a copy from the host (which a graph cannot hold)
+        local = torch.full((), ids.numel(), device=ids.device) if mask is None else mask.sum()
         parts = [total, *losses.values()] + ([] if aux is None else [aux])
         return parallel.mean(torch.stack([v.detach().float() for v in parts] + [local.float()]))
 
