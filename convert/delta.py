@@ -29,6 +29,7 @@ from raven_convert.sources import Source, model_fingerprint
 
 FORMAT = "raven-delta/1"
 FACTORS = (".delta_a", ".delta_b")  # name + suffix: [m, r] and [r, n], the difference is a @ b
+SVD_THREADS = 4
 
 
 def _factors(new: torch.Tensor, old: torch.Tensor, max_rank: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -54,6 +55,17 @@ def save_delta(model_dir: str | Path, teacher: str, out: str | Path, max_rank: i
     the size; evaluation runs in bf16 anyway) stores the whole tensors in that dtype. Returns {"tensors",
     "factored", "bytes", "model_bytes"}: how many tensors it holds whole, how many as factors, its size and the
     dense weights' size."""
+    # the SVDs are of small matrices: a few threads do them, where all the cores of a busy host spin on each other
+    # (docs/RESULTS.md, sixth round)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(min(threads, SVD_THREADS))
+    try:
+        return _save_delta(model_dir, teacher, out, max_rank, whole_dtype)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _save_delta(model_dir, teacher, out, max_rank: int, whole_dtype) -> dict:
     from safetensors.torch import save
 
     from raven_convert.train.models import load_hybrid

@@ -6,11 +6,11 @@
 #
 # after copying the model, corpus and essays in three calls (each carries at most 64 MiB with the checkout; the
 # halves, wheels and corpus parts come from ../shared/tools/gpu-prep.sh and the corpus split into .carry/corpus-*):
-#   carry .carry/smollm2.gguf.part-aa .whl .carry/corpus-b:
-#     mkdir -p ~/cache/corpus && cp .carry/smollm2.gguf.part-aa ~/cache/ && cp .carry/corpus-b/* ~/cache/corpus/
-#   carry .carry/smollm2.gguf.part-ab .carry/corpus-c .carry/pg_essays:
+#   carry .carry/smollm2.gguf.part-aa .whl:
+#     mkdir -p ~/cache/corpus && cp .carry/smollm2.gguf.part-aa ~/cache/
+#   carry .carry/smollm2.gguf.part-ab .carry/corpus-b .carry/corpus-c .carry/pg_essays:
 #     cat ~/cache/smollm2.gguf.part-aa .carry/smollm2.gguf.part-ab > ~/cache/smollm2.gguf &&
-#     cp .carry/corpus-c/* ~/cache/corpus/ && cp -r .carry/pg_essays ~/cache/essays
+#     cp .carry/corpus-b/* .carry/corpus-c/* ~/cache/corpus/ && cp -r .carry/pg_essays ~/cache/essays
 #   carry .carry/corpus-a: cp .carry/corpus-a/* ~/cache/corpus/ && ... gpu_results.sh start ...
 #   bash scripts/gpu_jobs.sh wait 540        # in each later call, until the jobs end
 #   bash scripts/gpu_jobs.sh collect         # $OUT/runs.tar.gz: stage summaries, reports, pictures; logs.tar.gz
@@ -83,13 +83,14 @@ trained() {  # trained MIXER RUN [ARGS...]: train RUN, check that its model load
   local model="$RUNS/$2/extend/model"
   [ -d "$model" ] || model="$RUNS/$2/train/model"  # a recipe without extend
   bash scripts/clean_load.sh "$model" "$RUNS/$2/load_check.json"
-  # the trained hybrid as its difference from the teacher, small enough to bring back (gpu_jobs.sh deltas RUN)
-  python3 -m raven_convert.delta save "$model" "$TEACHER" "$RUNS/$2/model.delta.safetensors" --bf16
   if [ "${WINDOWED:-1}" = 1 ]; then
     rm -rf "$RUNS/$2-sw" && cp -a "$RUNS/$2" "$RUNS/$2-sw" &&
       recipe "$1" "$2-sw" --stages evaluate --redo evaluate "${@:3}" "${WINDOWED_EVAL[@]}"
   fi
-  recipe "$1" "$2" "${@:3}"
+  recipe "$1" "$2" "${@:3}" || return 1
+  # then the trained hybrid as its difference from the teacher, small enough to bring back (gpu_jobs.sh deltas
+  # RUN), on a few CPU threads: four jobs' saves on all of the host's cores held up their evaluations (RESULTS.md)
+  OMP_NUM_THREADS=4 python3 -m raven_convert.delta save "$model" "$TEACHER" "$RUNS/$2/model.delta.safetensors" --bf16
 }
 
 speed() {  # stage rates of the SSE and SILA recipes (short runs), against BASE's (an older checkout) where set

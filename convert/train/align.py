@@ -227,7 +227,7 @@ def align(
     log_every: int = 10,
     mixed_precision: str = "no",
     compile: CompileSetting = "auto",
-    cuda_graphs: CompileSetting = False,
+    cuda_graphs: CompileSetting = "auto",
     out_dir=None,
     save_every: int = 100,
     keep_checkpoints: int = 2,

@@ -119,7 +119,7 @@ class AlignSettings(_Strict):
         description="torch.compile the mixers' glue and the layers' norms and MLPs (compiling.py); auto: on CUDA",
     )
     cuda_graphs: CompileSetting = Field(
-        False,
+        "auto",
         description="replay each step as a CUDA graph (graphs.py); auto: where it can (CUDA, one process, mixers "
         "declared graph_safe); true: or fail",
     )
