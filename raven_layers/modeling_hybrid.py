@@ -117,9 +117,12 @@ class HybridModel(HybridPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         cache: HybridCache | None = None,
+        packed_documents: tuple[torch.Tensor, torch.Tensor] | bool | None = None,
         **kwargs,
     ) -> HybridModelOutput:
-        """The generation cache comes as `cache` (transformers >= 5.24) or `past_key_values` (before); both work."""
+        """The generation cache comes as `cache` (transformers >= 5.24) or `past_key_values` (before); both work.
+        `packed_documents`: find_packed_documents(position_ids) found ahead, False where it found none (a training
+        loop finds them in the host's copy of the batch, so that the forward never reads the position ids back)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         if inputs_embeds is None:
@@ -147,7 +150,10 @@ class HybridModel(HybridPreTrainedModel):
             )
         packed = None
         if attention_mask is None and position_ids is not None and past == 0 and T > 1:
-            packed = find_packed_documents(position_ids.expand(B, -1))  # transformers' convention for packing
+            if packed_documents is None:
+                packed = find_packed_documents(position_ids.expand(B, -1))  # transformers' convention for packing
+            else:
+                packed = packed_documents or None
             if packed is not None:  # rows of several documents have no single continuation to cache
                 cache, use_cache, static = None, False, False
         if attention_mask is not None and T > 1 and bool(attention_mask.all()):

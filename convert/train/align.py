@@ -38,10 +38,11 @@ from raven_convert.train.flops import align_flops, mfu, mfu_text
 from raven_convert.train.graphs import (
     DOCUMENT_BUCKET,
     CapturedStep,
-    graph_optimizer,
+    optimizer_mode,
     pad_documents,
+    read_back,
+    read_later,
     resolve_graphs,
-    restore_graph_settings,
     set_lr,
 )
 from raven_convert.train.losses import alignment_mse, mixers_aux_loss
@@ -295,10 +296,8 @@ def align(
     # a step's losses are read back one step later (no host sync in the step): the fused AdamW skips, on the GPU,
     # the update of a step whose loss is not finite (found_inf), and the next step raises before its own update
     lagged = not parallel.sharded
-    if graphs:
-        optimizer = graph_optimizer(params, lr, weight_decay, parallel.device)
-    else:
-        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=lagged or None)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=lagged or None)
+    optimizer_mode(optimizer, graphs, parallel.device)
     if lagged:
         optimizer.found_inf = torch.zeros((), device=parallel.device)
 
@@ -307,8 +306,7 @@ def align(
     if resumed is not None:
         path, meta = resumed
         _load(path, named, optimizer)
-        if graphs:
-            restore_graph_settings(optimizer, parallel.device)
+        optimizer_mode(optimizer, graphs, parallel.device)
         first = meta["step"]
         history = [r | {"layers": {int(i): v for i, v in r["layers"].items()}} for r in meta["history"]][:first]
         parallel.print(f"[align] resumed from {path} (step {first})")
@@ -323,9 +321,7 @@ def align(
     def book(step: int, step_lr: float, stacked: torch.Tensor, copied=None) -> None:
         """Read back a step's global losses and token count (stacked [1 + layers (+ aux) + 1]; on the host once the
         event `copied` has passed), stop on a non-finite loss, record and log the step."""
-        if copied is not None:
-            copied.synchronize()
-        values = stacked.tolist()
+        values = read_back(stacked, copied)
         values, step_tokens = values[:-1], round(values[-1] * parallel.world)
         bad = [i for i, loss in zip(layers, values[1:]) if not math.isfinite(loss)]
         if bad or not math.isfinite(values[0]):
@@ -404,7 +400,7 @@ def align(
                     set_lr(optimizer, step_lr)
                     layout = dict(zip(("documents", "cu_seqlens"), packed)) if isinstance(packed, tuple) else {}
                     tensors = {k: v for k, v in inputs.items() if v is not None} | layout
-                    pending = (step, step_lr, *_read_later(captured(tensors)))
+                    pending = (step, step_lr, *read_later(captured(tensors)))
                 else:
                     set_lr(optimizer, step_lr)
                     stacked = forward_backward(inputs, packed)
@@ -412,7 +408,7 @@ def align(
                         book(*pending)
                         pending = None
                     if lagged:
-                        pending = (step, step_lr, *_read_later(stacked))
+                        pending = (step, step_lr, *read_later(stacked))
                     else:
                         book(step, step_lr, stacked)  # the step's one host sync, before the optimizer applies it
                     update(stacked)
@@ -430,14 +426,3 @@ def align(
             optimizer.zero_grad(set_to_none=True)  # the gradients held for the graphs
         hybrid.train(was_training)
     return history
-
-
-def _read_later(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """A copy of a step's losses the host can read once the returned event has passed (on the CPU: the tensor
-    itself, and no event), so that queuing the copy does not wait for the step."""
-    if not stacked.is_cuda:
-        return stacked, None
-    host = torch.empty(stacked.shape, pin_memory=True).copy_(stacked, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
-    return host, copied

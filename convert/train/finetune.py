@@ -54,8 +54,9 @@ from raven_convert.sources import model_fingerprint
 from raven_convert.train.checkpoint import CHECKPOINTS
 from raven_convert.train.data import PackedDataset, save_atomic
 from raven_convert.train.distributed import Parallel
+from raven_convert.train.lora import merge_lora
 from raven_convert.train.recipe import FinetuneRecipe, FinetuneTrain, FinetuneWeights, WeightSettings
-from raven_convert.train.stage2 import TrainConfig, merge_lora, train
+from raven_convert.train.stage2 import TrainConfig, train
 from raven_convert.train.stages import log, recipe_dataset, run_recipe, stage_export, training_summary
 from raven_convert.train.token_weights import load_weight_table, plot_first_row, resolve_kernel, weight_table
 

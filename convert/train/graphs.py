@@ -11,8 +11,9 @@ What a graph needs of the step, and how align gives it:
   one step later from a copy, and a non-finite step's update is skipped on the device (fused AdamW's found_inf).
 - The same shapes each time: rows are B x T already; the documents' offsets cu_seqlens [S + 1] vary with S, so they
   are padded with empty documents to a multiple of `DOCUMENT_BUCKET` (`pad_documents`), one graph per bucket.
-- Tensors that outlive a replay at fixed addresses: gradients allocated once and zeroed in place, the optimizer's
-  learning rate a device tensor (fill_ before each step), its state created by the eager warm-up steps.
+- Tensors that outlive a replay at fixed addresses: gradients zeroed in place (never set to None) and the
+  optimizer's state, both made by the eager warm-up step, and its learning rate a device tensor (`optimizer_mode`,
+  filled before each step by `set_lr`).
 Every graph shares one memory pool: they never run at once, and what one keeps (its output) stays referenced.
 """
 
@@ -25,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from raven_convert.train.common import mixers
+from raven_convert.train.common import is_hybrid, mixers
 from raven_convert.train.compiling import CompileSetting
 
 DOCUMENT_BUCKET = 64  # documents per row layout are padded up to a multiple of this: a new graph every 64 documents
@@ -48,7 +49,8 @@ def resolve_graphs(setting: CompileSetting, model, device, world: int = 1) -> bo
         raise ValueError(f"cuda_graphs = {setting!r} is not allowed; expected 'auto', true or false")
     if setting is False:
         return False
-    unsafe = sorted({type(m).__name__ for m in mixers(model) if not _spec_of(m).graph_safe})
+    converted = mixers(model) if is_hybrid(model) else []
+    unsafe = sorted({type(m).__name__ for m in converted if not _spec_of(m).graph_safe})
     reasons = []
     if torch.device(device).type != "cuda":
         reasons.append(f"the device is {torch.device(device).type}, not cuda")
@@ -67,15 +69,6 @@ def _spec_of(mixer: nn.Module):
     return get_mixer(mixer.settings.NAME)
 
 
-def graph_optimizer(params: list[nn.Parameter], lr: float, weight_decay: float, device) -> torch.optim.AdamW:
-    """Fused AdamW whose update a graph can hold: capturable, its learning rate a device tensor (`set_lr`), every
-    gradient allocated now (zeroed in place by each step) so that replays find them where the capture did."""
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    lr_tensor = torch.tensor(lr, dtype=torch.float32, device=device)
-    return torch.optim.AdamW(params, lr=lr_tensor, weight_decay=weight_decay, fused=True, capturable=True)
-
-
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Every group's learning rate to `lr`: in place where it is a tensor (a graph reads it there), else assigned."""
     for group in optimizer.param_groups:
@@ -85,12 +78,14 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
             group["lr"] = lr
 
 
-def restore_graph_settings(optimizer: torch.optim.Optimizer, device) -> None:
-    """After load_state_dict, which takes the saved groups' `lr` and `capturable` (a checkpoint of an eager run has
-    a float lr and capturable False): the graph optimizer's again."""
+def optimizer_mode(optimizer: torch.optim.Optimizer, graphs: bool, device) -> None:
+    """Every param group as a graph holds its update (a fused AdamW's, capturable, its learning rate a device
+    tensor that `set_lr` fills in place) or as an eager step runs it (a float, not capturable). Again after
+    load_state_dict, which takes the saved groups' values: a checkpoint of either mode resumes in the other."""
     for group in optimizer.param_groups:
-        group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
-        group["capturable"] = True
+        lr = float(group["lr"])
+        group["lr"] = torch.tensor(lr, dtype=torch.float32, device=device) if graphs else lr
+        group["capturable"] = graphs
 
 
 class CapturedStep:
@@ -142,3 +137,21 @@ class CapturedStep:
         self.graphs[key] = (graph, static, output)
         graph.replay()  # so this step runs once, as every other does
         return output
+
+
+def read_later(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """A copy of a step's device values the host can read once the returned event has passed (`read_back`; on the
+    CPU: the tensor itself, and no event), so that queuing the copy does not wait for the step."""
+    if not values.is_cuda:
+        return values, None
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True).copy_(values, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied
+
+
+def read_back(host: torch.Tensor, copied: torch.cuda.Event | None) -> list[float]:
+    """The values `read_later` copied, once they have arrived."""
+    if copied is not None:
+        copied.synchronize()
+    return host.tolist()

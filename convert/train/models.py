@@ -61,7 +61,7 @@ def hybrid_from_state(config, state: dict, buffers_from, lora=None):
     with torch.device("meta"):
         fresh = HybridForCausalLM(config)
     if lora is not None and lora.uses_lora:
-        from raven_convert.train.stage2 import add_lora
+        from raven_convert.train.lora import add_lora
 
         add_lora(fresh, lora)
     fresh.load_state_dict(state, assign=True)

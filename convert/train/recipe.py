@@ -234,8 +234,10 @@ class Recipe(_Strict):
 
     @model_validator(mode="after")
     def _graphs(self) -> Recipe:
-        unsafe = sorted({a.mixer for a in self.layers if not get_mixer(a.mixer).graph_safe})
-        if self.align.cuda_graphs is True and unsafe:
+        if self.align.cuda_graphs is not True:
+            return self
+        unsafe = sorted({a.mixer for a in self.layers if not resolve_mixer(a.mixer).graph_safe})
+        if unsafe:
             raise ValueError(
                 f"align.cuda_graphs = true needs mixers declared graph_safe; {', '.join(unsafe)} is not (their "
                 "kernels read values back to the host); use 'auto' (graphs where they can run) or false"

@@ -36,6 +36,9 @@ Choices:
   of the step alone, so nothing about it needs saving. A resumed run must use the same `steps` for the same curve.
 - A non-finite loss part or gradient raises FloatingPointError naming the step before the optimizer step and before
   any checkpoint of it (the check is reduced over processes, so that every process raises together).
+- `cuda_graphs` replays each step, update included, as a CUDA graph (graphs.py; one GPU, one micro-batch, no
+  distillation): the batch is laid out on the host, the step's losses are read during the next step, and a
+  non-finite step's update is skipped on the device, its error raised before the next update.
 """
 
 from __future__ import annotations
@@ -52,24 +55,33 @@ from typing import Annotated, Literal
 
 import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
-from torch import nn
 from torch.profiler import record_function
 from torch.utils.data import Dataset
 
 from raven_convert.console import eta
 from raven_convert.train.checkpoint import latest_checkpoint, save_checkpoint
-from raven_convert.train.common import attention_layers, is_hybrid, lr_at, mixer_parameters, model_inputs
+from raven_convert.train.common import is_hybrid, lr_at, model_inputs, to_device
 from raven_convert.train.compiling import CompileSetting, compiled_parts, resolve_compile
 from raven_convert.train.data import PackedDataset, batch_iterator, rows_visited
 from raven_convert.train.distributed import Parallel, on_cpu
 from raven_convert.train.flops import mfu, mfu_text, train_flops
+from raven_convert.train.graphs import (
+    CapturedStep,
+    optimizer_mode,
+    pad_documents,
+    read_back,
+    read_later,
+    resolve_graphs,
+    set_lr,
+)
+from raven_convert.train.lora import LORA_TARGETS, select_trainable
 from raven_convert.train.losses import aux_loss, ce_loss, kd_loss, prediction_mask, training_loss
 from raven_convert.train.precision import frozen_linears_in
-from raven_convert.train.token_weights import schedule_weights
+from raven_convert.train.token_weights import schedule_uniform, scheduled
+from raven_layers.modeling_hybrid import find_packed_documents
 
 # "no" or "bf16"; YAML reads a bare `no` as false, which means "no" here
 MixedPrecision = Annotated[Literal["no", "bf16"], BeforeValidator(lambda v: "no" if v is False else v)]
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 class TrainConfig(BaseModel):
@@ -105,6 +117,11 @@ class TrainConfig(BaseModel):
         "auto",
         description="torch.compile the mixers' glue and the layers' norms and MLPs (compiling.py); auto: on CUDA",
     )
+    cuda_graphs: CompileSetting = Field(
+        False,
+        description="replay each step as a CUDA graph (graphs.py); auto: where it can (one CUDA GPU, a hybrid whose "
+        "mixers are graph_safe, grad_accum 1, no distillation, no gradient checkpointing); true: or fail",
+    )
     gradient_checkpointing: bool = False
     save_every: int = Field(500, ge=1, description="steps between checkpoints (and one at the end)")
     keep_checkpoints: int = Field(2, ge=1, description="how many of the newest checkpoints stay on disk")
@@ -121,6 +138,21 @@ class TrainConfig(BaseModel):
                 "or token_weight_tau_fraction of the run's training tokens"
             )
         return self
+
+    @model_validator(mode="after")
+    def _graphs(self):
+        if self.cuda_graphs is True and self.graph_obstacles():
+            raise ValueError(f"cuda_graphs = true cannot be honoured: {'; '.join(self.graph_obstacles())}")
+        return self
+
+    def graph_obstacles(self) -> list[str]:
+        """What in these settings keeps a step from being one CUDA graph (none: it can be)."""
+        found = [f"grad_accum = {self.grad_accum} (a graph holds one micro-batch)"] if self.grad_accum != 1 else []
+        if self.kd_weight > 0:
+            found.append(f"kd_weight = {self.kd_weight} (the teacher's forward is not captured)")
+        if self.gradient_checkpointing:
+            found.append("gradient_checkpointing = true")
+        return found
 
     @model_validator(mode="after")
     def _patterns_with_their_mode(self):
@@ -162,88 +194,6 @@ class TrainConfig(BaseModel):
             except re.error as err:
                 raise ValueError(f"{pattern!r} is not a regular expression: {err}") from None
         return value
-
-
-def _lora_layer_type():
-    from peft.tuners.lora import LoraLayer
-
-    return LoraLayer
-
-
-def add_lora(model, config: TrainConfig) -> None:
-    """Inject LoRA adapters (in place) on `lora_targets`: of the layers that kept attention in a hybrid, of every
-    module so named in any other model (ValueError naming the targets when none is found); no-op if present. The
-    adapters are drawn from `config.seed` alone, so every process of a launch starts from the same ones (fsdp shards
-    them as each process drew them; ddp would broadcast the main process's), and the random state is left as it
-    was."""
-    from peft import LoraConfig, inject_adapter_in_model
-
-    if any(isinstance(m, _lora_layer_type()) for m in model.modules()):
-        return
-    names = "|".join(re.escape(t) for t in config.lora_targets)
-    if is_hybrid(model):
-        kept = [str(i) for i in attention_layers(model)]
-        if not kept:
-            return
-        target = rf"model\.layers\.({'|'.join(kept)})\.(self_attn|mlp)\.({names})"
-    else:
-        target = rf"(.*\.)?({names})"  # peft matches the whole module name
-        linear = sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
-        if not set(config.lora_targets) & set(linear):
-            raise ValueError(
-                f"lora_targets {config.lora_targets} name no module of {type(model).__name__}; its linear layers "
-                f"are named {linear}"
-            )
-    lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0, target_modules=target)
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
-        torch.manual_seed(config.seed)
-        inject_adapter_in_model(lora, model)
-
-
-def merge_lora(model) -> nn.Module:
-    """Fold every LoRA adapter into its base weight and put the plain base module back (for save_pretrained)."""
-    lora_type = _lora_layer_type()
-    for name, module in list(model.named_modules()):
-        if isinstance(module, lora_type):
-            module.merge()
-            parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, module.get_base_layer())
-    return model
-
-
-def is_lora(name: str) -> bool:
-    """Whether a parameter name is one of peft's LoRA adapter weights (not a mixer's own low-rank weights)."""
-    return re.search(r"\.lora_(A|B)\.", name) is not None
-
-
-def select_trainable(model, config: TrainConfig) -> list[nn.Parameter]:
-    """Set requires_grad per `config.trainable` (injecting LoRA if asked) and return the trainable parameters.
-    ValueError when the choice fits no part of the model: mixers of a model that is not a hybrid, patterns that
-    match no parameter name."""
-    if config.trainable.startswith("mixers") and not is_hybrid(model):
-        raise ValueError(
-            f"trainable = {config.trainable!r} trains a converted hybrid's mixers, and {type(model).__name__} is not "
-            "a hybrid; choose 'all', 'patterns' (with trainable_patterns) or 'lora' (with lora_targets)"
-        )
-    if config.trainable == "all":
-        chosen = set(id(p) for p in model.parameters())
-    elif config.trainable == "patterns":
-        found = [re.compile(p) for p in config.trainable_patterns]
-        chosen = {id(p) for n, p in model.named_parameters() if any(r.search(n) for r in found)}
-        if not chosen:
-            names = [n for n, _ in model.named_parameters()][:4]
-            raise ValueError(
-                f"trainable_patterns {config.trainable_patterns} match no parameter of {type(model).__name__} "
-                f"(its names look like {names})"
-            )
-    else:
-        chosen = {id(p) for p in mixer_parameters(model)} if config.trainable.startswith("mixers") else set()
-        if config.uses_lora:
-            add_lora(model, config)
-            chosen |= {id(p) for n, p in model.named_parameters() if is_lora(n)}
-    for p in model.parameters():
-        p.requires_grad_(id(p) in chosen)
-    return [p for p in model.parameters() if p.requires_grad]
 
 
 class _Indexed(Dataset):
@@ -304,6 +254,45 @@ def _check_weighted(table: torch.Tensor, dataset, config: TrainConfig, processes
             f"(rows {missing[:5].tolist()}...): it was computed for another train.steps, batch size, number of "
             "processes or seed; compute it again (--redo weights)"
         )
+
+
+def step_graphs(config: TrainConfig, student, token_weights, device, processes: int) -> bool:
+    """Whether `train` replays its steps as CUDA graphs (`config.cuda_graphs`): where graphs.resolve_graphs allows
+    (a CUDA device, one process, mixers declared graph_safe) for a hybrid whose settings allow it
+    (`TrainConfig.graph_obstacles`) and whose token weights, if any, come from a table. With True, ValueError
+    naming what stands in the way."""
+    if config.cuda_graphs is False:
+        return False
+    found = config.graph_obstacles()
+    if not is_hybrid(student):
+        found.append(f"{type(student).__name__} is not a hybrid")
+    if callable(token_weights) and not torch.is_tensor(token_weights):
+        found.append("the token weights are a function of the batch (a table can be captured)")
+    if found and config.cuda_graphs is True:
+        raise ValueError(f"cuda_graphs = true cannot be honoured: {'; '.join(found)}")
+    return not found and resolve_graphs(config.cuda_graphs, student, device, processes)
+
+
+def graph_inputs(batch: dict, token_weights: torch.Tensor | None, device) -> tuple[dict[str, torch.Tensor], int]:
+    """A host micro-batch as a step graph's inputs on `device`, copied without blocking: its fields but "index",
+    the documents packed in its rows ("documents" and "cu_seqlens", padded by graphs.pad_documents), its rows of the
+    token-weight table ("weights"); and its real tokens, counted on the host."""
+    tensors = {k: v for k, v in batch.items() if k != "index"}
+    found = find_packed_documents(batch["position_ids"]) if "position_ids" in batch else None
+    if found is not None:
+        tensors["documents"], tensors["cu_seqlens"] = found[0], pad_documents(found[1])
+    if token_weights is not None:
+        tensors["weights"] = token_weights[batch["index"]]
+    return to_device(tensors, device), int(batch["attention_mask"].sum())
+
+
+def _documents(batch: dict, device):
+    """The documents packed in a host batch's rows as the hybrid's forward takes them (`packed_documents`), on
+    `device`: found on the host, so that the forward does not read the position ids back; None without them."""
+    if "position_ids" not in batch:
+        return None
+    found = find_packed_documents(batch["position_ids"])
+    return False if found is None else tuple(t.to(device, non_blocking=True) for t in found)
 
 
 def _micro_batches(dataset, config: TrainConfig, accelerator, start_step: int):
@@ -368,6 +357,7 @@ def train(
     """
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
+    from accelerate.utils import AutocastKwargs
     from torch.distributed.fsdp import FSDPModule
 
     config = config if isinstance(config, TrainConfig) else TrainConfig(**config)
@@ -389,9 +379,13 @@ def train(
         gradient_accumulation_steps=config.grad_accum,
         project_dir=str(out_dir),
         log_with=tracker,
+        kwargs_handlers=[AutocastKwargs(cache_enabled=False)],  # a graph cannot keep the cache's casts
     )
     if tracker:
         accelerator.init_trackers("stage2", config={k: str(v) for k, v in config.model_dump().items()})
+    device = accelerator.device
+    graphs = step_graphs(config, student, token_weights, device, accelerator.num_processes)
+    hybrid = is_hybrid(student)
 
     resumed = latest_checkpoint(out_dir, warn=lambda message: accelerator.print(f"[stage2] {message}", file=sys.stderr))
     if resumed is None:  # a fresh run draws the same random numbers every time (LoRA's initial weights, Raven's
@@ -408,8 +402,8 @@ def train(
         model = parallel.shard(student)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = accelerator.prepare(torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay))
-    else:
-        optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    else:  # a graph holds a fused AdamW's update
+        optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, fused=graphs or None)
         model, optimizer = accelerator.prepare(student, optimizer)
     if config.kd_weight > 0 and not isinstance(teacher, FSDPModule):
         teacher = parallel.frozen(teacher)
@@ -428,15 +422,73 @@ def train(
         parallel.load(path, accelerator.unwrap_model(model), optimizer)
         start_step, tokens_seen = meta["step"], meta["tokens_seen"]
         accelerator.print(f"[stage2] resumed from {path} (step {start_step}, {tokens_seen:,} tokens)", file=sys.stderr)
+    optimizer_mode(optimizer, graphs, device)  # after a resume too: the checkpoint's groups may be the other mode's
     if isinstance(token_weights, torch.Tensor):
         _check_weighted(token_weights, dataset, config, accelerator.num_processes)
         data = _IndexedPacked(dataset) if isinstance(dataset, PackedDataset) else _Indexed(dataset)
     else:
         data = dataset
     batches = _micro_batches(data, config, accelerator, start_step)
-    device = accelerator.device
 
     parts_names = ("ce", "kd", "aux", "loss")  # what a step records, summed on the device over its micro-batches
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch optimizer
+    if graphs:  # a step whose loss or gradient is not finite changes nothing (fused AdamW's found_inf)
+        inner.found_inf = torch.zeros((), device=device)
+    uniform = torch.zeros((), device=device)  # the token-weight schedule's uniform part at this step (graphs)
+
+    def micro_step(batch: dict, w: torch.Tensor | None, uniform_part) -> dict[str, torch.Tensor]:
+        """Forward and backward of one micro-batch (device tensors; "packed_documents" as the hybrid takes them, w
+        its raw token weights [B, T] or None): its loss parts, each process's share of the global mean."""
+        mask = prediction_mask(batch)
+        inputs = model_inputs(batch) | {"use_cache": False}
+        student_inputs = inputs | (
+            {"packed_documents": batch["packed_documents"]} if "packed_documents" in batch else {}
+        )
+        # autocast here too: a model an earlier Accelerator prepared is not wrapped again
+        with record_function("train.student_forward"), accelerator.autocast():
+            out = model(**student_inputs)
+        weights = None if w is None else scheduled(w.float(), uniform_part, batch["attention_mask"])
+        parts = {"ce": ce_loss(out.logits, batch["input_ids"], mask, weights) * parallel.share(mask[:, :-1].sum())}
+        if config.kd_weight > 0:
+            with torch.no_grad(), accelerator.autocast(), record_function("train.teacher_forward"):
+                teacher_logits = teacher(**inputs).logits
+            kd = kd_loss(out.logits, teacher_logits, config.kd_temperature, mask)
+            parts["kd"] = kd * parallel.share(mask.sum())
+        aux = aux_loss(out)
+        if aux is not None:
+            parts["aux"] = aux
+        total = training_loss(parts, config.kd_weight)
+        with record_function("train.backward"):
+            accelerator.backward(total)
+        return parts | {"loss": total}
+
+    def gradient_norm() -> torch.Tensor:
+        grads = [_local(p.grad) for p in params if p.grad is not None]  # this process's shards: finite or not
+        return torch.stack([g.float().norm() for g in grads]).norm() if grads else torch.zeros((), device=device)
+
+    def update() -> None:
+        with record_function("train.optimizer"):
+            if config.grad_clip:
+                accelerator.clip_grad_norm_(params, config.grad_clip)
+            optimizer.step()
+
+    def whole_step(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One step of one micro-batch as a graph holds it: gradients zeroed in place, forward and backward, the
+        update skipped on the device when a loss part or the gradient norm is not finite; returns [ce, kd, aux,
+        loss, gradient norm]."""
+        optimizer.zero_grad(set_to_none=False)
+        batch = dict(tensors)
+        if "cu_seqlens" in batch:
+            batch["packed_documents"] = (batch.pop("documents"), batch.pop("cu_seqlens"))
+        else:
+            batch["packed_documents"] = False
+        w = batch.pop("weights", None)
+        parts = micro_step(batch, w, uniform)
+        zero = torch.zeros((), device=device)
+        stacked = torch.stack([parts.get(k, zero).detach().float() for k in parts_names] + [gradient_norm().float()])
+        inner.found_inf.copy_(~torch.isfinite(stacked).all())
+        update()
+        return stacked
 
     def step_totals(sums: dict[str, torch.Tensor], norm: torch.Tensor, tokens: torch.Tensor, step: int):
         """The global batch's loss parts and token count from every process's sums, in one reduction and one host
@@ -444,102 +496,99 @@ def train(
         the run before the optimizer applies anything."""
         local = torch.stack([sums[k] for k in parts_names] + [norm.float(), tokens.float()])
         values = accelerator.reduce(local, reduction="sum").tolist()
+        return checked(values[:-1], step), int(values[-1])
+
+    def checked(values: list[float], step: int) -> dict[str, float]:
+        """{part: value} of a step's [ce, kd, aux, loss, gradient norm] summed over the processes; FloatingPointError
+        naming what is not finite."""
         bad_loss = [k for k, v in zip(parts_names[:-1], values) if not math.isfinite(v)]
         if bad_loss:
             raise FloatingPointError(f"loss not finite at step {step} ({', '.join(bad_loss)}); nothing applied")
-        if not math.isfinite(values[-2]):
+        if not math.isfinite(values[len(parts_names)]):
             raise FloatingPointError(f"gradient not finite at step {step} (gradient norm); nothing applied")
         world = accelerator.num_processes  # loss parts: the processes' mean is the global batch's
-        return {k: v / world for k, v in zip(parts_names, values)}, int(values[-1])
+        return {k: v / world for k, v in zip(parts_names, values)}
 
     # frozen linear weights in bf16 while the loop runs (exact under bf16 autocast; precision.py)
     casts = [accelerator.unwrap_model(model), teacher if config.kd_weight > 0 else None]
     bf16 = config.mixed_precision == "bf16" and not parallel.sharded
     fuse = resolve_compile(config.compile, device, parallel.sharded)  # small operations compiled (compiling.py)
+    captured = CapturedStep(whole_step) if graphs else None
+    history, clock, timed_tokens = [], time.perf_counter(), 0
+
+    def finish(step: int, lr: float, sums: dict[str, float], step_tokens: int) -> None:
+        """Record and log a finished step, then validate and checkpoint where due."""
+        nonlocal clock, timed_tokens
+        timed_tokens += step_tokens
+        elapsed = max(time.perf_counter() - clock, 1e-9)
+        rate = timed_tokens / elapsed
+        if step == start_step + 1:  # the first step compiles kernels and allocates: the rate counts from its end
+            clock, timed_tokens = time.perf_counter(), 0
+        utilisation = mfu(rate * per_token, device, parallel.world)
+        record = {"step": step, **sums, "lr": lr, "tokens_per_second": rate, "mfu": utilisation}
+        history.append(record)
+        if tracker:
+            accelerator.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=step)
+        if config.log_every and (step % config.log_every == 0 or step == config.steps):
+            left = (config.steps - step) * elapsed / max(step - start_step - 1, 1)
+            accelerator.print(
+                f"[stage2] step {step}/{config.steps} loss {sums['loss']:.4g} (ce {sums['ce']:.4g}"
+                f" kd {sums['kd']:.4g} aux {sums['aux']:.4g}) lr {lr:.3g} | {rate:,.0f} tok/s"
+                f"{mfu_text(utilisation)} | {eta(left)}",
+                file=sys.stderr,
+            )
+        if validation is not None and (step == config.steps or (config.eval_every and step % config.eval_every == 0)):
+            paused = time.perf_counter()
+            record["val_ce"] = validation_ce(model, validation, config, accelerator)
+            clock += time.perf_counter() - paused  # validation time is not training throughput
+            accelerator.print(f"[stage2] step {step} validation CE {record['val_ce']:.4g}", file=sys.stderr)
+            if tracker:
+                accelerator.log({"val_ce": record["val_ce"]}, step=step)
+        if step % config.save_every == 0 or step == config.steps:
+            _save(parallel, accelerator.unwrap_model(model), optimizer, out_dir, step, tokens_seen, config)
+
+    pending = None  # graphs: the step whose losses are read back during the next one
     with frozen_linears_in(casts, torch.bfloat16, enabled=bf16), compiled_parts(casts, enabled=fuse):
-        history, clock, timed_tokens = [], time.perf_counter(), 0
         for step in range(start_step + 1, config.steps + 1):
             lr = lr_at(step - 1, config.lr, config.steps, config.warmup_steps, config.schedule)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            set_lr(optimizer, lr)
+            if captured is not None:  # one micro-batch, its step a graph
+                host = next(batches)
+                tensors, step_tokens = graph_inputs(host, token_weights, device)
+                if pending is not None:  # the step before, read (and stopped on) before this one's update
+                    finish(pending[0], pending[1], checked(read_back(*pending[2:4]), pending[0]), pending[4])
+                uniform.fill_(schedule_uniform(tokens_seen, tau) if token_weights is not None else 0.0)
+                stacked = captured(tensors)
+                tokens_seen += step_tokens
+                pending = (step, lr, *read_later(stacked), step_tokens)
+                continue
             sums = {k: torch.zeros((), device=device) for k in parts_names}
             local_tokens = torch.zeros((), device=device)
             for micro in range(config.grad_accum):
-                batch = {k: v.to(device) for k, v in next(batches).items()}
-                ids, inputs, mask = (
-                    batch["input_ids"],
-                    model_inputs(batch) | {"use_cache": False},
-                    prediction_mask(batch),
-                )
+                host = next(batches)
+                w = token_weights[host["index"]] if torch.is_tensor(token_weights) else None  # on the host
+                batch = to_device(host, device)
+                found = _documents(host, device) if hybrid else None
+                if found is not None:
+                    batch["packed_documents"] = found
+                if callable(token_weights):
+                    w = token_weights(batch)
+                w = None if w is None else w.to(device)
                 sync = micro == config.grad_accum - 1
                 with contextlib.nullcontext() if sync else accelerator.no_sync(model):
-                    # autocast here too: a model an earlier Accelerator prepared is not wrapped again
-                    with record_function("train.student_forward"), accelerator.autocast():
-                        out = model(**inputs)
-                    weights = None
-                    if token_weights is not None:
-                        w = (
-                            token_weights[batch["index"].cpu()]
-                            if torch.is_tensor(token_weights)
-                            else token_weights(batch)
-                        )
-                        weights = schedule_weights(w.to(device).float(), tokens_seen, tau, batch["attention_mask"])
-                    # each process's mean weighted by its share of the predictions: the processes' mean is the global
-                    # one
-                    parts = {"ce": ce_loss(out.logits, ids, mask, weights) * parallel.share(mask[:, :-1].sum())}
-                    if config.kd_weight > 0:
-                        with torch.no_grad(), accelerator.autocast(), record_function("train.teacher_forward"):
-                            teacher_logits = teacher(**inputs).logits
-                        kd = kd_loss(out.logits, teacher_logits, config.kd_temperature, mask)
-                        parts["kd"] = kd * parallel.share(mask.sum())
-                    aux = aux_loss(out)
-                    if aux is not None:
-                        parts["aux"] = aux
-                    total = training_loss(parts, config.kd_weight)
-                    with record_function("train.backward"):
-                        accelerator.backward(total)
-                for name, value in (parts | {"loss": total}).items():
+                    parts = micro_step(batch, w, schedule_uniform(tokens_seen, tau) if w is not None else 0.0)
+                for name, value in parts.items():
                     sums[name] += value.detach().float() / config.grad_accum
                 local_tokens += batch["attention_mask"].sum()
-            grads = [_local(p.grad) for p in params if p.grad is not None]  # this process's shards: finite or not
-            norm = torch.stack([g.float().norm() for g in grads]).norm() if grads else torch.zeros((), device=device)
-            sums, step_tokens = step_totals(sums, norm, local_tokens, step)
-            with record_function("train.optimizer"):
-                if config.grad_clip:
-                    accelerator.clip_grad_norm_(params, config.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-
+            sums, step_tokens = step_totals(sums, gradient_norm(), local_tokens, step)
+            update()
+            optimizer.zero_grad(set_to_none=True)
             tokens_seen += step_tokens
-            timed_tokens += step_tokens
-            elapsed = max(time.perf_counter() - clock, 1e-9)
-            rate = timed_tokens / elapsed
-            if step == start_step + 1:  # the first step compiles kernels and allocates: the rate counts from its end
-                clock, timed_tokens = time.perf_counter(), 0
-            utilisation = mfu(rate * per_token, device, parallel.world)
-            record = {"step": step, **sums, "lr": lr, "tokens_per_second": rate, "mfu": utilisation}
-            history.append(record)
-            if tracker:
-                accelerator.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=step)
-            if config.log_every and (step % config.log_every == 0 or step == config.steps):
-                left = (config.steps - step) * elapsed / max(step - start_step - 1, 1)
-                accelerator.print(
-                    f"[stage2] step {step}/{config.steps} loss {sums['loss']:.4g} (ce {sums['ce']:.4g}"
-                    f" kd {sums['kd']:.4g} aux {sums['aux']:.4g}) lr {lr:.3g} | {rate:,.0f} tok/s"
-                    f"{mfu_text(utilisation)} | {eta(left)}",
-                    file=sys.stderr,
-                )
-            if validation is not None and (
-                step == config.steps or (config.eval_every and step % config.eval_every == 0)
-            ):
-                paused = time.perf_counter()
-                record["val_ce"] = validation_ce(model, validation, config, accelerator)
-                clock += time.perf_counter() - paused  # validation time is not training throughput
-                accelerator.print(f"[stage2] step {step} validation CE {record['val_ce']:.4g}", file=sys.stderr)
-                if tracker:
-                    accelerator.log({"val_ce": record["val_ce"]}, step=step)
-            if step % config.save_every == 0 or step == config.steps:
-                _save(parallel, accelerator.unwrap_model(model), optimizer, out_dir, step, tokens_seen, config)
+            finish(step, lr, sums, step_tokens)
+        if pending is not None:
+            finish(pending[0], pending[1], checked(read_back(*pending[2:4]), pending[0]), pending[4])
+    if graphs:
+        optimizer.zero_grad(set_to_none=True)  # the gradients held for the graphs
     if tracker:
         for open_tracker in accelerator.trackers:  # not end_training(), which ends the launch's process group too
             open_tracker.finish()

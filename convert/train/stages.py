@@ -56,9 +56,9 @@ from raven_convert.train.recipe import STAGES, FinetuneRecipe, Recipe, check_inp
 from raven_convert.train.token_weights import load_weight_table
 
 MARKER = "DONE"
-# Fields that change how a stage logs, checkpoints or runs, not what it computes (torch.compile and the token weights'
-# kernels round differently, no more): changing them keeps its results valid.
-BOOKKEEPING = ("log_every", "save_every", "keep_checkpoints", "compile", "kernel")
+# Fields that change how a stage logs, checkpoints or runs, not what it computes (torch.compile, CUDA graphs and the
+# token weights' kernels round differently, no more): changing them keeps its results valid.
+BOOKKEEPING = ("log_every", "save_every", "keep_checkpoints", "compile", "cuda_graphs", "kernel")
 PER_PROCESS = ("align", "train", "extend")  # the sections whose batch_size counts the rows of one process
 MAIN_ONLY = ("convert", "export")  # under a launch, the main process runs these; the others wait
 
@@ -371,7 +371,8 @@ def _stage_train(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) 
 def _train_hybrid(recipe, run_dir: Path, stage: str, model_dir: Path, config, teacher, rows, weights, parallel) -> dict:
     """Stage 2's loop (train and extend) on the hybrid in `model_dir` over rows = (train, validation): the model
     gathered (fsdp), LoRA merged, saved under RUN_DIR/stage/model (main process only), and the run summarised."""
-    from raven_convert.train.stage2 import merge_lora, train
+    from raven_convert.train.lora import merge_lora
+    from raven_convert.train.stage2 import train
 
     student = load_hybrid(model_dir, "cpu" if parallel.sharded else None)  # fsdp moves each shard to its device
     train_rows, val_rows = rows

@@ -35,6 +35,7 @@ Choices where the paper leaves room (line numbers are those of the paper's text,
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -375,9 +376,19 @@ def schedule_weights(
     Counted in training tokens with tau_tokens = 1e9 as in Appendix C.3 (Section 5.2, line 376, writes
     training_step / tau); 1 + w at the start, w after a few tau_tokens. With attention_mask, pads stay 0.
     """
+    return scheduled(w, schedule_uniform(tokens_seen, tau_tokens), attention_mask)
+
+
+def schedule_uniform(tokens_seen: float, tau_tokens: float = 1e9) -> float:
+    """The uniform part of schedule_weights after `tokens_seen` training tokens: exp(-tokens_seen / tau_tokens)."""
     if tau_tokens <= 0:
         raise ValueError(f"tau_tokens must be positive, got {tau_tokens}")
-    out = w + torch.exp(torch.tensor(-float(tokens_seen) / float(tau_tokens), dtype=torch.float64)).item()
+    return math.exp(-float(tokens_seen) / float(tau_tokens))
+
+
+def scheduled(w: Tensor, uniform: float | Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    """w + uniform (a number, or a device scalar a CUDA graph reads), 0 where attention_mask is 0."""
+    out = w + uniform
     if attention_mask is not None:
         out = out * attention_mask.to(out.device).bool()
     return out

@@ -227,6 +227,25 @@ def test_packed_documents_equal_separate_forwards(hybrid):
     hybrid.zero_grad(set_to_none=True)
 
 
+def test_packed_documents_found_ahead_give_the_same_logits(hybrid):
+    """`packed_documents` (found on a training loop's host, padded with empty documents for a CUDA graph, or False
+    for rows of one document each) stands for the forward's own search."""
+    from raven_layers.modeling_hybrid import find_packed_documents
+
+    _, ids, positions = packed_documents([[5, 9, 4], [18]], seed=7)
+    documents, cu = find_packed_documents(positions)
+    padded = torch.cat([cu, cu[-1:].expand(3)])  # three empty documents at the end
+    with torch.no_grad():
+        found = hybrid(ids, position_ids=positions, use_cache=False).logits
+        ahead = hybrid(ids, position_ids=positions, use_cache=False, packed_documents=(documents, padded)).logits
+        torch.testing.assert_close(ahead, found, rtol=1e-5, atol=1e-6)
+        single = torch.arange(ids.shape[1]).expand_as(ids)
+        plain = hybrid(ids, position_ids=single, use_cache=False).logits
+        torch.testing.assert_close(
+            hybrid(ids, position_ids=single, use_cache=False, packed_documents=False).logits, plain
+        )
+
+
 def test_packing_is_found_the_way_transformers_finds_it():
     from raven_layers.modeling_hybrid import find_packed_documents
 

@@ -1,5 +1,5 @@
-"""Align's steps as CUDA graphs: padded document layouts change nothing, the setting is checked before a model
-loads, and on a GPU (`python -m pytest -m gpu`) the graphed align computes what the eager one does."""
+"""Training steps as CUDA graphs (align and stage 2): padded document layouts change nothing, the settings are
+checked before a model loads, and on a GPU (`python -m pytest -m gpu`) graphed steps compute what eager ones do."""
 
 import copy
 import itertools
@@ -11,8 +11,10 @@ from transformers import AutoModelForCausalLM
 from raven_convert import build_hybrid, plan_layers
 from raven_convert.train.align import align, alignment_losses, step_inputs
 from raven_convert.train.common import mixer_parameters
-from raven_convert.train.graphs import pad_documents, resolve_graphs
+from raven_convert.train.data import PackedDataset
+from raven_convert.train.graphs import optimizer_mode, pad_documents, resolve_graphs, set_lr
 from raven_convert.train.recipe import Recipe
+from raven_convert.train.stage2 import TrainConfig, graph_inputs, step_graphs, train
 from raven_layers.backend import use_backend
 from raven_layers.modeling_hybrid import find_packed_documents
 from tests.conftest import tiny_config
@@ -148,3 +150,89 @@ def test_graphed_align_matches_eager_on_cuda(compile, tmp_path):
     assert [r["loss"] for r in history] == pytest.approx(eager, rel=2e-3)
     for a, b in zip(eager_weights, mixer_parameters(resumed)):
         torch.testing.assert_close(b.detach(), a, rtol=2e-3, atol=2e-4)
+
+
+def packed_dataset(generator: torch.Generator, rows: int = 6, length: int = 256) -> PackedDataset:
+    """Rows of long documents and rows of short ones (several document buckets), as a PackedDataset."""
+    parts = [packed_rows(rows, length, longest, generator) for longest in (64, 6)]
+    tensors = {k: torch.cat([part[k] for part in parts]) for k in ("input_ids", "position_ids")}
+    tensors["document_ids"] = (tensors["position_ids"] == 0).cumsum(-1) - 1
+    return PackedDataset(tensors)
+
+
+def test_stage2_graphs_only_where_a_step_can_be_one():
+    for field, value in (("grad_accum", 2), ("kd_weight", 1.0), ("gradient_checkpointing", True)):
+        with pytest.raises(ValueError, match=f"cuda_graphs = true cannot be honoured: {field}"):
+            TrainConfig(steps=1, cuda_graphs=True, **{field: value})
+    assert TrainConfig(steps=1, cuda_graphs="auto", grad_accum=2).cuda_graphs == "auto"
+    teacher, hybrid = sila_models()
+    with pytest.raises(ValueError, match="LlamaForCausalLM is not a hybrid"):
+        step_graphs(TrainConfig(steps=1, cuda_graphs=True), teacher, None, "cuda", 1)
+    with pytest.raises(ValueError, match="a function of the batch"):
+        step_graphs(TrainConfig(steps=1, cuda_graphs=True), hybrid, lambda batch: None, "cuda", 1)
+    assert step_graphs(TrainConfig(steps=1, cuda_graphs="auto", grad_accum=2), hybrid, None, "cuda", 1) is False
+    assert step_graphs(TrainConfig(steps=1, cuda_graphs="auto"), hybrid, None, "cpu", 1) is False
+    assert step_graphs(TrainConfig(steps=1, cuda_graphs="auto"), hybrid, torch.zeros(1, 1), "cuda", 1) is True
+
+
+def test_graph_inputs_lay_a_batch_out_on_the_host():
+    data = packed_dataset(torch.Generator().manual_seed(4))
+    batch = data.batch(torch.tensor([0, 7])) | {"index": torch.tensor([0, 7])}
+    table = torch.rand(len(data), data.seq_len)
+    tensors, tokens = graph_inputs(batch, table, "cpu")
+    documents, cu = find_packed_documents(batch["position_ids"])
+    assert "index" not in tensors and tokens == 2 * data.seq_len
+    assert torch.equal(tensors["documents"], documents) and tensors["cu_seqlens"].numel() % 64 == 1
+    assert torch.equal(tensors["cu_seqlens"][: cu.numel()], cu)
+    assert torch.equal(tensors["weights"], table[[0, 7]])
+
+
+def test_optimizer_mode_converts_either_way_and_after_a_load():
+    param = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([param], lr=1e-3)
+    optimizer_mode(optimizer, True, "cpu")
+    group = optimizer.param_groups[0]
+    assert torch.is_tensor(group["lr"]) and group["capturable"] is True
+    set_lr(optimizer, 5e-4)
+    assert group["lr"].item() == pytest.approx(5e-4)
+    saved = optimizer.state_dict()
+    optimizer_mode(optimizer, False, "cpu")
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(5e-4) and optimizer.param_groups[0]["capturable"] is False
+    optimizer.load_state_dict(saved)  # a graph run's checkpoint, resumed eagerly
+    optimizer_mode(optimizer, False, "cpu")
+    assert isinstance(optimizer.param_groups[0]["lr"], float) and optimizer.param_groups[0]["capturable"] is False
+
+
+@pytest.mark.gpu
+@gpu
+def test_graphed_stage2_matches_eager_on_cuda(tmp_path):
+    """Stage 2 as the SILA recipe runs it (mixers and LoRA, bf16, compiled parts, a token-weight table, packed rows in
+    two document buckets): the graphed steps' losses and weights are the eager ones'; a graphed run stopped after a
+    checkpoint and resumed ends where the uninterrupted one does."""
+    _, hybrid = sila_models("cuda")
+    generator = torch.Generator().manual_seed(3)
+    data = packed_dataset(generator)
+    table = torch.rand(len(data), data.seq_len, generator=generator)
+    config = dict(
+        steps=8, batch_size=2, lr=3e-3, warmup_steps=2, schedule="constant", log_every=0, save_every=4,
+        trainable="mixers+lora", mixed_precision="bf16", token_weight_tau=2000.0,
+    )  # fmt: skip
+    runs = {}
+    for graphs in (False, True):
+        model = copy.deepcopy(hybrid)
+        history = train(model, None, data, config | {"cuda_graphs": graphs}, tmp_path / str(graphs), table)
+        weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        runs[graphs] = ([r["loss"] for r in history], weights)
+    (eager, eager_weights), (graphed, graphed_weights) = runs[False], runs[True]
+    assert graphed == pytest.approx(eager, rel=2e-3)
+    for name, value in eager_weights.items():
+        torch.testing.assert_close(graphed_weights[name], value, rtol=2e-3, atol=2e-4, msg=name)
+
+    resumed = copy.deepcopy(hybrid)
+    first = train(resumed, None, data, config | {"cuda_graphs": True, "steps": 4}, tmp_path / "resumed", table)
+    resumed = copy.deepcopy(hybrid)  # a fresh process: everything comes from the checkpoint
+    second = train(resumed, None, data, config | {"cuda_graphs": True}, tmp_path / "resumed", table)
+    assert [r["loss"] for r in first + second] == pytest.approx(eager, rel=2e-3)
+    trained = {n: p for n, p in resumed.named_parameters() if p.requires_grad}
+    for name, value in eager_weights.items():
+        torch.testing.assert_close(trained[name].detach(), value, rtol=2e-3, atol=2e-4, msg=name)

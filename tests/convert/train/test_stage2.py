@@ -10,8 +10,9 @@ from transformers import AutoModelForCausalLM
 from raven_convert import build_hybrid, plan_layers
 from raven_convert.train.common import converted_layers
 from raven_convert.train.data import PackedDataset, batch_iterator, rows_visited
+from raven_convert.train.lora import is_lora, merge_lora
 from raven_convert.train.losses import ce_loss
-from raven_convert.train.stage2 import TrainConfig, is_lora, latest_checkpoint, merge_lora, train
+from raven_convert.train.stage2 import TrainConfig, latest_checkpoint, train
 
 SETTINGS = {"sse": {"lora_rank": 8}, "sila": {}}
 FAST = dict(batch_size=4, lr=3e-3, warmup_steps=2, log_every=0, save_every=1000)
