@@ -448,6 +448,7 @@ def train(
         with record_function("train.student_forward"), accelerator.autocast():
             out = model(**student_inputs)
         weights = None if w is None else scheduled(w.float(), uniform_part, batch["attention_mask"])
+        # each process's mean weighted by its share of the predictions: the processes' mean is the global one
         parts = {"ce": ce_loss(out.logits, batch["input_ids"], mask, weights) * parallel.share(mask[:, :-1].sum())}
         if config.kd_weight > 0:
             with torch.no_grad(), accelerator.autocast(), record_function("train.teacher_forward"):
