@@ -1,5 +1,6 @@
-"""What stage 2 trains of a model (`TrainConfig.trainable`), and LoRA's adapters: injected in place on the layers
-that kept attention (of every layer in a plain model), and merged back into the base weights for export.
+"""What stage 2 trains of a model (`trainable` of a stage2.TrainConfig, the `config` below), and LoRA's adapters:
+injected in place on the layers that kept attention (of every layer in a plain model), and merged back into the
+base weights for export.
 
     params = select_trainable(hybrid, config)   # sets requires_grad; injects LoRA for "mixers+lora" and "lora"
     merge_lora(hybrid); hybrid.save_pretrained(out)
@@ -8,15 +9,11 @@ that kept attention (of every layer in a plain model), and merged back into the 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from raven_convert.train.common import attention_layers, is_hybrid, mixer_parameters
-
-if TYPE_CHECKING:
-    from raven_convert.train.stage2 import TrainConfig
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -27,7 +24,7 @@ def _lora_layer_type():
     return LoraLayer
 
 
-def add_lora(model, config: TrainConfig) -> None:
+def add_lora(model, config) -> None:
     """Inject LoRA adapters (in place) on `lora_targets`: of the layers that kept attention in a hybrid, of every
     module so named in any other model (ValueError naming the targets when none is found); no-op if present. The
     adapters are drawn from `config.seed` alone, so every process of a launch starts from the same ones (fsdp shards
@@ -73,7 +70,7 @@ def is_lora(name: str) -> bool:
     return re.search(r"\.lora_(A|B)\.", name) is not None
 
 
-def select_trainable(model, config: TrainConfig) -> list[nn.Parameter]:
+def select_trainable(model, config) -> list[nn.Parameter]:
     """Set requires_grad per `config.trainable` (injecting LoRA if asked) and return the trainable parameters.
     ValueError when the choice fits no part of the model: mixers of a model that is not a hybrid, patterns that
     match no parameter name."""
