@@ -3,7 +3,12 @@
 # of HEAD, as a new machine would.  Usage: scripts/check_readme_commands.sh [workdir]
 set -euo pipefail
 repo=$(git rev-parse --show-toplevel)
-work=${1:-$(mktemp -d)}
+if [ -n "${1:-}" ]; then
+  work=$1
+else  # a folder of its own, removed at the end (a clone and a virtual environment: about 3.4 GB)
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT
+fi
 git clone -q "$repo" "$work/clone"
 python3 -m venv "$work/venv"
 source "$work/venv/bin/activate"

@@ -1,11 +1,12 @@
-"""A training step replayed as a CUDA graph: align's whole step (the teacher's forward with its taps, every mixer's
-forward and backward, clipping, the optimizer's update) captured once per input layout and replayed, so that a step
-the host cannot launch fast enough (thousands of small kernels for a 135M model) costs the host one launch.
+"""A training step replayed as a CUDA graph: align's (the teacher's forward with its taps, every mixer's forward and
+backward) or stage 2's (the student's forward, loss and backward), with clipping and the optimizer's update,
+captured once per input layout and replayed, so that a step the host cannot launch fast enough (thousands of small
+kernels for a 135M model) costs the host one launch.
 
     steps = CapturedStep(run_step)          # run_step({name: device tensor}) -> a device tensor, no host sync
     out = steps(inputs)                     # eager for the first `warmup` steps of a layout, then a graph
 
-What a graph needs of the step, and how align gives it:
+What a graph needs of the step, and how align and stage 2 give it:
 - Nothing read back to the host and nothing decided on the host from the data: the mixers must say so in their
   declaration (`MixerSpec.graph_safe`: SILA's kernels lay packed documents out from shapes alone), the loss is read
   one step later from a copy, and a non-finite step's update is skipped on the device (fused AdamW's found_inf).
@@ -43,7 +44,7 @@ def pad_documents(cu_seqlens: torch.Tensor, bucket: int = DOCUMENT_BUCKET) -> to
 
 
 def resolve_graphs(setting: CompileSetting, model, device, world: int = 1) -> bool:
-    """Whether align captures its steps as CUDA graphs: "auto" does where it can (a CUDA device, one process, every
+    """Whether a training stage captures its steps as CUDA graphs: "auto" does where it can (a CUDA device, one process, every
     converted mixer declared `graph_safe`); True demands it and raises ValueError naming what stands in the way."""
     if setting not in ("auto", True, False):
         raise ValueError(f"cuda_graphs = {setting!r} is not allowed; expected 'auto', true or false")
