@@ -393,16 +393,15 @@ def align(
                 inputs, packed = step_inputs(_share(batch, parallel), parallel.device, bucket)
                 if per_token is None:
                     per_token = align_flops(teacher, hybrid, inputs["input_ids"].shape[1])
+                set_lr(optimizer, step_lr)  # a graph reads it in place, queued behind the step before
                 if captured is not None:
                     if pending is not None:  # the step before, read before this one's update
                         book(*pending)
                         pending = None
-                    set_lr(optimizer, step_lr)
                     layout = dict(zip(("documents", "cu_seqlens"), packed)) if isinstance(packed, tuple) else {}
                     tensors = {k: v for k, v in inputs.items() if v is not None} | layout
                     pending = (step, step_lr, *read_later(captured(tensors)))
                 else:
-                    set_lr(optimizer, step_lr)
                     stacked = forward_backward(inputs, packed)
                     if pending is not None:  # the step before: long done on the GPU, read before this one's update
                         book(*pending)
