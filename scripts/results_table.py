@@ -15,23 +15,60 @@ The issue's retrieval targets, checked on the same reports (cells: every task an
         --within 10 --lengths 1024 2048 4096 8192 --agree sila:sila-seed1
 --within P adds, for each model against --reference, how many cells are at most P points under it (or above it)
 and which are not; --agree A:B (repeatable) how many cells two models (two seeds) score within P points of each
-other (P of --within, 10 without it), their mean absolute difference, and the cells further apart.
+other (P of --within, 10 without it), their mean absolute difference, and the cells further apart. Where both
+reports have their prompts' scores beside them (retrieval_TASK_VARIANT.json, as the evaluation writes them), a
+cell further apart is marked * when the two differ beyond chance on the same prompts: the exact two-sided McNemar
+test of the prompts one model gets right and the other wrong (scores rounded to right/wrong), p < 0.05.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 
-def load_report(path: str) -> dict:
+def report_path(path: str) -> Path:
     p = Path(path)
     for candidate in (p, p / "report.json", p / "evaluate" / "report.json"):
         if candidate.is_file():
-            return json.loads(candidate.read_text())
+            return candidate
     raise FileNotFoundError(f"no report.json at {p}, {p / 'report.json'} or {p / 'evaluate' / 'report.json'}")
+
+
+def load_report(path: str) -> dict:
+    return json.loads(report_path(path).read_text())
+
+
+def prompt_scores(path: str, variant: str) -> dict[str, float]:
+    """{prompt id: score} of the per-prompt files beside a report (empty when there are none)."""
+    scores = {}
+    for file in report_path(path).parent.glob(f"retrieval_*_{variant}.json"):
+        scores |= {r["id"]: r["score"] for r in json.loads(file.read_text())["results"]}
+    return scores
+
+
+def mcnemar(only_a: int, only_b: int) -> float:
+    """Exact two-sided McNemar p-value: of the prompts the two models disagree on, `only_a` went to A."""
+    n, k = only_a + only_b, min(only_a, only_b)
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
+
+
+def significant(scores_a: dict, scores_b: dict, cell: tuple[str, int], variant: str) -> bool | None:
+    """Whether two models' right/wrong answers on a cell's shared prompts differ beyond chance (None: no prompts)."""
+    prefix = f"{cell[0]}/{variant}/{cell[1]}/"
+    shared = [i for i in scores_a if i.startswith(prefix) and i in scores_b]
+    if not shared:
+        return None
+    right_a = {i: scores_a[i] >= 0.5 for i in shared}
+    right_b = {i: scores_b[i] >= 0.5 for i in shared}
+    only_a = sum(right_a[i] and not right_b[i] for i in shared)
+    only_b = sum(right_b[i] and not right_a[i] for i in shared)
+    return mcnemar(only_a, only_b) < 0.05
 
 
 def perplexity_at(report: dict, length: int) -> float | None:
@@ -126,19 +163,26 @@ def within_reference(reports: dict[str, dict], reference: str, points: float, va
     return "\n".join(rows)
 
 
-def agreement(reports: dict[str, dict], pairs: list[tuple[str, str]], points: float, variant: str, lengths) -> str:
-    """Per pair of models (two seeds of a recipe): the cells within `points` of each other and the mean distance."""
-    rows = [f"| pair | cells within {points:g} points | mean difference | cells further apart |"]
+def agreement(
+    reports: dict[str, dict], pairs: list[tuple[str, str]], points: float, variant: str, lengths, paths=None
+) -> str:
+    """Per pair of models (two seeds of a recipe): the cells within `points` of each other and the mean distance;
+    with `paths` ({name: report path}), the cells further apart that differ beyond chance marked * (McNemar)."""
+    rows = [f"| pair | cells within {points:g} points | mean difference | cells further apart (* beyond chance) |"]
     rows.append("| --- | --- | --- | --- |")
     for a, b in pairs:
         cells_a = retrieval_cells(reports[a], variant, lengths)
         cells_b = retrieval_cells(reports[b], variant, lengths)
+        scores = [prompt_scores(paths[n], variant) if paths else {} for n in (a, b)]
         shared = [c for c in cells_a if c in cells_b]
         diffs = {c: abs(cells_a[c] - cells_b[c]) for c in shared}
-        apart = ", ".join(f"{cell_name(c)} {cells_a[c]:.0f} vs {cells_b[c]:.0f}" for c in shared if diffs[c] > points)
+        apart = []
+        for c in (c for c in shared if diffs[c] > points):
+            mark = "*" if significant(*scores, c, variant) else ""
+            apart.append(f"{cell_name(c)} {cells_a[c]:.0f} vs {cells_b[c]:.0f}{mark}")
         mean = sum(diffs.values()) / len(diffs) if diffs else float("nan")
         close = sum(d <= points for d in diffs.values())
-        rows.append(f"| {a} vs {b} | {close} of {len(shared)} | {mean:.1f} | {apart or 'none'} |")
+        rows.append(f"| {a} vs {b} | {close} of {len(shared)} | {mean:.1f} | {', '.join(apart) or 'none'} |")
     return "\n".join(rows)
 
 
@@ -177,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.within is not None:
         print("\n" + within_reference(reports, args.reference, points, args.variant, args.lengths))
     if pairs:
-        print("\n" + agreement(reports, pairs, points, args.variant, args.lengths))
+        print("\n" + agreement(reports, pairs, points, args.variant, args.lengths, paths))
     return 0
 
 

@@ -48,3 +48,28 @@ def test_within_needs_a_reference():
 
     with pytest.raises(SystemExit):
         main(["a=x", "--within", "10"])
+
+
+def test_agree_marks_the_cells_that_differ_beyond_chance(tmp_path, capsys):
+    """With each prompt's score beside the reports, a cell further apart is starred when the two models' right and
+    wrong answers on the same prompts differ beyond chance (exact McNemar, p < 0.05)."""
+
+    def run(name, passkey, needle):  # right (1) or wrong (0) per prompt, 20 prompts per cell at 1K
+        folder = tmp_path / name
+        folder.mkdir()
+        retrieval = {}
+        for task, right in (("passkey", passkey), ("niah_single_2", needle)):
+            results = [{"id": f"{task}/standard/1024/0/{i}", "score": float(r)} for i, r in enumerate(right)]
+            (folder / f"retrieval_{task}_standard.json").write_text(json.dumps({"results": results}))
+            retrieval[f"{task}/standard"] = {"by_length": {"1024": sum(right) / len(right)}}
+        (folder / "report.json").write_text(json.dumps({"retrieval": retrieval}))
+        return f"{name}={folder}"
+
+    # passkey: 10 prompts a gets right and b wrong, none the other way (p = 0.002); needle: 15 points apart, but
+    # from 5 prompts against 2 (p = 0.45)
+    a = run("a", [1] * 20, [1] * 12 + [0] * 8)
+    b = run("b", [1] * 10 + [0] * 10, [1] * 7 + [0] * 5 + [1] * 2 + [0] * 6)
+    assert main([a, b, "--agree", "a:b"]) == 0
+    out = capsys.readouterr().out
+    assert "passkey 1K 100 vs 50*" in out
+    assert "niah_single_2 1K 60 vs 45" in out and "niah_single_2 1K 60 vs 45*" not in out
