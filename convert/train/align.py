@@ -38,8 +38,8 @@ from raven_convert.train.flops import align_flops, mfu, mfu_text
 from raven_convert.train.graphs import (
     DOCUMENT_BUCKET,
     CapturedStep,
+    host_documents,
     optimizer_mode,
-    pad_documents,
     read_back,
     read_later,
     resolve_graphs,
@@ -90,12 +90,10 @@ def step_inputs(
 ) -> tuple[dict, tuple[torch.Tensor, torch.Tensor] | None | str]:
     """(model inputs, `packed` of alignment_losses) of a batch on the host, on `device`: packed documents are found
     in the host's position ids and everything is copied without blocking, so that a step never waits for the GPU.
-    `bucket`: the documents' offsets padded with empty documents to a multiple of it (graphs.pad_documents)."""
+    `bucket`: the documents' offsets padded with empty documents to a multiple of it (graphs.host_documents)."""
     packed = "auto"  # padded rows: nothing to find
     if "position_ids" in batch and batch["position_ids"].device.type == "cpu":
-        found = find_packed_documents(batch["position_ids"])
-        if found is not None and bucket is not None:
-            found = (found[0], pad_documents(found[1], bucket))
+        found = host_documents(batch, bucket)
         layout = {} if found is None else dict(zip(("documents", "cu_seqlens"), found))
         packed = tuple(to_device(layout, device).values()) or None
     return to_device(model_inputs(batch), device), packed

@@ -29,6 +29,7 @@ from torch import nn
 
 from raven_convert.train.common import is_hybrid, mixers
 from raven_convert.train.compiling import CompileSetting
+from raven_layers.modeling_hybrid import find_packed_documents
 
 DOCUMENT_BUCKET = 64  # documents per row layout are padded up to a multiple of this: a new graph every 64 documents
 
@@ -43,9 +44,20 @@ def pad_documents(cu_seqlens: torch.Tensor, bucket: int = DOCUMENT_BUCKET) -> to
     return torch.cat([cu_seqlens, cu_seqlens[-1:].expand(extra)])
 
 
+def host_documents(batch: dict, bucket: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """find_packed_documents of a host batch's position ids (None without them, or with one document per row), the
+    offsets padded to a multiple of `bucket` documents when given (`pad_documents`): found on the host, so that no
+    step reads the position ids back from the GPU."""
+    found = find_packed_documents(batch["position_ids"]) if "position_ids" in batch else None
+    if found is None or bucket is None:
+        return found
+    return found[0], pad_documents(found[1], bucket)
+
+
 def resolve_graphs(setting: CompileSetting, model, device, world: int = 1) -> bool:
-    """Whether a training stage captures its steps as CUDA graphs: "auto" does where it can (a CUDA device, one process, every
-    converted mixer declared `graph_safe`); True demands it and raises ValueError naming what stands in the way."""
+    """Whether a training stage captures its steps as CUDA graphs: "auto" does where it can (a CUDA device, one
+    process, every converted mixer declared `graph_safe`); True demands it and raises ValueError naming what stands
+    in the way."""
     if setting not in ("auto", True, False):
         raise ValueError(f"cuda_graphs = {setting!r} is not allowed; expected 'auto', true or false")
     if setting is False:

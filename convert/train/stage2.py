@@ -66,9 +66,10 @@ from raven_convert.train.data import PackedDataset, batch_iterator, rows_visited
 from raven_convert.train.distributed import Parallel, on_cpu
 from raven_convert.train.flops import mfu, mfu_text, train_flops
 from raven_convert.train.graphs import (
+    DOCUMENT_BUCKET,
     CapturedStep,
+    host_documents,
     optimizer_mode,
-    pad_documents,
     read_back,
     read_later,
     resolve_graphs,
@@ -78,7 +79,6 @@ from raven_convert.train.lora import LORA_TARGETS, select_trainable
 from raven_convert.train.losses import aux_loss, ce_loss, kd_loss, prediction_mask, training_loss
 from raven_convert.train.precision import frozen_linears_in
 from raven_convert.train.token_weights import schedule_uniform, scheduled
-from raven_layers.modeling_hybrid import find_packed_documents
 
 # "no" or "bf16"; YAML reads a bare `no` as false, which means "no" here
 MixedPrecision = Annotated[Literal["no", "bf16"], BeforeValidator(lambda v: "no" if v is False else v)]
@@ -275,12 +275,12 @@ def step_graphs(config: TrainConfig, student, token_weights, device, processes: 
 
 def graph_inputs(batch: dict, token_weights: torch.Tensor | None, device) -> tuple[dict[str, torch.Tensor], int]:
     """A host micro-batch as a step graph's inputs on `device`, copied without blocking: its fields but "index",
-    the documents packed in its rows ("documents" and "cu_seqlens", padded by graphs.pad_documents), its rows of the
+    the documents packed in its rows ("documents" and "cu_seqlens", padded: graphs.host_documents), its rows of the
     token-weight table ("weights"); and its real tokens, counted on the host."""
     tensors = {k: v for k, v in batch.items() if k != "index"}
-    found = find_packed_documents(batch["position_ids"]) if "position_ids" in batch else None
+    found = host_documents(batch, DOCUMENT_BUCKET)
     if found is not None:
-        tensors["documents"], tensors["cu_seqlens"] = found[0], pad_documents(found[1])
+        tensors["documents"], tensors["cu_seqlens"] = found
     if token_weights is not None:
         tensors["weights"] = token_weights[batch["index"]]
     return to_device(tensors, device), int(batch["attention_mask"].sum())
@@ -291,7 +291,7 @@ def _documents(batch: dict, device):
     `device`: found on the host, so that the forward does not read the position ids back; None without them."""
     if "position_ids" not in batch:
         return None
-    found = find_packed_documents(batch["position_ids"])
+    found = host_documents(batch)
     return False if found is None else tuple(t.to(device, non_blocking=True) for t in found)
 
 
