@@ -13,6 +13,7 @@ from raven_convert.train.align import align, alignment_losses, step_inputs
 from raven_convert.train.common import mixer_parameters
 from raven_convert.train.data import PackedDataset
 from raven_convert.train.graphs import optimizer_mode, pad_documents, resolve_graphs, set_lr
+from raven_convert.train.lora import add_lora
 from raven_convert.train.recipe import Recipe
 from raven_convert.train.stage2 import TrainConfig, graph_inputs, step_graphs, train
 from raven_layers.backend import use_backend
@@ -203,6 +204,16 @@ def test_optimizer_mode_converts_either_way_and_after_a_load():
     assert isinstance(optimizer.param_groups[0]["lr"], float) and optimizer.param_groups[0]["capturable"] is False
 
 
+def assert_same_updates(weights: dict, reference: dict, initial: dict, share: float = 0.02):
+    """Each trained tensor's update (from `initial`) is the reference run's within `share` of its size. Adam moves a
+    tensor whose gradient is rounding noise by about lr whatever its sign, so elementwise tolerances fail on bf16
+    rounding alone (a graphed step's fused kernels round differently); a missed or doubled update moves it by ~100%."""
+    for name, value in reference.items():
+        update, gap = (value - initial[name]).norm(), (weights[name] - value).norm()
+        assert update > 0, f"{name} did not train"
+        assert gap <= share * update, f"{name}: {gap:.3g} from the reference run, whose update is {update:.3g}"
+
+
 @pytest.mark.gpu
 @gpu
 def test_graphed_stage2_matches_eager_on_cuda(tmp_path):
@@ -217,6 +228,9 @@ def test_graphed_stage2_matches_eager_on_cuda(tmp_path):
         steps=8, batch_size=2, lr=3e-3, warmup_steps=2, schedule="constant", log_every=0, save_every=4,
         trainable="mixers+lora", mixed_precision="bf16", token_weight_tau=2000.0,
     )  # fmt: skip
+    start = copy.deepcopy(hybrid)
+    add_lora(start, TrainConfig(**config))  # the adapters train() adds, drawn from the same seed
+    initial = {n: p.detach().clone() for n, p in start.named_parameters()}
     runs = {}
     for graphs in (False, True):
         model = copy.deepcopy(hybrid)
@@ -225,14 +239,11 @@ def test_graphed_stage2_matches_eager_on_cuda(tmp_path):
         runs[graphs] = ([r["loss"] for r in history], weights)
     (eager, eager_weights), (graphed, graphed_weights) = runs[False], runs[True]
     assert graphed == pytest.approx(eager, rel=2e-3)
-    for name, value in eager_weights.items():
-        torch.testing.assert_close(graphed_weights[name], value, rtol=2e-3, atol=2e-4, msg=name)
+    assert_same_updates(graphed_weights, eager_weights, initial)
 
     resumed = copy.deepcopy(hybrid)
     first = train(resumed, None, data, config | {"cuda_graphs": True, "steps": 4}, tmp_path / "resumed", table)
     resumed = copy.deepcopy(hybrid)  # a fresh process: everything comes from the checkpoint
     second = train(resumed, None, data, config | {"cuda_graphs": True}, tmp_path / "resumed", table)
     assert [r["loss"] for r in first + second] == pytest.approx(eager, rel=2e-3)
-    trained = {n: p for n, p in resumed.named_parameters() if p.requires_grad}
-    for name, value in eager_weights.items():
-        torch.testing.assert_close(trained[name].detach(), value, rtol=2e-3, atol=2e-4, msg=name)
+    assert_same_updates({n: p.detach() for n, p in resumed.named_parameters()}, eager_weights, initial)
