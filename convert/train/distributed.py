@@ -217,6 +217,12 @@ class Parallel:
 
         options = StateDictOptions(ignore_frozen_params=True)
         model_state, optimizer_state = get_state_dict(model, _plain(optimizer), options=options)
+        # a graphed run's learning rate is a device tensor (graphs.optimizer_mode): saved as the number it holds, so
+        # the checkpoint has one layout and resumes in either mode (dcp loads into the layout of the groups it finds)
+        optimizer_state["param_groups"] = [
+            {k: v.item() if torch.is_tensor(v) and v.dim() == 0 else v for k, v in group.items()}
+            for group in optimizer_state["param_groups"]
+        ]
         dcp.save(
             {"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder), no_dist=self.world == 1
         )

@@ -12,6 +12,7 @@ from raven_convert import build_hybrid, plan_layers
 from raven_convert.train.align import align, alignment_losses, step_inputs
 from raven_convert.train.common import mixer_parameters
 from raven_convert.train.data import PackedDataset
+from raven_convert.train.distributed import Parallel
 from raven_convert.train.graphs import optimizer_mode, pad_documents, resolve_graphs, set_lr
 from raven_convert.train.lora import add_lora
 from raven_convert.train.recipe import Recipe
@@ -212,6 +213,31 @@ def assert_same_updates(weights: dict, reference: dict, initial: dict, share: fl
         update, gap = (value - initial[name]).norm(), (weights[name] - value).norm()
         assert update > 0, f"{name} did not train"
         assert gap <= share * update, f"{name}: {gap:.3g} from the reference run, whose update is {update:.3g}"
+
+
+@pytest.mark.parametrize("saved_graphed", [True, False])
+def test_stage2_checkpoints_resume_in_either_optimizer_mode(saved_graphed, tmp_path):
+    """A graphed run's optimizer (its learning rate a tensor) checkpoints as an eager one's does: stage 2 loads
+    into float groups and converts afterwards, so a checkpoint of either mode resumes in the other."""
+    parallel = Parallel()
+
+    def model_and_optimizer():
+        model = torch.nn.Linear(3, 2)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    model, optimizer = model_and_optimizer()
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    optimizer_mode(optimizer, saved_graphed, "cpu")
+    set_lr(optimizer, 4e-4)
+    parallel.save(tmp_path, model, optimizer)
+    resumed, resumed_optimizer = model_and_optimizer()
+    parallel.load(tmp_path, resumed, resumed_optimizer)
+    optimizer_mode(resumed_optimizer, not saved_graphed, "cpu")
+    assert float(resumed_optimizer.param_groups[0]["lr"]) == pytest.approx(4e-4)
+    assert torch.equal(resumed.weight, model.weight)
+    saved = optimizer.state[model.weight]["exp_avg_sq"]
+    assert torch.equal(resumed_optimizer.state[resumed.weight]["exp_avg_sq"], saved)
 
 
 @pytest.mark.gpu
