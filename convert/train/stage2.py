@@ -259,31 +259,32 @@ def _check_weighted(table: torch.Tensor, dataset, config: TrainConfig, processes
 def step_graphs(config: TrainConfig, student, token_weights, device, processes: int) -> bool:
     """Whether `train` replays its steps as CUDA graphs (`config.cuda_graphs`): where graphs.resolve_graphs allows
     (a CUDA device, one process, mixers declared graph_safe) for a hybrid whose settings allow it
-    (`TrainConfig.graph_obstacles`) and whose token weights, if any, come from a table. With True, ValueError
-    naming what stands in the way."""
+    (`TrainConfig.graph_obstacles`). With True, ValueError naming what stands in the way."""
     if config.cuda_graphs is False:
         return False
     found = config.graph_obstacles()
     if not is_hybrid(student):
         found.append(f"{type(student).__name__} is not a hybrid")
-    if callable(token_weights) and not torch.is_tensor(token_weights):
-        found.append("the token weights are a function of the batch (a table can be captured)")
     if found and config.cuda_graphs is True:
         raise ValueError(f"cuda_graphs = true cannot be honoured: {'; '.join(found)}")
     return not found and resolve_graphs(config.cuda_graphs, student, device, processes)
 
 
-def graph_inputs(batch: dict, token_weights: torch.Tensor | None, device) -> tuple[dict[str, torch.Tensor], int]:
+def graph_inputs(batch: dict, token_weights, device) -> tuple[dict[str, torch.Tensor], int]:
     """A host micro-batch as a step graph's inputs on `device`, copied without blocking: its fields but "index",
-    the documents packed in its rows ("documents" and "cu_seqlens", padded: graphs.host_documents), its rows of the
-    token-weight table ("weights"); and its real tokens, counted on the host."""
+    the documents packed in its rows ("documents" and "cu_seqlens", padded: graphs.host_documents), its token
+    weights ("weights": its rows of a table, or a function's weights of it, computed eagerly on `device` before
+    the step's replay, as the extend stage's teacher does); and its real tokens, counted on the host."""
     tensors = {k: v for k, v in batch.items() if k != "index"}
     found = host_documents(batch, DOCUMENT_BUCKET)
     if found is not None:
         tensors["documents"], tensors["cu_seqlens"] = found
-    if token_weights is not None:
+    if torch.is_tensor(token_weights):
         tensors["weights"] = token_weights[batch["index"]]
-    return to_device(tensors, device), int(batch["attention_mask"].sum())
+    tensors = to_device(tensors, device)
+    if callable(token_weights):
+        tensors["weights"] = token_weights(tensors).float()
+    return tensors, int(batch["attention_mask"].sum())
 
 
 def _documents(batch: dict, device):

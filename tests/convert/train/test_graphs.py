@@ -170,11 +170,15 @@ def test_stage2_graphs_only_where_a_step_can_be_one():
     teacher, hybrid = sila_models()
     with pytest.raises(ValueError, match="LlamaForCausalLM is not a hybrid"):
         step_graphs(TrainConfig(steps=1, cuda_graphs=True), teacher, None, "cuda", 1)
-    with pytest.raises(ValueError, match="a function of the batch"):
-        step_graphs(TrainConfig(steps=1, cuda_graphs=True), hybrid, lambda batch: None, "cuda", 1)
+    assert step_graphs(TrainConfig(steps=1, cuda_graphs=True), hybrid, lambda batch: None, "cuda", 1) is True
     assert step_graphs(TrainConfig(steps=1, cuda_graphs="auto", grad_accum=2), hybrid, None, "cuda", 1) is False
     assert step_graphs(TrainConfig(steps=1, cuda_graphs="auto"), hybrid, None, "cpu", 1) is False
     assert step_graphs(TrainConfig(steps=1, cuda_graphs="auto"), hybrid, torch.zeros(1, 1), "cuda", 1) is True
+
+
+def position_weights(batch: dict) -> torch.Tensor:
+    """Token weights [B, T] computed from a batch on its device (extend's kind), in bf16."""
+    return (0.5 + (batch["position_ids"] % 4) / 4).bfloat16()
 
 
 def test_graph_inputs_lay_a_batch_out_on_the_host():
@@ -187,6 +191,9 @@ def test_graph_inputs_lay_a_batch_out_on_the_host():
     assert torch.equal(tensors["documents"], documents) and tensors["cu_seqlens"].numel() % 64 == 1
     assert torch.equal(tensors["cu_seqlens"][: cu.numel()], cu)
     assert torch.equal(tensors["weights"], table[[0, 7]])
+    tensors, _ = graph_inputs(batch, position_weights, "cpu")  # a function of the batch, as extend's teacher
+    assert tensors["weights"].dtype == torch.float32
+    assert torch.equal(tensors["weights"], position_weights(batch).float())
 
 
 def test_optimizer_mode_converts_either_way_and_after_a_load():
@@ -242,14 +249,16 @@ def test_stage2_checkpoints_resume_in_either_optimizer_mode(saved_graphed, tmp_p
 
 @pytest.mark.gpu
 @gpu
-def test_graphed_stage2_matches_eager_on_cuda(tmp_path):
-    """Stage 2 as the SILA recipe runs it (mixers and LoRA, bf16, compiled parts, a token-weight table, packed rows in
-    two document buckets): the graphed steps' losses and weights are the eager ones'; a graphed run stopped after a
-    checkpoint and resumed ends where the uninterrupted one does."""
+@pytest.mark.parametrize("weights", ["table", "function"])
+def test_graphed_stage2_matches_eager_on_cuda(weights, tmp_path):
+    """Stage 2 as the SILA recipe runs it (mixers and LoRA, bf16, compiled parts, token weights from a table as
+    train's or from each batch as extend's, packed rows in two document buckets): the graphed steps' losses and
+    weights are the eager ones'; a graphed run stopped after a checkpoint and resumed ends where the uninterrupted
+    one does."""
     _, hybrid = sila_models("cuda")
     generator = torch.Generator().manual_seed(3)
     data = packed_dataset(generator)
-    table = torch.rand(len(data), data.seq_len, generator=generator)
+    table = torch.rand(len(data), data.seq_len, generator=generator) if weights == "table" else position_weights
     config = dict(
         steps=8, batch_size=2, lr=3e-3, warmup_steps=2, schedule="constant", log_every=0, save_every=4,
         trainable="mixers+lora", mixed_precision="bf16", token_weight_tau=2000.0,
