@@ -8,7 +8,8 @@ Builds a randomly initialised teacher with SmolLM2-135M's shapes, converts --lay
 own loop as the recipes do (bf16 autocast, compiled parts) on packed rows of random documents (64 to 1,024 tokens,
 as host_syncs.py draws them), once per setting of `cuda_graphs`, each from the same model: `align()` (stage 1),
 or `train()` with mixers and LoRA trained and a random token-weight table (stage 2). Reports the stage's own
-tokens/s (from the end of its first step) and how far the graphed run's losses are from the eager one's.
+tokens/s (from the end of its first step), the GPU memory it held at most (torch.cuda.max_memory_reserved, the
+cache emptied before each run) and how far the graphed run's losses are from the eager one's.
 Prints a table last.
 """
 
@@ -70,24 +71,27 @@ def main(argv=None) -> None:
         batches = [packed_batch(count, args.length, config.vocab_size, generator) for _ in range(args.batches)]
         losses = {}
         for graphs in (False, True):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
             history = run(args.stage, teacher, copy.deepcopy(hybrid), batches, args.steps, graphs)
             losses[graphs] = [r["loss"] for r in history]
-            rows.append((count, graphs, history[-1]["tokens_per_second"], history[-1]["mfu"]))
+            held = torch.cuda.max_memory_reserved() / 2**30
+            rows.append((count, graphs, history[-1]["tokens_per_second"], history[-1]["mfu"], held))
             print(f"rows {count}, cuda_graphs {graphs}: {rows[-1][2]:,.0f} tokens/s", flush=True)
         gap = max(abs(a - b) / abs(a) for a, b in zip(losses[False], losses[True]))
-        rows.append((count, "gap", gap, None))
+        rows.append((count, "gap", gap, None, None))
     shape = f"{args.steps} steps of rows x {args.length} packed tokens, bf16"
     print(f"\n{args.stage} of {args.mixer} {args.layers}, {shape}")
-    print("| rows | cuda_graphs | tokens/s | MFU | ratio |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| rows | cuda_graphs | tokens/s | MFU | ratio | GPU memory held |")
+    print("| --- | --- | --- | --- | --- | --- |")
     eager = None
-    for count, graphs, value, mfu in rows:
+    for count, graphs, value, mfu, held in rows:
         if graphs == "gap":
-            print(f"| {count} | largest relative loss difference, graphs vs eager | {value:.2e} | | |")
+            print(f"| {count} | largest relative loss difference, graphs vs eager | {value:.2e} | | | |")
             continue
         eager = value if graphs is False else eager
         util = "-" if mfu is None else f"{100 * mfu:.1f}%"
-        print(f"| {count} | {graphs} | {value:,.0f} | {util} | {value / eager:.2f}x |")
+        print(f"| {count} | {graphs} | {value:,.0f} | {util} | {value / eager:.2f}x | {held:.1f} GiB |")
 
 
 if __name__ == "__main__":

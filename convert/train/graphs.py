@@ -140,6 +140,7 @@ class CapturedStep:
             output = self.step(inputs)
         torch.cuda.current_stream().wait_stream(side)
         side.synchronize()  # the step's temporaries, freed on the side stream, are done with before reuse
+        torch.cuda.empty_cache()  # blocks cached for the side stream would serve neither the main stream nor a graph
         return output
 
     def _capture(self, key: tuple, inputs: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -590,6 +590,8 @@ def run_recipe(
             continue
         clock = time.perf_counter()
         (run_dir / stage).mkdir(parents=True, exist_ok=True)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
         try:
             summary = runners[stage](recipe, run_dir, done, parallel)
         except FloatingPointError as err:  # a diverged step: say what survives instead of a traceback
@@ -597,8 +599,10 @@ def run_recipe(
             raise FloatingPointError(
                 f"the {stage} stage stopped: {err}; {stage_state(run_dir, stage)}. {advice} the data before rerunning"
             ) from err
-        release_memory()
         summary["seconds"] = round(time.perf_counter() - clock, 3)
+        if torch.cuda.is_available():  # what the stage held on this process's GPU at most (nvidia-smi's view)
+            summary["peak_gpu_memory_bytes"] = torch.cuda.max_memory_reserved()
+        release_memory()
         summary["disk_bytes"] = _disk_use(run_dir, stage, summary)
         summary |= {"fingerprint": prints[stage], "inputs": stage_inputs(recipe, stage, processes[stage])}
         summary["processes"] = processes[stage]
@@ -610,6 +614,8 @@ def run_recipe(
         if summary.get("skipped"):
             log(f"[{stage}] skipped (turned off by the recipe)")
         else:
-            log(f"[{stage}] done in {summary['seconds']:.1f} s, {format_bytes(summary['disk_bytes'])} on disk")
+            peak = summary.get("peak_gpu_memory_bytes")
+            held = f", at most {format_bytes(peak)} of GPU memory" if peak else ""
+            log(f"[{stage}] done in {summary['seconds']:.1f} s, {format_bytes(summary['disk_bytes'])} on disk{held}")
         results[stage] = summary
     return results
