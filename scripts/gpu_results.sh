@@ -8,10 +8,11 @@
 # halves, wheels and corpus parts come from ../shared/tools/gpu-prep.sh and the corpus split into .carry/corpus-*):
 #   carry .carry/smollm2.gguf.part-aa .whl:
 #     mkdir -p ~/cache/corpus && cp .carry/smollm2.gguf.part-aa ~/cache/
-#   carry .carry/smollm2.gguf.part-ab .carry/corpus-b .carry/corpus-c .carry/pg_essays:
+#   carry .carry/smollm2.gguf.part-ab .carry/corpus-b .carry/pg_essays:
 #     cat ~/cache/smollm2.gguf.part-aa .carry/smollm2.gguf.part-ab > ~/cache/smollm2.gguf &&
-#     cp .carry/corpus-b/* .carry/corpus-c/* ~/cache/corpus/ && cp -r .carry/pg_essays ~/cache/essays
-#   carry .carry/corpus-a: cp .carry/corpus-a/* ~/cache/corpus/ && ... gpu_results.sh start ...
+#     cp .carry/corpus-b/* ~/cache/corpus/ && cp -r .carry/pg_essays ~/cache/essays
+#   carry .carry/corpus-a .carry/corpus-c: cp .carry/corpus-a/* .carry/corpus-c/* ~/cache/corpus/ && ... start ...
+# (chain the calls: the machine goes back after 30 idle seconds, with the jobs it runs)
 #   bash scripts/gpu_jobs.sh wait 540        # in each later call, until the jobs end
 #   bash scripts/gpu_jobs.sh collect         # $OUT/runs.tar.gz: stage summaries, reports, pictures; logs.tar.gz
 #

@@ -18,7 +18,9 @@ and which are not; --agree A:B (repeatable) how many cells two models (two seeds
 other (P of --within, 10 without it), their mean absolute difference, and the cells further apart. Where both
 reports have their prompts' scores beside them (retrieval_TASK_VARIANT.json, as the evaluation writes them), a
 cell further apart is marked * when the two differ beyond chance on the same prompts: the exact two-sided McNemar
-test of the prompts one model gets right and the other wrong (scores rounded to right/wrong), p < 0.05.
+test of the prompts one model gets right and the other wrong (scores rounded to right/wrong), p < 0.05. The test
+counts prompts as independent: a passkey cell's 8 prompts per depth share their filler and are answered all or
+none (docs/RESULTS.md, seventh round), so there a star says the models answer differently, not how sure that is.
 """
 
 from __future__ import annotations
