@@ -64,16 +64,22 @@ def resolve_graphs(setting: CompileSetting, model, device, world: int = 1) -> bo
         return False
     converted = mixers(model) if is_hybrid(model) else []
     unsafe = sorted({type(m).__name__ for m in converted if not _spec_of(m).graph_safe})
-    reasons = []
-    if torch.device(device).type != "cuda":
-        reasons.append(f"the device is {torch.device(device).type}, not cuda")
-    if world != 1:
-        reasons.append(f"the run has {world} processes (graphs are captured for one)")
+    reasons = launch_obstacles(device, world)
     if unsafe:
         reasons.append(f"the mixers {unsafe} are not declared graph_safe (MixerSpec.graph_safe)")
     if reasons and setting is True:
         raise ValueError(f"cuda_graphs = true cannot be honoured: {'; '.join(reasons)}; use 'auto' or false")
     return not reasons
+
+
+def launch_obstacles(device, world: int) -> list[str]:
+    """What about the launch stands in the way of CUDA graphs (each a phrase; none: they can run)."""
+    reasons = []
+    if torch.device(device).type != "cuda":
+        reasons.append(f"the device is {torch.device(device).type}, not cuda")
+    if world != 1:
+        reasons.append(f"the run has {world} processes (graphs are captured for one)")
+    return reasons
 
 
 def _spec_of(mixer: nn.Module):

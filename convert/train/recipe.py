@@ -37,6 +37,7 @@ from raven_layers import get_mixer, resolve_mixer
 from raven_layers.common import did_you_mean
 
 STAGES = ("convert", "align", "weights", "train", "extend", "evaluate", "export")
+GRAPHED_STAGES = ("align", "train", "extend")  # the stages whose steps can be CUDA graphs (cuda_graphs)
 FINETUNE_STAGES = ("weights", "train", "export")
 # The fields naming inputs from outside the repository, each with the `python -m raven_convert.train` flag that sets it
 # (sugar for --set FIELD=VALUE), its metavar and help.
@@ -234,13 +235,12 @@ class Recipe(_Strict):
 
     @model_validator(mode="after")
     def _graphs(self) -> Recipe:
-        if self.align.cuda_graphs is not True:
-            return self
+        demanded = [s for s in GRAPHED_STAGES if graphs_demanded(self, s)]
         unsafe = sorted({a.mixer for a in self.layers if not resolve_mixer(a.mixer).graph_safe})
-        if unsafe:
+        if demanded and unsafe:
             raise ValueError(
-                f"align.cuda_graphs = true needs mixers declared graph_safe; {', '.join(unsafe)} is not (their "
-                "kernels read values back to the host); use 'auto' (graphs where they can run) or false"
+                f"{demanded[0]}.cuda_graphs = true needs mixers declared graph_safe; {', '.join(unsafe)} is not "
+                "(their kernels read values back to the host); use 'auto' (graphs where they can run) or false"
             )
         return self
 
@@ -430,17 +430,32 @@ def uses_data(recipe: Recipe | FinetuneRecipe, stage: str) -> bool:
     }.get(stage, False)
 
 
+def graphs_demanded(recipe, stage: str) -> bool:
+    """Whether `stage`'s settings (absent for a skipped extend) ask for CUDA graphs outright (cuda_graphs: true)."""
+    return getattr(getattr(recipe, stage, None), "cuda_graphs", None) is True
+
+
 def check_inputs(recipe: Recipe | FinetuneRecipe, stages: list[str]) -> None:
     """Before any of `stages` (those left to run) starts: each input they read is set and exists, else a
-    ValueError naming the field and the flag that sets it. The data source is also sampled (check_data_source), and
-    data.cache_dir must be writable."""
+    ValueError naming the field and the flag that sets it. The data source is also sampled (check_data_source),
+    data.cache_dir must be writable, and a stage demanding CUDA graphs (cuda_graphs: true) must run where they can
+    (one process on a CUDA GPU)."""
     import os
 
     from raven_convert.evaluate.needles import HAYSTACK_ENV, haystack_files, split_task
     from raven_convert.files import check_writable
     from raven_convert.sources import Source
     from raven_convert.train.data import check_data_source
+    from raven_convert.train.distributed import on_cpu, world_size
+    from raven_convert.train.graphs import launch_obstacles
 
+    demanded = [s for s in GRAPHED_STAGES if s in stages and graphs_demanded(recipe, s)]
+    found = launch_obstacles("cpu" if on_cpu() else "cuda", world_size()) if demanded else []
+    if found:
+        raise ValueError(
+            f"{demanded[0]}.cuda_graphs = true cannot be honoured: {'; '.join(found)}; use 'auto' (graphs where "
+            f"they can run) or false (--set {demanded[0]}.cuda_graphs=auto)"
+        )
     choosing = "convert" in stages and recipe.auto() is not None  # auto:N measures the layers on the data
     reads_data = choosing or any(uses_data(recipe, s) for s in stages)
     if "convert" in stages or reads_data:  # the stages that load the teacher

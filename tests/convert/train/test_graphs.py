@@ -110,6 +110,9 @@ def test_recipe_refuses_graphs_for_mixers_that_cannot_run_them():
     assert Recipe.model_validate(base | {"align": {"cuda_graphs": "auto"}}).align.cuda_graphs == "auto"
     sila = base | {"layers": [{"mixer": "sila", "layers": "0-3"}], "align": {"cuda_graphs": True}}
     assert Recipe.model_validate(sila).align.cuda_graphs is True
+    for stage, settings in (("train", {}), ("extend", {"steps": 1, "seq_len": 64})):
+        with pytest.raises(ValueError, match=f"{stage}.cuda_graphs = true needs mixers declared graph_safe; raven"):
+            Recipe.model_validate(base | {stage: settings | {"cuda_graphs": True}})
 
 
 def _interrupted(batches: list[dict], after: int):

@@ -309,6 +309,11 @@ ESSAY_EVAL = {"tasks": ["passkey", "niah_word"], "lengths": [400], "samples": 1}
             "data.source: no such file or directory: ../nowhere/corpus; pass --data PATH or set data.source in the",
         ),
         ({"source": "../models/x.gguf"}, [], "source: --src '../models/x.gguf': no such GGUF file"),
+        (  # before align runs, not when train starts (this machine has no CUDA GPU)
+            {"layers": [{"mixer": "sila", "layers": "1"}], "train": {"cuda_graphs": True}},
+            [],
+            "train.cuda_graphs = true cannot be honoured: the device is cpu, not cuda; use 'auto'",
+        ),
         (
             {"evaluate": ESSAY_EVAL},
             ["--stages", "evaluate"],
