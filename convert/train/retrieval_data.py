@@ -76,8 +76,10 @@ class RetrievalMix(BaseModel):
 
     ratio: float = Field(0.2, ge=0, le=0.9, description="share of the mixed text's characters that is synthetic")
     seed: int = 0
-    formats: tuple[Literal[FORMATS], ...] = Field(FORMATS, min_length=1)
-    values: tuple[Literal[VALUE_KINDS], ...] = Field(VALUE_KINDS, min_length=1)
+    formats: tuple[Literal[FORMATS], ...] = Field(FORMATS, min_length=1, description="drawn from, one per sample")
+    values: tuple[Literal[VALUE_KINDS], ...] = Field(
+        VALUE_KINDS, min_length=1, description="drawn from, one per sample: a kind listed twice is twice as likely"
+    )
     length: tuple[float, float] = Field(LENGTH, description="a sample's size as a share of a row, drawn in this range")
     depth: tuple[float, float] = Field(DEPTH, description="where facts go, as a share of the filler from its start")
 

@@ -56,6 +56,17 @@ def test_every_answer_is_stated_before_its_question(fmt, kind):
         assert value in context and value in question
 
 
+def test_a_kind_listed_twice_is_drawn_twice_as_often():
+    def answers(values: tuple[str, ...]) -> list[str]:
+        mix = RetrievalMix(ratio=0.5, formats=("single",), values=values)
+        samples = [d for d in mix_retrieval(documents(), mix, seq_len=256) if isinstance(d, WholeDocument)]
+        return [sample.rsplit(" ", 1)[1] for sample in samples]  # a single fact's question ends with its value
+
+    for values, share in ((("code", "digits"), 0.5), (("code", "code", "code", "digits"), 0.75)):
+        found = answers(values)
+        assert abs(sum("-" in a for a in found) / len(found) - share) < 0.1, (values, len(found))
+
+
 def test_values_have_their_kinds_shape():
     rng, words = random.Random(0), ["Apple", "Stone", "River", "Cloud", "Ember"]
     assert re.fullmatch(r"[1-9]\d{2,9}", make_value(rng, "digits", words))
