@@ -4,7 +4,9 @@
 # call start here as jobs; later calls wait on them and collect what they wrote.
 #
 #   bash scripts/gpu_jobs.sh start NAME 'COMMAND'   # COMMAND runs under bash in a snapshot of the checkout
-#   bash scripts/gpu_jobs.sh wait SECONDS           # until every job has ended or SECONDS have passed
+#   bash scripts/gpu_jobs.sh wait SECONDS           # until every job has ended or SECONDS have passed, then
+#                                                   # collect (COLLECT=0: not), so a machine taken back between
+#                                                   # calls loses no stage summary the last call could bring back
 #   bash scripts/gpu_jobs.sh status                 # each job's state, last progress line, and GPU memory
 #   bash scripts/gpu_jobs.sh collect                # summaries, reports, pictures and logs -> $OUT/runs.tar.gz
 #   bash scripts/gpu_jobs.sh deltas RUN...          # the runs' trained hybrids as deltas (raven_convert.delta) -> $OUT
@@ -37,6 +39,16 @@ running() {
   return 1
 }
 
+collect() {  # stage summaries, reports, pictures -> $OUT/runs.tar.gz; the jobs' logs -> $OUT/logs.tar.gz
+  (cd "$RUNS" && find . \( -name DONE -o -name '*.json' -o -name '*.png' \) -not -path '*/checkpoint*' \
+    -not -path '*/model/*' -print0 | tar --null -czf "$OUT/runs.tar.gz" -T -) || return 1
+  for log in "$JOBS"/*.log; do  # progress bars redrawn in place would fill the logs: keep their last state
+    [ -e "$log" ] && tr '\r' '\n' < "$log" | grep -v 'it/s\]$' > "$OUT/$(basename "$log")"
+  done
+  (cd "$OUT" && ls *.log > /dev/null 2>&1 && tar -czf logs.tar.gz *.log && rm -f *.log)
+  ls -la "$OUT"
+}
+
 case ${1:-} in
 start)
   name=$2
@@ -61,18 +73,13 @@ wait)
   done
   echo "--- $(date +%T)"
   status
+  [ "${COLLECT:-1}" = 0 ] || collect > /dev/null
   ;;
 status)
   status
   ;;
 collect)
-  (cd "$RUNS" && find . \( -name DONE -o -name '*.json' -o -name '*.png' \) -not -path '*/checkpoint*' \
-    -not -path '*/model/*' -print0 | tar --null -czf "$OUT/runs.tar.gz" -T -) || exit 1
-  for log in "$JOBS"/*.log; do  # progress bars redrawn in place would fill the logs: keep their last state
-    [ -e "$log" ] && tr '\r' '\n' < "$log" | grep -v 'it/s\]$' > "$OUT/$(basename "$log")"
-  done
-  (cd "$OUT" && ls *.log > /dev/null 2>&1 && tar -czf logs.tar.gz *.log && rm -f *.log)
-  ls -la "$OUT"
+  collect
   ;;
 deltas)  # one call brings back what fits its 64 MiB: about one SmolLM2 hybrid (raven_convert/delta.py)
   for run in "${@:2}"; do
