@@ -12,7 +12,8 @@ from raven_convert.console import command_line, interrupted, invoked_as
 from raven_convert.files import DiskSpaceError
 from raven_convert.train.finetune import run_finetune_recipe
 from raven_convert.train.recipe import INPUT_FLAGS, STAGES, FinetuneRecipe, load_recipe
-from raven_convert.train.stages import run_recipe, saved_so_far
+from raven_convert.train.run_state import saved_so_far
+from raven_convert.train.stages import run_recipe
 
 
 def resume_command(args: argparse.Namespace) -> str:

@@ -21,7 +21,8 @@ file costs no stage. A non-finite loss stops its stage with a FloatingPointError
 A fine-tuning recipe (recipe.FinetuneRecipe) runs its own stages (weights -> train -> export, finetune.py's
 runners) through the same machinery: `recipe.stages` orders them, `recipe.stage_fields` names what each reads.
 
-A stage's fingerprint hashes the recipe fields it reads and the fingerprints of the stages before it. When a DONE
+A stage's fingerprint hashes the recipe fields it reads and the fingerprints of the stages before it (what a run
+directory records, and what it means, is run_state.py's). When a DONE
 was written under another fingerprint (the recipe changed since), the run stops and names the changed fields
 instead of silently reusing stale results; `redo` (CLI: --redo STAGE) deletes that stage and every later one, but
 not the checkpoints of an unfinished stage unless told so (CLI: --discard-checkpoints). BOOKKEEPING fields (how often
@@ -38,8 +39,6 @@ global batch (batch_size x the processes it ran on).
 from __future__ import annotations
 
 import gc
-import hashlib
-import json
 import shutil
 import sys
 import time
@@ -48,23 +47,26 @@ from pathlib import Path
 import torch
 
 from raven_convert.console import is_main_process
-from raven_convert.files import check_writable, copy_dir, disk_bytes, format_bytes, write_json
-from raven_convert.train.checkpoint import CHECKPOINTS
+from raven_convert.files import check_writable, copy_dir, format_bytes, write_json
 from raven_convert.train.distributed import Parallel, wait_for, world_size
 from raven_convert.train.models import load_hybrid, load_teacher, save_model, whole_model
 from raven_convert.train.recipe import STAGES, FinetuneRecipe, Recipe, check_inputs
+from raven_convert.train.run_state import (
+    MARKER,
+    disk_use,
+    drop_checkpoints,
+    fingerprints,
+    read_done,
+    recorded_processes,
+    require_done,
+    resumable_checkpoints,
+    stage_inputs,
+    stage_state,
+    stale_reason,
+)
 from raven_convert.train.token_weights import load_weight_table
 
-MARKER = "DONE"
-# Fields that change how a stage logs, checkpoints or runs, not what it computes (torch.compile, CUDA graphs and the
-# token weights' kernels round differently, no more): changing them keeps its results valid.
-BOOKKEEPING = ("log_every", "save_every", "keep_checkpoints", "compile", "cuda_graphs", "kernel")
-PER_PROCESS = ("align", "train", "extend")  # the sections whose batch_size counts the rows of one process
 MAIN_ONLY = ("convert", "export")  # under a launch, the main process runs these; the others wait
-
-# `distributed` is in no stage's fields (recipe.stage_fields): the strategy and the process count change memory and
-# speed, not results (at one global batch).
-CHOICE_FIELDS = ("layer_choice", "data.source", "data.text_field")  # what convert also reads under layers: auto:N
 
 
 def release_memory() -> None:
@@ -78,127 +80,6 @@ def release_memory() -> None:
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def read_done(run_dir: Path, stage: str) -> dict | None:
-    marker = Path(run_dir) / stage / MARKER
-    return json.loads(marker.read_text()) if marker.is_file() else None
-
-
-def stage_inputs(recipe: Recipe | FinetuneRecipe, stage: str, processes: int = 1) -> dict:
-    """{"field.path": value} of the recipe fields `stage` reads (JSON-ready), without BOOKKEEPING. The batch sizes
-    of align, train and extend (rows per process) count as the global batch, batch_size x `processes` (those the
-    stage runs or ran on): a run may go on under another number of processes with the same global batch."""
-    data = recipe.model_dump(mode="json")
-    for section in PER_PROCESS:
-        if isinstance(data.get(section), dict):
-            data[section]["batch_size"] *= processes
-    inputs = {}
-    for path in recipe.stage_fields[stage] + (CHOICE_FIELDS if stage == "convert" and recipe.auto() else ()):
-        value = data
-        for key in path.split("."):
-            value = value.get(key) if isinstance(value, dict) else None
-        inputs[path] = {k: v for k, v in value.items() if k not in BOOKKEEPING} if isinstance(value, dict) else value
-    return inputs
-
-
-def fingerprints(recipe: Recipe | FinetuneRecipe, processes: dict[str, int] | None = None) -> dict[str, str]:
-    """{stage: hash of its inputs and of every earlier stage's fingerprint}; `processes`: {stage: the processes it
-    ran on} (default 1)."""
-    out, previous = {}, ""
-    for stage in recipe.stages:
-        text = previous + json.dumps(stage_inputs(recipe, stage, (processes or {}).get(stage, 1)), sort_keys=True)
-        out[stage] = previous = hashlib.sha256(text.encode()).hexdigest()[:16]
-    return out
-
-
-def _changed_fields(old: dict, new: dict) -> list[str]:
-    """Dotted paths where two JSON values differ."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        return [
-            f"{k}.{sub}" if sub else k
-            for k in sorted(set(old) | set(new))
-            for sub in _changed_fields(old.get(k), new.get(k))
-        ]
-    return [] if old == new else [""]
-
-
-def _processes(run_dir: Path) -> dict[str, int]:
-    """{stage: the processes it ran on}: those its DONE records (1 before they were recorded), else this launch's."""
-    return {s: (read_done(run_dir, s) or {"processes": world_size()}).get("processes", 1) for s in STAGES}
-
-
-def _stale(run_dir: Path, stage: str, done: dict, recipe: Recipe, prints: dict[str, str], now=None) -> str | None:
-    """Why `stage`'s DONE no longer matches the recipe (a message naming the changed fields), or None."""
-    if done.get("fingerprint", prints[stage]) in (prints[stage], (now or prints)[stage]):
-        return None
-    changed, first = [], stage
-    for earlier in recipe.stages[: recipe.stages.index(stage) + 1]:
-        recorded = (read_done(run_dir, earlier) or {}).get("inputs")
-        if recorded is not None:
-            now = stage_inputs(recipe, earlier, _processes(run_dir)[earlier])
-            new = [p for p in _changed_fields(recorded, now) if p not in changed]
-            if new and not changed:
-                first = earlier  # the earliest stage whose own settings changed
-            changed += new
-    what = ", ".join(changed) or "an earlier stage's inputs"
-    return (
-        f"stage {stage!r} in {run_dir} ran under a different recipe (changed: {what}); rerun from there with "
-        f"--redo {first}, or use another --run-dir"
-    )
-
-
-def stage_state(run_dir: Path, stage: str) -> str:
-    """What a rerun of an unfinished `stage` starts from: its latest complete checkpoint (evaluate: the parts its
-    report.json finished), or nothing of it."""
-    from raven_convert.train.checkpoint import latest_checkpoint
-
-    report = Path(run_dir) / "evaluate" / "report.json"
-    finished = json.loads(report.read_text()).get("finished") if stage == "evaluate" and report.is_file() else None
-    if finished:
-        return (
-            f"the evaluate stage's finished parts ({', '.join(finished)}) are kept in {report}, a rerun runs the rest"
-        )
-    found = latest_checkpoint(Path(run_dir) / stage)
-    if found is None:
-        return f"nothing of the {stage} stage was saved, a rerun starts it afresh"
-    return f"the {stage} stage's last good checkpoint {found[0]} is kept, a rerun resumes after step {found[1]['step']}"
-
-
-def resumable_checkpoints(run_dir: Path, stages) -> list[str]:
-    """For each of `stages` with a checkpoint but no DONE: 'PATH (step N) of the unfinished STAGE stage'."""
-    from raven_convert.train.checkpoint import latest_checkpoint
-
-    found = []
-    for stage in stages:
-        latest = None if read_done(run_dir, stage) is not None else latest_checkpoint(Path(run_dir) / stage)
-        if latest is not None:
-            found.append(f"{latest[0]} (step {latest[1]['step']}) of the unfinished {stage} stage")
-    return found
-
-
-def saved_so_far(run_dir: str | Path, stages: list[str] | None = None, order: tuple[str, ...] = STAGES) -> str:
-    """One sentence: the stages DONE in run_dir, and what the first unfinished one of `stages` resumes from (`order`:
-    the recipe's stages)."""
-    run_dir = Path(run_dir).resolve()
-    finished = [s for s in order if (run_dir / s / MARKER).is_file()]
-    text = f"stages done in {run_dir}: {', '.join(finished)}" if finished else f"no stage finished in {run_dir}"
-    pending = [s for s in (stages or order) if s in order and s not in finished]
-    return f"{text}; {stage_state(run_dir, pending[0])}" if pending else text
-
-
-def _require(run_dir: Path, stage: str, order: tuple[str, ...]) -> dict:
-    """DONE of every stage before `stage` in `order`, all present, else a ValueError naming the first missing one."""
-    done = {}
-    for earlier in order[: order.index(stage)]:
-        summary = read_done(run_dir, earlier)
-        if summary is None:
-            raise ValueError(
-                f"stage {stage!r} needs the outputs of stage {earlier!r}, but {run_dir / earlier / MARKER} is "
-                f"missing; run it first (--stages {earlier}) or run the whole recipe"
-            )
-        done[earlier] = summary
-    return done
 
 
 def _latest_model(run_dir: Path, done: dict) -> Path:
@@ -490,19 +371,6 @@ RUNNERS = {
 }
 
 
-def _drop_checkpoints(run_dir: Path, stage: str) -> None:
-    """A finished stage's checkpoints go once its DONE is written: a rerun starts after DONE, never from them."""
-    if is_main_process():
-        shutil.rmtree(run_dir / stage / CHECKPOINTS, ignore_errors=True)
-
-
-def _disk_use(run_dir: Path, stage: str, summary: dict) -> int:
-    """Bytes a finished stage (and its export) adds: no checkpoint, DONE or weight file linked from earlier stages."""
-    folders = [run_dir / stage, *([summary["exported_to"]] if "exported_to" in summary else [])]
-    earlier = [run_dir / s for s in STAGES[: STAGES.index(stage)]]
-    return disk_bytes(*folders, besides=earlier) - disk_bytes(run_dir / stage / CHECKPOINTS)
-
-
 def _held_out_batches(rows, batch_size: int, seed: int, count: int = 4) -> list[dict]:
     """Up to `count` fixed batches of held-out rows (fewer rows than batch_size: one smaller batch)."""
     from raven_convert.train.data import batch_iterator
@@ -563,7 +431,7 @@ def run_recipe(
                 shutil.rmtree(run_dir / stage)
     if is_main_process():
         write_json(recipe.model_dump(mode="json"), run_dir / "recipe.json")
-    processes = _processes(run_dir)
+    processes = recorded_processes(run_dir)
     prints = fingerprints(recipe, processes)  # what each DONE recorded, if the recipe is unchanged
     now = fingerprints(recipe, dict.fromkeys(STAGES, world_size()))  # the same global batches on this launch
     parallel = Parallel(getattr(recipe, "distributed", None))  # a fine-tuning recipe runs data parallel
@@ -571,16 +439,16 @@ def run_recipe(
     for stage in wanted:
         existing = parallel.gather(read_done(run_dir, stage))[0]  # the main's view: a slow process may see its DONE
         if existing is not None:
-            reason = _stale(run_dir, stage, existing, recipe, prints, now)
+            reason = stale_reason(run_dir, stage, existing, recipe, prints, now)
             if reason:
                 raise ValueError(reason)
             log(f"[{stage}] done already ({run_dir / stage / MARKER}); skipping")
-            _drop_checkpoints(run_dir, stage)  # left behind when a run was killed right after DONE
+            drop_checkpoints(run_dir, stage)  # left behind when a run was killed right after DONE
             results[stage] = existing
             continue
-        done = _require(run_dir, stage, order)
+        done = require_done(run_dir, stage, order)
         for earlier, summary in done.items():
-            reason = _stale(run_dir, earlier, summary, recipe, prints, now)
+            reason = stale_reason(run_dir, earlier, summary, recipe, prints, now)
             if reason:
                 raise ValueError(reason)
         log(f"[{stage}] starting")
@@ -603,12 +471,12 @@ def run_recipe(
         if torch.cuda.is_available():  # what the stage held on this process's GPU at most (nvidia-smi's view)
             summary["peak_gpu_memory_bytes"] = torch.cuda.max_memory_reserved()
         release_memory()
-        summary["disk_bytes"] = _disk_use(run_dir, stage, summary)
+        summary["disk_bytes"] = disk_use(run_dir, stage, summary)
         summary |= {"fingerprint": prints[stage], "inputs": stage_inputs(recipe, stage, processes[stage])}
         summary["processes"] = processes[stage]
         if is_main_process():
             write_json(summary, run_dir / stage / MARKER)
-            _drop_checkpoints(run_dir, stage)
+            drop_checkpoints(run_dir, stage)
         if stage not in MAIN_ONLY:
             parallel.barrier()  # every process reads this DONE before the next stage
         if summary.get("skipped"):

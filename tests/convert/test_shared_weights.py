@@ -17,7 +17,8 @@ import raven_convert.pipeline
 from raven_convert.files import disk_bytes
 from raven_convert.train.models import load_hybrid
 from raven_convert.train.recipe import parse_recipe
-from raven_convert.train.stages import read_done, run_recipe
+from raven_convert.train.run_state import read_done
+from raven_convert.train.stages import run_recipe
 from tests.convert.faults import recipe_data
 from tests.helpers import corpus, read_weights, run_without_toolkit
 

@@ -218,7 +218,7 @@ def test_redo_keeps_the_checkpoints_of_an_unfinished_stage_unless_told(tmp_path,
 
 
 def test_bookkeeping_fields_leave_the_results_valid():
-    from raven_convert.train.stages import fingerprints
+    from raven_convert.train.run_state import fingerprints
 
     before = fingerprints(recipe())
     assert fingerprints(recipe(align={"save_every": 7, "keep_checkpoints": 5, "log_every": 1})) == before

@@ -245,7 +245,7 @@ def test_a_multi_process_launch_refuses_redo(tmp_path, monkeypatch):
 
 
 def test_the_distributed_section_is_checked_and_changes_no_fingerprint():
-    from raven_convert.train.stages import fingerprints
+    from raven_convert.train.run_state import fingerprints
 
     with pytest.raises(ValueError, match=r"distributed.strategy: Input should be 'ddp' or 'fsdp' \(got 'zero3'\)"):
         parse_recipe(MINIMAL | {"distributed": {"strategy": "zero3"}})
@@ -257,7 +257,7 @@ def test_the_distributed_section_is_checked_and_changes_no_fingerprint():
 
 
 def test_the_token_weights_kernel_is_checked_and_changes_no_fingerprint():
-    from raven_convert.train.stages import fingerprints
+    from raven_convert.train.run_state import fingerprints
 
     weighted = MINIMAL | {"token_weights": {"enabled": True}}
     assert parse_recipe(weighted).token_weights.kernel == "auto"
