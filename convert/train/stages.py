@@ -21,12 +21,12 @@ file costs no stage. A non-finite loss stops its stage with a FloatingPointError
 A fine-tuning recipe (recipe.FinetuneRecipe) runs its own stages (weights -> train -> export, finetune.py's
 runners) through the same machinery: `recipe.stages` orders them, `recipe.stage_fields` names what each reads.
 
-A stage's fingerprint hashes the recipe fields it reads and the fingerprints of the stages before it (what a run
-directory records, and what it means, is run_state.py's). When a DONE
-was written under another fingerprint (the recipe changed since), the run stops and names the changed fields
-instead of silently reusing stale results; `redo` (CLI: --redo STAGE) deletes that stage and every later one, but
-not the checkpoints of an unfinished stage unless told so (CLI: --discard-checkpoints). BOOKKEEPING fields (how often
-to log and checkpoint, how many checkpoints to keep) are left out of the fingerprints.
+A stage's fingerprint hashes the recipe fields it reads and the fingerprints of the stages before it (run_state.py:
+what a run directory records and what it means). When a DONE was written under another fingerprint (the recipe
+changed since), the run stops and names the changed fields instead of silently reusing stale results; `redo` (CLI:
+--redo STAGE) deletes that stage and every later one, but not the checkpoints of an unfinished stage unless told so
+(CLI: --discard-checkpoints). BOOKKEEPING fields (how often to log and checkpoint, how many checkpoints to keep) are
+left out of the fingerprints.
 
 Several GPUs: every stage runs under a launch of N processes (see distributed.py for the strategies):
     accelerate launch --config_file recipes/accelerate/ddp.yaml --num_processes 2 -m raven_convert.train RECIPE ...
