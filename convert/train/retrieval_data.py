@@ -12,7 +12,9 @@ draws its own.
 
 Nothing here is the evaluation's (convert/evaluate/needles.py): no noise sentences, essay haystack, instructions,
 question wording, key lists or value formats of it, so retrieval measured there is not a template learned here. The
-wording of facts and questions varies over several phrasings of each.
+wording of facts and questions varies over several phrasings of each; `restated` (off by default) has a share of
+one-fact questions restate themselves before the answer ("... The code of Amber is 4821"), as a prompt ending in
+an answer's first words asks.
 
 Everything is decided by `random.Random(f"retrieval:{seed}")` and the corpus order: the same seed and data give the
 same samples. The ratio is counted in characters (a proxy for tokens): about `ratio` of the mixed text is synthetic.
@@ -32,7 +34,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 FORMATS = ("single", "multi", "multi_query", "kv")
 VALUE_KINDS = ("digits", "word", "code", "phrase")
@@ -63,6 +65,7 @@ QUESTIONS = (
 NOUNS = ("code", "value", "number", "label", "entry", "tag")
 KV_HEADS = ("Reference table:", "Lookup list (name: value):", "Registry entries:")
 KV_QUESTIONS = ("In the table above, {key} maps to what?", "Look up {key} in the list. Its value is")
+RESTATED = ("The {noun} of {key} is", "{key}'s {noun} is", "For {key}, the {noun} is", "The {noun} noted for {key} was")
 
 
 class WholeDocument(str):
@@ -82,6 +85,9 @@ class RetrievalMix(BaseModel):
     )
     length: tuple[float, float] = Field(LENGTH, description="a sample's size as a share of a row, drawn in this range")
     depth: tuple[float, float] = Field(DEPTH, description="where facts go, as a share of the filler from its start")
+    restated: float = Field(
+        0.0, ge=0, le=1, description="share of one-fact questions answered after restating them ('The code of X is')"
+    )
 
     @field_validator("length", "depth")
     @classmethod
@@ -90,6 +96,14 @@ class RetrievalMix(BaseModel):
         if not low <= value[0] <= value[1] <= top:
             raise ValueError(f"{list(value)} is not a range [low, high] with {low} <= low <= high <= {top}")
         return value
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler) -> dict:
+        """Without `restated` at its default: the recipes' fingerprints and data caches from before it stay valid."""
+        data = handler(self)
+        if self.restated == 0:
+            data.pop("restated", None)
+        return data
 
     def cache_fields(self) -> dict:
         """The fields that decide the samples, as the data cache keys them: length and depth only where they differ
@@ -130,10 +144,11 @@ def build_sample(
     filler: str,
     max_facts: int = 24,
     depth: tuple[float, float] = DEPTH,
+    restated: float = 0.0,
 ) -> tuple[str, list[str]]:
     """One sample, filler with facts inserted (within `depth`, see insert_at_depths) then the question and its
     answer, and the values it answers with. At most `max_facts` facts (at least 2 where the format asks about
-    several)."""
+    several). A one-fact question ("single", "multi") is restated before its answer with probability `restated`."""
     noun = rng.choice(NOUNS)
     count = {"single": 1, "multi": rng.randint(2, 6), "multi_query": rng.randint(2, 6), "kv": rng.randint(6, 24)}[fmt]
     count = min(count, max(max_facts, 1 if fmt == "single" else 2))
@@ -155,7 +170,10 @@ def build_sample(
         answer = "; ".join(f"{keys[i]}: {values[i]}" for i in asked)
         return f"{text}\n\nGive the {noun} of {names}. {answer}", [values[i] for i in asked]
     i = asked[0]
-    return f"{text}\n\n{rng.choice(QUESTIONS).format(key=keys[i], noun=noun)} {values[i]}", [values[i]]
+    question = rng.choice(QUESTIONS).format(key=keys[i], noun=noun)
+    if restated and rng.random() < restated:  # as a prompt ending "... is" asks; no draw at 0 (same samples)
+        question += " " + rng.choice(RESTATED).format(key=keys[i], noun=noun)
+    return f"{text}\n\n{question} {values[i]}", [values[i]]
 
 
 def mix_retrieval(
@@ -197,7 +215,7 @@ def mix_retrieval(
                 size = min(len(corpus), size)
                 start = rng.randint(0, len(corpus) - size)
                 filler = corpus[start : start + size]
-                sample, _ = build_sample(rng, fmt, kind, list(seen), filler, facts, mix.depth)
+                sample, _ = build_sample(rng, fmt, kind, list(seen), filler, facts, mix.depth, mix.restated)
                 tokens = 0 if count_tokens is None else count_tokens(sample)
                 if tokens < seq_len:  # packing adds the EOS
                     break

@@ -14,6 +14,7 @@ from raven_convert.train.data import build_dataset, cache_key, pack_documents
 from raven_convert.train.recipe import DataSettings, apply_overrides, parse_recipe
 from raven_convert.train.retrieval_data import (
     FORMATS,
+    RESTATED,
     VALUE_KINDS,
     RetrievalMix,
     WholeDocument,
@@ -79,10 +80,41 @@ def test_values_have_their_kinds_shape():
     assert 2 <= len(make_value(rng, "phrase", words).split()) <= 4
 
 
-def test_none_of_the_evaluations_wording():
-    text = "\n".join(d for d in mix_retrieval(documents(), RetrievalMix(ratio=0.5), seq_len=256))
+@pytest.mark.parametrize("restated", [0.0, 1.0])
+def test_none_of_the_evaluations_wording(restated):
+    text = "\n".join(d for d in mix_retrieval(documents(), RetrievalMix(ratio=0.5, restated=restated), seq_len=256))
     for phrase in (needles.NOISE, needles.PASSKEY_INSTRUCTION, "pass key", "special magic", "provided text"):
         assert phrase not in text
+
+
+def restated_in(question: str) -> bool:
+    """Whether a question restates itself before its answer (one of RESTATED's forms, then the value)."""
+    return any(re.search(form.format(noun=r"\w+", key=r"\w+") + r" \S+$", question) for form in RESTATED)
+
+
+@pytest.mark.parametrize("fmt", ["single", "multi"])
+def test_questions_are_restated_before_their_answer_as_asked(fmt):
+    words = [f"w{i}ord" for i in range(40)]
+    filler = " ".join(["alpha", "beta", "gamma."] * 100)
+    half = 0
+    for i in range(40):
+        for restated in (0.0, 1.0, 0.5):
+            sample, (value,) = build_sample(random.Random(i), fmt, "digits", words, filler, restated=restated)
+            question = sample.rsplit("\n\n", 1)[1]
+            assert question.endswith(f" {value}")
+            if restated == 0.5:
+                half += restated_in(question)
+            else:
+                assert restated_in(question) == (restated == 1.0), question
+    assert 10 <= half <= 30  # about half of 40
+
+
+def test_restated_is_recorded_only_when_set():
+    """Left at 0 it is not in the dumps that key the data cache and the stages' fingerprints (runs and caches made
+    before it existed stay valid); set, it is."""
+    assert "restated" not in RetrievalMix().model_dump() and "restated" not in RetrievalMix().cache_fields()
+    assert RetrievalMix(restated=0.5).model_dump(mode="json")["restated"] == 0.5
+    assert RetrievalMix(restated=0.5).cache_fields()["restated"] == 0.5
 
 
 def test_packing_keeps_every_sample_inside_one_row():
