@@ -252,8 +252,8 @@ def test_stage2_checkpoints_resume_in_either_optimizer_mode(saved_graphed, tmp_p
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("weights", ["table", "function"])
-def test_graphed_stage2_matches_eager_on_cuda(weights, tmp_path):
+@pytest.mark.parametrize("weighting", ["table", "function"])
+def test_graphed_stage2_matches_eager_on_cuda(weighting, tmp_path):
     """Stage 2 as the SILA recipe runs it (mixers and LoRA, bf16, compiled parts, token weights from a table as
     train's or from each batch as extend's, packed rows in two document buckets): the graphed steps' losses and
     weights are the eager ones'; a graphed run stopped after a checkpoint and resumed ends where the uninterrupted
@@ -261,7 +261,7 @@ def test_graphed_stage2_matches_eager_on_cuda(weights, tmp_path):
     _, hybrid = sila_models("cuda")
     generator = torch.Generator().manual_seed(3)
     data = packed_dataset(generator)
-    table = torch.rand(len(data), data.seq_len, generator=generator) if weights == "table" else position_weights
+    table = torch.rand(len(data), data.seq_len, generator=generator) if weighting == "table" else position_weights
     config = dict(
         steps=8, batch_size=2, lr=3e-3, warmup_steps=2, schedule="constant", log_every=0, save_every=4,
         trainable="mixers+lora", mixed_precision="bf16", token_weight_tau=2000.0,
