@@ -3,11 +3,13 @@ weights needed.
 
     cd scripts && python3 bench_graphs.py --stage align --mixer sila --steps 60 [--rows 8 16]
     cd scripts && python3 bench_graphs.py --stage train --mixer sila --steps 60      # stage 2, as the SILA recipe
+    cd scripts && python3 bench_graphs.py --stage extend --mixer sila --steps 30 --rows 2 --length 8192
 
 Builds a randomly initialised teacher with SmolLM2-135M's shapes, converts --layers to --mixer and runs the stage's
 own loop as the recipes do (bf16 autocast, compiled parts) on packed rows of random documents (64 to 1,024 tokens,
 as host_syncs.py draws them), once per setting of `cuda_graphs`, each from the same model: `align()` (stage 1),
-or `train()` with mixers and LoRA trained and a random token-weight table (stage 2). Reports the stage's own
+or `train()` with mixers and LoRA trained and a random token-weight table (stage 2), or with each batch's weights
+from the teacher, computed as it is drawn (bf16 forward; the extend stage). Reports the stage's own
 tokens/s (from the end of its first step), the GPU memory it held at most (torch.cuda.max_memory_reserved, the
 cache emptied before each run) and how far the graphed run's losses are from the eager one's.
 Prints a table last.
@@ -28,6 +30,7 @@ from raven_convert import build_hybrid, plan_layers
 from raven_convert.train.align import align
 from raven_convert.train.data import PackedDataset
 from raven_convert.train.stage2 import train
+from raven_convert.train.token_weights import token_weights
 
 
 def run(stage: str, teacher, model, batches: list[dict], steps: int, graphs: bool) -> list[dict]:
@@ -39,18 +42,24 @@ def run(stage: str, teacher, model, batches: list[dict], steps: int, graphs: boo
     tensors = {k: torch.cat([b[k] for b in batches]) for k in ("input_ids", "position_ids")}
     tensors["document_ids"] = (tensors["position_ids"] == 0).cumsum(-1) - 1
     rows = PackedDataset(tensors)
-    table = torch.rand(len(rows), rows.seq_len, generator=torch.Generator().manual_seed(1))
+    if stage == "extend":  # [B, T] from the teacher, batch by batch, as the recipe's extend stage weights its rows
+
+        def weights(batch):
+            return token_weights(teacher, batch["input_ids"], position_ids=batch["position_ids"], precision="bf16")
+
+    else:
+        weights = torch.rand(len(rows), rows.seq_len, generator=torch.Generator().manual_seed(1))
     config = dict(
         steps=steps, batch_size=len(batches[0]["input_ids"]), lr=3e-4, warmup_steps=10, trainable="mixers+lora",
         mixed_precision="bf16", log_every=0, save_every=10**6, token_weight_tau_fraction=0.34, cuda_graphs=graphs,
     )  # fmt: skip
     with tempfile.TemporaryDirectory() as out:
-        return train(model, None, rows, config, out, token_weights=table)
+        return train(model, None, rows, config, out, token_weights=weights)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--stage", choices=["align", "train"], default="align")
+    parser.add_argument("--stage", choices=["align", "train", "extend"], default="align")
     parser.add_argument("--mixer", default="sila")
     parser.add_argument("--layers", default="0-29:2")
     parser.add_argument("--rows", type=int, nargs="+", default=[8])
