@@ -170,8 +170,8 @@ def test_chunk_sse_varlen_packed_documents_span_chunks(forms):
     # segments of up to 70 entries cross the kernels' 64-row chunks; an empty document keeps its state
     lengths = [70, 0, 5]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    q, keys, v, log_g, idx, P = random_sse(1, sum(lengths), 1, 2, 32, 16, 2, 1, 1, True, seed=5)
-    state = torch.randn(len(lengths), 1, P, 32, 16)
+    q, keys, v, log_g, idx, P = random_sse(1, sum(lengths), 1, 2, 16, 16, 2, 1, 1, True, seed=5)
+    state = torch.randn(len(lengths), 1, P, 16, 16)
 
     def kernel(*a):
         return chunk_sse(*a[:4], idx, P, 0.35, a[4], implementation="varlen", cu_seqlens=cu)
