@@ -470,18 +470,32 @@ def epoch_order(size: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(size, generator=torch.Generator().manual_seed(mixed))
 
 
-def rows_visited(size: int, batch_size: int, seed: int, batches: int) -> torch.Tensor:
-    """The rows (positions, sorted) [K] that the first `batches` batches of `batch_iterator` take from a dataset of
-    `size` rows with this batch_size and seed: all of them once a run passes an epoch, but what each epoch drops."""
+def epoch_batches(size: int, batch_size: int, seed: int, epoch: int) -> torch.Tensor:
+    """The rows (positions) of each batch of epoch `epoch` [size // batch_size, batch_size], in the order
+    `batch_iterator` yields them: the epoch's shuffled order cut into batches, the incomplete last one dropped."""
     per_epoch = size // batch_size if batch_size >= 1 else 0
     if per_epoch < 1:
         raise ValueError(f"batch_size = {batch_size} does not fit a dataset of {size} rows")
+    return epoch_order(size, seed, epoch)[: per_epoch * batch_size].view(per_epoch, batch_size)
+
+
+def batch_rows(size: int, batch_size: int, seed: int, batches: int) -> torch.Tensor:
+    """The rows (positions) of each of the first `batches` batches of `batch_iterator` [batches, batch_size]: what
+    a run will read, known before it starts."""
+    first = epoch_batches(size, batch_size, seed, 0)  # [per_epoch, batch_size]
+    later = [epoch_batches(size, batch_size, seed, e) for e in range(1, -(-batches // len(first)))]
+    return torch.cat([first, *later])[:batches]
+
+
+def rows_visited(size: int, batch_size: int, seed: int, batches: int) -> torch.Tensor:
+    """The rows (positions, sorted) [K] that the first `batches` batches of `batch_iterator` take from a dataset of
+    `size` rows with this batch_size and seed: all of them once a run passes an epoch, but what each epoch drops."""
     seen = torch.zeros(size, dtype=torch.bool)
-    for epoch in range(-(-batches // per_epoch)):
-        taken = min(per_epoch, batches - epoch * per_epoch) * batch_size
-        seen[epoch_order(size, seed, epoch)[:taken]] = True
-        if seen.all():
-            break
+    epoch, left = 0, batches
+    while left > 0 and not seen.all():
+        taken = epoch_batches(size, batch_size, seed, epoch)[:left]  # [<= per_epoch, batch_size]
+        seen[taken.flatten()] = True
+        epoch, left = epoch + 1, left - len(taken)
     return seen.nonzero().squeeze(1)
 
 
@@ -496,16 +510,12 @@ def batch_iterator(
     `epochs` epochs counted from step 0.
     """
     size = len(dataset)
-    per_epoch = size // batch_size if batch_size >= 1 else 0
-    if per_epoch < 1:
-        raise ValueError(f"batch_size = {batch_size} does not fit a dataset of {size} rows")
+    per_epoch = len(epoch_batches(size, batch_size, seed, 0))
     end = None if epochs is None else epochs * per_epoch
     step = start_step
     while end is None or step < end:
         epoch, first = divmod(step, per_epoch)
-        order = epoch_order(size, seed, epoch)  # [size]
-        for b in range(first, per_epoch):
-            indices = order[b * batch_size : (b + 1) * batch_size]  # [B]
+        for indices in epoch_batches(size, batch_size, seed, epoch)[first:]:  # [B] each
             if isinstance(dataset, PackedDataset):
                 yield dataset.batch(indices)
             else:

@@ -11,7 +11,9 @@ What a graph needs of the step, and how align and stage 2 give it:
   declaration (`MixerSpec.graph_safe`: SILA's kernels lay packed documents out from shapes alone), the loss is read
   one step later from a copy, and a non-finite step's update is skipped on the device (fused AdamW's found_inf).
 - The same shapes each time: rows are B x T already; the documents' offsets cu_seqlens [S + 1] vary with S, so they
-  are padded with empty documents to a multiple of `DOCUMENT_BUCKET` (`pad_documents`), one graph per bucket.
+  are padded with empty documents: stage 2, whose batches are known before it starts, to the most any of its
+  batches holds (`document_slots`), one graph; align to a multiple of `DOCUMENT_BUCKET` (`pad_documents`), one
+  graph per bucket. Each new layout costs an eager step and a capture.
 - Tensors that outlive a replay at fixed addresses: gradients zeroed in place (never set to None) and the
   optimizer's state, both made by the eager warm-up step, and its learning rate a device tensor (`optimizer_mode`,
   filled before each step by `set_lr`).
@@ -34,24 +36,42 @@ from raven_layers.modeling_hybrid import find_packed_documents
 DOCUMENT_BUCKET = 64  # documents per row layout are padded up to a multiple of this: a new graph every 64 documents
 
 
-def pad_documents(cu_seqlens: torch.Tensor, bucket: int = DOCUMENT_BUCKET) -> torch.Tensor:
-    """Offsets of S packed documents [S + 1] padded with empty documents at the end, to S' + 1 offsets where S' is
-    the next multiple of `bucket` (the last offset repeated): the same tokens cut the same way, in fewer shapes."""
+def pad_documents(cu_seqlens: torch.Tensor, bucket: int = DOCUMENT_BUCKET, slots: int | None = None) -> torch.Tensor:
+    """Offsets of S packed documents [S + 1] padded with empty documents at the end (the last offset repeated), the
+    same tokens cut the same way in fewer shapes: to `slots` + 1 offsets where given and S <= slots (one shape for a
+    whole run), else to S' + 1 where S' is the next multiple of `bucket`."""
     if bucket < 1:
         raise ValueError(f"bucket = {bucket}; expected a positive number of documents")
     documents = cu_seqlens.numel() - 1
-    extra = math.ceil(documents / bucket) * bucket - documents
-    return torch.cat([cu_seqlens, cu_seqlens[-1:].expand(extra)])
+    size = slots if slots is not None and documents <= slots else math.ceil(documents / bucket) * bucket
+    return torch.cat([cu_seqlens, cu_seqlens[-1:].expand(size - documents)])
 
 
-def host_documents(batch: dict, bucket: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+def documents_per_row(position_ids: torch.Tensor) -> torch.Tensor:
+    """How many documents each row [N, T] of position ids opens, as find_packed_documents cuts them [N]: one at its
+    start and one wherever the position ids do not step by one."""
+    return 1 + (position_ids[:, 1:] != position_ids[:, :-1] + 1).sum(1)
+
+
+def document_slots(position_ids: torch.Tensor, batches: torch.Tensor, bucket: int = DOCUMENT_BUCKET) -> int:
+    """The document slots that fit every batch of a run (`batches` [steps, B], rows of position_ids [N, T]): the
+    most documents one batch holds, rounded up to a multiple of `bucket`, so that every step has one layout."""
+    held = documents_per_row(position_ids)[batches].sum(1)  # [steps]
+    return math.ceil(int(held.max()) / bucket) * bucket
+
+
+def host_documents(batch: dict, bucket: int | None = None, slots: int | None = None):
     """find_packed_documents of a host batch's position ids (None without them, or with one document per row), the
-    offsets padded to a multiple of `bucket` documents when given (`pad_documents`): found on the host, so that no
+    offsets padded to a multiple of `bucket` documents when given, or to `slots` (`pad_documents`; with slots, rows
+    of one document each are documents too, so that every batch has the same layout): found on the host, so that no
     step reads the position ids back from the GPU."""
     found = find_packed_documents(batch["position_ids"]) if "position_ids" in batch else None
-    if found is None or bucket is None:
+    if found is None and slots is not None and "position_ids" in batch:
+        B, T = batch["position_ids"].shape
+        found = torch.zeros(B, T, dtype=torch.long), torch.arange(0, B * T + 1, T, dtype=torch.int32)
+    if found is None or (bucket is None and slots is None):
         return found
-    return found[0], pad_documents(found[1], bucket)
+    return found[0], pad_documents(found[1], bucket or DOCUMENT_BUCKET, slots)
 
 
 def resolve_graphs(setting: CompileSetting, model, device, world: int = 1) -> bool:

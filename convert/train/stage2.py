@@ -62,12 +62,13 @@ from raven_convert.console import eta
 from raven_convert.train.checkpoint import latest_checkpoint, save_checkpoint
 from raven_convert.train.common import is_hybrid, lr_at, model_inputs, to_device
 from raven_convert.train.compiling import CompileSetting, compiled_parts, resolve_compile
-from raven_convert.train.data import PackedDataset, batch_iterator, rows_visited
+from raven_convert.train.data import PackedDataset, batch_iterator, batch_rows, rows_visited
 from raven_convert.train.distributed import Parallel, on_cpu
 from raven_convert.train.flops import mfu, mfu_text, train_flops
 from raven_convert.train.graphs import (
     DOCUMENT_BUCKET,
     CapturedStep,
+    document_slots,
     host_documents,
     optimizer_mode,
     read_back,
@@ -270,13 +271,24 @@ def step_graphs(config: TrainConfig, student, token_weights, device, processes: 
     return not found and resolve_graphs(config.cuda_graphs, student, device, processes)
 
 
-def graph_inputs(batch: dict, token_weights, device) -> tuple[dict[str, torch.Tensor], int]:
+def run_document_slots(dataset, config: TrainConfig) -> int | None:
+    """The document slots every graphed step of a run pads its documents to (graphs.document_slots over the
+    micro-batches the run reads, on one process as graphs run): one layout, one graph. None for a dataset that is
+    not a PackedDataset, whose steps are padded to buckets (a graph each)."""
+    if not isinstance(dataset, PackedDataset):
+        return None
+    batches = batch_rows(len(dataset), config.batch_size, config.seed, config.steps * config.grad_accum)
+    return document_slots(dataset.tensors["position_ids"][dataset.rows], batches)
+
+
+def graph_inputs(batch: dict, token_weights, device, slots: int | None = None) -> tuple[dict[str, torch.Tensor], int]:
     """A host micro-batch as a step graph's inputs on `device`, copied without blocking: its fields but "index",
-    the documents packed in its rows ("documents" and "cu_seqlens", padded: graphs.host_documents), its token
+    the documents packed in its rows ("documents" and "cu_seqlens", padded to `slots`, or else to a bucket:
+    graphs.host_documents), its token
     weights ("weights": its rows of a table, or a function's weights of it, computed eagerly on `device` before
     the step's replay, as the extend stage's teacher does); and its real tokens, counted on the host."""
     tensors = {k: v for k, v in batch.items() if k != "index"}
-    found = host_documents(batch, DOCUMENT_BUCKET)
+    found = host_documents(batch, DOCUMENT_BUCKET, slots)
     if found is not None:
         tensors["documents"], tensors["cu_seqlens"] = found
     if torch.is_tensor(token_weights):
@@ -430,6 +442,9 @@ def train(
     else:
         data = dataset
     batches = _micro_batches(data, config, accelerator, start_step)
+    slots = run_document_slots(dataset, config) if graphs else None
+    if slots is not None:
+        accelerator.print(f"[stage2] CUDA graphs: documents padded to {slots} per step, one layout", file=sys.stderr)
 
     parts_names = ("ce", "kd", "aux", "loss")  # what a step records, summed on the device over its micro-batches
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch optimizer
@@ -556,7 +571,7 @@ def train(
             set_lr(optimizer, lr)
             if captured is not None:  # one micro-batch, its step a graph
                 host = next(batches)
-                tensors, step_tokens = graph_inputs(host, token_weights, device)
+                tensors, step_tokens = graph_inputs(host, token_weights, device, slots)
                 if pending is not None:  # the step before, read (and stopped on) before this one's update
                     finish(pending[0], pending[1], checked(read_back(*pending[2:4]), pending[0]), pending[4])
                 uniform.fill_(schedule_uniform(tokens_seen, tau) if token_weights is not None else 0.0)

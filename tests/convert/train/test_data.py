@@ -15,6 +15,7 @@ from raven_convert.train import data
 from raven_convert.train.data import (
     PackedDataset,
     batch_iterator,
+    batch_rows,
     build_dataset,
     load_documents,
     pack_documents,
@@ -218,6 +219,8 @@ def test_rows_visited_are_the_rows_the_batches_take(batches):
     taken = {r for b in itertools.islice(batch_iterator(ds, batch_size=3, seed=7), batches) for r in row_ids(b)}
     assert rows_visited(len(ds), 3, 7, batches).tolist() == sorted(taken)
     assert rows_visited(len(ds), 3, 8, batches).tolist() != sorted(taken) or len(taken) == len(ds)
+    expected = [row_ids(b) for b in itertools.islice(batch_iterator(ds, batch_size=3, seed=7), batches)]
+    assert batch_rows(len(ds), 3, 7, batches).tolist() == expected  # each batch's rows, in order
 
 
 def test_batch_iterator_accepts_any_dataset_of_dicts():

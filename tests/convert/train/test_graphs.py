@@ -11,12 +11,19 @@ from transformers import AutoModelForCausalLM
 from raven_convert import build_hybrid, plan_layers
 from raven_convert.train.align import align, alignment_losses, step_inputs
 from raven_convert.train.common import mixer_parameters
-from raven_convert.train.data import PackedDataset
+from raven_convert.train.data import PackedDataset, batch_iterator
 from raven_convert.train.distributed import Parallel
-from raven_convert.train.graphs import optimizer_mode, pad_documents, resolve_graphs, set_lr
+from raven_convert.train.graphs import (
+    documents_per_row,
+    host_documents,
+    optimizer_mode,
+    pad_documents,
+    resolve_graphs,
+    set_lr,
+)
 from raven_convert.train.lora import add_lora
 from raven_convert.train.recipe import Recipe
-from raven_convert.train.stage2 import TrainConfig, graph_inputs, step_graphs, train
+from raven_convert.train.stage2 import TrainConfig, graph_inputs, run_document_slots, step_graphs, train
 from raven_layers.backend import use_backend
 from raven_layers.modeling_hybrid import find_packed_documents
 from tests.conftest import tiny_config
@@ -52,6 +59,8 @@ def test_pad_documents_adds_empty_documents_up_to_the_bucket():
     assert padded.tolist() == [0, 5, 9, 40, 40] and padded.dtype == torch.int32
     assert pad_documents(cu, 3).tolist() == cu.tolist()  # already a multiple
     assert pad_documents(cu, 64).shape == (65,)
+    assert pad_documents(cu, 4, slots=10).tolist() == [0, 5, 9, 40] + [40] * 7  # exactly the run's slots
+    assert pad_documents(cu, 4, slots=2).tolist() == [0, 5, 9, 40, 40]  # more than the slots: to the bucket
     with pytest.raises(ValueError, match="bucket = 0"):
         pad_documents(cu, 0)
 
@@ -199,6 +208,47 @@ def test_graph_inputs_lay_a_batch_out_on_the_host():
     assert torch.equal(tensors["weights"], position_weights(batch).float())
 
 
+def test_stage2_pads_every_step_to_the_documents_of_its_fullest_batch():
+    """One layout for a whole run (a graph captured once): the slots are the most documents any micro-batch the run
+    reads holds, rounded up to the bucket, and every batch's offsets are padded to exactly that many."""
+    data = packed_dataset(torch.Generator().manual_seed(5), rows=12, length=128)
+    counts = documents_per_row(data.tensors["position_ids"])
+    for i in range(len(data)):  # each row's documents as find_packed_documents cuts them
+        assert counts[i] == find_packed_documents(data.batch(torch.tensor([i]))["position_ids"])[1].numel() - 1
+    config = TrainConfig(steps=9, batch_size=3, seed=2)  # 8 batches an epoch: the run crosses into a second
+    slots = run_document_slots(data, config)
+    run = list(itertools.islice(batch_iterator(data, 3, seed=2), 9))
+    held = [find_packed_documents(b["position_ids"])[1].numel() - 1 for b in run]
+    assert slots == -(-max(held) // 64) * 64 and slots >= 128  # the short-document rows: over one bucket
+    for batch in run:
+        tensors, _ = graph_inputs(batch | {"index": torch.arange(3)}, None, "cpu", slots)
+        assert tensors["cu_seqlens"].numel() == slots + 1
+    assert run_document_slots([data[i] for i in range(len(data))], config) is None  # not packed: buckets
+
+
+def test_rows_of_one_document_each_take_the_run_layout_and_change_nothing():
+    """With slots, a batch whose rows are one document each gets documents too (one layout for every step), and
+    the student's loss and gradients are those of the batch without documents, through SILA's kernels
+    (interpreted on the CPU) and its PyTorch form."""
+    _, hybrid = sila_models(layers="2")
+    batch = {"input_ids": torch.randint(3, 100, (2, 24)), "position_ids": torch.arange(24).repeat(2, 1)}
+    assert host_documents(batch, 64) is None
+    documents, cu = host_documents(batch, slots=8)
+    assert documents.eq(0).all() and cu.tolist() == [0, 24] + [48] * 7
+    for backend in ("triton", "torch"):
+        runs = []
+        for packed in (False, (documents, cu)):
+            hybrid.zero_grad(set_to_none=True)
+            with use_backend(backend):
+                loss = hybrid(**batch, packed_documents=packed, use_cache=False).logits.float().square().mean()
+                loss.backward()
+            runs.append((loss.item(), [p.grad.clone() for p in mixer_parameters(hybrid)]))
+        (plain, plain_grads), (padded, padded_grads) = runs
+        assert padded == pytest.approx(plain, rel=1e-6), backend
+        for a, b in zip(plain_grads, padded_grads):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
 def test_optimizer_mode_converts_either_way_and_after_a_load():
     param = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.AdamW([param], lr=1e-3)
@@ -255,9 +305,9 @@ def test_stage2_checkpoints_resume_in_either_optimizer_mode(saved_graphed, tmp_p
 @pytest.mark.parametrize("weighting", ["table", "function"])
 def test_graphed_stage2_matches_eager_on_cuda(weighting, tmp_path):
     """Stage 2 as the SILA recipe runs it (mixers and LoRA, bf16, compiled parts, token weights from a table as
-    train's or from each batch as extend's, packed rows in two document buckets): the graphed steps' losses and
-    weights are the eager ones'; a graphed run stopped after a checkpoint and resumed ends where the uninterrupted
-    one does."""
+    train's or from each batch as extend's, packed rows of long and of short documents, padded to one layout):
+    the graphed steps' losses and weights are the eager ones'; a graphed run stopped after a checkpoint and resumed
+    ends where the uninterrupted one does."""
     _, hybrid = sila_models("cuda")
     generator = torch.Generator().manual_seed(3)
     data = packed_dataset(generator)
