@@ -90,7 +90,8 @@ def step_inputs(
 ) -> tuple[dict, tuple[torch.Tensor, torch.Tensor] | None | str]:
     """(model inputs, `packed` of alignment_losses) of a batch on the host, on `device`: packed documents are found
     in the host's position ids and everything is copied without blocking, so that a step never waits for the GPU.
-    `bucket`: the documents' offsets padded with empty documents to a multiple of it (graphs.host_documents)."""
+    `bucket`: the documents' offsets padded with empty documents to a multiple of it, rows of one document each
+    marked as documents too: one layout for a graph (graphs.host_documents)."""
     packed = "auto"  # padded rows: nothing to find
     if "position_ids" in batch and batch["position_ids"].device.type == "cpu":
         found = host_documents(batch, bucket)

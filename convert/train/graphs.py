@@ -13,7 +13,8 @@ What a graph needs of the step, and how align and stage 2 give it:
 - The same shapes each time: rows are B x T already; the documents' offsets cu_seqlens [S + 1] vary with S, so they
   are padded with empty documents: stage 2, whose batches are known before it starts, to the most any of its
   batches holds (`document_slots`), one graph; align to a multiple of `DOCUMENT_BUCKET` (`pad_documents`), one
-  graph per bucket. Each new layout costs an eager step and a capture.
+  graph per bucket; rows of one document each are documents too. Each new layout costs an eager step, a capture
+  and, for the compiled parts, a compilation.
 - Tensors that outlive a replay at fixed addresses: gradients zeroed in place (never set to None) and the
   optimizer's state, both made by the eager warm-up step, and its learning rate a device tensor (`optimizer_mode`,
   filled before each step by `set_lr`).
@@ -62,15 +63,18 @@ def document_slots(position_ids: torch.Tensor, batches: torch.Tensor, bucket: in
 
 def host_documents(batch: dict, bucket: int | None = None, slots: int | None = None):
     """find_packed_documents of a host batch's position ids (None without them, or with one document per row), the
-    offsets padded to a multiple of `bucket` documents when given, or to `slots` (`pad_documents`; with slots, rows
-    of one document each are documents too, so that every batch has the same layout): found on the host, so that no
-    step reads the position ids back from the GPU."""
-    found = find_packed_documents(batch["position_ids"]) if "position_ids" in batch else None
-    if found is None and slots is not None and "position_ids" in batch:
+    offsets padded to `slots` or else to a multiple of `bucket` documents when either is given (`pad_documents`),
+    and then rows of one document each are documents too, so that every batch a graph replays has the same layout
+    (a batch without documents would need a capture of its own, and its glue compiled again): found on the host, so
+    that no step reads the position ids back from the GPU."""
+    if "position_ids" not in batch:
+        return None
+    found = find_packed_documents(batch["position_ids"])
+    if bucket is None and slots is None:
+        return found
+    if found is None:
         B, T = batch["position_ids"].shape
         found = torch.zeros(B, T, dtype=torch.long), torch.arange(0, B * T + 1, T, dtype=torch.int32)
-    if found is None or (bucket is None and slots is None):
-        return found
     return found[0], pad_documents(found[1], bucket or DOCUMENT_BUCKET, slots)
 
 

@@ -227,12 +227,14 @@ def test_stage2_pads_every_step_to_the_documents_of_its_fullest_batch():
 
 
 def test_rows_of_one_document_each_take_the_run_layout_and_change_nothing():
-    """With slots, a batch whose rows are one document each gets documents too (one layout for every step), and
-    the student's loss and gradients are those of the batch without documents, through SILA's kernels
-    (interpreted on the CPU) and its PyTorch form."""
+    """Padded for a graph, a batch whose rows are one document each gets documents too (one layout for every step:
+    in the SILA recipe such batches cost 4-24 s each, a capture and a compilation of their own), and the student's
+    loss and gradients are those of the batch without documents, through SILA's kernels (interpreted on the CPU)
+    and its PyTorch form."""
     _, hybrid = sila_models(layers="2")
     batch = {"input_ids": torch.randint(3, 100, (2, 24)), "position_ids": torch.arange(24).repeat(2, 1)}
-    assert host_documents(batch, 64) is None
+    assert host_documents(batch) is None  # the eager steps: no documents to mark
+    assert host_documents(batch, 4)[1].tolist() == [0, 24, 48, 48, 48]  # align's graphs: to the bucket
     documents, cu = host_documents(batch, slots=8)
     assert documents.eq(0).all() and cu.tolist() == [0, 24] + [48] * 7
     for backend in ("triton", "torch"):
