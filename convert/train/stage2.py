@@ -119,9 +119,10 @@ class TrainConfig(BaseModel):
         description="torch.compile the mixers' glue and the layers' norms and MLPs (compiling.py); auto: on CUDA",
     )
     cuda_graphs: CompileSetting = Field(
-        False,
+        "auto",
         description="replay each step as a CUDA graph (graphs.py); auto: where it can (one CUDA GPU, a hybrid whose "
-        "mixers are graph_safe, grad_accum 1, no distillation, no gradient checkpointing); true: or fail",
+        "mixers are graph_safe, grad_accum 1, no distillation, no gradient checkpointing); true: or fail; false: "
+        "eager steps, which hold less GPU memory",
     )
     gradient_checkpointing: bool = False
     save_every: int = Field(500, ge=1, description="steps between checkpoints (and one at the end)")
