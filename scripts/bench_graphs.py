@@ -4,14 +4,16 @@ weights needed.
     cd scripts && python3 bench_graphs.py --stage align --mixer sila --steps 60 [--rows 8 16]
     cd scripts && python3 bench_graphs.py --stage train --mixer sila --steps 60      # stage 2, as the SILA recipe
     cd scripts && python3 bench_graphs.py --stage extend --mixer sila --steps 30 --rows 2 --length 8192
+    cd scripts && python3 bench_graphs.py --stage train --mixer sila --steps 60 --whole-rows 2   # 2 of 16 batches
 
 Builds a randomly initialised teacher with SmolLM2-135M's shapes, converts --layers to --mixer and runs the stage's
 own loop as the recipes do (bf16 autocast, compiled parts) on packed rows of random documents (64 to 1,024 tokens,
-as host_syncs.py draws them), once per setting of `cuda_graphs`, each from the same model: `align()` (stage 1),
-or `train()` with mixers and LoRA trained and a random token-weight table (stage 2), or with each batch's weights
-from the teacher, computed as it is drawn (bf16 forward; the extend stage). Reports the stage's own
-tokens/s (from the end of its first step), the GPU memory it held at most (torch.cuda.max_memory_reserved, the
-cache emptied before each run) and how far the graphed run's losses are from the eager one's.
+as host_syncs.py draws them; with --whole-rows, some batches of one document per row), once per setting of
+`cuda_graphs`, each from the same model: `align()` (stage 1), or `train()` with mixers and LoRA trained and a random
+token-weight table (stage 2), or with each batch's weights from the teacher, computed as it is drawn (bf16 forward;
+the extend stage). Reports the stage's own tokens/s (from the end of its first step), the GPU memory it held at most
+(torch.cuda.max_memory_reserved, the cache emptied before each run) and how far the graphed run's losses are from
+the eager one's.
 Prints a table last.
 """
 
@@ -66,6 +68,13 @@ def main(argv=None) -> None:
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batches", type=int, default=16, help="distinct batches, cycled")
+    parser.add_argument(
+        "--whole-rows",
+        type=int,
+        default=0,
+        help="of those, how many have rows of one document each (as a corpus of "
+        "long documents gives now and then: the graphed loop lays them out as the others)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
@@ -78,6 +87,8 @@ def main(argv=None) -> None:
     for count in args.rows:
         generator = torch.Generator().manual_seed(0)
         batches = [packed_batch(count, args.length, config.vocab_size, generator) for _ in range(args.batches)]
+        for batch in batches[len(batches) - args.whole_rows :] if args.whole_rows else []:
+            batch["position_ids"] = torch.arange(args.length).expand(count, -1).clone()
         losses = {}
         for graphs in (False, True):
             torch.cuda.empty_cache()
