@@ -12,7 +12,8 @@ values), SSE one.
 In-chunk terms weigh token s as seen from t >= s by exp(g_t - g_s), g the cumulative log-decay within the chunk.
 When no row decays by more than RANGE_NATS over a chunk, every pair factors through one reference at half the
 chunk's decay, exp(g_t - ref) exp(ref - g_s), both factors within exp(RANGE_NATS / 2), and the in-chunk terms are
-plain matrix products; otherwise the kernels take their exact forms (`needs_exact`).
+plain matrix products; otherwise the kernels take their exact forms (`needs_exact`). Inside a CUDA graph the host
+cannot wait for that answer: both forms are queued and each program reads it on the device (`choice_on_device`).
 """
 
 from __future__ import annotations
@@ -26,12 +27,17 @@ import triton.language as tl
 RANGE_NATS = 120.0  # largest in-chunk decay (nats) of a state row on the fast path: factors within e^60
 
 
+def exceeds_range(gl: torch.Tensor) -> torch.Tensor:
+    """Whether any state row decays by more than RANGE_NATS within a chunk (gl: the log-decay of every chunk and
+    row, any shape), as a bool [] on gl's device."""
+    return gl.amin() < -RANGE_NATS if gl.numel() else torch.zeros((), dtype=torch.bool, device=gl.device)
+
+
 def needs_exact(gl: torch.Tensor) -> Callable[[], bool]:
-    """Whether any state row decays by more than RANGE_NATS within a chunk (gl: the log-decay of every chunk and row,
-    any shape), so that the kernels must take their exact in-chunk forms. On the GPU the answer travels to the host
-    asynchronously: call the returned function after launching work that does not need it (the state scan), and
-    the GPU stays busy while the host waits."""
-    flag = gl.amin() < -RANGE_NATS if gl.numel() else torch.zeros((), dtype=torch.bool, device=gl.device)
+    """`exceeds_range`, so that the kernels must take their exact in-chunk forms, for the host to decide. On the GPU
+    the answer travels to the host asynchronously: call the returned function after launching work that does not
+    need it (the state scan), and the GPU stays busy while the host waits."""
+    flag = exceeds_range(gl)
     if not flag.is_cuda:
         return lambda: bool(flag)
     host = torch.empty((), dtype=torch.bool, pin_memory=True)
@@ -44,6 +50,16 @@ def needs_exact(gl: torch.Tensor) -> Callable[[], bool]:
         return bool(host)
 
     return answer
+
+
+FORCE_DEVICE_CHOICE = False  # tests set it: choose on the device, as inside a CUDA graph, on any device
+
+
+def choice_on_device(x: torch.Tensor) -> bool:
+    """Whether a kernel's exact or fast form must be chosen on the device, by launching both and letting each
+    program read `exceeds_range`: while a CUDA graph captures the work (nothing may be read back then), or when
+    the tests force it."""
+    return FORCE_DEVICE_CHOICE or (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 @triton.jit

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from ..chunked import needs_exact, scan_config, state_scan
+from ..chunked import choice_on_device, exceeds_range, needs_exact, scan_config, state_scan
 from ..varlen import chunk_layout
 from .chunk_bwd import sse_bwd_kernel_dA, sse_bwd_kernel_dg, sse_bwd_kernel_dh, sse_bwd_kernel_dqk, sse_bwd_kernel_dv
 from .chunk_fwd import sse_fwd_kernel_gate, sse_fwd_kernel_h, sse_fwd_kernel_o, sse_fwd_kernel_o_exact
@@ -120,7 +120,10 @@ class ChunkGLAFunction(torch.autograd.Function):
             sse_fwd_kernel_gate[(Nc, H, BV // hv if split else 1)](
                 log_g, gc, gl, k, v, x, src, cu, chunk_seq, chunk_pos, H, K, V, BT, BK, hv, M, split, gather,
             )  # fmt: skip
-        exact = (lambda: True) if q.dtype == torch.float32 and not FAST_FLOAT32 else needs_exact(gl)
+        float32 = q.dtype == torch.float32 and not FAST_FLOAT32  # the exact kernel always (FAST_FLOAT32)
+        on_device = not float32 and choice_on_device(q)  # both output kernels, each program reading the flag
+        flag = exceeds_range(gl).view(torch.uint8) if on_device else None  # [] (kernels/chunked.py)
+        answer = None if float32 or on_device else needs_exact(gl)
         if split and S:
             (hs,), (ht,) = state_scan((x,), gl, None if h0 is None else (h0,), chunk_off, True, scan_config(K, V))
         else:
@@ -132,15 +135,16 @@ class ChunkGLAFunction(torch.autograd.Function):
                     num_warps=WARPS["h"],
                 )  # fmt: skip
         del x
-        if Nc and exact():  # read once the scan is queued: the GPU stays busy while the host waits
+        exact = float32 or on_device or (Nc and answer())  # read once the scan is queued: the GPU stays busy
+        if Nc and exact:
             sse_fwd_kernel_o_exact[(Nc, H * G, BT // BC)](
-                q, k, v, gc, hs, o, A, src, cu, chunk_seq, chunk_pos, scale, H, G, K, V, BT, BC, BK, BV, M, store_A,
-                gather, num_warps=WARPS["o_exact"],
+                q, k, v, gc, hs, o, A, src, cu, chunk_seq, chunk_pos, flag, scale, H, G, K, V, BT, BC, BK, BV, M,
+                store_A, gather, on_device, num_warps=WARPS["o_exact"],
             )  # fmt: skip
-        elif Nc:
+        if Nc and (on_device or not exact):  # the fast form: alone, or beside the exact one on the device
             sse_fwd_kernel_o[(Nc, H, BV // hv)](
-                q, k, v, gc, gl, hs, o, A, src, cu, chunk_seq, chunk_pos, scale, H, G, K, V, BT, BK, hv, M, store_A,
-                gather, num_warps=WARPS["o"] if BK <= 64 else 2 * WARPS["o"],
+                q, k, v, gc, gl, hs, o, A, src, cu, chunk_seq, chunk_pos, flag, scale, H, G, K, V, BT, BK, hv, M,
+                store_A, gather, on_device, num_warps=WARPS["o"] if BK <= 64 else 2 * WARPS["o"],
             )  # fmt: skip
         ctx.save_for_backward(q, k, v, gc, hs, A, src, cu, chunk_seq, chunk_pos, chunk_off)
         h0_dtype = None if h0 is None else initial_state.dtype

@@ -203,6 +203,7 @@ def sse_fwd_kernel_o(
     cu,
     chunk_seq,
     chunk_pos,
+    exact,
     scale,
     H,
     G: tl.constexpr,
@@ -214,14 +215,19 @@ def sse_fwd_kernel_o(
     M: tl.constexpr,
     STORE_A: tl.constexpr,
     GATHER: tl.constexpr,
+    ON_DEVICE: tl.constexpr,
 ):
     """One chunk, state head and block of value channels, every query head of the group, on the fast path (no key
     channel decays by more than RANGE_NATS over the chunk, kernels/chunked.py): the in-chunk scores are one causal
     product through the reference ref = gl / 2, A = (q exp(gc - ref)) (k exp(ref - gc))^T, and
-    o = scale (q exp(gc) h + A v). With STORE_A also A [L, H G, BT], as `sse_fwd_kernel_o_exact` stores it."""
+    o = scale (q exp(gc) h + A v). With STORE_A also A [L, H G, BT], as `sse_fwd_kernel_o_exact` stores it.
+    ON_DEVICE: queued beside the exact kernel, this one runs only where exact [] (uint8, kernels/chunked.py
+    exceeds_range) is 0."""
     i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, n = sse_chunk(cu, chunk_seq, chunk_pos, i_c, BT)
-    if n <= 0:  # a spare chunk past the packed sequences' last (_chunk_layout)
+    if ON_DEVICE:
+        n = tl.where(tl.load(exact) != 0, 0, n)  # the exact kernel serves this batch
+    if n <= 0:  # a spare chunk past the packed sequences' last (_chunk_layout), or the other form's batch
         return
     last = tl.minimum(n, BT) - 1
     DT = q.dtype.element_ty
@@ -265,6 +271,7 @@ def sse_fwd_kernel_o_exact(
     cu,
     chunk_seq,
     chunk_pos,
+    exact,
     scale,
     H,
     G: tl.constexpr,
@@ -277,14 +284,18 @@ def sse_fwd_kernel_o_exact(
     M: tl.constexpr,
     STORE_A: tl.constexpr,
     GATHER: tl.constexpr,
+    ON_DEVICE: tl.constexpr,
 ):
     """One sub-chunk i of a chunk, and query head, exact however strong the decay: o of its rows, and with STORE_A
     their in-chunk scores A [L, H G, BT] (row t: A[t, s] over the chunk's columns s, zero for s > t) in q's dtype,
-    which the backward's dv takes as they are."""
+    which the backward's dv takes as they are. ON_DEVICE: queued beside the fast kernel, this one runs only where
+    exact [] (uint8, kernels/chunked.py exceeds_range) is not 0."""
     i_c, i_hg, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h, i_g = i_hg // G, i_hg % G
     bos, n = sse_chunk(cu, chunk_seq, chunk_pos, i_c, BT)
-    if n <= 0:  # a spare chunk past the packed sequences' last (_chunk_layout)
+    if ON_DEVICE:
+        n = tl.where(tl.load(exact) != 0, n, 0)  # the fast kernel serves this batch
+    if n <= 0:  # a spare chunk past the packed sequences' last (_chunk_layout), or the other form's batch
         return
     last = tl.minimum(n, BT) - 1
     DT = q.dtype.element_ty

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import raven_kernels.sse
+from raven_kernels import chunked
 from raven_kernels.chunked import RANGE_NATS, needs_exact
 from raven_kernels.sse import chunk as chunk_module
 from raven_kernels.sse import chunk_gla, fused_recurrent_sse
@@ -111,6 +112,23 @@ def test_chunk_gla_output_kernel_follows_the_decay_range(monkeypatch, reach, exa
     got = run_with_grads(lambda *a: chunk_gla(*a[:4], 0.3, a[4], True), (q, k, v, log_g), None)
     ref = run_with_grads(lambda *a: gla_recurrent(*a[:4], 0.3, a[4]), (q, k, v, log_g), None)
     assert chosen == [exact]
+    assert_all_close(got, ref, 1e-5, grad_tol=1e-3)
+
+
+@pytest.mark.parametrize(("reach", "exact"), [(0.95, False), (3.0, True)])
+def test_chunk_gla_output_kernels_chosen_on_the_device(monkeypatch, reach, exact):
+    # inside a CUDA graph nothing is read back: both output kernels are queued and each program reads whether the
+    # decay leaves the range; at 3 x RANGE_NATS the one-product kernel's factors overflow, and with POISON an output
+    # neither kernel writes stays NaN, so only the right choice matches the recurrence
+    monkeypatch.setattr(chunked, "FORCE_DEVICE_CHOICE", True)
+    monkeypatch.setattr(chunk_module, "needs_exact", lambda gl: pytest.fail("the choice was read back to the host"))
+    flags = []
+    monkeypatch.setattr(chunk_module, "exceeds_range", lambda gl: flags.append(chunked.exceeds_range(gl)) or flags[-1])
+    q, k, v, log_g = random_gla(1, 128, 1, 1, 16, 16, seed=4)
+    log_g = log_g * (reach * RANGE_NATS / -log_g.view(2, 64, 16).sum(1).min())
+    got = run_with_grads(lambda *a: chunk_gla(*a[:4], 0.3, a[4], True), (q, k, v, log_g), None)
+    ref = run_with_grads(lambda *a: gla_recurrent(*a[:4], 0.3, a[4]), (q, k, v, log_g), None)
+    assert [bool(f) for f in flags] == [exact]
     assert_all_close(got, ref, 1e-5, grad_tol=1e-3)
 
 

@@ -2,6 +2,7 @@
 checked before a model loads, and on a GPU (`python -m pytest -m gpu`) graphed steps compute what eager ones do."""
 
 import copy
+import dataclasses
 import itertools
 
 import pytest
@@ -24,6 +25,7 @@ from raven_convert.train.graphs import (
 from raven_convert.train.lora import add_lora
 from raven_convert.train.recipe import Recipe
 from raven_convert.train.stage2 import TrainConfig, graph_inputs, run_document_slots, step_graphs, train
+from raven_layers import registry
 from raven_layers.backend import use_backend
 from raven_layers.modeling_hybrid import find_packed_documents
 from tests.conftest import tiny_config
@@ -47,10 +49,22 @@ def packed_rows(rows: int, length: int, longest: int, generator: torch.Generator
     }
 
 
-def sila_models(device="cpu", layers: str = "0,2"):
+def hybrid_models(device="cpu", layers: str = "0,2", mixer: str = "sila"):
     torch.manual_seed(0)
     teacher = AutoModelForCausalLM.from_config(tiny_config("llama")).to(device).eval()
-    return teacher, build_hybrid(teacher, plan_layers([("sila", layers)], 4), {}).to(device)
+    settings = {"sse": {"lora_rank": 8}} if mixer == "sse" else {}
+    return teacher, build_hybrid(teacher, plan_layers([(mixer, layers)], 4), settings).to(device)
+
+
+# mixers the GPU tests capture: SILA, and SSE (its output kernel chosen on the device inside a graph, not yet
+# declared graph_safe: these tests are what would declare it)
+GRAPHED_MIXERS = ["sila", "sse"]
+
+
+def declared_graph_safe(monkeypatch, mixer: str) -> None:
+    """The registry's `mixer` declared graph_safe for this test."""
+    spec = registry.get_mixer(mixer)
+    monkeypatch.setitem(registry._mixers, mixer, dataclasses.replace(spec, graph_safe=True))
 
 
 def test_pad_documents_adds_empty_documents_up_to_the_bucket():
@@ -78,7 +92,7 @@ def test_step_inputs_pads_the_documents_found_on_the_host():
 def test_padded_documents_change_no_loss_or_gradient():
     """What a graph runs (offsets padded with empty documents) against what the eager step runs, through SILA's
     kernels (interpreted on the CPU) and its PyTorch form."""
-    teacher, hybrid = sila_models(layers="2")
+    teacher, hybrid = hybrid_models(layers="2")
     batch = packed_rows(2, 24, 7, torch.Generator().manual_seed(1))
     for backend in ("triton", "torch"):
         runs = []
@@ -96,7 +110,7 @@ def test_padded_documents_change_no_loss_or_gradient():
 
 
 def test_graphs_are_used_only_where_they_can_run():
-    _, hybrid = sila_models()
+    _, hybrid = hybrid_models()
     assert resolve_graphs(False, hybrid, "cuda") is False
     assert resolve_graphs("auto", hybrid, "cpu") is False
     with pytest.raises(ValueError, match="the device is cpu, not cuda"):
@@ -139,10 +153,12 @@ def _interrupted(batches: list[dict], after: int):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("compile", [False, True])
-def test_graphed_align_matches_eager_on_cuda(compile, tmp_path):
+@pytest.mark.parametrize("mixer", GRAPHED_MIXERS)
+def test_graphed_align_matches_eager_on_cuda(mixer, compile, tmp_path, monkeypatch):
     """Several document buckets (a warm-up step, a capture, then replays each), bf16 autocast as the recipes run,
     with and without the compiled parts; then a run stopped after a checkpoint and resumed with graphs."""
-    teacher, hybrid = sila_models("cuda")
+    declared_graph_safe(monkeypatch, mixer)
+    teacher, hybrid = hybrid_models("cuda", mixer=mixer)
     generator = torch.Generator().manual_seed(2)
     batches = [packed_rows(2, 256, longest, generator) for longest in (64, 6, 64, 6, 64, 6, 40, 64, 6)]
     runs = {}
@@ -179,7 +195,7 @@ def test_stage2_graphs_only_where_a_step_can_be_one():
         with pytest.raises(ValueError, match=f"cuda_graphs = true cannot be honoured: {field}"):
             TrainConfig(steps=1, cuda_graphs=True, **{field: value})
     assert TrainConfig(steps=1, cuda_graphs="auto", grad_accum=2).cuda_graphs == "auto"
-    teacher, hybrid = sila_models()
+    teacher, hybrid = hybrid_models()
     with pytest.raises(ValueError, match="LlamaForCausalLM is not a hybrid"):
         step_graphs(TrainConfig(steps=1, cuda_graphs=True), teacher, None, "cuda", 1)
     assert step_graphs(TrainConfig(steps=1, cuda_graphs=True), hybrid, lambda batch: None, "cuda", 1) is True
@@ -231,7 +247,7 @@ def test_rows_of_one_document_each_take_the_run_layout_and_change_nothing():
     in the SILA recipe such batches cost 4-24 s each, a capture and a compilation of their own), and the student's
     loss and gradients are those of the batch without documents, through SILA's kernels (interpreted on the CPU)
     and its PyTorch form."""
-    _, hybrid = sila_models(layers="2")
+    _, hybrid = hybrid_models(layers="2")
     batch = {"input_ids": torch.randint(3, 100, (2, 24)), "position_ids": torch.arange(24).repeat(2, 1)}
     assert host_documents(batch) is None  # the eager steps: no documents to mark
     assert host_documents(batch, 4)[1].tolist() == [0, 24, 48, 48, 48]  # align's graphs: to the bucket
@@ -305,12 +321,14 @@ def test_stage2_checkpoints_resume_in_either_optimizer_mode(saved_graphed, tmp_p
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("weighting", ["table", "function"])
-def test_graphed_stage2_matches_eager_on_cuda(weighting, tmp_path):
+@pytest.mark.parametrize("mixer", GRAPHED_MIXERS)
+def test_graphed_stage2_matches_eager_on_cuda(mixer, weighting, tmp_path, monkeypatch):
     """Stage 2 as the SILA recipe runs it (mixers and LoRA, bf16, compiled parts, token weights from a table as
     train's or from each batch as extend's, packed rows of long and of short documents, padded to one layout):
     the graphed steps' losses and weights are the eager ones'; a graphed run stopped after a checkpoint and resumed
     ends where the uninterrupted one does."""
-    _, hybrid = sila_models("cuda")
+    declared_graph_safe(monkeypatch, mixer)
+    _, hybrid = hybrid_models("cuda", mixer=mixer)
     generator = torch.Generator().manual_seed(3)
     data = packed_dataset(generator)
     table = torch.rand(len(data), data.seq_len, generator=generator) if weighting == "table" else position_weights
