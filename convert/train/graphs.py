@@ -49,16 +49,17 @@ def pad_documents(cu_seqlens: torch.Tensor, bucket: int = DOCUMENT_BUCKET, slots
 
 
 def documents_per_row(position_ids: torch.Tensor) -> torch.Tensor:
-    """How many documents each row [N, T] of position ids opens, as find_packed_documents cuts them [N]: one at its
-    start and one wherever the position ids do not step by one."""
-    return 1 + (position_ids[:, 1:] != position_ids[:, :-1] + 1).sum(1)
+    """How many documents each row [N, T] of position ids (any integer dtype) opens, as find_packed_documents cuts
+    them [N]: one at its start and one wherever the position ids do not step by one. Blocks of rows at a time, so
+    that a large dataset's rows are never all widened at once."""
+    counts = [1 + (b[:, 1:].long() != b[:, :-1].long() + 1).sum(1) for b in position_ids.split(1024)]
+    return torch.cat(counts) if counts else torch.zeros(0, dtype=torch.long)
 
 
-def document_slots(position_ids: torch.Tensor, batches: torch.Tensor, bucket: int = DOCUMENT_BUCKET) -> int:
-    """The document slots that fit every batch of a run (`batches` [steps, B], rows of position_ids [N, T]): the
-    most documents one batch holds, rounded up to a multiple of `bucket`, so that every step has one layout."""
-    held = documents_per_row(position_ids)[batches].sum(1)  # [steps]
-    return math.ceil(int(held.max()) / bucket) * bucket
+def document_slots(held: torch.Tensor, bucket: int = DOCUMENT_BUCKET) -> int:
+    """The document slots that fit every batch of a run, from the documents of each of its rows `held` [steps, B]:
+    the most documents one batch holds, rounded up to a multiple of `bucket`, so that every step has one layout."""
+    return math.ceil(int(held.sum(1).max()) / bucket) * bucket
 
 
 def host_documents(batch: dict, bucket: int | None = None, slots: int | None = None):

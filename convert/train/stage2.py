@@ -69,6 +69,7 @@ from raven_convert.train.graphs import (
     DOCUMENT_BUCKET,
     CapturedStep,
     document_slots,
+    documents_per_row,
     host_documents,
     optimizer_mode,
     read_back,
@@ -278,16 +279,17 @@ def run_document_slots(dataset, config: TrainConfig) -> int | None:
     not a PackedDataset, whose steps are padded to buckets (a graph each)."""
     if not isinstance(dataset, PackedDataset):
         return None
-    batches = batch_rows(len(dataset), config.batch_size, config.seed, config.steps * config.grad_accum)
-    return document_slots(dataset.tensors["position_ids"][dataset.rows], batches)
+    batches = batch_rows(len(dataset), config.batch_size, config.seed, config.steps * config.grad_accum)  # [steps, B]
+    read, where = batches.unique(return_inverse=True)  # the rows read, once each
+    return document_slots(documents_per_row(dataset.tensors["position_ids"][dataset.rows[read]])[where])
 
 
 def graph_inputs(batch: dict, token_weights, device, slots: int | None = None) -> tuple[dict[str, torch.Tensor], int]:
     """A host micro-batch as a step graph's inputs on `device`, copied without blocking: its fields but "index",
     the documents packed in its rows ("documents" and "cu_seqlens", padded to `slots`, or else to a bucket:
-    graphs.host_documents), its token
-    weights ("weights": its rows of a table, or a function's weights of it, computed eagerly on `device` before
-    the step's replay, as the extend stage's teacher does); and its real tokens, counted on the host."""
+    graphs.host_documents), its token weights ("weights": its rows of a table, or a function's weights of it,
+    computed eagerly on `device` before the step's replay, as the extend stage's teacher does); and its real
+    tokens, counted on the host."""
     tensors = {k: v for k, v in batch.items() if k != "index"}
     found = host_documents(batch, DOCUMENT_BUCKET, slots)
     if found is not None:
