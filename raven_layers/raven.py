@@ -107,7 +107,8 @@ def raven_recurrent(
         s_v = f * s_v + w * v[:, t, :, None, :]
         p = torch.einsum("bhgd,bhmd->bhgm", q[:, t], s_k).mul(scale).softmax(-1)  # [B, H, G, M]
         outputs.append(torch.einsum("bhgm,bhmd->bhgd", p, s_v))
-    return torch.stack(outputs, dim=1), (s_k, s_v)
+    o = torch.stack(outputs, dim=1) if outputs else q.new_zeros(B, 0, H, G, d)  # an empty sequence: no output
+    return o, (s_k, s_v)
 
 
 def raven_chunked(

@@ -5,8 +5,9 @@ or for long sequences per-chunk contributions and a grouped scan: chunk_h.py), t
 two passes fused over blocks of slots with an online softmax: the key pass gives a block of slot logits, the value
 pass reads that block at once, rescaled as the running maximum grows (raven_fwd_kernel_o). Only the inputs, the
 output and its logsumexp are kept; backward recomputes the rest (gates, states) and runs the per-chunk kernels of
-chunk_bwd.py. For batches of equal-length sequences nothing waits on the host: the chunk tables come from
-arithmetic, and needs_exact's answer is read after the scan is queued.
+chunk_bwd.py. Nothing waits on the host for the chunk tables (arithmetic, or for packed sequences a bound on the
+chunk count); needs_exact's answer is read after the scan is queued, and inside a CUDA graph not at all: the
+kernels then take their exact forms, which choose the fast one per slot block (intra.raven_slot_block).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..chunked import needs_exact, scan_config, state_scan
+from ..chunked import choice_on_device, needs_exact, scan_config, state_scan
+from ..varlen import chunk_layout
 from .chunk_bwd import raven_bwd_kernel_dar, raven_bwd_kernel_dkv, raven_bwd_kernel_dlf, raven_bwd_kernel_dq
 from .chunk_h import (
     raven_bwd_kernel_dh,
@@ -56,6 +58,8 @@ def raven_fwd_kernel_o(
     i_c, i_hg = tl.program_id(0), tl.program_id(1)
     i_h = i_hg // G
     bos, L = tl.load(chunk_bos + i_c), tl.load(chunk_len + i_c)
+    if L <= 0:  # a spare chunk past the packed sequences' last (prepare_chunks)
+        return
     o_t, o_d = tl.arange(0, BT), tl.arange(0, BD)
     m_t, m_d = o_t < L, o_d < D
     m_td = m_t[:, None] & m_d[None, :]
@@ -96,8 +100,9 @@ def raven_fwd_kernel_o(
 
 def prepare_chunks(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torch.device) -> dict[str, torch.Tensor]:
     """Chunks of BT tokens that never cross a sequence boundary: first token and length of each chunk [NC],
-    the first chunk of each sequence [N + 1] and the sequence of each chunk [NC].
-    B sequences of T tokens (cu_seqlens None) need no host sync; packed sequences one (the number of chunks)."""
+    the first chunk of each sequence [N + 1] and the sequence of each chunk [NC]. No host sync: for packed
+    sequences NC is a bound (kernels/varlen.py), its spare chunks (after the last sequence's) have length 0, and
+    every per-chunk kernel returns at once for them."""
     if cu_seqlens is None:
         per = triton.cdiv(T, BT)
         c = torch.arange(B * per, device=device)
@@ -105,13 +110,10 @@ def prepare_chunks(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torc
         bos, length = seq * T + j * BT, (T - j * BT).clamp(max=BT)
         seq_chunks = torch.arange(B + 1, device=device) * per
     else:
-        lens = cu_seqlens.diff()
-        counts = (lens + BT - 1) // BT
-        seq_chunks = torch.nn.functional.pad(counts.cumsum(0), (1, 0))
-        NC = int(seq_chunks[-1])  # the host sync: output sizes below
-        seq = torch.repeat_interleave(torch.arange(lens.numel(), device=device), counts, output_size=NC)
-        bos = cu_seqlens[seq] + (torch.arange(NC, device=device) - seq_chunks[seq]) * BT
-        length = torch.minimum(cu_seqlens[seq + 1] - bos, torch.full_like(bos, BT))
+        seq, within, seq_chunks, _ = chunk_layout(cu_seqlens, B * T, BT)
+        seq = seq.long()
+        bos = cu_seqlens[seq] + within.long() * BT
+        length = (cu_seqlens[seq + 1] - bos).clamp(0, BT)
     return {
         "bos": bos.to(torch.int32),
         "len": length.to(torch.int32),
@@ -186,7 +188,7 @@ def gates(k, v, a, idx, r, chunks, M, contributions=True):
     BM = min(BM, 32) if split else BM  # the contributions' [BM, D] products: 32 slots at 8 warps
     g = a.new_empty(T, H, M, dtype=torch.float32)
     w = torch.empty_like(g)
-    gl = a.new_empty(NC, H, M, dtype=torch.float32)
+    gl = a.new_zeros(NC, H, M, dtype=torch.float32)  # zeros in spare chunks, which the gate kernel skips
     xk, xv = (k.new_empty(NC, H, M, D) for _ in range(2)) if split else (None, None)
     raven_fwd_kernel_gate[(NC * triton.cdiv(M, BM), H)](
         a, idx, r, k, v, g, w, gl, xk, xv, chunks["bos"], chunks["len"], H, M, K, D, BT, BM,
@@ -260,10 +262,11 @@ def chunk_raven_fwd(q, k, v, a, idx, r, scale, M, h0, output_final_state, chunks
     T, HG, D = q.shape
     H = k.shape[1]
     g, w, gl, xk, xv = gates(k, v, a, idx, r, chunks, M)
-    exact = needs_exact(gl)
+    on_device = choice_on_device(q)  # in a CUDA graph: the kernels with the exact forms, which pick per slot block
+    answer = None if on_device else needs_exact(gl)
     hk, hv, ht = states(k, v, g, w, gl, xk, xv, h0, chunks, M, output_final_state)
     del xk, xv
-    exact = exact()  # read once the scan is queued: the GPU stays busy while the host waits
+    exact = on_device or answer()  # read once the scan is queued: the GPU stays busy while the host waits
     o = torch.empty_like(q)
     lse = q.new_empty(T, HG, dtype=torch.float32)
     shape = dict(H=H, G=HG // H, M=M, D=D, exact=exact)
@@ -298,7 +301,7 @@ def chunk_raven_bwd(q, k, v, a, idx, r, scale, M, h0, o, lse, do, dht, chunks, e
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     per_chunk(raven_bwd_kernel_dkv, "dkv", (q, do, g, w, dhk, dhv, p, ds, dk, dv), (), chunks, H, shape)
     dlf = e.new_empty(T, H, M)
-    dlf_sum = e.new_empty(NC, H, M)
+    dlf_sum = e.new_zeros(NC, H, M)  # zeros in spare chunks: the carries below sum past them
     tensors = (q, k, v, do, g, w, dhk, dhv, p, ds, e, dlf, dlf_sum)
     per_chunk(raven_bwd_kernel_dlf, "dlf", tensors, (), chunks, H, shape, split_slots=True)
     # Carry each chunk's total into the earlier chunks of its sequence; the final states' own read comes last.

@@ -46,6 +46,8 @@ def raven_bwd_kernel_dq(
     i_c, i_hg = tl.program_id(0), tl.program_id(1)
     i_h = i_hg // G
     bos, L = tl.load(chunk_bos + i_c), tl.load(chunk_len + i_c)
+    if L <= 0:  # a spare chunk past the packed sequences' last (prepare_chunks)
+        return
     o_t, o_d = tl.arange(0, BT), tl.arange(0, BD)
     m_t, m_d = o_t < L, o_d < D
     m_td = m_t[:, None] & m_d[None, :]
@@ -115,6 +117,8 @@ def raven_bwd_kernel_dkv(
     mixed over all slots per query head first (B [BT, BT]) so that each head costs one product with q or do."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, L = tl.load(chunk_bos + i_c), tl.load(chunk_len + i_c)
+    if L <= 0:  # a spare chunk past the packed sequences' last (prepare_chunks)
+        return
     o_t, o_d = tl.arange(0, BT), tl.arange(0, BD)
     m_t, m_d = o_t < L, o_d < D
     m_td = m_t[:, None] & m_d[None, :]
@@ -185,6 +189,8 @@ def raven_bwd_kernel_dlf(
     i_cm, i_h = tl.program_id(0), tl.program_id(1)
     i_c, i_m = i_cm // tl.cdiv(M, BM), i_cm % tl.cdiv(M, BM)  # a chunk's slot blocks side by side: q, k, v, do in L2
     bos, L = tl.load(chunk_bos + i_c), tl.load(chunk_len + i_c)
+    if L <= 0:  # a spare chunk past the packed sequences' last (prepare_chunks)
+        return
     o_t, o_d = tl.arange(0, BT), tl.arange(0, BD)
     o_m = i_m * BM + tl.arange(0, BM)
     m_t, m_d = o_t < L, o_d < D
@@ -244,6 +250,8 @@ def raven_bwd_kernel_dar(
     own reads) + carry (every later chunk's, [NC, H, M]); log_f = a r gives da = sum_j dl_j r_j, dr_j = dl_j a."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, L = tl.load(chunk_bos + i_c), tl.load(chunk_len + i_c)
+    if L <= 0:  # a spare chunk past the packed sequences' last (prepare_chunks)
+        return
     o_t, o_k = tl.arange(0, BT), tl.arange(0, BK)
     m_t = o_t < L
     m_tk = m_t[:, None] & (o_k < K)[None, :]

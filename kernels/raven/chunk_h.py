@@ -70,6 +70,8 @@ def raven_fwd_kernel_gate(
     i_cm, i_h = tl.program_id(0), tl.program_id(1)
     i_c, i_m = i_cm // tl.cdiv(M, BM), i_cm % tl.cdiv(M, BM)  # a chunk's slot blocks side by side: idx, r in L2
     bos, L = tl.load(chunk_bos + i_c), tl.load(chunk_len + i_c)
+    if L <= 0:  # a spare chunk past the packed sequences' last (prepare_chunks)
+        return
     o_t, o_d, o_k = tl.arange(0, BT), tl.arange(0, BD), tl.arange(0, BK)
     o_m = i_m * BM + tl.arange(0, BM)
     m_t, m_m, m_d = o_t < L, o_m < M, o_d < D
@@ -252,6 +254,8 @@ def raven_bwd_kernel_dhc(
     i_cm, i_h = tl.program_id(0), tl.program_id(1)
     i_c, i_m = i_cm // tl.cdiv(M, BM), i_cm % tl.cdiv(M, BM)  # a chunk's slot blocks side by side: q, k, v, do in L2
     bos, L = tl.load(chunk_bos + i_c), tl.load(chunk_len + i_c)
+    if L <= 0:  # a spare chunk past the packed sequences' last (prepare_chunks)
+        return
     o_t, o_d = tl.arange(0, BT), tl.arange(0, BD)
     o_m = i_m * BM + tl.arange(0, BM)
     m_t, m_m, m_d = o_t < L, o_m < M, o_d < D

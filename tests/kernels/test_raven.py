@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from raven_kernels import split
+from raven_kernels import chunked, split
 from raven_kernels.raven import chunk as raven_chunk
 from raven_kernels.raven import chunk_raven, fused_recurrent_raven, topk_slots
 from raven_kernels.raven.naive import naive_raven
@@ -118,6 +118,30 @@ def test_chunk_varlen_matches_reference_per_sequence(scan_form):
     H, G, d, M, K = 1, 2, 16, 16, 4
     inputs = random_inputs(1, sum(lengths), H, G, d, M, K, seed=3)
     assert_match(run_both(inputs, 0.3, M, random_state(len(lengths), H, M, d), cu_seqlens))
+
+
+def test_chunk_varlen_empty_sequences_as_graphs_pad_them(scan_form):
+    # empty documents between and after the real ones (a CUDA graph's layout pads the offsets so): their states pass
+    # through; the chunk list's spare entries (its length a bound, no host sync) change nothing
+    lengths = [5, 0, 66, 17, 0, 0]
+    cu_seqlens = torch.tensor([0, 5, 5, 71, 88, 88, 88], device=DEVICE)
+    H, G, d, M, K = 1, 2, 16, 16, 4
+    inputs = random_inputs(1, sum(lengths), H, G, d, M, K, seed=4)
+    assert_match(run_both(inputs, 0.3, M, random_state(len(lengths), H, M, d), cu_seqlens))
+    chunks = raven_chunk.prepare_chunks(cu_seqlens, 1, 88, DEVICE)
+    assert chunks["bos"].numel() == 2 + 6 and chunks["len"].tolist()[4:] == [0] * 4  # 4 real chunks, 4 spare
+
+
+@pytest.mark.parametrize("strong", [False, True])
+def test_chunk_exact_forms_chosen_on_the_device(monkeypatch, strong):
+    # inside a CUDA graph nothing is read back: the kernels take their exact forms, which pick the fast one per slot
+    # block, and match the reference whether or not a chunk decays past the range
+    monkeypatch.setattr(chunked, "FORCE_DEVICE_CHOICE", True)
+    monkeypatch.setattr(raven_chunk, "needs_exact", lambda gl: pytest.fail("the choice was read back to the host"))
+    q, k, v, a, idx, r = random_inputs(1, 150, 1, 1, 16, 16, 4, seed=9)
+    a[:, 64:128] *= 200.0 if strong else 1.0
+    cu_seqlens = torch.tensor([0, 30, 150], device=DEVICE)
+    assert_match(run_both((q, k, v, a, idx, r), 0.4, 16, random_state(2, 1, 16, 16), cu_seqlens))
 
 
 @pytest.mark.parametrize("level", [0, 1])

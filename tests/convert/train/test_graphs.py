@@ -56,9 +56,9 @@ def hybrid_models(device="cpu", layers: str = "0,2", mixer: str = "sila"):
     return teacher, build_hybrid(teacher, plan_layers([(mixer, layers)], 4), settings).to(device)
 
 
-# mixers the GPU tests capture: SILA, and SSE (its output kernel chosen on the device inside a graph, not yet
-# declared graph_safe: these tests are what would declare it)
-GRAPHED_MIXERS = ["sila", "sse"]
+# mixers the GPU tests capture: SILA, and SSE and Raven (their exact or fast in-chunk forms chosen on the device
+# inside a graph, their packed chunk lists bounds; not yet declared graph_safe: these tests are what would)
+GRAPHED_MIXERS = ["sila", "sse", "raven"]
 
 
 def declared_graph_safe(monkeypatch, mixer: str) -> None:
