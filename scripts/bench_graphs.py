@@ -97,7 +97,8 @@ def main(argv=None) -> None:
             losses[graphs] = [r["loss"] for r in history]
             held = torch.cuda.max_memory_reserved() / 2**30
             rows.append((count, graphs, history[-1]["tokens_per_second"], history[-1]["mfu"], held))
-            print(f"rows {count}, cuda_graphs {graphs}: {rows[-1][2]:,.0f} tokens/s", flush=True)
+            layouts = f", {history[-1]['graph_layouts']} graph layouts" if graphs else ""
+            print(f"rows {count}, cuda_graphs {graphs}: {rows[-1][2]:,.0f} tokens/s{layouts}", flush=True)
         gap = max(abs(a - b) / abs(a) for a, b in zip(losses[False], losses[True]))
         rows.append((count, "gap", gap, None, None))
     shape = f"{args.steps} steps of rows x {args.length} packed tokens, bf16"

@@ -417,6 +417,8 @@ def align(
                     _save(out_dir, step + 1, named, optimizer, history, keep_checkpoints, parallel)
             if pending is not None:
                 book(*pending)
+            if captured is not None and history:  # each layout costs an eager step and a capture
+                history[-1]["graph_layouts"] = len(captured.graphs)
     finally:
         for p, requires_grad in frozen:
             p.requires_grad_(requires_grad)

@@ -607,6 +607,8 @@ def train(
             finish(step, lr, sums, step_tokens)
         if pending is not None:
             finish(pending[0], pending[1], checked(read_back(*pending[2:4]), pending[0]), pending[4])
+    if captured is not None and history:  # each layout costs an eager step and a capture: one, where slots pad
+        history[-1]["graph_layouts"] = len(captured.graphs)
     if graphs:
         optimizer.zero_grad(set_to_none=True)  # the gradients held for the graphs
     if tracker:

@@ -191,7 +191,7 @@ def _stage_align(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) 
         "validation_before": None if before is None else before["loss"],
         "validation_after": None if after is None else after["loss"],
         "validation_layers_after": None if after is None else {str(k): v for k, v in after["layers"].items()},
-    }
+    } | ({"graph_layouts": final["graph_layouts"]} if "graph_layouts" in final else {})
 
 
 def _stage_weights(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:
@@ -278,6 +278,8 @@ def training_summary(config, history: list[dict], run_dir: Path, stage: str) -> 
     if history:
         summary |= {k: history[-1][k] for k in ("loss", "ce", "kd", "aux", "tokens_per_second", "mfu")}
         summary["val_ce"] = history[-1].get("val_ce")
+        if "graph_layouts" in history[-1]:  # the step graphs captured (CUDA graphs)
+            summary["graph_layouts"] = history[-1]["graph_layouts"]
         if is_main_process():
             write_json({"history": history}, run_dir / stage / "history.json")
     elif latest_checkpoint(run_dir / stage):

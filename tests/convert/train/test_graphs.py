@@ -167,6 +167,7 @@ def test_graphed_align_matches_eager_on_cuda(mixer, compile, tmp_path, monkeypat
         settings = dict(steps=len(batches), lr=3e-3, warmup_steps=2, log_every=0, mixed_precision="bf16")
         history = align(teacher, model, iter(batches), compile=compile, cuda_graphs=graphs, **settings)
         runs[graphs] = ([r["loss"] for r in history], [p.detach().clone() for p in mixer_parameters(model)])
+        assert history[-1].get("graph_layouts", 0) == (2 if graphs else 0)  # buckets of 64 and 192 documents
     (eager, eager_weights), (graphed, graphed_weights) = runs[False], runs[True]
     assert graphed == pytest.approx(eager, rel=2e-3)
     for a, b in zip(eager_weights, graphed_weights):
@@ -343,6 +344,7 @@ def test_graphed_stage2_matches_eager_on_cuda(mixer, weighting, tmp_path, monkey
     for graphs in (False, True):
         model = copy.deepcopy(hybrid)
         history = train(model, None, data, config | {"cuda_graphs": graphs}, tmp_path / str(graphs), table)
+        assert history[-1].get("graph_layouts", 0) == (1 if graphs else 0)  # every batch padded to the run's slots
         weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         runs[graphs] = ([r["loss"] for r in history], weights)
     (eager, eager_weights), (graphed, graphed_weights) = runs[False], runs[True]
