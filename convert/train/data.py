@@ -470,21 +470,27 @@ def epoch_order(size: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(size, generator=torch.Generator().manual_seed(mixed))
 
 
-def epoch_batches(size: int, batch_size: int, seed: int, epoch: int) -> torch.Tensor:
-    """The rows (positions) of each batch of epoch `epoch` [size // batch_size, batch_size], in the order
-    `batch_iterator` yields them: the epoch's shuffled order cut into batches, the incomplete last one dropped."""
+def batches_per_epoch(size: int, batch_size: int) -> int:
+    """Whole batches of `batch_size` rows in an epoch of `size` rows (the incomplete last one dropped); ValueError
+    when not even one fits."""
     per_epoch = size // batch_size if batch_size >= 1 else 0
     if per_epoch < 1:
         raise ValueError(f"batch_size = {batch_size} does not fit a dataset of {size} rows")
+    return per_epoch
+
+
+def epoch_batches(size: int, batch_size: int, seed: int, epoch: int) -> torch.Tensor:
+    """The rows (positions) of each batch of epoch `epoch` [size // batch_size, batch_size], in the order
+    `batch_iterator` yields them: the epoch's shuffled order cut into batches, the incomplete last one dropped."""
+    per_epoch = batches_per_epoch(size, batch_size)
     return epoch_order(size, seed, epoch)[: per_epoch * batch_size].view(per_epoch, batch_size)
 
 
 def batch_rows(size: int, batch_size: int, seed: int, batches: int) -> torch.Tensor:
     """The rows (positions) of each of the first `batches` batches of `batch_iterator` [batches, batch_size]: what
     a run will read, known before it starts."""
-    first = epoch_batches(size, batch_size, seed, 0)  # [per_epoch, batch_size]
-    later = [epoch_batches(size, batch_size, seed, e) for e in range(1, -(-batches // len(first)))]
-    return torch.cat([first, *later])[:batches]
+    epochs = -(-batches // batches_per_epoch(size, batch_size))
+    return torch.cat([epoch_batches(size, batch_size, seed, e) for e in range(max(epochs, 1))])[:batches]
 
 
 def rows_visited(size: int, batch_size: int, seed: int, batches: int) -> torch.Tensor:
@@ -510,7 +516,7 @@ def batch_iterator(
     `epochs` epochs counted from step 0.
     """
     size = len(dataset)
-    per_epoch = len(epoch_batches(size, batch_size, seed, 0))
+    per_epoch = batches_per_epoch(size, batch_size)
     end = None if epochs is None else epochs * per_epoch
     step = start_step
     while end is None or step < end:

@@ -135,13 +135,14 @@ class ChunkGLAFunction(torch.autograd.Function):
                     num_warps=WARPS["h"],
                 )  # fmt: skip
         del x
-        exact = float32 or on_device or (Nc and answer())  # read once the scan is queued: the GPU stays busy
+        exact = float32 or on_device or bool(Nc and answer())  # read once the scan is queued: the GPU stays busy
+        fast = on_device or not exact  # on the device both kernels run, each program reading the flag
         if Nc and exact:
             sse_fwd_kernel_o_exact[(Nc, H * G, BT // BC)](
                 q, k, v, gc, hs, o, A, src, cu, chunk_seq, chunk_pos, flag, scale, H, G, K, V, BT, BC, BK, BV, M,
                 store_A, gather, on_device, num_warps=WARPS["o_exact"],
             )  # fmt: skip
-        if Nc and (on_device or not exact):  # the fast form: alone, or beside the exact one on the device
+        if Nc and fast:
             sse_fwd_kernel_o[(Nc, H, BV // hv)](
                 q, k, v, gc, gl, hs, o, A, src, cu, chunk_seq, chunk_pos, flag, scale, H, G, K, V, BT, BK, hv, M,
                 store_A, gather, on_device, num_warps=WARPS["o"] if BK <= 64 else 2 * WARPS["o"],
