@@ -1,5 +1,11 @@
 """SSE kernels against the PyTorch references: chunked GLA, the masking and varlen SSE forms, the decode step, and
-the mixer under the triton and torch backends. On CPU the kernels run under the Triton interpreter (small sizes)."""
+the mixer under the triton and torch backends. The CPU tests run the kernels under the Triton interpreter (small
+sizes, exact float32 products); on a CUDA host they run with TRITON_INTERPRET=1, and the `gpu` tests on the GPU:
+
+    TRITON_INTERPRET=1 python -m pytest -q -m "not gpu" tests/kernels/test_sse.py && python -m pytest -q -m gpu tests/kernels/test_sse.py
+"""
+
+import os
 
 import pytest
 import torch
@@ -16,7 +22,9 @@ from tests.raven_layers.test_sse import CONFIG, FakeCache, random_gla, random_ss
 
 
 @pytest.fixture(autouse=True)
-def poison(monkeypatch):
+def poison(monkeypatch, request):
+    if request.node.get_closest_marker("gpu") is None and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors through the Triton interpreter: on a CUDA host, run with TRITON_INTERPRET=1")
     monkeypatch.setattr(chunk_module, "POISON", True)  # kernel outputs start as NaN: an unwritten element fails
     monkeypatch.setattr(chunk_module, "FAST_FLOAT32", True)  # the interpreter's products are exact float32
     for name in chunk_module.BLOCK_K:  # so K = 32 at these sizes still runs two key blocks
@@ -327,6 +335,35 @@ def test_chunk_sse_varlen_never_waits_on_the_device(packed):
         o.sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("reach", "exact"), [(0.95, False), (3.0, True)])
+def test_chunk_gla_output_kernels_chosen_on_the_device_on_gpu(monkeypatch, reach, exact):
+    # as inside a CUDA graph: both output kernels queued, each program reading the flag, nothing read back; at
+    # 3 x RANGE_NATS the one-product kernel's factors overflow, so only the exact kernel's outputs match
+    monkeypatch.setattr(chunked, "FORCE_DEVICE_CHOICE", True)
+    monkeypatch.setattr(chunk_module, "needs_exact", lambda gl: pytest.fail("the choice was read back to the host"))
+    B, T, H, G, K, V = 1, 2048, 2, 2, 64, 64
+    q, k, v, log_g = (x.cuda() for x in random_gla(B, T, H, G, K, V, seed=5))
+    q, k = q * K**-0.5, k * K**-0.5
+    log_g = log_g * (reach * RANGE_NATS / -log_g.view(T // 64, 64, H, K).sum(1).min())
+    flags = []
+    monkeypatch.setattr(chunk_module, "exceeds_range", lambda gl: flags.append(chunked.exceeds_range(gl)) or flags[-1])
+    bf = [x.bfloat16() for x in (q, k, v)] + [log_g]
+    run_with_grads(lambda *a: chunk_gla(*a[:4], K**-0.5, a[4], True), bf, None)  # compiled outside the check
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = run_with_grads(lambda *a: chunk_gla(*a[:4], K**-0.5, a[4], True), bf, None)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = run_with_grads(lambda *a: chunk_gla_reference(*a[:4], K**-0.5, a[4]), [x.float() for x in bf], None)
+    assert [bool(f) for f in flags] == [exact, exact]
+    o, s, grads = got
+    assert rel_err(o, ref[0]) < 5e-3 and rel_err(s, ref[1]) < 5e-3
+    for name, g, g_ref in zip(("q", "k", "v", "log_g"), grads, ref[2]):
+        assert rel_err(g, g_ref) < 1e-2, name
 
 
 @pytest.mark.gpu
