@@ -25,7 +25,14 @@ from torch.profiler import record_function
 
 from raven_convert.console import eta
 from raven_convert.train.checkpoint import latest_checkpoint, save_checkpoint
-from raven_convert.train.common import converted_layers, lr_at, mixer_parameters, model_inputs, to_device
+from raven_convert.train.common import (
+    converted_layers,
+    lr_at,
+    mixer_parameters,
+    model_inputs,
+    teacher_mask,
+    to_device,
+)
 from raven_convert.train.compiling import CompileSetting, compiled_parts, resolve_compile
 from raven_convert.train.distributed import (
     Parallel,
@@ -77,14 +84,6 @@ def _one_logit(teacher) -> dict:
     return {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
 
 
-def document_mask(documents: torch.Tensor) -> torch.Tensor:
-    """[B, 1, T, T] boolean: causal attention within each packed document (documents [B, T]: document ids), the
-    mask transformers builds for sdpa from packed position ids, built here without reading anything back."""
-    length = documents.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=documents.device).tril()  # [T, T]
-    return (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
-
-
 def step_inputs(
     batch: dict, device, bucket: int | None = None
 ) -> tuple[dict, tuple[torch.Tensor, torch.Tensor] | None | str]:
@@ -110,21 +109,18 @@ def alignment_losses(
     then stays within each document (transformers' packed-sequence masks) and so does every mixer's state.
     `packed`: find_packed_documents(position_ids) on the inputs' device, computed ahead (align reads it from the
     batch on the host, so that the step never waits for the GPU to find the documents); "auto": found here. With
-    packed documents an sdpa teacher gets their mask ready-made (`document_mask`), which transformers would find
-    by reading the position ids back.
+    packed documents an sdpa teacher gets their mask ready-made (common.teacher_mask), which transformers would
+    find by reading the position ids back.
     """
     if attention_mask is not None and position_ids is not None:
         raise ValueError("pass attention_mask (padded rows) or position_ids (packed documents), not both")
     if packed == "auto":
         packed = None if position_ids is None else find_packed_documents(position_ids)
-    teacher_mask = attention_mask
-    if packed is not None and teacher.config._attn_implementation == "sdpa":
-        teacher_mask = document_mask(packed[0])  # [B, 1, T, T], which transformers takes as it is
     layers = converted_layers(hybrid)
     with torch.no_grad(), attention_taps(teacher, layers) as captured, record_function("align.teacher"):
         teacher(
             input_ids=input_ids,
-            attention_mask=teacher_mask,
+            attention_mask=teacher_mask(teacher, packed, attention_mask),  # [B, 1, T, T] for packed documents
             position_ids=position_ids,
             use_cache=False,
             **_one_logit(teacher),

@@ -4,6 +4,7 @@ were converted and their parameters, the model inputs of a batch, and the learni
     is_hybrid(model)                                        # False for a plain causal LM (finetune.py trains those)
     layers = converted_layers(hybrid)                       # [0, 2, 5]: the layers whose attention became a mixer
     outputs = model(**model_inputs(batch, device))          # packed rows by position_ids, padded ones by their mask
+    teacher(**inputs, attention_mask=teacher_mask(teacher, packed))   # packed documents' mask, built on the device
     lr = lr_at(step, lr=1e-3, steps=200, warmup_steps=10)   # linear warmup, then cosine to 10% (or constant)
 """
 
@@ -55,6 +56,23 @@ def model_inputs(batch: dict, device=None) -> dict:
     if device is None:
         return inputs
     return {name: None if value is None else value.to(device) for name, value in inputs.items()}
+
+
+def document_mask(documents: torch.Tensor) -> torch.Tensor:
+    """[B, 1, T, T] boolean: causal attention within each packed document (documents [B, T]: document ids), the
+    mask transformers builds for sdpa from packed position ids, built here without reading anything back."""
+    length = documents.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=documents.device).tril()  # [T, T]
+    return (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
+
+
+def teacher_mask(model, packed, attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The attention_mask for a plain model's forward (the teacher): with packed documents found ahead (`packed`,
+    (documents [B, T], cu_seqlens) as find_packed_documents returns them) and sdpa attention, their mask ready-made
+    (`document_mask`), which transformers would build by reading the position ids back; else `attention_mask`."""
+    if isinstance(packed, tuple) and model.config._attn_implementation == "sdpa":
+        return document_mask(packed[0])
+    return attention_mask
 
 
 def to_device(tensors: dict, device) -> dict:

@@ -36,9 +36,10 @@ Choices:
   of the step alone, so nothing about it needs saving. A resumed run must use the same `steps` for the same curve.
 - A non-finite loss part or gradient raises FloatingPointError naming the step before the optimizer step and before
   any checkpoint of it (the check is reduced over processes, so that every process raises together).
-- `cuda_graphs` replays each step, update included, as a CUDA graph (graphs.py; one GPU, one micro-batch, no
-  distillation): the batch is laid out on the host, the step's losses are read during the next step, and a
-  non-finite step's update is skipped on the device, its error raised before the next update.
+- `cuda_graphs` replays each step, update included, as a CUDA graph (graphs.py; one GPU, one micro-batch; a
+  distilling teacher's forward inside it, its packed documents' mask built on the device): the batch is laid out
+  on the host, the step's losses are read during the next step, and a non-finite step's update is skipped on the
+  device, its error raised before the next update.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from torch.utils.data import Dataset
 
 from raven_convert.console import eta
 from raven_convert.train.checkpoint import latest_checkpoint, save_checkpoint
-from raven_convert.train.common import is_hybrid, lr_at, model_inputs, to_device
+from raven_convert.train.common import is_hybrid, lr_at, model_inputs, teacher_mask, to_device
 from raven_convert.train.compiling import CompileSetting, compiled_parts, resolve_compile
 from raven_convert.train.data import PackedDataset, batch_iterator, batch_rows, rows_visited
 from raven_convert.train.distributed import Parallel, on_cpu
@@ -122,8 +123,8 @@ class TrainConfig(BaseModel):
     cuda_graphs: CompileSetting = Field(
         "auto",
         description="replay each step as a CUDA graph (graphs.py); auto: where it can (one CUDA GPU, a hybrid whose "
-        "mixers are graph_safe, grad_accum 1, no distillation, no gradient checkpointing); true: or fail; false: "
-        "eager steps, which hold less GPU memory",
+        "mixers are graph_safe, grad_accum 1, no gradient checkpointing, a distilling teacher with sdpa attention); "
+        "true: or fail; false: eager steps, which hold less GPU memory",
     )
     gradient_checkpointing: bool = False
     save_every: int = Field(500, ge=1, description="steps between checkpoints (and one at the end)")
@@ -151,8 +152,6 @@ class TrainConfig(BaseModel):
     def graph_obstacles(self) -> list[str]:
         """What in these settings keeps a step from being one CUDA graph (none: it can be)."""
         found = [f"grad_accum = {self.grad_accum} (a graph holds one micro-batch)"] if self.grad_accum != 1 else []
-        if self.kd_weight > 0:
-            found.append(f"kd_weight = {self.kd_weight} (the teacher's forward is not captured)")
         if self.gradient_checkpointing:
             found.append("gradient_checkpointing = true")
         return found
@@ -259,15 +258,19 @@ def _check_weighted(table: torch.Tensor, dataset, config: TrainConfig, processes
         )
 
 
-def step_graphs(config: TrainConfig, student, token_weights, device, processes: int) -> bool:
+def step_graphs(config: TrainConfig, student, token_weights, device, processes: int, teacher=None) -> bool:
     """Whether `train` replays its steps as CUDA graphs (`config.cuda_graphs`): where graphs.resolve_graphs allows
     (a CUDA device, one process, mixers declared graph_safe) for a hybrid whose settings allow it
-    (`TrainConfig.graph_obstacles`). With True, ValueError naming what stands in the way."""
+    (`TrainConfig.graph_obstacles`) and, distilling, a teacher whose packed documents' mask is built on the device
+    (sdpa: common.teacher_mask). With True, ValueError naming what stands in the way."""
     if config.cuda_graphs is False:
         return False
     found = config.graph_obstacles()
     if not is_hybrid(student):
         found.append(f"{type(student).__name__} is not a hybrid")
+    attention = getattr(getattr(teacher, "config", None), "_attn_implementation", None)
+    if config.kd_weight > 0 and attention != "sdpa":
+        found.append(f"the distilling teacher's attention is {attention!r} (graphs take sdpa's ready-made mask)")
     if found and config.cuda_graphs is True:
         raise ValueError(f"cuda_graphs = true cannot be honoured: {'; '.join(found)}")
     return not found and resolve_graphs(config.cuda_graphs, student, device, processes)
@@ -400,7 +403,7 @@ def train(
     if tracker:
         accelerator.init_trackers("stage2", config={k: str(v) for k, v in config.model_dump().items()})
     device = accelerator.device
-    graphs = step_graphs(config, student, token_weights, device, accelerator.num_processes)
+    graphs = step_graphs(config, student, token_weights, device, accelerator.num_processes, teacher)
     hybrid = is_hybrid(student)
 
     resumed = latest_checkpoint(out_dir, warn=lambda message: accelerator.print(f"[stage2] {message}", file=sys.stderr))
@@ -470,8 +473,9 @@ def train(
         # each process's mean weighted by its share of the predictions: the processes' mean is the global one
         parts = {"ce": ce_loss(out.logits, batch["input_ids"], mask, weights) * parallel.share(mask[:, :-1].sum())}
         if config.kd_weight > 0:
+            given = teacher_mask(teacher, batch.get("packed_documents"), inputs.get("attention_mask"))
             with torch.no_grad(), accelerator.autocast(), record_function("train.teacher_forward"):
-                teacher_logits = teacher(**inputs).logits
+                teacher_logits = teacher(**inputs | {"attention_mask": given}).logits  # nothing read back
             kd = kd_loss(out.logits, teacher_logits, config.kd_temperature, mask)
             parts["kd"] = kd * parallel.share(mask.sum())
         aux = aux_loss(out)

@@ -2,7 +2,8 @@
 the mixer under the triton and torch backends. The CPU tests run the kernels under the Triton interpreter (small
 sizes, exact float32 products); on a CUDA host they run with TRITON_INTERPRET=1, and the `gpu` tests on the GPU:
 
-    TRITON_INTERPRET=1 python -m pytest -q -m "not gpu" tests/kernels/test_sse.py && python -m pytest -q -m gpu tests/kernels/test_sse.py
+    TRITON_INTERPRET=1 python -m pytest -q -m "not gpu" tests/kernels/test_sse.py   # on a CUDA host
+    python -m pytest -q -m gpu tests/kernels/test_sse.py
 """
 
 import os

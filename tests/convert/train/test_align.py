@@ -114,7 +114,7 @@ def test_a_non_finite_step_applies_no_update(models, monkeypatch):
 def test_document_mask_is_the_one_transformers_builds(models):
     """The packed documents' mask align hands an sdpa teacher: the same outputs as transformers' own, which it
     finds by reading the position ids back."""
-    from raven_convert.train.align import document_mask
+    from raven_convert.train.common import document_mask
     from raven_layers.modeling_hybrid import find_packed_documents
 
     teacher, hybrid = models

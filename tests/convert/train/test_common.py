@@ -7,7 +7,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from raven_convert import build_hybrid, plan_layers
-from raven_convert.train.common import attention_layers, converted_layers, lr_at, mixer_parameters, model_inputs
+from raven_convert.train.common import (
+    attention_layers,
+    converted_layers,
+    document_mask,
+    lr_at,
+    mixer_parameters,
+    model_inputs,
+    teacher_mask,
+)
+from raven_layers.modeling_hybrid import find_packed_documents
 from tests.conftest import tiny_config
 
 
@@ -48,3 +57,18 @@ def test_one_schedule_drives_align_and_train():
 
     assert align.lr_at is stage2.lr_at is lr_at
     assert align.model_inputs is stage2.model_inputs is model_inputs
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_teacher_mask_is_ready_made_for_packed_documents_under_sdpa_only(attention):
+    teacher = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation=attention)
+    positions = torch.cat([torch.arange(n) for n in (5, 1, 10)]).repeat(2, 1)  # [2, 16]
+    packed = find_packed_documents(positions)
+    padding = torch.ones(2, 16, dtype=torch.long)
+    got = teacher_mask(teacher, packed)
+    if attention == "sdpa":  # transformers would read the position ids back to build it
+        assert got.shape == (2, 1, 16, 16) and torch.equal(got, document_mask(packed[0]))
+        assert got[0, 0, 6].tolist() == [False] * 6 + [True] + [False] * 9  # a one-token document sees itself
+    else:  # the eager attention builds its own from the position ids
+        assert got is None
+    assert teacher_mask(teacher, None, padding) is padding and teacher_mask(teacher, False) is None

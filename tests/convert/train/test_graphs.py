@@ -199,7 +199,7 @@ def packed_dataset(generator: torch.Generator, rows: int = 6, length: int = 256)
 
 
 def test_stage2_graphs_only_where_a_step_can_be_one():
-    for field, value in (("grad_accum", 2), ("kd_weight", 1.0), ("gradient_checkpointing", True)):
+    for field, value in (("grad_accum", 2), ("gradient_checkpointing", True)):
         with pytest.raises(ValueError, match=f"cuda_graphs = true cannot be honoured: {field}"):
             TrainConfig(steps=1, cuda_graphs=True, **{field: value})
     assert TrainConfig(steps=1, cuda_graphs="auto", grad_accum=2).cuda_graphs == "auto"
@@ -210,6 +210,12 @@ def test_stage2_graphs_only_where_a_step_can_be_one():
     assert step_graphs(TrainConfig(steps=1, cuda_graphs="auto", grad_accum=2), hybrid, None, "cuda", 1) is False
     assert step_graphs(TrainConfig(steps=1, cuda_graphs="auto"), hybrid, None, "cpu", 1) is False
     assert step_graphs(TrainConfig(steps=1, cuda_graphs="auto"), hybrid, torch.zeros(1, 1), "cuda", 1) is True
+    distilled = TrainConfig(steps=1, cuda_graphs=True, kd_weight=1.0)  # the teacher's forward inside the step
+    assert teacher.config._attn_implementation == "sdpa" and step_graphs(distilled, hybrid, None, "cuda", 1, teacher)
+    teacher.config._attn_implementation = "eager"  # builds its packed documents' mask by reading positions back
+    with pytest.raises(ValueError, match="the distilling teacher's attention is 'eager'"):
+        step_graphs(distilled, hybrid, None, "cuda", 1, teacher)
+    assert step_graphs(distilled.model_copy(update={"cuda_graphs": "auto"}), hybrid, None, "cuda", 1, teacher) is False
 
 
 def position_weights(batch: dict) -> torch.Tensor:
@@ -328,21 +334,24 @@ def test_stage2_checkpoints_resume_in_either_optimizer_mode(saved_graphed, tmp_p
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("weighting", ["table", "function"])
+@pytest.mark.parametrize(
+    ("weighting", "kd_weight"), [("table", 0.0), ("function", 0.0), ("table", 1.0)], ids=["table", "function", "kd"]
+)
 @pytest.mark.parametrize("mixer", GRAPHED_MIXERS)
-def test_graphed_stage2_matches_eager_on_cuda(mixer, weighting, tmp_path, monkeypatch):
-    """Stage 2 as the SILA recipe runs it (mixers and LoRA, bf16, compiled parts, token weights from a table as
-    train's or from each batch as extend's, packed rows of long and of short documents, padded to one layout):
-    the graphed steps' losses and weights are the eager ones'; a graphed run stopped after a checkpoint and resumed
-    ends where the uninterrupted one does."""
+def test_graphed_stage2_matches_eager_on_cuda(mixer, weighting, kd_weight, tmp_path, monkeypatch):
+    """Stage 2 as the recipes run it (mixers and LoRA, bf16, compiled parts, token weights from a table as
+    train's or from each batch as extend's, distillation from the teacher as SSE's and Raven's, packed rows of long
+    and of short documents, padded to one layout): the graphed steps' losses and weights are the eager ones'; a
+    graphed run stopped after a checkpoint and resumed ends where the uninterrupted one does."""
     declared_graph_safe(monkeypatch, mixer)
-    _, hybrid = hybrid_models("cuda", mixer=mixer)
+    teacher, hybrid = hybrid_models("cuda", mixer=mixer)
+    teacher = teacher if kd_weight else None
     generator = torch.Generator().manual_seed(3)
     data = packed_dataset(generator)
     table = torch.rand(len(data), data.seq_len, generator=generator) if weighting == "table" else position_weights
     config = dict(
         steps=8, batch_size=2, lr=3e-3, warmup_steps=2, schedule="constant", log_every=0, save_every=4,
-        trainable="mixers+lora", mixed_precision="bf16", token_weight_tau=2000.0,
+        trainable="mixers+lora", mixed_precision="bf16", token_weight_tau=2000.0, kd_weight=kd_weight,
     )  # fmt: skip
     start = copy.deepcopy(hybrid)
     add_lora(start, TrainConfig(**config))  # the adapters train() adds, drawn from the same seed
@@ -350,7 +359,7 @@ def test_graphed_stage2_matches_eager_on_cuda(mixer, weighting, tmp_path, monkey
     runs = {}
     for graphs in (False, True):
         model = copy.deepcopy(hybrid)
-        history = train(model, None, data, config | {"cuda_graphs": graphs}, tmp_path / str(graphs), table)
+        history = train(model, teacher, data, config | {"cuda_graphs": graphs}, tmp_path / str(graphs), table)
         assert history[-1].get("graph_layouts", 0) == (1 if graphs else 0)  # every batch padded to the run's slots
         weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         runs[graphs] = ([r["loss"] for r in history], weights)
@@ -359,8 +368,8 @@ def test_graphed_stage2_matches_eager_on_cuda(mixer, weighting, tmp_path, monkey
     assert_same_updates(graphed_weights, eager_weights, initial)
 
     resumed = copy.deepcopy(hybrid)
-    first = train(resumed, None, data, config | {"cuda_graphs": True, "steps": 4}, tmp_path / "resumed", table)
+    first = train(resumed, teacher, data, config | {"cuda_graphs": True, "steps": 4}, tmp_path / "resumed", table)
     resumed = copy.deepcopy(hybrid)  # a fresh process: everything comes from the checkpoint
-    second = train(resumed, None, data, config | {"cuda_graphs": True}, tmp_path / "resumed", table)
+    second = train(resumed, teacher, data, config | {"cuda_graphs": True}, tmp_path / "resumed", table)
     assert [r["loss"] for r in first + second] == pytest.approx(eager, rel=2e-3)
     assert_same_updates({n: p.detach() for n, p in resumed.named_parameters()}, eager_weights, initial)
