@@ -4,14 +4,18 @@
 #
 #   MODEL=~/cache/smollm2.gguf CORPUS=~/cache/corpus ESSAYS=~/cache/essays bash scripts/gpu_results.sh start teacher raven sila
 #
-# after copying the model, corpus and essays in three calls (each carries at most 64 MiB with the checkout; the
-# halves, wheels and corpus parts come from ../shared/tools/gpu-prep.sh and the corpus split into .carry/corpus-*):
-#   carry .carry/smollm2.gguf.part-aa .whl:
-#     mkdir -p ~/cache/corpus && cp .carry/smollm2.gguf.part-aa ~/cache/
-#   carry .carry/smollm2.gguf.part-ab .carry/corpus-b .carry/pg_essays:
-#     cat ~/cache/smollm2.gguf.part-aa .carry/smollm2.gguf.part-ab > ~/cache/smollm2.gguf &&
-#     cp .carry/corpus-b/* ~/cache/corpus/ && cp -r .carry/pg_essays ~/cache/essays
-#   carry .carry/corpus-a .carry/corpus-c: cp .carry/corpus-a/* .carry/corpus-c/* ~/cache/corpus/ && ... start ...
+# after copying the model, corpus and essays in three calls (each carries at most 64 MiB with the checkout, itself
+# about 18 MB: the model in thirds, `split -n 3 MODEL .carry/m3/smollm2.gguf.part-`, wheels from
+# ../shared/tools/gpu-prep.sh in .whl, the corpus split into .carry/corpus-*):
+#   carry .carry/m3/smollm2.gguf.part-aa .whl .carry/corpus-a:
+#     mkdir -p ~/cache/corpus && cp .carry/m3/smollm2.gguf.part-aa ~/cache/ && cp .carry/corpus-a/* ~/cache/corpus/ &&
+#     source scripts/device_env.sh            # installs the wheels into /tmp/site, where later calls find them
+#   carry .carry/m3/smollm2.gguf.part-ab .carry/corpus-b .carry/pg_essays:
+#     cp .carry/m3/smollm2.gguf.part-ab ~/cache/ && cp .carry/corpus-b/* ~/cache/corpus/ &&
+#     cp -r .carry/pg_essays ~/cache/essays
+#   carry .carry/m3/smollm2.gguf.part-ac .carry/corpus-c:
+#     cat ~/cache/smollm2.gguf.part-a? .carry/m3/smollm2.gguf.part-ac > ~/cache/smollm2.gguf &&
+#     cp .carry/corpus-c/* ~/cache/corpus/ && ... start ...
 # (chain the calls: the machine goes back after 30 idle seconds, with the jobs it runs)
 #   bash scripts/gpu_jobs.sh wait 540        # in each later call, until the jobs end
 #   bash scripts/gpu_jobs.sh collect         # $OUT/runs.tar.gz: stage summaries, reports, pictures; logs.tar.gz
