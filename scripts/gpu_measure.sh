@@ -15,9 +15,11 @@ source scripts/device_env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 
 if [[ $PARTS == *tests* ]]; then
-  timeout 240 python3 -m pytest -o addopts="" -q -m gpu tests/kernels tests/raven_layers/test_gpu.py \
-    > "$OUT/gpu-tests.log" 2>&1
-  echo "gpu tests: exit $?"
+  # the kernels' and mixers' GPU tests and the training steps as CUDA graphs against eager (every mixer); the whole
+  # log comes back, tracebacks included
+  timeout 480 python3 -m pytest -o addopts="" -q -rfE -m gpu tests/kernels tests/raven_layers/test_gpu.py \
+    tests/convert/train/test_graphs.py > "$OUT/gpu-tests.log" 2>&1
+  echo "gpu tests: exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.log" | tail -40
 fi
 if [[ $PARTS == *bench* ]]; then
   timeout 200 python3 scripts/bench_kernels.py --shapes B4_T4096 --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
