@@ -5,9 +5,11 @@
 Runs convert (kept in OUT/run-STAGE and reused; align is skipped before train) and the token weights where the recipe
 trains with them, then STAGE for --warmup + 1 + --active steps through the recipe pipeline (the code of python -m
 raven_convert.train), checkpoints, evaluation and export off. The profiler records the last --active steps (a step
-ends at its optimizer step) and prints, per step:
+ends at its optimizer step, or where a CUDA graph's replay of it returns: the recipe's cuda_graphs as they are) and
+prints, per step:
 - the phases of a step, the record_function ranges of align.py and stage2.py (teacher, mixers or student forward,
-  backward, optimizer): CPU time (launching included) and GPU time of the kernels each launched;
+  backward, optimizer): CPU time (launching included) and GPU time of the kernels each launched (none for replayed
+  graphs, whose ranges ran at their capture);
 - the GPU kernels and copies with the most time, and the ops with the most CPU time of their own;
 - the GPU's busy share: kernel time over wall time (low: the step waits on the CPU, launches or host syncs).
 Writes OUT/profile-STAGE.json (the same tables as data) and OUT/trace-STAGE.json.gz (Perfetto, chrome://tracing).
@@ -68,6 +70,7 @@ def on_gpu(event) -> bool:
 
 
 def profile(args) -> dict:
+    from raven_convert.train.graphs import CapturedStep
     from raven_convert.train.recipe import load_recipe
     from raven_convert.train.stages import run_recipe
 
@@ -83,19 +86,34 @@ def profile(args) -> dict:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     schedule = torch.profiler.schedule(wait=args.warmup, warmup=1, active=args.active, repeat=1)
     step_ends: list[float] = []
+    graphed = []  # set while a CapturedStep runs: its optimizer step (eager, or being captured) ends no step
+    replay = CapturedStep.__call__
     with torch.profiler.profile(activities=activities, schedule=schedule, record_shapes=False) as prof:
 
-        def after_step(optimizer, *_):  # one optimizer step per training step in align and stage 2
+        def after_step(optimizer=None, *_):  # one optimizer step per training step in align and stage 2
+            if graphed:
+                return
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             step_ends.append(time.perf_counter())
             prof.step()
 
+        def graphed_step(self, inputs):
+            graphed.append(True)
+            try:
+                output = replay(self, inputs)
+            finally:
+                graphed.clear()
+            after_step()
+            return output
+
         handle = register_optimizer_step_post_hook(after_step)
+        CapturedStep.__call__ = graphed_step
         try:
             run_recipe(recipe, run_dir, stages=[args.stage])
         finally:
             handle.remove()
+            CapturedStep.__call__ = replay
     active = step_ends[-args.active - 1 :]  # the active window: from the end of the step before it
     wall_us = (active[-1] - active[0]) * 1e6 / args.active
     events = prof.key_averages()

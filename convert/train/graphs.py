@@ -30,8 +30,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from raven_convert.train.common import is_hybrid, mixers
+from raven_convert.train.common import is_hybrid, mixers, to_device
 from raven_convert.train.compiling import CompileSetting
+from raven_convert.train.data import PackedDataset, batch_rows
 from raven_layers.modeling_hybrid import find_packed_documents
 
 DOCUMENT_BUCKET = 64  # documents per row layout are padded up to a multiple of this: a new graph every 64 documents
@@ -77,6 +78,35 @@ def host_documents(batch: dict, bucket: int | None = None, slots: int | None = N
         B, T = batch["position_ids"].shape
         found = torch.zeros(B, T, dtype=torch.long), torch.arange(0, B * T + 1, T, dtype=torch.int32)
     return found[0], pad_documents(found[1], bucket or DOCUMENT_BUCKET, slots)
+
+
+def run_document_slots(dataset, batch_size: int, seed: int, micro_batches: int) -> int | None:
+    """The document slots every graphed step of a stage 2 run pads its documents to (`document_slots` over the
+    `micro_batches` of `batch_size` rows the run reads with `seed`, on one process as graphs run): one layout, one
+    graph. None for a dataset that is not a PackedDataset, whose steps are padded to buckets (a graph each)."""
+    if not isinstance(dataset, PackedDataset):
+        return None
+    batches = batch_rows(len(dataset), batch_size, seed, micro_batches)  # [micro-batches, B]
+    read, where = batches.unique(return_inverse=True)  # the rows read, once each
+    return document_slots(documents_per_row(dataset.tensors["position_ids"][dataset.rows[read]])[where])
+
+
+def graph_inputs(batch: dict, token_weights, device, slots: int | None = None) -> tuple[dict[str, torch.Tensor], int]:
+    """A host micro-batch as a step graph's inputs on `device`, copied without blocking: its fields but "index",
+    the documents packed in its rows ("documents" and "cu_seqlens", padded to `slots`, or else to a bucket:
+    host_documents), its token weights ("weights": its rows of a table, or a function's weights of it,
+    computed eagerly on `device` before the step's replay, as the extend stage's teacher does); and its real
+    tokens, counted on the host."""
+    tensors = {k: v for k, v in batch.items() if k != "index"}
+    found = host_documents(batch, DOCUMENT_BUCKET, slots)
+    if found is not None:
+        tensors["documents"], tensors["cu_seqlens"] = found
+    if torch.is_tensor(token_weights):
+        tensors["weights"] = token_weights[batch["index"]]
+    tensors = to_device(tensors, device)
+    if callable(token_weights):
+        tensors["weights"] = token_weights(tensors).float()
+    return tensors, int(batch["attention_mask"].sum())
 
 
 def resolve_graphs(setting: CompileSetting, model, device, world: int = 1) -> bool:

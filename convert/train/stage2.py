@@ -63,19 +63,18 @@ from raven_convert.console import eta
 from raven_convert.train.checkpoint import latest_checkpoint, save_checkpoint
 from raven_convert.train.common import is_hybrid, lr_at, model_inputs, teacher_mask, to_device
 from raven_convert.train.compiling import CompileSetting, compiled_parts, resolve_compile
-from raven_convert.train.data import PackedDataset, batch_iterator, batch_rows, rows_visited
+from raven_convert.train.data import PackedDataset, batch_iterator, rows_visited
 from raven_convert.train.distributed import Parallel, on_cpu
 from raven_convert.train.flops import mfu, mfu_text, train_flops
 from raven_convert.train.graphs import (
-    DOCUMENT_BUCKET,
     CapturedStep,
-    document_slots,
-    documents_per_row,
+    graph_inputs,
     host_documents,
     optimizer_mode,
     read_back,
     read_later,
     resolve_graphs,
+    run_document_slots,
     set_lr,
 )
 from raven_convert.train.lora import LORA_TARGETS, select_trainable
@@ -276,35 +275,6 @@ def step_graphs(config: TrainConfig, student, token_weights, device, processes: 
     return not found and resolve_graphs(config.cuda_graphs, student, device, processes)
 
 
-def run_document_slots(dataset, config: TrainConfig) -> int | None:
-    """The document slots every graphed step of a run pads its documents to (graphs.document_slots over the
-    micro-batches the run reads, on one process as graphs run): one layout, one graph. None for a dataset that is
-    not a PackedDataset, whose steps are padded to buckets (a graph each)."""
-    if not isinstance(dataset, PackedDataset):
-        return None
-    batches = batch_rows(len(dataset), config.batch_size, config.seed, config.steps * config.grad_accum)  # [steps, B]
-    read, where = batches.unique(return_inverse=True)  # the rows read, once each
-    return document_slots(documents_per_row(dataset.tensors["position_ids"][dataset.rows[read]])[where])
-
-
-def graph_inputs(batch: dict, token_weights, device, slots: int | None = None) -> tuple[dict[str, torch.Tensor], int]:
-    """A host micro-batch as a step graph's inputs on `device`, copied without blocking: its fields but "index",
-    the documents packed in its rows ("documents" and "cu_seqlens", padded to `slots`, or else to a bucket:
-    graphs.host_documents), its token weights ("weights": its rows of a table, or a function's weights of it,
-    computed eagerly on `device` before the step's replay, as the extend stage's teacher does); and its real
-    tokens, counted on the host."""
-    tensors = {k: v for k, v in batch.items() if k != "index"}
-    found = host_documents(batch, DOCUMENT_BUCKET, slots)
-    if found is not None:
-        tensors["documents"], tensors["cu_seqlens"] = found
-    if torch.is_tensor(token_weights):
-        tensors["weights"] = token_weights[batch["index"]]
-    tensors = to_device(tensors, device)
-    if callable(token_weights):
-        tensors["weights"] = token_weights(tensors).float()
-    return tensors, int(batch["attention_mask"].sum())
-
-
 def _documents(batch: dict, device):
     """The documents packed in a host batch's rows as the hybrid's forward takes them (`packed_documents`), on
     `device`: found on the host, so that the forward does not read the position ids back; None without them."""
@@ -448,7 +418,8 @@ def train(
     else:
         data = dataset
     batches = _micro_batches(data, config, accelerator, start_step)
-    slots = run_document_slots(dataset, config) if graphs else None
+    micro_batches = config.steps * config.grad_accum
+    slots = run_document_slots(dataset, config.batch_size, config.seed, micro_batches) if graphs else None
     if slots is not None:
         accelerator.print(f"[stage2] CUDA graphs: documents padded to {slots} per step, one layout", file=sys.stderr)
 

@@ -16,15 +16,17 @@ from raven_convert.train.data import PackedDataset, batch_iterator
 from raven_convert.train.distributed import Parallel
 from raven_convert.train.graphs import (
     documents_per_row,
+    graph_inputs,
     host_documents,
     optimizer_mode,
     pad_documents,
     resolve_graphs,
+    run_document_slots,
     set_lr,
 )
 from raven_convert.train.lora import add_lora
 from raven_convert.train.recipe import Recipe
-from raven_convert.train.stage2 import TrainConfig, graph_inputs, run_document_slots, step_graphs, train
+from raven_convert.train.stage2 import TrainConfig, step_graphs, train
 from raven_kernels.raven import chunk as raven_chunk
 from raven_kernels.sse import chunk as sse_chunk
 from raven_layers import registry
@@ -245,15 +247,14 @@ def test_stage2_pads_every_step_to_the_documents_of_its_fullest_batch():
     counts = documents_per_row(data.tensors["position_ids"])
     for i in range(len(data)):  # each row's documents as find_packed_documents cuts them
         assert counts[i] == find_packed_documents(data.batch(torch.tensor([i]))["position_ids"])[1].numel() - 1
-    config = TrainConfig(steps=9, batch_size=3, seed=2)  # 8 batches an epoch: the run crosses into a second
-    slots = run_document_slots(data, config)
+    slots = run_document_slots(data, batch_size=3, seed=2, micro_batches=9)  # 8 batches an epoch: into a second
     run = list(itertools.islice(batch_iterator(data, 3, seed=2), 9))
     held = [find_packed_documents(b["position_ids"])[1].numel() - 1 for b in run]
     assert slots == -(-max(held) // 64) * 64 and slots >= 128  # the short-document rows: over one bucket
     for batch in run:
         tensors, _ = graph_inputs(batch | {"index": torch.arange(3)}, None, "cpu", slots)
         assert tensors["cu_seqlens"].numel() == slots + 1
-    assert run_document_slots([data[i] for i in range(len(data))], config) is None  # not packed: buckets
+    assert run_document_slots([data[i] for i in range(len(data))], 3, 2, 9) is None  # not packed: buckets
 
 
 def test_rows_of_one_document_each_take_the_run_layout_and_change_nothing():
