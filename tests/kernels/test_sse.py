@@ -363,8 +363,8 @@ def test_chunk_gla_output_kernels_chosen_on_the_device_on_gpu(monkeypatch, reach
     assert [bool(f) for f in flags] == [exact, exact]
     o, s, grads = got
     assert rel_err(o, ref[0]) < 5e-3 and rel_err(s, ref[1]) < 5e-3
-    for name, g, g_ref in zip(("q", "k", "v", "log_g"), grads, ref[2]):
-        assert rel_err(g, g_ref) < 1e-2, name
+    for name, g, g_ref, tol in zip(("q", "k", "v", "log_g"), grads, ref[2], (1e-2, 1e-2, 1e-2, 5e-2)):
+        assert rel_err(g, g_ref) < tol, name  # d log_g = q dq - k dk cancels under strong decay
 
 
 @pytest.mark.gpu
