@@ -41,6 +41,15 @@ class HybridCausalLMOutput(CausalLMOutputWithPast):
     aux_loss: torch.Tensor | None = None
 
 
+def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: where a packed document starts in each row of position_ids [B, T] (any integer dtype): at the
+    row's start and wherever the position ids do not step by one."""
+    positions = position_ids.long()  # narrow stored dtypes would wrap at + 1
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    return starts
+
+
 def find_packed_documents(position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Documents packed back to back in each row, marked as transformers marks them: the position ids restart.
 
@@ -50,10 +59,9 @@ def find_packed_documents(position_ids: torch.Tensor) -> tuple[torch.Tensor, tor
     the flattened B * T tokens, each row starting a new one) for the attention masks and the mixers.
     """
     B, T = position_ids.shape
-    starts = position_ids[:, 1:] != position_ids[:, :-1] + 1  # [B, T - 1]
-    if not bool(starts.any()):  # one host sync per forward
+    starts = document_starts(position_ids)  # [B, T], every row opens a document
+    if not bool(starts[:, 1:].any()):  # one host sync per forward
         return None
-    starts = torch.cat([torch.ones_like(starts[:, :1]), starts], dim=1)  # [B, T], every row opens a document
     documents = starts.long().cumsum(-1) - 1
     flat = starts.flatten().nonzero().squeeze(1)
     cu_seqlens = torch.cat([flat, flat.new_tensor([B * T])]).to(torch.int32)

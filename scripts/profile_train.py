@@ -86,12 +86,12 @@ def profile(args) -> dict:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     schedule = torch.profiler.schedule(wait=args.warmup, warmup=1, active=args.active, repeat=1)
     step_ends: list[float] = []
-    graphed = []  # set while a CapturedStep runs: its optimizer step (eager, or being captured) ends no step
+    in_graph_step = False  # while a CapturedStep runs: its optimizer step (eager, or being captured) ends no step
     replay = CapturedStep.__call__
     with torch.profiler.profile(activities=activities, schedule=schedule, record_shapes=False) as prof:
 
         def after_step(optimizer=None, *_):  # one optimizer step per training step in align and stage 2
-            if graphed:
+            if in_graph_step:
                 return
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -99,11 +99,12 @@ def profile(args) -> dict:
             prof.step()
 
         def graphed_step(self, inputs):
-            graphed.append(True)
+            nonlocal in_graph_step
+            in_graph_step = True
             try:
                 output = replay(self, inputs)
             finally:
-                graphed.clear()
+                in_graph_step = False
             after_step()
             return output
 

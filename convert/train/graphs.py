@@ -33,7 +33,7 @@ from torch import nn
 from raven_convert.train.common import is_hybrid, mixers, to_device
 from raven_convert.train.compiling import CompileSetting
 from raven_convert.train.data import PackedDataset, batch_rows
-from raven_layers.modeling_hybrid import find_packed_documents
+from raven_layers.modeling_hybrid import document_starts, find_packed_documents
 
 DOCUMENT_BUCKET = 64  # documents per row layout are padded up to a multiple of this: a new graph every 64 documents
 
@@ -51,9 +51,9 @@ def pad_documents(cu_seqlens: torch.Tensor, bucket: int = DOCUMENT_BUCKET, slots
 
 def documents_per_row(position_ids: torch.Tensor) -> torch.Tensor:
     """How many documents each row [N, T] of position ids (any integer dtype) opens, as find_packed_documents cuts
-    them [N]: one at its start and one wherever the position ids do not step by one. Blocks of rows at a time, so
-    that a large dataset's rows are never all widened at once."""
-    counts = [1 + (b[:, 1:].long() != b[:, :-1].long() + 1).sum(1) for b in position_ids.split(1024)]
+    them [N] (`document_starts`). Blocks of rows at a time, so that a large dataset's rows are never all widened at
+    once."""
+    counts = [document_starts(b).sum(1) for b in position_ids.split(1024)]
     return torch.cat(counts) if counts else torch.zeros(0, dtype=torch.long)
 
 
