@@ -25,7 +25,7 @@ from .chunk_h import (
     raven_fwd_kernel_gate,
     raven_fwd_kernel_h,
 )
-from .intra import raven_mix, raven_read_m, raven_slot_block
+from .intra import PRECISION, raven_mix, raven_read_m, raven_slot_block
 from .utils import check_inputs, slot_indices
 
 BT, BC = 64, 16  # chunk and sub-chunk lengths
@@ -67,7 +67,8 @@ def raven_fwd_kernel_o(
     p_kd = ((bos + o_t[:, None]) * H + i_h) * D + o_d[None, :]
     b_q = tl.load(q + p_qd, mask=m_td, other=0.0)  # [BT, BD] in the input dtype: every tl.dot takes it
     b_k = tl.load(k + p_kd, mask=m_td, other=0.0)
-    b_A = tl.where(o_t[:, None] >= o_t[None, :], tl.dot(b_q, tl.trans(b_k)), 0.0)  # [BT, BT] float32: chunk_bwd.py
+    b_A = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)  # [BT, BT] float32: chunk_bwd.py
+    b_A = tl.where(o_t[:, None] >= o_t[None, :], b_A, 0.0)
     p_g, p_w = g + (bos * H + i_h) * M, w + (bos * H + i_h) * M
     p_h = (i_c * H + i_h) * M * D
     b_mx = tl.full([BT], float("-inf"), dtype=tl.float32)
@@ -81,7 +82,7 @@ def raven_fwd_kernel_o(
         b_kg = (b_kg * b_w).to(b_q.dtype)
         b_eg = tl.exp(b_g)
         b_hk = tl.load(hk + p_h + o_m[:, None] * D + o_d[None, :], mask=m_md, other=0.0)  # [BM, BD]
-        b_s = b_eg * tl.dot(b_q, tl.trans(b_hk))
+        b_s = b_eg * tl.dot(b_q, tl.trans(b_hk), input_precision=PRECISION)
         b_s += raven_read_m(b_A, b_g, b_w, b_qg, b_kg, fast, p_g, p_w, H * M, L, o_m, m_m, BT, BC)
         b_s = tl.where(m_m[None, :], b_s * scale, float("-inf"))
         b_mn = tl.maximum(b_mx, tl.max(b_s, 1))
@@ -89,11 +90,11 @@ def raven_fwd_kernel_o(
         b_p = tl.exp(b_s - b_mn[:, None])
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
         b_hv = tl.load(hv + p_h + o_m[:, None] * D + o_d[None, :], mask=m_md, other=0.0)
-        b_o = b_o * b_alpha[:, None] + tl.dot((b_p * b_eg).to(b_hv.dtype), b_hv)
+        b_o = b_o * b_alpha[:, None] + tl.dot((b_p * b_eg).to(b_hv.dtype), b_hv, input_precision=PRECISION)
         b_B = b_B * b_alpha[:, None] + raven_mix(b_p, b_g, b_w, b_qg, b_kg, fast, p_g, p_w, H * M, L, o_m, m_m, BT, BC)
         b_mx = b_mn
     b_v = tl.load(v + p_kd, mask=m_td, other=0.0)
-    b_o = (b_o + tl.dot(b_B.to(b_v.dtype), b_v)) / b_l[:, None]
+    b_o = (b_o + tl.dot(b_B.to(b_v.dtype), b_v, input_precision=PRECISION)) / b_l[:, None]
     tl.store(o + p_qd, b_o.to(o.dtype.element_ty), mask=m_td)
     tl.store(lse + (bos + o_t) * H * G + i_hg, b_mx + tl.log(b_l), mask=m_t)
 

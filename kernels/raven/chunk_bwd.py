@@ -9,7 +9,7 @@ triton-lang/triton#11366)."""
 import triton
 import triton.language as tl
 
-from .intra import raven_mix, raven_read_m, raven_slot_block, raven_write_m
+from .intra import PRECISION, raven_mix, raven_read_m, raven_slot_block, raven_write_m
 
 
 @triton.jit
@@ -56,8 +56,9 @@ def raven_bwd_kernel_dq(
     b_q = tl.load(q + p_qd, mask=m_td, other=0.0)  # [BT, BD]
     b_do = tl.load(do + p_qd, mask=m_td, other=0.0)
     m_c = o_t[:, None] >= o_t[None, :]
-    b_A = tl.where(m_c, tl.dot(b_q, tl.trans(tl.load(k + p_kd, mask=m_td, other=0.0))), 0.0)  # [BT, BT] float32 (*)
-    b_C = tl.where(m_c, tl.dot(b_do, tl.trans(tl.load(v + p_kd, mask=m_td, other=0.0))), 0.0)
+    b_A = tl.dot(b_q, tl.trans(tl.load(k + p_kd, mask=m_td, other=0.0)), input_precision=PRECISION)  # [BT, BT] (*)
+    b_C = tl.dot(b_do, tl.trans(tl.load(v + p_kd, mask=m_td, other=0.0)), input_precision=PRECISION)
+    b_A, b_C = tl.where(m_c, b_A, 0.0), tl.where(m_c, b_C, 0.0)  # causal, float32
     b_lse = tl.load(lse + (bos + o_t) * H * G + i_hg, mask=m_t, other=0.0)
     b_delta = tl.sum(b_do.to(tl.float32) * tl.load(o + p_qd, mask=m_td, other=0.0).to(tl.float32), 1)  # sum_m p dp
     p_g, p_w = g + (bos * H + i_h) * M, w + (bos * H + i_h) * M
@@ -71,21 +72,21 @@ def raven_bwd_kernel_dq(
         b_kg = (b_kg * b_w).to(b_q.dtype)
         b_eg = tl.exp(b_g)
         b_hk = tl.load(hk + p_h + o_m[:, None] * D + o_d[None, :], mask=m_md, other=0.0)  # [BM, BD]
-        b_s = b_eg * tl.dot(b_q, tl.trans(b_hk))
+        b_s = b_eg * tl.dot(b_q, tl.trans(b_hk), input_precision=PRECISION)
         b_s += raven_read_m(b_A, b_g, b_w, b_qg, b_kg, fast, p_g, p_w, H * M, L, o_m, m_m, BT, BC)
         b_p = tl.where(m_tm, tl.exp(b_s * scale - b_lse[:, None]), 0.0)
         b_hv = tl.load(hv + p_h + o_m[:, None] * D + o_d[None, :], mask=m_md, other=0.0)
-        b_dp = b_eg * tl.dot(b_do, tl.trans(b_hv))
+        b_dp = b_eg * tl.dot(b_do, tl.trans(b_hv), input_precision=PRECISION)
         b_dp += raven_read_m(b_C, b_g, b_w, b_qg, b_kg, fast, p_g, p_w, H * M, L, o_m, m_m, BT, BC)
         b_ds = scale * b_p * (b_dp - b_delta[:, None])
         p_tm = ((bos + o_t[:, None]) * H * G + i_hg) * M + o_m[None, :]
         tl.store(p + p_tm, b_p.to(p.dtype.element_ty), mask=m_tm)
         tl.store(ds + p_tm, b_ds.to(ds.dtype.element_ty), mask=m_tm)
         tl.store(e + p_tm, b_ds * b_s + b_p * b_dp, mask=m_tm)
-        b_dq += tl.dot((b_ds * b_eg).to(b_hk.dtype), b_hk)
+        b_dq += tl.dot((b_ds * b_eg).to(b_hk.dtype), b_hk, input_precision=PRECISION)
         b_B += raven_mix(b_ds, b_g, b_w, b_qg, b_kg, fast, p_g, p_w, H * M, L, o_m, m_m, BT, BC)
     b_k = tl.load(k + p_kd, mask=m_td, other=0.0)
-    b_dq += tl.dot(b_B.to(b_k.dtype), b_k)
+    b_dq += tl.dot(b_B.to(b_k.dtype), b_k, input_precision=PRECISION)
     tl.store(dq + p_qd, b_dq.to(dq.dtype.element_ty), mask=m_td)
 
 
@@ -139,8 +140,8 @@ def raven_bwd_kernel_dkv(
                 b_dhk = tl.load(dhk + p_h + o_m[:, None] * D + o_d[None, :], mask=m_md, other=0.0)  # [BM, BD]
                 b_dhv = tl.load(dhv + p_h + o_m[:, None] * D + o_d[None, :], mask=m_md, other=0.0)
                 b_wd = tl.where(m_tm, b_w * tl.exp(b_gl[None, :] - b_g), 0.0).to(b_dhk.dtype)  # weight at chunk end
-                b_dk += tl.dot(b_wd, b_dhk)
-                b_dv += tl.dot(b_wd, b_dhv)
+                b_dk += tl.dot(b_wd, b_dhk, input_precision=PRECISION)
+                b_dv += tl.dot(b_wd, b_dhv, input_precision=PRECISION)
             b_kg = (b_kg * b_w).to(dk.dtype.element_ty)
             p_tm = o_t[:, None] * H * G * M + o_m[None, :]
             b_p = tl.load(p_P + p_tm, mask=m_tm, other=0.0).to(tl.float32)
@@ -150,8 +151,8 @@ def raven_bwd_kernel_dkv(
         p_qd = ((bos + o_t[:, None]) * H * G + i_hg) * D + o_d[None, :]
         b_q = tl.load(q + p_qd, mask=m_td, other=0.0)
         b_do = tl.load(do + p_qd, mask=m_td, other=0.0)
-        b_dv += tl.dot(tl.trans(b_Bp.to(b_do.dtype)), b_do)
-        b_dk += tl.dot(tl.trans(b_Bs.to(b_q.dtype)), b_q)
+        b_dv += tl.dot(tl.trans(b_Bp.to(b_do.dtype)), b_do, input_precision=PRECISION)
+        b_dk += tl.dot(tl.trans(b_Bs.to(b_q.dtype)), b_q, input_precision=PRECISION)
     p_kd = ((bos + o_t[:, None]) * H + i_h) * D + o_d[None, :]
     tl.store(dk + p_kd, b_dk.to(dk.dtype.element_ty), mask=m_td)
     tl.store(dv + p_kd, b_dv.to(dv.dtype.element_ty), mask=m_td)
@@ -205,7 +206,8 @@ def raven_bwd_kernel_dlf(
     b_dhk = tl.load(dhk + p_h, mask=m_md, other=0.0)  # [BM, BD]
     b_dhv = tl.load(dhv + p_h, mask=m_md, other=0.0)
     b_dec = tl.where(m_tm, tl.exp(b_gl[None, :] - b_g), 0.0)  # decay from each token to the chunk end
-    b_dw = b_dec * (tl.dot(b_k, tl.trans(b_dhk)) + tl.dot(b_v, tl.trans(b_dhv)))  # [BT, BM]
+    b_dw = tl.dot(b_k, tl.trans(b_dhk), input_precision=PRECISION)  # [BT, BM]
+    b_dw = b_dec * (b_dw + tl.dot(b_v, tl.trans(b_dhv), input_precision=PRECISION))
     b_e = tl.zeros([BT, BM], dtype=tl.float32)
     m_c = o_t[:, None] >= o_t[None, :]
     for i_g in range(G):
@@ -213,8 +215,8 @@ def raven_bwd_kernel_dlf(
         p_qd = ((bos + o_t[:, None]) * H * G + i_hg) * D + o_d[None, :]
         b_q = tl.load(q + p_qd, mask=m_td, other=0.0)
         b_do = tl.load(do + p_qd, mask=m_td, other=0.0)
-        b_A = tl.where(m_c, tl.dot(b_q, tl.trans(b_k)), 0.0)  # [BT, BT] causal q k^T, float32 (*)
-        b_C = tl.where(m_c, tl.dot(b_do, tl.trans(b_v)), 0.0)  # causal do v^T
+        b_A = tl.where(m_c, tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION), 0.0)  # [BT, BT] causal q k^T (*)
+        b_C = tl.where(m_c, tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION), 0.0)  # causal do v^T
         p_P, p_S = p + (bos * H * G + i_hg) * M, ds + (bos * H * G + i_hg) * M
         p_tm = o_t[:, None] * H * G * M + o_m[None, :]
         b_p = tl.load(p_P + p_tm, mask=m_tm, other=0.0).to(tl.float32)

@@ -9,13 +9,17 @@ states entering every chunk, reversed for the gradients of the states leaving it
 import triton
 import triton.language as tl
 
+from .intra import PRECISION
+
 
 @triton.jit
 def raven_chunk_writes(b_g, b_w, b_gl, m_tm, b_k, b_v):
     """What one chunk writes into the state leaving it, for a block of slots: sum_t w_t exp(gl - g_t) k_t (and v_t),
     [BM, BD] float32 each, from g, w [BT, BM], gl [BM] and k, v [BT, BD]."""
     b_dec = tl.where(m_tm, b_w * tl.exp(b_gl[None, :] - b_g), 0.0).to(b_k.dtype)  # weight of each write at the end
-    return tl.dot(tl.trans(b_dec), b_k), tl.dot(tl.trans(b_dec), b_v)
+    return tl.dot(tl.trans(b_dec), b_k, input_precision=PRECISION), tl.dot(
+        tl.trans(b_dec), b_v, input_precision=PRECISION
+    )
 
 
 @triton.jit
@@ -33,8 +37,8 @@ def raven_chunk_reads(q, do, ds, p, b_eg, bos, i_h, o_t, o_m, o_d, m_tm, m_td, H
         b_p = tl.load(p + p_tm, mask=m_tm, other=0.0).to(tl.float32)
         b_q = tl.load(q + p_td, mask=m_td, other=0.0)  # [BT, BD]
         b_do = tl.load(do + p_td, mask=m_td, other=0.0)
-        b_xk += tl.dot(tl.trans((b_ds * b_eg).to(b_q.dtype)), b_q)
-        b_xv += tl.dot(tl.trans((b_p * b_eg).to(b_do.dtype)), b_do)
+        b_xk += tl.dot(tl.trans((b_ds * b_eg).to(b_q.dtype)), b_q, input_precision=PRECISION)
+        b_xv += tl.dot(tl.trans((b_p * b_eg).to(b_do.dtype)), b_do, input_precision=PRECISION)
     return b_xk, b_xv
 
 

@@ -23,6 +23,10 @@ import triton.language as tl
 from ..chunked import RANGE_NATS
 
 RANGE = tl.constexpr(RANGE_NATS)
+# the products of the input dtype's operands (bf16 and fp16 ignore it: float32 inputs get three tf32 products, about
+# float32's accuracy; one loses whole digits of the state gradients under strong decay) and of the exact forms (rare);
+# the fast path's float32 tiles keep one tf32 product, in every training step
+PRECISION = tl.constexpr("tf32x3")
 
 
 @triton.jit
@@ -70,7 +74,7 @@ def raven_read_m_exact(b_A, b_g, b_w, p_g, p_w, stride, L, o_m, m_m, BT: tl.cons
         col = (o_t < i * BC) & (o_t * 0 + L > i * BC)  # sources, when sub-chunk i has rows at all
         b_qd = tl.where(row[:, None], tl.exp(tl.where(row[:, None], b_g - b_gr[None, :], 0.0)), 0.0)
         b_kd = tl.where(col[:, None], b_w * tl.exp(tl.where(col[:, None], b_gr[None, :] - b_g, 0.0)), 0.0)
-        b_o += b_qd * tl.dot(b_A, b_kd)
+        b_o += b_qd * tl.dot(b_A, b_kd, input_precision=PRECISION)
     for j in range(BC):
         o_s = (o_t // BC) * BC + j  # [BT] the source row of each target row
         m_s = (o_s <= o_t) & (o_t < L)
@@ -92,7 +96,7 @@ def raven_mix_exact(b_P, b_g, b_w, p_g, p_w, stride, L, o_m, m_m, BT: tl.constex
         col = (o_t < i * BC) & (o_t * 0 + L > i * BC)  # sources, when sub-chunk i has rows at all
         b_qd = tl.where(row[:, None], b_P * tl.exp(tl.where(row[:, None], b_g - b_gr[None, :], 0.0)), 0.0)
         b_kd = tl.where(col[:, None], b_w * tl.exp(tl.where(col[:, None], b_gr[None, :] - b_g, 0.0)), 0.0)
-        b_B += tl.dot(b_qd, tl.trans(b_kd))
+        b_B += tl.dot(b_qd, tl.trans(b_kd), input_precision=PRECISION)
     for j in range(BC):
         o_s = (o_t // BC) * BC + j
         m_s = (o_s <= o_t) & (o_t < L)
@@ -118,7 +122,7 @@ def raven_write_m_exact(b_C, b_P, b_g, p_P, stride_P, p_g, stride, L, o_m, m_m, 
         col = (o_t > r) & (o_t < L)
         b_sd = tl.where(row[:, None], tl.exp(tl.where(row[:, None], b_gr[None, :] - b_g, 0.0)), 0.0)
         b_td = tl.where(col[:, None], b_P * tl.exp(tl.where(col[:, None], b_g - b_gr[None, :], 0.0)), 0.0)
-        b_dw += b_sd * tl.dot(b_Ct, b_td)
+        b_dw += b_sd * tl.dot(b_Ct, b_td, input_precision=PRECISION)
     for j in range(BC):
         o_r = (o_t // BC) * BC + j  # [BT] the reading row of each source row
         m_r = (o_r >= o_t) & (o_r < L)
