@@ -14,13 +14,16 @@ Every mean over tokens is `masked_mean`: a sum over the tokens that count divide
 `ce_loss` and `kd_loss` instead weigh each token by 1 / that number inside `_RowLoss`, which works through the
 [B * T, V] logits a chunk of rows at a time in float32 and computes their gradient in the same pass, instead of
 keeping float32 copies of the logits for backward and running cross_entropy over a transposed [B, V, T] layout
-(a slow softmax kernel; docs/TRAINING_SPEED.md has the profile).
+(a slow softmax kernel; docs/TRAINING_SPEED.md has the profile). On CUDA, ce_loss's rows are one Triton kernel
+(kernels/cross_entropy: two reads of each row instead of the chunks' float32 passes).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from raven_kernels.cross_entropy import fused_cross_entropy
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -51,10 +54,10 @@ CHUNK_VALUES = 2**27
 
 
 class _RowLoss(torch.autograd.Function):
-    """sum_n scale[n] * f(row n) for logits [N, V], with its gradient computed in the same pass, chunk by chunk in
-    float32 and kept in the logits' dtype (what autograd would hand a bf16 head anyway): no float32 copy of the whole
-    [N, V] logits is made or kept for backward. rows(start, stop, grad) -> (f of those rows [n], df/dlogits [n, V]
-    or None), both float32."""
+    """sum_n scale[n] * f(row n) for logits [N, V], with its gradient computed in the same pass, chunk by chunk, and
+    kept in the logits' dtype (what autograd would hand a bf16 head anyway): no float32 copy of the whole [N, V]
+    logits is made or kept for backward. rows(start, stop, out) -> f of those rows [n] (float32); with `out` (the
+    gradient's rows start:stop), it also writes scale[n] * df/dlogits there."""
 
     @staticmethod
     def forward(ctx, logits, scale, rows, chunk):
@@ -62,11 +65,8 @@ class _RowLoss(torch.autograd.Function):
         grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None  # none under no_grad (validation)
         for start in range(0, logits.shape[0], chunk):
             stop = min(start + chunk, logits.shape[0])
-            values, d = rows(start, stop, grad is not None)
-            w = scale[start:stop]  # [n]
-            total += (values * w).sum()
-            if grad is not None:
-                grad[start:stop] = d.mul_(w[:, None])
+            values = rows(start, stop, None if grad is None else grad[start:stop])
+            total += (values * scale[start:stop]).sum()
         ctx.save_for_backward(grad)
         return total
 
@@ -76,34 +76,49 @@ class _RowLoss(torch.autograd.Function):
         return grad * grad_total.to(grad.dtype), None, None, None
 
 
-def _row_loss(logits, scale, rows) -> torch.Tensor:
-    """_RowLoss on logits [N, V]; outside autograd (no_grad, or logits without grad) no gradient is computed."""
-    chunk = max(1, CHUNK_VALUES // logits.shape[-1])
+def _row_loss(logits, scale, rows, chunk: int | None = None) -> torch.Tensor:
+    """_RowLoss on logits [N, V] in chunks of `chunk` rows (default: CHUNK_VALUES at a time); outside autograd
+    (no_grad, or logits without grad) no gradient is computed."""
+    chunk = chunk or max(1, CHUNK_VALUES // logits.shape[-1])
     if not (torch.is_grad_enabled() and logits.requires_grad):
         logits = logits.detach()
     return _RowLoss.apply(logits, scale, rows, chunk)
 
 
-def ce_loss(logits, input_ids, mask, weights=None) -> torch.Tensor:
+def fused_rows(logits: torch.Tensor) -> bool:
+    """Whether ce_loss takes the Triton kernel (kernels/cross_entropy): CUDA logits with contiguous rows."""
+    return logits.is_cuda and logits.stride(-1) == 1
+
+
+def ce_loss(logits, input_ids, mask, weights=None, fused: bool | None = None) -> torch.Tensor:
     """Next-token cross-entropy: position t predicts input_ids[:, t + 1]; weights [B, T] scale position t's loss.
     mask [B, T] is 1 where position t's prediction counts (see prediction_mask). Averaged over those predictions
-    (a weighted sum over their count when weights are given). logits [B, T, V]: float32 math, chunk by chunk."""
+    (a weighted sum over their count when weights are given). logits [B, T, V]: float32 math, all rows in one
+    Triton kernel (`fused`; default: `fused_rows`, the tests also run it interpreted on the CPU) or chunk by chunk
+    in PyTorch."""
     batch, length, vocab = logits.shape
     counted = mask[:, :-1].float()  # [B, T-1]
     scale = counted if weights is None else counted * weights[:, :-1].float()
     scale = F.pad(scale / counted.sum().clamp(min=1), (0, 1)).reshape(-1).detach()  # [B*T]: the last predicts nothing
     targets = F.pad(input_ids[:, 1:], (0, 1)).reshape(-1)  # [B*T]
     flat = logits.reshape(batch * length, vocab)
+    if fused if fused is not None else fused_rows(flat):
 
-    def rows(start: int, stop: int, grad: bool):
+        def kernel_rows(start: int, stop: int, out: torch.Tensor | None):
+            return fused_cross_entropy(flat[start:stop], targets[start:stop], scale[start:stop], out)
+
+        return _row_loss(flat, scale, kernel_rows, chunk=flat.shape[0])
+
+    def rows(start: int, stop: int, out: torch.Tensor | None):
         x = flat[start:stop].to(torch.float32, copy=True)  # [n, V], changed in place below
         picked = targets[start:stop, None]  # [n, 1]
         lse = torch.logsumexp(x, dim=-1)  # [n]
         values = lse - x.gather(1, picked).squeeze(1)
-        if not grad:
-            return values, None
-        d = x.sub_(lse[:, None]).exp_()  # softmax, in place of the copy
-        return values, d.scatter_add_(1, picked, torch.full_like(picked, -1, dtype=d.dtype))
+        if out is not None:
+            d = x.sub_(lse[:, None]).exp_()  # softmax, in place of the copy
+            d.scatter_add_(1, picked, torch.full_like(picked, -1, dtype=d.dtype))
+            out.copy_(d.mul_(scale[start:stop, None]))
+        return values
 
     return _row_loss(flat, scale, rows)
 
@@ -118,14 +133,14 @@ def kd_loss(student_logits, teacher_logits, temperature: float = 1.0, mask=None)
     student = student_logits.reshape(batch * length, vocab)
     teacher = teacher_logits.detach().reshape(batch * length, vocab)
 
-    def rows(start: int, stop: int, grad: bool):
+    def rows(start: int, stop: int, out: torch.Tensor | None):
         log_s = F.log_softmax(student[start:stop].float() / temperature, dim=-1)  # [n, V]
         log_t = F.log_softmax(teacher[start:stop].float() / temperature, dim=-1)
         p_t = log_t.exp()
         values = (p_t * (log_t - log_s)).sum(-1)  # [n]
-        if not grad:
-            return values, None
-        return values, log_s.exp_().sub_(p_t).div_(temperature)  # d KL / d student logits
+        if out is not None:  # d KL / d student logits, scaled
+            out.copy_(log_s.exp_().sub_(p_t).mul_(scale[start:stop, None] / temperature))
+        return values
 
     return _row_loss(student, scale, rows)
 

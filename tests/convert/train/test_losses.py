@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from raven_convert.train import losses
 from raven_convert.train.losses import (
     alignment_mse,
     aux_loss,
@@ -130,3 +131,24 @@ def test_aux_and_the_total():
     ce, kd, aux = torch.tensor(2.0), torch.tensor(1.0), torch.tensor(0.25)
     assert training_loss({"ce": ce}) == 2.0
     assert training_loss({"ce": ce, "kd": kd, "aux": aux}, kd_weight=0.5) == 2.75
+
+
+def test_ce_fused_kernel_matches_the_chunked_rows_in_value_and_gradient(monkeypatch):
+    """ce_loss's Triton rows (CUDA; here interpreted) against its PyTorch rows, chunked as they run on a GPU: the
+    loss and the gradient autograd hands the logits, weighted and masked, in float32 and bf16."""
+    monkeypatch.setattr(losses, "CHUNK_VALUES", 3 * 40)  # three rows per chunk of the PyTorch form
+    ids = torch.randint(0, 40, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, 3:5] = 0
+    weights = torch.rand(2, 9) + 0.5
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        logits = (3 * torch.randn(2, 9, 40)).to(dtype)
+        runs = []
+        for fused in (False, True):
+            x = logits.clone().requires_grad_()
+            loss = losses.ce_loss(x, ids, mask, weights, fused=fused)
+            (2.0 * loss).backward()  # a scaled total, as the accumulating steps hand it
+            runs.append((loss.detach(), x.grad.float()))
+        (loss, grad), (fused_loss, fused_grad) = runs
+        torch.testing.assert_close(fused_loss, loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(fused_grad, grad, rtol=tol, atol=tol * 1e-2)
