@@ -24,8 +24,8 @@ fi
 if [[ $PARTS == *bench* ]]; then
   timeout 200 python3 scripts/bench_kernels.py --shapes B4_T4096 --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   echo "bench: exit $?"
-  timeout 100 python3 scripts/bench_cross_entropy.py >> "$OUT/bench.log" 2>&1  # stage 2's loss, kernel vs PyTorch
-  echo "cross-entropy bench: exit $?"
+  timeout 100 python3 scripts/bench_losses.py >> "$OUT/bench.log" 2>&1  # stage 2's losses, kernels vs PyTorch
+  echo "losses bench: exit $?"
 fi
 if [[ $PARTS == *stages* ]]; then
   TEACHER=$HOME/cache/teacher-hf
@@ -36,5 +36,5 @@ if [[ $PARTS == *stages* ]]; then
   echo "stages: exit $?"
 fi
 tail -3 "$OUT/gpu-tests.log" 2>/dev/null
-sed -n '/^NVIDIA\|^| \|^memory bound/p' "$OUT/bench.log" 2>/dev/null
+sed -n '/^NVIDIA\|^| /p' "$OUT/bench.log" 2>/dev/null
 grep "^| " "$OUT/stages.log" 2>/dev/null

@@ -14,8 +14,8 @@ Every mean over tokens is `masked_mean`: a sum over the tokens that count divide
 `ce_loss` and `kd_loss` instead weigh each token by 1 / that number inside `_RowLoss`, which works through the
 [B * T, V] logits a chunk of rows at a time in float32 and computes their gradient in the same pass, instead of
 keeping float32 copies of the logits for backward and running cross_entropy over a transposed [B, V, T] layout
-(a slow softmax kernel; docs/TRAINING_SPEED.md has the profile). On CUDA, ce_loss's rows are one Triton kernel
-(kernels/cross_entropy: two reads of each row instead of the chunks' float32 passes).
+(a slow softmax kernel; docs/TRAINING_SPEED.md has the profile). On CUDA, all the rows of either loss are one
+Triton kernel (kernels/loss: two reads of each row instead of the chunks' float32 passes).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from raven_kernels.cross_entropy import fused_cross_entropy
+from raven_kernels.loss import fused_cross_entropy, fused_distillation
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -85,9 +85,9 @@ def _row_loss(logits, scale, rows, chunk: int | None = None) -> torch.Tensor:
     return _RowLoss.apply(logits, scale, rows, chunk)
 
 
-def fused_rows(logits: torch.Tensor) -> bool:
-    """Whether ce_loss takes the Triton kernel (kernels/cross_entropy): CUDA logits with contiguous rows."""
-    return logits.is_cuda and logits.stride(-1) == 1
+def fused_rows(*logits: torch.Tensor) -> bool:
+    """Whether ce_loss and kd_loss take their Triton kernels (kernels/loss): CUDA logits with contiguous rows."""
+    return all(x.is_cuda and x.stride(-1) == 1 for x in logits)
 
 
 def ce_loss(logits, input_ids, mask, weights=None, fused: bool | None = None) -> torch.Tensor:
@@ -123,15 +123,22 @@ def ce_loss(logits, input_ids, mask, weights=None, fused: bool | None = None) ->
     return _row_loss(flat, scale, rows)
 
 
-def kd_loss(student_logits, teacher_logits, temperature: float = 1.0, mask=None) -> torch.Tensor:
+def kd_loss(student_logits, teacher_logits, temperature: float = 1.0, mask=None, fused: bool | None = None):
     """T^2 * KL(teacher || student) of softmax(logits / T), summed over the vocabulary and averaged over tokens
-    (those with mask == 1 when given). Zero when the logits agree. float32 math, chunk by chunk; the gradient goes
-    to the student only (T * (p_student - p_teacher) per token)."""
+    (those with mask == 1 when given). Zero when the logits agree. float32 math, all rows in one Triton kernel
+    (`fused`; default: `fused_rows`) or chunk by chunk in PyTorch; the gradient goes to the student only
+    (T * (p_student - p_teacher) per token)."""
     batch, length, vocab = student_logits.shape
     counted = torch.ones(batch, length, device=student_logits.device) if mask is None else mask.float()
     scale = (counted / counted.sum().clamp(min=1) * temperature**2).reshape(-1).detach()  # [B*T]
     student = student_logits.reshape(batch * length, vocab)
     teacher = teacher_logits.detach().reshape(batch * length, vocab)
+    if fused if fused is not None else fused_rows(student, teacher):
+
+        def kernel_rows(start: int, stop: int, out: torch.Tensor | None):
+            return fused_distillation(student[start:stop], teacher[start:stop], scale[start:stop], temperature, out)
+
+        return _row_loss(student, scale, kernel_rows, chunk=student.shape[0])
 
     def rows(start: int, stop: int, out: torch.Tensor | None):
         log_s = F.log_softmax(student[start:stop].float() / temperature, dim=-1)  # [n, V]

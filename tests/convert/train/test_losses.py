@@ -152,3 +152,21 @@ def test_ce_fused_kernel_matches_the_chunked_rows_in_value_and_gradient(monkeypa
         (loss, grad), (fused_loss, fused_grad) = runs
         torch.testing.assert_close(fused_loss, loss, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(fused_grad, grad, rtol=tol, atol=tol * 1e-2)
+
+
+def test_kd_fused_kernel_matches_the_chunked_rows_in_value_and_gradient(monkeypatch):
+    """kd_loss's Triton rows (CUDA; here interpreted) against its PyTorch rows, chunked, masked, at a temperature."""
+    monkeypatch.setattr(losses, "CHUNK_VALUES", 3 * 40)
+    mask = torch.ones(2, 9)
+    mask[1, :4] = 0
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        student, teacher = ((3 * torch.randn(2, 9, 40)).to(dtype) for _ in range(2))
+        runs = []
+        for fused in (False, True):
+            x = student.clone().requires_grad_()
+            loss = losses.kd_loss(x, teacher, 2.0, mask, fused=fused)
+            (2.0 * loss).backward()
+            runs.append((loss.detach(), x.grad.float()))
+        (loss, grad), (fused_loss, fused_grad) = runs
+        torch.testing.assert_close(fused_loss, loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(fused_grad, grad, rtol=tol, atol=tol * 1e-2)
