@@ -11,7 +11,8 @@ own loop as the recipes do (bf16 autocast, compiled parts) on packed rows of ran
 as host_syncs.py draws them; with --whole-rows, some batches of one document per row), once per setting of
 `cuda_graphs`, each from the same model: `align()` (stage 1), or `train()` with mixers and LoRA trained and a random
 token-weight table (stage 2), or with each batch's weights from the teacher, computed as it is drawn (bf16 forward;
-the extend stage). Reports the stage's own tokens/s (from the end of its first step), the GPU memory it held at most
+the extend stage); stage 2 also eagerly with its losses as PyTorch chunks (before raven_kernels.loss), the ratios'
+base. Reports the stage's own tokens/s (from the end of its first step), the GPU memory it held at most
 (torch.cuda.max_memory_reserved, the cache emptied before each run) and how far the graphed run's losses are from
 the eager one's.
 Prints a table last.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import tempfile
+from unittest import mock
 
 import torch
 from bench_generate import SMOLLM2_135M  # scripts/: SmolLM2-135M's config
@@ -29,6 +31,7 @@ from host_syncs import packed_batch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from raven_convert import build_hybrid, plan_layers
+from raven_convert.train import losses as losses_module
 from raven_convert.train.align import align
 from raven_convert.train.data import PackedDataset
 from raven_convert.train.stage2 import train
@@ -57,6 +60,11 @@ def run(stage: str, teacher, model, batches: list[dict], steps: int, graphs: boo
     )  # fmt: skip
     with tempfile.TemporaryDirectory() as out:
         return train(model, None, rows, config, out, token_weights=weights)
+
+
+def chunks(*logits: torch.Tensor) -> bool:
+    """losses.fused_rows for the baseline: never the kernels."""
+    return False
 
 
 def main(argv=None) -> None:
@@ -90,16 +98,20 @@ def main(argv=None) -> None:
         for batch in batches[len(batches) - args.whole_rows :] if args.whole_rows else []:
             batch["position_ids"] = torch.arange(args.length).expand(count, -1).clone()
         losses = {}
-        for graphs in (False, True):
+        # stage 2 also eagerly with the losses as PyTorch chunks (the step before raven_kernels.loss)
+        settings = [("False", False, True), ("True", True, True)]
+        settings = ([("False, PyTorch losses", False, False)] if args.stage != "align" else []) + settings
+        for name, graphs, fused in settings:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-            history = run(args.stage, teacher, copy.deepcopy(hybrid), batches, args.steps, graphs)
-            losses[graphs] = [r["loss"] for r in history]
+            with mock.patch.object(losses_module, "fused_rows", losses_module.fused_rows if fused else chunks):
+                history = run(args.stage, teacher, copy.deepcopy(hybrid), batches, args.steps, graphs)
+            losses[name] = [r["loss"] for r in history]
             held = torch.cuda.max_memory_reserved() / 2**30
-            rows.append((count, graphs, history[-1]["tokens_per_second"], history[-1]["mfu"], held))
+            rows.append((count, name, history[-1]["tokens_per_second"], history[-1]["mfu"], held))
             layouts = f", {history[-1]['graph_layouts']} graph layouts" if graphs else ""
-            print(f"rows {count}, cuda_graphs {graphs}: {rows[-1][2]:,.0f} tokens/s{layouts}", flush=True)
-        gap = max(abs(a - b) / abs(a) for a, b in zip(losses[False], losses[True]))
+            print(f"rows {count}, cuda_graphs {name}: {rows[-1][2]:,.0f} tokens/s{layouts}", flush=True)
+        gap = max(abs(a - b) / abs(a) for a, b in zip(losses["False"], losses["True"]))
         rows.append((count, "gap", gap, None, None))
     shape = f"{args.steps} steps of rows x {args.length} packed tokens, bf16"
     print(f"\n{args.stage} of {args.mixer} {args.layers}, {shape}")
@@ -109,8 +121,9 @@ def main(argv=None) -> None:
     for count, graphs, value, mfu, held in rows:
         if graphs == "gap":
             print(f"| {count} | largest relative loss difference, graphs vs eager | {value:.2e} | | | |")
+            eager = None
             continue
-        eager = value if graphs is False else eager
+        eager = value if eager is None else eager  # the first row of each count: the ratios' base
         util = "-" if mfu is None else f"{100 * mfu:.1f}%"
         print(f"| {count} | {graphs} | {value:,.0f} | {util} | {value / eager:.2f}x | {held:.1f} GiB |")
 
