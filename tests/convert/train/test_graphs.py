@@ -330,6 +330,16 @@ def assert_same_updates(weights: dict, reference: dict, initial: dict, share: fl
         )
 
 
+def assert_same_losses(losses: list, reference: list, rounding: list, rel: float = 2e-3):
+    """Each step's loss is the reference run's within `rel`, plus twice the gap of `rounding` (a run that differs
+    from the reference in rounding alone) at that step."""
+    for step, (value, expected, other) in enumerate(zip(losses, reference, rounding, strict=True)):
+        allowed = rel * abs(expected) + 2 * abs(other - expected)
+        assert abs(value - expected) <= allowed, (
+            f"step {step}: loss {value} against {expected} (another rounding: {other})"
+        )
+
+
 @pytest.mark.parametrize("saved_graphed", [True, False])
 def test_stage2_checkpoints_resume_in_either_optimizer_mode(saved_graphed, tmp_path):
     """A graphed run's optimizer (its learning rate a tensor) checkpoints as an eager one's does: stage 2 loads
@@ -403,13 +413,14 @@ def test_graphed_stage2_matches_eager_on_cuda(mixer, weighting, kd_weight, tmp_p
         weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         runs[run] = ([r["loss"] for r in history], weights)
     (eager, eager_weights), (graphed, graphed_weights) = runs["eager"], runs["graphed"]
-    assert graphed == pytest.approx(eager, rel=2e-3)
-    assert_same_updates(graphed_weights, eager_weights, initial, rounding=runs["eager-nudged"][1])
+    nudged, nudged_weights = runs["eager-nudged"]
+    assert_same_losses(graphed, eager, nudged)
+    assert_same_updates(graphed_weights, eager_weights, initial, rounding=nudged_weights)
 
     resumed = copy.deepcopy(hybrid)
     first = train(resumed, teacher, data, config | {"cuda_graphs": True, "steps": 4}, tmp_path / "resumed", table)
     resumed = copy.deepcopy(hybrid)  # a fresh process: everything comes from the checkpoint
     second = train(resumed, teacher, data, config | {"cuda_graphs": True}, tmp_path / "resumed", table)
-    assert [r["loss"] for r in first + second] == pytest.approx(eager, rel=2e-3)
+    assert_same_losses([r["loss"] for r in first + second], eager, nudged)
     resumed_weights = {n: p.detach() for n, p in resumed.named_parameters()}
     assert_same_updates(resumed_weights, eager_weights, initial, rounding=runs["eager-nudged"][1])
