@@ -227,7 +227,8 @@ class MixerSpec:
             convert/evaluate/pictures.py); imported only by the report, so the model never depends on it.
         graph_safe: its training forward and backward on packed documents (with its kernels, on CUDA) read nothing
             back to the host and size nothing from the data but the shapes, and documents of no tokens change
-            nothing: align can then capture its steps as CUDA graphs (convert/train/graphs.py).
+            nothing, and its captured steps are faster than its eager ones: the training stages' `cuda_graphs:
+            auto` then capture their steps as CUDA graphs (convert/train/graphs.py).
     """
 
     settings: type[MixerSettings]

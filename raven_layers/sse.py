@@ -584,4 +584,5 @@ MIXER = MixerSpec(
         chunk_gla_entries_reference,
     ),
     pictures="raven_convert.evaluate.pictures:sse_pictures",
+    graph_safe=True,  # both output kernels queued in a capture, each reads the range flag on the device
 )

@@ -64,8 +64,8 @@ def hybrid_models(device="cpu", layers: str = "0,2", mixer: str = "sila"):
     return teacher, build_hybrid(teacher, plan_layers([(mixer, layers)], 4), settings).to(device)
 
 
-# mixers the GPU tests capture: SILA, and SSE and Raven (their exact or fast in-chunk forms chosen on the device
-# inside a graph, their packed chunk lists bounds; not yet declared graph_safe: these tests are what would)
+# mixers the GPU tests capture: SILA and SSE (declared graph_safe), and Raven, whose captured steps compute the
+# eager ones' but run slower (raven_layers/raven.py)
 GRAPHED_MIXERS = ["sila", "sse", "raven"]
 
 
@@ -144,10 +144,12 @@ def test_graphs_are_used_only_where_they_can_run():
     with pytest.raises(ValueError, match="2 processes"):
         resolve_graphs(True, hybrid, "cuda", world=2)
     teacher = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
-    mixed = build_hybrid(teacher, plan_layers([("sila", "0"), ("sse", "2")], 4), {"sse": {"lora_rank": 8}})
-    with pytest.raises(ValueError, match=r"\['SSEMixer'\] are not declared graph_safe"):
+    mixed = build_hybrid(teacher, plan_layers([("sila", "0"), ("raven", "2")], 4), {})
+    with pytest.raises(ValueError, match=r"\['RavenMixer'\] are not declared graph_safe"):
         resolve_graphs(True, mixed, "cuda")
     assert resolve_graphs("auto", mixed, "cuda") is False
+    mixed = build_hybrid(teacher, plan_layers([("sila", "0"), ("sse", "2")], 4), {"sse": {"lora_rank": 8}})
+    assert resolve_graphs("auto", mixed, "cuda") is True
     with pytest.raises(ValueError, match="expected 'auto', true or false"):
         resolve_graphs("yes", hybrid, "cuda")
 
