@@ -6,9 +6,8 @@ two passes fused over blocks of slots with an online softmax: the key pass gives
 pass reads that block at once, rescaled as the running maximum grows (raven_fwd_kernel_o). Only the inputs, the
 output and its logsumexp are kept; backward recomputes the rest (gates, states) and runs the per-chunk kernels of
 chunk_bwd.py. Nothing waits on the host for the chunk tables (arithmetic, or for packed sequences a bound on the
-chunk count); needs_exact's answer is read after the scan is queued, and inside a CUDA graph not at all: each
-per-chunk kernel is then launched with and without its exact forms, and each program reads the flag on the device
-(intra.raven_chunk_len); the exact forms choose the fast one per slot block (intra.raven_slot_block).
+chunk count); needs_exact's answer is read after the scan is queued, and inside a CUDA graph not at all: the
+kernels then take their exact forms, which choose the fast one per slot block (intra.raven_slot_block).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..chunked import choice_on_device, exceeds_range, needs_exact, scan_config, state_scan
+from ..chunked import choice_on_device, needs_exact, scan_config, state_scan
 from ..varlen import chunk_layout
 from .chunk_bwd import raven_bwd_kernel_dar, raven_bwd_kernel_dkv, raven_bwd_kernel_dlf, raven_bwd_kernel_dq
 from .chunk_h import (
@@ -26,7 +25,7 @@ from .chunk_h import (
     raven_fwd_kernel_gate,
     raven_fwd_kernel_h,
 )
-from .intra import PRECISION, raven_chunk_len, raven_mix, raven_read_m, raven_slot_block
+from .intra import PRECISION, raven_mix, raven_read_m, raven_slot_block
 from .utils import check_inputs, slot_indices
 
 BT, BC = 64, 16  # chunk and sub-chunk lengths
@@ -45,7 +44,6 @@ def raven_fwd_kernel_o(
     lse,
     chunk_bos,
     chunk_len,
-    exact,
     scale,
     H: tl.constexpr,
     G: tl.constexpr,
@@ -56,12 +54,11 @@ def raven_fwd_kernel_o(
     BM: tl.constexpr,
     BD: tl.constexpr,
     EXACT: tl.constexpr,
-    ON_DEVICE: tl.constexpr,
 ):
     i_c, i_hg = tl.program_id(0), tl.program_id(1)
     i_h = i_hg // G
-    bos, L = tl.load(chunk_bos + i_c), raven_chunk_len(chunk_len, i_c, exact, EXACT, ON_DEVICE)
-    if L <= 0:  # a spare chunk past the packed sequences' last (prepare_chunks), or the other launch's
+    bos, L = tl.load(chunk_bos + i_c), tl.load(chunk_len + i_c)
+    if L <= 0:  # a spare chunk past the packed sequences' last (prepare_chunks)
         return
     o_t, o_d = tl.arange(0, BT), tl.arange(0, BD)
     m_t, m_d = o_t < L, o_d < D
@@ -235,49 +232,42 @@ def state_grads(q, do, ds, p, g, gl, dht, chunks, H, M, store_dh0):
 def per_chunk(kernel, name, tensors, scalars, chunks, heads, shape, split_slots=False):
     """Launch a per-chunk kernel with its launch_config on (chunk, head) programs, or with split_slots on
     (chunk x slot block, head) programs, the slot block fastest: a chunk's slot blocks run side by side and share
-    its q, k, v, do through L2. shape: H, G, M, D and exact (a bool, or on the device the flag [] uint8 that the
-    launches with and without the exact forms read: intra.raven_chunk_len)."""
+    its q, k, v, do through L2. shape: H, G, M, D and exact."""
     H, G, M, D, exact = (shape[x] for x in ("H", "G", "M", "D", "exact"))
     BM, warps, stages = launch_config(D)[name]
     BM_max, BD = block_sizes(M, D)
     BM = min(BM, BM_max)
     grid = (chunks["bos"].numel() * (triton.cdiv(M, BM) if split_slots else 1), heads)
-    on_device = torch.is_tensor(exact)  # the flag itself: both forms queued, each program reading it
-    for form in (False, True) if on_device else (exact,):
-        kernel[grid](
-            *tensors,
-            chunks["bos"],
-            chunks["len"],
-            exact if on_device else None,
-            *scalars,
-            H,
-            G,
-            M,
-            D,
-            BT,
-            BC,
-            BM,
-            BD,
-            form,
-            on_device,
-            num_warps=warps,
-            num_stages=stages,
-        )
+    kernel[grid](
+        *tensors,
+        chunks["bos"],
+        chunks["len"],
+        *scalars,
+        H,
+        G,
+        M,
+        D,
+        BT,
+        BC,
+        BM,
+        BD,
+        exact,
+        num_warps=warps,
+        num_stages=stages,
+    )
 
 
 def chunk_raven_fwd(q, k, v, a, idx, r, scale, M, h0, output_final_state, chunks):
     """o [T, HG, d], its logsumexp over slots [T, HG], the final states or None, whether the exact in-chunk forms
-    ran (on the device: the flag their launches read), and what the backward can reuse: the gates (g, w, gl) and
-    the states entering each chunk (hk, hv)."""
+    ran, and what the backward can reuse: the gates (g, w, gl) and the states entering each chunk (hk, hv)."""
     T, HG, D = q.shape
     H = k.shape[1]
     g, w, gl, xk, xv = gates(k, v, a, idx, r, chunks, M)
-    on_device = choice_on_device(q)  # in a CUDA graph: both forms queued, each program reading the flag
+    on_device = choice_on_device(q)  # in a CUDA graph: the kernels with the exact forms, which pick per slot block
     answer = None if on_device else needs_exact(gl)
-    flag = exceeds_range(gl).view(torch.uint8) if on_device else None  # [] (kernels/chunked.py)
     hk, hv, ht = states(k, v, g, w, gl, xk, xv, h0, chunks, M, output_final_state)
     del xk, xv
-    exact = flag if on_device else answer()  # read once the scan is queued: the GPU stays busy while the host waits
+    exact = on_device or answer()  # read once the scan is queued: the GPU stays busy while the host waits
     o = torch.empty_like(q)
     lse = q.new_empty(T, HG, dtype=torch.float32)
     shape = dict(H=H, G=HG // H, M=M, D=D, exact=exact)

@@ -9,7 +9,7 @@ triton-lang/triton#11366)."""
 import triton
 import triton.language as tl
 
-from .intra import PRECISION, raven_chunk_len, raven_mix, raven_read_m, raven_slot_block, raven_write_m
+from .intra import PRECISION, raven_mix, raven_read_m, raven_slot_block, raven_write_m
 
 
 @triton.jit
@@ -30,7 +30,6 @@ def raven_bwd_kernel_dq(
     e,
     chunk_bos,
     chunk_len,
-    exact,
     scale,
     H: tl.constexpr,
     G: tl.constexpr,
@@ -41,14 +40,13 @@ def raven_bwd_kernel_dq(
     BM: tl.constexpr,
     BD: tl.constexpr,
     EXACT: tl.constexpr,
-    ON_DEVICE: tl.constexpr,
 ):
     """dq, and per token and slot the softmax weights p, the logit gradients ds and e = ds s + p dp (the gate
     gradient's read terms), each [T, H * G, M], for the kernels that follow."""
     i_c, i_hg = tl.program_id(0), tl.program_id(1)
     i_h = i_hg // G
-    bos, L = tl.load(chunk_bos + i_c), raven_chunk_len(chunk_len, i_c, exact, EXACT, ON_DEVICE)
-    if L <= 0:  # a spare chunk past the packed sequences' last (prepare_chunks), or the other launch's
+    bos, L = tl.load(chunk_bos + i_c), tl.load(chunk_len + i_c)
+    if L <= 0:  # a spare chunk past the packed sequences' last (prepare_chunks)
         return
     o_t, o_d = tl.arange(0, BT), tl.arange(0, BD)
     m_t, m_d = o_t < L, o_d < D
@@ -106,7 +104,6 @@ def raven_bwd_kernel_dkv(
     dv,
     chunk_bos,
     chunk_len,
-    exact,
     H: tl.constexpr,
     G: tl.constexpr,
     M: tl.constexpr,
@@ -116,13 +113,12 @@ def raven_bwd_kernel_dkv(
     BM: tl.constexpr,
     BD: tl.constexpr,
     EXACT: tl.constexpr,
-    ON_DEVICE: tl.constexpr,
 ):
     """dk and dv: what later chunks read through the state leaving this one (dhk, dhv), and the in-chunk reads,
     mixed over all slots per query head first (B [BT, BT]) so that each head costs one product with q or do."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    bos, L = tl.load(chunk_bos + i_c), raven_chunk_len(chunk_len, i_c, exact, EXACT, ON_DEVICE)
-    if L <= 0:  # a spare chunk past the packed sequences' last (prepare_chunks), or the other launch's
+    bos, L = tl.load(chunk_bos + i_c), tl.load(chunk_len + i_c)
+    if L <= 0:  # a spare chunk past the packed sequences' last (prepare_chunks)
         return
     o_t, o_d = tl.arange(0, BT), tl.arange(0, BD)
     m_t, m_d = o_t < L, o_d < D
@@ -179,7 +175,6 @@ def raven_bwd_kernel_dlf(
     dlf_sum,
     chunk_bos,
     chunk_len,
-    exact,
     H: tl.constexpr,
     G: tl.constexpr,
     M: tl.constexpr,
@@ -189,14 +184,13 @@ def raven_bwd_kernel_dlf(
     BM: tl.constexpr,
     BD: tl.constexpr,
     EXACT: tl.constexpr,
-    ON_DEVICE: tl.constexpr,
 ):
     """The gradient of log_f summed over the rest of the chunk (dlf [T, H, M]), one block of slots per program,
     with the chunk totals (dlf_sum [NC, H, M]) that carry it into earlier chunks."""
     i_cm, i_h = tl.program_id(0), tl.program_id(1)
     i_c, i_m = i_cm // tl.cdiv(M, BM), i_cm % tl.cdiv(M, BM)  # a chunk's slot blocks side by side: q, k, v, do in L2
-    bos, L = tl.load(chunk_bos + i_c), raven_chunk_len(chunk_len, i_c, exact, EXACT, ON_DEVICE)
-    if L <= 0:  # a spare chunk past the packed sequences' last (prepare_chunks), or the other launch's
+    bos, L = tl.load(chunk_bos + i_c), tl.load(chunk_len + i_c)
+    if L <= 0:  # a spare chunk past the packed sequences' last (prepare_chunks)
         return
     o_t, o_d = tl.arange(0, BT), tl.arange(0, BD)
     o_m = i_m * BM + tl.arange(0, BM)

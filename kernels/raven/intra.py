@@ -30,21 +30,6 @@ PRECISION = tl.constexpr("tf32x3")
 
 
 @triton.jit
-def raven_chunk_len(chunk_len, i_c, exact, EXACT: tl.constexpr, ON_DEVICE: tl.constexpr):
-    """Chunk i_c's length, or 0 where the chunk is the other launch's: on the device (ON_DEVICE, inside a CUDA graph)
-    the kernels are launched with and without the exact forms, and each program reads exact [] (uint8,
-    kernels/chunked.py exceeds_range): those with the exact forms serve a batch where it is set, the others where
-    not, so a batch within the range never runs the exact forms' registers."""
-    L = tl.load(chunk_len + i_c)
-    if ON_DEVICE:
-        if EXACT:
-            L = tl.where(tl.load(exact) != 0, L, 0)
-        else:
-            L = tl.where(tl.load(exact) != 0, 0, L)
-    return L
-
-
-@triton.jit
 def raven_slot_block(p_g, p_w, stride, L, o_t, m_t, o_m, M, EXACT: tl.constexpr):
     """One block of slots o_m of the chunk: its masks m_m [BM] and m_tm [BT, BM], g and w [BT, BM], g at the chunk's
     last row [BM], whether the fast path holds for it, and its factors exp(g - ref), exp(ref - g) [BT, BM] (0 at

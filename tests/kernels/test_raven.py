@@ -149,8 +149,8 @@ def test_chunk_varlen_empty_sequences_as_graphs_pad_them(scan_form):
 
 @pytest.mark.parametrize("strong", [False, True])
 def test_chunk_exact_forms_chosen_on_the_device(monkeypatch, strong, rounding):
-    # inside a CUDA graph nothing is read back: each kernel is launched with and without its exact forms, each
-    # program reads the flag, and the result matches the reference whether or not a chunk decays past the range
+    # inside a CUDA graph nothing is read back: the kernels take their exact forms, which pick the fast one per slot
+    # block, and match the reference whether or not a chunk decays past the range
     monkeypatch.setattr(chunked, "FORCE_DEVICE_CHOICE", True)
     monkeypatch.setattr(raven_chunk, "needs_exact", lambda gl: pytest.fail("the choice was read back to the host"))
     q, k, v, a, idx, r = random_inputs(1, 150, 1, 1, 16, 16, 4, seed=9)
