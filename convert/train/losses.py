@@ -144,7 +144,7 @@ def kd_loss(student_logits, teacher_logits, temperature: float = 1.0, mask=None,
         log_s = F.log_softmax(student[start:stop].float() / temperature, dim=-1)  # [n, V]
         log_t = F.log_softmax(teacher[start:stop].float() / temperature, dim=-1)
         p_t = log_t.exp()
-        values = (p_t * (log_t - log_s)).sum(-1)  # [n]
+        values = torch.where(p_t > 0, p_t * (log_t - log_s), 0.0).sum(-1)  # [n]; 0 log 0 = 0 where ruled out
         if out is not None:  # d KL / d student logits, scaled
             out.copy_(log_s.exp_().sub_(p_t).mul_(scale[start:stop, None] / temperature))
         return values

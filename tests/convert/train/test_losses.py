@@ -150,6 +150,7 @@ def test_ce_fused_kernel_matches_the_chunked_rows_in_value_and_gradient(monkeypa
             (2.0 * loss).backward()  # a scaled total, as the accumulating steps hand it
             runs.append((loss.detach(), x.grad.float()))
         (loss, grad), (fused_loss, fused_grad) = runs
+        assert loss.isfinite() and grad.isfinite().all()
         torch.testing.assert_close(fused_loss, loss, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(fused_grad, grad, rtol=tol, atol=tol * 1e-2)
 
@@ -161,6 +162,7 @@ def test_kd_fused_kernel_matches_the_chunked_rows_in_value_and_gradient(monkeypa
     mask[1, :4] = 0
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         student, teacher = ((3 * torch.randn(2, 9, 40)).to(dtype) for _ in range(2))
+        teacher[0, 2, :25] = float("-inf")  # a teacher that rules tokens out: finite on both paths
         runs = []
         for fused in (False, True):
             x = student.clone().requires_grad_()
@@ -168,5 +170,6 @@ def test_kd_fused_kernel_matches_the_chunked_rows_in_value_and_gradient(monkeypa
             (2.0 * loss).backward()
             runs.append((loss.detach(), x.grad.float()))
         (loss, grad), (fused_loss, fused_grad) = runs
+        assert loss.isfinite() and grad.isfinite().all()
         torch.testing.assert_close(fused_loss, loss, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(fused_grad, grad, rtol=tol, atol=tol * 1e-2)
