@@ -50,6 +50,7 @@
 #   raven-graphed  Raven's GPU graph tests (tests/convert/train/test_graphs.py), then, where they pass, its
 #                  recipe with Raven declared graph_safe in the job's snapshot: align, train and extend as CUDA
 #                  graphs (distillation inside them), against the raven job's eager stages;
+#   raven-graphed-profile  Raven's graphed train step under the profiler (scripts/profile_train.py);
 #   MIXER-try-NAME  the MIXER job with TRY_ARGS (overrides split at spaces, so lists without them: TRY_ARGS="--set
 #                  extend.steps=300 --set evaluate.lengths=[1024,2048]") into the run MIXER-try-NAME: a one-off
 #                  experiment, named by what it tries;
@@ -111,6 +112,18 @@ speed() {  # stage rates of the SSE and SILA recipes (short runs), against BASE'
     flags+=(--baseline "$RUNS/speed-base.json")
   fi
   python3 scripts/measure_stages.py "${recipes[@]}" "${flags[@]}" --run-root "$RUNS/speed" --json "$RUNS/speed.json"
+}
+
+declare_raven_graph_safe() {  # in this job's own snapshot only
+  python3 - raven_layers/raven.py <<'PY'
+import sys
+from pathlib import Path
+
+path = Path(sys.argv[1])
+text = path.read_text()
+assert text.count("    graph_safe=False,\n") == 1, path
+path.write_text(text.replace("    graph_safe=False,\n", "    graph_safe=True,\n"))
+PY
 }
 
 run() {
@@ -177,16 +190,12 @@ PY
     # Raven's training steps as CUDA graphs, which its spec does not declare (slower so far): its GPU graph tests
     # first (the log says which failed), then the recipe in this job's own snapshot with graph_safe=True
     python3 -m pytest -o addopts="" -q -rfE -m gpu tests/convert/train/test_graphs.py -k raven || return 1
-    python3 - raven_layers/raven.py <<'PY' || return 1
-import sys
-from pathlib import Path
-
-path = Path(sys.argv[1])
-text = path.read_text()
-assert text.count("    graph_safe=False,\n") == 1, path
-path.write_text(text.replace("    graph_safe=False,\n", "    graph_safe=True,\n"))
-PY
-    trained raven "$1"
+    declare_raven_graph_safe && trained raven "$1"
+    ;;
+  raven-graphed-profile)
+    # where Raven's graphed train step spends its time (it ran at half the eager rate: docs/TRAINING_SPEED.md)
+    declare_raven_graph_safe && python3 scripts/profile_train.py recipes/smollm2-raven.yaml --src "$TEACHER" \
+      --data "$CORPUS" --stage train --out "$RUNS/$1"
     ;;
   raven-try-* | sse-try-* | sila-try-*)
     local tries
@@ -207,8 +216,8 @@ PY
     ;;
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
-      "MIXER-trained-windows MIXER-far-windows MIXER-try-NAME (MIXER: raven, sse or sila) raven-graphed" \
-      "sse-every2 sse-window-choice sse-noretrieval sse-noextend" \
+      "MIXER-trained-windows MIXER-far-windows MIXER-try-NAME (MIXER: raven, sse or sila)" \
+      "raven-graphed raven-graphed-profile sse-every2 sse-window-choice sse-noretrieval sse-noextend" \
       "sse-norouter speed" >&2
     return 2
     ;;
