@@ -19,6 +19,7 @@ cannot wait for that answer: both forms are queued and each program reads it on 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 import triton
@@ -52,7 +53,19 @@ def needs_exact(gl: torch.Tensor) -> Callable[[], bool]:
     return answer
 
 
-FORCE_DEVICE_CHOICE = False  # tests set it: choose on the device, as inside a CUDA graph, on any device
+FORCE_DEVICE_CHOICE = False  # choose on the device, as inside a CUDA graph, on any device (choosing_on_device)
+
+
+@contextmanager
+def choosing_on_device():
+    """Within it the kernels choose their exact or fast forms on the device, as inside a CUDA graph capture: the
+    eager steps before a capture take the capture's path, so the kernel variants it launches compile before it."""
+    global FORCE_DEVICE_CHOICE
+    before, FORCE_DEVICE_CHOICE = FORCE_DEVICE_CHOICE, True
+    try:
+        yield
+    finally:
+        FORCE_DEVICE_CHOICE = before
 
 
 def choice_on_device(x: torch.Tensor) -> bool:

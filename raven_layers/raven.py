@@ -327,7 +327,7 @@ MIXER = MixerSpec(
     kernels="raven_kernels.raven",
     references=(raven_recurrent, raven_chunked),
     pictures="raven_convert.evaluate.pictures:raven_pictures",
-    # captured steps compute the eager ones' (the GPU tests of test_graphs.py pass) but ran at half their rate,
-    # for a reason not yet found (docs/TRAINING_SPEED.md), so "auto" keeps Raven's steps eager
+    # captured steps compute the eager ones' (the GPU tests of test_graphs.py pass); a bench measured them at half
+    # the eager rate, compilation inside the capture included (docs/TRAINING_SPEED.md): eager until measured again
     graph_safe=False,
 )

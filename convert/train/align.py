@@ -324,7 +324,10 @@ def align(
         now = time.perf_counter()
         clock["tokens"] += step_tokens
         rate = clock["tokens"] / max(now - clock["start"], 1e-9)
-        if step == first:  # the first step compiles kernels and allocates: the rate counts from its end
+        # the first step compiles kernels and allocates, and with graphs the next ones warm up and capture: the rate
+        # counts from their end
+        counted_after = first + (captured.warmup if captured is not None else 0)
+        if step <= counted_after:
             clock.update(first_step_seconds=now - clock["start"], start=now, tokens=0)
         record = {"step": step, "loss": values[0], "layers": dict(zip(layers, values[1:]))}
         if has_aux["aux"]:
@@ -332,7 +335,8 @@ def align(
         utilisation = mfu(rate * per_token, parallel.device, parallel.world)
         history.append(record | {"tokens_per_second": rate, "mfu": utilisation, "lr": step_lr})
         if log_every and (step % log_every == 0 or step == steps - 1):
-            per_step = (now - clock["start"]) / (step - first) if step > first else clock["first_step_seconds"]
+            since = step - counted_after
+            per_step = (now - clock["start"]) / since if since > 0 else clock["first_step_seconds"]
             parallel.print(
                 f"[align] step {step + 1}/{steps} loss {values[0]:.4g} | {rate:,.0f} tok/s"
                 f"{mfu_text(utilisation)} | {eta((steps - step - 1) * per_step)}"

@@ -33,6 +33,7 @@ from torch import nn
 from raven_convert.train.common import is_hybrid, mixers, to_device
 from raven_convert.train.compiling import CompileSetting
 from raven_convert.train.data import PackedDataset, batch_rows
+from raven_kernels.chunked import choosing_on_device
 from raven_layers.modeling_hybrid import document_starts, find_packed_documents
 
 DOCUMENT_BUCKET = 64  # documents per row layout are padded up to a multiple of this: a new graph every 64 documents
@@ -165,7 +166,8 @@ def optimizer_mode(optimizer: torch.optim.Optimizer, graphs: bool, device) -> No
 class CapturedStep:
     """`step` (a function of a dict of device tensors returning a device tensor, launching work without ever waiting
     for it) run eagerly for the first `warmup` calls with each layout of inputs (names, shapes, dtypes), on a side
-    stream as CUDA graph capture wants; then captured once for that layout and replayed: the inputs are copied into
+    stream as CUDA graph capture wants and with the kernels choosing their forms on the device as they will inside
+    the capture; then captured once for that layout and replayed: the inputs are copied into
     the graph's own tensors and its output, the same tensor at every replay, is returned. Copy it before the next
     call with this layout."""
 
@@ -197,7 +199,7 @@ class CapturedStep:
     def _eager(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), choosing_on_device():  # the capture's kernel variants compile here, not in it
             output = self.step(inputs)
         torch.cuda.current_stream().wait_stream(side)
         side.synchronize()  # the step's temporaries, freed on the side stream, are done with before reuse

@@ -510,6 +510,9 @@ def train(
     fuse = resolve_compile(config.compile, device, parallel.sharded)  # small operations compiled (compiling.py)
     captured = CapturedStep(whole_step) if graphs else None
     history, clock, timed_tokens = [], time.perf_counter(), 0
+    # the first step compiles kernels and allocates, and with graphs the next ones warm up and capture: the rate
+    # counts from the end of step `counted_after`
+    counted_after = start_step + 1 + (captured.warmup if captured is not None else 0)
 
     def finish(step: int, lr: float, sums: dict[str, float], step_tokens: int) -> None:
         """Record and log a finished step, then validate and checkpoint where due."""
@@ -517,7 +520,7 @@ def train(
         timed_tokens += step_tokens
         elapsed = max(time.perf_counter() - clock, 1e-9)
         rate = timed_tokens / elapsed
-        if step == start_step + 1:  # the first step compiles kernels and allocates: the rate counts from its end
+        if step <= counted_after:
             clock, timed_tokens = time.perf_counter(), 0
         utilisation = mfu(rate * per_token, device, parallel.world)
         record = {"step": step, **sums, "lr": lr, "tokens_per_second": rate, "mfu": utilisation}
@@ -525,7 +528,7 @@ def train(
         if tracker:
             accelerator.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=step)
         if config.log_every and (step % config.log_every == 0 or step == config.steps):
-            left = (config.steps - step) * elapsed / max(step - start_step - 1, 1)
+            left = (config.steps - step) * elapsed / max(step - counted_after, 1)
             accelerator.print(
                 f"[stage2] step {step}/{config.steps} loss {sums['loss']:.4g} (ce {sums['ce']:.4g}"
                 f" kd {sums['kd']:.4g} aux {sums['aux']:.4g}) lr {lr:.3g} | {rate:,.0f} tok/s"

@@ -18,6 +18,7 @@ from raven_convert.train.common import mixer_parameters
 from raven_convert.train.data import PackedDataset, batch_iterator
 from raven_convert.train.distributed import Parallel
 from raven_convert.train.graphs import (
+    CapturedStep,
     documents_per_row,
     graph_inputs,
     host_documents,
@@ -164,6 +165,33 @@ def test_recipe_refuses_graphs_for_mixers_that_cannot_run_them():
     for stage, settings in (("train", {}), ("extend", {"steps": 1, "seq_len": 64})):
         with pytest.raises(ValueError, match=f"{stage}.cuda_graphs = true needs mixers declared graph_safe; raven"):
             Recipe.model_validate(base | {stage: settings | {"cuda_graphs": True}})
+
+
+def test_choosing_on_device_is_scoped():
+    x = torch.zeros(2)
+    assert not chunked.choice_on_device(x)
+    with pytest.raises(KeyboardInterrupt), chunked.choosing_on_device():
+        assert chunked.choice_on_device(x)  # on any device: the CPU tests take the graphs' path so
+        raise KeyboardInterrupt
+    assert chunked.FORCE_DEVICE_CHOICE is False and not chunked.choice_on_device(x)
+
+
+@pytest.mark.gpu
+@gpu
+def test_captured_steps_warm_up_on_the_capture_path():
+    """The eager warm-up before a capture has the kernels choose their forms on the device, as the capture will, so
+    the kernel variants it launches compile before it (compiling them during the capture was timed as the step)."""
+    seen = []
+
+    def step(inputs):
+        seen.append(chunked.choice_on_device(inputs["x"]))
+        return inputs["x"] * 2
+
+    captured = CapturedStep(step)
+    x = torch.ones(3, device="cuda")
+    outputs = [captured({"x": x}).clone() for _ in range(3)]  # warm-up, capture (and its replay), replay
+    assert seen == [True, True] and all(torch.equal(o, 2 * x) for o in outputs)
+    assert chunked.FORCE_DEVICE_CHOICE is False
 
 
 def _interrupted(batches: list[dict], after: int):
