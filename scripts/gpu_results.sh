@@ -6,7 +6,8 @@
 #
 # after copying the model, corpus and essays in three calls (each carries at most 64 MiB with the checkout, itself
 # about 18 MB: the model in thirds, `split -n 3 MODEL .carry/m3/smollm2.gguf.part-`, wheels from
-# ../shared/tools/gpu-prep.sh in .whl, the corpus split into .carry/corpus-*):
+# ../shared/tools/gpu-prep.sh in .whl with pydantic's, which the image lacks too (its `pip download` line with
+# pydantic pydantic-core annotated-types typing-inspection), the corpus split into .carry/corpus-*):
 #   carry .carry/m3/smollm2.gguf.part-aa .whl .carry/corpus-a:
 #     mkdir -p ~/cache/corpus && cp .carry/m3/smollm2.gguf.part-aa ~/cache/ && cp .carry/corpus-a/* ~/cache/corpus/ &&
 #     source scripts/device_env.sh            # installs the wheels into /tmp/site, where later calls find them
