@@ -51,6 +51,7 @@ from raven_convert.train.graphs import (
     read_later,
     resolve_graphs,
     set_lr,
+    untimed_steps,
 )
 from raven_convert.train.losses import alignment_mse, mixers_aux_loss
 from raven_convert.train.precision import frozen_linears_in
@@ -324,9 +325,7 @@ def align(
         now = time.perf_counter()
         clock["tokens"] += step_tokens
         rate = clock["tokens"] / max(now - clock["start"], 1e-9)
-        # the first step compiles kernels and allocates, and with graphs the next ones warm up and capture: the rate
-        # counts from their end
-        counted_after = first + (captured.warmup if captured is not None else 0)
+        counted_after = first + untimed_steps(captured) - 1  # the rate counts from this step's end (0-based steps)
         if step <= counted_after:
             clock.update(first_step_seconds=now - clock["start"], start=now, tokens=0)
         record = {"step": step, "loss": values[0], "layers": dict(zip(layers, values[1:]))}

@@ -216,6 +216,12 @@ class CapturedStep:
         return output
 
 
+def untimed_steps(captured: CapturedStep | None) -> int:
+    """Steps a stage's tokens/s leaves out: the first (it compiles kernels and allocates) and, with graphs, the
+    warm-up steps and the capture of the first layout."""
+    return 1 + (captured.warmup if captured is not None else 0)
+
+
 def read_later(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     """A copy of a step's device values the host can read once the returned event has passed (`read_back`; on the
     CPU: the tensor itself, and no event), so that queuing the copy does not wait for the step."""

@@ -76,6 +76,7 @@ from raven_convert.train.graphs import (
     resolve_graphs,
     run_document_slots,
     set_lr,
+    untimed_steps,
 )
 from raven_convert.train.lora import LORA_TARGETS, select_trainable
 from raven_convert.train.losses import aux_loss, ce_loss, kd_loss, prediction_mask, training_loss
@@ -510,9 +511,7 @@ def train(
     fuse = resolve_compile(config.compile, device, parallel.sharded)  # small operations compiled (compiling.py)
     captured = CapturedStep(whole_step) if graphs else None
     history, clock, timed_tokens = [], time.perf_counter(), 0
-    # the first step compiles kernels and allocates, and with graphs the next ones warm up and capture: the rate
-    # counts from the end of step `counted_after`
-    counted_after = start_step + 1 + (captured.warmup if captured is not None else 0)
+    counted_after = start_step + untimed_steps(captured)  # the rate counts from this step's end
 
     def finish(step: int, lr: float, sums: dict[str, float], step_tokens: int) -> None:
         """Record and log a finished step, then validate and checkpoint where due."""

@@ -346,7 +346,9 @@ def test_optimizer_mode_converts_either_way_and_after_a_load():
     assert isinstance(optimizer.param_groups[0]["lr"], float) and optimizer.param_groups[0]["capturable"] is False
 
 
-def assert_same_updates(weights: dict, reference: dict, initial: dict, share: float = 0.02, rounding: dict = None):
+def assert_same_updates(
+    weights: dict, reference: dict, initial: dict, share: float = 0.02, rounding: dict | None = None
+):
     """Each trained tensor's update (from `initial`) is the reference run's within `share` of its size, plus twice
     the gap `rounding` (a run of the same steps that differs from the reference in rounding alone) leaves. Adam
     moves a tensor whose gradient is rounding noise by about lr whatever its sign, so elementwise tolerances fail on
