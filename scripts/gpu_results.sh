@@ -58,6 +58,8 @@
 #   sse-noretrieval  no synthetic retrieval samples in the data (the recipe mixes in 20%, data.retrieval);
 #   sse-noextend   no extend stage;
 #   sse-norouter   SSE's router without the language-model gradient (router_gradient: false).
+#   reach-RUN      how long each mixer memory of run RUN's trained model holds a passkey over 16K tokens, with its
+#                  kept attention as 4K windows (scripts/memory_reach.py; it waits for RUN's extend): RUN/memory-reach
 #   speed          short runs of the SSE and SILA recipes, one table of each stage's tokens/s
 #                  (scripts/measure_stages.py); with BASE=DIR (an older checkout's files, copied outside this one)
 #                  the same runs of BASE's code first, and the rates as ratios to them.
@@ -113,6 +115,13 @@ speed() {  # stage rates of the SSE and SILA recipes (short runs), against BASE'
     flags+=(--baseline "$RUNS/speed-base.json")
   fi
   python3 scripts/measure_stages.py "${recipes[@]}" "${flags[@]}" --run-root "$RUNS/speed" --json "$RUNS/speed.json"
+}
+
+wait_trained() {  # wait_trained RUN: until the job RUN has its trained model (extend's); fails if it ended without
+  until [ -f "$RUNS/$1/extend/DONE" ]; do
+    [ -f "${JOBS:-$HOME/jobs}/$1.rc" ] && return 1
+    sleep 30
+  done
 }
 
 declare_raven_graph_safe() {  # in this job's own snapshot only
@@ -171,10 +180,7 @@ PY
     local mixer=${1%%-*}
     local of=${EVAL_OF:-$mixer} seeds=()
     [ "$of" = "$mixer-seed1" ] && seeds=("${SEED1[@]}")  # the run's own settings, which its stages' DONE check
-    until [ -f "$RUNS/$of/extend/DONE" ]; do  # that job's trained model; none if the job ended without one
-      [ -f "${JOBS:-$HOME/jobs}/$of.rc" ] && return 1
-      sleep 30
-    done
+    wait_trained "$of" || return 1
     rm -rf "$RUNS/$of-eval-seed1" && cp -a "$RUNS/$of" "$RUNS/$of-eval-seed1" &&
       recipe "$mixer" "$of-eval-seed1" --stages evaluate --redo evaluate "${seeds[@]}" --set evaluate.seed=1
     ;;
@@ -212,6 +218,13 @@ PY
   sse-norouter)
     trained sse sse-norouter --set mixer_settings.sse.router_gradient=false
     ;;
+  reach-*)
+    # how long each mixer memory of run RUN's model holds a passkey, with its kept attention as 4K windows
+    local of=${1#reach-}
+    wait_trained "$of" || return 1
+    python3 scripts/memory_reach.py "$RUNS/$of/extend/model" --out "$RUNS/$of/memory-reach" --length 16384 \
+      --attention-window 4096
+    ;;
   speed)
     speed
     ;;
@@ -219,7 +232,7 @@ PY
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-try-NAME (MIXER: raven, sse or sila)" \
       "raven-graphed raven-graphed-profile sse-every2 sse-window-choice sse-noretrieval sse-noextend" \
-      "sse-norouter speed" >&2
+      "sse-norouter reach-RUN speed" >&2
     return 2
     ;;
   esac

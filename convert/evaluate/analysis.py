@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from raven_layers.cache import output_cache
-from raven_layers.sila import sila_recurrent
+from raven_layers.sila import sila_phi, sila_recurrent
 
 # Slot categories of `slot_allocation`, with the colours of the Raven paper's Figures 6 and 7.
 NEVER, SPECIAL_ONLY, OTHER_ONLY, BOTH = 0, 1, 2, 3
@@ -183,22 +183,30 @@ def sila_input_gate_trace(model, input_ids, layer: int) -> torch.Tensor:
     own `recurrence_inputs` gives it.
     """
     mixer, x = _layer_input(model, input_ids, layer, "sila")
+    return sila_gate_traces(mixer, x)[0]
+
+
+def sila_gate_traces(mixer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(beta, gamma), each [T, H_kv] float32 on the CPU: SILA's input and forget gates per token and kv head, with
+    their memory-dependent terms, for the mixer input x [1, T, hidden] (see `sila_input_gate_trace`)."""
     w_beta, w_gamma = mixer.beta_state_weight, mixer.gamma_state_weight
-    with _eval_mode(model):
+    with _eval_mode(mixer):
         (q, k, v, alpha, beta_x, gamma_x), _ = mixer.recurrence_inputs(x)
         dtype = torch.promote_types(q.dtype, torch.float32)  # the recurrence's dtype
         memory = k.new_zeros(1, mixer.num_kv_heads, v.shape[-1], k.shape[-1], dtype=dtype)  # M_{-1} = 0
-        betas = []
+        w_gates = torch.stack([w_beta, w_gamma], dim=1).to(dtype)  # [H_kv, 2, d_v]
+        gate_x = torch.stack([beta_x, gamma_x], dim=-1).to(dtype)  # [1, T, H_kv, 2]
+        pres = []
         for t in range(x.shape[1]):
             step = slice(t, t + 1)
             recalled = torch.einsum("bhvk,bhk->bhv", memory, k[:, t].to(dtype))  # M_{t-1} k_t, [1, H_kv, d_v]
-            pre = (recalled * w_beta.to(dtype)).sum(-1) + beta_x[:, t].to(dtype)  # [1, H_kv]
-            betas.append(torch.sigmoid(pre)[0])
+            pres.append(torch.einsum("bhv,hcv->bhc", recalled, w_gates)[0] + gate_x[0, t])  # [H_kv, 2]
             _, memory = sila_recurrent(
                 q[:, step], k[:, step], v[:, step], alpha[:, step], beta_x[:, step], gamma_x[:, step],
                 w_beta, w_gamma, memory,
             )  # fmt: skip
-    return torch.stack(betas).float().cpu()
+        pre = torch.stack(pres).float().cpu()  # [T, H_kv, 2]
+    return torch.sigmoid(pre[..., 0]), sila_phi(pre[..., 1])
 
 
 def sse_partition_usage(model, input_ids, layer: int) -> torch.Tensor:
