@@ -9,7 +9,10 @@ needle itself or carried in by the layers below:
 
 - `kept`: its norm over its norm just past the needle (`PAST_NEEDLE` tokens on, so that no short convolution's
   tail still holds needle tokens): 1 while the memory holds the passkey as written, near 0 once it is gone;
-- `share`: its norm over the state's own norm, how much of the memory the passkey is.
+- `share`: its norm over the state's own norm, how much of the memory the passkey is;
+- `control`: `kept` of a third prompt, the first with one haystack token before the needle changed instead of the
+  passkey. Any change spreads through a deep model (sliding windows stacked over layers reach further than one),
+  so a difference that lasts is not yet a memory of the passkey: only `kept` above `control` is.
 
 For SILA layers the decay alone is traced beside them (`decay`, of the first pair: the exact gates step token by
 token): the product of the forget gates gamma_t since that point, memory-dependent terms included
@@ -39,7 +42,7 @@ TWIN_TRIES = 50
 
 @dataclass
 class Twins:
-    """A passkey prompt and its twin, [2, T] token ids, with the needle's token span in both."""
+    """A passkey prompt, its twin and the control, [3, T] token ids, with the needle's token span in all three."""
 
     ids: torch.Tensor
     needle_start: int
@@ -53,9 +56,11 @@ class Reach:
 
     distances: list[int]  # tokens after the needle's last one
     kept: dict[int, list[float]] = field(default_factory=dict)
+    control: dict[int, list[float]] = field(default_factory=dict)
     share: dict[int, list[float]] = field(default_factory=dict)
     decay: dict[int, list[float]] = field(default_factory=dict)  # SILA layers only, the first pair's
     answer_tv: list[float] = field(default_factory=list)  # one per pair
+    control_tv: list[float] = field(default_factory=list)
     layer_kinds: dict[int, str] = field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -63,8 +68,9 @@ class Reach:
 
 
 def make_twins(tokenizer, length: int, depth: float, seed: int, device) -> Twins:
-    """A passkey prompt of `length` tokens with its needle at `depth`, and its twin: the same prompt with another
-    passkey whose tokens differ only inside the needle. Raises ValueError when no such passkey is found."""
+    """A passkey prompt of `length` tokens with its needle at `depth`, its twin (the same prompt with another
+    passkey whose tokens differ only inside the needle) and the control (the prompt with the token before the needle
+    changed to the one before it). Raises ValueError when no such passkey is found."""
     sample = build_samples("passkey", tokenizer, [length], [depth], 1, seed=seed)[0]
     add_special = sample.meta["add_special_tokens"]
     start, end = sample.meta["needles"][0]["token_span"]
@@ -76,28 +82,34 @@ def make_twins(tokenizer, length: int, depth: float, seed: int, device) -> Twins
         twin = tokenizer(sample.prompt.replace(passkey, other), add_special_tokens=add_special).input_ids
         differ = [t for t, (a, b) in enumerate(zip(ids, twin)) if a != b]
         if len(twin) == len(ids) and differ and start <= differ[0] and differ[-1] < end:
-            pair = torch.tensor([ids, twin], dtype=torch.long, device=device)  # [2, T]
-            return Twins(pair, start, end, (passkey, other))
+            control = list(ids)
+            changed = next((t for t in range(start - 2, -1, -1) if ids[t] != ids[start - 1]), None)
+            if changed is None:
+                raise ValueError("the needle has no haystack token before it to change for the control")
+            control[start - 1] = ids[changed]
+            triple = torch.tensor([ids, twin, control], dtype=torch.long, device=device)  # [3, T]
+            return Twins(triple, start, end, (passkey, other))
     raise ValueError(f"no twin passkey for {passkey!r} changes only the needle's tokens in {TWIN_TRIES} tries")
 
 
-def _state_difference(cache, layer: int) -> tuple[float, float]:
-    """(|S_a - S_b|, |S_a|) of one mixer layer's state tensors in the cache of a [2, ...] batch, float64 norms."""
-    diff = norm = 0.0
+def _state_difference(cache, layer: int) -> tuple[float, float, float]:
+    """(|S_a - S_b|, |S_a - S_c|, |S_a|) of one mixer layer's state tensors in the cache of the [3, ...] batch of
+    `Twins`, float64 norms."""
+    squares = [0.0, 0.0, 0.0]
     for tensor in cache.get_mixer_state(layer):
         if tensor is None:
             continue
-        a, b = tensor[0].double(), tensor[1].double()
-        diff += (a - b).pow(2).sum().item()
-        norm += a.pow(2).sum().item()
-    return math.sqrt(diff), math.sqrt(norm)
+        a, b, c = tensor[0].double(), tensor[1].double(), tensor[2].double()
+        for i, x in enumerate((a - b, a - c, a)):
+            squares[i] += x.pow(2).sum().item()
+    return tuple(math.sqrt(x) for x in squares)
 
 
 def trace_twins(model, twins: Twins, every: int, gates: bool = True) -> dict:
-    """For one pair: {"distances", "diff": {layer: [...]}, "norm": {layer: [...]}, "decay": {layer: [...]},
-    "answer_tv"}: the twins' state difference and state norm of every mixer layer after each prefix, the SILA
-    layers' largest gate product since the first point (with `gates`), and the twins' last-token total
-    variation."""
+    """For one pair: {"distances", "diff", "control", "norm", "decay": {layer: [...]}, "answer_tv", "control_tv"}:
+    the twins' state difference, the control's, and the state norm of every mixer layer after each prefix, the
+    SILA layers' largest gate product since the first point (with `gates`), and the last token's total variation
+    between the twins and between the prompt and its control."""
     kinds = model.config.layer_mixers
     mixers = [i for i, kind in enumerate(kinds) if kind != "attention"]
     T = twins.ids.shape[1]
@@ -105,17 +117,17 @@ def trace_twins(model, twins: Twins, every: int, gates: bool = True) -> dict:
     if first > T:
         raise ValueError(f"the needle ends {T - twins.needle_end} tokens before the prompt's end; move it earlier")
     ends = list(range(first, T + 1, every))
-    out = {"distances": [e - twins.needle_end for e in ends], "diff": {}, "norm": {}, "decay": {}}
+    out = {"distances": [e - twins.needle_end for e in ends], "diff": {}, "control": {}, "norm": {}, "decay": {}}
     with analysis._eval_mode(model):
         for end in ends:
             cache = output_cache(model(input_ids=twins.ids[:, :end], use_cache=True))
             for layer in mixers:
-                diff, norm = _state_difference(cache, layer)
-                out["diff"].setdefault(layer, []).append(diff)
-                out["norm"].setdefault(layer, []).append(norm)
-        logits = model(input_ids=twins.ids).logits[:, -1].float()  # [2, V]
+                for key, value in zip(("diff", "control", "norm"), _state_difference(cache, layer)):
+                    out[key].setdefault(layer, []).append(value)
+        logits = model(input_ids=twins.ids).logits[:, -1].float()  # [3, V]
     p = logits.softmax(-1)
     out["answer_tv"] = 0.5 * (p[0] - p[1]).abs().sum().item()
+    out["control_tv"] = 0.5 * (p[0] - p[2]).abs().sum().item()
     sila = [layer for layer in mixers if kinds[layer] == "sila"]
     if sila and gates:
         inputs, _ = analysis.capture_mixer_inputs(model, twins.ids[:1], sila)
@@ -136,19 +148,22 @@ def measure_reach(model, tokenizer, length: int, depth: float, prompts: int, eve
     for i in range(prompts):
         twins = make_twins(tokenizer, length, depth, seed + i, model.device)
         traces.append(trace_twins(model, twins, every, gates=i == 0))
-        log(f"pair {i + 1}/{prompts}: passkeys {twins.passkeys}, answer TV {traces[-1]['answer_tv']:.3f}")
+        tv = f"answer TV {traces[-1]['answer_tv']:.3f} (control {traces[-1]['control_tv']:.3f})"
+        log(f"pair {i + 1}/{prompts}: passkeys {twins.passkeys}, {tv}")
     n = min(len(t["distances"]) for t in traces)
     reach = Reach(distances=[statistics.median(t["distances"][k] for t in traces) for k in range(n)])
     reach.layer_kinds = {layer: model.config.layer_mixers[layer] for layer in traces[0]["diff"]}
     for layer in traces[0]["diff"]:
-        kept, share = [], []
+        kept, control, share = [], [], []
         for k in range(n):
             kept.append(statistics.median(_ratio(t["diff"][layer][k], t["diff"][layer][0]) for t in traces))
+            control.append(statistics.median(_ratio(t["control"][layer][k], t["control"][layer][0]) for t in traces))
             share.append(statistics.median(_ratio(t["diff"][layer][k], t["norm"][layer][k]) for t in traces))
-        reach.kept[layer], reach.share[layer] = kept, share
+        reach.kept[layer], reach.control[layer], reach.share[layer] = kept, control, share
         if layer in traces[0]["decay"]:
             reach.decay[layer] = traces[0]["decay"][layer][:n]
     reach.answer_tv = [t["answer_tv"] for t in traces]
+    reach.control_tv = [t["control_tv"] for t in traces]
     return reach
 
 
@@ -157,37 +172,49 @@ def _ratio(a: float, b: float) -> float:
 
 
 def format_reach(reach: Reach, columns: int = 6) -> str:
-    """A markdown table: per mixer layer, `kept` (and SILA's `decay`) at up to `columns` distances spread over
-    the measured ones, then the pairs' answer total variation."""
+    """A markdown table: per mixer layer, `kept`, the control's and SILA's `decay` at up to `columns` distances
+    spread over the measured ones, then the last token's total variation of the twins and of the control."""
     n = len(reach.distances)
-    picks = sorted({round(k * (n - 1) / max(columns - 1, 1)) for k in range(min(columns, n))})
-    head = " | ".join(f"{int(reach.distances[k])}" for k in picks)
-    lines = [f"| layer | mixer | kept at tokens after the needle: {head} | decay (SILA) |", "| --- " * 4 + "|"]
+    m = min(columns, n)
+    picks = sorted({round(k * (n - 1) / max(m - 1, 1)) for k in range(m)})  # first and last included
+    head = " / ".join(f"{int(reach.distances[k])}" for k in picks)
+    lines = [
+        f"tokens after the needle: {head}",
+        "",
+        "| layer | mixer | passkey kept | control kept | forget-gate product (SILA) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+
+    def row(values):
+        return " / ".join(f"{values[k]:.2g}" for k in picks)
+
     for layer, kept in reach.kept.items():
-        cells = " / ".join(f"{kept[k]:.2g}" for k in picks)
-        decay = " / ".join(f"{reach.decay[layer][k]:.2g}" for k in picks) if layer in reach.decay else "-"
-        lines.append(f"| {layer} | {reach.layer_kinds[layer]} | {cells} | {decay} |")
+        decay = row(reach.decay[layer]) if layer in reach.decay else "-"
+        lines.append(f"| {layer} | {reach.layer_kinds[layer]} | {row(kept)} | {row(reach.control[layer])} | {decay} |")
     tv = ", ".join(f"{x:.3f}" for x in reach.answer_tv)
-    lines.append(f"\nthe twins' answers (total variation of the last token's distribution): {tv}")
+    control = ", ".join(f"{x:.3f}" for x in reach.control_tv)
+    lines.append(f"\nthe last token's total variation: twins {tv}; prompt and control {control}")
     return "\n".join(lines)
 
 
 def plot_reach(reach: Reach, path, title: str | None = None):
-    """kept (solid) and SILA's decay (dashed) against tokens after the needle, one colour per mixer layer."""
-    fig = analysis._figure(7.5, 4.5)
-    ax = fig.subplots()
+    """Per mixer layer (one colour each) against tokens after the needle: the passkey kept (solid), the control's
+    (dotted) and SILA's forget-gate product (dashed)."""
     from matplotlib import colormaps
 
+    fig = analysis._figure(7.5, 4.5)
+    ax = fig.subplots()
     cmap = colormaps["viridis"]
     layers = list(reach.kept)
     for i, layer in enumerate(layers):
         colour = cmap(i / max(len(layers) - 1, 1))
         ax.plot(reach.distances, reach.kept[layer], color=colour, label=f"{layer}")
+        ax.plot(reach.distances, reach.control[layer], color=colour, linestyle=":", linewidth=0.8)
         if layer in reach.decay:
             ax.plot(reach.distances, reach.decay[layer], color=colour, linestyle="--", linewidth=0.8)
     ax.set_yscale("log")
     ax.set_xlabel("tokens after the needle")
-    ax.set_ylabel("passkey kept in the state (solid), gate product (dashed)")
+    ax.set_ylabel("passkey kept (solid), control (dotted), gates (dashed)")
     ax.legend(title="layer", fontsize=6, ncol=2, loc="lower left")
     ax.set_title(title or "the needle's trace in each mixer's memory")
     return analysis._save(fig, path)

@@ -39,12 +39,13 @@ def model():
     return hybrid
 
 
-def test_twins_differ_only_inside_the_needle():
+def test_twins_differ_only_inside_the_needle_and_the_control_just_before():
     twins = M.make_twins(tiny_tokenizer(), LENGTH, 0.2, seed=3, device="cpu")
-    a, b = twins.ids
+    a, b, c = twins.ids
     differ = (a != b).nonzero().flatten().tolist()
     assert differ and twins.needle_start <= differ[0] and differ[-1] < twins.needle_end
     assert len(differ) % 5 == 0  # the 5 digits of each mention of the passkey in the needle
+    assert (a != c).nonzero().flatten().tolist() == [twins.needle_start - 1]
     assert all(x != y for x, y in zip(*twins.passkeys))  # every digit differs
 
 
@@ -56,10 +57,12 @@ def test_trace_follows_the_states(model):
     end = twins.needle_end + trace["distances"][-1]
     with torch.no_grad():  # the last point, recomputed from one full forward of the twins' prefixes
         cache = output_cache(model(input_ids=twins.ids[:, :end], use_cache=True))
-    memory = cache.get_mixer_state(0)[0]  # SILA's [2, H_kv, d, d]
+    memory = cache.get_mixer_state(0)[0]  # SILA's [3, H_kv, d, d]
     assert math.isclose(trace["diff"][0][-1], (memory[0] - memory[1]).double().norm().item(), rel_tol=1e-3)
-    assert all(d > 0 for layer in trace["diff"] for d in trace["diff"][layer])  # the passkey reaches every memory
-    assert 0 < trace["answer_tv"] <= 1
+    assert math.isclose(trace["control"][0][-1], (memory[0] - memory[2]).double().norm().item(), rel_tol=1e-3)
+    for key in ("diff", "control"):  # the passkey and the control's token reach every memory
+        assert all(d > 0 for layer in trace[key] for d in trace[key][layer])
+    assert 0 < trace["answer_tv"] <= 1 and 0 < trace["control_tv"] <= 1
 
 
 def test_sila_decay_is_the_forget_gates_product(model):
@@ -86,14 +89,17 @@ def test_sila_gate_traces_forget_gate_is_phi_of_its_preactivation(model):
 
 
 def test_measure_reach_takes_medians_and_kept_starts_at_one(model):
-    reach = M.measure_reach(model, tiny_tokenizer(), LENGTH, 0.1, prompts=2, every=100, log=lambda m: None)
+    reach = M.measure_reach(model, tiny_tokenizer(), LENGTH, 0.1, prompts=2, every=40, log=lambda m: None)
     assert set(reach.kept) == {0, 2, 3} and set(reach.decay) == {0}
     assert reach.layer_kinds == {0: "sila", 2: "sse", 3: "raven"}
     assert all(kept[0] == 1.0 for kept in reach.kept.values())
     assert all(len(v) == len(reach.distances) for v in [*reach.kept.values(), *reach.share.values()])
-    assert len(reach.answer_tv) == 2
-    table = M.format_reach(reach)
-    assert "| 0 | sila |" in table and "| 3 | raven |" in table and "total variation" in table
+    assert all(control[0] == 1.0 for control in reach.control.values())
+    assert len(reach.answer_tv) == len(reach.control_tv) == 2
+    table = M.format_reach(reach, columns=3)
+    first, last = int(reach.distances[0]), int(reach.distances[-1])
+    assert len(reach.distances) > 3 and f"after the needle: {first} / " in table and f" / {last}\n" in table
+    assert "| 0 | sila |" in table and "| 3 | raven |" in table and "prompt and control" in table
 
 
 def test_needle_past_the_end_and_bad_counts_are_clear_errors(model):
