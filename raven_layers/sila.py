@@ -48,11 +48,14 @@ class SILASettings(MixerSettings):
     feature_map: str = "silu"  # after the convolution, on q, k and v: "silu" (Gated DeltaNet) or "identity"
     output_gate: bool = True  # o * 2 sigmoid(W_g x); W_g starts at zero so the gate starts as the identity
     chunk_size: int = 16  # chunk length of `sila_chunked`, the training path; results do not depend on it
+    no_decay_heads: int = 0  # kv heads per layer whose forget gate is held at 1: only new writes overwrite them
 
     FEATURE_MAPS = ("silu", "identity")
 
     def __post_init__(self):
         self.check_positive_ints("conv_size", "chunk_size")
+        if not self.is_int(self.no_decay_heads) or self.no_decay_heads < 0:
+            self.fail("no_decay_heads", "an integer >= 0 (at most the source's num_key_value_heads)")
         if self.feature_map not in self.FEATURE_MAPS:
             self.fail("feature_map", f"one of {list(self.FEATURE_MAPS)}")
         self.check_bools("output_gate")
@@ -242,12 +245,18 @@ class SILAMixer(Mixer):
     INIT_BETA = 0.25  # beta at initialisation, for every token
     INIT_GAMMA = 0.999  # gamma at initialisation: just below 1, see reset_mixer_parameters
     INIT_ALPHA = 0.9  # alpha at initialisation
+    NO_DECAY_BIAS = 1.0  # the forget-gate bias of a no-decay head: any value >= 0 holds phi at exactly 1
 
     def __init__(self, config, layer_idx: int, settings: SILASettings, source_has_qk_norm: bool = False):
         super().__init__(config, layer_idx, settings)
         hidden = config.hidden_size
         H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         self.use_qk_norm = self.source_has_qk_norm = source_has_qk_norm
+        if settings.no_decay_heads > Hkv:
+            raise ValueError(
+                f"sila.no_decay_heads = {settings.no_decay_heads!r} is not allowed; expected an integer in [0, {Hkv}] "
+                f"(the source attention has num_key_value_heads={Hkv})"
+            )
         if self.use_qk_norm:  # the teacher's norms; before the L2 normalisation they act as per-dim key/query scales
             self.q_norm = RMSNorm(d, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(d, eps=config.rms_norm_eps)
@@ -279,6 +288,10 @@ class SILAMixer(Mixer):
           Not exactly 1: phi is flat at 1 for x >= 0, so with W_g1 = W_g2 = 0 a bias >= 0 would make every gradient
           reaching W_g1, W_g2 and the bias exactly 0, and the forget gate could never learn. Just below 0 the
           slope is phi'(-0.0447) = 0.045 > 0 while decay is negligible next to the teacher's full context.
+          The first `no_decay_heads` kv heads take that flat part on purpose: bias NO_DECAY_BIAS >= 0, so their
+          gamma is exactly 1 and, with W_g1 = W_g2 = 0, no gradient ever moves it (nor those rows of W_g1, W_g2).
+          They forget only by the delta rule's overwriting, so what they store can outlast a sliding window
+          (docs/RESULTS.md, eleventh round: the learned gates forget within ~3K tokens in most layers).
         - alpha: bias logit(0.9) = log 9. The current token enters the output at nearly full weight, as in the
           teacher's heads where each token attends to itself, while the slope 0.09 leaves alpha trainable.
         - Output gate: W_g = 0, and the gate is 2 sigmoid(W_g x), so it starts as the identity.
@@ -286,6 +299,7 @@ class SILAMixer(Mixer):
         beta_bias = math.log(self.INIT_BETA / (1 - self.INIT_BETA))
         gamma_bias = -math.acosh(1 / self.INIT_GAMMA)
         alpha_bias = math.log(self.INIT_ALPHA / (1 - self.INIT_ALPHA))
+        no_decay = torch.arange(self.settings.no_decay_heads, device=self.gamma_bias.device)
 
         def identity_conv(p):
             p.zero_()
@@ -298,7 +312,7 @@ class SILAMixer(Mixer):
             "beta_bias": lambda p: p.fill_(beta_bias),
             "gamma_state_weight": lambda p: p.zero_(),
             "gamma_weight": lambda p: p.zero_(),
-            "gamma_bias": lambda p: p.fill_(gamma_bias),
+            "gamma_bias": lambda p: p.fill_(gamma_bias).index_fill_(0, no_decay, self.NO_DECAY_BIAS),
             "alpha_weight": lambda p: p.zero_(),
             "alpha_bias": lambda p: p.fill_(alpha_bias),
             "gate_weight": lambda p: p.zero_(),

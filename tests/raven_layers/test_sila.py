@@ -284,6 +284,16 @@ def test_settings_round_trip():
         ({"chunk_size": 2.5}, "sila.chunk_size = 2.5 is not allowed; expected an integer >= 1"),
         ({"feature_map": "relu"}, "sila.feature_map = 'relu' is not allowed; expected one of ['silu', 'identity']"),
         ({"output_gate": "yes"}, "sila.output_gate = 'yes' is not allowed; expected true or false"),
+        (
+            {"no_decay_heads": -1},
+            "sila.no_decay_heads = -1 is not allowed; expected an integer >= 0 (at most the source's "
+            "num_key_value_heads)",
+        ),
+        (
+            {"no_decay_heads": True},
+            "sila.no_decay_heads = True is not allowed; expected an integer >= 0 (at most the source's "
+            "num_key_value_heads)",
+        ),
     ],
 )
 def test_bad_settings_are_named(settings, message):
@@ -295,6 +305,53 @@ def test_bad_settings_are_named(settings, message):
 def test_unknown_setting_lists_the_allowed_ones_and_suggests_the_closest():
     with pytest.raises(ValueError) as err:
         SILASettings.from_dict({"qk_norm": True, "conv": 3})
-    allowed = "['conv_size', 'feature_map', 'output_gate', 'chunk_size']"
+    allowed = "['conv_size', 'feature_map', 'output_gate', 'chunk_size', 'no_decay_heads']"
     hint = "'conv': did you mean 'conv_size'?"  # qk_norm is near no SILA setting: no guess for it
     assert str(err.value) == f"unknown SILA setting(s) ['conv', 'qk_norm']; {hint} allowed: {allowed}"
+
+
+def test_more_no_decay_heads_than_the_source_has_is_named():
+    with pytest.raises(ValueError) as err:
+        SILAMixer(config(), 0, SILASettings(no_decay_heads=3))
+    assert str(err.value) == (
+        "sila.no_decay_heads = 3 is not allowed; expected an integer in [0, 2] (the source attention has "
+        "num_key_value_heads=2)"
+    )
+
+
+def forget_gates(mixer, x):
+    """gamma [B, T, H_kv] of the mixer on x with its memory-dependent term, from the exact token-by-token memory."""
+    (q, k, v, alpha, beta_x, gamma_x), _ = mixer.recurrence_inputs(x)
+    gammas, memory = [], None
+    for t in range(x.shape[1]):
+        step = slice(t, t + 1)
+        recalled = 0.0 if memory is None else torch.einsum("bhvk,bhk->bhv", memory, k[:, t])
+        gammas.append(sila_phi((recalled * mixer.gamma_state_weight).sum(-1) + gamma_x[:, t]))
+        args = (q[:, step], k[:, step], v[:, step], alpha[:, step], beta_x[:, step], gamma_x[:, step])
+        _, memory = sila_recurrent(*args, mixer.beta_state_weight, mixer.gamma_state_weight, memory)
+    return torch.stack(gammas, dim=1)
+
+
+def test_no_decay_heads_keep_gamma_at_one_through_training():
+    """The first no_decay_heads kv heads forget nothing (gamma = 1 exactly, memory term included) and stay so under
+    training: no gradient reaches their forget-gate parameters, while the other heads' gates learn."""
+    torch.manual_seed(0)
+    mixer = SILAMixer(config(), 0, SILASettings(chunk_size=4, no_decay_heads=1))
+    assert mixer.gamma_bias[0] == SILAMixer.NO_DECAY_BIAS and mixer.gamma_bias[1] < 0
+    start = {n: getattr(mixer, n).detach().clone() for n in ("gamma_bias", "gamma_weight", "gamma_state_weight")}
+    optimizer = torch.optim.Adam(mixer.parameters(), lr=1e-2)
+    x, target = torch.randn(2, 13, 32), torch.randn(2, 13, 32)
+    for _ in range(5):
+        optimizer.zero_grad()
+        out, _ = mixer(x)
+        (out - target).pow(2).mean().backward()
+        assert mixer.gamma_bias.grad[0] == 0 and mixer.gamma_bias.grad[1] != 0
+        optimizer.step()
+    for name, before in start.items():
+        after = getattr(mixer, name)
+        assert torch.equal(after[0], before[0]), name  # the no-decay head's row is untouched
+        assert not torch.equal(after[1], before[1]), name  # the other head's gate learned
+    with torch.no_grad():
+        gamma = forget_gates(mixer, torch.randn(2, 9, 32))  # [B, T, H_kv]
+    assert torch.equal(gamma[..., 0], torch.ones_like(gamma[..., 0]))
+    assert (gamma[..., 1] < 1).any()
