@@ -48,6 +48,8 @@
 #   MIXER-far-windows  MIXER-trained-windows whose extend rows carry far facts (extend.retrieval: half the text
 #                  retrieval samples of 0.7-0.95 of a row with every fact in its first quarter, over 4K tokens from
 #                  its question), so the mixers learn to carry what the windows drop (recipes/README.md);
+#   sila-nodecay-windows  sila-far-windows with one kv head per SILA layer held at gamma = 1 (no_decay_heads: 1),
+#                  so that its memory can outlast the 4K window (docs/RESULTS.md, eleventh round)
 #   raven-graphed  Raven's GPU graph tests (tests/convert/train/test_graphs.py), then, where they pass, its
 #                  recipe with Raven declared graph_safe in the job's snapshot: align, train and extend as CUDA
 #                  graphs (distillation inside them), against the raven job's eager stages;
@@ -193,6 +195,9 @@ PY
   raven-far-windows | sse-far-windows | sila-far-windows)
     trained "${1%%-*}" "$1" --set sliding_window=4096 "${FAR_FACTS[@]}"
     ;;
+  sila-nodecay-windows)
+    trained sila "$1" --set sliding_window=4096 "${FAR_FACTS[@]}" --set mixer_settings.sila.no_decay_heads=1
+    ;;
   raven-graphed)
     # Raven's training steps as CUDA graphs, which its spec does not declare (slower so far): its GPU graph tests
     # first (the log says which failed), then the recipe in this job's own snapshot with graph_safe=True
@@ -231,7 +236,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-try-NAME (MIXER: raven, sse or sila)" \
-      "raven-graphed raven-graphed-profile sse-every2 sse-window-choice sse-noretrieval sse-noextend" \
+      "sila-nodecay-windows raven-graphed raven-graphed-profile sse-every2 sse-window-choice sse-noretrieval sse-noextend" \
       "sse-norouter reach-RUN speed" >&2
     return 2
     ;;

@@ -59,6 +59,7 @@ class Reach:
     control: dict[int, list[float]] = field(default_factory=dict)
     share: dict[int, list[float]] = field(default_factory=dict)
     decay: dict[int, list[float]] = field(default_factory=dict)  # SILA layers only, the first pair's
+    decay_heads: dict[int, list[list[float]]] = field(default_factory=dict)  # the same per kv head, [distance][head]
     answer_tv: list[float] = field(default_factory=list)  # one per pair
     control_tv: list[float] = field(default_factory=list)
     layer_kinds: dict[int, str] = field(default_factory=dict)
@@ -106,7 +107,8 @@ def _state_difference(cache, layer: int) -> tuple[float, float, float]:
 
 
 def trace_twins(model, twins: Twins, every: int, gates: bool = True) -> dict:
-    """For one pair: {"distances", "diff", "control", "norm", "decay": {layer: [...]}, "answer_tv", "control_tv"}:
+    """For one pair: {"distances", "diff", "control", "norm", "decay", "decay_heads": {layer: [...]}, "answer_tv",
+    "control_tv"}:
     the twins' state difference, the control's, and the state norm of every mixer layer after each prefix, the
     SILA layers' largest gate product since the first point (with `gates`), and the last token's total variation
     between the twins and between the prompt and its control."""
@@ -117,7 +119,8 @@ def trace_twins(model, twins: Twins, every: int, gates: bool = True) -> dict:
     if first > T:
         raise ValueError(f"the needle ends {T - twins.needle_end} tokens before the prompt's end; move it earlier")
     ends = list(range(first, T + 1, every))
-    out = {"distances": [e - twins.needle_end for e in ends], "diff": {}, "control": {}, "norm": {}, "decay": {}}
+    out = {"distances": [e - twins.needle_end for e in ends], "diff": {}, "control": {}, "norm": {}}
+    out |= {"decay": {}, "decay_heads": {}}
     with analysis._eval_mode(model):
         for end in ends:
             cache = output_cache(model(input_ids=twins.ids[:, :end], use_cache=True))
@@ -135,6 +138,7 @@ def trace_twins(model, twins: Twins, every: int, gates: bool = True) -> dict:
             _, gamma = analysis.sila_gate_traces(model.model.layers[layer].self_attn, inputs[layer])  # [T, H_kv]
             log_kept = gamma.clamp_min(1e-30).log().double().cumsum(0)  # [T, H_kv]
             since = log_kept[[e - 1 for e in ends]] - log_kept[first - 1]  # gates of tokens first .. e - 1
+            out["decay_heads"][layer] = since.exp().tolist()
             out["decay"][layer] = since.exp().amax(-1).tolist()
     return out
 
@@ -162,6 +166,7 @@ def measure_reach(model, tokenizer, length: int, depth: float, prompts: int, eve
         reach.kept[layer], reach.control[layer], reach.share[layer] = kept, control, share
         if layer in traces[0]["decay"]:
             reach.decay[layer] = traces[0]["decay"][layer][:n]
+            reach.decay_heads[layer] = traces[0]["decay_heads"][layer][:n]
     reach.answer_tv = [t["answer_tv"] for t in traces]
     reach.control_tv = [t["control_tv"] for t in traces]
     return reach

@@ -74,6 +74,7 @@ def test_sila_decay_is_the_forget_gates_product(model):
     for k, distance in enumerate(trace["distances"]):
         expected = gamma[first : twins.needle_end + distance].double().prod(0).max().item()
         assert math.isclose(trace["decay"][0][k], expected, rel_tol=1e-6)
+        assert max(trace["decay_heads"][0][k]) == trace["decay"][0][k] and len(trace["decay_heads"][0][k]) == 2
     assert trace["decay"][0][0] == 1.0 and trace["decay"][0][-1] < 1.0  # perturbed gates decay
 
 
