@@ -16,10 +16,10 @@ needle itself or carried in by the layers below:
 
 For SILA layers the decay alone is traced beside them (`decay`, of the first pair: the exact gates step token by
 token): the product of the forget gates gamma_t since that point, memory-dependent terms included
-(`analysis.sila_gate_traces`), for the kv head that forgets least. Where
-`kept` falls far below `decay`, the delta rule's later writes erase the passkey, not the forget gate. At the
-prompt's end the twins' next-token distributions are compared (`answer_tv`, their total variation distance): 0 when
-the model's answer does not depend on the passkey at all.
+(`analysis.sila_gate_traces`), for the kv head that forgets least (`decay_heads`: every head's). Where `kept` falls
+far below `decay`, the delta rule's later writes erase the passkey, not the forget gate. At the prompt's end the
+next-token distributions are compared (`answer_tv` between the twins, `control_tv` between the prompt and its
+control; total variation distance): 0 when the model's answer does not depend on the passkey at all.
 """
 
 from __future__ import annotations
@@ -108,10 +108,9 @@ def _state_difference(cache, layer: int) -> tuple[float, float, float]:
 
 def trace_twins(model, twins: Twins, every: int, gates: bool = True) -> dict:
     """For one pair: {"distances", "diff", "control", "norm", "decay", "decay_heads": {layer: [...]}, "answer_tv",
-    "control_tv"}:
-    the twins' state difference, the control's, and the state norm of every mixer layer after each prefix, the
-    SILA layers' largest gate product since the first point (with `gates`), and the last token's total variation
-    between the twins and between the prompt and its control."""
+    "control_tv"}: the twins' state difference, the control's, and the state norm of every mixer layer after each
+    prefix, the SILA layers' gate products since the first point (with `gates`; each head's and the largest), and
+    the last token's total variation between the twins and between the prompt and its control."""
     kinds = model.config.layer_mixers
     mixers = [i for i, kind in enumerate(kinds) if kind != "attention"]
     T = twins.ids.shape[1]
@@ -123,11 +122,11 @@ def trace_twins(model, twins: Twins, every: int, gates: bool = True) -> dict:
     out |= {"decay": {}, "decay_heads": {}}
     with analysis._eval_mode(model):
         for end in ends:
-            cache = output_cache(model(input_ids=twins.ids[:, :end], use_cache=True))
+            cache = output_cache(model(input_ids=twins.ids[:, :end], use_cache=True, logits_to_keep=1))
             for layer in mixers:
                 for key, value in zip(("diff", "control", "norm"), _state_difference(cache, layer)):
                     out[key].setdefault(layer, []).append(value)
-        logits = model(input_ids=twins.ids).logits[:, -1].float()  # [3, V]
+        logits = model(input_ids=twins.ids, logits_to_keep=1).logits[:, -1].float()  # [3, V]
     p = logits.softmax(-1)
     out["answer_tv"] = 0.5 * (p[0] - p[1]).abs().sum().item()
     out["control_tv"] = 0.5 * (p[0] - p[2]).abs().sum().item()
@@ -136,7 +135,9 @@ def trace_twins(model, twins: Twins, every: int, gates: bool = True) -> dict:
         inputs, _ = analysis.capture_mixer_inputs(model, twins.ids[:1], sila)
         for layer in sila:
             _, gamma = analysis.sila_gate_traces(model.model.layers[layer].self_attn, inputs[layer])  # [T, H_kv]
-            log_kept = gamma.clamp_min(1e-30).log().double().cumsum(0)  # [T, H_kv]
+            log_kept = (
+                gamma.clamp_min(1e-30).log().double().cumsum(0)
+            )  # [T, H_kv]; a gate underflowing to 0 stays finite
             since = log_kept[[e - 1 for e in ends]] - log_kept[first - 1]  # gates of tokens first .. e - 1
             out["decay_heads"][layer] = since.exp().tolist()
             out["decay"][layer] = since.exp().amax(-1).tolist()
