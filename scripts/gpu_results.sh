@@ -236,8 +236,8 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-try-NAME (MIXER: raven, sse or sila)" \
-      "sila-nodecay-windows raven-graphed raven-graphed-profile sse-every2 sse-window-choice sse-noretrieval sse-noextend" \
-      "sse-norouter reach-RUN speed" >&2
+      "sila-nodecay-windows raven-graphed raven-graphed-profile sse-every2 sse-window-choice sse-noretrieval" \
+      "sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;
   esac
