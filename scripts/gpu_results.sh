@@ -8,12 +8,12 @@
 # about 18 MB: the model in thirds, `split -n 3 MODEL .carry/m3/smollm2.gguf.part-`, wheels from
 # ../shared/tools/gpu-prep.sh in .whl with pydantic's, which the image lacks too (its `pip download` line with
 # pydantic pydantic-core annotated-types typing-inspection), the corpus split into .carry/corpus-*):
-#   carry .carry/m3/smollm2.gguf.part-aa .whl .carry/corpus-a:
-#     mkdir -p ~/cache/corpus && cp .carry/m3/smollm2.gguf.part-aa ~/cache/ && cp .carry/corpus-a/* ~/cache/corpus/ &&
-#     source scripts/device_env.sh            # installs the wheels into /tmp/site, where later calls find them
-#   carry .carry/m3/smollm2.gguf.part-ab .carry/corpus-b .carry/pg_essays:
+#   carry .carry/m3/smollm2.gguf.part-aa .carry/corpus-a:
+#     mkdir -p ~/cache/corpus && cp .carry/m3/smollm2.gguf.part-aa ~/cache/ && cp .carry/corpus-a/* ~/cache/corpus/
+#   carry .carry/m3/smollm2.gguf.part-ab .whl .carry/corpus-b .carry/pg_essays:
 #     cp .carry/m3/smollm2.gguf.part-ab ~/cache/ && cp .carry/corpus-b/* ~/cache/corpus/ &&
-#     cp -r .carry/pg_essays ~/cache/essays
+#     cp -r .carry/pg_essays ~/cache/essays && source scripts/device_env.sh   # the wheels into /tmp/site, for later
+#     calls (the checkout, 22 MB, leaves no room for the wheels beside the first third and corpus-a)
 #   carry .carry/m3/smollm2.gguf.part-ac .carry/corpus-c:
 #     cat ~/cache/smollm2.gguf.part-a? .carry/m3/smollm2.gguf.part-ac > ~/cache/smollm2.gguf &&
 #     cp .carry/corpus-c/* ~/cache/corpus/ && ... start ...
