@@ -325,7 +325,6 @@ def align(
         now = time.perf_counter()
         clock["tokens"] += step_tokens
         rate = clock["tokens"] / max(now - clock["start"], 1e-9)
-        counted_after = first + untimed_steps(captured) - 1  # the rate counts from this step's end (0-based steps)
         if step <= counted_after:
             clock.update(first_step_seconds=now - clock["start"], start=now, tokens=0)
         record = {"step": step, "loss": values[0], "layers": dict(zip(layers, values[1:]))}
@@ -377,6 +376,7 @@ def align(
         return stacked
 
     captured = CapturedStep(whole_step) if graphs else None
+    counted_after = first + untimed_steps(captured) - 1  # the rate counts from this step's end (0-based steps)
     try:
         # the teacher's linear weights in bf16 while the loop runs (exact under bf16 autocast; precision.py)
         bf16 = mixed_precision == "bf16" and not parallel.sharded

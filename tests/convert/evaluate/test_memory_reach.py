@@ -14,7 +14,7 @@ from raven_convert import build_hybrid
 from raven_convert.evaluate import analysis as A
 from raven_convert.evaluate import memory_reach as M
 from raven_layers.cache import output_cache
-from raven_layers.sila import sila_phi
+from raven_layers.sila import sila_chunked, sila_phi
 from tests.conftest import tiny_config, tiny_tokenizer
 
 KINDS = ["sila", "attention", "sse", "raven"]
@@ -87,6 +87,13 @@ def test_sila_gate_traces_forget_gate_is_phi_of_its_preactivation(model):
     with torch.no_grad():  # first token: memory 0, so gamma = phi(W_g2 x + b)
         x = inputs[0][0, 0]
         torch.testing.assert_close(gamma[0], sila_phi(x @ mixer.gamma_weight.T + mixer.gamma_bias))
+        # later tokens: M_{t-1} from the chunked form over the prefix, an independent computation of the memory
+        (q, k, v, alpha, bx, gx), _ = mixer.recurrence_inputs(inputs[0])
+        wb, wg = mixer.beta_state_weight, mixer.gamma_state_weight
+        for t in (1, 7, ids.numel() - 1):
+            _, memory = sila_chunked(q[:, :t], k[:, :t], v[:, :t], alpha[:, :t], bx[:, :t], gx[:, :t], wb, wg)
+            recalled = torch.einsum("hvk,hk->hv", memory[0], k[0, t])
+            torch.testing.assert_close(gamma[t], sila_phi((recalled * wg).sum(-1) + gx[0, t]), rtol=1e-5, atol=1e-6)
 
 
 def test_measure_reach_takes_medians_and_kept_starts_at_one(model):
