@@ -54,6 +54,8 @@
 #                  recipe with Raven declared graph_safe in the job's snapshot: align, train and extend as CUDA
 #                  graphs (distillation inside them), against the raven job's eager stages;
 #   raven-graphed-profile  Raven's graphed train step under the profiler (scripts/profile_train.py);
+#   raven-graphed-bench  Raven's train stage eager and graphed, declared graph_safe, 60 steps (scripts/bench_graphs.py,
+#                  no weights needed): whether its graphs pay before a whole recipe uses them;
 #   MIXER-try-NAME  the MIXER job with TRY_ARGS (overrides split at spaces, so lists without them: TRY_ARGS="--set
 #                  extend.steps=300 --set evaluate.lengths=[1024,2048]") into the run MIXER-try-NAME: a one-off
 #                  experiment, named by what it tries;
@@ -209,6 +211,10 @@ PY
     declare_raven_graph_safe && python3 scripts/profile_train.py recipes/smollm2-raven.yaml --src "$TEACHER" \
       --data "$CORPUS" --stage train --out "$RUNS/$1"
     ;;
+  raven-graphed-bench)
+    declare_raven_graph_safe && (cd scripts && python3 bench_graphs.py --stage train --mixer raven --steps 60 \
+      --whole-rows 2)
+    ;;
   raven-try-* | sse-try-* | sila-try-*)
     local tries
     read -ra tries <<< "${TRY_ARGS:?set TRY_ARGS to the overrides this experiment tries}"
@@ -236,8 +242,8 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-try-NAME (MIXER: raven, sse or sila)" \
-      "sila-nodecay-windows raven-graphed raven-graphed-profile sse-every2 sse-window-choice sse-noretrieval" \
-      "sse-noextend sse-norouter reach-RUN speed" >&2
+      "sila-nodecay-windows raven-graphed raven-graphed-profile raven-graphed-bench sse-every2 sse-window-choice" \
+      "sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;
   esac
