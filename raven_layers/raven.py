@@ -327,7 +327,5 @@ MIXER = MixerSpec(
     kernels="raven_kernels.raven",
     references=(raven_recurrent, raven_chunked),
     pictures="raven_convert.evaluate.pictures:raven_pictures",
-    # captured steps compute the eager ones' (the GPU tests of test_graphs.py pass); a bench measured them at half
-    # the eager rate, compilation inside the capture included (docs/TRAINING_SPEED.md): eager until measured again
-    graph_safe=False,
+    graph_safe=True,  # in a capture the in-chunk kernels take their exact forms, which pick per slot block
 )

@@ -65,17 +65,15 @@ def hybrid_models(device="cpu", layers: str = "0,2", mixer: str = "sila"):
     return teacher, build_hybrid(teacher, plan_layers([(mixer, layers)], 4), settings).to(device)
 
 
-# mixers the GPU tests capture: SILA and SSE (declared graph_safe), and Raven, whose captured steps compute the
-# eager ones' but run slower (raven_layers/raven.py)
-GRAPHED_MIXERS = ["sila", "sse", "raven"]
+GRAPHED_MIXERS = ["sila", "sse", "raven"]  # every mixer the registry declares graph_safe, captured on the GPU
 
 
-def declared_graph_safe(monkeypatch, mixer: str) -> None:
-    """The registry's `mixer` declared graph_safe for this test, and SSE's and Raven's state scan pinned to the
-    sequential kernel: it is chosen from the documents' count, which padding raises past the split form's range, so
-    an eager run on unpadded documents would scan otherwise and round otherwise on a GPU."""
+def declared_graph_safe(monkeypatch, mixer: str, safe: bool = True) -> None:
+    """The registry's `mixer` declared graph_safe (or, with safe=False, not) for this test, and SSE's and Raven's
+    state scan pinned to the sequential kernel: it is chosen from the documents' count, which padding raises past the
+    split form's range, so an eager run on unpadded documents would scan otherwise and round otherwise on a GPU."""
     spec = registry.get_mixer(mixer)
-    monkeypatch.setitem(registry._mixers, mixer, dataclasses.replace(spec, graph_safe=True))
+    monkeypatch.setitem(registry._mixers, mixer, dataclasses.replace(spec, graph_safe=safe))
     monkeypatch.setattr(sse_chunk, "split_scan", lambda programs: False)
     monkeypatch.setattr(raven_chunk, "split_scan", lambda M, D, NH: False)
 
@@ -136,7 +134,13 @@ def test_padded_documents_change_no_loss_or_gradient(mixer, monkeypatch):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
 
 
-def test_graphs_are_used_only_where_they_can_run():
+def test_every_mixer_is_declared_graph_safe():
+    assert sorted(GRAPHED_MIXERS) == sorted(name for name in registry.mixer_names() if registry.is_builtin(name))
+    assert all(registry.get_mixer(name).graph_safe for name in GRAPHED_MIXERS)
+
+
+def test_graphs_are_used_only_where_they_can_run(monkeypatch):
+    declared_graph_safe(monkeypatch, "raven", safe=False)  # a mixer without the declaration
     _, hybrid = hybrid_models()
     assert resolve_graphs(False, hybrid, "cuda") is False
     assert resolve_graphs("auto", hybrid, "cpu") is False
@@ -155,7 +159,8 @@ def test_graphs_are_used_only_where_they_can_run():
         resolve_graphs("yes", hybrid, "cuda")
 
 
-def test_recipe_refuses_graphs_for_mixers_that_cannot_run_them():
+def test_recipe_refuses_graphs_for_mixers_that_cannot_run_them(monkeypatch):
+    declared_graph_safe(monkeypatch, "raven", safe=False)
     base = {"source": "m", "layers": [{"mixer": "raven", "layers": "0-3"}]}
     with pytest.raises(ValueError, match="align.cuda_graphs = true needs mixers declared graph_safe; raven is not"):
         Recipe.model_validate(base | {"align": {"cuda_graphs": True}})
