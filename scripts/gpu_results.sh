@@ -50,12 +50,9 @@
 #                  its question), so the mixers learn to carry what the windows drop (recipes/README.md);
 #   sila-nodecay-windows  sila-far-windows with one kv head per SILA layer held at gamma = 1 (no_decay_heads: 1),
 #                  so that its memory can outlast the 4K window (docs/RESULTS.md, eleventh round)
-#   raven-graphed  Raven's GPU graph tests (tests/convert/train/test_graphs.py), then, where they pass, its
-#                  recipe with Raven declared graph_safe in the job's snapshot: align, train and extend as CUDA
-#                  graphs (distillation inside them), against the raven job's eager stages;
-#   raven-graphed-profile  Raven's graphed train step under the profiler (scripts/profile_train.py);
-#   raven-graphed-bench  Raven's train stage eager and graphed, declared graph_safe, 60 steps (scripts/bench_graphs.py,
-#                  no weights needed): whether its graphs pay before a whole recipe uses them;
+#   profile-MIXER  the MIXER recipe's train step under the profiler (scripts/profile_train.py), as the recipe runs it;
+#   bench-MIXER    MIXER's train stage eager and as CUDA graphs at 8 and 16 rows a step (scripts/bench_graphs.py, no
+#                  weights needed);
 #   MIXER-try-NAME  the MIXER job with TRY_ARGS (overrides split at spaces, so lists without them: TRY_ARGS="--set
 #                  extend.steps=300 --set evaluate.lengths=[1024,2048]") into the run MIXER-try-NAME: a one-off
 #                  experiment, named by what it tries;
@@ -128,18 +125,6 @@ wait_trained() {  # wait_trained RUN: until the job RUN has its trained model (e
   done
 }
 
-declare_raven_graph_safe() {  # in this job's own snapshot only
-  python3 - raven_layers/raven.py <<'PY'
-import sys
-from pathlib import Path
-
-path = Path(sys.argv[1])
-text = path.read_text()
-assert text.count("    graph_safe=False,\n") == 1, path
-path.write_text(text.replace("    graph_safe=False,\n", "    graph_safe=True,\n"))
-PY
-}
-
 run() {
   case $1 in
   teacher)
@@ -200,20 +185,12 @@ PY
   sila-nodecay-windows)
     trained sila "$1" --set sliding_window=4096 "${FAR_FACTS[@]}" --set mixer_settings.sila.no_decay_heads=1
     ;;
-  raven-graphed)
-    # Raven's training steps as CUDA graphs, which its spec does not declare (slower so far): its GPU graph tests
-    # first (the log says which failed), then the recipe in this job's own snapshot with graph_safe=True
-    python3 -m pytest -o addopts="" -q -rfE -m gpu tests/convert/train/test_graphs.py -k raven || return 1
-    declare_raven_graph_safe && trained raven "$1"
+  profile-raven | profile-sse | profile-sila)
+    python3 scripts/profile_train.py "recipes/smollm2-${1#profile-}.yaml" --src "$TEACHER" --data "$CORPUS" \
+      --stage train --out "$RUNS/$1"
     ;;
-  raven-graphed-profile)
-    # where Raven's graphed train step spends its time (it ran at half the eager rate: docs/TRAINING_SPEED.md)
-    declare_raven_graph_safe && python3 scripts/profile_train.py recipes/smollm2-raven.yaml --src "$TEACHER" \
-      --data "$CORPUS" --stage train --out "$RUNS/$1"
-    ;;
-  raven-graphed-bench)
-    declare_raven_graph_safe && (cd scripts && python3 bench_graphs.py --stage train --mixer raven --steps 60 \
-      --whole-rows 2)
+  bench-raven | bench-sse | bench-sila)
+    (cd scripts && python3 bench_graphs.py --stage train --mixer "${1#bench-}" --steps 60 --rows 8 16 --whole-rows 2)
     ;;
   raven-try-* | sse-try-* | sila-try-*)
     local tries
@@ -242,8 +219,8 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-try-NAME (MIXER: raven, sse or sila)" \
-      "sila-nodecay-windows raven-graphed raven-graphed-profile raven-graphed-bench sse-every2 sse-window-choice" \
-      "sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
+      "sila-nodecay-windows profile-MIXER bench-MIXER sse-every2 sse-window-choice sse-noretrieval sse-noextend" \
+      "sse-norouter reach-RUN speed" >&2
     return 2
     ;;
   esac
