@@ -14,6 +14,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest -n (xdist) every worker takes one core: torch's own threads on top of the workers oversubscribe the
+# cores, and its thread pools then wait on each other (a test of 2 s took 30). OMP_NUM_THREADS: the processes tests
+# start (torchrun, a clean interpreter) inherit it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 from tokenizers import Tokenizer, decoders, models  # noqa: E402
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 

@@ -9,7 +9,8 @@ from raven_convert.cli import main
 from raven_layers import output_cache
 from tests.helpers import run_without_toolkit
 
-pytestmark = pytest.mark.slow
+# one xdist worker takes them all, so the model is dequantised once (pytest -n, --dist loadgroup)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("smollm2")]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 

@@ -1,6 +1,14 @@
 """The small operations compiled while a stage trains (the mixers' glue, the layers' norms and MLPs): the same
 outputs and gradients as eager, each part compiled once for all its layers, everything put back afterwards; "auto"
-compiles on CUDA only."""
+compiles on CUDA only.
+
+On the CPU the parts compile with dynamo's `aot_eager` backend: the tracing, guards, recompiles and AOT autograd's
+forward and backward graphs that a stage relies on, with eager kernels. Inductor's CPU code (C++, a minute of
+compiling here) is a path no stage takes; inductor on the GPU is checked against eager by the GPU tests of
+test_graphs.py (`compile=True`).
+"""
+
+import functools
 
 import pytest
 import torch
@@ -21,6 +29,15 @@ from tests.convert.train.test_precision import packed_rows
 from tests.raven_layers.test_hybrid_model import perturb_fresh_parameters
 
 SETTINGS = {"raven": {"num_slots": 16, "top_k": 4, "gumbel": False}, "sse": {"lora_rank": 8}, "sila": {}}
+
+
+@pytest.fixture(autouse=True)
+def aot_eager_on_cpu(monkeypatch):
+    """torch.compile (which nn.Module.compile calls too) with the aot_eager backend while CUDA is absent, and the
+    mixers' compiled glue built afresh with it."""
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+        monkeypatch.setattr(common, "_COMPILED", {})
 
 
 @pytest.fixture(scope="module")
