@@ -179,7 +179,7 @@ class ChunkGLAFunction(torch.autograd.Function):
             # sum_g q dq - k dk by position; without a gather sse_bwd_kernel_dg turns it into dg in place
             in_place = dg.dtype == torch.float32 and not gather
             db = dg if in_place else torch.empty(L, H, K, device=dev, dtype=torch.float32)
-            run = torch.empty(Nc, H, NS, K, device=dev, dtype=torch.float32)  # chunk-wide gate term, per sub-chunk
+            run = _new((Nc, H, NS, K), q, torch.float32)  # chunk-wide gate term, per sub-chunk
             layout = (src, cu, chunk_seq, chunk_pos, scale, H)
             sse_bwd_kernel_dA[(Nc, H * G)](v, do, dA, *layout, G, V, BT, BV, M, gather)
             bk = min(BK, BLOCK_K["dqk_gather" if gather else "dqk"])

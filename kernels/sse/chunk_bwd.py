@@ -139,6 +139,10 @@ def sse_bwd_kernel_dqk(
     DT = q.dtype.element_ty
     o_t, o_r, o_k, o_v = tl.arange(0, BT), tl.arange(0, BC), i_k * BK + tl.arange(0, BK), tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
+    p_run = run + ((i_c.to(tl.int64) * H + i_h) * (BT // BC) + i) * K + o_k
+    if i * BC >= n:  # a sub-chunk past a short chunk's last row: no rows to write, no share of the gate term
+        tl.store(p_run, tl.zeros([BK], dtype=tl.float32), mask=m_k)
+        return
     m_t = o_t < n
     rows = i * BC + o_r
     m_r = rows < n
@@ -163,7 +167,7 @@ def sse_bwd_kernel_dqk(
     if i == 0:
         b_h = tl.load(hs + offs_kv, mask=m_kv, other=0.0).to(tl.float32)
         b_run += tl.exp(b_bl) * tl.sum(b_dh.to(tl.float32) * b_h, axis=1)
-    tl.store(run + ((i_c.to(tl.int64) * H + i_h) * (BT // BC) + i) * K + o_k, b_run, mask=m_k)
+    tl.store(p_run, b_run, mask=m_k)
     b_qdq = tl.zeros([BC, BK], dtype=tl.float32)
     b_ref_k = tl.load(gc + ((bos + tl.minimum(i * BC + BC - 1, last)) * H + i_h) * K + o_k, mask=m_k, other=0.0)
     for i_g in range(G):

@@ -295,7 +295,7 @@ def sse_fwd_kernel_o_exact(
     bos, n = sse_chunk(cu, chunk_seq, chunk_pos, i_c, BT)
     if ON_DEVICE:
         n = tl.where(tl.load(exact) != 0, n, 0)  # the fast kernel serves this batch
-    if n <= 0:  # a spare chunk past the packed sequences' last (_chunk_layout), or the other form's batch
+    if n <= i * BC:  # a spare chunk, the other form's batch, or a sub-chunk past a short chunk's last row
         return
     last = tl.minimum(n, BT) - 1
     DT = q.dtype.element_ty
