@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+TILE_KEYS = 4096  # int64 keys a program sorts at most, [BR, BM]; fewer rows when there are fewer
+
 
 @triton.jit
 def raven_fwd_kernel_topk(x, idx, N, M: tl.constexpr, K: tl.constexpr, BR: tl.constexpr, BM: tl.constexpr):
@@ -43,7 +45,7 @@ def topk_slots(logits: torch.Tensor, k: int) -> torch.Tensor:
     x = logits.detach().reshape(-1, M).contiguous()  # [N, M]
     N, BM = x.shape[0], triton.next_power_of_2(M)
     idx = torch.empty(*logits.shape[:-1], k, device=logits.device, dtype=torch.int64)
-    BR = max(1, 4096 // BM)  # rows per program: a [BR, BM] tile of int64 keys
+    BR = max(1, min(TILE_KEYS // BM, triton.next_power_of_2(N)))  # rows per program: a [BR, BM] tile of keys
     if N:
         raven_fwd_kernel_topk[(triton.cdiv(N, BR),)](x, idx, N, M, k, BR, BM, num_warps=4)
     return idx

@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 
 from raven_kernels import chunked, split
 from raven_kernels.raven import chunk as raven_chunk
-from raven_kernels.raven import chunk_raven, fused_recurrent_raven, topk_slots
+from raven_kernels.raven import chunk_raven, fused_recurrent_raven, route, topk_slots
 from raven_kernels.raven.naive import naive_raven
 from raven_layers import RavenMixer, RavenSettings
 from raven_layers.backend import use_backend
@@ -253,6 +253,14 @@ def test_topk_slots_matches_torch_topk(shape, k, dtype):
     rows = [torch.randperm(M, generator=g) - M // 2 for _ in range(math.prod(shape[:-1]))]
     logits = (torch.stack(rows).view(shape) * 0.25).to(DEVICE, dtype)
     assert torch.equal(topk_slots(logits, k), logits.topk(k).indices)
+
+
+def test_topk_slots_over_several_programs(monkeypatch):
+    # 30 rows of 16 slots in tiles of 4 rows: 8 programs, the last with 2 rows
+    monkeypatch.setattr(route, "TILE_KEYS", 64)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.stack([torch.randperm(16, generator=g) - 8 for _ in range(30)]).view(3, 5, 2, 16).to(DEVICE)
+    assert torch.equal(topk_slots(logits.float(), 6), logits.float().topk(6).indices)
 
 
 def test_topk_slots_orders_ties_and_signed_zeros():

@@ -30,9 +30,11 @@ CPU_BUDGET = [  # sizes and steps only
     "token_weights.batch_size=4",
     "train.steps=2",
     "train.batch_size=1",
+    "train.eval_batches=1",
     "extend.seq_len=128",
     "extend.steps=1",
     "extend.batch_size=1",
+    "extend.eval_batches=1",
     "evaluate=null",
     "export=null",
 ]
