@@ -48,6 +48,10 @@
 #   MIXER-far-windows  MIXER-trained-windows whose extend rows carry far facts (extend.retrieval: half the text
 #                  retrieval samples of 0.7-0.95 of a row with every fact in its first quarter, over 4K tokens from
 #                  its question), so the mixers learn to carry what the windows drop (recipes/README.md);
+#   MIXER-allfar-windows  MIXER-far-windows with 90% of extend's text far-fact samples (the most data.retrieval
+#                  allows) and four times its steps (600): Raven's slots keep a passkey to 16K where its answer
+#                  does not read it (docs/RESULTS.md, thirteenth round), so the readout gets about 7 times the far
+#                  facts to learn from;
 #   sila-nodecay-windows  sila-far-windows with one kv head per SILA layer held at gamma = 1 (no_decay_heads: 1),
 #                  so that its memory can outlast the 4K window (docs/RESULTS.md, eleventh round)
 #   profile-MIXER  the MIXER recipe's train step under the profiler (scripts/profile_train.py), as the recipe runs it;
@@ -83,6 +87,7 @@ SEED1=(--set data.seed=1 --set data.retrieval.seed=1 --set layer_choice.seed=1 -
 
 # MIXER-far-windows' extend data: every fact past a 4K window from its question (retrieval_data.py)
 FAR_FACTS=(--set "extend.retrieval={ratio: 0.5, length: [0.7, 0.95], depth: [0.0, 0.25]}")
+ALL_FAR_FACTS=(--set "extend.retrieval={ratio: 0.9, length: [0.7, 0.95], depth: [0.0, 0.25]}" --set extend.steps=600)
 
 recipe() {  # recipe MIXER RUN [ARGS...]: the SmolLM2 recipe of MIXER into ~/runs/RUN
   read -ra extra <<< "${RECIPE_ARGS:-}"
@@ -182,6 +187,9 @@ PY
   raven-far-windows | sse-far-windows | sila-far-windows)
     trained "${1%%-*}" "$1" --set sliding_window=4096 "${FAR_FACTS[@]}"
     ;;
+  raven-allfar-windows | sse-allfar-windows | sila-allfar-windows)
+    trained "${1%%-*}" "$1" --set sliding_window=4096 "${ALL_FAR_FACTS[@]}"
+    ;;
   sila-nodecay-windows)
     trained sila "$1" --set sliding_window=4096 "${FAR_FACTS[@]}" --set mixer_settings.sila.no_decay_heads=1
     ;;
@@ -218,7 +226,7 @@ PY
     ;;
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
-      "MIXER-trained-windows MIXER-far-windows MIXER-try-NAME (MIXER: raven, sse or sila)" \
+      "MIXER-trained-windows MIXER-far-windows MIXER-allfar-windows MIXER-try-NAME (MIXER: raven, sse or sila)" \
       "sila-nodecay-windows profile-MIXER bench-MIXER sse-every2 sse-window-choice sse-noretrieval sse-noextend" \
       "sse-norouter reach-RUN speed" >&2
     return 2

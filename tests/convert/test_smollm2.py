@@ -9,8 +9,7 @@ from raven_convert.cli import main
 from raven_layers import output_cache
 from tests.helpers import run_without_toolkit
 
-# one xdist worker takes them all, so the model is dequantised once (pytest -n, --dist loadgroup)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("smollm2")]
+pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
