@@ -259,8 +259,8 @@ def test_topk_slots_over_several_programs(monkeypatch):
     # 30 rows of 16 slots in tiles of 4 rows: 8 programs, the last with 2 rows
     monkeypatch.setattr(route, "TILE_KEYS", 64)
     g = torch.Generator().manual_seed(0)
-    logits = torch.stack([torch.randperm(16, generator=g) - 8 for _ in range(30)]).view(3, 5, 2, 16).to(DEVICE)
-    assert torch.equal(topk_slots(logits.float(), 6), logits.float().topk(6).indices)
+    logits = torch.stack([torch.randperm(16, generator=g) - 8.0 for _ in range(30)]).view(3, 5, 2, 16).to(DEVICE)
+    assert torch.equal(topk_slots(logits, 6), logits.topk(6).indices)
 
 
 def test_topk_slots_orders_ties_and_signed_zeros():
