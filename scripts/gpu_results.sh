@@ -86,8 +86,9 @@ SEED1=(--set data.seed=1 --set data.retrieval.seed=1 --set layer_choice.seed=1 -
   --set extend.seed=1)
 
 # MIXER-far-windows' extend data: every fact past a 4K window from its question (retrieval_data.py)
-FAR_FACTS=(--set "extend.retrieval={ratio: 0.5, length: [0.7, 0.95], depth: [0.0, 0.25]}")
-ALL_FAR_FACTS=(--set "extend.retrieval={ratio: 0.9, length: [0.7, 0.95], depth: [0.0, 0.25]}" --set extend.steps=600)
+far_facts() { echo "extend.retrieval={ratio: $1, length: [0.7, 0.95], depth: [0.0, 0.25]}"; }  # far_facts RATIO
+FAR_FACTS=(--set "$(far_facts 0.5)")
+ALL_FAR_FACTS=(--set "$(far_facts 0.9)" --set extend.steps=600)
 
 recipe() {  # recipe MIXER RUN [ARGS...]: the SmolLM2 recipe of MIXER into ~/runs/RUN
   read -ra extra <<< "${RECIPE_ARGS:-}"
