@@ -136,7 +136,7 @@ def build_probes(documents: Iterable[str], tokenizer, settings: ChoiceSettings) 
             start = rng.randint(0, len(corpus) - size)
             fmt, kind = rng.choice(PROBE_FORMATS), rng.choice(VALUE_KINDS)
             sample, (answer,) = build_sample(rng, fmt, kind, words, corpus[start : start + size], max_facts=8)
-            prompt = tokenizer(sample[: -len(answer) - 1])["input_ids"]
+            prompt = tokenizer(sample[: -sample.answer_chars])["input_ids"]
             tail = tokenizer(" " + answer, add_special_tokens=False)["input_ids"]
             if len(prompt) + len(tail) <= settings.seq_len:
                 break

@@ -54,6 +54,11 @@
 #                  facts to learn from;
 #   sila-nodecay-windows  sila-far-windows with one kv head per SILA layer held at gamma = 1 (no_decay_heads: 1),
 #                  so that its memory can outlast the 4K window (docs/RESULTS.md, eleventh round)
+#   MIXER-answers-windows  MIXER-allfar-windows whose extend counts each answer token of its far facts
+#                  ANSWER_WEIGHT (100) times in the cross-entropy (extend.answer_weight): the answers are about 0.1%
+#                  of a row's tokens, so the readout gets little gradient from them otherwise; evaluated on the
+#                  tasks that reach 16K only (TARGET_EVAL), as the run's own evaluation;
+#   sila-nodecay-answers-windows  sila-answers-windows with sila-nodecay-windows' head that never forgets
 #   profile-MIXER  the MIXER recipe's train step under the profiler (scripts/profile_train.py), as the recipe runs it;
 #   bench-MIXER    MIXER's train stage eager and as CUDA graphs at 8 and 16 rows a step (scripts/bench_graphs.py, no
 #                  weights needed);
@@ -80,6 +85,11 @@ export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # several jobs share th
 # reach past the 4K window, without the speed part; the whole suite would take as long again as the run's own.
 WINDOWED_EVAL=(--set evaluate.attention_window=4096 --set "evaluate.tasks=[passkey, niah_single_2]"
   --set "evaluate.lengths=[4096, 8192, 16384]" --set "evaluate.task_lengths={}" --set "evaluate.speed_lengths=[]")
+
+# MIXER-answers-windows' own evaluation: the tasks that reach 16K, where the target is, without the speed part
+TARGET_EVAL=(--set "evaluate.tasks=[passkey, niah_single_2, niah_word]" --set "evaluate.task_lengths={}"
+  --set "evaluate.speed_lengths=[]")
+ANSWERS=(--set "extend.answer_weight=${ANSWER_WEIGHT:-100}")
 
 # MIXER-seed1's settings: every training seed 1 (layer fit, data order, retrieval samples, align, train, extend)
 SEED1=(--set data.seed=1 --set data.retrieval.seed=1 --set layer_choice.seed=1 --set align.seed=1 --set train.seed=1
@@ -194,6 +204,13 @@ PY
   sila-nodecay-windows)
     trained sila "$1" --set sliding_window=4096 "${FAR_FACTS[@]}" --set mixer_settings.sila.no_decay_heads=1
     ;;
+  raven-answers-windows | sse-answers-windows | sila-answers-windows)
+    trained "${1%%-*}" "$1" --set sliding_window=4096 "${ALL_FAR_FACTS[@]}" "${ANSWERS[@]}" "${TARGET_EVAL[@]}"
+    ;;
+  sila-nodecay-answers-windows)
+    trained sila "$1" --set sliding_window=4096 "${ALL_FAR_FACTS[@]}" "${ANSWERS[@]}" "${TARGET_EVAL[@]}" \
+      --set mixer_settings.sila.no_decay_heads=1
+    ;;
   profile-raven | profile-sse | profile-sila)
     python3 scripts/profile_train.py "recipes/smollm2-${1#profile-}.yaml" --src "$TEACHER" --data "$CORPUS" \
       --stage train --out "$RUNS/$1"
@@ -227,9 +244,9 @@ PY
     ;;
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
-      "MIXER-trained-windows MIXER-far-windows MIXER-allfar-windows MIXER-try-NAME (MIXER: raven, sse or sila)" \
-      "sila-nodecay-windows profile-MIXER bench-MIXER sse-every2 sse-window-choice sse-noretrieval sse-noextend" \
-      "sse-norouter reach-RUN speed" >&2
+      "MIXER-trained-windows MIXER-far-windows MIXER-allfar-windows MIXER-answers-windows MIXER-try-NAME" \
+      "(MIXER: raven, sse or sila) sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;
   esac

@@ -34,7 +34,8 @@ from raven_convert.train.retrieval_data import RetrievalMix, WholeDocument, mix_
 BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet"}
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
 FIELDS = ("input_ids", "document_ids", "position_ids")
-CACHE_FORMAT = 1  # bump when the cached layout or the packing rule changes
+OPTIONAL_FIELDS = ("answers",)  # rows packed by pack_documents have them; rows built otherwise may not
+CACHE_FORMAT = 2  # bump when the cached layout or the packing rule changes
 SKIPPED_LIMIT = 0.5  # more than this share of records without the text field is an error, not a loss to report
 SAMPLED_FILES = 16  # check_data_source reads a sample of this many files (every file is checked for readability)
 # Tokenised into the cache key, so that a different tokenizer saved under the same name gets its own cache.
@@ -274,45 +275,51 @@ def pack_documents(
 
     Returns {"input_ids", "document_ids", "position_ids"}, each [N, seq_len] int32: `document_ids` numbers the
     segment each token belongs to within its row from 0 (it steps up at each document start), and `position_ids`
-    counts from 0 at every segment start and at every row start. Documents are tokenised `batch_size` at a time.
+    counts from 0 at every segment start and at every row start; and "answers" [N, seq_len] bool, True at the
+    answer tokens of synthetic retrieval samples. Documents are tokenised `batch_size` at a time.
 
     A `WholeDocument` (synthetic retrieval samples) is kept inside one row: when it does not fit in what is left of
     the current row it waits, the next document fills the row up, and it goes at the start of the next row, the
-    rest of that document after it as a new segment. One longer than seq_len is dropped, and counted.
+    rest of that document after it as a new segment. One longer than seq_len is dropped, and counted. Its answer
+    tokens are those its text has beyond its text without the answer (`answer_chars`), tokenised alone.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len = {seq_len} is not allowed; expected an integer >= 1")
     eos = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
     if eos is None:
         raise ValueError("the tokenizer has no eos_token_id; pass eos_token_id")
-    chunks, starts, progress = [], [], Progress("pack")
-    pending: deque[list[int]] = deque()  # whole documents waiting for a row start
+    chunks, starts, answers, progress = [], [], [], Progress("pack")
+    pending: deque[tuple[list[int], int]] = deque()  # whole documents waiting for a row start, their answer tokens
     flat: list[int] = []  # this batch's tokens
     pos = dropped = 0
 
-    def put(ids: list[int]) -> None:  # one segment at the end of the stream
+    def put(ids: list[int], answer: int = 0) -> None:  # one segment at the end of the stream
         nonlocal pos
         starts.append(pos)
+        if answer:
+            answers.append((pos + len(ids) - 1 - answer, answer))  # the last tokens before the EOS
         flat.extend(ids)
         pos += len(ids)
 
     documents = iter(documents)
     while batch := list(itertools.islice(documents, batch_size)):
-        for text, ids in zip(batch, tokenize(tokenizer, batch)):
+        encoded = tokenize(tokenizer, batch)
+        for text, ids, answer in zip(batch, encoded, _answer_tokens(tokenizer, batch, encoded)):
             doc = [*ids, eos]
             if isinstance(text, WholeDocument):
+                whole = (doc, answer)
                 if len(doc) > seq_len:
                     dropped += 1
                 elif len(doc) <= seq_len - pos % seq_len:
-                    put(doc)
+                    put(*whole)
                 else:
-                    pending.append(doc)
+                    pending.append(whole)
                 continue
             while pending and len(doc) > (room := seq_len - pos % seq_len):
                 put(doc[:room])  # the row ends inside this document: the waiting ones start the next row
                 doc = doc[room:]
-                while pending and len(pending[0]) <= seq_len - pos % seq_len:
-                    put(pending.popleft())
+                while pending and len(pending[0][0]) <= seq_len - pos % seq_len:
+                    put(*pending.popleft())
             put(doc)
         chunks.append(torch.tensor(flat, dtype=torch.int32))
         progress.update(len(batch), len(flat))
@@ -332,19 +339,36 @@ def pack_documents(
     index = torch.arange(seq_len).expand(rows, seq_len)  # [N, T]
     segment_start = torch.where(boundary, index, 0).cummax(1).values  # [N, T]
     position_ids = index - segment_start  # [N, T]
+    answer = torch.zeros(stream.numel(), dtype=torch.bool)  # [L]
+    for start, count in answers:
+        answer[start : start + count] = True
     return {
         "input_ids": input_ids.contiguous(),
         "document_ids": document_ids.to(torch.int32),
         "position_ids": position_ids.to(torch.int32),
+        "answers": answer[: rows * seq_len].view(rows, seq_len).clone(),
     }
 
 
+def _answer_tokens(tokenizer, texts: list[str], encoded: list[list[int]]) -> list[int]:
+    """How many of each text's tokens (`encoded`) are its answer: for a WholeDocument with one, its tokens less
+    those of its text without the answer (answers start at a space, where tokens part); 0 for the others."""
+    answered = [i for i, t in enumerate(texts) if isinstance(t, WholeDocument) and t.answer_chars]
+    counts = [0] * len(texts)
+    if answered:
+        prompts = tokenize(tokenizer, [texts[i][: len(texts[i]) - texts[i].answer_chars] for i in answered])
+        for i, prompt in zip(answered, prompts):
+            counts[i] = max(len(encoded[i]) - len(prompt), 0)
+    return counts
+
+
 class PackedDataset(Dataset):
-    """Rows of packed tensors ({"input_ids", "document_ids", "position_ids"}, each [N, T]), optionally a subset
-    `rows` of them (shared storage, no copy). Items and batches are int64 with an all-ones "attention_mask"."""
+    """Rows of packed tensors ({"input_ids", "document_ids", "position_ids"} and "answers" where given, each
+    [N, T]), optionally a subset `rows` of them (shared storage, no copy). Items and batches are int64 with an
+    all-ones "attention_mask"."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], rows: torch.Tensor | None = None):
-        self.tensors = {k: tensors[k] for k in FIELDS}
+        self.tensors = {k: tensors[k] for k in FIELDS} | {k: tensors[k] for k in OPTIONAL_FIELDS if k in tensors}
         total = self.tensors["input_ids"].shape[0]
         self.rows = torch.arange(total) if rows is None else torch.as_tensor(rows, dtype=torch.long)
 

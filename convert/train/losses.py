@@ -90,6 +90,13 @@ def fused_rows(*logits: torch.Tensor) -> bool:
     return all(x.is_cuda and x.stride(-1) == 1 for x in logits)
 
 
+def answer_weighted(weights: torch.Tensor | None, answers: torch.Tensor, factor: float) -> torch.Tensor:
+    """Token weights [B, T] (None: ones) times `factor` at the predictions of answer tokens: position t predicts
+    token t + 1, so where answers[:, t + 1] (answers [B, T], nonzero at answer tokens)."""
+    scale = 1 + (factor - 1) * F.pad(answers[:, 1:].float(), (0, 1))  # [B, T]
+    return scale if weights is None else weights * scale
+
+
 def ce_loss(logits, input_ids, mask, weights=None, fused: bool | None = None) -> torch.Tensor:
     """Next-token cross-entropy: position t predicts input_ids[:, t + 1]; weights [B, T] scale position t's loss.
     mask [B, T] is 1 where position t's prediction counts (see prediction_mask). Averaged over those predictions

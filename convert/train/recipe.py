@@ -234,6 +234,20 @@ class Recipe(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _answers(self) -> Recipe:
+        """answer_weight weights the answers of synthetic retrieval samples: a stage that weights them has some."""
+        for name in ("train", "extend"):
+            settings = getattr(self, name)
+            mix = getattr(settings, "retrieval", None) or self.data.retrieval
+            if settings is not None and settings.answer_weight != 1 and (mix is None or mix.ratio == 0):
+                where = "extend.retrieval or data.retrieval" if name == "extend" else "data.retrieval"
+                raise ValueError(
+                    f"{name}.answer_weight = {settings.answer_weight:g} weights the answers of synthetic retrieval "
+                    f"samples, and {name} has none: set {where} (ratio > 0), or answer_weight 1"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _graphs(self) -> Recipe:
         demanded = [s for s in GRAPHED_STAGES if graphs_demanded(self, s)]
         unsafe = sorted({a.mixer for a in self.layers if not resolve_mixer(a.mixer).graph_safe})

@@ -69,7 +69,18 @@ RESTATED = ("The {noun} of {key} is", "{key}'s {noun} is", "For {key}, the {noun
 
 
 class WholeDocument(str):
-    """A document that packing must keep inside one row (see data.pack_documents)."""
+    """A document that packing must keep inside one row (see data.pack_documents), ending in `answer_chars`
+    characters of answer (" 4821"; 0: none), whose tokens packing marks so a loss can weight them
+    (TrainConfig.answer_weight)."""
+
+    answer_chars: int = 0
+
+    def __new__(cls, text: str, answer_chars: int = 0):
+        if not 0 <= answer_chars <= len(text):
+            raise ValueError(f"answer_chars = {answer_chars} is not allowed; expected 0 to the text's {len(text)}")
+        document = super().__new__(cls, text)
+        document.answer_chars = answer_chars
+        return document
 
 
 class RetrievalMix(BaseModel):
@@ -145,10 +156,11 @@ def build_sample(
     max_facts: int = 24,
     depth: tuple[float, float] = DEPTH,
     restated: float = 0.0,
-) -> tuple[str, list[str]]:
+) -> tuple[WholeDocument, list[str]]:
     """One sample, filler with facts inserted (within `depth`, see insert_at_depths) then the question and its
-    answer, and the values it answers with. At most `max_facts` facts (at least 2 where the format asks about
-    several). A one-fact question ("single", "multi") is restated before its answer with probability `restated`."""
+    answer (its `answer_chars`: a space and the answer), and the values it answers with. At most `max_facts` facts
+    (at least 2 where the format asks about several). A one-fact question ("single", "multi") is restated before
+    its answer with probability `restated`."""
     noun = rng.choice(NOUNS)
     count = {"single": 1, "multi": rng.randint(2, 6), "multi_query": rng.randint(2, 6), "kv": rng.randint(6, 24)}[fmt]
     count = min(count, max(max_facts, 1 if fmt == "single" else 2))
@@ -162,18 +174,23 @@ def build_sample(
         block = rng.choice(KV_HEADS) + "\n" + "\n".join(f"{k}: {v}" for k, v in zip(keys, values)) + "\n"
         text = insert_at_depths(rng, filler, [block], depth)
         i = asked[0]
-        return f"{text}\n\n{rng.choice(KV_QUESTIONS).format(key=keys[i])} {values[i]}", [values[i]]
+        return _answered(f"{text}\n\n{rng.choice(KV_QUESTIONS).format(key=keys[i])}", values[i]), [values[i]]
     facts = [rng.choice(FACTS).format(key=k, noun=noun, value=v) for k, v in zip(keys, values)]
     text = insert_at_depths(rng, filler, facts, depth)
     if fmt == "multi_query":
         names = ", ".join(keys[i] for i in asked[:-1]) + f" and {keys[asked[-1]]}"
         answer = "; ".join(f"{keys[i]}: {values[i]}" for i in asked)
-        return f"{text}\n\nGive the {noun} of {names}. {answer}", [values[i] for i in asked]
+        return _answered(f"{text}\n\nGive the {noun} of {names}.", answer), [values[i] for i in asked]
     i = asked[0]
     question = rng.choice(QUESTIONS).format(key=keys[i], noun=noun)
     if restated and rng.random() < restated:  # as a prompt ending "... is" asks; no draw at 0 (same samples)
         question += " " + rng.choice(RESTATED).format(key=keys[i], noun=noun)
-    return f"{text}\n\n{question} {values[i]}", [values[i]]
+    return _answered(f"{text}\n\n{question}", values[i]), [values[i]]
+
+
+def _answered(prompt: str, answer: str) -> WholeDocument:
+    """prompt, a space and answer, as one sample whose answer is the space and answer."""
+    return WholeDocument(f"{prompt} {answer}", answer_chars=len(answer) + 1)
 
 
 def mix_retrieval(
@@ -221,4 +238,4 @@ def mix_retrieval(
                     break
                 size, facts = int(size * 0.5 * seq_len / tokens), facts // 2  # the facts alone may not fit
             synthetic += len(sample)  # counted even if still too long, so the loop ends; packing drops it
-            yield WholeDocument(sample)
+            yield sample

@@ -23,7 +23,9 @@ Choices:
   [len(dataset), T] (row i of the dataset as it is indexed, i.e. `dataset[i]`) or a callable batch -> [B, T]
   (e.g. `lambda b: token_weights(teacher, b["input_ids"])`). Dataset items cannot carry the weights themselves,
   since batch_iterator casts every field to int64. KD = T^2 * KL(teacher || student) of the logits at temperature
-  T, averaged over real tokens. aux is the student's own `aux_loss` (already weighted).
+  T, averaged over real tokens. aux is the student's own `aux_loss` (already weighted). With `answer_weight` a,
+  the CE of each answer token of a synthetic retrieval sample (the rows' "answers", data.pack_documents) counts a
+  times (on top of any token weight; KD is not weighted): a fact's answer is a few tokens in a row of thousands.
 - What trains (`trainable`): "mixers" (the converted layers' mixers), "mixers+lora" (and LoRA on the kept attention
   layers), "all", "patterns" (the parameters whose names match one of the regular expressions
   `trainable_patterns`, re.search) or "lora" (LoRA only). The mixer choices need a converted hybrid; the others
@@ -55,7 +57,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_serializer, model_validator
 from torch.profiler import record_function
 from torch.utils.data import Dataset
 
@@ -79,7 +81,7 @@ from raven_convert.train.graphs import (
     untimed_steps,
 )
 from raven_convert.train.lora import LORA_TARGETS, select_trainable
-from raven_convert.train.losses import aux_loss, ce_loss, kd_loss, prediction_mask, training_loss
+from raven_convert.train.losses import answer_weighted, aux_loss, ce_loss, kd_loss, prediction_mask, training_loss
 from raven_convert.train.precision import frozen_linears_in
 from raven_convert.train.token_weights import schedule_uniform, scheduled
 
@@ -109,6 +111,12 @@ class TrainConfig(BaseModel):
     lora_targets: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
     kd_weight: float = Field(0.0, ge=0)
     kd_temperature: float = Field(1.0, gt=0)
+    answer_weight: float = Field(
+        1.0,
+        ge=1,
+        description="the cross-entropy weight of the answers of synthetic retrieval samples (data.retrieval), "
+        "against 1 for every other token",
+    )
     token_weight_tau: float | None = Field(
         None, gt=0, description="tokens (see schedule_weights); None: token_weight_tau_fraction of the run's tokens"
     )
@@ -133,6 +141,14 @@ class TrainConfig(BaseModel):
     eval_batches: int = Field(8, ge=1, description="validation micro-batches per pass")
     seed: int = Field(0, description="data order, and the random numbers of a fresh run (Raven's router noise)")
     log_every: int = Field(10, ge=0, description="steps between progress lines; 0: none")
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler) -> dict:
+        """Without `answer_weight` at its default: the stages' fingerprints from before it stay valid."""
+        data = handler(self)
+        if self.answer_weight == 1:
+            data.pop("answer_weight", None)
+        return data
 
     @model_validator(mode="after")
     def _one_tau(self):
@@ -196,6 +212,20 @@ class TrainConfig(BaseModel):
             except re.error as err:
                 raise ValueError(f"{pattern!r} is not a regular expression: {err}") from None
         return value
+
+
+def _answers(dataset) -> str:
+    """How many of `dataset`'s tokens are answers (rows' "answers"); ValueError naming the setting where its rows
+    have none."""
+    if "answers" not in dataset[0]:
+        raise ValueError(
+            "answer_weight != 1 needs rows that mark answers: rows packed with synthetic retrieval samples "
+            "(data.retrieval, data.pack_documents); these rows have no 'answers'"
+        )
+    if not isinstance(dataset, PackedDataset):
+        return "the rows mark them"
+    answers = dataset.tensors["answers"][dataset.rows]  # [N, T]
+    return f"{int(answers.sum()):,} of the rows' {answers.numel():,} tokens ({answers.float().mean().item():.3%})"
 
 
 class _Indexed(Dataset):
@@ -406,6 +436,9 @@ def train(
             f"[stage2] token weights: tau = {tau:,.0f} tokens ({tau / run_tokens:.3g} of the run's {run_tokens:,})",
             file=sys.stderr,
         )
+    if config.answer_weight != 1:
+        answers = _answers(dataset)
+        accelerator.print(f"[stage2] answer tokens weighted x{config.answer_weight:g}: {answers}", file=sys.stderr)
     start_step, tokens_seen = 0, 0
     if resumed is not None:
         path, meta = resumed
@@ -442,6 +475,8 @@ def train(
         with record_function("train.student_forward"), accelerator.autocast():
             out = model(**student_inputs)
         weights = None if w is None else scheduled(w.float(), uniform_part, batch["attention_mask"])
+        if config.answer_weight != 1 and "answers" in batch:
+            weights = answer_weighted(weights, batch["answers"], config.answer_weight)
         # each process's mean weighted by its share of the predictions: the processes' mean is the global one
         parts = {"ce": ce_loss(out.logits, batch["input_ids"], mask, weights) * parallel.share(mask[:, :-1].sum())}
         if config.kd_weight > 0:

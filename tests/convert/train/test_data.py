@@ -114,10 +114,11 @@ def test_pack_keeps_every_token_in_order(seq_len):
     packed = pack_documents(tok, TEXTS, seq_len)
     reference = stream(tok, TEXTS)
     rows = len(reference) // seq_len
-    assert set(packed) == {"input_ids", "document_ids", "position_ids"}
+    assert set(packed) == {"input_ids", "document_ids", "position_ids", "answers"}
     for value in packed.values():
         assert value.shape == (rows, seq_len) and not value.is_floating_point()
     assert packed["input_ids"].flatten().tolist() == reference[: rows * seq_len]
+    assert not packed["answers"].any()  # plain documents have no answers
 
 
 def test_pack_document_and_position_ids_follow_eos():

@@ -409,7 +409,7 @@ def test_stage2_checkpoints_resume_in_either_optimizer_mode(saved_graphed, tmp_p
 @pytest.mark.parametrize("mixer", GRAPHED_MIXERS)
 def test_graphed_stage2_matches_eager_on_cuda(mixer, weighting, kd_weight, tmp_path, monkeypatch):
     """Stage 2 as the recipes run it (mixers and LoRA, bf16, compiled parts, token weights from a table as
-    train's or from each batch as extend's, distillation from the teacher as SSE's and Raven's, packed rows of long
+    train's or from each batch as extend's, answer tokens weighted, distillation from the teacher as SSE's and Raven's, packed rows of long
     and of short documents, padded to one layout): the graphed steps' losses and weights are the eager ones'; a
     graphed run stopped after a checkpoint and resumed ends where the uninterrupted one does. The eager steps run
     on the graphs' layout (documents padded to the run's slots, in-chunk forms chosen on the device): that it
@@ -421,10 +421,12 @@ def test_graphed_stage2_matches_eager_on_cuda(mixer, weighting, kd_weight, tmp_p
     teacher = teacher if kd_weight else None
     generator = torch.Generator().manual_seed(3)
     data = packed_dataset(generator)
+    data.tensors["answers"] = torch.rand(data.tensors["input_ids"].shape, generator=generator) < 0.05
     table = torch.rand(len(data), data.seq_len, generator=generator) if weighting == "table" else position_weights
     config = dict(
         steps=8, batch_size=2, lr=3e-3, warmup_steps=2, schedule="constant", log_every=0, save_every=4,
         trainable="mixers+lora", mixed_precision="bf16", token_weight_tau=2000.0, kd_weight=kd_weight,
+        answer_weight=4.0,
     )  # fmt: skip
     start = copy.deepcopy(hybrid)
     add_lora(start, TrainConfig(**config))  # the adapters train() adds, drawn from the same seed

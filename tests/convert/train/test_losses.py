@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from raven_convert.train import losses
 from raven_convert.train.losses import (
     alignment_mse,
+    answer_weighted,
     aux_loss,
     ce_loss,
     kd_loss,
@@ -54,6 +55,13 @@ def test_ce_is_the_next_token_loss_over_counted_predictions_weighted_per_token()
     weights = torch.rand(2, 5) + 0.5
     weighted = (per_token * weights[:, :-1])[counted].sum() / counted.sum()  # a weighted sum over the count
     torch.testing.assert_close(ce_loss(logits, ids, mask, weights), weighted)
+
+
+def test_answer_weights_fall_on_the_predictions_of_answer_tokens():
+    answers = torch.tensor([[0, 0, 1, 1, 0], [1, 0, 0, 0, 1]])
+    assert answer_weighted(None, answers, 5.0).tolist() == [[1, 5, 5, 1, 1], [1, 1, 1, 5, 1]]
+    weights = torch.full((2, 5), 2.0)
+    assert answer_weighted(weights, answers, 5.0).tolist() == [[2, 10, 10, 2, 2], [2, 2, 2, 10, 2]]
 
 
 def test_kd_is_zero_for_equal_logits_and_positive_otherwise():

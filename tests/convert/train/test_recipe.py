@@ -274,6 +274,23 @@ def test_the_token_weights_kernel_is_checked_and_changes_no_fingerprint():
     )
 
 
+def test_answer_weight_needs_retrieval_samples_and_changes_no_fingerprint_at_1():
+    from raven_convert.train.run_state import fingerprints
+
+    train = {"steps": 10, "answer_weight": 20}
+    with pytest.raises(ValueError, match=r"train.answer_weight = 20 .* set data.retrieval \(ratio > 0\)"):
+        parse_recipe(MINIMAL | {"train": train})
+    extend = {"seq_len": 64, "steps": 3, "answer_weight": 20}
+    with pytest.raises(ValueError, match=r"extend.answer_weight = 20 .* set extend.retrieval or data.retrieval"):
+        parse_recipe(MINIMAL | {"extend": extend})
+    parse_recipe(MINIMAL | {"extend": extend | {"retrieval": {"ratio": 0.5}}})  # its own samples
+    mixed = MINIMAL | {"data": {"source": "x", "retrieval": {"ratio": 0.2}}}
+    before = fingerprints(parse_recipe(mixed | {"train": {"steps": 10}}))
+    assert fingerprints(parse_recipe(mixed | {"train": {"steps": 10, "answer_weight": 1}})) == before
+    weighted = fingerprints(parse_recipe(mixed | {"train": train}))
+    assert weighted["align"] == before["align"] and weighted["train"] != before["train"]
+
+
 def test_overrides_apply_before_validation(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(MINIMAL | {"evaluate": {"samples": 2}}))

@@ -4,10 +4,14 @@ the evaluation's wording, and packed so that a sample never crosses a row bounda
 import json
 import random
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
 
 from raven_convert.evaluate import needles
 from raven_convert.train.data import build_dataset, cache_key, pack_documents
@@ -55,6 +59,48 @@ def test_every_answer_is_stated_before_its_question(fmt, kind):
     assert len(answers) >= 2 if fmt == "multi_query" else len(answers) == 1
     for value in answers:
         assert value in context and value in question
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_samples_answer_is_its_last_characters(fmt):
+    rng = random.Random(fmt)
+    words = [f"w{i}ord" for i in range(40)]
+    for kind in VALUE_KINDS:
+        filler = " ".join(rng.choices(["alpha", "beta", "gamma."], k=300))
+        sample, answers = build_sample(rng, fmt, kind, words, filler)
+        answer = sample[len(sample) - sample.answer_chars :]
+        assert answer == " " + answers[0] if fmt != "multi_query" else answer == " " + "; ".join(
+            f"{key}: {value}" for key, value in re.findall(r"(\w+): ([^;]+)", answer)
+        )
+        assert all(value in answer for value in answers) and "?" not in answer
+    with pytest.raises(ValueError, match="answer_chars = 9 is not allowed; expected 0 to the text's 4"):
+        WholeDocument("abcd", answer_chars=9)
+
+
+def test_packing_marks_each_samples_answer_tokens():
+    docs = documents(200)
+    tok = Tokenizer(models.BPE())  # byte-level BPE: its tokens part at spaces, as real ones do
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=600, initial_alphabet=alphabet, special_tokens=["</s>"]))
+    tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+    mixed = list(mix_retrieval(docs, RetrievalMix(ratio=0.5, seed=1), 256, lambda t: len(tok(t)["input_ids"])))
+    packed = pack_documents(tok, mixed + documents(30, seed=1), seq_len=256)  # plain text last: no sample left out
+    ids, answers = packed["input_ids"], packed["answers"]
+    found = []
+    for row, marks in zip(ids, answers):
+        edges = torch.diff(marks.int(), prepend=torch.zeros(1), append=torch.zeros(1)).tolist()
+        starts, ends = [i for i, e in enumerate(edges) if e == 1], [i for i, e in enumerate(edges) if e == -1]
+        for start, end in zip(starts, ends):
+            assert row[end] == tok.eos_token_id  # an answer ends its sample
+            found.append(tok.decode(row[start:end]))
+    expected = [d[len(d) - d.answer_chars :] for d in mixed if isinstance(d, WholeDocument)]
+    left = Counter(expected)
+    left.subtract(found)
+    assert len(found) > 20 and min(left.values()) >= 0 and left.total() == 0  # each sample's answer, once
+    tiny = tiny_tokenizer()  # one that waits for the next row keeps its marks
+    waiting = pack_documents(tiny, ["a" * 5, WholeDocument("bbb dd", answer_chars=3), "c" * 13], seq_len=8)
+    assert [tiny.decode(r[m]) for r, m in zip(waiting["input_ids"], waiting["answers"]) if m.any()] == [" dd"]
 
 
 def test_a_kind_listed_twice_is_drawn_twice_as_often():

@@ -11,7 +11,7 @@ from raven_convert import build_hybrid, plan_layers
 from raven_convert.train.common import converted_layers
 from raven_convert.train.data import PackedDataset, batch_iterator, rows_visited
 from raven_convert.train.lora import is_lora, merge_lora
-from raven_convert.train.losses import ce_loss
+from raven_convert.train.losses import answer_weighted, ce_loss
 from raven_convert.train.stage2 import TrainConfig, latest_checkpoint, train
 
 SETTINGS = {"sse": {"lora_rank": 8}, "sila": {}}
@@ -81,6 +81,24 @@ def test_token_weights_and_kd_are_logged(teacher, tmp_path):
     assert all(r["kd"] > 0 and r["aux"] > 0 for r in history)
     for r in history:
         assert r["loss"] == pytest.approx(r["ce"] + 0.5 * r["kd"] + r["aux"], rel=1e-5)
+
+
+def test_answer_tokens_weigh_answer_weight_times_in_the_ce(teacher, tmp_path, capsys):
+    data = rows()
+    answers = torch.zeros(len(data), data.seq_len, dtype=torch.bool)
+    answers[:, 9:12] = True  # each row's answer: 3 of its 16 tokens
+    data = PackedDataset(data.tensors | {"answers": answers})
+    config = TrainConfig(steps=1, answer_weight=10.0, **FAST)
+    student = hybrid(teacher)
+    batch = next(batch_iterator(data, config.batch_size, seed=config.seed))
+    logits = student.train()(batch["input_ids"], position_ids=batch["position_ids"]).logits
+    weighted = ce_loss(logits, batch["input_ids"], batch["attention_mask"], answer_weighted(None, answers[:4], 10))
+    plain = ce_loss(logits, batch["input_ids"], batch["attention_mask"])
+    history = train(student, teacher, data, config, tmp_path)
+    assert history[0]["ce"] == pytest.approx(weighted.item(), rel=1e-5) and weighted > plain
+    assert "answer tokens weighted x10: 48 of the rows' 256 tokens (18.750%)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="answer_weight != 1 needs rows that mark answers"):
+        train(hybrid(teacher), teacher, rows(), config, tmp_path / "none")
 
 
 def test_a_weight_table_missing_rows_this_run_reads_is_refused(teacher, tmp_path):
@@ -180,6 +198,7 @@ def test_nan_token_weight_at_a_later_step(teacher, tmp_path):
         ({"trainable": "patterns", "trainable_patterns": ["("]}, "trainable_patterns"),
         ({"kd_weight": -1}, "kd_weight"),
         ({"kd_temperature": 0}, "kd_temperature"),
+        ({"answer_weight": 0.5}, "answer_weight"),
         ({"mixed_precision": "fp16"}, "mixed_precision"),
         ({"save_every": 0}, "save_every"),
         ({"lora_targets": ["q proj"]}, "lora_targets"),
