@@ -225,6 +225,11 @@ def _answers(dataset) -> str:
     if not isinstance(dataset, PackedDataset):
         return "the rows mark them"
     answers = dataset.tensors["answers"][dataset.rows]  # [N, T]
+    if not answers.any():
+        raise ValueError(
+            f"answer_weight != 1, and none of the rows' {answers.numel():,} tokens is an answer: the data holds no "
+            "synthetic retrieval sample (data.retrieval's ratio; a corpus gives samples once it has shown 32 words)"
+        )
     return f"{int(answers.sum()):,} of the rows' {answers.numel():,} tokens ({answers.float().mean().item():.3%})"
 
 

@@ -98,7 +98,10 @@ def test_answer_tokens_weigh_answer_weight_times_in_the_ce(teacher, tmp_path, ca
     assert history[0]["ce"] == pytest.approx(weighted.item(), rel=1e-5) and weighted > plain
     assert "answer tokens weighted x10: 48 of the rows' 256 tokens (18.750%)" in capsys.readouterr().err
     with pytest.raises(ValueError, match="answer_weight != 1 needs rows that mark answers"):
-        train(hybrid(teacher), teacher, rows(), config, tmp_path / "none")
+        train(hybrid(teacher), teacher, rows(), config, tmp_path / "unmarked")
+    unanswered = PackedDataset(data.tensors | {"answers": torch.zeros_like(answers)})
+    with pytest.raises(ValueError, match="none of the rows' 256 tokens is an answer"):
+        train(hybrid(teacher), teacher, unanswered, config, tmp_path / "none")
 
 
 def test_a_weight_table_missing_rows_this_run_reads_is_refused(teacher, tmp_path):
