@@ -408,14 +408,14 @@ def test_stage2_checkpoints_resume_in_either_optimizer_mode(saved_graphed, tmp_p
 )
 @pytest.mark.parametrize("mixer", GRAPHED_MIXERS)
 def test_graphed_stage2_matches_eager_on_cuda(mixer, weighting, kd_weight, tmp_path, monkeypatch):
-    """Stage 2 as the recipes run it (mixers and LoRA, bf16, compiled parts, token weights from a table as
-    train's or from each batch as extend's, answer tokens weighted, distillation from the teacher as SSE's and Raven's, packed rows of long
-    and of short documents, padded to one layout): the graphed steps' losses and weights are the eager ones'; a
-    graphed run stopped after a checkpoint and resumed ends where the uninterrupted one does. The eager steps run
-    on the graphs' layout (documents padded to the run's slots, in-chunk forms chosen on the device): that it
-    changes nothing is test_padded_documents_change_no_loss_or_gradient's, exactly, on the CPU; on a GPU it
-    changes the rounding, which 8 Adam steps at lr 3e-3 carry into zero-started weights (docs/TRAINING_SPEED.md):
-    the weights may differ by twice what the same eager steps from starting weights 2^-20 apart leave."""
+    """Stage 2 as the recipes run it (mixers and LoRA, bf16, compiled parts, token weights from a table as train's or
+    from each batch as extend's, answer tokens weighted, distillation from the teacher as SSE's and Raven's, packed rows
+    of long and of short documents, padded to one layout): the graphed steps' losses and weights are the eager ones'; a
+    graphed run stopped after a checkpoint and resumed ends where the uninterrupted one does. The eager steps run on the
+    graphs' layout (documents padded to the run's slots, in-chunk forms chosen on the device): that it changes nothing
+    is test_padded_documents_change_no_loss_or_gradient's, exactly, on the CPU; on a GPU it changes the rounding, which
+    8 Adam steps at lr 3e-3 carry into zero-started weights (docs/TRAINING_SPEED.md): the weights may differ by twice
+    what the same eager steps from starting weights 2^-20 apart leave."""
     declared_graph_safe(monkeypatch, mixer)
     teacher, hybrid = hybrid_models("cuda", mixer=mixer)
     teacher = teacher if kd_weight else None

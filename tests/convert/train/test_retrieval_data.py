@@ -69,8 +69,10 @@ def test_a_samples_answer_is_its_last_characters(fmt):
         filler = " ".join(rng.choices(["alpha", "beta", "gamma."], k=300))
         sample, answers = build_sample(rng, fmt, kind, words, filler)
         answer = sample[len(sample) - sample.answer_chars :]
-        assert answer == " " + answers[0] if fmt != "multi_query" else answer == " " + "; ".join(
-            f"{key}: {value}" for key, value in re.findall(r"(\w+): ([^;]+)", answer)
+        assert (
+            answer == " " + answers[0]
+            if fmt != "multi_query"
+            else answer == " " + "; ".join(f"{key}: {value}" for key, value in re.findall(r"(\w+): ([^;]+)", answer))
         )
         assert all(value in answer for value in answers) and "?" not in answer
     with pytest.raises(ValueError, match="answer_chars = 9 is not allowed; expected 0 to the text's 4"):
@@ -82,7 +84,8 @@ def test_packing_marks_each_samples_answer_tokens():
     tok = Tokenizer(models.BPE())  # byte-level BPE: its tokens part at spaces, as real ones do
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=600, initial_alphabet=alphabet, special_tokens=["</s>"]))
+    bpe = trainers.BpeTrainer(vocab_size=600, initial_alphabet=alphabet, special_tokens=["</s>"])
+    tok.train_from_iterator(docs, bpe)
     tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
     mixed = list(mix_retrieval(docs, RetrievalMix(ratio=0.5, seed=1), 256, lambda t: len(tok(t)["input_ids"])))
     packed = pack_documents(tok, mixed + documents(30, seed=1), seq_len=256)  # plain text last: no sample left out
