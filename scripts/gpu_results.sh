@@ -4,19 +4,21 @@
 #
 #   MODEL=~/cache/smollm2.gguf CORPUS=~/cache/corpus ESSAYS=~/cache/essays bash scripts/gpu_results.sh start teacher raven sila
 #
-# after copying the model, corpus and essays in three calls (each carries at most 64 MiB with the checkout, itself
-# about 18 MB: the model in thirds, `split -n 3 MODEL .carry/m3/smollm2.gguf.part-`, wheels from
+# after copying the model, corpus and essays in four calls (each carries at most 64 MiB with the checkout, itself
+# about 26 MB: the model in thirds, `split -n 3 MODEL .carry/m3/smollm2.gguf.part-`, wheels from
 # ../shared/tools/gpu-prep.sh in .whl with pydantic's, which the image lacks too (its `pip download` line with
-# pydantic pydantic-core annotated-types typing-inspection), the corpus split into .carry/corpus-*):
-#   carry .carry/m3/smollm2.gguf.part-aa .carry/corpus-a:
-#     mkdir -p ~/cache/corpus && cp .carry/m3/smollm2.gguf.part-aa ~/cache/ && cp .carry/corpus-a/* ~/cache/corpus/
-#   carry .carry/m3/smollm2.gguf.part-ab .whl .carry/corpus-b .carry/pg_essays:
-#     cp .carry/m3/smollm2.gguf.part-ab ~/cache/ && cp .carry/corpus-b/* ~/cache/corpus/ &&
-#     cp -r .carry/pg_essays ~/cache/essays && source scripts/device_env.sh   # the wheels into /tmp/site, for later
-#     calls (the checkout, 22 MB, leaves no room for the wheels beside the first third and corpus-a)
-#   carry .carry/m3/smollm2.gguf.part-ac .carry/corpus-c:
+# pydantic pydantic-core annotated-types typing-inspection), the corpus split into .carry/corpus-*: a is the 8.4 MB
+# linux docs, b perl's and postgresql's, c python's):
+#   carry .carry/m3/smollm2.gguf.part-aa .carry/corpus-c:
+#     mkdir -p ~/cache/corpus && cp .carry/m3/smollm2.gguf.part-aa ~/cache/ && cp .carry/corpus-c/* ~/cache/corpus/
+#   carry .carry/m3/smollm2.gguf.part-ab .whl .carry/pg_essays:
+#     cp .carry/m3/smollm2.gguf.part-ab ~/cache/ && cp -r .carry/pg_essays ~/cache/essays &&
+#     source scripts/device_env.sh   # the wheels into /tmp/site, for later calls
+#   carry .carry/m3/smollm2.gguf.part-ac .carry/corpus-b:
 #     cat ~/cache/smollm2.gguf.part-a? .carry/m3/smollm2.gguf.part-ac > ~/cache/smollm2.gguf &&
-#     cp .carry/corpus-c/* ~/cache/corpus/ && ... start ...
+#     cp .carry/corpus-b/* ~/cache/corpus/
+#   carry .carry/corpus-a:
+#     cp .carry/corpus-a/* ~/cache/corpus/ && ... start ...
 # (chain the calls: the machine goes back after 30 idle seconds, with the jobs it runs)
 #   bash scripts/gpu_jobs.sh wait 540        # in each later call, until the jobs end
 #   bash scripts/gpu_jobs.sh collect         # $OUT/runs.tar.gz: stage summaries, reports, pictures; logs.tar.gz
@@ -48,16 +50,15 @@
 #   MIXER-far-windows  MIXER-trained-windows whose extend rows carry far facts (extend.retrieval: half the text
 #                  retrieval samples of 0.7-0.95 of a row with every fact in its first quarter, over 4K tokens from
 #                  its question), so the mixers learn to carry what the windows drop (recipes/README.md);
-#   MIXER-allfar-windows  MIXER-far-windows with 90% of extend's text far-fact samples (the most data.retrieval
-#                  allows) and four times its steps (600): Raven's slots keep a passkey to 16K where its answer
-#                  does not read it (docs/RESULTS.md, thirteenth round), so the readout gets about 7 times the far
-#                  facts to learn from;
 #   sila-nodecay-windows  sila-far-windows with one kv head per SILA layer held at gamma = 1 (no_decay_heads: 1),
 #                  so that its memory can outlast the 4K window (docs/RESULTS.md, eleventh round)
-#   MIXER-answers-windows  MIXER-allfar-windows whose extend counts each answer token of its far facts
-#                  ANSWER_WEIGHT (100) times in the cross-entropy (extend.answer_weight): the answers are about 0.1%
-#                  of a row's tokens, so the readout gets little gradient from them otherwise; evaluated on the
-#                  tasks that reach 16K only (TARGET_EVAL), as the run's own evaluation;
+#   MIXER-answers-windows  MIXER-far-windows with four times its extend steps (600) and each answer token of the
+#                  far facts counted ANSWER_WEIGHT (100) times in the cross-entropy (extend.answer_weight): the answers
+#                  are about 0.1% of a row's tokens, so the readout gets little gradient from them otherwise (Raven's
+#                  slots keep a passkey to 16K where its answer does not read it: docs/RESULTS.md, thirteenth round);
+#                  evaluated on the tasks that reach 16K only (TARGET_EVAL), as the run's own evaluation. Far facts
+#                  stay half of extend's text: at 90% the mix is ten times the corpus, about 160M tokens to pack,
+#                  some 24 minutes at the 110K tokens/s measured (docs/RESULTS.md, fourteenth round);
 #   sila-nodecay-answers-windows  sila-answers-windows with sila-nodecay-windows' head that never forgets
 #   profile-MIXER  the MIXER recipe's train step under the profiler (scripts/profile_train.py), as the recipe runs it;
 #   bench-MIXER    MIXER's train stage eager and as CUDA graphs at 8 and 16 rows a step (scripts/bench_graphs.py, no
@@ -89,16 +90,14 @@ WINDOWED_EVAL=(--set evaluate.attention_window=4096 --set "evaluate.tasks=[passk
 # MIXER-answers-windows' own evaluation: the tasks that reach 16K, where the target is, without the speed part
 TARGET_EVAL=(--set "evaluate.tasks=[passkey, niah_single_2, niah_word]" --set "evaluate.task_lengths={}"
   --set "evaluate.speed_lengths=[]")
-ANSWERS=(--set "extend.answer_weight=${ANSWER_WEIGHT:-100}")
+ANSWERS=(--set "extend.answer_weight=${ANSWER_WEIGHT:-100}" --set extend.steps=600)
 
 # MIXER-seed1's settings: every training seed 1 (layer fit, data order, retrieval samples, align, train, extend)
 SEED1=(--set data.seed=1 --set data.retrieval.seed=1 --set layer_choice.seed=1 --set align.seed=1 --set train.seed=1
   --set extend.seed=1)
 
 # MIXER-far-windows' extend data: every fact past a 4K window from its question (retrieval_data.py)
-far_facts() { echo "extend.retrieval={ratio: $1, length: [0.7, 0.95], depth: [0.0, 0.25]}"; }  # far_facts RATIO
-FAR_FACTS=(--set "$(far_facts 0.5)")
-ALL_FAR_FACTS=(--set "$(far_facts 0.9)" --set extend.steps=600)
+FAR_FACTS=(--set "extend.retrieval={ratio: 0.5, length: [0.7, 0.95], depth: [0.0, 0.25]}")
 
 recipe() {  # recipe MIXER RUN [ARGS...]: the SmolLM2 recipe of MIXER into ~/runs/RUN
   read -ra extra <<< "${RECIPE_ARGS:-}"
@@ -198,17 +197,14 @@ PY
   raven-far-windows | sse-far-windows | sila-far-windows)
     trained "${1%%-*}" "$1" --set sliding_window=4096 "${FAR_FACTS[@]}"
     ;;
-  raven-allfar-windows | sse-allfar-windows | sila-allfar-windows)
-    trained "${1%%-*}" "$1" --set sliding_window=4096 "${ALL_FAR_FACTS[@]}"
-    ;;
   sila-nodecay-windows)
     trained sila "$1" --set sliding_window=4096 "${FAR_FACTS[@]}" --set mixer_settings.sila.no_decay_heads=1
     ;;
   raven-answers-windows | sse-answers-windows | sila-answers-windows)
-    trained "${1%%-*}" "$1" --set sliding_window=4096 "${ALL_FAR_FACTS[@]}" "${ANSWERS[@]}" "${TARGET_EVAL[@]}"
+    trained "${1%%-*}" "$1" --set sliding_window=4096 "${FAR_FACTS[@]}" "${ANSWERS[@]}" "${TARGET_EVAL[@]}"
     ;;
   sila-nodecay-answers-windows)
-    trained sila "$1" --set sliding_window=4096 "${ALL_FAR_FACTS[@]}" "${ANSWERS[@]}" "${TARGET_EVAL[@]}" \
+    trained sila "$1" --set sliding_window=4096 "${FAR_FACTS[@]}" "${ANSWERS[@]}" "${TARGET_EVAL[@]}" \
       --set mixer_settings.sila.no_decay_heads=1
     ;;
   profile-raven | profile-sse | profile-sila)
@@ -244,7 +240,7 @@ PY
     ;;
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
-      "MIXER-trained-windows MIXER-far-windows MIXER-allfar-windows MIXER-answers-windows MIXER-try-NAME" \
+      "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-try-NAME" \
       "(MIXER: raven, sse or sila) sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
