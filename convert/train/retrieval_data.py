@@ -34,7 +34,9 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from raven_convert.train.schema import omit_at_default
 
 FORMATS = ("single", "multi", "multi_query", "kv")
 VALUE_KINDS = ("digits", "word", "code", "phrase")
@@ -108,13 +110,7 @@ class RetrievalMix(BaseModel):
             raise ValueError(f"{list(value)} is not a range [low, high] with {low} <= low <= high <= {top}")
         return value
 
-    @model_serializer(mode="wrap")
-    def _dump(self, handler) -> dict:
-        """Without `restated` at its default: the recipes' fingerprints and data caches from before it stay valid."""
-        data = handler(self)
-        if self.restated == 0:
-            data.pop("restated", None)
-        return data
+    _dump = omit_at_default("restated")  # the recipes' fingerprints and data caches from before it stay valid
 
     def cache_fields(self) -> dict:
         """The fields that decide the samples, as the data cache keys them: length and depth only where they differ

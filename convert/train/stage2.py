@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from torch.profiler import record_function
 from torch.utils.data import Dataset
 
@@ -83,6 +83,7 @@ from raven_convert.train.graphs import (
 from raven_convert.train.lora import LORA_TARGETS, select_trainable
 from raven_convert.train.losses import answer_weighted, aux_loss, ce_loss, kd_loss, prediction_mask, training_loss
 from raven_convert.train.precision import frozen_linears_in
+from raven_convert.train.schema import omit_at_default
 from raven_convert.train.token_weights import schedule_uniform, scheduled
 
 # "no" or "bf16"; YAML reads a bare `no` as false, which means "no" here
@@ -142,13 +143,7 @@ class TrainConfig(BaseModel):
     seed: int = Field(0, description="data order, and the random numbers of a fresh run (Raven's router noise)")
     log_every: int = Field(10, ge=0, description="steps between progress lines; 0: none")
 
-    @model_serializer(mode="wrap")
-    def _dump(self, handler) -> dict:
-        """Without `answer_weight` at its default: the stages' fingerprints from before it stay valid."""
-        data = handler(self)
-        if self.answer_weight == 1:
-            data.pop("answer_weight", None)
-        return data
+    _dump = omit_at_default("answer_weight")  # the stages' fingerprints from before it stay valid
 
     @model_validator(mode="after")
     def _one_tau(self):
