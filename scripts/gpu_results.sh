@@ -4,24 +4,24 @@
 #
 #   MODEL=~/cache/smollm2.gguf CORPUS=~/cache/corpus ESSAYS=~/cache/essays bash scripts/gpu_results.sh start teacher raven sila
 #
-# after copying the model, corpus and essays in four calls (each carries at most 64 MiB with the checkout, itself
-# about 26 MB: the model in thirds, `split -n 3 MODEL .carry/m3/smollm2.gguf.part-`, wheels from
+# after copying the model, corpus and essays in three calls (each carries at most 64 MiB with the checkout, itself
+# about 17 MB: the model in thirds, `split -n 3 MODEL .carry/m3/smollm2.gguf.part-`, wheels from
 # ../shared/tools/gpu-prep.sh in .whl with pydantic's, which the image lacks too (its `pip download` line with
 # pydantic pydantic-core annotated-types typing-inspection), the corpus split into .carry/corpus-*: a is the 8.4 MB
-# linux docs, b perl's and postgresql's, c python's):
-#   carry .carry/m3/smollm2.gguf.part-aa .carry/corpus-c:
-#     mkdir -p ~/cache/corpus && cp .carry/m3/smollm2.gguf.part-aa ~/cache/ && cp .carry/corpus-c/* ~/cache/corpus/
-#   carry .carry/m3/smollm2.gguf.part-ab .whl .carry/pg_essays:
-#     cp .carry/m3/smollm2.gguf.part-ab ~/cache/ && cp -r .carry/pg_essays ~/cache/essays &&
-#     source scripts/device_env.sh   # the wheels into /tmp/site, for later calls
-#   carry .carry/m3/smollm2.gguf.part-ac .carry/corpus-b:
+# linux docs, b perl's and postgresql's, c python's; keep results under docs/results with scripts/archive_run.py,
+# whose gzipped scores keep the checkout small enough):
+#   carry .carry/m3/smollm2.gguf.part-aa .carry/corpus-a:
+#     mkdir -p ~/cache/corpus && cp .carry/m3/smollm2.gguf.part-aa ~/cache/ && cp .carry/corpus-a/* ~/cache/corpus/
+#   carry .carry/m3/smollm2.gguf.part-ab .whl .carry/corpus-b .carry/pg_essays:
+#     cp .carry/m3/smollm2.gguf.part-ab ~/cache/ && cp .carry/corpus-b/* ~/cache/corpus/ &&
+#     cp -r .carry/pg_essays ~/cache/essays && source scripts/device_env.sh   # the wheels into /tmp/site, for later
+#   carry .carry/m3/smollm2.gguf.part-ac .carry/corpus-c:
 #     cat ~/cache/smollm2.gguf.part-a? .carry/m3/smollm2.gguf.part-ac > ~/cache/smollm2.gguf &&
-#     cp .carry/corpus-b/* ~/cache/corpus/
-#   carry .carry/corpus-a:
-#     cp .carry/corpus-a/* ~/cache/corpus/ && ... start ...
+#     cp .carry/corpus-c/* ~/cache/corpus/ && ... start ...
 # (chain the calls: the machine goes back after 30 idle seconds, with the jobs it runs)
 #   bash scripts/gpu_jobs.sh wait 540        # in each later call, until the jobs end
 #   bash scripts/gpu_jobs.sh collect         # $OUT/runs.tar.gz: stage summaries, reports, pictures; logs.tar.gz
+# (the wait call's output whole, not through `| tail`: a call past its limit brings back nothing it printed)
 #
 # RECIPE_ARGS adds overrides to every run (a smoke test: RECIPE_ARGS="--set align.steps=2 ...").
 # WINDOWED=0 skips the sliding-window evaluation.

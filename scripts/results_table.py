@@ -16,16 +16,18 @@ The issue's retrieval targets, checked on the same reports (cells: every task an
 --within P adds, for each model against --reference, how many cells are at most P points under it (or above it)
 and which are not; --agree A:B (repeatable) how many cells two models (two seeds) score within P points of each
 other (P of --within, 10 without it), their mean absolute difference, and the cells further apart. Where both
-reports have their prompts' scores beside them (retrieval_TASK_VARIANT.json, as the evaluation writes them), a
-cell further apart is marked * when the two differ beyond chance on the same prompts: the exact two-sided McNemar
-test of the prompts one model gets right and the other wrong (scores rounded to right/wrong), p < 0.05. The test
-counts prompts as independent: a passkey cell's 8 prompts per depth share their filler and are answered all or
-none (docs/RESULTS.md, seventh round), so there a star says the models answer differently, not how sure that is.
+reports have their prompts' scores beside them (retrieval_TASK_VARIANT.json as the evaluation writes them, or
+.json.gz as scripts/archive_run.py keeps them), a cell further apart is marked * when the two differ beyond chance on
+the same prompts: the exact two-sided McNemar test of the prompts one model gets right and the other wrong (scores
+rounded to right/wrong), p < 0.05. The test counts prompts as independent: a passkey cell's 8 prompts per depth
+share their filler and are answered all or none (docs/RESULTS.md, seventh round), so there a star says the models
+answer differently, not how sure that is.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import sys
@@ -47,8 +49,11 @@ def load_report(path: str) -> dict:
 def prompt_scores(path: str, variant: str) -> dict[str, float]:
     """{prompt id: score} of the per-prompt files beside a report (empty when there are none)."""
     scores = {}
-    for file in report_path(path).parent.glob(f"retrieval_*_{variant}.json"):
-        scores |= {r["id"]: r["score"] for r in json.loads(file.read_text())["results"]}
+    folder = report_path(path).parent
+    for pattern in (f"retrieval_*_{variant}.json", f"retrieval_*_{variant}.json.gz"):  # gz: archive_run.py's
+        for file in sorted(folder.glob(pattern)):
+            text = gzip.decompress(file.read_bytes()) if file.suffix == ".gz" else file.read_bytes()
+            scores |= {r["id"]: r["score"] for r in json.loads(text)["results"]}
     return scores
 
 
