@@ -479,7 +479,10 @@ def build_dataset(
             tensors = None
     if tensors is None:
         documents = load_documents(source, text_field=text_field, split=split, max_documents=max_documents)
-        if retrieval is not None:
+        if retrieval is not None and retrieval.ratio > 0:
+            added = retrieval.ratio / (1 - retrieval.ratio)  # the mix adds synthetic text to the whole corpus
+            share = f"{retrieval.ratio:.0%} of the text ({added:.2g}x the corpus)"
+            print(f"[data] retrieval samples: {share}", file=sys.stderr)
             documents = mix_retrieval(documents, retrieval, seq_len, lambda text: len(tokenize(tokenizer, [text])[0]))
         tensors = pack_documents(tokenizer, documents, seq_len)
         split_rows(tensors, validation_fraction, seed)  # refuse to cache too little data

@@ -197,7 +197,9 @@ def test_recipe_field_and_cache_key(tmp_path, capsys):
     plain, _ = build_dataset(src, tok, 256, tmp_path / "cache", validation_fraction=0)
     mixed, _ = build_dataset(src, tok, 256, tmp_path / "cache", validation_fraction=0, retrieval=RetrievalMix())
     assert len(mixed) > len(plain)
-    assert "dropped" not in capsys.readouterr().err  # sized with the tokenizer: every sample fits a row
+    err = capsys.readouterr().err
+    assert "dropped" not in err  # sized with the tokenizer: every sample fits a row
+    assert "retrieval samples: 20% of the text (0.25x the corpus)" in err  # what the mix will add, said up front
 
 
 def test_recipe_errors_name_the_field():
