@@ -15,7 +15,7 @@ import shutil
 import sys
 from pathlib import Path
 
-STAGES = ("convert", "align", "weights", "train", "extend", "evaluate", "export")
+from raven_convert.train.recipe import STAGES
 
 
 def archive_run(run: Path, out: Path) -> list[str]:

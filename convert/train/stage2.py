@@ -316,11 +316,13 @@ def _documents(batch: dict, device):
 
 
 def _micro_batches(dataset, config: TrainConfig, accelerator, start_step: int):
-    """This process's slice of every global micro-batch, from optimizer step `start_step` on (forever)."""
+    """This process's slice of every global micro-batch, from optimizer step `start_step` on (forever); the rows'
+    "answers" only where answer_weight reads them (nothing copied to the device for nothing)."""
     n, rank, b = accelerator.num_processes, accelerator.process_index, config.batch_size
     start = start_step * config.grad_accum
+    unread = () if config.answer_weight != 1 else ("answers",)
     for batch in batch_iterator(dataset, b * n, config.seed, start_step=start):
-        yield {k: v[rank * b : (rank + 1) * b] for k, v in batch.items()}
+        yield {k: v[rank * b : (rank + 1) * b] for k, v in batch.items() if k not in unread}
 
 
 @torch.no_grad()
@@ -475,7 +477,7 @@ def train(
         with record_function("train.student_forward"), accelerator.autocast():
             out = model(**student_inputs)
         weights = None if w is None else scheduled(w.float(), uniform_part, batch["attention_mask"])
-        if config.answer_weight != 1 and "answers" in batch:
+        if config.answer_weight != 1:  # the rows mark answers: _answers checked them
             weights = answer_weighted(weights, batch["answers"], config.answer_weight)
         # each process's mean weighted by its share of the predictions: the processes' mean is the global one
         parts = {"ce": ce_loss(out.logits, batch["input_ids"], mask, weights) * parallel.share(mask[:, :-1].sum())}
