@@ -22,6 +22,12 @@ the same prompts: the exact two-sided McNemar test of the prompts one model gets
 rounded to right/wrong), p < 0.05. The test counts prompts as independent: a passkey cell's 8 prompts per depth
 share their filler and are answered all or none (docs/RESULTS.md, seventh round), so there a star says the models
 answer differently, not how sure that is.
+
+How much a hybrid whose kept attention is windowed answers through its mixers alone:
+    python scripts/results_table.py teacher=... raven-windows=... --beyond 4096 --lengths 8192 16384
+--beyond W counts, per model and task, the prompts answered among those whose answers all lie more than W tokens
+before the prompt's end (each prompt's `needle_distance`; scripts/needle_distances.py adds it to scores from before
+the evaluation recorded it) and among the others.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ import json
 import math
 import sys
 from pathlib import Path
+
+from raven_convert.evaluate.retrieval import past_window
 
 
 def report_path(path: str) -> Path:
@@ -46,15 +54,20 @@ def load_report(path: str) -> dict:
     return json.loads(report_path(path).read_text())
 
 
-def prompt_scores(path: str, variant: str) -> dict[str, float]:
-    """{prompt id: score} of the per-prompt files beside a report (empty when there are none)."""
-    scores = {}
+def prompt_results(path: str, variant: str) -> list[dict]:
+    """Every prompt's result in the per-prompt files beside a report (empty when there are none)."""
+    results = []
     folder = report_path(path).parent
     for pattern in (f"retrieval_*_{variant}.json", f"retrieval_*_{variant}.json.gz"):  # gz: archive_run.py's
         for file in sorted(folder.glob(pattern)):
             text = gzip.decompress(file.read_bytes()) if file.suffix == ".gz" else file.read_bytes()
-            scores |= {r["id"]: r["score"] for r in json.loads(text)["results"]}
-    return scores
+            results += json.loads(text)["results"]
+    return results
+
+
+def prompt_scores(path: str, variant: str) -> dict[str, float]:
+    """{prompt id: score} of the per-prompt files beside a report (empty when there are none)."""
+    return {r["id"]: r["score"] for r in prompt_results(path, variant)}
 
 
 def mcnemar(only_a: int, only_b: int) -> float:
@@ -193,6 +206,34 @@ def agreement(
     return "\n".join(rows)
 
 
+def beyond_window(paths: dict[str, str], window: int, variant: str, lengths) -> str:
+    """Per model and task: the prompts answered right (score >= 0.5) among those whose answers all lie more than
+    `window` tokens back, and among the others (retrieval.past_window)."""
+    results = {name: prompt_results(path, variant) for name, path in paths.items()}
+    results = {n: [r for r in rs if lengths is None or r["length"] in lengths] for n, rs in results.items()}
+    tasks = list(dict.fromkeys(r["task"] for rs in results.values() for r in rs))
+    header = ["model", *(f"{task} past / inside" for task in tasks), "all past / inside"]
+    rows = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for name, rs in results.items():
+        if not rs:
+            raise SystemExit(f"{name}: no per-prompt scores beside {report_path(paths[name])} (retrieval_*.json)")
+        right = [r | {"score": float(r["score"] >= 0.5)} for r in rs]
+        cells = [name]
+        for task in [*tasks, None]:
+            mine = [r for r in right if task is None or r["task"] == task]
+            try:
+                split = past_window(mine, window)
+            except ValueError as err:
+                raise SystemExit(f"{name}: {err}") from None
+            cells.append(" / ".join(answered(split[part]) for part in ("past", "inside")) if mine else "-")
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def answered(part: dict) -> str:
+    return f"{round(part['accuracy'] * part['n'])} of {part['n']}" if part["n"] else "none"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("reports", nargs="+", metavar="NAME=PATH")
@@ -203,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--within", type=float, default=None, metavar="P", help="check cells against --reference")
     parser.add_argument("--agree", action="append", default=[], metavar="A:B", help="compare two models' cells")
     parser.add_argument("--lengths", type=int, nargs="+", default=None, help="the lengths --within/--agree check")
+    parser.add_argument(
+        "--beyond", type=int, default=None, metavar="W", help="count the prompts answered past a W-token window"
+    )
     args = parser.parse_args(argv)
     paths = {}
     for item in args.reports:
@@ -218,8 +262,10 @@ def main(argv: list[str] | None = None) -> int:
         if not sep or a not in paths or b not in paths:
             parser.error(f"--agree {item!r} is not A:B with A and B among {list(paths)}")
         pairs.append((a, b))
-    if args.lengths and args.within is None and not pairs:
-        parser.error("--lengths applies to --within and --agree only")
+    if args.lengths and args.within is None and not pairs and args.beyond is None:
+        parser.error("--lengths applies to --within, --agree and --beyond only")
+    if args.beyond is not None and args.beyond < 1:
+        parser.error(f"--beyond {args.beyond}: a window is a number of tokens >= 1")
     if args.within is not None and args.reference is None:
         parser.error("--within needs --reference, the model the cells are checked against")
     reports = {name: load_report(path) for name, path in paths.items()}
@@ -229,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + within_reference(reports, args.reference, points, args.variant, args.lengths))
     if pairs:
         print("\n" + agreement(reports, pairs, points, args.variant, args.lengths, paths))
+    if args.beyond is not None:
+        print("\n" + beyond_window(paths, args.beyond, args.variant, args.lengths))
     return 0
 
 

@@ -9,7 +9,9 @@ rounds, at most a few tokens off (a token or two when whitespace at the cut is t
 
 Needle placement. Depth d is the fraction of haystack tokens before the needle (0 = start, 1 = end). The target
 token round(d * B) is moved to the nearest sentence start within 2.5% of the haystack (else the nearest word start);
-the depth actually reached is measured on the final prompt (`meta["depth_actual"]`). Tasks with several needles
+the depth actually reached is measured on the final prompt (`meta["depth_actual"]`), and so is how many tokens
+back the nearest needle holding an answer ends (`meta["needle_distance"]`: 1 at the prompt's last token; every
+answer of a prompt whose distance exceeds W lies outside a W-token attention window). Tasks with several needles
 put the first one (the one asked about, or the first value) at the requested depth and the others at depths drawn
 from the sample's RNG.
 
@@ -435,6 +437,8 @@ def _make_sample(task, spec, variant, tokenizer, chat, prefill, length, depth, i
     meta |= dict(answer_prefix=spec.texts(variant, key)[2], needle_token_span=tok_spans[0])
     meta |= dict(depth_actual=needle_meta[0]["depth"], haystack_tokens=hay_tokens, context_char_span=list(ctx))
     meta["needles"] = needle_meta
+    # how far back the nearest answer lies: 1 when a needle ends at the prompt's last token
+    meta["needle_distance"] = min(n - end + 1 for _, end in tok_spans[: spec.num_answers])
     return Sample(
         task=task,
         prompt=prompt,

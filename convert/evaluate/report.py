@@ -20,12 +20,21 @@ import hashlib
 import json
 from pathlib import Path
 
+from raven_layers.architectures import layer_windows
 from raven_layers.registry import import_object
 
 from ..files import write_json
 from .perplexity import format_perplexity_table, load_for_evaluation, load_texts, perplexity, plot_loss_curve, run_info
 from .pictures import PictureContext
-from .retrieval import build_samples, format_table, plot_niah_heatmap, run_retrieval, save_results, summarize
+from .retrieval import (
+    format_past_window,
+    format_table,
+    past_window,
+    plot_niah_heatmap,
+    run_retrieval,
+    save_results,
+    summarize,
+)
 from .settings import EvalRequest
 from .shares import OneProcess
 from .speed import format_speed_table, measure_speed, plot_speed
@@ -43,6 +52,16 @@ def mixer_pictures(model, tokenizer, request: EvalRequest, out: Path) -> dict[st
         if path is not None:
             files |= import_object(path, f"the pictures of mixer {kind!r}")(context, kinds.index(kind))
     return files
+
+
+def widest_window(config) -> int | None:
+    """The widest attention window of a hybrid whose every kept attention layer is windowed (None otherwise, and
+    for models that are not hybrids): the needles further back are answered through its mixers or not at all."""
+    kinds = getattr(config, "layer_mixers", None)
+    if not kinds or "attention" not in kinds:
+        return None
+    windows = [w for w, kind in zip(layer_windows(config), kinds) if kind == "attention"]
+    return None if None in windows else max(windows)
 
 
 def model_stamp(model: str) -> str:
@@ -98,6 +117,7 @@ def evaluate_model(request: EvalRequest, log=print, resume: bool = False, parall
             )
         model.set_attention_window(request.attention_window)
     name = Path(request.model).name or request.model
+    window = widest_window(model.config)
     report = {"request": request.model_dump(mode="json")}
     report |= {"model_stamp": model_stamp(request.model), "run": run_info(model), "retrieval": {}, "finished": []}
     earlier = _earlier_report(out, report, log) if resume and parallel.is_main else None
@@ -121,24 +141,17 @@ def evaluate_model(request: EvalRequest, log=print, resume: bool = False, parall
             write_json(report | ({"failed": failed} if failed else {}), out / "report.json")  # a kill keeps these
 
     def retrieval(task: str, variant: str) -> None:
-        samples = build_samples(
-            task,
-            tokenizer,
-            request.lengths_of(task),
-            request.depths,
-            request.samples,
-            request.seed,
-            variant=variant,
-            haystack_dir=request.haystack_dir,
-            chat_template=request.chat_template,
-            haystacks=request.haystacks,
-        )
+        samples = request.prompts(task, variant, tokenizer)
         log(f"{task} ({variant}): {len(samples)} prompts")
         results = run_retrieval(model, tokenizer, samples, batch_size=request.batch_size, parallel=parallel)
         summary = summarize(results)
         if parallel.is_main:
             save_results(results, summary, out / f"retrieval_{task}_{variant}.json")
             plot_niah_heatmap(results, out / f"niah_{task}_{variant}.png", f"{name}: {task} ({variant})")
+        if window is not None:  # how much the mixers answer alone
+            split = past_window(results, window)
+            summary["tasks"][f"{task}/{variant}"]["past_window"] = split
+            log(format_past_window(split))
         report["retrieval"].update(summary["tasks"])
         log(format_table(summary))
 

@@ -116,9 +116,8 @@ def run_retrieval(
             tokens += int(mask.sum()) + int((new != tokenizer.pad_token_id).sum())
             answered.append([])
             for s, pred in zip(group, predictions):
-                result = {k: s.meta.get(k) for k in ("id", "n_tokens", "depth_actual", "chat")} | dict(
-                    task=s.task, variant=s.variant, length=s.length, depth=s.depth, answers=list(s.answers)
-                )
+                result = {k: s.meta.get(k) for k in ("id", "n_tokens", "depth_actual", "needle_distance", "chat")}
+                result |= dict(task=s.task, variant=s.variant, length=s.length, depth=s.depth, answers=list(s.answers))
                 answered[-1].append(result | dict(prediction=pred, score=score(pred, s.answers)))
             done += len(batch)
             if progress and parallel.is_main:  # the main process's share stands for the others'
@@ -172,6 +171,35 @@ def summarize(results: list[dict]) -> dict:
             },
         }
     return summary
+
+
+def past_window(results: list[dict], window: int) -> dict:
+    """Accuracy of the prompts whose answers all lie more than `window` tokens back (`needle_distance`, see
+    needles.py), which attention with that window cannot read at the first answer token, and of the others:
+    {"window": W, "past": {"accuracy": .., "n": ..}, "inside": {..}}. A hybrid whose kept attention is windowed
+    answers the "past" prompts through its mixers (or through windows chained across layers) or not at all."""
+    if window < 1:
+        raise ValueError(f"window must be a number of tokens >= 1, got {window}")
+    unknown = [r.get("id") for r in results if r.get("needle_distance") is None]
+    if unknown:
+        raise ValueError(
+            f"{len(unknown)} results have no needle_distance (e.g. {unknown[0]!r}): scores from before it was "
+            "recorded; scripts/needle_distances.py adds it from the report's request"
+        )
+    split = {"past": [], "inside": []}
+    for r in results:
+        split["past" if r["needle_distance"] > window else "inside"].append(r["score"])
+    return {"window": window} | {k: {"accuracy": _mean(v), "n": len(v)} for k, v in split.items()}
+
+
+def format_past_window(split: dict) -> str:
+    """One line of `past_window`'s split: accuracy past the window and inside it."""
+    past, inside = split["past"], split["inside"]
+
+    def cell(part):
+        return f"{100 * part['accuracy']:.1f}% of {part['n']}" if part["n"] else "none"
+
+    return f"needles past the {split['window']}-token attention window: {cell(past)}; inside it: {cell(inside)}"
 
 
 def format_table(summary: dict) -> str:

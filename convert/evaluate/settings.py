@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from raven_layers.common import did_you_mean
 
-from .needles import BUILT_IN_HAYSTACKS, VARIANTS, split_task
+from .needles import BUILT_IN_HAYSTACKS, VARIANTS, Sample, build_samples, split_task
 
 HAYSTACK_NAME = r"[a-z][a-z0-9_]{0,23}"  # a named haystack: short, and safe in a task string and a file name
 
@@ -101,6 +101,21 @@ class EvaluateSettings(BaseModel):
     def lengths_of(self, task: str) -> list[int]:
         """The prompt lengths of `task`: its task_lengths entry, else `lengths`."""
         return self.task_lengths.get(task, self.lengths)
+
+    def prompts(self, task: str, variant: str, tokenizer) -> list[Sample]:
+        """The retrieval prompts of one task and variant: the same ones for the same settings and tokenizer."""
+        return build_samples(
+            task,
+            tokenizer,
+            self.lengths_of(task),
+            self.depths,
+            self.samples,
+            self.seed,
+            variant=variant,
+            haystack_dir=self.haystack_dir,
+            chat_template=self.chat_template,
+            haystacks=self.haystacks,
+        )
 
     @field_validator("lengths", "ppl_lengths", "speed_lengths")
     @classmethod

@@ -73,3 +73,39 @@ def test_agree_marks_the_cells_that_differ_beyond_chance(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "passkey 1K 100 vs 50*" in out
     assert "niah_single_2 1K 60 vs 45" in out and "niah_single_2 1K 60 vs 45*" not in out
+
+
+def test_beyond_counts_the_answers_past_a_window(tmp_path, capsys):
+    """--beyond W: per task, the prompts answered among those whose answers all lie over W tokens back and the rest,
+    from the per-prompt scores (here one gzipped, as archive_run.py keeps them); lengths filter as for --within."""
+    import gzip
+
+    import pytest
+
+    folder = tmp_path / "windows"
+    folder.mkdir()
+    (folder / "report.json").write_text(json.dumps({"retrieval": {}}))
+
+    def row(task, length, distance, score):
+        return dict(id=f"{task}/standard/{length}/0/{distance}", task=task, length=length, score=score,
+                    needle_distance=distance)  # fmt: skip
+
+    passkey = [row("passkey", 8192, 8000, 0.0), row("passkey", 8192, 30, 1.0), row("passkey", 16384, 5000, 1.0)]
+    passkey += [row("passkey", 1024, 900, 1.0)]  # a length left out below
+    words = [row("niah_word", 8192, 4100, 0.5), row("niah_word", 8192, 4096, 1.0), row("niah_word", 8192, 9, 0.0)]
+    (folder / "retrieval_passkey_standard.json").write_text(json.dumps({"results": passkey}))
+    zipped = folder / "retrieval_niah_word_standard.json.gz"
+    zipped.write_bytes(gzip.compress(json.dumps({"results": words}).encode()))
+    assert main([f"w={folder}", "--beyond", "4096", "--lengths", "8192", "16384"]) == 0
+    out = capsys.readouterr().out
+    assert "| model | passkey past / inside | niah_word past / inside | all past / inside |" in out
+    # a score of 0.5 counts as right, as --agree's; a distance of exactly W is inside the window
+    assert "| w | 1 of 2 / 1 of 1 | 1 of 1 / 1 of 2 | 2 of 3 / 2 of 3 |" in out
+
+    for r in words:
+        del r["needle_distance"]
+    zipped.write_bytes(gzip.compress(json.dumps({"results": words}).encode()))
+    with pytest.raises(SystemExit, match="w: 3 results have no needle_distance .*scripts/needle_distances.py"):
+        main([f"w={folder}", "--beyond", "4096"])
+    with pytest.raises(SystemExit):
+        main([f"w={folder}", "--beyond", "0"])

@@ -40,11 +40,16 @@ def test_hybrid_report_has_every_part_and_picture(tiny_sources, tmp_path, haysta
     assert convert_main(args) == 0
     (tmp_path / "text.txt").write_text(" ".join(PARAGRAPHS) * 20)
     out = tmp_path / "eval"
-    extra = ["--ppl-data", str(tmp_path / "text.txt"), "--ppl-lengths", "64", "--attention-window", "512"]
+    extra = ["--ppl-data", str(tmp_path / "text.txt"), "--ppl-lengths", "64", "--attention-window", "400"]
     report = run_eval(model_dir, out, haystack, *extra)
-    assert report["request"]["lengths"] == [700] and report["request"]["attention_window"] == 512
+    assert report["request"]["lengths"] == [700] and report["request"]["attention_window"] == 400
     assert set(report["retrieval"]) == {"passkey/standard", "niah_single_2/standard"}
     assert all(0 <= t["accuracy"] <= 1 and t["n"] == 2 for t in report["retrieval"].values())
+    for label, summary in report["retrieval"].items():  # depth 0 lies past the window, depth 0.5 inside it
+        split = summary["past_window"]
+        assert split["window"] == 400 and split["past"]["n"] == split["inside"]["n"] == 1, label
+        scores = json.loads((out / f"retrieval_{label.replace('/', '_')}.json").read_text())["results"]
+        assert sorted(r["needle_distance"] > 400 for r in scores) == [False, True], label
     assert report["perplexity"]["results"][0]["context_length"] == 64
     pictures = report["pictures"]
     assert set(pictures) == {
@@ -62,6 +67,7 @@ def test_teacher_report_with_speed(tiny_sources, tmp_path, haystack):
     out = tmp_path / "eval"
     report = run_eval(tiny_sources["llama"], out, haystack, "--tasks", "passkey", "--speed-lengths", "16,32")
     assert "pictures" not in report and [e["context_length"] for e in report["speed"]] == [16, 32]
+    assert "past_window" not in report["retrieval"]["passkey/standard"]  # full attention: no window to be past
     assert (out / "speed.png").stat().st_size > 1000
 
 

@@ -114,6 +114,9 @@ def test_prompt_length_depth_and_variant(task, variant, tok, hay_dir):
             assert tok.decode(ids[ts:te]) == text
             assert cs == s.meta["context_char_span"][0] or s.prompt[cs - 1].isspace()  # at a word start at least
         assert all(a in s.prompt[slice(*s.meta["needles"][0]["char_span"])] for a in s.answers[:1])
+        # the distance counts back to the last token of the nearest needle holding an answer (1: the last token)
+        answer_ends = [n["token_span"][1] for n in s.meta["needles"] if n["value"] in s.answers]
+        assert s.meta["needle_distance"] == len(ids) - max(answer_ends) + 1 >= 1
         assert abs(haystack_depth(s) - s.depth) <= DEPTH_TOLERANCE, s.meta["id"]
         assert abs(s.meta["depth_actual"] - s.depth) <= DEPTH_TOLERANCE
         # variants: what comes before the context
@@ -350,6 +353,34 @@ def test_run_retrieval_hybrid(tok):
     single = R.run_retrieval(hybrid, tok, samples, batch_size=1, max_new_tokens=5, progress=False)
     assert [r["prediction"] for r in batched] == [r["prediction"] for r in single]
     assert len({r["prediction"] for r in batched}) > 1
+
+
+def test_past_window_splits_by_how_far_back_the_answers_lie(tok, mixed_samples):
+    results = R.run_retrieval(EchoModel(tok), tok, mixed_samples, batch_size=8, progress=False)
+    distances = [r["needle_distance"] for r in results]
+    assert distances == [s.meta["needle_distance"] for s in mixed_samples]
+    window = sorted(distances)[len(distances) // 2]
+    for r in results:  # right exactly when the answer lies inside the window
+        r["score"] = float(r["needle_distance"] <= window)
+    split = R.past_window(results, window)
+    past = sum(d > window for d in distances)
+    assert split == {
+        "window": window,
+        "past": {"accuracy": 0.0, "n": past},
+        "inside": {"accuracy": 1.0, "n": len(results) - past},
+    }
+    assert 0 < past < len(results)
+    assert R.format_past_window(split) == (
+        f"needles past the {window}-token attention window: 0.0% of {past}; inside it: 100.0% of {len(results) - past}"
+    )
+    wide = R.past_window(results, 10**6)
+    assert wide["past"]["n"] == 0 and wide["inside"]["n"] == len(results)
+    assert "window: none; inside it: " in R.format_past_window(wide)
+    with pytest.raises(ValueError, match="window must be a number of tokens >= 1, got 0"):
+        R.past_window(results, 0)
+    old = [{k: v for k, v in r.items() if k != "needle_distance"} for r in results]
+    with pytest.raises(ValueError, match="28 results have no needle_distance .*scripts/needle_distances.py"):
+        R.past_window(old, window)
 
 
 def test_summary_table_plot_and_json(tok, mixed_samples, tmp_path):
