@@ -60,6 +60,10 @@
 #                  stay half of extend's text: at 90% the mix is ten times the corpus, about 160M tokens to pack,
 #                  some 24 minutes at the 110K tokens/s measured (docs/RESULTS.md, fourteenth round);
 #   sila-nodecay-answers-windows  sila-answers-windows with sila-nodecay-windows' head that never forgets
+#   MIXER-narrow-windows  MIXER-answers-windows trained with 1K windows (sliding_window 1024 from conversion on) and
+#                  evaluated with 4K ones (evaluate.attention_window): in 2K and 8K rows most of the context then
+#                  reaches the answer through the mixers alone, where with 4K windows almost none did (no windowed
+#                  run answered a needle past its window: docs/RESULTS.md, fifteenth round)
 #   profile-MIXER  the MIXER recipe's train step under the profiler (scripts/profile_train.py), as the recipe runs it;
 #   bench-MIXER    MIXER's train stage eager and as CUDA graphs at 8 and 16 rows a step (scripts/bench_graphs.py, no
 #                  weights needed);
@@ -207,6 +211,10 @@ PY
     trained sila "$1" --set sliding_window=4096 "${FAR_FACTS[@]}" "${ANSWERS[@]}" "${TARGET_EVAL[@]}" \
       --set mixer_settings.sila.no_decay_heads=1
     ;;
+  raven-narrow-windows | sse-narrow-windows | sila-narrow-windows)
+    trained "${1%%-*}" "$1" --set sliding_window=1024 "${FAR_FACTS[@]}" "${ANSWERS[@]}" "${TARGET_EVAL[@]}" \
+      --set evaluate.attention_window=4096
+    ;;
   profile-raven | profile-sse | profile-sila)
     python3 scripts/profile_train.py "recipes/smollm2-${1#profile-}.yaml" --src "$TEACHER" --data "$CORPUS" \
       --stage train --out "$RUNS/$1"
@@ -240,7 +248,7 @@ PY
     ;;
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
-      "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-try-NAME" \
+      "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
       "(MIXER: raven, sse or sila) sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
