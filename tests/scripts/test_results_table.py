@@ -1,6 +1,9 @@
 """results_table.py: a task on a named haystack (TASK@NAME) gets its columns beside TASK's."""
 
+import gzip
 import json
+
+import pytest
 
 from scripts.results_table import main
 
@@ -44,8 +47,6 @@ def test_within_and_agree_count_the_cells_a_target_reads(tmp_path, capsys):
 
 
 def test_within_needs_a_reference():
-    import pytest
-
     with pytest.raises(SystemExit):
         main(["a=x", "--within", "10"])
 
@@ -78,10 +79,6 @@ def test_agree_marks_the_cells_that_differ_beyond_chance(tmp_path, capsys):
 def test_beyond_counts_the_answers_past_a_window(tmp_path, capsys):
     """--beyond W: per task, the prompts answered among those whose answers all lie over W tokens back and the rest,
     from the per-prompt scores (here one gzipped, as archive_run.py keeps them); lengths filter as for --within."""
-    import gzip
-
-    import pytest
-
     folder = tmp_path / "windows"
     folder.mkdir()
     (folder / "report.json").write_text(json.dumps({"retrieval": {}}))
