@@ -9,12 +9,12 @@ them either way), the clean-load check, the memory trace, and every stage's summ
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import shutil
 import sys
 from pathlib import Path
 
+from raven_convert.evaluate.retrieval import gzip_scores
 from raven_convert.train.recipe import STAGES
 
 
@@ -29,8 +29,7 @@ def archive_run(run: Path, out: Path) -> list[str]:
         shutil.copyfile(evaluate / name, out / name)
         written.append(name)
     for scores in sorted(evaluate.glob("retrieval_*.json")):
-        with open(scores, "rb") as src, gzip.GzipFile(out / f"{scores.name}.gz", "wb", 9, mtime=0) as dst:
-            shutil.copyfileobj(src, dst)  # mtime 0: the same scores give the same bytes
+        (out / f"{scores.name}.gz").write_bytes(gzip_scores(scores.read_bytes()))
         written.append(f"{scores.name}.gz")
     for extra in (
         run / "load_check.json",

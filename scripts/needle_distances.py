@@ -13,13 +13,13 @@ the essays the request's `haystack_dir` named there. Then `scripts/results_table
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import sys
 from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from raven_convert.evaluate.retrieval import gzip_scores, load_results
 from raven_convert.evaluate.settings import EvaluateSettings
 from raven_convert.files import atomic_file
 
@@ -34,8 +34,7 @@ def add_needle_distances(report_dir: Path, tokenizer, haystack: str | None = Non
     settings = EvaluateSettings(**fields)
     rewritten = {}  # every file checked before any is written
     for file in sorted(report_dir.glob("retrieval_*.json*")):
-        zipped = file.suffix == ".gz"
-        payload = json.loads(gzip.decompress(file.read_bytes()) if zipped else file.read_bytes())
+        payload = load_results(file)
         rows = payload["results"]
         prompts = {}
         for task, variant in dict.fromkeys((r["task"], r["variant"]) for r in rows):
@@ -50,7 +49,7 @@ def add_needle_distances(report_dir: Path, tokenizer, haystack: str | None = Non
                 )
             row["needle_distance"] = sample.meta["needle_distance"]
         text = json.dumps(payload, indent=1).encode()
-        rewritten[file] = (gzip.compress(text, 9, mtime=0) if zipped else text, len(rows))  # mtime 0: same bytes
+        rewritten[file] = (gzip_scores(text) if file.suffix == ".gz" else text, len(rows))
     for file, (data, _) in rewritten.items():
         with atomic_file(file, "wb") as f:
             f.write(data)

@@ -33,13 +33,12 @@ the evaluation recorded it) and among the others.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import math
 import sys
 from pathlib import Path
 
-from raven_convert.evaluate.retrieval import past_window
+from raven_convert.evaluate.retrieval import load_results, past_window
 
 
 def report_path(path: str) -> Path:
@@ -60,8 +59,7 @@ def prompt_results(path: str, variant: str) -> list[dict]:
     folder = report_path(path).parent
     for pattern in (f"retrieval_*_{variant}.json", f"retrieval_*_{variant}.json.gz"):  # gz: archive_run.py's
         for file in sorted(folder.glob(pattern)):
-            text = gzip.decompress(file.read_bytes()) if file.suffix == ".gz" else file.read_bytes()
-            results += json.loads(text)["results"]
+            results += load_results(file)["results"]
     return results
 
 

@@ -11,6 +11,7 @@ Prompts come from needles.py (`build_samples`, re-exported here).
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
 import math
@@ -251,6 +252,18 @@ def plot_niah_heatmap(results: list[dict], path: str | Path, title: str = "") ->
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     return path
+
+
+def load_results(path: str | Path) -> dict:
+    """{"summary", "results"} of a file save_results wrote, or of its gzipped copy (FILE.json.gz, as
+    scripts/archive_run.py keeps them under docs/results)."""
+    data = Path(path).read_bytes()
+    return json.loads(gzip.decompress(data) if str(path).endswith(".gz") else data)
+
+
+def gzip_scores(data: bytes) -> bytes:
+    """A score file's bytes gzipped with no timestamp: the same scores, the same bytes."""
+    return gzip.compress(data, 9, mtime=0)
 
 
 def save_results(results: list[dict], summary: dict, path: str | Path) -> Path:
