@@ -63,7 +63,8 @@
 #   MIXER-narrow-windows  MIXER-answers-windows trained with 1K windows (sliding_window 1024 from conversion on) and
 #                  evaluated with 4K ones (evaluate.attention_window): in 2K and 8K rows most of the context then
 #                  reaches the answer through the mixers alone, where with 4K windows almost none did (no windowed
-#                  run answered a needle past its window: docs/RESULTS.md, fifteenth round)
+#                  run answered a needle past its window: docs/RESULTS.md, fifteenth round; Raven's did not either,
+#                  and lost most answers 1K-4K back: sixteenth round)
 #   profile-MIXER  the MIXER recipe's train step under the profiler (scripts/profile_train.py), as the recipe runs it;
 #   bench-MIXER    MIXER's train stage eager and as CUDA graphs at 8 and 16 rows a step (scripts/bench_graphs.py, no
 #                  weights needed);
