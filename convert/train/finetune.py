@@ -56,7 +56,8 @@ from raven_convert.train.data import PackedDataset, save_atomic
 from raven_convert.train.distributed import Parallel
 from raven_convert.train.lora import merge_lora
 from raven_convert.train.recipe import FinetuneRecipe, FinetuneTrain, FinetuneWeights, WeightSettings
-from raven_convert.train.stage2 import TrainConfig, train
+from raven_convert.train.stage2 import train
+from raven_convert.train.stage2_config import TrainConfig
 from raven_convert.train.stages import log, recipe_dataset, run_recipe, stage_export, training_summary
 from raven_convert.train.token_weights import load_weight_table, plot_first_row, resolve_kernel, weight_table
 
@@ -199,7 +200,7 @@ def finetune(
     each token's loss weighted by the token weights of `reference` (a Transformer sharing the model's tokenizer,
     on its device; None: uniform weights), and return stage2.train's history.
 
-    config: stage2.TrainConfig, or the fields of recipe.FinetuneTrain (`trainable` "all" by default, "patterns"
+    config: stage2_config.TrainConfig, or the fields of recipe.FinetuneTrain (`trainable` "all" by default, "patterns"
     or "lora"); out_dir: where the
     checkpoints go and a rerun resumes from. tokenizer, reference_tokenizer: the two models' tokenizers, checked
     to be the same before any weight is computed (default: loaded from each model's name_or_path). weights:

@@ -1,4 +1,4 @@
-"""What stage 2 trains of a model (`trainable` of a stage2.TrainConfig, the `config` below), and LoRA's adapters:
+"""What stage 2 trains of a model (`trainable` of a stage2_config.TrainConfig, the `config` below), and LoRA's adapters:
 injected in place on the layers that kept attention (of every layer in a plain model), and merged back into the
 base weights for export.
 

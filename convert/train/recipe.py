@@ -32,7 +32,7 @@ from raven_convert.layer_spec import ACCEPTED_FORMS, AUTO_FORM, LayerSpecError, 
 from raven_convert.train.compiling import CompileSetting
 from raven_convert.train.distributed import DistributedSettings
 from raven_convert.train.retrieval_data import RetrievalMix
-from raven_convert.train.stage2 import MixedPrecision, TrainConfig
+from raven_convert.train.stage2_config import MixedPrecision, TrainConfig
 from raven_layers import get_mixer, resolve_mixer
 from raven_layers.common import did_you_mean
 
@@ -155,7 +155,7 @@ class TokenWeightSettings(WeightSettings):
 
 
 class TrainSettings(TrainConfig):
-    """stage2.TrainConfig, except that steps 0 skips stage 2."""
+    """stage2_config.TrainConfig, except that steps 0 skips stage 2."""
 
     steps: int = Field(0, ge=0, description="optimizer steps; 0 skips stage 2")
 
@@ -274,7 +274,7 @@ class FinetuneWeights(WeightSettings):
 
 
 class FinetuneTrain(TrainConfig):
-    """stage2.TrainConfig for a model that is not a hybrid: everything, named parameters, or LoRA trains."""
+    """stage2_config.TrainConfig for a model that is not a hybrid: everything, named parameters, or LoRA trains."""
 
     trainable: Literal["all", "patterns", "lora"] = "all"
 

@@ -234,7 +234,7 @@ def _stage_weights(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel
 
 
 def _stage_train(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:
-    from raven_convert.train.stage2 import TrainConfig
+    from raven_convert.train.stage2_config import TrainConfig
 
     settings, model_dir = recipe.train, _latest_model(run_dir, done)
     if settings.steps == 0:
@@ -288,7 +288,7 @@ def training_summary(config, history: list[dict], run_dir: Path, stage: str) -> 
 
 
 def _stage_extend(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:
-    from raven_convert.train.stage2 import TrainConfig
+    from raven_convert.train.stage2_config import TrainConfig
     from raven_convert.train.token_weights import resolve_kernel, token_weights
 
     settings, model_dir = recipe.extend, _latest_model(run_dir, done)

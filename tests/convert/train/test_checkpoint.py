@@ -15,7 +15,8 @@ from raven_convert.train.align import align
 from raven_convert.train.checkpoint import latest_checkpoint, save_checkpoint
 from raven_convert.train.data import PackedDataset, batch_iterator
 from raven_convert.train.recipe import parse_recipe
-from raven_convert.train.stage2 import TrainConfig, train
+from raven_convert.train.stage2 import train
+from raven_convert.train.stage2_config import TrainConfig
 from raven_convert.train.stages import run_recipe
 
 SETTINGS = {"raven": {"num_slots": 8, "top_k": 2}, "sse": {"lora_rank": 4}, "sila": {}}

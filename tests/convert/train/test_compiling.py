@@ -20,6 +20,7 @@ from raven_convert.train import stage2
 from raven_convert.train.align import align
 from raven_convert.train.compiling import compiled_parts, layer_parts, resolve_compile
 from raven_convert.train.recipe import AlignSettings
+from raven_convert.train.stage2_config import TrainConfig
 from raven_layers import common
 from raven_layers.backend import use_backend
 from raven_layers.raven import RavenMixer
@@ -118,7 +119,7 @@ def test_stage2_compiles_the_student_with_lora_and_the_teacher(tiny_sources, tmp
     def run(compile, out):
         torch.manual_seed(0)
         student = build_hybrid(teacher, plan_layers([("sse", "1")], 4), SETTINGS)
-        config = stage2.TrainConfig(
+        config = TrainConfig(
             steps=2, batch_size=4, trainable="mixers+lora", kd_weight=1.0, log_every=0, compile=compile
         )
         history = stage2.train(student, teacher, packed_rows(), config, out)

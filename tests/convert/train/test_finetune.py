@@ -20,7 +20,7 @@ from raven_convert.train.data import build_dataset
 from raven_convert.train.finetune import check_same_tokenizer, finetune, weights_cache_key
 from raven_convert.train.lora import is_lora, select_trainable
 from raven_convert.train.recipe import FinetuneWeights, parse_recipe
-from raven_convert.train.stage2 import TrainConfig
+from raven_convert.train.stage2_config import TrainConfig
 from tests.conftest import make_tiny_source, tiny_tokenizer
 from tests.convert.faults import fail_at, interrupt
 from tests.helpers import corpus

@@ -30,7 +30,8 @@ from raven_convert.train.graphs import (
 )
 from raven_convert.train.lora import add_lora
 from raven_convert.train.recipe import Recipe
-from raven_convert.train.stage2 import TrainConfig, step_graphs, train
+from raven_convert.train.stage2 import step_graphs, train
+from raven_convert.train.stage2_config import TrainConfig
 from raven_kernels import chunked
 from raven_kernels.raven import chunk as raven_chunk
 from raven_kernels.sse import chunk as sse_chunk

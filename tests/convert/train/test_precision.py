@@ -14,6 +14,7 @@ from raven_convert.train.align import align
 from raven_convert.train.common import mixer_parameters
 from raven_convert.train.data import PackedDataset
 from raven_convert.train.precision import frozen_linears_in
+from raven_convert.train.stage2_config import TrainConfig
 
 SETTINGS = {"raven": {"num_slots": 16, "top_k": 4}, "sse": {"lora_rank": 8}, "sila": {}}
 
@@ -121,7 +122,7 @@ def test_align_is_bit_identical_with_the_swap_and_one_logit(teacher, monkeypatch
 def test_stage2_is_bit_identical_with_the_swap(teacher, tmp_path, monkeypatch):
     def run(out):
         student = hybrid(teacher)
-        config = stage2.TrainConfig(
+        config = TrainConfig(
             steps=2, batch_size=4, trainable="mixers+lora", kd_weight=1.0, mixed_precision="bf16", log_every=0
         )
         history = stage2.train(student, teacher, packed_rows(), config, out)

@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-from pydantic import ValidationError
 from transformers import AutoModelForCausalLM
 
 from raven_convert import build_hybrid, plan_layers
@@ -12,7 +11,8 @@ from raven_convert.train.common import converted_layers
 from raven_convert.train.data import PackedDataset, batch_iterator, rows_visited
 from raven_convert.train.lora import is_lora, merge_lora
 from raven_convert.train.losses import answer_weighted, ce_loss
-from raven_convert.train.stage2 import TrainConfig, latest_checkpoint, train
+from raven_convert.train.stage2 import latest_checkpoint, train
+from raven_convert.train.stage2_config import TrainConfig
 
 SETTINGS = {"sse": {"lora_rank": 8}, "sila": {}}
 FAST = dict(batch_size=4, lr=3e-3, warmup_steps=2, log_every=0, save_every=1000)
@@ -118,11 +118,7 @@ def test_a_weight_table_missing_rows_this_run_reads_is_refused(teacher, tmp_path
         train(student, teacher, data, config, tmp_path / "missing", token_weights=w)
 
 
-def test_token_weight_tau_is_a_share_of_the_run_unless_fixed(teacher, tmp_path, capsys):
-    assert TrainConfig(steps=3).tau_tokens(1000) == pytest.approx(100.0)  # default: 0.1 of the run
-    assert TrainConfig(steps=3, token_weight_tau=7.0).tau_tokens(1000) == 7.0
-    with pytest.raises(ValueError, match="token_weight_tau and token_weight_tau_fraction are both set"):
-        TrainConfig(steps=3, token_weight_tau=7.0, token_weight_tau_fraction=0.2)
+def test_train_prints_tau_as_a_share_of_the_run(teacher, tmp_path, capsys):
     data = rows()
     config = TrainConfig(steps=3, token_weight_tau_fraction=0.5, **FAST)
     train(hybrid(teacher), teacher, data, config, tmp_path, token_weights=torch.rand(len(data), data.seq_len))
@@ -186,31 +182,6 @@ def test_nan_token_weight_at_a_later_step(teacher, tmp_path):
     with pytest.raises(FloatingPointError, match=r"loss not finite at step 3 \(ce\)"):
         train(student, teacher, rows(), TrainConfig(steps=5, **{**FAST, "save_every": 1}), tmp_path, weights)
     assert latest_checkpoint(tmp_path)[1]["step"] == 2
-
-
-@pytest.mark.parametrize(
-    "bad, field",
-    [
-        ({"stepz": 3}, "stepz"),
-        ({"steps": 0}, "steps"),
-        ({"lr": 0}, "lr"),
-        ({"grad_accum": 0}, "grad_accum"),
-        ({"grad_clip": -1.0}, "grad_clip"),
-        ({"schedule": "linear"}, "schedule"),
-        ({"trainable": "adapters"}, "trainable"),
-        ({"trainable": "patterns", "trainable_patterns": ["("]}, "trainable_patterns"),
-        ({"kd_weight": -1}, "kd_weight"),
-        ({"kd_temperature": 0}, "kd_temperature"),
-        ({"answer_weight": 0.5}, "answer_weight"),
-        ({"mixed_precision": "fp16"}, "mixed_precision"),
-        ({"save_every": 0}, "save_every"),
-        ({"lora_targets": ["q proj"]}, "lora_targets"),
-    ],
-)
-def test_config_rejects_bad_values(bad, field):
-    with pytest.raises(ValidationError, match=field):
-        TrainConfig(**{"steps": 1, **bad})
-    assert TrainConfig(steps=1, grad_clip=None).grad_clip is None
 
 
 def test_lora_resumes_and_merges_into_plain_weights(teacher, tmp_path):
