@@ -32,6 +32,7 @@ from raven_convert.layer_spec import ACCEPTED_FORMS, AUTO_FORM, LayerSpecError, 
 from raven_convert.train.compiling import CompileSetting
 from raven_convert.train.distributed import DistributedSettings
 from raven_convert.train.retrieval_data import RetrievalMix
+from raven_convert.train.schema import CompileParts
 from raven_convert.train.stage2_config import MixedPrecision, TrainConfig
 from raven_layers import get_mixer, resolve_mixer
 from raven_layers.common import did_you_mean
@@ -115,10 +116,7 @@ class AlignSettings(_Strict):
     seed: int = Field(0, description="data order, and the random numbers of a fresh run (Raven's router noise)")
     log_every: int = Field(10, ge=0)
     mixed_precision: MixedPrecision = "no"
-    compile: CompileSetting = Field(
-        "auto",
-        description="torch.compile the mixers' glue and the layers' norms and MLPs (compiling.py); auto: on CUDA",
-    )
+    compile: CompileParts = "auto"
     cuda_graphs: CompileSetting = Field(
         "auto",
         description="replay each step as a CUDA graph (graphs.py); auto: where it can (CUDA, one process, mixers "

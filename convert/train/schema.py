@@ -7,7 +7,17 @@ class RetrievalMix(BaseModel):
 
 from __future__ import annotations
 
-from pydantic import model_serializer
+from typing import Annotated
+
+from pydantic import Field, model_serializer
+
+from raven_convert.train.compiling import CompileSetting
+
+# a stage's `compile` setting (align's and stage 2's)
+CompileParts = Annotated[
+    CompileSetting,
+    Field(description="torch.compile the mixers' glue and the layers' norms and MLPs (compiling.py); auto: on CUDA"),
+]
 
 
 def omit_at_default(*names: str):

@@ -14,7 +14,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 
 from raven_convert.train.compiling import CompileSetting
 from raven_convert.train.lora import LORA_TARGETS
-from raven_convert.train.schema import omit_at_default
+from raven_convert.train.schema import CompileParts, omit_at_default
 
 # "no" or "bf16"; YAML reads a bare `no` as false, which means "no" here
 MixedPrecision = Annotated[Literal["no", "bf16"], BeforeValidator(lambda v: "no" if v is False else v)]
@@ -55,10 +55,7 @@ class TrainConfig(BaseModel):
         0.1, gt=0, description="tau as a share of the run's training tokens, when token_weight_tau is None"
     )
     mixed_precision: MixedPrecision = "no"
-    compile: CompileSetting = Field(
-        "auto",
-        description="torch.compile the mixers' glue and the layers' norms and MLPs (compiling.py); auto: on CUDA",
-    )
+    compile: CompileParts = "auto"
     cuda_graphs: CompileSetting = Field(
         "auto",
         description="replay each step as a CUDA graph (graphs.py); auto: where it can (one CUDA GPU, a hybrid whose "
