@@ -19,9 +19,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from raven_convert.evaluate.retrieval import gzip_scores, load_results
+from raven_convert.evaluate.retrieval import load_results, save_results
 from raven_convert.evaluate.settings import EvaluateSettings
-from raven_convert.files import atomic_file
 
 
 def add_needle_distances(report_dir: Path, tokenizer, haystack: str | None = None) -> dict[str, int]:
@@ -48,12 +47,10 @@ def add_needle_distances(report_dir: Path, tokenizer, haystack: str | None = Non
                     "haystack than the evaluation's?"
                 )
             row["needle_distance"] = sample.meta["needle_distance"]
-        text = json.dumps(payload, indent=1).encode()
-        rewritten[file] = (gzip_scores(text) if file.suffix == ".gz" else text, len(rows))
-    for file, (data, _) in rewritten.items():
-        with atomic_file(file, "wb") as f:
-            f.write(data)
-    return {file.name: n for file, (_, n) in rewritten.items()}
+        rewritten[file] = payload
+    for file, payload in rewritten.items():
+        save_results(payload["results"], payload["summary"], file)  # in the form it had
+    return {file.name: len(payload["results"]) for file, payload in rewritten.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

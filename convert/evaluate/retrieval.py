@@ -267,10 +267,11 @@ def gzip_scores(data: bytes) -> bytes:
 
 
 def save_results(results: list[dict], summary: dict, path: str | Path) -> Path:
-    """Write {"summary", "results"} as JSON atomically: a temporary file beside `path`, then os.replace."""
+    """Write {"summary", "results"} as JSON atomically: a temporary file beside `path`, then os.replace; gzipped
+    (gzip_scores) when `path` ends in .gz, the form load_results reads too."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"summary": summary, "results": [asdict(r) if isinstance(r, Sample) else r for r in results]}
-    with atomic_file(path) as f:
-        json.dump(payload, f, indent=1)
+    data = json.dumps(payload, indent=1).encode()
+    with atomic_file(path, "wb") as f:
+        f.write(gzip_scores(data) if path.suffix == ".gz" else data)
     return path
