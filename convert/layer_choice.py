@@ -29,6 +29,13 @@ still loses their far context at 4-8K, which the window's score sees; the window
 which the mixer's sees. The greedy rounds run the ranked layers' mixers; the scan runs both ablations.
 
 A scan reuses the hidden states before the layer it changes (a layer's ablation runs only the layers from it on).
+With `direction: restore` the scan runs the other way, for deep conversion, where few layers stay attention: the
+base is the model with every layer ablated (its mixer, window or each in turn), and a layer is scored by what
+restoring its attention recovers (the falls of the answer NLL and of the KL, the same parts, 0 where the NLL
+rises). Each greedy round keeps its highest-scoring share restored for the rounds after, so the first layers kept
+are the ones that recover most with the fewest others beside them (KL-guided layer selection restores softmax
+layers so); the ranking is the order of restoring reversed, and `auto:N` still converts its first N.
+
 The ranking is cached as JSON in `cache_dir` under a key hashing the teacher's config and weights, the probe
 tokens and the settings: the same teacher, corpus and settings never scan twice.
 """
@@ -61,6 +68,10 @@ METHODS = {
     "both": "sliding-window ablation plus replacement by briefly aligned mixers (see docs/LAYER_CHOICE.md)",
 }
 KINDS = {"window": ("window",), "mixer": ("mixer",), "both": ("window", "mixer")}  # the ablations each scan runs
+DIRECTIONS = {
+    "cut": "each layer ablated in turn",
+    "restore": "every layer ablated, each layer's attention restored in turn",
+}
 PROBE_FORMATS = ("single", "multi", "kv")  # the formats answered by one value at the very end
 MIN_WORDS = 32  # distinct corpus words the probes need for keys and values
 CACHE_VERSION = 1
@@ -84,6 +95,11 @@ class ChoiceSettings(BaseModel):
         description="what replaces a scored layer's attention: a window, its briefly aligned mixer, or each in turn "
         "(both: the two scores summed)",
     )
+    direction: Literal["cut", "restore"] = Field(
+        "cut",
+        description="cut: score a layer by what ablating it costs the teacher; restore: by what restoring its "
+        "attention recovers in the model with every layer ablated (for deep conversion, where few layers stay)",
+    )
     fit_steps: int = Field(100, ge=1, description="with ablation mixer or both: align steps that fit the mixers")
     fit_rows: int = Field(64, ge=1, description="with ablation mixer or both: corpus rows of seq_len tokens")
     fit_batch_size: int = Field(8, ge=1, description="with ablation mixer or both: rows per align step")
@@ -93,6 +109,10 @@ class ChoiceSettings(BaseModel):
     def fits(self) -> bool:
         """Whether the scan needs fitted mixers."""
         return "mixer" in KINDS[self.ablation]
+
+    def key_fields(self) -> dict:
+        """The settings as the cache key hashes them (the default direction left out: older caches stay valid)."""
+        return self.model_dump(exclude={"direction"} if self.direction == "cut" else set())
 
 
 def read_corpus(documents: Iterable[str], chars: int) -> list[str]:
@@ -188,10 +208,10 @@ class _Stack:
             **{self.inner.cache_argument: None},
         )
 
-    def finish(self, h: torch.Tensor, first: int, context: dict, ranked: set[int]) -> torch.Tensor:
-        """Layers first.. on h (the `ranked` ones ablated), then the final norm: [B, T, H] -> [B, T, H]."""
+    def finish(self, h: torch.Tensor, first: int, context: dict, ablated: dict[int, str]) -> torch.Tensor:
+        """Layers first.. on h (those in `ablated` ablated as it says), then the final norm: [B, T, H] -> [B, T, H]."""
         for i in range(first, len(self.inner.layers)):
-            h = self.layer(i, h, context, self.ranked if i in ranked else None)
+            h = self.layer(i, h, context, ablated.get(i))
         return self.inner.norm(h)
 
 
@@ -230,19 +250,14 @@ def _batches(probes: dict, settings: ChoiceSettings, eos: int, device) -> list[d
 
 
 @torch.no_grad()
-def _scan(
-    stack: _Stack,
-    batches: list[dict],
-    ranked: set[int],
-    candidates: list[int],
-    kinds: tuple[str, ...],
-    window: int,
-    progress,
-):
-    """Summed answer NLL and plain-text KL with the `ranked` layers ablated ("base"), and with each candidate
-    ablated besides in each way of `kinds`: ({"base" or (layer, kind): [nll, kl]}, answer tokens, KL positions)."""
-    sums = {key: [0.0, 0.0] for key in ["base", *((i, kind) for i in candidates for kind in kinds)]}
+def _scan(stack: _Stack, batches: list[dict], plan, candidates: list[int], kinds: tuple[str, ...], window: int, progress):
+    """Summed answer NLL and plain-text KL of each kind's base, and of each candidate changed in each kind's way.
+    `plan(kind)` gives (base, change): the base ablates the layers of {layer: ablation}; a candidate runs as
+    `change` (an ablation, or None for its attention) over that base.
+    -> ({("base", kind) or (layer, kind): [nll, kl]}, answer tokens, KL positions)."""
+    sums = {key: [0.0, 0.0] for kind in kinds for key in [("base", kind), *((i, kind) for i in candidates)]}
     tokens = positions = 0
+    L = len(stack.inner.layers)
     for batch in batches:
         ids = batch["ids"]
         if "starts" in batch:
@@ -256,22 +271,25 @@ def _scan(
             def measure(final, teacher=batch["teacher"][:, window:]):
                 return 0.0, _kl(stack, final[:, window:], teacher)
 
-        h, context = stack.start(ids)
-        for i in range(len(stack.inner.layers)):
-            for kind in kinds if i in candidates else ():  # the layers before i ran once, for every candidate after
-                ablated = stack.finish(stack.layer(i, h, context, kind), i + 1, context, ranked)
-                sums[i, kind] = [a + b for a, b in zip(sums[i, kind], measure(ablated))]
-                progress(len(stack.inner.layers) - i)  # the layers it ran
-            h = stack.layer(i, h, context, stack.ranked if i in ranked else None)
-        sums["base"] = [a + b for a, b in zip(sums["base"], measure(stack.inner.norm(h)))]
-        progress(len(stack.inner.layers))
+        for kind in kinds:
+            base, change = plan(kind)
+            h, context = stack.start(ids)
+            for i in range(L):
+                if i in candidates:  # the layers before i ran once, for every candidate after
+                    changed = stack.finish(stack.layer(i, h, context, change), i + 1, context, base)
+                    sums[i, kind] = [a + b for a, b in zip(sums[i, kind], measure(changed))]
+                    progress(L - i)  # the layers it ran
+                h = stack.layer(i, h, context, base.get(i))
+            sums["base", kind] = [a + b for a, b in zip(sums["base", kind], measure(stack.inner.norm(h)))]
+            progress(L)
     return sums, tokens, positions
 
 
 @torch.no_grad()
 def score_layers(hybrid, probes: dict, settings: ChoiceSettings, eos: int, log=print, fitted=None) -> list[dict]:
     """The ranking of the layers of `hybrid` (attention only, eval mode), one row per layer in ranking order:
-    {layer, round, retrieval, kl, score}, each a rise over its round's base (the layers ranked before ablated);
+    {layer, round, retrieval, kl, score}, each a rise over its round's base (the layers ranked before ablated), or
+    under direction "restore" a fall from it (every layer but those kept before ablated; the first kept rank last);
     under ablation "both", retrieval and kl summed over the two ablations, and "parts": {kind: its score}.
     `fitted`: the hybrid of aligned mixers whose layers replace the ablated ones (ablations "mixer" and "both", and
     the ranked layers); None: windows."""
@@ -282,12 +300,12 @@ def score_layers(hybrid, probes: dict, settings: ChoiceSettings, eos: int, log=p
     for batch in batches:
         if "starts" not in batch:  # the unablated teacher's final hidden states, the reference of the KL
             h, context = stack.start(batch["ids"])
-            batch["teacher"] = stack.finish(h, 0, context, set())
+            batch["teacher"] = stack.finish(h, 0, context, {})
     L = len(hybrid.model.layers)
     share = math.ceil(L / settings.rounds)
     rounds = math.ceil(L / share)
-    # layer passes: an ablation of layer i runs L - i layers (on average (L + 1) / 2), the round's base L
-    total = round(sum((L - r * share) * len(kinds) * (L + 1) / 2 + L for r in range(rounds)) * len(batches))
+    # layer passes: a candidate of layer i runs L - i layers (on average (L + 1) / 2), the round's base L, per kind
+    total = round(sum(((L - r * share) * (L + 1) / 2 + L) * len(kinds) for r in range(rounds)) * len(batches))
     clock, done, last = time.perf_counter(), [0], [0.0]
 
     def progress(units: int) -> None:
@@ -300,27 +318,39 @@ def score_layers(hybrid, probes: dict, settings: ChoiceSettings, eos: int, log=p
                 f"{eta(spent / done[0] * max(total - done[0], 1))}"
             )
 
-    left, ranked = list(range(L)), []
+    restore = settings.direction == "restore"
+    left, ranked = list(range(L)), []  # cut: the layers to convert, first first; restore: those kept, first first
     for r in range(rounds):
         done_layers = {row["layer"] for row in ranked}
-        sums, tokens, positions = _scan(stack, batches, done_layers, left, kinds, settings.window, progress)
-        base_nll, base_kl = sums["base"][0] / max(tokens, 1), sums["base"][1] / max(positions, 1)
+        if restore:  # every layer not yet kept ablated; a candidate's attention restored
+
+            def plan(kind, kept=done_layers):
+                return {i: kind for i in range(L) if i not in kept}, None
+        else:  # the layers already ranked ablated; a candidate ablated besides
+
+            def plan(kind, cut=done_layers):
+                return dict.fromkeys(cut, stack.ranked), kind
+
+        sums, tokens, positions = _scan(stack, batches, plan, left, kinds, settings.window, progress)
+        sign = -1.0 if restore else 1.0  # restore: what the candidate recovers, the base's loss over its own
         rows = []
         for i in left:
             row = {"layer": i, "round": r + 1, "retrieval": 0.0, "kl": 0.0, "score": 0.0}
             parts = {}
             for kind in kinds:
-                retrieval = sums[i, kind][0] / max(tokens, 1) - base_nll
-                kl = sums[i, kind][1] / max(positions, 1) - base_kl
+                base_nll = sums["base", kind][0] / max(tokens, 1)
+                base_kl = sums["base", kind][1] / max(positions, 1)
+                retrieval = sign * (sums[i, kind][0] / max(tokens, 1) - base_nll)
+                kl = sign * (sums[i, kind][1] / max(positions, 1) - base_kl)
                 parts[kind] = max(retrieval, 0.0) + settings.kl_weight * kl  # only harm to retrieval counts
                 row["retrieval"] += retrieval
                 row["kl"] += kl
                 row["score"] += parts[kind]
             rows.append(row | ({"parts": parts} if len(kinds) > 1 else {}))
-        rows.sort(key=lambda row: (row["score"], row["layer"]))
+        rows.sort(key=lambda row: (-row["score"], row["layer"]) if restore else (row["score"], row["layer"]))
         ranked += rows[:share]
         left = [i for i in left if i not in {row["layer"] for row in ranked}]
-    return ranked
+    return ranked[::-1] if restore else ranked
 
 
 def auto_assignment(
@@ -455,7 +485,7 @@ def rank_layers(
     probes = build_probes(documents, tokenizer, settings)
     teacher = model_fingerprint(model)[:16]
     fit = {"name": mixer[0], "settings": dict(mixer[1])} if settings.fits else None
-    key_text = json.dumps([CACHE_VERSION, teacher, settings.model_dump(), probes, fit], sort_keys=True)
+    key_text = json.dumps([CACHE_VERSION, teacher, settings.key_fields(), probes, fit], sort_keys=True)
     key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"{key}.json"
     if path.is_file():
@@ -464,7 +494,8 @@ def rank_layers(
     L = model.config.num_hidden_layers
     log(
         f"layer choice: scoring {L} layers on {len(probes['retrieval'])} retrieval probes and {len(probes['text'])} "
-        f"text rows of up to {settings.seq_len} tokens, window {settings.window}, {settings.rounds} round(s)"
+        f"text rows of up to {settings.seq_len} tokens, window {settings.window}, {settings.rounds} round(s), "
+        f"{DIRECTIONS[settings.direction]}"
     )
     clock = time.perf_counter()
     hybrid = build_hybrid(model, ["attention"] * L, {}).to(_device())
@@ -497,6 +528,7 @@ def choice_record(result: dict, n: int) -> dict:
     rows = [by_layer[i] for i in range(L)]
     return {
         "method": METHODS[result["settings"].get("ablation", "window")],  # scores cached before mixers: windows
+        "direction": result["settings"].get("direction", "cut"),
         **({"mixer": result["mixer"]} if "mixer" in result else {}),
         "n": n,
         "chosen": sorted(row["layer"] for row in ranking[:n]),

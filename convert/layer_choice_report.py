@@ -11,9 +11,14 @@ from pathlib import Path
 from raven_convert.files import atomic_file
 
 
+def _restores(record: dict) -> bool:
+    return record.get("direction", "cut") == "restore"
+
+
 def _score_text(record: dict) -> str:
     """How a score is made, in words."""
     one = f"max(retrieval, 0) + {record['probes']['kl_weight']:g} * kl"
+    one = f"{one}, {'recovered by restoring the layer' if _restores(record) else 'lost by ablating it'}"
     return f"the sum over the window and the mixer of {one}" if "parts" in record else one
 
 
@@ -61,7 +66,11 @@ def plot_choice(record: dict, path: str | Path) -> Path:
     ax.set_xticks(range(len(scores)))
     ax.tick_params(axis="x", labelsize=7)
     ax.axhline(0, color="grey", linewidth=0.5)
-    ax.set_title(f"loss rise with {_ablation_text(record)}; {len(chosen)} lowest converted")
+    if _restores(record):
+        title = f"loss recovered by restoring a layer, the rest ablated ({_ablation_text(record)})"
+    else:
+        title = f"loss rise with {_ablation_text(record)}"
+    ax.set_title(f"{title}; {len(chosen)} lowest converted", fontsize=9)
     ax.legend(handles=[Patch(color="tab:orange", label="converted"), Patch(color="tab:blue", label="kept attention")])
     fig.tight_layout()
     with atomic_file(path, "wb") as f:
@@ -74,15 +83,29 @@ def card_section(record: dict) -> str:
     chosen = ", ".join(map(str, record["chosen"]))
     kept = ", ".join(str(i) for i in range(len(record["score"])) if i not in set(record["chosen"]))
     p, parts = record["probes"], record.get("parts", {})
+    if _restores(record):
+        scan = (
+            f"with every layer but the kept ones ablated ({_ablation_text(record)}), each layer's attention was "
+            "restored in turn"
+        )
+        measure = (
+            "the fall of the answer tokens' NLL (0 where it rises) plus "
+            f"{p['kl_weight']:g} x the fall of the KL to the teacher on plain text (nats per token), when the "
+            "layer is restored; each round kept its highest-scoring layers restored"
+        )
+    else:
+        scan = f"each attention layer of the teacher was scored with {_ablation_text(record)}"
+        measure = (
+            f"the rise of the answer tokens' NLL (0 where it falls) plus {p['kl_weight']:g} x the rise of the KL "
+            "to the unablated teacher on plain text (nats per token)"
+        )
     return (
         f"""## Layer choice
 
-The converted layers were chosen by measurement (`--layers auto:{record["n"]}`, {record["method"]}): each attention
-layer of the teacher was scored with {_ablation_text(record)}, on {p["samples"]} synthetic retrieval probes and
-{p["text_rows"]} corpus rows of up to {p["seq_len"]} tokens (seed {record["seed"]}, {p["rounds"]} greedy round(s)).
-Its score is {"the sum over both ablations of " if "parts" in record else ""}the rise of the answer tokens' NLL (0
-where it falls) plus {p["kl_weight"]:g} x the rise of the KL to the unablated teacher on plain text (nats per token);
-the {record["n"]} lowest-ranked layers were converted.
+The converted layers were chosen by measurement (`--layers auto:{record["n"]}`, {record["method"]}): {scan},
+on {p["samples"]} synthetic retrieval probes and {p["text_rows"]} corpus rows of up to {p["seq_len"]} tokens (seed
+{record["seed"]}, {p["rounds"]} greedy round(s)). Its score is {"the sum over both ablations of " if "parts" in
+record else ""}{measure}; the {record["n"]} lowest-ranked layers were converted.
 
 - converted: {chosen}
 - kept attention: {kept}

@@ -40,6 +40,7 @@ from bench_generate import (  # noqa: E402
     add_model_arguments,
     build_models,
     checked_mixers,
+    layer_specs,
     parse_sizes,
     write_record,
 )
@@ -159,20 +160,27 @@ def largest_batch(name: str, model, context: int, steps: int, reserve_gib: float
 
 
 def table(results: list[dict]) -> str:
-    teacher = next(r for r in results if r["model"] == "teacher")
+    """Markdown: each model's largest batch and throughput there, against the teacher on transformers and on this
+    project's engine (teacher-engine)."""
+    teachers = [next((r for r in results if r["model"] == m), None) for m in ("teacher", "teacher-engine")]
+    teachers = [t for t in teachers if t is not None]
+    names = " | ".join(f"vs {t['model']}" for t in teachers)
     lines = [
-        "| model | context | cache MiB/seq | largest batch | vs teacher | ms/step | tokens/s | vs teacher | peak GiB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| model | context | cache MiB/seq | largest batch | {names} | ms/step | tokens/s | {names} | peak GiB |",
+        "| --- | --- | --- | --- | " + "--- | " * len(teachers) + "--- | --- | " + "--- | " * len(teachers) + "--- |",
     ]
     for r in results:
-        speed = (
-            f"{r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / teacher['tokens_per_s']:.1f}x"
-            if "tokens_per_s" in r and "tokens_per_s" in teacher
-            else "- | - | -"
-        )
+        batches = " | ".join(f"{r['batch'] / max(t['batch'], 1):.1f}x" for t in teachers)
+        if "tokens_per_s" in r:
+            rates = " | ".join(
+                f"{r['tokens_per_s'] / t['tokens_per_s']:.1f}x" if "tokens_per_s" in t else "-" for t in teachers
+            )
+            speed = f"{r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {rates}"
+        else:
+            speed = " | ".join(["-"] * (2 + len(teachers)))
         lines.append(
-            f"| {r['model']} | {r['context']} | {r['cache_mib_per_sequence']:.1f} | {r['batch']} | "
-            f"{r['batch'] / max(teacher['batch'], 1):.1f}x | {speed} | {r.get('peak_gib', '-')} |"
+            f"| {r['model']} | {r['context']} | {r['cache_mib_per_sequence']:.1f} | {r['batch']} | {batches} | "
+            f"{speed} | {r.get('peak_gib', '-')} |"
         )
     return "\n".join(lines)
 
@@ -188,8 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     (context,) = parse_sizes(args.context)
     mixers = checked_mixers(args, "CUDA memory")
     results = []
-    for name, model in build_models(mixers, args.layers, args.windows):
-        timed = name == "teacher" or args.time == "all" or "-sw" in name
+    for name, model in build_models(mixers, layer_specs(args), args.windows):
+        timed = name.startswith("teacher") or args.time == "all" or "-sw" in name
         entry = largest_batch(name, model, context, args.steps, args.reserve, timed)
         results.append(entry)
         print(json.dumps(entry), flush=True)

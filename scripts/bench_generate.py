@@ -1,13 +1,22 @@
-"""Decode speed of converted hybrids against their teacher at its best under stock transformers, in one run.
+"""Decode speed of converted hybrids against their teacher twice over, in one run: the teacher at its best under
+stock transformers, and the teacher on this project's own decode engine.
 
     python scripts/bench_generate.py --out docs/results/generate --batches 1,32 --contexts 4k,16k
+    python scripts/bench_generate.py --out runs/depth --mixers sila --depths 15,22,26 --batches 32,128 --contexts 16k
 
 Models have SmolLM2-135M-Instruct's shape (30 layers, hidden 576, 9 heads over 3 KV heads, vocabulary 49,152), in
 bfloat16 with random weights (speed does not depend on the values): the teacher runs transformers' own
 `generate(cache_implementation="static")`, whose decode step transformers compiles (`torch.compile`,
-"reduce-overhead"); each hybrid converts `--layers` (default `0-29:2`, 15 of 30 layers) and runs its default
-`generate()`: a static hybrid cache with CUDA-graphed decode steps. `--windows W` adds every hybrid again with its
-kept attention layers as W-token sliding windows.
+"reduce-overhead"); `teacher-engine` is the same teacher converted with no layer, so it decodes on this project's
+engine (static hybrid cache, split-K attention, CUDA-graphed steps); each hybrid converts `--layers` (default
+`0-29:2`, 15 of 30 layers), or with `--depths N,...` N layers spread evenly over the stack for each N, and runs
+its default `generate()` on the same engine. `--windows W` adds every hybrid again with its kept attention layers
+as W-token sliding windows. The ratios to both teachers say what converting buys over each: over transformers, the
+engine and the mixers together; over `teacher-engine`, the mixers alone.
+
+Each row also has its bandwidth floor: the bytes a decode step must read (every weight once, every kept attention
+layer's keys and values, every mixer's state read and written) over the device-to-device copy bandwidth measured
+at the start of the run, and the share of that floor the step reaches (floor / step).
 
 For every (model, batch, context): a prompt of `context` random tokens per row; generate() runs once to warm up
 (compilation, graph capture), then is timed for 1 new token (time to first token: prefill and one step) and for
@@ -72,8 +81,43 @@ def add_model_arguments(parser: argparse.ArgumentParser, mixers: str | None = No
 
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--mixers", default=mixers or ",".join(spec.name for spec in BUILTIN_MIXERS))
-    parser.add_argument("--layers", default="0-29:2")
+    parser.add_argument("--layers", default="0-29:2", help="the layers each hybrid converts")
+    parser.add_argument(
+        "--depths", default=None, help="instead of --layers: numbers of layers converted, each spread evenly (15,22)"
+    )
     parser.add_argument("--windows", type=int, default=None, help="also run each hybrid with W-token windows")
+
+
+def spread_layers(n: int, num_layers: int) -> str:
+    """A layer spec converting n of num_layers layers, the kept ones spread evenly (the last layer kept first).
+
+    >>> spread_layers(26, 30)
+    '0-2,4-9,11-16,18-23,25-28'
+    """
+    if not 0 <= n <= num_layers:
+        raise ValueError(f"--depths: {n} layers converted; expected 0 to {num_layers}")
+    kept = {num_layers - 1 - int(k * num_layers / (num_layers - n)) for k in range(num_layers - n)}
+    converted = [i for i in range(num_layers) if i not in kept]
+    if not converted:
+        return "none"
+    runs, start = [], converted[0]
+    for a, b in zip(converted, converted[1:] + [None]):
+        if b != a + 1:
+            runs.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(runs)
+
+
+def layer_specs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(suffix, layer spec) per hybrid of each mixer: --layers alone, or one per --depths entry."""
+    if args.depths is None:
+        return [("", args.layers)]
+    n = SMOLLM2_135M["num_hidden_layers"]
+    try:
+        depths = [int(d) for d in args.depths.split(",") if d.strip()]
+        return [(f"-{d}of{n}", spread_layers(d, n)) for d in depths]
+    except ValueError as err:
+        raise SystemExit(f"--depths {args.depths!r}: {err}") from None
 
 
 def checked_mixers(args: argparse.Namespace, what: str) -> list[str]:
@@ -117,11 +161,12 @@ def release() -> None:
     torch.cuda.empty_cache()
 
 
-def build_models(mixers: list[str], layers: str, windows: int | None):
-    """(name, model) pairs: the teacher first, then one hybrid per mixer (and per mixer with windows). Drop `model`
-    before asking for the next: each model's memory (its static cache and compiled step too) is freed before the
-    next is built, or the next one's peak memory and batch capacity would include it. The teacher's weights stay:
-    every hybrid is built from them."""
+def build_models(mixers: list[str], specs: list[tuple[str, str]], windows: int | None):
+    """(name, model) pairs: the teacher on transformers first, then on this project's engine (`teacher-engine`, no
+    layer converted), then one hybrid per mixer and layer spec of `specs` ((name suffix, spec) pairs), and each again
+    with windows. Drop `model` before asking for the next: each model's memory (its static cache and compiled step
+    too) is freed before the next is built, or the next one's peak memory and batch capacity would include it. The
+    teacher's weights stay: every hybrid is built from them."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from raven_convert import build_hybrid, plan_layers
@@ -132,14 +177,57 @@ def build_models(mixers: list[str], layers: str, windows: int | None):
     yield "teacher", teacher
     release()
     n = SMOLLM2_135M["num_hidden_layers"]
+    engine = build_hybrid(teacher, ["attention"] * n, {}).to("cuda", torch.bfloat16).eval()
+    yield "teacher-engine", engine
+    del engine
+    release()
     for mixer in mixers:
-        kinds = plan_layers([(mixer, layers)], n)
-        for window in [None] + ([windows] if windows else []):
-            spans = [window if kind == "attention" else None for kind in kinds] if window else None
-            hybrid = build_hybrid(teacher, kinds, {}, attention_windows=spans).to("cuda", torch.bfloat16).eval()
-            yield (f"{mixer}-sw{window}" if window else mixer), hybrid
-            del hybrid
-            release()
+        for suffix, layers in specs:
+            kinds = plan_layers([(mixer, layers)], n)
+            for window in [None] + ([windows] if windows else []):
+                spans = [window if kind == "attention" else None for kind in kinds] if window else None
+                hybrid = build_hybrid(teacher, kinds, {}, attention_windows=spans).to("cuda", torch.bfloat16).eval()
+                yield f"{mixer}{suffix}" + (f"-sw{window}" if window else ""), hybrid
+                del hybrid
+                release()
+
+
+def copy_bandwidth(gib: float = 1.0, repeats: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read plus bytes written), best of `repeats` copies."""
+    src = torch.empty(int(gib * 2**30), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats + 2):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    del src, dst
+    return 2 * int(gib * 2**30) / best
+
+
+def step_bytes(model, batch: int, context: int) -> int:
+    """Bytes one decode step must move at `batch` x `context`: every weight read once, every attention layer's
+    keys and values read (kept windows: at most the window), every mixer state read and written."""
+    config = model.config
+    weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    kinds = getattr(config, "layer_mixers", None) or ["attention"] * config.num_hidden_layers
+    windows = getattr(config, "attention_windows", None) or [None] * len(kinds)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_key_value_heads * head_dim * 2  # keys and values, bf16
+    kv = sum(batch * min(context, w or context) * per_token for k, w in zip(kinds, windows) if k == "attention")
+    return weights + kv + 2 * batch * mixer_state_bytes(model)
+
+
+def mixer_state_bytes(model) -> int:
+    """The bytes of one sequence's mixer states (0 for the teacher), from the cache of a 4-token forward."""
+    if not getattr(model.config, "layer_mixers", None) or "attention" == set(model.config.layer_mixers):
+        return 0
+    ids = torch.full((1, 4), 3, device=next(model.parameters()).device)
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+    return int(cache.state_bytes().get("mixer", 0))
 
 
 def timed_generate(model, ids: torch.Tensor, new_tokens: int, teacher: bool, prefill_chunk: int | None) -> float:
@@ -156,10 +244,14 @@ def timed_generate(model, ids: torch.Tensor, new_tokens: int, teacher: bool, pre
     return time.perf_counter() - start
 
 
-def measure(name: str, model, batch: int, context: int, steps: int, prefill_chunk: int | None = None) -> dict:
+def measure(
+    name: str, model, batch: int, context: int, steps: int, prefill_chunk: int | None = None, bandwidth: float = 0
+) -> dict:
     teacher = name == "teacher"
     ids = torch.randint(3, SMOLLM2_135M["vocab_size"], (batch, context), device="cuda")
     entry = {"model": name, "batch": batch, "context": context}
+    if bandwidth:
+        entry["floor_ms"] = round(step_bytes(model, batch, context) / bandwidth * 1e3, 3)
     try:
         timed_generate(model, ids, steps + 1, teacher, prefill_chunk)  # warm-up: compilation or graph capture
         torch.cuda.reset_peak_memory_stats()
@@ -172,6 +264,8 @@ def measure(name: str, model, batch: int, context: int, steps: int, prefill_chun
             tokens_per_s=round(batch / step, 1),
             peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
         )
+        if "floor_ms" in entry:
+            entry["floor_share"] = round(entry["floor_ms"] / entry["step_ms"], 3)
     except torch.OutOfMemoryError:
         entry["oom"] = True
     del ids
@@ -180,20 +274,26 @@ def measure(name: str, model, batch: int, context: int, steps: int, prefill_chun
 
 
 def table(results: list[dict]) -> str:
-    base = {(r["batch"], r["context"]): r for r in results if r["model"] == "teacher" and not r.get("oom")}
+    """Markdown: each row's step against the teacher on transformers and on this engine, and its bandwidth floor."""
+    ok = [r for r in results if not r.get("oom")]
+    bases = {m: {(r["batch"], r["context"]): r for r in ok if r["model"] == m} for m in ("teacher", "teacher-engine")}
     lines = [
-        "| model | batch | context | ms/step | tokens/s | step vs teacher | TTFT ms | peak GiB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | batch | context | ms/step | tokens/s | vs transformers | vs engine teacher | floor ms | of floor "
+        "| TTFT ms | peak GiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         if r.get("oom"):
-            lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | OOM | | | | |")
+            lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | OOM | | | | | | | |")
             continue
-        t = base.get((r["batch"], r["context"]))
-        ratio = f"{r['step_ms'] / t['step_ms']:.2f}x" if t else "-"
+        ratios = []
+        for base in bases.values():
+            t = base.get((r["batch"], r["context"]))
+            ratios.append(f"{r['step_ms'] / t['step_ms']:.2f}x" if t else "-")
+        floor = f"{r['floor_ms']:.2f} | {r['floor_share']:.0%}" if "floor_share" in r else "- | -"
         lines.append(
             f"| {r['model']} | {r['batch']} | {r['context']} | {r['step_ms']:.2f} | {r['tokens_per_s']:.0f} | "
-            f"{ratio} | {r['ttft_ms']:.1f} | {r['peak_gib']:.2f} |"
+            f"{ratios[0]} | {ratios[1]} | {floor} | {r['ttft_ms']:.1f} | {r['peak_gib']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -209,16 +309,19 @@ def main(argv: list[str] | None = None) -> None:
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise SystemExit(f"--prefill-chunk {args.prefill_chunk}: expected an integer >= 1")
     batches, contexts = parse_sizes(args.batches), parse_sizes(args.contexts)
+    specs = layer_specs(args)
     mixers = checked_mixers(args, "CUDA decoding")
+    bandwidth = copy_bandwidth()
+    print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s", flush=True)
     results = []
-    for name, model in build_models(mixers, args.layers, args.windows):
+    for name, model in build_models(mixers, specs, args.windows):
         for context in contexts:
             for batch in batches:
-                entry = measure(name, model, batch, context, args.steps, args.prefill_chunk)
+                entry = measure(name, model, batch, context, args.steps, args.prefill_chunk, bandwidth)
                 results.append(entry)
                 print(json.dumps(entry), flush=True)
         del model
-    write_record(args.out / "bench_generate.json", results)
+    write_record(args.out / "bench_generate.json", results, copy_tb_per_s=round(bandwidth / 1e12, 3))
     print(table(results))
 
 

@@ -76,6 +76,13 @@
 #   sse-norouter   SSE's router without the language-model gradient (router_gradient: false).
 #   reach-RUN      how long each mixer memory of run RUN's trained model holds a passkey over 16K tokens, with its
 #                  kept attention as 4K windows (scripts/memory_reach.py; it waits for RUN's extend): RUN/memory-reach
+#   sila-deep22|sila-deep26  recipes/smollm2-sila-deepN.yaml: N of 30 layers, chosen by restoring attention
+#                  (layer_choice.direction restore; docs/DEPTH.md)
+#   sila-auto22|sila-auto26  smollm2-sila.yaml at auto:22/auto:26 with its own layer choice (each layer cut in
+#                  turn, three rounds): the deep recipes' layer choice against the half-depth one's
+#   depth-speed    decode speed at 15, 22, 26 and 30 of 30 layers converted against the teacher on transformers and
+#                  on this engine (bench_generate.py --depths: batch 1, 32, 128 at 4K and 16K, with bandwidth
+#                  floors), and the largest batch at 32K (bench_capacity.py --depths), into RUNS/depth-speed
 #   speed          short runs of the SSE and SILA recipes, one table of each stage's tokens/s
 #                  (scripts/measure_stages.py); with BASE=DIR (an older checkout's files, copied outside this one)
 #                  the same runs of BASE's code first, and the rates as ratios to them.
@@ -216,6 +223,18 @@ PY
     trained "${1%%-*}" "$1" --set sliding_window=1024 "${FAR_FACTS[@]}" "${ANSWERS[@]}" "${TARGET_EVAL[@]}" \
       --set evaluate.attention_window=4096
     ;;
+  sila-deep22 | sila-deep26)
+    trained "$1" "$1"
+    ;;
+  sila-auto22 | sila-auto26)
+    trained sila "$1" --set "layers=[{mixer: sila, layers: \"auto:${1#sila-auto}\"}]"
+    ;;
+  depth-speed)
+    local out="$RUNS/depth-speed" depths=(--mixers sila --depths "${DEPTHS:-15,22,26,30}")
+    python3 scripts/bench_generate.py --out "$out" "${depths[@]}" --batches 1,32,128 --contexts 4k,16k \
+      --steps 16 || return 1
+    python3 scripts/bench_capacity.py --out "$out" "${depths[@]}" --context 32k --time all
+    ;;
   profile-raven | profile-sse | profile-sila)
     python3 scripts/profile_train.py "recipes/smollm2-${1#profile-}.yaml" --src "$TEACHER" --data "$CORPUS" \
       --stage train --out "$RUNS/$1"
@@ -250,7 +269,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;

@@ -43,8 +43,9 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=64)
     args = parser.parse_args(argv)
     (context,) = parse_sizes(args.context)
-    models = build_models([args.mixer], "0-29:2", None)
-    next(models)  # the teacher: bench_generate.py measures it
+    models = build_models([args.mixer], [("", "0-29:2")], None)
+    next(models)  # the teacher on transformers and on this engine: bench_generate.py measures them
+    next(models)
     _, model = next(models)
     rows = []
     for batch in parse_sizes(args.batches):

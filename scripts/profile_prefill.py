@@ -20,7 +20,14 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-from bench_generate import SMOLLM2_135M, add_model_arguments, build_models, checked_mixers, parse_sizes  # noqa: E402
+from bench_generate import (  # noqa: E402
+    SMOLLM2_135M,
+    add_model_arguments,
+    build_models,
+    checked_mixers,
+    layer_specs,
+    parse_sizes,
+)
 
 
 def best_of(fn, repeats: int = 3) -> float:
@@ -70,7 +77,7 @@ def main(argv=None):
     contexts = parse_sizes(args.contexts)
     mixers = checked_mixers(args, "CUDA prefill")
     rows = []
-    for name, model in build_models(mixers, args.layers, args.windows):
+    for name, model in build_models(mixers, layer_specs(args), args.windows):
         for context in contexts:
             rows.append((name, context, *profile(name, model, context, args.out)))
             torch.cuda.empty_cache()

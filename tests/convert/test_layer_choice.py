@@ -358,7 +358,76 @@ def test_scoring_reuses_the_prefix(loaded):
     stack = layer_choice._Stack(hybrid, window=96)
     ids = torch.randint(3, 100, (2, 64))
     h, context = stack.start(ids)
-    full = stack.finish(h, 0, context, set())
+    full = stack.finish(h, 0, context, {})
     reference = hybrid.model(ids).last_hidden_state
     torch.testing.assert_close(full, reference)
-    assert torch.equal(stack.finish(h, 0, context, {2, 4}), full)  # window 96 >= 64 tokens: no change
+    assert torch.equal(stack.finish(h, 0, context, {2: "window", 4: "window"}), full)  # window 96 >= 64 tokens: no change
+
+
+def _kl_past_window(logits: torch.Tensor, reference: torch.Tensor, window: int) -> float:
+    """Mean KL(reference || model) over the positions from `window` on; [B, T, V] logits."""
+    p = reference[:, window:].float().log_softmax(-1)
+    q = logits[:, window:].float().log_softmax(-1)
+    return ((p.exp() * (p - q)).sum(-1)).mean().item()
+
+
+def test_restore_scores_what_restoring_a_layer_recovers(words_corpus, loaded, tmp_path, monkeypatch):
+    """direction "restore": the base is the teacher with every layer replaced by its fitted mixer, and a layer's KL
+    part is the base's KL to the teacher less the KL with that layer's attention restored (checked here through the
+    model's own forward); a mixer made to imitate badly makes its layer the first kept, ranked last."""
+    from raven_convert.surgery import build_hybrid
+
+    model, tokenizer = loaded
+    settings = FIT.model_copy(update={"ablation": "mixer", "direction": "restore", "text_rows": 2})
+    probes = build_probes(load_documents(str(words_corpus)), tokenizer, settings)
+    hybrid = build_hybrid(model, ["attention"] * 6, {}).eval()
+    fitted = layer_choice.fit_mixers(model, hybrid, ("sila", {"conv_size": 2}), probes["fit"], settings, print)
+    with torch.no_grad():
+        fitted.model.layers[2].self_attn.o_proj.weight.mul_(30.0)
+    rows = layer_choice.score_layers(hybrid, probes, settings, 0, lambda m: None, fitted)
+    assert rows[-1]["layer"] == 2  # the spoiled mixer's layer recovers most: kept first
+    assert [row["score"] for row in rows] == sorted(row["score"] for row in rows)  # one round: ascending
+
+    ids = torch.tensor(probes["text"])  # [2, seq_len]
+    attention = list(hybrid.model.layers)
+    with torch.no_grad():
+        teacher = hybrid(ids, use_cache=False).logits
+
+        def kl_with(kept: set[int]) -> float:
+            for j in range(6):
+                hybrid.model.layers[j] = attention[j] if j in kept else fitted.model.layers[j]
+            try:
+                return _kl_past_window(hybrid(ids, use_cache=False).logits, teacher, settings.window)
+            finally:
+                for j in range(6):
+                    hybrid.model.layers[j] = attention[j]
+
+        base = kl_with(set())
+        for row in rows:
+            assert row["kl"] == pytest.approx(base - kl_with({row["layer"]}), abs=1e-4)
+
+    greedy = layer_choice.score_layers(hybrid, probes, settings.model_copy(update={"rounds": 3}), 0, print, fitted)
+    assert [row["round"] for row in greedy] == [3, 3, 2, 2, 1, 1]  # the first kept, in round 1, rank last
+    assert greedy[-1]["layer"] == 2
+
+
+def test_restore_is_its_own_cache_entry_and_recorded(teacher, words_corpus, loaded, tmp_path):
+    """The direction is in the cache key (the default's key unchanged: older caches stay valid), the record, the
+    table's title and the card."""
+    model, tokenizer = loaded
+    corpus = str(words_corpus)
+    cut = rank_layers(model, tokenizer, load_documents(corpus), SMALL, tmp_path, log=lambda m: None)
+    assert "direction" not in SMALL.key_fields()
+    restore = SMALL.model_copy(update={"direction": "restore", "rounds": 1})
+    result = rank_layers(model, tokenizer, load_documents(corpus), restore, tmp_path, log=lambda m: None)
+    assert result["key"] != cut["key"]
+    record = choice_record(result, 4)
+    assert record["direction"] == "restore" and choice_record(cut, 4)["direction"] == "cut"
+    assert record["chosen"] == sorted(record["order"][:4])
+    assert record["score"][record["order"][-1]] == max(record["score"])  # the first kept recovers most
+    assert "recovered by restoring" in layer_choice_report.format_table(record)
+    card = layer_choice_report.card_section(record)
+    assert "every layer but the kept ones ablated" in card and "the fall of the answer tokens' NLL" in card
+    layer_choice_report.plot_choice(record, tmp_path / "restore.png")
+    with pytest.raises(ValueError, match=r"layer_choice.direction: Input should be 'cut' or 'restore'"):
+        parse_recipe(_recipe(teacher, words_corpus, layer_choice={"direction": "restores"}))

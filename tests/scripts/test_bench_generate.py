@@ -1,0 +1,89 @@
+"""bench_generate.py's models and rows: layers spread for --depths, the bytes a decode step must read, and the table
+against both teachers (the GPU timing itself runs on the device)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+import bench_capacity  # noqa: E402
+import bench_generate  # noqa: E402
+from bench_generate import layer_specs, spread_layers, step_bytes, table  # noqa: E402
+
+from raven_convert import build_hybrid, plan_layers  # noqa: E402
+from raven_convert.layer_spec import parse_layer_spec  # noqa: E402
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 22, 26, 29, 30])
+def test_spread_layers_converts_n_and_keeps_the_rest_apart(n):
+    converted = parse_layer_spec(spread_layers(n, 30), 30)
+    assert len(converted) == n
+    kept = [i for i in range(30) if i not in converted]
+    if len(kept) > 1:  # evenly spread: gaps differ by at most one
+        gaps = [b - a for a, b in zip(kept, kept[1:])]
+        assert max(gaps) - min(gaps) <= 1
+    if kept:
+        assert kept[-1] == 29
+
+
+def test_layer_specs_name_each_depth_and_refuse_bad_ones():
+    args = argparse.Namespace(layers="0-29:2", depths=None)
+    assert layer_specs(args) == [("", "0-29:2")]
+    args.depths = "15,26"
+    assert [suffix for suffix, _ in layer_specs(args)] == ["-15of30", "-26of30"]
+    for bad in ("31", "x"):
+        args.depths = bad
+        with pytest.raises(SystemExit, match=f"--depths '{bad}'"):
+            layer_specs(args)
+
+
+def test_step_bytes_counts_weights_kv_and_mixer_states(tiny_sources):
+    from transformers import AutoModelForCausalLM
+
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_sources["llama"]).eval()
+    c = teacher.config
+    L, per_token = c.num_hidden_layers, 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 2
+    weights = sum(p.numel() * p.element_size() for p in teacher.parameters())  # tied weights counted once
+    assert step_bytes(teacher, 2, 100) == weights + 2 * 100 * per_token * L
+    engine = build_hybrid(teacher, ["attention"] * L, {}).eval()
+    assert step_bytes(engine, 2, 100) == step_bytes(teacher, 2, 100)
+    kinds = plan_layers([("sila", "0")], L)
+    hybrid = build_hybrid(teacher, kinds, {"sila": {"conv_size": 2}}).eval()
+    state = bench_generate.mixer_state_bytes(hybrid)
+    assert state > 0
+    assert step_bytes(hybrid, 2, 100) == weights_of(hybrid) + 2 * 100 * per_token * (L - 1) + 2 * 2 * state
+    windowed = build_hybrid(teacher, ["attention"] * L, {}, attention_windows=[16] * L).eval()
+    assert step_bytes(windowed, 2, 100) == weights + 2 * 16 * per_token * L  # a window reads at most its span
+
+
+def weights_of(model) -> int:
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def test_tables_compare_with_both_teachers():
+    rows = [
+        {"model": m, "batch": 32, "context": 16384, "step_ms": ms, "tokens_per_s": 32 / ms * 1e3, "ttft_ms": 1.0,
+         "peak_gib": 1.0, "floor_ms": 2.0, "floor_share": round(2.0 / ms, 3)}
+        for m, ms in (("teacher", 30.0), ("teacher-engine", 5.0), ("sila-22of30", 2.5))
+    ] + [{"model": "sila-26of30", "batch": 32, "context": 16384, "oom": True}]
+    text = table(rows)
+    assert "| vs transformers | vs engine teacher | floor ms | of floor |" in text
+    assert "| sila-22of30 | 32 | 16384 | 2.50 | 12800 | 0.08x | 0.50x | 2.00 | 80% |" in text
+    assert "| sila-26of30 | 32 | 16384 | OOM |" in text
+    capacity = [
+        {"model": "teacher", "context": 32768, "cache_mib_per_sequence": 700.0, "batch": 100, "step_ms": 50.0,
+         "tokens_per_s": 2000.0},
+        {"model": "teacher-engine", "context": 32768, "cache_mib_per_sequence": 700.0, "batch": 120, "step_ms": 20.0,
+         "tokens_per_s": 6000.0},
+        {"model": "sila-26of30", "context": 32768, "cache_mib_per_sequence": 95.0, "batch": 900, "step_ms": 30.0,
+         "tokens_per_s": 30000.0},
+    ]
+    text = bench_capacity.table(capacity)
+    assert "| largest batch | vs teacher | vs teacher-engine | ms/step |" in text
+    assert "| sila-26of30 | 32768 | 95.0 | 900 | 9.0x | 7.5x | 30.0 | 30000 | 15.0x | 5.0x | - |" in text
