@@ -34,12 +34,13 @@ import gc
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from raven_convert.evaluate.decode_bench import copy_bandwidth, measure_decode  # noqa: E402
 
 SMOLLM2_135M = dict(
     vocab_size=49152,
@@ -192,87 +193,6 @@ def build_models(mixers: list[str], specs: list[tuple[str, str]], windows: int |
                 release()
 
 
-def copy_bandwidth(gib: float = 1.0, repeats: int = 20) -> float:
-    """Device-to-device copy bandwidth in bytes/s (bytes read plus bytes written), best of `repeats` copies."""
-    src = torch.empty(int(gib * 2**30), dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats + 2):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    del src, dst
-    return 2 * int(gib * 2**30) / best
-
-
-def step_bytes(model, batch: int, context: int) -> int:
-    """Bytes one decode step must move at `batch` x `context`: every weight read once, every attention layer's
-    keys and values read (kept windows: at most the window), every mixer state read and written."""
-    config = model.config
-    weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
-    kinds = getattr(config, "layer_mixers", None) or ["attention"] * config.num_hidden_layers
-    windows = getattr(config, "attention_windows", None) or [None] * len(kinds)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_token = 2 * config.num_key_value_heads * head_dim * 2  # keys and values, bf16
-    kv = sum(batch * min(context, w or context) * per_token for k, w in zip(kinds, windows) if k == "attention")
-    return weights + kv + 2 * batch * mixer_state_bytes(model)
-
-
-def mixer_state_bytes(model) -> int:
-    """The bytes of one sequence's mixer states (0 for the teacher), from the cache of a 4-token forward."""
-    if not getattr(model.config, "layer_mixers", None) or "attention" == set(model.config.layer_mixers):
-        return 0
-    ids = torch.full((1, 4), 3, device=next(model.parameters()).device)
-    with torch.no_grad():
-        cache = model(ids, use_cache=True).past_key_values
-    return int(cache.state_bytes().get("mixer", 0))
-
-
-def timed_generate(model, ids: torch.Tensor, new_tokens: int, teacher: bool, prefill_chunk: int | None) -> float:
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=2)
-    if prefill_chunk is not None:
-        kwargs["prefill_chunk_size"] = prefill_chunk
-    if teacher:
-        kwargs["cache_implementation"] = "static"
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    with torch.no_grad():
-        model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
-def measure(
-    name: str, model, batch: int, context: int, steps: int, prefill_chunk: int | None = None, bandwidth: float = 0
-) -> dict:
-    teacher = name == "teacher"
-    ids = torch.randint(3, SMOLLM2_135M["vocab_size"], (batch, context), device="cuda")
-    entry = {"model": name, "batch": batch, "context": context}
-    if bandwidth:
-        entry["floor_ms"] = round(step_bytes(model, batch, context) / bandwidth * 1e3, 3)
-    try:
-        timed_generate(model, ids, steps + 1, teacher, prefill_chunk)  # warm-up: compilation or graph capture
-        torch.cuda.reset_peak_memory_stats()
-        first = min(timed_generate(model, ids, 1, teacher, prefill_chunk) for _ in range(2))
-        total = min(timed_generate(model, ids, steps + 1, teacher, prefill_chunk) for _ in range(2))
-        step = (total - first) / steps
-        entry.update(
-            ttft_ms=round(first * 1e3, 2),
-            step_ms=round(step * 1e3, 3),
-            tokens_per_s=round(batch / step, 1),
-            peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
-        )
-        if "floor_ms" in entry:
-            entry["floor_share"] = round(entry["floor_ms"] / entry["step_ms"], 3)
-    except torch.OutOfMemoryError:
-        entry["oom"] = True
-    del ids
-    torch.cuda.empty_cache()
-    return entry
-
-
 def table(results: list[dict]) -> str:
     """Markdown: each row's step against the teacher on transformers and on this engine, and its bandwidth floor."""
     ok = [r for r in results if not r.get("oom")]
@@ -317,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, model in build_models(mixers, specs, args.windows):
         for context in contexts:
             for batch in batches:
-                entry = measure(name, model, batch, context, args.steps, args.prefill_chunk, bandwidth)
+                entry = measure_decode(name, model, batch, context, args.steps, args.prefill_chunk, bandwidth)
                 results.append(entry)
                 print(json.dumps(entry), flush=True)
         del model

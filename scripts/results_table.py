@@ -38,19 +38,8 @@ import math
 import sys
 from pathlib import Path
 
+from raven_convert.evaluate.compare import cells_under, load_report, perplexity_at, report_path, retrieval_cells
 from raven_convert.evaluate.retrieval import load_results, past_window
-
-
-def report_path(path: str) -> Path:
-    p = Path(path)
-    for candidate in (p, p / "report.json", p / "evaluate" / "report.json"):
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(f"no report.json at {p}, {p / 'report.json'} or {p / 'evaluate' / 'report.json'}")
-
-
-def load_report(path: str) -> dict:
-    return json.loads(report_path(path).read_text())
 
 
 def prompt_results(path: str, variant: str) -> list[dict]:
@@ -87,13 +76,6 @@ def significant(scores_a: dict, scores_b: dict, cell: tuple[str, int], variant: 
     only_a = sum(right_a[i] and not right_b[i] for i in shared)
     only_b = sum(right_b[i] and not right_a[i] for i in shared)
     return mcnemar(only_a, only_b) < 0.05
-
-
-def perplexity_at(report: dict, length: int) -> float | None:
-    for entry in report.get("perplexity", {}).get("results", []):
-        if entry.get("context_length") == length and not entry.get("skipped"):
-            return entry["perplexity"]
-    return None
 
 
 def speed_at(report: dict, length: int) -> dict | None:
@@ -148,19 +130,6 @@ def table(reports: dict[str, dict], reference: str | None, ppl_length: int, spee
     return "\n".join(rows)
 
 
-def retrieval_cells(report: dict, variant: str, lengths: list[int] | None) -> dict[tuple[str, int], float]:
-    """{(task, length): accuracy in points} of one report's retrieval results of `variant`."""
-    cells = {}
-    for label, summary in report.get("retrieval", {}).items():
-        task, _, var = label.partition("/")
-        if (var or "standard") != variant:
-            continue
-        for n, value in summary["by_length"].items():
-            if lengths is None or int(n) in lengths:
-                cells[task, int(n)] = round(100 * value, 6)  # 0.9 * 100 is 90.00000000000001
-    return cells
-
-
 def cell_name(cell: tuple[str, int]) -> str:
     return f"{cell[0]} {short(cell[1])}"
 
@@ -174,8 +143,7 @@ def within_reference(reports: dict[str, dict], reference: str, points: float, va
         if name == reference:
             continue
         cells = retrieval_cells(report, variant, lengths)
-        shared = [c for c in ref if c in cells]
-        under = [c for c in shared if cells[c] < ref[c] - points]
+        shared, under = cells_under(cells, ref, points)
         misses = ", ".join(f"{cell_name(c)} {cells[c]:.0f} vs {ref[c]:.0f}" for c in under) or "none"
         rows.append(f"| {name} | {len(shared) - len(under)} of {len(shared)} | {misses} |")
     return "\n".join(rows)

@@ -5,13 +5,12 @@ runs the conversion pipeline (stages.run_recipe), one without a fine-tune (finet
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from raven_convert.console import command_line, interrupted, invoked_as
 from raven_convert.files import DiskSpaceError
 from raven_convert.train.finetune import run_finetune_recipe
-from raven_convert.train.recipe import INPUT_FLAGS, STAGES, FinetuneRecipe, load_recipe
+from raven_convert.train.recipe import INPUT_FLAGS, STAGES, FinetuneRecipe, input_overrides, load_recipe
 from raven_convert.train.run_state import saved_so_far
 from raven_convert.train.stages import run_recipe
 
@@ -25,12 +24,6 @@ def resume_command(args: argparse.Namespace) -> str:
     for item in args.overrides:
         words += ["--set", item]
     return command_line(invoked_as("raven_convert.train", ("raven-train",)), words)
-
-
-def input_overrides(args: argparse.Namespace) -> list[str]:
-    """--src, --data, ... as the --set overrides they stand for (applied before any --set); the value is quoted
-    so that a path reads as a string, never as YAML (`yes`, `1e3`, `a: b`)."""
-    return [f"{field}={json.dumps(getattr(args, field))}" for field in INPUT_FLAGS if getattr(args, field) is not None]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,8 +10,8 @@ import pytest
 import yaml
 from transformers import AutoModelForCausalLM
 
-from raven_convert.train.__main__ import build_parser, input_overrides, main, resume_command
-from raven_convert.train.recipe import INPUT_FLAGS, STAGES, FinetuneRecipe, load_recipe, parse_recipe
+from raven_convert.train.__main__ import build_parser, main, resume_command
+from raven_convert.train.recipe import INPUT_FLAGS, STAGES, FinetuneRecipe, input_overrides, load_recipe, parse_recipe
 from raven_convert.train.stages import run_recipe
 from tests.helpers import WORDS, corpus
 

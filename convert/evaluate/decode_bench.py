@@ -1,0 +1,124 @@
+"""Decode speed as users decode: `generate()` timed on CUDA, per decode step, with the bandwidth floor of the step.
+
+    bandwidth = copy_bandwidth()                                  # bytes/s, measured on this GPU now
+    row = measure_decode("sila", hybrid, batch=32, context=16384, steps=16, bandwidth=bandwidth)
+
+A hybrid (a model with `layer_mixers` in its config, the teacher converted with no layer included) runs its own
+`generate()`: the static hybrid cache and CUDA-graphed decode steps. Any other model runs transformers'
+`generate(cache_implementation="static")`, whose decode step transformers compiles: the teacher at its best under
+stock transformers. A prompt of `context` random tokens per row (speed does not depend on the values); one warm-up
+call (compilation, graph capture), then the best of two calls for 1 new token (time to first token) and for
+`steps + 1`; ms per decode step is the difference over `steps`.
+
+The floor of a step is the bytes it must move (step_bytes: every weight read once, every attention layer's keys and
+values up to its window, every mixer state read and written) over the device-to-device copy bandwidth; `floor_share`
+is floor / step, how close the step comes to what the memory allows. scripts/bench_generate.py, bench_capacity.py and
+raven_convert.depth time through here.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def is_hybrid(model) -> bool:
+    """Whether `model` decodes on this project's engine (a hybrid, converted layers or none)."""
+    return bool(getattr(model.config, "layer_mixers", None))
+
+
+def copy_bandwidth(gib: float = 1.0, repeats: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read plus bytes written), best of `repeats` copies."""
+    src = torch.empty(int(gib * 2**30), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats + 2):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    del src, dst
+    return 2 * int(gib * 2**30) / best
+
+
+def _attention_spans(config) -> tuple[list[int | None], int]:
+    """(each attention layer's window, None for full attention; bytes of keys and values per token and layer in
+    bf16) of `config`, a hybrid's or a transformers config."""
+    kinds = getattr(config, "layer_mixers", None) or ["attention"] * config.num_hidden_layers
+    windows = getattr(config, "attention_windows", None) or [None] * len(kinds)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return [w for k, w in zip(kinds, windows) if k == "attention"], 2 * config.num_key_value_heads * head_dim * 2
+
+
+def kv_bytes_per_token(config) -> int:
+    """Bytes of keys and values (bf16) one more token adds to the cache: every full-attention layer's (a windowed
+    layer stops growing at its window)."""
+    spans, per_token = _attention_spans(config)
+    return sum(w is None for w in spans) * per_token
+
+
+def step_bytes(model, batch: int, context: int) -> int:
+    """Bytes one decode step must move at `batch` x `context` in bf16: every weight read once, every attention
+    layer's keys and values read (a windowed layer: at most its window), every mixer state read and written."""
+    weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    spans, per_token = _attention_spans(model.config)
+    kv = sum(batch * min(context, w or context) * per_token for w in spans)
+    return weights + kv + 2 * batch * mixer_state_bytes(model)
+
+
+def mixer_state_bytes(model) -> int:
+    """The bytes of one sequence's mixer states (0 without mixers), from the cache of a 4-token forward."""
+    if not is_hybrid(model) or set(model.config.layer_mixers) == {"attention"}:
+        return 0
+    ids = torch.full((1, 4), 3, device=next(model.parameters()).device)
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+    return int(cache.state_bytes().get("mixer", 0))
+
+
+def timed_generate(model, ids: torch.Tensor, new_tokens: int, prefill_chunk: int | None = None) -> float:
+    """Seconds for one greedy generate() of `new_tokens` tokens after the prompt `ids` [B, T] (see the module)."""
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+    if prefill_chunk is not None:
+        kwargs["prefill_chunk_size"] = prefill_chunk
+    if not is_hybrid(model):
+        kwargs["cache_implementation"] = "static"
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def measure_decode(
+    name: str, model, batch: int, context: int, steps: int, prefill_chunk: int | None = None, bandwidth: float = 0
+) -> dict:
+    """{model, batch, context, ttft_ms, step_ms, tokens_per_s, peak_gib} (with `bandwidth`, bytes/s: floor_ms and
+    floor_share too), or {..., oom: True} where the batch does not fit."""
+    ids = torch.randint(3, model.config.vocab_size, (batch, context), device="cuda")
+    entry = {"model": name, "batch": batch, "context": context}
+    if bandwidth:
+        entry["floor_ms"] = round(step_bytes(model, batch, context) / bandwidth * 1e3, 3)
+    try:
+        timed_generate(model, ids, steps + 1, prefill_chunk)  # warm-up: compilation or graph capture
+        torch.cuda.reset_peak_memory_stats()
+        first = min(timed_generate(model, ids, 1, prefill_chunk) for _ in range(2))
+        total = min(timed_generate(model, ids, steps + 1, prefill_chunk) for _ in range(2))
+        step = (total - first) / steps
+        entry.update(
+            ttft_ms=round(first * 1e3, 2),
+            step_ms=round(step * 1e3, 3),
+            tokens_per_s=round(batch / step, 1),
+            peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        )
+        if "floor_ms" in entry:
+            entry["floor_share"] = round(entry["floor_ms"] / entry["step_ms"], 3)
+    except torch.OutOfMemoryError:
+        entry["oom"] = True
+    del ids
+    torch.cuda.empty_cache()
+    return entry

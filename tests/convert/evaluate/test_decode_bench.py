@@ -1,0 +1,33 @@
+"""decode_bench: the bytes a decode step must move (its bandwidth floor) and the cache each token adds; the timing
+itself needs CUDA and runs on the device (scripts/bench_generate.py)."""
+
+from __future__ import annotations
+
+from raven_convert import build_hybrid, plan_layers
+from raven_convert.evaluate.decode_bench import is_hybrid, kv_bytes_per_token, mixer_state_bytes, step_bytes
+
+
+def test_step_bytes_counts_weights_kv_and_mixer_states(tiny_sources):
+    from transformers import AutoModelForCausalLM
+
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_sources["llama"]).eval()
+    c = teacher.config
+    L, per_token = c.num_hidden_layers, 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 2
+    weights = sum(p.numel() * p.element_size() for p in teacher.parameters())  # tied weights counted once
+    assert step_bytes(teacher, 2, 100) == weights + 2 * 100 * per_token * L
+    engine = build_hybrid(teacher, ["attention"] * L, {}).eval()
+    assert step_bytes(engine, 2, 100) == step_bytes(teacher, 2, 100)
+    kinds = plan_layers([("sila", "0")], L)
+    hybrid = build_hybrid(teacher, kinds, {"sila": {"conv_size": 2}}).eval()
+    state = mixer_state_bytes(hybrid)
+    assert state > 0
+    assert step_bytes(hybrid, 2, 100) == weights_of(hybrid) + 2 * 100 * per_token * (L - 1) + 2 * 2 * state
+    windowed = build_hybrid(teacher, ["attention"] * L, {}, attention_windows=[16] * L).eval()
+    assert step_bytes(windowed, 2, 100) == weights + 2 * 16 * per_token * L  # a window reads at most its span
+
+
+def weights_of(model) -> int:
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    assert kv_bytes_per_token(teacher.config) == per_token * L and kv_bytes_per_token(hybrid.config) == per_token * (L - 1)
+    assert kv_bytes_per_token(windowed.config) == 0  # windows stop growing
+    assert is_hybrid(engine) and not is_hybrid(teacher)
