@@ -217,7 +217,9 @@ def measure_speed(recipe, runs: dict[int, Path], batches: list[int], context: in
     models = {"teacher-engine": lambda: build_hybrid(teacher, ["attention"] * L, {})}
     for depth, run in runs.items():
         done = json.loads((run / "evaluate" / "DONE").read_text())
-        models[f"{recipe.layers[0].mixer}-{depth}of{L}"] = lambda d=run / done["model"]: HybridForCausalLM.from_pretrained(d)
+        models[f"{recipe.layers[0].mixer}-{depth}of{L}"] = lambda d=run / done["model"]: (
+            HybridForCausalLM.from_pretrained(d)
+        )
     rows = []
     for name, build in models.items():
         model = build().to("cuda", torch.bfloat16).eval()

@@ -250,7 +250,9 @@ def _batches(probes: dict, settings: ChoiceSettings, eos: int, device) -> list[d
 
 
 @torch.no_grad()
-def _scan(stack: _Stack, batches: list[dict], plan, candidates: list[int], kinds: tuple[str, ...], window: int, progress):
+def _scan(
+    stack: _Stack, batches: list[dict], plan, candidates: list[int], kinds: tuple[str, ...], window: int, progress
+):
     """Summed answer NLL and plain-text KL of each kind's base, and of each candidate changed in each kind's way.
     `plan(kind)` gives (base, change): the base ablates the layers of {layer: ablation}; a candidate runs as
     `change` (an ablation, or None for its attention) over that base.

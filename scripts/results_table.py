@@ -33,10 +33,8 @@ the evaluation recorded it) and among the others.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
-from pathlib import Path
 
 from raven_convert.evaluate.compare import cells_under, load_report, perplexity_at, report_path, retrieval_cells
 from raven_convert.evaluate.retrieval import load_results, past_window

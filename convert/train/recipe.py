@@ -58,12 +58,12 @@ def how_to_set(field: str) -> str:
     return f"pass {flag} {metavar} or set {field} in the recipe"
 
 
-
 def input_overrides(args) -> list[str]:
     """The INPUT_FLAGS an argparse namespace holds (dest: the field, e.g. `data.source`) as the --set overrides they
     stand for (applied before any --set); the value is quoted so that a path reads as a string, never as YAML (`yes`,
     `1e3`, `a: b`)."""
     return [f"{f}={json.dumps(getattr(args, f))}" for f in INPUT_FLAGS if getattr(args, f, None) is not None]
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)

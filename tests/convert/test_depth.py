@@ -45,7 +45,9 @@ def test_collect_tabulates_plots_and_checks_the_depths(tmp_path, capsys):
     teacher = write(tmp_path / "teacher", report(None, 20.0, {"passkey": {1024: 1.0, 8192: 0.4}, "w": {1024: 0.6}}, 64))
     two = write(
         tmp_path / "two",
-        report(["sila", "attention", "sila", "attention"], 21.0, {"passkey": {1024: 1.0, 8192: 0.8}, "w": {1024: 0.2}}, 32),
+        report(
+            ["sila", "attention", "sila", "attention"], 21.0, {"passkey": {1024: 1.0, 8192: 0.8}, "w": {1024: 0.2}}, 32
+        ),
     )
     speed = tmp_path / "bench_generate.json"
     speed.write_text(json.dumps({"results": SPEED}))
@@ -56,9 +58,13 @@ def test_collect_tabulates_plots_and_checks_the_depths(tmp_path, capsys):
     assert "| 0 of 4 | 4 | 20.00 (1.00x) | 3 of 3 | 100% | 40% | 64 (1.00x) | 1.00x |" in table
     assert "| 2 of 4 | 2 | 21.00 (1.05x) | 2 of 3 | 100% | 80% | 32 (0.50x) | 2.00x |" in table  # w 1K: 20 vs 60
     record = json.loads((out / "depth.json").read_text())
-    assert [p["depth"] for p in record["points"]] == [0, 2] and record["points"][1]["cells_under"] == ["w 1024: 20 vs teacher's"]
+    assert [p["depth"] for p in record["points"]] == [0, 2] and record["points"][1]["cells_under"] == [
+        "w 1024: 20 vs teacher's"
+    ]
     assert (out / "depth.png").stat().st_size > 10_000 and (out / "depth.md").read_text().endswith(table.strip() + "\n")
-    assert main(["collect", "--teacher", str(teacher), f"3={two}", "--mixer", "sila", "--out", str(tmp_path / "o2")]) == 2
+    assert (
+        main(["collect", "--teacher", str(teacher), f"3={two}", "--mixer", "sila", "--out", str(tmp_path / "o2")]) == 2
+    )
     assert "that model converts 2 of its 4 layers, not 3" in capsys.readouterr().err
     assert main(["collect", "--teacher", str(teacher), f"two={two}", "--mixer", "sila", "--out", str(out)]) == 2
     assert "'two=" in capsys.readouterr().err
@@ -93,8 +99,17 @@ def test_run_converts_at_each_depth_once_and_resumes(tmp_path, capsys):
         "data": {"seq_len": 32, "validation_fraction": 0.1},
         "align": {"steps": 2, "batch_size": 2},
         "train": {"steps": 2, "batch_size": 2, "eval_batches": 1},
-        "evaluate": {"tasks": ["passkey"], "lengths": [300], "depths": [0.5], "samples": 1, "batch_size": 1,
-                     "ppl_lengths": [64], "ppl_windows": 2, "speed_lengths": [64], "pictures": False},
+        "evaluate": {
+            "tasks": ["passkey"],
+            "lengths": [300],
+            "depths": [0.5],
+            "samples": 1,
+            "batch_size": 1,
+            "ppl_lengths": [64],
+            "ppl_windows": 2,
+            "speed_lengths": [64],
+            "pictures": False,
+        },
         "export": None,
     }
     path = tmp_path / "recipe.yaml"

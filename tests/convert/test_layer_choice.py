@@ -361,7 +361,9 @@ def test_scoring_reuses_the_prefix(loaded):
     full = stack.finish(h, 0, context, {})
     reference = hybrid.model(ids).last_hidden_state
     torch.testing.assert_close(full, reference)
-    assert torch.equal(stack.finish(h, 0, context, {2: "window", 4: "window"}), full)  # window 96 >= 64 tokens: no change
+    assert torch.equal(
+        stack.finish(h, 0, context, {2: "window", 4: "window"}), full
+    )  # window 96 >= 64 tokens: no change
 
 
 def _kl_past_window(logits: torch.Tensor, reference: torch.Tensor, window: int) -> float:

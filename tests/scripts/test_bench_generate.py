@@ -42,8 +42,17 @@ def test_layer_specs_name_each_depth_and_refuse_bad_ones():
 
 def test_tables_compare_with_both_teachers():
     rows = [
-        {"model": m, "batch": 32, "context": 16384, "step_ms": ms, "tokens_per_s": 32 / ms * 1e3, "ttft_ms": 1.0,
-         "peak_gib": 1.0, "floor_ms": 2.0, "floor_share": round(2.0 / ms, 3)}
+        {
+            "model": m,
+            "batch": 32,
+            "context": 16384,
+            "step_ms": ms,
+            "tokens_per_s": 32 / ms * 1e3,
+            "ttft_ms": 1.0,
+            "peak_gib": 1.0,
+            "floor_ms": 2.0,
+            "floor_share": round(2.0 / ms, 3),
+        }
         for m, ms in (("teacher", 30.0), ("teacher-engine", 5.0), ("sila-22of30", 2.5))
     ] + [{"model": "sila-26of30", "batch": 32, "context": 16384, "oom": True}]
     text = table(rows)
@@ -51,12 +60,30 @@ def test_tables_compare_with_both_teachers():
     assert "| sila-22of30 | 32 | 16384 | 2.50 | 12800 | 0.08x | 0.50x | 2.00 | 80% |" in text
     assert "| sila-26of30 | 32 | 16384 | OOM |" in text
     capacity = [
-        {"model": "teacher", "context": 32768, "cache_mib_per_sequence": 700.0, "batch": 100, "step_ms": 50.0,
-         "tokens_per_s": 2000.0},
-        {"model": "teacher-engine", "context": 32768, "cache_mib_per_sequence": 700.0, "batch": 120, "step_ms": 20.0,
-         "tokens_per_s": 6000.0},
-        {"model": "sila-26of30", "context": 32768, "cache_mib_per_sequence": 95.0, "batch": 900, "step_ms": 30.0,
-         "tokens_per_s": 30000.0},
+        {
+            "model": "teacher",
+            "context": 32768,
+            "cache_mib_per_sequence": 700.0,
+            "batch": 100,
+            "step_ms": 50.0,
+            "tokens_per_s": 2000.0,
+        },
+        {
+            "model": "teacher-engine",
+            "context": 32768,
+            "cache_mib_per_sequence": 700.0,
+            "batch": 120,
+            "step_ms": 20.0,
+            "tokens_per_s": 6000.0,
+        },
+        {
+            "model": "sila-26of30",
+            "context": 32768,
+            "cache_mib_per_sequence": 95.0,
+            "batch": 900,
+            "step_ms": 30.0,
+            "tokens_per_s": 30000.0,
+        },
     ]
     text = bench_capacity.table(capacity)
     assert "| largest batch | vs teacher | vs teacher-engine | ms/step |" in text

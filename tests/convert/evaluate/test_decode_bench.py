@@ -24,10 +24,11 @@ def test_step_bytes_counts_weights_kv_and_mixer_states(tiny_sources):
     assert step_bytes(hybrid, 2, 100) == weights_of(hybrid) + 2 * 100 * per_token * (L - 1) + 2 * 2 * state
     windowed = build_hybrid(teacher, ["attention"] * L, {}, attention_windows=[16] * L).eval()
     assert step_bytes(windowed, 2, 100) == weights + 2 * 16 * per_token * L  # a window reads at most its span
+    assert kv_bytes_per_token(teacher.config) == per_token * L == kv_bytes_per_token(engine.config)
+    assert kv_bytes_per_token(hybrid.config) == per_token * (L - 1)
+    assert kv_bytes_per_token(windowed.config) == 0  # windows stop growing
+    assert is_hybrid(engine) and not is_hybrid(teacher)
 
 
 def weights_of(model) -> int:
     return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
-    assert kv_bytes_per_token(teacher.config) == per_token * L and kv_bytes_per_token(hybrid.config) == per_token * (L - 1)
-    assert kv_bytes_per_token(windowed.config) == 0  # windows stop growing
-    assert is_hybrid(engine) and not is_hybrid(teacher)

@@ -4,7 +4,6 @@ into the model with every layer ablated; their convert stage, on a 30-layer tiny
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

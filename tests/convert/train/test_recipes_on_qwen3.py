@@ -58,4 +58,3 @@ def test_the_smollm2_recipe_trains_a_qwen3_teacher(mixer, tiny_sources, words_co
     assert done["extend"]["seq_len"] == 128 and done["extend"]["steps_this_run"] == 1
     config = json.loads((tmp_path / "run" / done["extend"]["model"] / "config.json").read_text())
     assert [i for i, kind in enumerate(config["layer_mixers"]) if kind == mixer] == choice["chosen"]
-
