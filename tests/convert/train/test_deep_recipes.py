@@ -1,5 +1,6 @@
-"""The deep SILA recipes (smollm2-sila-deep22/26.yaml) convert 22 and 26 of 30 layers, chosen by restoring attention
-into the model with every layer ablated; their convert stage, on a 30-layer tiny Llama at CPU size."""
+"""The deep SILA recipes (smollm2-sila-deep22/26.yaml) convert 22 and 26 of 30 layers: 22 chosen as the half-depth
+recipe chooses (each layer cut in turn), 26 by restoring attention into the model with every layer ablated. Their
+convert stage, on a 30-layer tiny Llama at CPU size."""
 
 from __future__ import annotations
 
@@ -22,16 +23,18 @@ def inputs(tmp_path_factory) -> list[str]:
     return [f"source={teacher}", f"data.source={corpus}"]
 
 
-@pytest.mark.parametrize("depth", [22, 26])
-def test_the_deep_recipes_choose_by_restoring(depth, inputs, tmp_path):
-    budget = [o for o in CPU_BUDGET if not o.startswith("layer_choice.rounds")]  # the recipe's eight rounds kept
+@pytest.mark.parametrize("depth, direction", [(22, "cut"), (26, "restore")])
+def test_the_deep_recipes_convert_their_depth(depth, direction, inputs, tmp_path):
+    budget = [o for o in CPU_BUDGET if not o.startswith("layer_choice.rounds")]  # the recipes' own rounds kept
     recipe = load_recipe(RECIPES / f"smollm2-sila-deep{depth}.yaml", inputs + budget)
-    assert recipe.auto() == ("sila", depth) and recipe.layer_choice.direction == "restore"
+    assert recipe.auto() == ("sila", depth) and recipe.layer_choice.direction == direction
+    half = load_recipe(RECIPES / "smollm2-sila.yaml", inputs + budget)
+    assert recipe.model_dump(exclude={"layers", "layer_choice"}) == half.model_dump(exclude={"layers", "layer_choice"})
     done = run_recipe(recipe, tmp_path / "run", stages=["convert"])
     choice = done["convert"]["layer_choice"]
     assert len(choice["chosen"]) == depth and choice["chosen"] == sorted(choice["order"][:depth])
-    config = json.loads((tmp_path / "run" / done["convert"]["model"] / "config.json").read_text())
-    record = config["layer_choice"]
-    assert record["direction"] == "restore" and max(record["round"]) == 8
-    kept = [i for i in range(30) if i not in choice["chosen"]]
-    assert {record["round"][i] for i in kept} <= {1, 2}  # the 4-8 kept come from the first greedy rounds
+    record = json.loads((tmp_path / "run" / done["convert"]["model"] / "config.json").read_text())["layer_choice"]
+    assert record["direction"] == direction
+    if direction == "restore":  # eight rounds of four: the 4 kept come from the first
+        assert max(record["round"]) == 8
+        assert {record["round"][i] for i in range(30) if i not in choice["chosen"]} == {1}
