@@ -209,6 +209,7 @@ def measure_speed(recipe, runs: dict[int, Path], batches: list[int], context: in
     from raven_convert.evaluate.decode_bench import copy_bandwidth, measure_decode
     from raven_convert.sources import Source
     from raven_convert.surgery import build_hybrid
+    from raven_convert.train.run_state import read_done
     from raven_layers import HybridForCausalLM
 
     teacher = Source.resolve(recipe.source).load_model("bfloat16")
@@ -216,7 +217,7 @@ def measure_speed(recipe, runs: dict[int, Path], batches: list[int], context: in
     bandwidth = copy_bandwidth()
     models = {"teacher-engine": lambda: build_hybrid(teacher, ["attention"] * L, {})}
     for depth, run in runs.items():
-        done = json.loads((run / "evaluate" / "DONE").read_text())
+        done = read_done(run, "evaluate")
         models[f"{recipe.layers[0].mixer}-{depth}of{L}"] = lambda d=run / done["model"]: (
             HybridForCausalLM.from_pretrained(d)
         )

@@ -30,9 +30,25 @@ PER_PROCESS = ("align", "train", "extend")  # the sections whose batch_size coun
 CHOICE_FIELDS = ("layer_choice", "data.source", "data.text_field")  # what convert also reads under layers: auto:N
 
 
-def read_done(run_dir: Path, stage: str) -> dict | None:
+def read_done(run_dir: Path, stage: str, damaged_ok: bool = False) -> dict | None:
+    """The stage's summary from its DONE, None while it has not finished; ValueError naming the file and the fix
+    where the marker is damaged (truncated, edited, not JSON), or None then with `damaged_ok`."""
     marker = Path(run_dir) / stage / MARKER
-    return json.loads(marker.read_text()) if marker.is_file() else None
+    if not marker.is_file():
+        return None
+    try:
+        done = json.loads(marker.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        done = err
+    if not isinstance(done, dict):
+        if damaged_ok:
+            return None
+        why = f"not JSON ({done})" if isinstance(done, Exception) else "not a JSON object"
+        raise ValueError(
+            f"{marker} is damaged: {why}. It marks the {stage} stage as finished; rerun with --redo {stage} to run "
+            "that stage (and the later ones) again"
+        )
+    return done
 
 
 def stage_inputs(recipe: Recipe | FinetuneRecipe, stage: str, processes: int = 1) -> dict:
@@ -75,12 +91,26 @@ def changed_fields(old: dict, new: dict) -> list[str]:
 
 def recorded_processes(run_dir: Path) -> dict[str, int]:
     """{stage: the processes it ran on}: those its DONE records (1 before they were recorded), else this launch's."""
-    return {s: (read_done(run_dir, s) or {"processes": world_size()}).get("processes", 1) for s in STAGES}
+    return {s: (read_done(run_dir, s, True) or {"processes": world_size()}).get("processes", 1) for s in STAGES}
+
+
+def turned_off(recipe: Recipe | FinetuneRecipe, stage: str) -> bool:
+    """Whether the recipe skips `stage`: a skipped stage computed nothing, so no changed field makes its DONE stale
+    while the recipe still skips it."""
+    if stage in ("extend", "evaluate", "export"):
+        return getattr(recipe, stage, None) is None
+    if stage in ("align", "train"):
+        return getattr(recipe, stage).steps == 0
+    if stage == "weights":
+        return not recipe.token_weights.enabled or (isinstance(recipe, Recipe) and recipe.train.steps == 0)
+    return False
 
 
 def stale_reason(run_dir: Path, stage: str, done: dict, recipe: Recipe, prints: dict[str, str], now=None) -> str | None:
     """Why `stage`'s DONE no longer matches the recipe (a message naming the changed fields), or None."""
     if done.get("fingerprint", prints[stage]) in (prints[stage], (now or prints)[stage]):
+        return None
+    if done.get("skipped") and turned_off(recipe, stage):
         return None
     changed, first = [], stage
     for earlier in recipe.stages[: recipe.stages.index(stage) + 1]:
@@ -121,7 +151,8 @@ def resumable_checkpoints(run_dir: Path, stages) -> list[str]:
 
     found = []
     for stage in stages:
-        latest = None if read_done(run_dir, stage) is not None else latest_checkpoint(Path(run_dir) / stage)
+        finished = (Path(run_dir) / stage / MARKER).is_file()  # a damaged DONE too: no checkpoint is resumed
+        latest = None if finished else latest_checkpoint(Path(run_dir) / stage)
         if latest is not None:
             found.append(f"{latest[0]} (step {latest[1]['step']}) of the unfinished {stage} stage")
     return found

@@ -422,7 +422,14 @@ def run_recipe(
     if recipe.export is not None:  # a bad or unwritable export.dir is refused now, not after training
         check_writable(export_dir(recipe, run_dir), "export.dir", swapped=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if redo:
+    if redo:  # what the rerun keeps must still hold before anything is deleted
+        prints = fingerprints(recipe, recorded_processes(run_dir))
+        now = fingerprints(recipe, dict.fromkeys(STAGES, world_size()))
+        for earlier in order[: order.index(redo)]:
+            existing = read_done(run_dir, earlier)
+            reason = existing is not None and stale_reason(run_dir, earlier, existing, recipe, prints, now)
+            if reason:
+                raise ValueError(f"--redo {redo} deleted nothing: {reason}")
         for stage in order[order.index(redo) :]:
             if (run_dir / stage).exists():
                 lost = [r for r in resumable if r.endswith(f" {stage} stage")]
