@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -50,3 +51,16 @@ def interrupted(saved: str, resume: str) -> int:
     if is_main_process():
         print(f"interrupted: {saved}. To resume: {resume}", file=sys.stderr, flush=True)
     return INTERRUPTED
+
+
+def attach_negative_values(argv: list[str]) -> list[str]:
+    """argv with a value such as `-1k` joined to the option before it (`--lengths=-1k`): argparse reads a token that
+    starts with '-' and is not a plain number as another option and says only 'expected one argument', where the
+    option's own check names the value and what is allowed."""
+    out = []
+    for word in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and re.match(r"-\d", word):
+            out[-1] = f"{out[-1]}={word}"
+        else:
+            out.append(word)
+    return out

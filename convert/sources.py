@@ -40,24 +40,25 @@ class Source:
     gguf_file: str | None = None
 
     @classmethod
-    def resolve(cls, src: str) -> "Source":
+    def resolve(cls, src: str, option: str = "--src") -> "Source":
+        """The model `src` names; SourceError naming `option` (the flag or argument that gave it) if it names none."""
         path = Path(src).expanduser()
         if src.lower().endswith(".gguf"):
             if not path.is_file():
-                raise SourceError(f"--src {src!r}: no such GGUF file")
+                raise SourceError(f"{option} {src!r}: no such GGUF file")
             with path.open("rb") as f:
                 if f.read(4) != b"GGUF":  # the format's magic number, checked before anything is loaded
-                    raise SourceError(f"--src {src!r} does not start like a GGUF file: damaged, or not GGUF")
+                    raise SourceError(f"{option} {src!r} does not start like a GGUF file: damaged, or not GGUF")
             return cls(src, str(path.parent), path.name)
         if path.is_dir():
             if not (path / "config.json").is_file():
-                raise SourceError(f"--src {src!r} is a directory without config.json: not a Hugging Face model")
+                raise SourceError(f"{option} {src!r} is a directory without config.json: not a Hugging Face model")
             return cls(src, str(path))
         if path.exists():
-            raise SourceError(f"--src {src!r} is a file; expected a .gguf file, a model directory or a Hub id")
+            raise SourceError(f"{option} {src!r} is a file; expected a .gguf file, a model directory or a Hub id")
         if not _HUB_ID.match(src):
             raise SourceError(
-                f"--src {src!r} is neither an existing directory, a .gguf file, nor a Hub id like 'Qwen/Qwen3-0.6B'"
+                f"{option} {src!r} is neither an existing directory, a .gguf file, nor a Hub id like 'Qwen/Qwen3-0.6B'"
             )
         return cls(src, src)
 

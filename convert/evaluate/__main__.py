@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from raven_convert.console import command_line, interrupted
+from raven_convert.console import attach_negative_values, command_line, interrupted
 from raven_convert.files import check_writable
 
 from .needles import haystack_files
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         help="a hybrid's kept attention layers attend within this many tokens (default: as converted)",
     )
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = p.parse_args(argv)
+    args = p.parse_args(attach_negative_values(argv))
     args.chat_template = {"off": False, "on": True, "auto": None}[args.chat_template]
     resume = vars(args).pop("resume")
     args.haystacks, args.task_lengths = dict(args.haystacks), dict(args.task_lengths)

@@ -219,6 +219,26 @@ def split_task(task: str, haystacks: Collection[str] | None = None) -> tuple[Tas
     return TASKS[name], haystack or None
 
 
+def essay_folder(
+    task: str, haystack_dir: str | Path | None, haystacks: dict[str, str | Path] | None = None
+) -> tuple[str | Path, str] | None:
+    """(folder, what names it) of the haystack an essay task hides its needles in: its @NAME's, else haystack_dir,
+    else $RAVEN_HAYSTACK_DIR; None for a task on repeated noise. ValueError where an essay task has none."""
+    spec, named = split_task(task, haystacks or {})
+    if spec.haystack == "noise":
+        return None
+    if named:
+        return haystacks[named], f"haystack {named!r}"
+    if haystack_dir:
+        return haystack_dir, "haystack_dir"
+    if os.environ.get(HAYSTACK_ENV):
+        return os.environ[HAYSTACK_ENV], f"${HAYSTACK_ENV}"
+    raise ValueError(
+        f"task {task!r} needs an essay haystack: pass haystack_dir=DIR or set ${HAYSTACK_ENV} to a folder of "
+        f"*.txt files (RULER's Paul Graham essays, e.g. ../shared/data/pg_essays)"
+    )
+
+
 def haystack_files(folder: str | Path, what: str = "haystack_dir") -> list[Path]:
     """The *.txt files of a haystack folder, sorted; FileNotFoundError naming `what` (the field or flag) if none."""
     if not Path(folder).expanduser().is_dir():
@@ -492,17 +512,7 @@ def build_samples(
         def hay_source(length, depth, index):
             return noise
     else:
-        if named:
-            folder, what = haystacks[named], f"haystack {named!r}"
-        elif haystack_dir:
-            folder, what = haystack_dir, "haystack_dir"
-        else:
-            folder, what = os.environ.get(HAYSTACK_ENV), f"${HAYSTACK_ENV}"
-        if not folder:
-            raise ValueError(
-                f"task {task!r} needs an essay haystack: pass haystack_dir= or set ${HAYSTACK_ENV} to a folder of "
-                f"*.txt files (RULER's Paul Graham essays, e.g. ../shared/data/pg_essays)"
-            )
+        folder, what = essay_folder(task, haystack_dir, haystacks)
         paragraphs = load_essay_paragraphs(folder, what)
         _check_size(tokenizer, paragraphs, max(lengths), f"{what} ({folder})")
         probe = "\n\n".join(paragraphs)[:20000]

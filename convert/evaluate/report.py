@@ -24,6 +24,7 @@ from raven_layers.architectures import layer_windows
 from raven_layers.registry import import_object
 
 from ..files import write_json
+from ..sources import Source
 from .perplexity import format_perplexity_table, load_for_evaluation, load_texts, perplexity, plot_loss_curve, run_info
 from .pictures import PictureContext
 from .retrieval import (
@@ -106,6 +107,8 @@ def evaluate_model(request: EvalRequest, log=print, resume: bool = False, parall
     process's result (the recipe stage polls for its DONE, which no collective's timeout cuts short)."""
     parallel = parallel or OneProcess()
     log = log if parallel.is_main else lambda message: None
+    Source.resolve(request.model, "model")  # before anything is written or loaded
+    request.check_haystacks()
     out = Path(request.out)
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_for_evaluation(request.model, request.dtype, request.device or parallel.device)

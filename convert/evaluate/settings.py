@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from raven_layers.common import did_you_mean
 
-from .needles import BUILT_IN_HAYSTACKS, VARIANTS, Sample, build_samples, split_task
+from .needles import BUILT_IN_HAYSTACKS, VARIANTS, Sample, build_samples, essay_folder, haystack_files, split_task
 
 HAYSTACK_NAME = r"[a-z][a-z0-9_]{0,23}"  # a named haystack: short, and safe in a task string and a file name
 
@@ -101,6 +101,14 @@ class EvaluateSettings(BaseModel):
     def lengths_of(self, task: str) -> list[int]:
         """The prompt lengths of `task`: its task_lengths entry, else `lengths`."""
         return self.task_lengths.get(task, self.lengths)
+
+    def check_haystacks(self) -> None:
+        """Every essay task has a haystack folder with *.txt files in it (ValueError or FileNotFoundError naming the
+        task, the field and the folder): checked before a model is loaded."""
+        for task in self.tasks:
+            found = essay_folder(task, self.haystack_dir, self.haystacks)
+            if found is not None:
+                haystack_files(*found)
 
     def prompts(self, task: str, variant: str, tokenizer) -> list[Sample]:
         """The retrieval prompts of one task and variant: the same ones for the same settings and tokenizer."""

@@ -36,7 +36,7 @@ COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
 FIELDS = ("input_ids", "document_ids", "position_ids")
 OPTIONAL_FIELDS = ("answers",)  # rows packed by pack_documents have them; rows built otherwise may not
 CACHE_FORMAT = 2  # bump when the cached layout or the packing rule changes
-SKIPPED_LIMIT = 0.5  # more than this share of records without the text field is an error, not a loss to report
+MAX_SKIPPED = 0.05  # the share of records without the text field a run may skip (data.max_skipped); more stops it
 SAMPLED_FILES = 16  # check_data_source reads a sample of this many files (every file is checked for readability)
 # Tokenised into the cache key, so that a different tokenizer saved under the same name gets its own cache.
 PROBES = (
@@ -142,16 +142,19 @@ def _records(source, split: str, streaming: bool, text_sample_by: str) -> Iterat
         raise _damaged(source, err) from None
 
 
-def check_skipped(where, text_field: str, missing: int, seen: int, sample: bool = False) -> None:
-    """Report records without `text_field` on stderr; more than SKIPPED_LIMIT of them raises ValueError."""
+def check_skipped(
+    where, text_field: str, missing: int, seen: int, sample: bool = False, max_skipped: float = MAX_SKIPPED
+) -> None:
+    """Report records without `text_field` on stderr; more than `max_skipped` of them raises ValueError."""
     if not missing:
         return
     share = missing / max(seen, 1)
     counted = f"{missing:,} of {seen:,} {'sampled ' if sample else ''}records ({share:.0%}) of {where}"
-    if share > SKIPPED_LIMIT:
+    if share > max_skipped:
         raise ValueError(
-            f"data.text_field {text_field!r}: {counted} have no such field; at most {SKIPPED_LIMIT:.0%} may be "
-            "skipped. Set data.text_field to the field that holds the text"
+            f"data.text_field {text_field!r}: {counted} have no such field, and data.max_skipped allows "
+            f"{max_skipped:.0%}. Set data.text_field to the field that holds the text, or data.max_skipped to the "
+            f"share you accept to lose (e.g. --set data.max_skipped={min(1.0, round(share + 0.005, 2))})"
         )
     print(f"[data] skipping {counted}: no field {text_field!r}", file=sys.stderr)
 
@@ -163,6 +166,7 @@ def load_documents(
     streaming: bool | None = None,
     max_documents: int | None = None,
     text_sample_by: str = "line",
+    max_skipped: float = MAX_SKIPPED,
 ) -> Iterable[str]:
     """Yield the `text_field` of every record of `source`, in order, skipping empty and missing texts.
 
@@ -172,7 +176,7 @@ def load_documents(
     the datasets cache). For .txt files, `text_sample_by` is the text builder's unit: "line" (one document per
     line), "paragraph" or "document" (one per file). The first record is read at once, so that a missing field
     raises ValueError here, naming the field and the columns found. Records without the field are counted: once
-    read, their share is reported, and more than SKIPPED_LIMIT of them raises ValueError (see check_skipped).
+    read, their share is reported, and more than `max_skipped` of them raises ValueError (see check_skipped).
     """
     records = _records(source, split, True if streaming is None else streaming, text_sample_by)
     first = next(records, None)
@@ -192,13 +196,18 @@ def load_documents(
                 kept += 1
                 if kept == max_documents:
                     break
-        check_skipped(source, text_field, missing, seen)
+        check_skipped(source, text_field, missing, seen, max_skipped=max_skipped)
 
     return texts()
 
 
 def check_data_source(
-    source, text_field: str = "text", text_sample_by: str = "line", sample: int = 256, hint: str = ""
+    source,
+    text_field: str = "text",
+    text_sample_by: str = "line",
+    sample: int = 256,
+    hint: str = "",
+    max_skipped: float = MAX_SKIPPED,
 ) -> int:
     """Validate a local data source before any model is loaded; returns the number of files (0 for a Hub name,
     which is not checked). Every file must be readable and non-empty; the first `sample` records of each of the
@@ -231,7 +240,7 @@ def check_data_source(
             raise ValueError(
                 f"data.text_field {text_field!r}: no record of {f} has this field; fields found: {sorted(columns)}"
             )
-        check_skipped(f, text_field, missing, seen, sample=True)
+        check_skipped(f, text_field, missing, seen, sample=True, max_skipped=max_skipped)
     return len(files)
 
 
@@ -459,6 +468,7 @@ def build_dataset(
     text_field: str = "text",
     split: str = "train",
     retrieval: RetrievalMix | None = None,
+    max_skipped: float = MAX_SKIPPED,
 ) -> tuple[PackedDataset, PackedDataset]:
     """(train, validation) PackedDatasets of `source` packed into rows of `seq_len`, with synthetic retrieval
     samples mixed in by `retrieval` (retrieval_data.py).
@@ -478,7 +488,9 @@ def build_dataset(
             print(f"[data] the data cache {path} is damaged ({type(err).__name__}); rebuilding it", file=sys.stderr)
             tensors = None
     if tensors is None:
-        documents = load_documents(source, text_field=text_field, split=split, max_documents=max_documents)
+        documents = load_documents(
+            source, text_field=text_field, split=split, max_documents=max_documents, max_skipped=max_skipped
+        )
         if retrieval is not None and retrieval.ratio > 0:
             added = retrieval.ratio / (1 - retrieval.ratio)  # the mix adds synthetic text to the whole corpus
             share = f"{retrieval.ratio:.0%} of the text ({added:.2g}x the corpus)"

@@ -106,6 +106,9 @@ class DataSettings(_Strict):
         None, description="local .txt/.jsonl(.gz)/.parquet file or directory, or a Hub dataset id"
     )
     text_field: str = "text"
+    max_skipped: float = Field(
+        0.05, ge=0, le=1, description="share of records without text_field that may be skipped; more stops the run"
+    )
     seq_len: int = Field(1024, ge=2)
     max_documents: int | None = Field(None, ge=1)
     validation_fraction: float = Field(0.01, ge=0, lt=1)
@@ -494,7 +497,8 @@ def check_inputs(recipe: Recipe | FinetuneRecipe, stages: list[str]) -> None:
     if reads_data:
         if recipe.data.source is None:
             raise ValueError(f"data.source is not set: {how_to_set('data.source')}")
-        check_data_source(recipe.data.source, recipe.data.text_field, hint=f"; {how_to_set('data.source')}")
+        d = recipe.data
+        check_data_source(d.source, d.text_field, hint=f"; {how_to_set('data.source')}", max_skipped=d.max_skipped)
         if recipe.data.cache_dir:
             check_writable(recipe.data.cache_dir, "data.cache_dir")
     evaluate = getattr(recipe, "evaluate", None)

@@ -21,8 +21,9 @@ from raven_convert.train.recipe import STAGES, FinetuneRecipe, Recipe
 
 MARKER = "DONE"
 # Fields that change how a stage logs, checkpoints or runs, not what it computes (torch.compile, CUDA graphs and the
-# token weights' kernels round differently, no more): changing them keeps its results valid.
-BOOKKEEPING = ("log_every", "save_every", "keep_checkpoints", "compile", "cuda_graphs", "kernel")
+# token weights' kernels round differently, no more; max_skipped decides whether a run may start, not its data):
+# changing them keeps its results valid.
+BOOKKEEPING = ("log_every", "save_every", "keep_checkpoints", "compile", "cuda_graphs", "kernel", "max_skipped")
 PER_PROCESS = ("align", "train", "extend")  # the sections whose batch_size counts the rows of one process
 
 # `distributed` is in no stage's fields (recipe.stage_fields): the strategy and the process count change memory and

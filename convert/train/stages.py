@@ -119,6 +119,7 @@ def recipe_dataset(
             seed=d.seed,
             text_field=d.text_field,
             retrieval=retrieval or d.retrieval,
+            max_skipped=d.max_skipped,
         )
 
 

@@ -150,9 +150,13 @@ def bad_data(tmp_path: Path, kind: str) -> tuple[Path, str]:
         whole = write_gz(tmp_path / "whole.jsonl.gz", texts(200, 0)).read_bytes()
         (path := tmp_path / "cut.jsonl.gz").write_bytes(whole[: len(whole) // 2])
         return path, f"data.source {path}: cannot read it, {DAMAGED} (EOFError: Compressed file ended"
-    if kind == "mostly without text":
-        path = write_gz(tmp_path / "docs.jsonl.gz", texts(10, 6))
-        return path, f"data.text_field 'text': 6 of 10 sampled records (60%) of {path} have no such field; at most 50%"
+    if kind == "half without text":  # a user who loses half the corpus must say so (data.max_skipped)
+        path = write_gz(tmp_path / "docs.jsonl.gz", texts(48, 24))
+        return path, (
+            f"data.text_field 'text': 24 of 48 sampled records (50%) of {path} have no such field, and "
+            "data.max_skipped allows 5%. Set data.text_field to the field that holds the text, or data.max_skipped "
+            "to the share you accept to lose (e.g. --set data.max_skipped=0.51)"
+        )
     if kind == "no text at all":
         (path := tmp_path / "docs.jsonl").write_text('{"body": "x"}\n')
         return path, f"data.text_field 'text': no record of {path} has this field; fields found: ['body']"
@@ -161,7 +165,7 @@ def bad_data(tmp_path: Path, kind: str) -> tuple[Path, str]:
     raise AssertionError(kind)
 
 
-DATA_FAULTS = ["empty", "not gzip", "truncated gzip", "mostly without text", "no text at all", "missing"]
+DATA_FAULTS = ["empty", "not gzip", "truncated gzip", "half without text", "no text at all", "missing"]
 
 
 @pytest.fixture
@@ -205,13 +209,24 @@ def test_unreadable_data_file_is_named(tiny_sources, tmp_path, capsys, monkeypat
 
 
 def test_a_few_records_without_text_are_reported_not_hidden(tmp_path, capsys):
-    path = write_gz(tmp_path / "docs.jsonl.gz", texts(10, 2))
+    path = write_gz(tmp_path / "docs.jsonl.gz", texts(20, 1))
     assert train_data.check_data_source(path) == 1
-    assert f"[data] skipping 2 of 10 sampled records (20%) of {path}: no field 'text'" in capsys.readouterr().err
-    assert list(train_data.load_documents(path)) == [f"document {i}" for i in range(2, 10)]
-    assert f"[data] skipping 2 of 10 records (20%) of {path}: no field 'text'" in capsys.readouterr().err
-    with pytest.raises(ValueError, match=r"7 of 10 records \(70%\) .* have no such field"):
-        list(train_data.load_documents(write_gz(tmp_path / "worse.jsonl.gz", [{"text": "first"}, *texts(9, 7)])))
+    assert f"[data] skipping 1 of 20 sampled records (5%) of {path}: no field 'text'" in capsys.readouterr().err
+    assert list(train_data.load_documents(path)) == [f"document {i}" for i in range(1, 20)]
+    assert f"[data] skipping 1 of 20 records (5%) of {path}: no field 'text'" in capsys.readouterr().err
+    worse = write_gz(tmp_path / "worse.jsonl.gz", [{"text": "first"}, *texts(9, 2)])
+    with pytest.raises(ValueError, match=r"2 of 10 records \(20%\) .* have no such field, and data.max_skipped allows"):
+        list(train_data.load_documents(worse))
+    assert len(list(train_data.load_documents(worse, max_skipped=0.2))) == 8  # allowed when asked for
+
+
+def test_a_run_that_would_lose_half_its_corpus_needs_max_skipped(tiny_sources, tmp_path, capsys):
+    data, message = bad_data(tmp_path, "half without text")
+    argv, run = run_on_data(tiny_sources, tmp_path, data)
+    argv += ["--stages", "convert,align"]
+    assert train_main(argv) == 2 and message in one_line(capsys.readouterr().err) and not run.exists()
+    assert train_main(argv + ["--set", "data.max_skipped=0.5"]) == 0  # the user said so
+    assert "[data] skipping 24 of 48 sampled records (50%)" in capsys.readouterr().err
 
 
 def test_a_damaged_data_cache_is_rebuilt(tmp_path, capsys):
@@ -223,6 +238,53 @@ def test_a_damaged_data_cache_is_rebuilt(tmp_path, capsys):
     assert f"the data cache {cached} is damaged" in capsys.readouterr().err
     assert torch.equal(again.tensors["input_ids"], first.tensors["input_ids"])
     assert torch.load(cached, weights_only=True)["input_ids"].shape == first.tensors["input_ids"].shape
+
+
+# ---- raven-eval's bad inputs, refused before a model is loaded or anything is written
+
+
+def test_raven_eval_names_a_negative_length(tiny_sources, tmp_path, capsys, no_model_loaded):
+    with pytest.raises(SystemExit):  # argparse alone would read -1k as a flag: 'expected one argument'
+        eval_main([str(tiny_sources["llama"]), "--out", str(tmp_path / "out"), "--lengths", "-1k"])
+    assert "argument --lengths: '-1k' is not a length; expected integers >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_raven_eval_names_its_model_argument_and_writes_nothing(tmp_path, capsys, no_model_loaded):
+    with pytest.raises(SystemExit):
+        eval_main([str(tmp_path / "nowhere"), "--out", str(tmp_path / "out"), "--tasks", "passkey"])
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith(f"raven-eval: error: model '{tmp_path / 'nowhere'}' is neither an existing directory")
+    assert not (tmp_path / "out").exists()
+
+
+def test_raven_eval_asks_for_a_haystack_before_loading_once(
+    tiny_sources, tmp_path, capsys, monkeypatch, no_model_loaded
+):
+    monkeypatch.delenv("RAVEN_HAYSTACK_DIR", raising=False)
+    with pytest.raises(SystemExit):
+        eval_main([str(tiny_sources["llama"]), "--out", str(tmp_path / "out"), "--tasks", "passkey,niah_single_2"])
+    err = capsys.readouterr().err
+    assert one_line(err) == (
+        "raven-eval: error: task 'niah_single_2' needs an essay haystack: pass --haystack-dir=DIR or set "
+        "$RAVEN_HAYSTACK_DIR to a folder of *.txt files (RULER's Paul Graham essays, e.g. ../shared/data/pg_essays)"
+    )
+    assert err.count("needs an essay haystack") == 1 and not (tmp_path / "out").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit):
+        eval_main(
+            [
+                str(tiny_sources["llama"]),
+                "--out",
+                str(tmp_path / "out"),
+                "--tasks",
+                "niah_single_2",
+                "--haystack-dir",
+                str(empty),
+            ]
+        )
+    assert f"haystack_dir {empty}: no *.txt files in it" in one_line(capsys.readouterr().err)
 
 
 # ---- outputs that cannot be written and bad shard sizes, found before the source is loaded
