@@ -152,6 +152,14 @@ def request_from_args(args: argparse.Namespace) -> ConvertRequest:
         if "." in key:
             mixer, name = key.split(".", 1)
             settings.setdefault(mixer, {})[name] = value
+    used = {resolve_mixer(mixer).name for mixer in mixers}  # --mixer names them already (mixer_name)
+    for mixer, values in settings.items():
+        if mixer != "choice" and mixer not in used:  # a setting of a mixer this command converts no layer to
+            flags = ", ".join(f"--{mixer}-{name.replace('_', '-')}" for name in values)
+            raise ValueError(
+                f"{flags} set{'s' if len(values) == 1 else ''} the {mixer} mixer, but no --mixer {mixer} converts a "
+                f"layer here (converted to: {', '.join(sorted(used))}); drop it, or add --mixer {mixer} --layers SPEC"
+            )
     given = settings.get("choice") or args.choice_data or args.choice_cache
     if given and not any(spec.strip().lower().startswith("auto") for spec in args.layers):  # N checked later
         raise ValueError("the --choice-* options set how --layers auto:N measures the layers; no --layers is auto:N")

@@ -466,3 +466,14 @@ def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint(tmp_path)
         save_checkpoint(tmp_path, 2, full, {"step": 2}, keep=2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
     assert latest_checkpoint(tmp_path)[1] == {"step": 1}
+
+
+def test_a_setting_of_a_mixer_the_command_does_not_use_is_refused(tiny_sources, tmp_path, capsys, no_model_loaded):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit):
+        convert_main(["--src", str(tiny_sources["llama"]), "--layers", "1", "--sila-conv-size", "8", "--out", str(out)])
+    assert one_line(capsys.readouterr().err).endswith(
+        "error: --sila-conv-size sets the sila mixer, but no --mixer sila converts a layer here (converted "
+        "to: raven); drop it, or add --mixer sila --layers SPEC"
+    )
+    assert not out.exists()
