@@ -10,7 +10,9 @@ This file and its siblings are copied next to every exported model, so that
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -21,7 +23,7 @@ from .architectures import get_architecture, layer_windows
 from .backend import preload
 from .cache import OUTPUT_CACHE_FIELD, HybridCache, cache_argument, output_cache
 from .common import Mixer, one_cache, recompile_limits
-from .configuration_hybrid import HybridConfig
+from .configuration_hybrid import HybridConfig, HybridConfigError
 from .decode_attention import KERNELS, decode_attention
 from .decode_graph import DecodeGraph
 from .static_cache import StaticHybridCache
@@ -88,6 +90,45 @@ class HybridPreTrainedModel(PreTrainedModel):
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # mixers keep recurrent states, so forward() creates a HybridCache instead
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except RuntimeError as err:  # transformers' "ignore_mismatched_sizes" refusal, after a table on the log
+            problem = "ignore_mismatched_sizes" in str(err) and mismatched_weights(cls, pretrained_model_name_or_path)
+            if not problem:
+                raise
+            raise HybridConfigError(problem) from None
+
+
+def mismatched_weights(cls, folder) -> str | None:
+    """Why the weights saved in the local `folder` do not fit the model its config.json builds (the first weight
+    whose shape differs, its layer's mixer and that mixer's settings), or None where none differs or `folder` is not
+    local: the usual cause is a mixer setting edited after the weights were saved."""
+    from safetensors import safe_open
+
+    files = sorted(Path(folder).glob("*.safetensors")) if Path(folder).is_dir() else []
+    if not files:
+        return None
+    config = HybridConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape) for name, t in cls(config).state_dict().items()}
+    for file in files:
+        with safe_open(str(file), framework="pt") as weights:
+            for name in weights.keys():
+                saved = tuple(weights.get_slice(name).get_shape())
+                if name in expected and expected[name] != saved:
+                    layer = re.search(r"layers\.(\d+)\.", name)
+                    kind = config.layer_mixers[int(layer.group(1))] if layer else None
+                    where = f"layer {layer.group(1)} ({kind})" if layer else "the model"
+                    settings = f" under mixer_settings.{kind} = {config.mixer_settings.get(kind, {})}" if kind else ""
+                    return (
+                        f"{folder}: {name} of {where} is {list(saved)} in {file.name} but {list(expected[name])} as "
+                        f"config.json builds it{settings}; config.json was changed after the weights were saved: "
+                        "set it back to the values the model was converted with"
+                    )
+    return None
 
 
 class HybridModel(HybridPreTrainedModel):

@@ -307,3 +307,29 @@ def test_set_attention_window_equals_converting_with_it(tiny_sources):
     for bad in (0, 2.5, True):
         with pytest.raises(ValueError, match="attention window"):
             later.set_attention_window(bad)
+
+
+def test_a_mixer_setting_edited_after_saving_is_named_not_a_transformers_refusal(tiny_sources, tmp_path):
+    """config.json's mixer_settings changed after the weights were saved: the load names the weight, its layer,
+    its mixer, the settings and both shapes (HybridConfigError, a ValueError), where transformers raises a bare
+    RuntimeError about ignore_mismatched_sizes."""
+    import json
+
+    from raven_layers import HybridForCausalLM
+    from raven_layers.configuration_hybrid import HybridConfigError
+
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_sources["llama"])
+    kinds = plan_layers([("raven", "1")], teacher.config.num_hidden_layers)
+    build_hybrid(teacher, kinds, {"raven": {"num_slots": 8, "top_k": 2}}).save_pretrained(tmp_path / "m")
+    path = tmp_path / "m" / "config.json"
+    config = json.loads(path.read_text())
+    config["mixer_settings"]["raven"]["num_slots"] = 16
+    path.write_text(json.dumps(config))
+    with pytest.raises(HybridConfigError) as info:
+        HybridForCausalLM.from_pretrained(tmp_path / "m")
+    message = str(info.value)
+    assert "model.layers.1.self_attn.router_weight of layer 1 (raven) is [16," in message
+    assert "'num_slots': 16" in message and "config.json was changed after the weights were saved" in message
+    config["mixer_settings"]["raven"]["num_slots"] = 8  # set back: it loads
+    path.write_text(json.dumps(config))
+    HybridForCausalLM.from_pretrained(tmp_path / "m")
