@@ -75,7 +75,11 @@ def main(model_dir: str, out_file: str) -> None:
     start = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True, dtype=dtype).to(device).eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True, dtype=dtype)
+    except (ValueError, OSError) as err:  # a damaged export: the model code's (or transformers') reason, one line
+        raise SystemExit(f"clean_load: {model_dir} does not load: {' '.join(str(err).split())}") from None
+    model = model.to(device).eval()
     if not hasattr(model.config, "layer_mixers"):
         raise SystemExit(f"{model_dir} holds a {type(model).__name__}, not a hybrid exported by this toolkit")
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=True)

@@ -65,3 +65,24 @@ def test_a_plain_model_is_refused_by_name(tiny_sources, tmp_path):
     assert proc.returncode != 0
     assert "LlamaForCausalLM, not a hybrid" in proc.stderr
     assert not (tmp_path / "check.json").exists()
+
+
+@pytest.mark.parametrize("damage", ["unknown layer", "length mismatch", "deleted shard"])
+def test_a_damaged_export_is_named_in_one_line(damage, tiny_sources, tmp_path):
+    model = tmp_path / "hybrid"
+    args = ["--src", str(tiny_sources["llama"]), "--out", str(model), "--mixer", "sila", "--layers", "0"]
+    assert main(args) == 0
+    config = json.loads((model / "config.json").read_text())
+    if damage == "unknown layer":
+        config["layer_mixers"][1] = "mamba"
+    elif damage == "length mismatch":
+        config["layer_mixers"] = config["layer_mixers"][:-1]
+    else:
+        next(model.glob("*.safetensors")).unlink()
+    (model / "config.json").write_text(json.dumps(config))
+    proc = run(model, tmp_path / "check.json")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("clean_load:")]
+    assert line.startswith(f"clean_load: {model} does not load: ")
+    assert {"unknown layer": "mamba", "length mismatch": "layer_mixers", "deleted shard": "safetensors"}[damage] in line
+    assert not (tmp_path / "check.json").exists()
