@@ -46,17 +46,19 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 from torch import Tensor
 
 from raven_convert.console import is_main_process
-from raven_convert.files import replace_dir
+from raven_convert.files import atomic_file, replace_dir
 from raven_convert.sources import model_fingerprint
 from raven_convert.train.checkpoint import CHECKPOINTS
 from raven_convert.train.data import PackedDataset, save_atomic
 from raven_convert.train.distributed import Parallel
 from raven_convert.train.lora import merge_lora
 from raven_convert.train.recipe import FinetuneRecipe, FinetuneTrain, FinetuneWeights, WeightSettings
-from raven_convert.train.stage2 import train
+from raven_convert.train.run_state import CHECKPOINTS_AT
+from raven_convert.train.stage2 import rows_read, train
 from raven_convert.train.stage2_config import TrainConfig
 from raven_convert.train.stages import log, recipe_dataset, run_recipe, stage_export, training_summary
 from raven_convert.train.token_weights import load_weight_table, plot_first_row, resolve_kernel, weight_table
@@ -94,10 +96,10 @@ def check_same_tokenizer(tokenizer, reference_tokenizer, student: str, reference
         )
 
 
-def weights_cache_key(reference, rows: PackedDataset, settings: WeightSettings) -> str:
+def weights_cache_key(reference, rows: PackedDataset, settings: WeightSettings, only: Tensor | None = None) -> str:
     """sha256 (hex) of what decides the weight table: the reference (sources.model_fingerprint), the packed rows
-    (their token and position ids, in order), tau, lam, precision and WEIGHTS_FORMAT. Not the student's: every
-    student with this tokenizer reuses the table."""
+    (their token and position ids, in order), the rows weighted (`only`, where not all), tau, lam, precision and
+    WEIGHTS_FORMAT. Not the student's: every student with this tokenizer reuses the table."""
     data = hashlib.sha256()
     for field in ("input_ids", "position_ids"):
         values = rows.tensors[field][rows.rows].int()  # [N, T]
@@ -112,16 +114,29 @@ def weights_cache_key(reference, rows: PackedDataset, settings: WeightSettings) 
     }
     if settings.precision != "float32":  # keyed only when set, so tables cached before the field stay valid
         payload["precision"] = settings.precision
+    if only is not None and len(only) < len(rows):  # likewise: a table of every row keeps its key
+        payload["only"] = hashlib.sha256(torch.as_tensor(only, dtype=torch.long).numpy().tobytes()).hexdigest()
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
+def weights_cache_folder(reference, rows: PackedDataset, settings: WeightSettings, cache_dir, only=None) -> Path:
+    """Where cached_weight_table keeps the table and, while it is computed, its checkpoints."""
+    return Path(cache_dir) / f"weights-{weights_cache_key(reference, rows, settings, only)[:24]}"
+
+
 def cached_weight_table(
-    reference, rows: PackedDataset, settings: WeightSettings, cache_dir, log: Callable[[str], None] = print
+    reference,
+    rows: PackedDataset,
+    settings: WeightSettings,
+    cache_dir,
+    log: Callable[[str], None] = print,
+    only: Tensor | None = None,
 ) -> tuple[Tensor, Path]:
-    """(table [len(rows), T], its file): token_weights.weight_table of `reference` on `rows`, loaded from
-    cache_dir/weights-KEY/weights.pt (KEY: weights_cache_key) or computed there, resumably (its checkpoints beside
-    it, deleted once the table is written). A damaged cache file is computed again."""
-    folder = Path(cache_dir) / f"weights-{weights_cache_key(reference, rows, settings)[:24]}"
+    """(table [len(rows), T], its file): token_weights.weight_table of `reference` on `rows` (with `only`: those
+    rows, NaN elsewhere), loaded from cache_dir/weights-KEY/weights.pt (KEY: weights_cache_key) or computed there,
+    resumably (its checkpoints beside it, deleted once the table is written). A damaged cache file is computed
+    again."""
+    folder = weights_cache_folder(reference, rows, settings, cache_dir, only)
     path = folder / "weights.pt"
     if path.is_file():
         try:
@@ -143,6 +158,7 @@ def cached_weight_table(
         log=log,
         kernel=resolve_kernel(settings.kernel, next(reference.parameters()).device),
         precision=settings.precision,
+        only=only,
     )
     if is_main_process():
         save_atomic(table, path)
@@ -246,7 +262,7 @@ def _sources(recipe: FinetuneRecipe):
 
 def _stage_weights(recipe: FinetuneRecipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:
     settings = recipe.token_weights
-    if not settings.enabled:
+    if not settings.enabled or recipe.train.steps == 0:  # only the train stage reads the table
         return {"skipped": True}
     student, reference = _sources(recipe)
     trust = recipe.trust_remote_code
@@ -254,9 +270,16 @@ def _stage_weights(recipe: FinetuneRecipe, run_dir: Path, done: dict, parallel: 
     if recipe.reference:  # before the data is packed or a model loaded
         check_same_tokenizer(tokenizer, reference.load_tokenizer(trust), recipe.source, recipe.reference)
     train_rows, _ = recipe_dataset(recipe, run_dir, tokenizer)
+    only = rows_read(recipe.train, len(train_rows), parallel.world)  # only the rows the train stage reads
+    log(f"[weights] {len(only):,} of {len(train_rows):,} rows: those {recipe.train.steps:,} train steps read")
     model = reference.load_model(recipe.dtype, trust).to(parallel.device)
     cache = settings.cache_dir or recipe.data.cache_dir or run_dir / "cache"
-    table, cached = cached_weight_table(model, train_rows, settings, cache, log)
+    # where its checkpoints go while it runs, for what an interruption says was saved (run_state.stage_state)
+    folder = weights_cache_folder(model, train_rows, settings, cache, only)
+    if parallel.is_main:
+        with atomic_file(run_dir / "weights" / CHECKPOINTS_AT, "w") as f:
+            f.write(str(folder.resolve()))
+    table, cached = cached_weight_table(model, train_rows, settings, cache, log, only)
     target = run_dir / "weights" / "weights.pt"
     target.unlink(missing_ok=True)
     try:
@@ -269,8 +292,9 @@ def _stage_weights(recipe: FinetuneRecipe, run_dir: Path, done: dict, parallel: 
         "file": "weights/weights.pt",
         "cache": str(cached),
         "shape": list(table.shape),
-        "mean": table.mean().item(),
-        "max": table.max().item(),
+        "rows": len(only),
+        "mean": table[only].mean().item(),
+        "max": table[only].max().item(),
     }
 
 

@@ -294,7 +294,19 @@ class FinetuneRecipe(_Strict):
 
     stages: ClassVar[tuple[str, ...]] = FINETUNE_STAGES
     stage_fields: ClassVar[dict[str, tuple[str, ...]]] = {
-        "weights": ("source", "reference", "trust_remote_code", "dtype", "data", "token_weights"),
+        # the weights stage weights the rows train reads: those its steps, global batch and seed draw
+        "weights": (
+            "source",
+            "reference",
+            "trust_remote_code",
+            "dtype",
+            "data",
+            "token_weights",
+            "train.steps",
+            "train.batch_size",
+            "train.grad_accum",
+            "train.seed",
+        ),
         "train": ("source", "trust_remote_code", "dtype", "data", "train"),
         "export": ("export",),
     }

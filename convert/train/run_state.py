@@ -20,6 +20,7 @@ from raven_convert.train.distributed import world_size
 from raven_convert.train.recipe import STAGES, FinetuneRecipe, Recipe
 
 MARKER = "DONE"
+CHECKPOINTS_AT = "CHECKPOINTS_AT"  # in a stage's folder: the folder its checkpoints go to, where not that one
 # Fields that change how a stage logs, checkpoints or runs, not what it computes (torch.compile, CUDA graphs and the
 # token weights' kernels round differently, no more; max_skipped decides whether a run may start, not its data):
 # changing them keeps its results valid.
@@ -141,6 +142,9 @@ def stage_state(run_dir: Path, stage: str) -> str:
             f"the evaluate stage's finished parts ({', '.join(finished)}) are kept in {report}, a rerun runs the rest"
         )
     found = latest_checkpoint(Path(run_dir) / stage)
+    pointer = Path(run_dir) / stage / CHECKPOINTS_AT
+    if found is None and pointer.is_file():  # a fine-tuning recipe's token weights checkpoint in their cache
+        found = latest_checkpoint(Path(pointer.read_text().strip()))
     if found is None:
         return f"nothing of the {stage} stage was saved, a rerun starts it afresh"
     return f"the {stage} stage's last good checkpoint {found[0]} is kept, a rerun resumes after step {found[1]['step']}"

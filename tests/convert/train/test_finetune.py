@@ -244,6 +244,33 @@ def test_an_interrupted_recipe_run_resumes_to_the_uninterrupted_result(sources, 
         torch.testing.assert_close(cut[name], value, rtol=0, atol=0, msg=name)
 
 
+def test_the_weights_stage_weights_the_rows_train_reads_and_ctrl_c_names_its_checkpoint(
+    sources, tmp_path, monkeypatch, capsys
+):
+    """A short run (train.steps 2 of 4 rows: 8 of the corpus's 73 rows) weights those rows only; interrupted
+    midway, it says which checkpoint of its cache it keeps (not 'nothing was saved'), and the rerun resumes there."""
+    import raven_convert.train.token_weights
+
+    sections = dict(
+        reference=str(sources["reference"]),
+        data={"source": str(sources["data"]), "seq_len": 32},
+        token_weights={"batch_size": 2, "save_every": 1},
+        train=dict(CONFIG, steps=2),
+    )
+    recipe, run = recipe_file(tmp_path, sources["student"], **sections), tmp_path / "run"
+    with monkeypatch.context() as patch:
+        fail_at(patch, raven_convert.train.token_weights, "token_weights", 3, interrupt)
+        assert main([recipe, "--run-dir", str(run)]) != 0
+    err = capsys.readouterr().err
+    assert "[weights] 8 of 73 rows: those 2 train steps read" in err
+    assert "the weights stage's last good checkpoint " in err and "a rerun resumes after step 2" in err
+    assert str(run / "cache") in err.split("the weights stage's last good checkpoint ")[1]  # in the cache
+    assert main([recipe, "--run-dir", str(run)]) == 0
+    done = json.loads((run / "weights" / "DONE").read_text())
+    assert done["rows"] == 8 and done["shape"] == [73, 32] and done["mean"] == done["mean"]  # no NaN
+    assert json.loads((run / "train" / "DONE").read_text())["steps_this_run"] == 2
+
+
 @pytest.mark.parametrize(
     "change, hint",
     [
