@@ -161,7 +161,9 @@ def test_named_haystacks_are_checked_before_loading(tmp_path, capsys, papers):
 
 def test_attention_window_needs_a_hybrid(tiny_sources, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        eval_main([str(tiny_sources["llama"]), "--out", str(tmp_path), "--tasks", "passkey", "--attention-window", "64"])
+        eval_main(
+            [str(tiny_sources["llama"]), "--out", str(tmp_path), "--tasks", "passkey", "--attention-window", "64"]
+        )
     assert exit_info.value.code == 2
     assert "--attention-window=64 applies to converted hybrids only" in capsys.readouterr().err
 
