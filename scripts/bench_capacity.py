@@ -13,6 +13,10 @@ after a one-token forward has made every buffer); the batch that fills the GPU's
 "the largest that fits". Throughput is then timed there for the teacher and the windowed hybrids (`--time all`
 times every model).
 
+Every row also has the teacher on this project's engine (`teacher-engine`, converted with no layer) beside
+transformers' teacher, and each timed row the share of its bandwidth floor it reached (bench_generate.py says how the
+floor is counted).
+
 Decode speed does not depend on the values in the cache, so the caches are not prefilled from `context` real tokens
 (at batch 1,000 that alone takes minutes): the teacher's static step attends over its whole buffer whatever was
 written (transformers' `StaticLayer.get_mask_sizes` is its full length), and each hybrid's counters are set as if
@@ -44,6 +48,8 @@ from bench_generate import (  # noqa: E402
     parse_sizes,
     write_record,
 )
+
+from raven_convert.evaluate.decode_bench import copy_bandwidth, step_bytes  # noqa: E402
 
 PROMPT = 16  # tokens actually run through the model before the counters are moved
 
@@ -129,12 +135,16 @@ def time_hybrid(model, cache, context: int, steps: int, timed: bool) -> float | 
     return (time.perf_counter() - start) / steps
 
 
-def largest_batch(name: str, model, context: int, steps: int, reserve_gib: float, timed: bool) -> dict:
+def largest_batch(
+    name: str, model, context: int, steps: int, reserve_gib: float, timed: bool, bandwidth: float = 0
+) -> dict:
+    """The largest batch of `model` that fits at `context` and, where `timed`, its step there (with `bandwidth`,
+    bytes/s: the step's bandwidth floor and the share of it reached, as bench_generate.py's rows)."""
     length = context + 2 * steps + PROMPT
     per_sequence = bytes_per_sequence(name, model, length)
     free_memory()
     batch = int((torch.cuda.mem_get_info()[0] - reserve_gib * 2**30) // per_sequence)
-    entry = {"model": name, "context": context, "cache_mib_per_sequence": round(per_sequence / 2**20, 2)}
+    entry = {"model": name, "context": context, "cache_mib_per_sequence": round(per_sequence / 2**20, 2), "batch": 0}
     while batch >= 1:
         cache = None
         try:
@@ -147,7 +157,7 @@ def largest_batch(name: str, model, context: int, steps: int, reserve_gib: float
             entry.update(batch=batch, peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
             if step is not None:
                 entry.update(step_ms=round(step * 1e3, 3), tokens_per_s=round(batch / step, 1))
-            return entry
+            break
         except (torch.OutOfMemoryError, RuntimeError) as error:  # Triton's launcher raises a RuntimeError
             if "out of memory" not in str(error).lower():
                 raise
@@ -155,7 +165,9 @@ def largest_batch(name: str, model, context: int, steps: int, reserve_gib: float
         finally:
             del cache
             free_memory()
-    entry["batch"] = 0
+    if bandwidth and "step_ms" in entry:  # once the cache is freed: step_bytes runs a short forward
+        floor = step_bytes(model, entry["batch"], context) / bandwidth * 1e3
+        entry.update(floor_ms=round(floor, 3), floor_share=round(floor / entry["step_ms"], 3))
     return entry
 
 
@@ -166,8 +178,13 @@ def table(results: list[dict]) -> str:
     teachers = [t for t in teachers if t is not None]
     names = " | ".join(f"vs {t['model']}" for t in teachers)
     lines = [
-        f"| model | context | cache MiB/seq | largest batch | {names} | ms/step | tokens/s | {names} | peak GiB |",
-        "| --- | --- | --- | --- | " + "--- | " * len(teachers) + "--- | --- | " + "--- | " * len(teachers) + "--- |",
+        f"| model | context | cache MiB/seq | largest batch | {names} | ms/step | tokens/s | {names} | of floor "
+        "| peak GiB |",
+        "| --- | --- | --- | --- | "
+        + "--- | " * len(teachers)
+        + "--- | --- | "
+        + "--- | " * len(teachers)
+        + "--- | --- |",
     ]
     for r in results:
         batches = " | ".join(f"{r['batch'] / max(t['batch'], 1):.1f}x" for t in teachers)
@@ -175,9 +192,10 @@ def table(results: list[dict]) -> str:
             rates = " | ".join(
                 f"{r['tokens_per_s'] / t['tokens_per_s']:.1f}x" if "tokens_per_s" in t else "-" for t in teachers
             )
-            speed = f"{r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {rates}"
+            floor = f"{r['floor_share']:.0%}" if "floor_share" in r else "-"
+            speed = f"{r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {rates} | {floor}"
         else:
-            speed = " | ".join(["-"] * (2 + len(teachers)))
+            speed = " | ".join(["-"] * (3 + len(teachers)))
         lines.append(
             f"| {r['model']} | {r['context']} | {r['cache_mib_per_sequence']:.1f} | {r['batch']} | {batches} | "
             f"{speed} | {r.get('peak_gib', '-')} |"
@@ -195,15 +213,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     (context,) = parse_sizes(args.context)
     mixers = checked_mixers(args, "CUDA memory")
+    bandwidth = copy_bandwidth()
     results = []
     for name, model in build_models(mixers, layer_specs(args), args.windows):
         timed = name.startswith("teacher") or args.time == "all" or "-sw" in name
-        entry = largest_batch(name, model, context, args.steps, args.reserve, timed)
+        entry = largest_batch(name, model, context, args.steps, args.reserve, timed, bandwidth)
         results.append(entry)
         print(json.dumps(entry), flush=True)
         del model  # freed before the next model is built (build_models)
     gpu_gib = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
-    write_record(args.out / "bench_capacity.json", results, gpu_gib=gpu_gib)
+    write_record(args.out / "bench_capacity.json", results, gpu_gib=gpu_gib, copy_tb_per_s=round(bandwidth / 1e12, 3))
     print(table(results))
 
 

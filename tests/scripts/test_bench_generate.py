@@ -83,8 +83,9 @@ def test_tables_compare_with_both_teachers():
             "batch": 900,
             "step_ms": 30.0,
             "tokens_per_s": 30000.0,
+            "floor_share": 0.5,
         },
     ]
     text = bench_capacity.table(capacity)
-    assert "| largest batch | vs teacher | vs teacher-engine | ms/step |" in text
-    assert "| sila-26of30 | 32768 | 95.0 | 900 | 9.0x | 7.5x | 30.0 | 30000 | 15.0x | 5.0x | - |" in text
+    assert "| largest batch | vs teacher | vs teacher-engine | ms/step |" in text and "| of floor | peak GiB |" in text
+    assert "| sila-26of30 | 32768 | 95.0 | 900 | 9.0x | 7.5x | 30.0 | 30000 | 15.0x | 5.0x | 50% | - |" in text
