@@ -453,6 +453,10 @@ def fit_mixers(model, teacher, mixer: tuple[str, dict], rows: list[list[int]], s
             pick = order[[(s * settings.fit_batch_size + j) % len(rows) for j in range(settings.fit_batch_size)]]
             yield {"input_ids": data[pick]}
 
+    log(
+        f"layer choice: aligning {L} {mixer[0]} mixers for {settings.fit_steps} steps of {settings.fit_batch_size} "
+        f"rows x {len(rows[0])} tokens on {device.type} (progress below as [align] steps)"
+    )
     clock = time.perf_counter()
     history = align(
         teacher,
@@ -461,7 +465,7 @@ def fit_mixers(model, teacher, mixer: tuple[str, dict], rows: list[list[int]], s
         steps=settings.fit_steps,
         lr=settings.fit_lr,
         warmup_steps=min(10, settings.fit_steps // 10),
-        log_every=0,
+        log_every=max(1, settings.fit_steps // 10),  # a step of every layer's mixer takes seconds on a CPU: an ETA
         mixed_precision="bf16" if device.type == "cuda" else "no",
         compile=False,  # a first-step compile would cost more than a hundred steps save
         seed=settings.seed,
