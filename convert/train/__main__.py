@@ -10,7 +10,15 @@ import sys
 from raven_convert.console import command_line, interrupted, invoked_as
 from raven_convert.files import DiskSpaceError
 from raven_convert.train.finetune import run_finetune_recipe
-from raven_convert.train.recipe import INPUT_FLAGS, STAGES, FinetuneRecipe, input_overrides, load_recipe
+from raven_convert.train.recipe import (
+    INPUT_FLAGS,
+    SHIPPED_RECIPES,
+    STAGES,
+    FinetuneRecipe,
+    input_overrides,
+    load_recipe,
+    shipped_recipes,
+)
 from raven_convert.train.run_state import saved_so_far
 from raven_convert.train.stages import run_recipe
 
@@ -27,10 +35,12 @@ def resume_command(args: argparse.Namespace) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    shipped = shipped_recipes()
     parser = argparse.ArgumentParser(
-        prog="python -m raven_convert.train",
+        prog=invoked_as("raven_convert.train", ("raven-train",)),
         description=f"Run a recipe's stages ({' -> '.join(STAGES)}; a recipe without `layers` fine-tunes: "
         "weights -> train -> export) into --run-dir, skipping those already DONE.",
+        epilog=f"shipped recipes ({SHIPPED_RECIPES}): {', '.join(p.name for p in shipped)}" if shipped else None,
     )
     parser.add_argument("recipe", help="recipe YAML (relative paths in it resolve against the current directory)")
     parser.add_argument("--run-dir", required=True, help="where every stage writes its outputs and DONE marker")

@@ -440,10 +440,30 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+SHIPPED_RECIPES = Path(__file__).resolve().parents[2] / "recipes"  # in a checkout of the repository
+
+
+def shipped_recipes() -> list[Path]:
+    """The recipes of the repository this package runs from (none where it is installed without its checkout)."""
+    return sorted(SHIPPED_RECIPES.glob("*.yaml")) if SHIPPED_RECIPES.is_dir() else []
+
+
+def missing_recipe(path: Path) -> str:
+    """What to say of a recipe path that names no file: the shipped recipes, and the closest name among them."""
+    shipped = shipped_recipes()
+    if not shipped:
+        return f"{path}: no such recipe file (the shipped recipes are in the repository's recipes/ folder)"
+    names = [p.name for p in shipped]
+    hint = did_you_mean(path.name, names)
+    return f"{path}: no such recipe file; {hint}the shipped recipes, in {SHIPPED_RECIPES}: {', '.join(names)}"
+
+
 def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe | FinetuneRecipe:
     """Read and validate a YAML recipe, after `overrides` (see apply_overrides); relative paths resolve against
     the current working directory."""
     path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(missing_recipe(path))
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:

@@ -474,3 +474,11 @@ def test_extend_packs_its_rows_with_its_own_retrieval_mix(tiny_sources, tmp_path
         assert seen.pop() == (48, expected)
     with pytest.raises(ValueError, match=r"extend.retrieval.depth"):
         parse_recipe(base | {"extend": {"seq_len": 48, "steps": 1, "retrieval": {"depth": [0.5, 0.2]}}})
+
+
+def test_a_mistyped_recipe_path_names_the_shipped_recipes(tmp_path, capsys):
+    assert main(["recipes/smollm2-sila.yml", "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: recipes/smollm2-sila.yml: no such recipe file; did you mean 'smollm2-sila.yaml'?")
+    assert "smollm2-raven.yaml" in err and not (tmp_path / "run").exists()
+    assert "shipped recipes" in build_parser().format_help() and "smollm2-sse.yaml" in build_parser().format_help()
