@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import math
+import re
 import sys
 import typing
 from pathlib import Path
@@ -130,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     # One option per field of each mixer's settings: --raven-num-slots, --raven-top-k, ...
     for spec in registered_mixers():
         group = p.add_argument_group(f"{spec.name} options (see {spec.layer.__module__})")
-        hints = typing.get_type_hints(spec.settings)
+        hints, notes = typing.get_type_hints(spec.settings), setting_notes(spec.settings)
         for field in dataclasses.fields(spec.settings):
             group.add_argument(
                 f"--{spec.name}-{field.name.replace('_', '-')}",
@@ -138,9 +140,25 @@ def build_parser() -> argparse.ArgumentParser:
                 type=_value_parser(hints[field.name]),
                 default=argparse.SUPPRESS,
                 metavar="VALUE",
-                help=f"default: {'auto' if field.default is None else field.default}",
+                help=f"{notes.get(field.name, field.name)} (default: {_shown(field.default)})",
             )
     return p
+
+
+def _shown(default) -> str:
+    return "auto" if default is None else str(default)
+
+
+def setting_notes(settings_class) -> dict[str, str]:
+    """{field: its comment} of a mixer's settings dataclass, from the trailing comments of its declaration (the one
+    place each setting is described): `num_slots: int = 256  # M, paper default` -> {"num_slots": "M, paper
+    default"}."""
+    try:
+        source = inspect.getsource(settings_class)
+    except (OSError, TypeError):  # a class declared where its source cannot be read
+        return {}
+    found = re.findall(r"^    (\w+): [^#\n]*#\s*(.+)$", source, flags=re.MULTILINE)
+    return {name: note.strip() for name, note in found}
 
 
 def request_from_args(args: argparse.Namespace) -> ConvertRequest:

@@ -1,5 +1,6 @@
 """`convert` rejects every bad input with a message naming the value and what is allowed, before heavy work."""
 
+import dataclasses
 import re
 
 import pytest
@@ -141,3 +142,17 @@ def test_layer_map_is_printed_before_loading(tiny_sources, tmp_path, capsys, mon
     assert re.search(r"raven +5 layers: 0,5,10,15,20\n", printed)
     assert re.search(r"attention +19 layers: 1,2,3,4,6,", printed)
     assert "layer   5  becomes raven" in printed and "layer   6  keeps attention" in printed
+
+
+def test_every_mixer_flag_says_what_it_sets(capsys):
+    """--help: each mixer setting's flag carries the comment of its declaration and its default."""
+    from raven_convert.cli import build_parser, setting_notes
+    from raven_layers import registered_mixers
+
+    text = " ".join(build_parser().format_help().split())
+    for spec in registered_mixers():
+        notes = setting_notes(spec.settings)
+        assert notes and set(notes) <= {f.name for f in dataclasses.fields(spec.settings)}
+    assert "--raven-num-slots VALUE M, paper default (default: 256)" in text
+    assert '--sse-implementation VALUE parallel form: "masking", "varlen", or "auto"' in text
+    assert "--sila-conv-size VALUE kernel of the short causal depthwise convolution" in text
