@@ -99,8 +99,15 @@ def main(argv: list[str] | None = None) -> int:
         default=d.tasks,
         help=f"comma-separated, from {sorted(TASKS)}; TASK@NAME: an essay task on the --haystacks NAME",
     )
-    p.add_argument("--variants", type=_names(VARIANTS), default=d.variants, help=f"from {list(VARIANTS)}")
-    p.add_argument("--lengths", type=parse_lengths, default=d.lengths, help="prompt lengths in tokens (1k = 1024)")
+    p.add_argument(
+        "--variants", type=_names(VARIANTS), default=d.variants, help=f"from {list(VARIANTS)} (default: %(default)s)"
+    )
+    p.add_argument(
+        "--lengths",
+        type=parse_lengths,
+        default=d.lengths,
+        help=f"prompt lengths in tokens, 1k = 1024 (default: {_listed(d.lengths)})",
+    )
     p.add_argument(
         "--task-lengths",
         type=_task_lengths,
@@ -109,9 +116,15 @@ def main(argv: list[str] | None = None) -> int:
         metavar="TASK=LENGTHS",
         help="lengths of one of --tasks in place of --lengths, e.g. niah_multikey=1k,8k (repeatable)",
     )
-    p.add_argument("--depths", type=_depths, default=d.depths, help="needle depths in [0, 1]")
-    p.add_argument("--samples", type=_positive, default=d.samples, help="prompts per (length, depth)")
-    p.add_argument("--batch-size", type=_positive, default=d.batch_size)
+    p.add_argument(
+        "--depths", type=_depths, default=d.depths, help=f"needle depths in [0, 1] (default: {_listed(d.depths)})"
+    )
+    p.add_argument(
+        "--samples", type=_positive, default=d.samples, help="prompts per (length, depth) (default: %(default)s)"
+    )
+    p.add_argument(
+        "--batch-size", type=_positive, default=d.batch_size, help="prompts a forward (default: %(default)s)"
+    )
     p.add_argument("--haystack-dir", type=_existing, help="essay haystack directory (default: $RAVEN_HAYSTACK_DIR)")
     p.add_argument(
         "--haystacks",
@@ -128,14 +141,26 @@ def main(argv: list[str] | None = None) -> int:
         help="wrap prompts in the tokenizer's chat template (auto: when it has one); off: plain completion prompts",
     )
     p.add_argument("--ppl-data", type=_existing, help="texts for perplexity (.txt, .jsonl(.gz) or a directory)")
-    p.add_argument("--ppl-lengths", type=parse_lengths, default=d.ppl_lengths)
-    p.add_argument("--ppl-windows", type=_positive, default=d.ppl_windows)
+    p.add_argument(
+        "--ppl-lengths",
+        type=parse_lengths,
+        default=d.ppl_lengths,
+        help=f"perplexity window lengths (default: {_listed(d.ppl_lengths)})",
+    )
+    p.add_argument(
+        "--ppl-windows", type=_positive, default=d.ppl_windows, help="windows per length (default: %(default)s)"
+    )
     p.add_argument("--speed-lengths", type=parse_lengths, default=d.speed_lengths, help="e.g. 1k,4k,16k,64k")
     p.add_argument("--no-pictures", dest="pictures", action="store_false", help="skip the mixer pictures")
-    p.add_argument("--picture-length", type=_positive, default=d.picture_length)
+    p.add_argument(
+        "--picture-length",
+        type=_positive,
+        default=d.picture_length,
+        help="tokens of the text the mixer pictures run on (default: %(default)s)",
+    )
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", help="cuda, cpu, ... (default: cuda when available)")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed, help="seeds the prompts (default: %(default)s)")
     p.add_argument(
         "--attention-window",
         type=_positive,
@@ -167,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raven-eval: error: {_flags(parts)} failed; the other parts are in {args.out / 'report.json'}")
         return 1
     return 0
+
+
+def _listed(values) -> str:
+    return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)
 
 
 def _flags(message: str) -> str:

@@ -1,6 +1,7 @@
 """`raven-eval`: one command writes report.json and the pictures, for a teacher and for a hybrid."""
 
 import json
+import re
 
 import pytest
 
@@ -232,3 +233,18 @@ def test_ctrl_c_says_what_finished_and_the_rerun_resumes(tiny_sources, tmp_path,
     assert (
         report["finished"] == ["retrieval passkey (standard)", "speed"] and report["speed"][0]["context_length"] == 16
     )
+
+
+def test_raven_eval_help_gives_each_flag_its_default(capsys):
+    with pytest.raises(SystemExit):
+        eval_main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag, default in [
+        ("--lengths", "1024,2048,4096"),
+        ("--samples", "4"),
+        ("--depths", "0,0.25,0.5,0.75,1"),
+        ("--ppl-lengths", "512,2048"),
+        ("--ppl-windows", "8"),
+        ("--picture-length", "1024"),
+    ]:
+        assert re.search(rf"{flag} \S+ [^-]*\(default: {re.escape(default)}\)", text), flag
