@@ -50,6 +50,15 @@ def _value_parser(hint):
     def parse(text: str):
         if optional and text.lower() in ("auto", "none"):
             return None
+        if typing.get_origin(base) is list:  # comma-separated: --choice-round-sizes 1,1,1,1
+            (item,) = typing.get_args(base)
+            item = typing.get_args(item)[0] if typing.get_origin(item) is typing.Annotated else item
+            try:
+                return [item(part) for part in text.split(",") if part.strip()]
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"expected a comma-separated list such as 1,1,2, got {text!r}"
+                ) from None
         if base is bool:
             if text.lower() in ("true", "on", "yes", "1"):
                 return True

@@ -50,7 +50,7 @@ import random
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -87,6 +87,11 @@ class ChoiceSettings(BaseModel):
     text_rows: int = Field(8, ge=0, description="plain corpus rows for the KL part")
     seq_len: int = Field(1024, ge=16, description="tokens per probe")
     rounds: int = Field(3, ge=1, description="greedy rounds; 1 ranks every layer by its ablation alone")
+    round_sizes: list[Annotated[int, Field(ge=1)]] | None = Field(
+        None,
+        description="instead of rounds: the layers each greedy round ranks, in turn (the last round ranks all that "
+        "are left), e.g. [1, 1, 1, 1, 1, 1, 1, 1] keeps the first 8 restored layers one at a time",
+    )
     kl_weight: float = Field(1.0, ge=0, description="score = max(NLL rise, 0) + kl_weight * KL rise")
     batch_size: int = Field(4, ge=1)
     seed: int = 0
@@ -111,8 +116,26 @@ class ChoiceSettings(BaseModel):
         return "mixer" in KINDS[self.ablation]
 
     def key_fields(self) -> dict:
-        """The settings as the cache key hashes them (the default direction left out: older caches stay valid)."""
-        return self.model_dump(exclude={"direction"} if self.direction == "cut" else set())
+        """The settings as the cache key hashes them (the default direction and round sizes left out: older caches
+        stay valid)."""
+        defaults = {"direction"} if self.direction == "cut" else set()
+        return self.model_dump(exclude=defaults | ({"round_sizes"} if self.round_sizes is None else set()))
+
+    def schedule(self, layers: int) -> list[int]:
+        """How many layers each greedy round ranks, the last taking the rest: `round_sizes`, or `rounds` rounds of an
+        equal share."""
+        if self.round_sizes is None:
+            share = math.ceil(layers / self.rounds)
+            sizes = [share] * math.ceil(layers / share)
+        else:
+            sizes = list(self.round_sizes) + [layers]
+        out, left = [], layers
+        for size in sizes:
+            if left <= 0:
+                break
+            out.append(min(size, left))
+            left -= out[-1]
+        return out
 
 
 def read_corpus(documents: Iterable[str], chars: int) -> list[str]:
@@ -304,10 +327,10 @@ def score_layers(hybrid, probes: dict, settings: ChoiceSettings, eos: int, log=p
             h, context = stack.start(batch["ids"])
             batch["teacher"] = stack.finish(h, 0, context, {})
     L = len(hybrid.model.layers)
-    share = math.ceil(L / settings.rounds)
-    rounds = math.ceil(L / share)
+    sizes = settings.schedule(L)
     # layer passes: a candidate of layer i runs L - i layers (on average (L + 1) / 2), the round's base L, per kind
-    total = round(sum(((L - r * share) * (L + 1) / 2 + L) * len(kinds) for r in range(rounds)) * len(batches))
+    candidates = [L - sum(sizes[:r]) for r in range(len(sizes))]
+    total = round(sum((c * (L + 1) / 2 + L) * len(kinds) for c in candidates) * len(batches))
     clock, done, last = time.perf_counter(), [0], [0.0]
 
     def progress(units: int) -> None:
@@ -322,7 +345,7 @@ def score_layers(hybrid, probes: dict, settings: ChoiceSettings, eos: int, log=p
 
     restore = settings.direction == "restore"
     left, ranked = list(range(L)), []  # cut: the layers to convert, first first; restore: those kept, first first
-    for r in range(rounds):
+    for r, size in enumerate(sizes):
         done_layers = {row["layer"] for row in ranked}
         if restore:  # every layer not yet kept ablated; a candidate's attention restored
 
@@ -350,7 +373,7 @@ def score_layers(hybrid, probes: dict, settings: ChoiceSettings, eos: int, log=p
                 row["score"] += parts[kind]
             rows.append(row | ({"parts": parts} if len(kinds) > 1 else {}))
         rows.sort(key=lambda row: (-row["score"], row["layer"]) if restore else (row["score"], row["layer"]))
-        ranked += rows[:share]
+        ranked += rows[:size]
         left = [i for i in left if i not in {row["layer"] for row in ranked}]
     return ranked[::-1] if restore else ranked
 
@@ -500,7 +523,8 @@ def rank_layers(
     L = model.config.num_hidden_layers
     log(
         f"layer choice: scoring {L} layers on {len(probes['retrieval'])} retrieval probes and {len(probes['text'])} "
-        f"text rows of up to {settings.seq_len} tokens, window {settings.window}, {settings.rounds} round(s), "
+        f"text rows of up to {settings.seq_len} tokens, window {settings.window}, {len(settings.schedule(L))} "
+        "round(s), "
         f"{DIRECTIONS[settings.direction]}"
     )
     clock = time.perf_counter()

@@ -104,7 +104,7 @@ def card_section(record: dict) -> str:
 
 The converted layers were chosen by measurement (`--layers auto:{record["n"]}`, {record["method"]}): {scan},
 on {p["samples"]} synthetic retrieval probes and {p["text_rows"]} corpus rows of up to {p["seq_len"]} tokens (seed
-{record["seed"]}, {p["rounds"]} greedy round(s)). Its score is {
+{record["seed"]}, {max(record["round"])} greedy round(s)). Its score is {
             "the sum over both ablations of " if "parts" in record else ""
         }{measure}; the {record["n"]} lowest-ranked layers were converted.
 

@@ -433,3 +433,22 @@ def test_restore_is_its_own_cache_entry_and_recorded(teacher, words_corpus, load
     layer_choice_report.plot_choice(record, tmp_path / "restore.png")
     with pytest.raises(ValueError, match=r"layer_choice.direction: Input should be 'cut' or 'restore'"):
         parse_recipe(_recipe(teacher, words_corpus, layer_choice={"direction": "restores"}))
+
+
+def test_round_sizes_schedule_the_greedy_rounds(words_corpus, loaded, tmp_path, teacher, capsys):
+    """round_sizes: the layers each greedy round ranks in turn, the last round taking the rest (restore: the first
+    kept layers one at a time); the cache key of settings without it is unchanged; --choice-round-sizes parses."""
+    assert SMALL.schedule(6) == [3, 3] and SMALL.model_copy(update={"rounds": 4}).schedule(6) == [2, 2, 2]
+    sizes = SMALL.model_copy(update={"round_sizes": [1, 1]})
+    assert sizes.schedule(6) == [1, 1, 4] and "round_sizes" not in SMALL.key_fields()
+    model, tokenizer = loaded
+    restore = sizes.model_copy(update={"direction": "restore"})
+    result = rank_layers(model, tokenizer, load_documents(str(words_corpus)), restore, tmp_path, log=lambda m: None)
+    assert [row["round"] for row in result["ranking"]] == [3, 3, 3, 3, 2, 1]  # kept first: rounds 1 and 2, one each
+    with pytest.raises(ValueError, match="round_sizes.0"):
+        ChoiceSettings(round_sizes=[0])
+    args = ["--src", str(teacher), "--layers", "auto:2", "--out", str(tmp_path / "out"), "--choice-data"]
+    args += [str(words_corpus), "--choice-round-sizes", "1,x"]
+    with pytest.raises(SystemExit):
+        main(args)
+    assert "expected a comma-separated list such as 1,1,2, got '1,x'" in capsys.readouterr().err
