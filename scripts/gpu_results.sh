@@ -80,6 +80,8 @@
 #                  (layer_choice.direction restore; docs/DEPTH.md)
 #   sila-auto22|sila-auto26  smollm2-sila.yaml at auto:22/auto:26 with its own layer choice (each layer cut in
 #                  turn, three rounds): the deep recipes' layer choice against the half-depth one's
+#   sila-restore22-fine|sila-restore26-fine  smollm2-sila-deep26.yaml's restore choice at auto:22/auto:26 with the
+#                  first 8 kept layers chosen one a round (layer_choice.round_sizes; docs/LAYER_CHOICE.md)
 #   depth-speed    decode speed at 15, 22, 26 and 30 of 30 layers converted against the teacher on transformers and
 #                  on this engine (bench_generate.py --depths: batch 1, 32, 128 at 4K and 16K, with bandwidth
 #                  floors), and the largest batch at 32K (bench_capacity.py --depths), into RUNS/depth-speed
@@ -229,6 +231,11 @@ PY
   sila-auto22 | sila-auto26)
     trained sila "$1" --set "layers=[{mixer: sila, layers: \"auto:${1#sila-auto}\"}]"
     ;;
+  sila-restore22-fine | sila-restore26-fine)
+    local n=${1#sila-restore} && n=${n%-fine}
+    trained sila-deep26 "$1" --set "layers=[{mixer: sila, layers: \"auto:$n\"}]" \
+      --set "layer_choice.round_sizes=[1, 1, 1, 1, 1, 1, 1, 1]"
+    ;;
   depth-speed)
     local out="$RUNS/depth-speed" depths=(--mixers sila --depths "${DEPTHS:-15,22,26,30}")
     python3 scripts/bench_generate.py --out "$out" "${depths[@]}" --batches 1,32,128 --contexts 4k,16k \
@@ -269,7 +276,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;
