@@ -234,7 +234,7 @@ def measure_speed(recipe, runs: dict[int, Path], batches: list[int], context: in
 
 def run(args) -> str:
     from raven_convert.evaluate.report import EvalRequest, evaluate_model
-    from raven_convert.train.recipe import FinetuneRecipe, input_overrides, load_recipe
+    from raven_convert.train.recipe import FinetuneRecipe, check_inputs, input_overrides, load_recipe
     from raven_convert.train.stages import run_recipe
 
     inputs = input_overrides(args)
@@ -250,6 +250,8 @@ def run(args) -> str:
         d: load_recipe(args.recipe, inputs + args.overrides + [f'layers=[{{mixer: {mixer}, layers: "auto:{d}"}}]'])
         for d in args.depths
     }
+    deepest = recipes[args.depths[-1]]
+    check_inputs(deepest, list(deepest.stages))  # the depths against the teacher's layers, the data, the outputs
     teacher_out = root / "teacher"
     request = EvalRequest(model=base.source, out=teacher_out, **base.evaluate.model_dump())
     failed = evaluate_model(request, log=lambda m: print(f"[teacher] {m}", flush=True), resume=True).get("failed")

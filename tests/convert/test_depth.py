@@ -128,6 +128,9 @@ def test_run_converts_at_each_depth_once_and_resumes(tmp_path, capsys):
     stamps = {p: p.stat().st_mtime_ns for p in root.glob("*/*/DONE")}
     assert len(stamps) == 2 * 7 and main(args) == 0  # again: every stage found done, nothing run
     assert {p: p.stat().st_mtime_ns for p in root.glob("*/*/DONE")} == stamps
+    deep = [*args[:3], "4", "--run-root", str(tmp_path / "deep"), *args[6:]]  # the teacher has 4 layers
+    assert main(deep) == 2
+    assert "N = 4 is out of range" in capsys.readouterr().err and not (tmp_path / "deep").exists()
     with pytest.raises(SystemExit):
         main([*args[:3], "0", *args[4:]])
     assert "--depths: '0': each depth is a number of layers converted, at least 1" in capsys.readouterr().err
