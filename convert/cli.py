@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=mixer_name,
         metavar="MIXER",
         help=f"mixer for the next --layers: {', '.join(mixer_names())} (default {DEFAULT_MIXER}), or the import path "
-        "of one declared elsewhere, mypkg.module:NAME (see the README's 'Add a mixer')",
+        "of one declared elsewhere, mypkg.module:NAME (see docs/ADD_A_MIXER.md)",
     )
     p.add_argument(
         "--layers", action="append", required=True, help=f"layers to replace: {ACCEPTED_FORMS}, or {AUTO_FORM}"

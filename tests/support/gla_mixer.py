@@ -9,7 +9,7 @@ Per key/value head a state S [d_k, d_v], decayed per key channel and written wit
     o_t = scale * q_t S_t                                           (every query head of the group reads it)
 
 The module imports from the model package only `raven_layers.common`, so a converted model carries it alone (as
-mixer_gla.py) and loads where only transformers is installed. The README's "Add a mixer" walks through it.
+mixer_gla.py) and loads where only transformers is installed. docs/ADD_A_MIXER.md walks through it.
 """
 
 from __future__ import annotations
