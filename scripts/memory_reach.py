@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from raven_convert.evaluate.memory_reach import format_reach, measure_reach, plot_reach  # noqa: E402
-from raven_convert.evaluate.perplexity import load_for_evaluation  # noqa: E402
+from raven_convert.evaluate.runtime import load_for_evaluation  # noqa: E402
 from raven_convert.files import write_json  # noqa: E402
 
 

@@ -19,9 +19,9 @@ from raven_convert.console import attach_negative_values, command_line, interrup
 from raven_convert.files import check_writable
 
 from .needles import haystack_files
-from .perplexity import parse_lengths
 from .report import EvalRequest, evaluate_model
 from .retrieval import TASKS, VARIANTS
+from .runtime import parse_lengths
 
 
 def _names(allowed=None):

@@ -20,8 +20,6 @@ import functools
 import gzip
 import json
 import math
-import platform
-import re
 import sys
 import time
 from collections.abc import Iterable
@@ -32,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..console import eta
+from .runtime import OutOfMemory, compare_models, free, model_device, model_dtype, parse_lengths, run_info, sync
 from .shares import OneProcess, spread
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
@@ -39,8 +38,6 @@ TEXT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
 DEFAULT_CURVE_POINTS = 2048
 # Logits are computed for at most this many (batch x position) rows at once on the memory-saving path.
 DEFAULT_LOGITS_ROWS = 4096
-
-OutOfMemory: tuple[type[BaseException], ...] = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError),)
 
 
 def _is_text_file(path: Path) -> bool:
@@ -89,70 +86,6 @@ def load_texts(path_or_dir: str | Path, max_documents: int | None = None) -> lis
                 if max_documents is not None and len(texts) >= max_documents:
                     return texts
     return texts
-
-
-def model_device(model: nn.Module) -> torch.device:
-    """Where input ids go: the device of the input embeddings (or of the first parameter)."""
-    get = getattr(model, "get_input_embeddings", None)
-    emb = get() if callable(get) else None
-    if emb is not None and getattr(emb, "weight", None) is not None:
-        return emb.weight.device
-    return next(model.parameters()).device
-
-
-def model_dtype(model: nn.Module) -> torch.dtype:
-    dtype = getattr(model, "dtype", None)
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{device.type} ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-
-
-def model_name(model: nn.Module) -> str:
-    config = getattr(model, "config", None)
-    return getattr(config, "_name_or_path", None) or getattr(model, "name_or_path", None) or type(model).__name__
-
-
-def run_info(model: nn.Module) -> dict:
-    """What a measurement ran on: model, device, dtype, library versions (JSON-serialisable)."""
-    import transformers
-
-    config = getattr(model, "config", None)
-    device = model_device(model)
-    info = {
-        "model": model_name(model),
-        "model_class": type(model).__name__,
-        "device": str(device),
-        "device_name": device_name(device),
-        "dtype": str(model_dtype(model)).removeprefix("torch."),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "trained_length": getattr(config, "max_position_embeddings", None),
-    }
-    if getattr(config, "layer_mixers", None) is not None:
-        info["layer_mixers"] = list(config.layer_mixers)
-    return info
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _free(device: torch.device, collect: bool = False) -> None:
-    """Hand cached CUDA blocks back; `collect` first runs the garbage collector (slow with a big heap: after an
-    out-of-memory error, whose traceback held tensors)."""
-    if collect:
-        import gc
-
-        gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def token_stream(tokenizer, texts: Iterable[str], num_tokens: int | None = None, eos_token_id: int | None = None):
@@ -369,14 +302,14 @@ def perplexity(
             oom = next((s for s in scored if isinstance(s, str)), None)
             if oom is not None:
                 windows = sum(min(batch_size, n - w0) for w0, s in zip(starts[L], scored) if not isinstance(s, str))
-                _free(device, collect=True)
+                free(device, collect=True)
                 reason = f"out of memory after {windows} of {n} windows: {oom}"
                 result["results"].append({**entry, "skipped": True, "reason": reason})
                 continue
             sums, windows = torch.zeros(L - 1, dtype=torch.float64), n
             for batch_sum in scored:  # in window order, as one process adds them
                 sums += batch_sum
-            _sync(device)
+            sync(device)
             seconds = time.perf_counter() - t0
             position_mean = sums / windows
             mean_nll = (sums.sum() / (windows * (L - 1))).item()
@@ -469,50 +402,6 @@ def format_perplexity_table(results_by_model: dict[str, dict]) -> str:
             )
     widths = [max(len(r[i]) for r in rows if not r[i].startswith("skipped")) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
-
-
-def parse_lengths(text: str) -> list[int]:
-    """'512,4k,32k' -> [512, 4096, 32768]"""
-    out = []
-    for part in re.split(r"[,\s]+", text.strip()):
-        if part:
-            m = re.fullmatch(r"(\d+)([kK]?)", part)
-            if not m or int(m.group(1)) < 1:
-                raise argparse.ArgumentTypeError(f"{part!r} is not a length; expected integers >= 1 such as 512,4k,32k")
-            out.append(int(m.group(1)) * (1024 if m.group(2) else 1))
-    if not out:
-        raise argparse.ArgumentTypeError(f"{text!r} names no length; expected integers >= 1 such as 512,4k,32k")
-    return out
-
-
-def load_for_evaluation(src: str, dtype: str = "auto", device: str | None = None):
-    """(model, tokenizer) from a Hub id, a directory (teacher or exported hybrid) or a .gguf file."""
-    from raven_convert import Source
-
-    source = Source.resolve(src)
-    model = source.load_model(dtype)
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return model.to(device).eval(), source.load_tokenizer()
-
-
-def compare_models(args, measure, table, plot) -> dict:
-    """What the comparison commands (`python -m raven_convert.evaluate.perplexity` and `.speed`) do with their models:
-    load each `--model` in turn (args.dtype, args.device), measure(model, tokenizer) it and free it before the next;
-    then print table(results), write them to `--out` as JSON and plot(results, path) them to `--plot`, where given.
-    Returns {model: result}."""
-    results = {}
-    for src in args.model:
-        model, tokenizer = load_for_evaluation(src, args.dtype, args.device)
-        results[src] = measure(model, tokenizer)
-        del model
-        _free(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
-    print(table(results))
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
-    if args.plot:
-        plot(results, args.plot)
-    return results
 
 
 def main(argv: list[str] | None = None) -> None:

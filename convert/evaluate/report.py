@@ -25,7 +25,7 @@ from raven_layers.registry import import_object
 
 from ..files import write_json
 from ..sources import Source
-from .perplexity import format_perplexity_table, load_for_evaluation, load_texts, perplexity, plot_loss_curve, run_info
+from .perplexity import format_perplexity_table, load_texts, perplexity, plot_loss_curve
 from .pictures import PictureContext
 from .retrieval import (
     format_past_window,
@@ -36,6 +36,7 @@ from .retrieval import (
     save_results,
     summarize,
 )
+from .runtime import load_for_evaluation, run_info
 from .settings import EvalRequest
 from .shares import OneProcess
 from .speed import format_speed_table, measure_speed, plot_speed

@@ -33,7 +33,7 @@ from torch import nn
 
 from raven_layers.cache import cache_argument, output_cache
 
-from .perplexity import OutOfMemory, _free, _sync, compare_models, model_device, parse_lengths, run_info
+from .runtime import OutOfMemory, compare_models, free, model_device, parse_lengths, run_info, sync
 
 MiB = 1024**2
 
@@ -89,7 +89,7 @@ class _PeakMemory:
 
     def reset(self) -> None:
         if self.device.type == "cuda":
-            _sync(self.device)
+            sync(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self.method, self.start = "cuda_max_memory_allocated", torch.cuda.memory_allocated(self.device)
             return
@@ -112,7 +112,7 @@ class _PeakMemory:
     def read(self) -> tuple[int | None, int | None]:
         """(peak bytes, peak bytes above the start) since `reset`."""
         if self.method == "cuda_max_memory_allocated":
-            _sync(self.device)
+            sync(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
             return int(peak), int(max(0, peak - self.start))
         if self.method == "linux_vmhwm":
@@ -143,19 +143,19 @@ def _forward(model: nn.Module, ids: torch.Tensor, cache=None):
 def _run_once(model: nn.Module, prompt: torch.Tensor, decode_tokens: int) -> dict:
     """Prefill `prompt`, then greedy-decode `decode_tokens` tokens one step at a time; times and cache sizes."""
     device = prompt.device
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     logits, cache = _forward(model, prompt)
-    _sync(device)
+    sync(device)
     prefill = time.perf_counter() - t0
     after_prefill = cache_bytes(cache)
     token = logits.argmax(-1)
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(decode_tokens):
         logits, cache = _forward(model, token, cache)
         token = logits.argmax(-1)
-    _sync(device)
+    sync(device)
     decode = time.perf_counter() - t0
     return {
         "prefill_s": prefill,
@@ -204,7 +204,7 @@ def measure_speed(
             }
             g = torch.Generator().manual_seed(seed + L)
             prompt = torch.randint(0, vocab, (batch_size, L), generator=g).to(device)
-            _free(device)
+            free(device)
             memory.reset()
             runs, oom = [], None
             try:
@@ -220,7 +220,7 @@ def measure_speed(
             peak, growth = memory.read()
             if oom is not None:
                 runs = []
-                _free(device, collect=True)
+                free(device, collect=True)
                 results.append({**entry, "skipped": True, "reason": oom})
                 if progress:
                     print(f"[speed] {info['model']} L={L}: skipped ({oom})", file=sys.stderr, flush=True)
@@ -254,7 +254,7 @@ def measure_speed(
             del runs
     finally:
         model.train(was_training)
-    _free(device)
+    free(device)
     return results
 
 

@@ -12,14 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from raven_convert.evaluate.perplexity import (
-    _Scorer,
-    compare_models,
-    load_texts,
-    perplexity,
-    plot_loss_curve,
-    token_stream,
-)
+from raven_convert.evaluate.perplexity import _Scorer, load_texts, perplexity, plot_loss_curve, token_stream
+from raven_convert.evaluate.runtime import compare_models
 from tests.conftest import tiny_config, tiny_tokenizer
 
 TEXTS = [
