@@ -104,7 +104,7 @@ def turned_off(recipe: Recipe | FinetuneRecipe, stage: str) -> bool:
     if stage in ("align", "train"):
         return getattr(recipe, stage).steps == 0
     if stage == "weights":
-        return not recipe.token_weights.enabled or (isinstance(recipe, Recipe) and recipe.train.steps == 0)
+        return not recipe.token_weights.enabled or recipe.train.steps == 0  # as both recipes' weights stages skip
     return False
 
 
