@@ -287,11 +287,8 @@ def _depths_argument(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(err).removeprefix("--depths ")) from None
 
 
-def _sizes(text: str) -> list[int]:
-    return [int(part[:-1]) * 1024 if part.lower().endswith("k") else int(part) for part in text.split(",") if part]
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from raven_convert.evaluate.runtime import parse_lengths
     from raven_convert.train.recipe import INPUT_FLAGS
 
     parser = argparse.ArgumentParser(prog="python -m raven_convert.depth", description=__doc__.split("\n\n")[0])
@@ -304,8 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
         go.add_argument(flag, dest=field, metavar=metavar, help=f"{text}; sets {field}")
     go.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     go.add_argument("--no-speed", dest="speed", action="store_false", help="skip the decode timing (CUDA only)")
-    go.add_argument("--batches", type=_sizes, default=list(DEFAULT_BATCHES), help="decode batches (32,128)")
-    go.add_argument("--context", type=lambda t: _sizes(t)[0], default=DEFAULT_CONTEXT, help="decode context (16k)")
+    go.add_argument("--batches", type=parse_lengths, default=list(DEFAULT_BATCHES), help="decode batches (32,128)")
+    go.add_argument(
+        "--context", type=lambda t: parse_lengths(t)[0], default=DEFAULT_CONTEXT, help="decode context (16k)"
+    )
     go.add_argument("--steps", type=int, default=16, help="decode steps timed")
     got = sub.add_parser("collect", help="tabulate and plot runs made elsewhere")
     got.add_argument("runs", nargs="+", metavar="N=PATH", help="a run directory or evaluation folder per depth")
@@ -315,7 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     got.add_argument("--speed", default=None, help="a scripts/bench_generate.py --depths JSON")
     got.add_argument("--out", required=True)
     for p in (go, got):
-        p.add_argument("--lengths", type=_sizes, default=None, help="the retrieval lengths compared (default: all)")
+        p.add_argument(
+            "--lengths", type=parse_lengths, default=None, help="the retrieval lengths compared (default: all)"
+        )
         p.add_argument("--within", type=float, default=10.0, help="points under the teacher a cell may be (10)")
         p.add_argument("--ppl-length", type=int, default=2048, help="the perplexity compared (2048)")
         p.add_argument("--title", default=None)

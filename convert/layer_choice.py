@@ -296,16 +296,21 @@ def _scan(
             def measure(final, teacher=batch["teacher"][:, window:]):
                 return 0.0, _kl(stack, final[:, window:], teacher)
 
+        groups: dict[str, list[str]] = {}  # kinds with the same base share its prefix (cut: every kind)
         for kind in kinds:
-            base, change = plan(kind)
+            groups.setdefault(repr(sorted(plan(kind)[0].items())), []).append(kind)
+        for group in groups.values():
+            base = plan(group[0])[0]
             h, context = stack.start(ids)
             for i in range(L):
-                if i in candidates:  # the layers before i ran once, for every candidate after
-                    changed = stack.finish(stack.layer(i, h, context, change), i + 1, context, base)
+                for kind in group if i in candidates else ():  # the layers before i ran once, for every candidate
+                    changed = stack.finish(stack.layer(i, h, context, plan(kind)[1]), i + 1, context, base)
                     sums[i, kind] = [a + b for a, b in zip(sums[i, kind], measure(changed))]
                     progress(L - i)  # the layers it ran
                 h = stack.layer(i, h, context, base.get(i))
-            sums["base", kind] = [a + b for a, b in zip(sums["base", kind], measure(stack.inner.norm(h)))]
+            measured = measure(stack.inner.norm(h))
+            for kind in group:
+                sums["base", kind] = [a + b for a, b in zip(sums["base", kind], measured)]
             progress(L)
     return sums, tokens, positions
 

@@ -43,28 +43,16 @@ def copy_bandwidth(gib: float = 1.0, repeats: int = 20) -> float:
     return 2 * int(gib * 2**30) / best
 
 
-def _attention_spans(config) -> tuple[list[int | None], int]:
-    """(each attention layer's window, None for full attention; bytes of keys and values per token and layer in
-    bf16) of `config`, a hybrid's or a transformers config."""
-    kinds = getattr(config, "layer_mixers", None) or ["attention"] * config.num_hidden_layers
-    windows = getattr(config, "attention_windows", None) or [None] * len(kinds)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return [w for k, w in zip(kinds, windows) if k == "attention"], 2 * config.num_key_value_heads * head_dim * 2
-
-
-def kv_bytes_per_token(config) -> int:
-    """Bytes of keys and values (bf16) one more token adds to the cache: every full-attention layer's (a windowed
-    layer stops growing at its window)."""
-    spans, per_token = _attention_spans(config)
-    return sum(w is None for w in spans) * per_token
-
-
 def step_bytes(model, batch: int, context: int) -> int:
     """Bytes one decode step must move at `batch` x `context` in bf16: every weight read once, every attention
     layer's keys and values read (a windowed layer: at most its window), every mixer state read and written."""
+    config = model.config
     weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
-    spans, per_token = _attention_spans(model.config)
-    kv = sum(batch * min(context, w or context) * per_token for w in spans)
+    kinds = getattr(config, "layer_mixers", None) or ["attention"] * config.num_hidden_layers
+    windows = getattr(config, "attention_windows", None) or [None] * len(kinds)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_key_value_heads * head_dim * 2  # keys and values, bf16
+    kv = sum(batch * min(context, w or context) * per_token for k, w in zip(kinds, windows) if k == "attention")
     return weights + kv + 2 * batch * mixer_state_bytes(model)
 
 

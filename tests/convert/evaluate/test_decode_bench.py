@@ -1,10 +1,10 @@
-"""decode_bench: the bytes a decode step must move (its bandwidth floor) and the cache each token adds; the timing
-itself needs CUDA and runs on the device (scripts/bench_generate.py)."""
+"""decode_bench: the bytes a decode step must move (its bandwidth floor); the timing itself needs CUDA and runs on
+the device (scripts/bench_generate.py)."""
 
 from __future__ import annotations
 
 from raven_convert import build_hybrid, plan_layers
-from raven_convert.evaluate.decode_bench import is_hybrid, kv_bytes_per_token, mixer_state_bytes, step_bytes
+from raven_convert.evaluate.decode_bench import is_hybrid, mixer_state_bytes, step_bytes
 
 
 def test_step_bytes_counts_weights_kv_and_mixer_states(tiny_sources):
@@ -24,9 +24,6 @@ def test_step_bytes_counts_weights_kv_and_mixer_states(tiny_sources):
     assert step_bytes(hybrid, 2, 100) == weights_of(hybrid) + 2 * 100 * per_token * (L - 1) + 2 * 2 * state
     windowed = build_hybrid(teacher, ["attention"] * L, {}, attention_windows=[16] * L).eval()
     assert step_bytes(windowed, 2, 100) == weights + 2 * 16 * per_token * L  # a window reads at most its span
-    assert kv_bytes_per_token(teacher.config) == per_token * L == kv_bytes_per_token(engine.config)
-    assert kv_bytes_per_token(hybrid.config) == per_token * (L - 1)
-    assert kv_bytes_per_token(windowed.config) == 0  # windows stop growing
     assert is_hybrid(engine) and not is_hybrid(teacher)
 
 
