@@ -319,7 +319,8 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.use_decode_graphs = True  # replay decode steps over a static cache on CUDA as CUDA graphs
         self.compile_decode = True  # and compile the step they capture (see decode_function)
-        self._compiled_decode = None
+        self.decode_compile_options: dict = {}  # Inductor options of that compilation (torch.compile's `options`)
+        self._compiled_decode = None  # (options, step)
         self._static_cache: StaticHybridCache | None = None  # kept for the next generate() that fits it
         self.post_init()
 
@@ -401,11 +402,12 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         cache = one_cache(cache, past_key_values)
         if self._graph_step(cache, input_ids, labels, kwargs):
             cache.check_room(input_ids.shape[0], 1)
-            if cache.graph is None or cache.graph_model is not self:
-                step, eager = self.decode_function(), self.decode_logits
+            step = self.decode_function()
+            if cache.graph is None or cache.graph_step != step:  # another model, or its step recompiled
+                eager = self.decode_logits
                 fallback = (lambda ids: eager(ids, cache)) if self.compile_decode else None  # noqa: E731
                 cache.graph = DecodeGraph(lambda ids: step(ids, cache), cache.batch_size, cache.device, fallback)
-                cache.graph_model = self
+                cache.graph_step = step
             with cache.decoding_step(), decode_attention(self.config):
                 logits = cache.graph(input_ids)
             cache.advance(1)
@@ -438,13 +440,16 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
 
     def decode_function(self):
         """`decode_logits`, compiled by torch.compile when `compile_decode` is set (Inductor fuses the norms, rotary
-        embeddings, gates and routing around the kernels, which run as custom ops); compiled once per model."""
+        embeddings, gates and routing around the kernels, which run as custom ops) with `decode_compile_options`;
+        compiled once per model and options."""
         if not self.compile_decode:
             return self.decode_logits
-        if self._compiled_decode is None:
+        options = dict(self.decode_compile_options)
+        if self._compiled_decode is None or self._compiled_decode[0] != options:
             mixers = {self.config.mixer_spec(kind) for kind in set(self.config.layer_mixers) - {"attention"}}
             preload([KERNELS, *(spec.kernels for spec in mixers if spec.kernels)])
-            compiled = torch.compile(self.decode_logits, fullgraph=True, dynamic=False)
+            extra = {"options": options} if options else {}  # only Inductor takes options: the CPU tests use others
+            compiled = torch.compile(self.decode_logits, fullgraph=True, dynamic=False, **extra)
             config, limits = torch._dynamo.config, recompile_limits(1 << 20)
 
             def step(input_ids: torch.Tensor, cache: StaticHybridCache) -> torch.Tensor:
@@ -453,8 +458,8 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
                 with config.patch(**limits):
                     return compiled(input_ids, cache)
 
-            self._compiled_decode = step
-        return self._compiled_decode
+            self._compiled_decode = (options, step)
+        return self._compiled_decode[1]
 
     def _graph_step(self, cache, input_ids, labels, kwargs) -> bool:
         """Whether this forward is a decode step to replay as a CUDA graph (see decode_graph.py)."""

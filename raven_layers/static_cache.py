@@ -117,7 +117,7 @@ class StaticHybridCache(HybridCache):
         d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rows, self.max_length, self.device, self.dtype = batch_size, max_length, device, dtype
         self.num_tokens, self.decoding = 0, False
-        self.graph, self.graph_model = None, None  # a DecodeGraph over these buffers, and the model it runs
+        self.graph, self.graph_step = None, None  # a DecodeGraph over these buffers, and the step it captures
         self.step = torch.zeros(1, dtype=torch.long, device=device)  # tokens written, the same for every row
         self.positions = torch.zeros(batch_size, dtype=torch.long, device=device)  # next position id per row
         self.valid: dict[int, torch.Tensor] = {}  # slots per buffer -> [B, slots] bool: holds a real token
@@ -228,7 +228,7 @@ class StaticHybridCache(HybridCache):
         self.positions = fn(self.positions)
         self.valid = {size: fn(valid) for size, valid in self.valid.items()}
         self.rows = self.positions.shape[0]
-        self.graph, self.graph_model = None, None
+        self.graph, self.graph_step = None, None
 
     def batch_repeat_interleave(self, repeats: int):
         self._resize_batch(lambda x: x.repeat_interleave(repeats, dim=0))

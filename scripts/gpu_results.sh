@@ -82,6 +82,12 @@
 #                  turn, three rounds): the deep recipes' layer choice against the half-depth one's
 #   sila-restore22-fine|sila-restore26-fine  smollm2-sila-deep26.yaml's restore choice at auto:22/auto:26 with the
 #                  first 8 kept layers chosen one a round (layer_choice.round_sizes; docs/LAYER_CHOICE.md)
+#   sila-kd22      smollm2-sila-deep22.yaml with distillation from the teacher in train and extend (kd_weight 1)
+#   sila-kd22-e2e|sila-kd26-e2e  sila-kd22, and at auto:26 (the same cut choice), with a third of align's steps
+#                  moved to train (align 800, train 600): the same minutes, more of them end to end
+#   decode-lab     the decode step's kernels and time under Inductor options (profile_decode.py), the fast path's
+#                  GPU tests, and the largest batch at 32K at 22 and 26 of 30 layers (bench_capacity.py --depths),
+#                  into RUNS/decode-lab
 #   depth-speed    decode speed at 15, 22, 26 and 30 of 30 layers converted against the teacher on transformers and
 #                  on this engine (bench_generate.py --depths: batch 1, 32, 128 at 4K and 16K, with bandwidth
 #                  floors), and the largest batch at 32K (bench_capacity.py --depths), into RUNS/depth-speed
@@ -105,6 +111,9 @@ WINDOWED_EVAL=(--set evaluate.attention_window=4096 --set "evaluate.tasks=[passk
 TARGET_EVAL=(--set "evaluate.tasks=[passkey, niah_single_2, niah_word]" --set "evaluate.task_lengths={}"
   --set "evaluate.speed_lengths=[]")
 ANSWERS=(--set "extend.answer_weight=${ANSWER_WEIGHT:-100}" --set extend.steps=600)
+
+# sila-kd*: distillation from the teacher in the train and extend stages
+KD=(--set train.kd_weight=1.0 --set extend.kd_weight=1.0)
 
 # MIXER-seed1's settings: every training seed 1 (layer fit, data order, retrieval samples, align, train, extend)
 SEED1=(--set data.seed=1 --set data.retrieval.seed=1 --set layer_choice.seed=1 --set align.seed=1 --set train.seed=1
@@ -236,6 +245,23 @@ PY
     trained sila-deep26 "$1" --set "layers=[{mixer: sila, layers: \"auto:$n\"}]" \
       --set "layer_choice.round_sizes=[1, 1, 1, 1, 1, 1, 1, 1]"
     ;;
+  sila-kd22)
+    trained sila-deep22 "$1" "${KD[@]}"
+    ;;
+  sila-kd22-e2e | sila-kd26-e2e)
+    local n=${1#sila-kd} && n=${n%-e2e}
+    trained sila-deep22 "$1" "${KD[@]}" --set align.steps=800 --set train.steps=600 \
+      --set "layers=[{mixer: sila, layers: \"auto:$n\"}]"
+    ;;
+  decode-lab)
+    local out="$RUNS/decode-lab" && mkdir -p "$out"
+    timeout 600 python3 scripts/profile_decode.py --out "$out" --models teacher-engine,sila --batches 1 \
+      --context 16k --variants default eager freezing=True combo_kernels=True max_autotune_gemm=True
+    RAVEN_SMOLLM2_GGUF=$MODEL timeout 420 python3 -m pytest -o addopts="" -q -rfE -m gpu \
+      tests/raven_layers/test_gpu.py -k "graphed or real_smollm2" > "$out/gpu-tests.log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$out/gpu-tests.log" | tail -20
+    timeout 480 python3 scripts/bench_capacity.py --out "$out" --mixers sila --depths 22,26 --context 32k --time all
+    ;;
   depth-speed)
     local out="$RUNS/depth-speed" depths=(--mixers sila --depths "${DEPTHS:-15,22,26,30}")
     python3 scripts/bench_generate.py --out "$out" "${depths[@]}" --batches 1,32,128 --contexts 4k,16k \
@@ -276,7 +302,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e decode-lab depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;

@@ -1,17 +1,29 @@
-"""Where a decode step's time goes: GPU time of the replayed CUDA graph against the whole generate() step.
+"""Where a decode step's time goes, and what Inductor's options change: kernels per step and step time of each
+model's compiled, CUDA-graphed decode step, under several `model.decode_compile_options`.
 
-    python scripts/profile_decode.py --mixer raven --batches 1,32 --context 4k
+    python scripts/profile_decode.py --models teacher-engine,sila --batches 1,32 --context 16k --out OUT \\
+        --variants default eager freezing=True max_autotune_gemm=True,coordinate_descent_tuning=True
 
-For each batch: generate() warms up (compiles the kernels, captures the graph), then the captured decode step is
-replayed 100 times and timed with CUDA events (GPU time per step), and generate() is timed over `--steps` tokens
-(wall time per step, sampling and stopping criteria included). The difference is the host's share of a step.
-Last, at the first batch size, the decode step run eagerly op by op (what the graph replays) under torch.profiler:
-kernels per step and the operators by GPU time.
+For each model (SmolLM2-135M-shaped, bf16, random weights; the teacher on this project's engine is the teacher
+converted with no layer, a hybrid converts `--layers`), batch and variant, the step is compiled afresh: generate()
+warms up (compiles, captures the graph; `compile s`), then
+- `kernels`: GPU kernels per step, from torch.profiler over 8 runs of the step outside the graph (what the graph
+  replays);
+- `replay ms`: GPU time of one graph replay (100 replays, CUDA events);
+- `generate ms`: wall time per step of generate() over `--steps` tokens (sampling and stopping criteria included);
+- `max |dlogit|`: the first decode step's logits against the `default` variant's, same prompt (bf16: the options
+  may round differently; a wrong fusion shows as a large difference).
+
+A variant is `default` (the model's own options), `eager` (the eager step captured: `compile_decode = False`), or
+comma-separated Inductor options `name=value` (Python literals). The table is printed last and written to
+OUT/profile_decode.json with the profiler's top kernels of each row.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import json
 import sys
 import time
 from pathlib import Path
@@ -20,9 +32,27 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-from bench_generate import SMOLLM2_135M, build_models, parse_sizes  # noqa: E402
+from bench_generate import SMOLLM2_135M, build_models, parse_sizes, release, spread_layers  # noqa: E402
 
-from raven_layers import DEFAULT_MIXER  # noqa: E402
+from raven_layers.decode_attention import decode_attention  # noqa: E402
+
+
+def parse_variant(text: str) -> tuple[str, dict | None]:
+    """'default' -> {}, 'eager' -> None (no compilation), 'a=1,b=True' -> {'a': 1, 'b': True}."""
+    if text == "default":
+        return text, {}
+    if text == "eager":
+        return text, None
+    options = {}
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--variants: {item!r} is not name=value; expected default, eager or name=value,...")
+        try:
+            options[name.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"--variants: {value!r} of {name} is not a Python literal (True, 1, 'x')") from None
+    return text, options
 
 
 def gpu_ms_per_replay(cache, replays: int = 100) -> float:
@@ -35,57 +65,127 @@ def gpu_ms_per_replay(cache, replays: int = 100) -> float:
     return start.elapsed_time(end) / replays
 
 
+def kernels_per_step(model, cache, token: torch.Tensor, runs: int = 8) -> tuple[float, list[dict]]:
+    """GPU kernels one decode step launches (the step outside its graph), and the top kernels by GPU time."""
+    step = model.decode_function()
+    with cache.decoding_step(), decode_attention(model.config):
+        step(token, cache)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(runs):
+                step(token, cache)
+            torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    top = [
+        {"name": e.key[:90], "per_step": e.count / runs, "us_per_step": e.self_device_time_total / runs}
+        for e in events[:15]
+    ]
+    return sum(e.count for e in events) / runs, top
+
+
+def measure(model, batch: int, context: int, steps: int, options: dict | None) -> dict:
+    model._static_cache = None  # a fresh cache and graph: the step below is compiled anew
+    model.compile_decode = options is not None
+    model.decode_compile_options = options or {}
+    release()
+    seed = torch.Generator(device="cuda").manual_seed(batch)  # every variant decodes the same prompt
+    ids = torch.randint(3, SMOLLM2_135M["vocab_size"], (batch, context), device="cuda", generator=seed)
+    kwargs = dict(do_sample=False, pad_token_id=2)
+    with torch.no_grad():
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=3, min_new_tokens=3, **kwargs)  # compiles, captures
+        torch.cuda.synchronize()
+        compile_s = time.perf_counter() - start
+        out = model.generate(
+            ids, max_new_tokens=2, min_new_tokens=2, output_logits=True, return_dict_in_generate=True, **kwargs
+        )
+        first_step = out.logits[1].float()  # [B, V]: logits[0] is the prefill's
+        cache = model._static_cache
+        replay = gpu_ms_per_replay(cache)
+        kernels, top = kernels_per_step(model, cache, out.sequences[:, -1:])
+        timings = []
+        for n in (1, steps + 1):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+            torch.cuda.synchronize()
+            timings.append(time.perf_counter() - start)
+    return {
+        "compile_s": compile_s,
+        "kernels": kernels,
+        "replay_ms": replay,
+        "generate_ms": (timings[1] - timings[0]) / steps * 1e3,
+        "first_step_logits": first_step,
+        "top_kernels": top,
+    }
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mixer", default=DEFAULT_MIXER)
+    parser.add_argument("--models", default="teacher-engine,sila", help="teacher-engine and/or mixer names")
+    parser.add_argument("--layers", default="0-29:2", help="the layers each hybrid converts, or a number to spread")
     parser.add_argument("--batches", default="1,32")
-    parser.add_argument("--context", default="4k")
-    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--context", default="16k")
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--variants", nargs="+", default=["default", "eager"])
+    parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
+    variants = [parse_variant(v) for v in args.variants]
+    if variants[0][0] != "default":
+        variants.insert(0, ("default", {}))  # the reference of every |dlogit|
     (context,) = parse_sizes(args.context)
-    models = build_models([args.mixer], [("", "0-29:2")], None)
-    next(models)  # the teacher on transformers and on this engine: bench_generate.py measures them
-    next(models)
-    _, model = next(models)
+    names = args.models.split(",")
+    layers = spread_layers(int(args.layers), SMOLLM2_135M["num_hidden_layers"]) if args.layers.isdigit() else args.layers
+    mixers = [name for name in names if name != "teacher-engine"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    info = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "layers": layers}
     rows = []
-    for batch in parse_sizes(args.batches):
-        ids = torch.randint(3, SMOLLM2_135M["vocab_size"], (batch, context), device="cuda")
-        kwargs = dict(do_sample=False, pad_token_id=2)
-        with torch.no_grad():
-            model.generate(ids, max_new_tokens=3, min_new_tokens=3, **kwargs)  # warm-up and capture
-            cache = model._static_cache
-            model.generate(ids, max_new_tokens=3, min_new_tokens=3, **kwargs)  # leaves room for 100 replays
-            gpu = gpu_ms_per_replay(cache)
-            timings = []
-            for n in (1, args.steps + 1):
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
-                torch.cuda.synchronize()
-                timings.append(time.perf_counter() - t)
-        wall = (timings[1] - timings[0]) / args.steps * 1e3
-        rows.append((batch, gpu, wall))
-        print(f"batch {batch}: graph replay {gpu:.3f} ms (GPU), generate step {wall:.3f} ms (wall)", flush=True)
-    ids = torch.randint(3, SMOLLM2_135M["vocab_size"], (parse_sizes(args.batches)[0], context), device="cuda")
-    cache = model.static_cache(ids.shape[0], context + 16)
-    with torch.no_grad():
-        model(ids, cache=cache, use_cache=True)
-        model.use_decode_graphs = False  # what the graph replays, op by op
-        token = ids[:, -1:]
-        model(token, cache=cache, use_cache=True)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(8):
-                model(token, cache=cache, use_cache=True)
-            torch.cuda.synchronize()
-        model.use_decode_graphs = True
-    events = prof.key_averages()
-    kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    print(f"eager decode step at batch {ids.shape[0]}: {kernels / 8:.0f} GPU kernels per step")
-    print(events.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=70))
-    print("| batch | graph replay ms (GPU) | generate ms/step (wall) | host share |")
-    print("| --- | --- | --- | --- |")
-    for batch, gpu, wall in rows:
-        print(f"| {batch} | {gpu:.3f} | {wall:.3f} | {max(0.0, 1 - gpu / wall):.0%} |")
+
+    def save():  # after every row: a run cut short keeps what it measured
+        (args.out / "profile_decode.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+
+    for name, model in build_models(mixers, [("", layers)], None):
+        if name not in names:
+            continue
+        for batch in parse_sizes(args.batches):
+            reference = None
+            for label, options in variants:
+                try:
+                    row = measure(model, batch, context, args.steps, options)
+                except Exception as error:  # a variant Inductor cannot compile: the others still run
+                    print(f"{name} B{batch} {label}: failed ({type(error).__name__}: {error})", flush=True)
+                    rows.append({"model": name, "batch": batch, "variant": label, "error": f"{error}"[:500]})
+                    save()
+                    continue
+                logits = row.pop("first_step_logits")
+                reference = logits if reference is None else reference
+                row["max_dlogit"] = (logits - reference).abs().max().item()
+                rows.append({"model": name, "batch": batch, "context": context, "variant": label, **row})
+                save()
+                print(
+                    f"{name} B{batch} {label}: compile {row['compile_s']:.1f} s, {row['kernels']:.0f} kernels, "
+                    f"replay {row['replay_ms']:.3f} ms, generate {row['generate_ms']:.3f} ms",
+                    flush=True,
+                )
+        del model
+    for row in rows:
+        if "top_kernels" in row:
+            print(f"\n{row['model']} B{row['batch']} {row['variant']}: top kernels per step")
+            for k in row["top_kernels"][:10]:
+                print(f"  {k['per_step']:5.1f} x {k['us_per_step']:8.1f} us  {k['name']}")
+    print(f"\n{info}")
+    print("| model | batch | variant | compile s | kernels/step | replay ms | generate ms | max abs dlogit |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        if "error" in row:
+            print(f"| {row['model']} | {row['batch']} | {row['variant']} | failed: {row['error'][:60]} | | | | |")
+            continue
+        print(
+            f"| {row['model']} | {row['batch']} | {row['variant']} | {row['compile_s']:.1f} | {row['kernels']:.0f} | "
+            f"{row['replay_ms']:.3f} | {row['generate_ms']:.3f} | {row['max_dlogit']:.3g} |"
+        )
 
 
 if __name__ == "__main__":

@@ -198,3 +198,18 @@ def test_compiled_decode_step_is_not_capped_by_dynamos_recompile_limit(monkeypat
     before = dynamo_config.recompile_limit
     step(torch.zeros(1, 1, dtype=torch.long), None)
     assert seen == [1 << 20] and dynamo_config.recompile_limit == before
+
+
+def test_decode_compile_options_reach_torch_compile_and_recompile_when_changed(monkeypatch):
+    """`model.decode_compile_options` are torch.compile's Inductor options for the decode step; the step is compiled
+    once per options (none passed when empty: other backends take none), and changed options give a new step."""
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
+    source = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2)).eval()
+    hybrid = build_hybrid(source, plan_layers([("sila", "0")], 2), SETTINGS)
+    first = hybrid.decode_function()
+    assert hybrid.decode_function() is first and "options" not in calls[0] and len(calls) == 1
+    hybrid.decode_compile_options = {"freezing": True}
+    second = hybrid.decode_function()
+    assert second is not first and calls[1]["options"] == {"freezing": True}
+    assert hybrid.decode_function() is second and len(calls) == 2
