@@ -137,7 +137,9 @@ def main(argv=None):
         variants.insert(0, ("default", {}))  # the reference of every |dlogit|
     (context,) = parse_sizes(args.context)
     names = args.models.split(",")
-    layers = spread_layers(int(args.layers), SMOLLM2_135M["num_hidden_layers"]) if args.layers.isdigit() else args.layers
+    layers = args.layers
+    if layers.isdigit():
+        layers = spread_layers(int(layers), SMOLLM2_135M["num_hidden_layers"])
     mixers = [name for name in names if name != "teacher-engine"]
     args.out.mkdir(parents=True, exist_ok=True)
     info = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "layers": layers}
