@@ -3,7 +3,8 @@ many entries (attention over cached tokens, Raven over its slots).
 
 A kernel that splits its entries into NS ranges stores, per row (one key/value head of one sequence) and range,
 the running max `m`, the sum `l` of exp(score - m), and the exp-weighted values `o`, padded to BG query heads and
-BD channels; `merge_fwd_kernel` combines the ranges into o [rows, G, D]. A range with no entry stores m = -1e30
+BD channels; `merge_fwd_kernel` combines the ranges into o [rows, G, D], one program per row and query head, which
+reads the ranges in blocks (at batch 1 a row has up to a few hundred). A range with no entry stores m = -1e30
 (finite, so no NaN) and l = 0, and weighs nothing.
 """
 
@@ -27,19 +28,22 @@ def merge_fwd_kernel(
     NS: tl.constexpr,
     BG: tl.constexpr,
     BD: tl.constexpr,
+    BS: tl.constexpr,
 ):
-    i_r = tl.program_id(0)
-    o_s, o_g, o_d = tl.arange(0, NS), tl.arange(0, BG), tl.arange(0, BD)
-    p_sg = (i_r * NS + o_s[:, None]) * BG + o_g[None, :]  # [NS, BG]
-    b_mx = tl.max(tl.load(m_part + p_sg), 0)  # [BG]
-    b_l = tl.sum(tl.exp(tl.load(m_part + p_sg) - b_mx[None, :]) * tl.load(l_part + p_sg), 0)
-    b_o = tl.zeros([BG, BD], dtype=tl.float32)
-    for i_s in range(NS):
-        p_g = (i_r * NS + i_s) * BG + o_g
-        b_w = tl.exp(tl.load(m_part + p_g) - b_mx)  # [BG]
-        b_o += b_w[:, None] * tl.load(o_part + p_g[:, None] * BD + o_d[None, :])
-    m_gd = (o_g < G)[:, None] & (o_d < D)[None, :]
-    tl.store(o + (i_r * G + o_g[:, None]) * D + o_d[None, :], (b_o / b_l[:, None]).to(o.dtype.element_ty), mask=m_gd)
+    # one program per (row, query head): the ranges are read BS at a time, not one after another
+    i_r, i_g = tl.program_id(0), tl.program_id(1)
+    o_s, o_d = tl.arange(0, NS), tl.arange(0, BD)
+    p_m = (i_r * NS) * BG + i_g
+    b_mx = tl.max(tl.load(m_part + p_m + o_s * BG), 0)  # []
+    b_l = tl.zeros([], dtype=tl.float32)
+    b_o = tl.zeros([BD], dtype=tl.float32)
+    for s0 in range(0, NS, BS):
+        o_b = s0 + tl.arange(0, BS)
+        b_w = tl.exp(tl.load(m_part + p_m + o_b * BG) - b_mx)  # [BS]
+        b_l += tl.sum(b_w * tl.load(l_part + p_m + o_b * BG), 0)
+        b_part = tl.load(o_part + (p_m + o_b[:, None] * BG) * BD + o_d[None, :])  # [BS, BD]
+        b_o += tl.sum(b_w[:, None] * b_part, 0)
+    tl.store(o + (i_r * G + i_g) * D + o_d, (b_o / b_l).to(o.dtype.element_ty), mask=o_d < D)
 
 
 @functools.cache
@@ -68,5 +72,6 @@ class Partials:
 
     def merge(self, o: torch.Tensor) -> torch.Tensor:
         """Write the merged readout into o (contiguous, rows * G * D elements)."""
-        merge_fwd_kernel[(self.rows,)](self.m, self.l, self.o, o, self.G, self.D, self.NS, self.BG, self.BD)
+        BS = min(self.NS, max(1, 4096 // self.BD))  # ranges per load: [BS, BD] floats in registers
+        merge_fwd_kernel[(self.rows, self.G)](self.m, self.l, self.o, o, self.G, self.D, self.NS, self.BG, self.BD, BS)
         return o
