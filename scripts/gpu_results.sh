@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind docs/RESULTS.md (issue 6): the teacher's evaluation and the SmolLM2 recipes of each mixer, as
+# The runs behind the lab notes docs/lab/ (issue 6): the teacher's evaluation and the SmolLM2 recipes of each mixer, as
 # background jobs on one H100 (scripts/gpu_jobs.sh), so several share the GPU and outlive a 10-minute device call.
 #
 #   MODEL=~/cache/smollm2.gguf CORPUS=~/cache/corpus ESSAYS=~/cache/essays bash scripts/gpu_results.sh start teacher raven sila
@@ -37,7 +37,7 @@
 #   sila-uniform   SILA's ablation: its aligned model trained with uniform token weights (started by the sila job
 #                  unless ABLATION=0)
 #   sse-every2     ablations of the sse job (layers auto:15 scored by fitted mixers), for the ablation table of
-#                  docs/RESULTS.md: every other layer (0-29:2) instead;
+#                  docs/lab/2026-11-28-summary.md: every other layer (0-29:2) instead;
 #   sse-window-choice  auto:15 scored by cutting each layer's attention to a 64-token window
 #                  (layer_choice.ablation: window) instead of by fitted mixers;
 #   MIXER-seed1    (raven, sse or sila) the MIXER job with every training seed 1 (layer fit, data order,
@@ -51,20 +51,20 @@
 #                  retrieval samples of 0.7-0.95 of a row with every fact in its first quarter, over 4K tokens from
 #                  its question), so the mixers learn to carry what the windows drop (recipes/README.md);
 #   sila-nodecay-windows  sila-far-windows with one kv head per SILA layer held at gamma = 1 (no_decay_heads: 1),
-#                  so that its memory can outlast the 4K window (docs/RESULTS.md, eleventh round)
+#                  so that its memory can outlast the 4K window (docs/lab/2026-11-28-ablations-11-loss-kernels.md)
 #   MIXER-answers-windows  MIXER-far-windows with four times its extend steps (600) and each answer token of the
 #                  far facts counted ANSWER_WEIGHT (100) times in the cross-entropy (extend.answer_weight): the answers
 #                  are about 0.1% of a row's tokens, so the readout gets little gradient from them otherwise (Raven's
-#                  slots keep a passkey to 16K where its answer does not read it: docs/RESULTS.md, thirteenth round);
+#                  slots keep a passkey to 16K where its answer does not read it: docs/lab/2026-11-28-ablations-13-train-16-rows.md);
 #                  evaluated on the tasks that reach 16K only (TARGET_EVAL), as the run's own evaluation. Far facts
 #                  stay half of extend's text: at 90% the mix is ten times the corpus, about 160M tokens to pack,
-#                  some 24 minutes at the 110K tokens/s measured (docs/RESULTS.md, fourteenth round);
+#                  some 24 minutes at the 110K tokens/s measured (docs/lab/2026-11-28-ablations-14-answer-weights.md);
 #   sila-nodecay-answers-windows  sila-answers-windows with sila-nodecay-windows' head that never forgets
 #   MIXER-narrow-windows  MIXER-answers-windows trained with 1K windows (sliding_window 1024 from conversion on) and
 #                  evaluated with 4K ones (evaluate.attention_window): in 2K and 8K rows most of the context then
 #                  reaches the answer through the mixers alone, where with 4K windows almost none did (no windowed
-#                  run answered a needle past its window: docs/RESULTS.md, fifteenth round; Raven's did not either,
-#                  and lost most answers 1K-4K back: sixteenth round)
+#                  run answered a needle past its window: docs/lab/2026-11-28-ablations-15-answers-x100.md; Raven's did not either,
+#                  and lost most answers 1K-4K back: docs/lab/2026-11-28-ablations-16-narrow-windows.md)
 #   profile-MIXER  the MIXER recipe's train step under the profiler (scripts/profile_train.py), as the recipe runs it;
 #   bench-MIXER    MIXER's train stage eager and as CUDA graphs at 8 and 16 rows a step (scripts/bench_graphs.py, no
 #                  weights needed);
@@ -131,7 +131,7 @@ trained() {  # trained MIXER RUN [ARGS...]: train RUN, check that its model load
   fi
   recipe "$1" "$2" "${@:3}" || return 1
   # then the trained hybrid as its difference from the teacher, small enough to bring back (gpu_jobs.sh deltas
-  # RUN), on a few CPU threads: four jobs' saves on all of the host's cores held up their evaluations (RESULTS.md)
+  # RUN), on a few CPU threads: four jobs' saves on all of the host's cores held up their evaluations (docs/lab/2026-11-27-ablations-06-graphed-align.md)
   OMP_NUM_THREADS=4 python3 -m raven_convert.delta save "$model" "$TEACHER" "$RUNS/$2/model.delta.safetensors" --bf16
 }
 

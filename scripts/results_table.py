@@ -1,4 +1,4 @@
-"""One results table from several evaluation reports: teacher and hybrids side by side (docs/RESULTS.md).
+"""One results table from several evaluation reports: teacher and hybrids side by side (docs/lab/).
 
     python scripts/results_table.py teacher=runs/teacher-eval raven=runs/smollm2-raven sse=runs/smollm2-sse \
         --reference teacher --ppl-length 2048 --speed-length 16384 > table.md
@@ -20,8 +20,8 @@ reports have their prompts' scores beside them (retrieval_TASK_VARIANT.json as t
 .json.gz as scripts/archive_run.py keeps them), a cell further apart is marked * when the two differ beyond chance on
 the same prompts: the exact two-sided McNemar test of the prompts one model gets right and the other wrong (scores
 rounded to right/wrong), p < 0.05. The test counts prompts as independent: a passkey cell's 8 prompts per depth
-share their filler and are answered all or none (docs/RESULTS.md, seventh round), so there a star says the models
-answer differently, not how sure that is.
+share their filler and are answered all or none (docs/lab/2026-11-27-ablations-07-seed-spread.md), so there a
+star says the models answer differently, not how sure that is.
 
 How much a hybrid whose kept attention is windowed answers through its mixers alone:
     python scripts/results_table.py teacher=... raven-windows=... --beyond 4096 --lengths 8192 16384
