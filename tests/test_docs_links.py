@@ -1,5 +1,6 @@
-"""Every relative Markdown link in README.md and docs/**/*.md points at a file or folder that exists (web links and
-links to an anchor of the same page are not checked; a link's own anchor is cut off)."""
+"""Every relative Markdown link in README.md and the Markdown pages under docs/, recipes/, scripts/ and kernels/
+points at a file or folder that exists (web links and links to an anchor of the same page are not checked; a link's
+own anchor is cut off)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import pytest
 
 from tests.helpers import REPO
 
-PAGES = sorted([REPO / "README.md", *(REPO / "docs").rglob("*.md")])
+PAGES = sorted(
+    [REPO / "README.md", *(p for d in ("docs", "recipes", "scripts", "kernels") for p in (REPO / d).rglob("*.md"))]
+)
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
 
