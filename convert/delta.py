@@ -56,7 +56,7 @@ def save_delta(model_dir: str | Path, teacher: str, out: str | Path, max_rank: i
     "factored", "bytes", "model_bytes"}: how many tensors it holds whole, how many as factors, its size and the
     dense weights' size."""
     # the SVDs are of small matrices: a few threads do them, where all the cores of a busy host spin on each other
-    # (docs/RESULTS.md, sixth round)
+    # (docs/lab/2026-11-27-ablations-06-graphed-align.md)
     threads = torch.get_num_threads()
     torch.set_num_threads(min(threads, SVD_THREADS))
     try:

@@ -11,7 +11,7 @@
 resumes what was cut), and on CUDA times `generate()` of each trained hybrid and of the teacher on this project's
 engine (converted with no layer) at `--batches` x `--context` (RUN_ROOT/speed.json, decode_bench's rows). `collect`
 assembles the same from runs made elsewhere (a recipe run directory or an evaluation folder per depth) and, for speed,
-a `scripts/bench_generate.py --depths` JSON (its rows `teacher-engine` and `MIXER-NofL`).
+a `scripts/bench/bench_generate.py --depths` JSON (its rows `teacher-engine` and `MIXER-NofL`).
 
 Both write OUT/depth.json, depth.md (one table) and depth.png (quality and speed against the depth), atomically. Per
 depth: perplexity and its ratio to the teacher's, the retrieval cells (task x length, at `--lengths`) within
@@ -311,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     got.add_argument("--teacher", required=True, help="the teacher's evaluation (same settings)")
     got.add_argument("--layers", type=int, default=None, help="the teacher's layers (default: from the reports)")
     got.add_argument("--mixer", required=True, help="the mixer, as bench_generate.py names its rows")
-    got.add_argument("--speed", default=None, help="a scripts/bench_generate.py --depths JSON")
+    got.add_argument("--speed", default=None, help="a scripts/bench/bench_generate.py --depths JSON")
     got.add_argument("--out", required=True)
     for p in (go, got):
         p.add_argument(

@@ -1,4 +1,4 @@
-"""How the kernel benchmarks time a training op (scripts/bench_kernels.py, kernels/<mixer>/benchmark.py); CUDA."""
+"""How the kernel benchmarks time a training op (scripts/bench/bench_kernels.py, kernels/<mixer>/benchmark.py); CUDA."""
 
 from __future__ import annotations
 

@@ -291,7 +291,7 @@ class SILAMixer(Mixer):
           The first `no_decay_heads` kv heads take that flat part on purpose: bias NO_DECAY_BIAS >= 0, so their
           gamma is exactly 1 and, with W_g1 = W_g2 = 0, no gradient ever moves it (nor those rows of W_g1, W_g2).
           They forget only by the delta rule's overwriting, so what they store can outlast a sliding window
-          (docs/RESULTS.md, eleventh round: the learned gates forget within ~3K tokens in most layers).
+          (the learned gates forget within ~3K tokens in most layers: docs/lab/2026-11-28-ablations-11-loss-kernels.md).
         - alpha: bias logit(0.9) = log 9. The current token enters the output at nearly full weight, as in the
           teacher's heads where each token attends to itself, while the slope 0.09 leaves alpha trainable.
         - Output gate: W_g = 0, and the gate is 2 sigmoid(W_g x), so it starts as the identity.

@@ -1,4 +1,4 @@
-# Sourced in the repository root by the device scripts (gpu_measure.sh, gpu_recipe.sh, gpu_results.sh), or by hand
+# Sourced in the repository root by the device scripts (scripts/lab/gpu_*.sh), or by hand
 # before `python -m pytest` or `python scripts/...` in a checkout that is not installed: the Python path with the
 # wheels the device image lacks (installed once from .whl/ into /tmp/site) and the toolkit under its installed import
 # names, and `dequantised_teacher MODEL DIR`, which saves the teacher once as a plain model directory that every

@@ -57,7 +57,7 @@ def read_weights(folder: Path) -> dict:
 
 def site_packages() -> list[str]:
     """The site-packages directories this interpreter imports from, in order: a venv's own first, then any it links
-    to (scripts/test_oldest_transformers.sh links the test environment's after an older transformers)."""
+    to (scripts/dev/test_oldest_transformers.sh links the test environment's after an older transformers)."""
     return [p for p in sys.path if Path(p).name in ("site-packages", "dist-packages")]
 
 

@@ -1,6 +1,6 @@
 """The import names the toolkit installs belong to it: the folders convert/ and kernels/ install as raven_convert and
 raven_kernels (pyproject.toml), so Hugging Face's `kernels` keeps its import name, and transformers finds it (or
-nothing) under `kernels`. scripts/check_hub_kernels.sh installs both distributions into one environment."""
+nothing) under `kernels`. scripts/dev/check_hub_kernels.sh installs both distributions into one environment."""
 
 import json
 import os

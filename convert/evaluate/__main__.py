@@ -3,6 +3,9 @@
 raven-eval runs/smollm2-raven --out runs/smollm2-raven/eval --lengths 1k,2k,4k --tasks passkey,niah_single_2
 raven-eval model.gguf --out eval --ppl-data ../shared/data/pg_essays --speed-lengths 1k,4k,16k
 raven-eval MODEL --out eval --tasks niah_single_2,niah_single_2@papers --haystacks papers=../shared/papers
+
+raven-eval table teacher=runs/teacher-eval sila=runs/smollm2-sila --reference teacher   # reports side by side
+(`raven-eval table --help`; a model directory named `table` is given as ./table)
 """
 
 from __future__ import annotations
@@ -84,6 +87,11 @@ def _existing(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["table"]:
+        from .table import main as table
+
+        return table(argv[1:])
     p = argparse.ArgumentParser(prog="raven-eval", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     d = EvalRequest(model="", out=Path())
     p.add_argument("model", help="Hub id, model directory (teacher or hybrid) or .gguf file")
@@ -167,7 +175,6 @@ def main(argv: list[str] | None = None) -> int:
         default=d.attention_window,
         help="a hybrid's kept attention layers attend within this many tokens (default: as converted)",
     )
-    argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(attach_negative_values(argv))
     args.chat_template = {"off": False, "on": True, "auto": None}[args.chat_template]
     resume = vars(args).pop("resume")

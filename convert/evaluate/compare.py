@@ -1,5 +1,5 @@
 """Evaluation reports side by side: read a `report.json`, take its perplexity and retrieval cells, and count the
-cells a model keeps within P points of a reference (scripts/results_table.py, raven_convert.depth).
+cells a model keeps within P points of a reference (`raven-eval table`, raven_convert.depth).
 
     cells = retrieval_cells(load_report("runs/sila"), "standard", [1024, 2048, 4096, 8192])  # {(task, length): %}
     shared, under = cells_under(cells, retrieval_cells(teacher, "standard", None), points=10)

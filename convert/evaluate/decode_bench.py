@@ -12,8 +12,8 @@ call (compilation, graph capture), then the best of two calls for 1 new token (t
 
 The floor of a step is the bytes it must move (step_bytes: every weight read once, every attention layer's keys and
 values up to its window, every mixer state read and written) over the device-to-device copy bandwidth; `floor_share`
-is floor / step, how close the step comes to what the memory allows. scripts/bench_generate.py, bench_capacity.py and
-raven_convert.depth time through here.
+is floor / step, how close the step comes to what the memory allows. scripts/bench/bench_generate.py,
+bench_capacity.py and raven_convert.depth time through here.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """How long a hybrid's mixer memories hold a passkey: the needle's trace in each mixer state, token by token.
 
-    python scripts/memory_reach.py RUN/extend/model --out RUN/memory-reach --length 16384 --attention-window 4096
+    python scripts/tools/memory_reach.py RUN/extend/model --out RUN/memory-reach --length 16384 --attention-window 4096
 
 A passkey prompt and its twin, whose passkey has other digits and the same tokens everywhere else, are read by the
 model up to just past the needle and then up to every `every` tokens after it. At each point the difference of the

@@ -185,7 +185,7 @@ def past_window(results: list[dict], window: int) -> dict:
     if unknown:
         raise ValueError(
             f"{len(unknown)} results have no needle_distance (e.g. {unknown[0]!r}): scores from before it was "
-            "recorded; scripts/needle_distances.py adds it from the report's request"
+            "recorded; scripts/lab/needle_distances.py adds it from the report's request"
         )
     split = {"past": [], "inside": []}
     for r in results:
@@ -256,7 +256,7 @@ def plot_niah_heatmap(results: list[dict], path: str | Path, title: str = "") ->
 
 def load_results(path: str | Path) -> dict:
     """{"summary", "results"} of a file save_results wrote, or of its gzipped copy (FILE.json.gz, as
-    scripts/archive_run.py keeps them under docs/results)."""
+    scripts/lab/archive_run.py keeps them under docs/results)."""
     data = Path(path).read_bytes()
     return json.loads(gzip.decompress(data) if str(path).endswith(".gz") else data)
 

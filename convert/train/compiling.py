@@ -1,7 +1,7 @@
 """The small operations of a training step compiled while a stage runs (the recipes' `compile` field of align, train
 and extend).
 
-Align's and stage 2's steps are bound by the host launching small kernels, not by the GPU (docs/TRAINING_SPEED.md).
+Align's and stage 2's steps are bound by the host launching small kernels, not by the GPU (docs/lab/TRAINING_SPEED.md).
 Two kinds of work are compiled by torch.compile, each into a few fused kernels:
 - around its Triton kernels a mixer runs dozens of small PyTorch operations per layer: projections, routing, gates,
   the read-out's norm and gate (`Mixer.glue`); the Triton kernels and anything that syncs with the host stay eager

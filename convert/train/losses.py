@@ -14,7 +14,7 @@ Every mean over tokens is `masked_mean`: a sum over the tokens that count divide
 `ce_loss` and `kd_loss` instead weigh each token by 1 / that number inside `_RowLoss`, which works through the
 [B * T, V] logits a chunk of rows at a time in float32 and computes their gradient in the same pass, instead of
 keeping float32 copies of the logits for backward and running cross_entropy over a transposed [B, V, T] layout
-(a slow softmax kernel; docs/TRAINING_SPEED.md has the profile). On CUDA, all the rows of either loss are one
+(a slow softmax kernel; docs/lab/TRAINING_SPEED.md has the profile). On CUDA, all the rows of either loss are one
 Triton kernel (kernels/loss: two reads of each row instead of the chunks' float32 passes).
 """
 

@@ -135,7 +135,7 @@ def _sliding_window(attn) -> int | None:
 
 KERNELS = ("triton", "compiled", "eager")  # how each layer's distance is computed (`token_weights`)
 # the reference's forward: float32, or bf16 autocast (SmolLM2 on 2 x 2,048 corpus tokens: weights correlate 0.998
-# with float32's, mean relative difference 2.4%; docs/TRAINING_SPEED.md)
+# with float32's, mean relative difference 2.4%; docs/lab/TRAINING_SPEED.md)
 PRECISIONS = ("float32", "bf16")
 
 

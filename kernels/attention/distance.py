@@ -35,7 +35,7 @@ from torch import Tensor
 LOG2E = 1.0 / math.log(2.0)
 # float32 inputs: products about as accurate as float32's, since the threshold p >= tau is discontinuous (plain tf32
 # flips borderline probabilities; "ieee" avoids the tensor cores and spills registers at d = 128: tf32x3 is three
-# tf32 products); bf16 and fp16 inputs are held exactly by tf32. Measured in docs/TRAINING_SPEED.md.
+# tf32 products); bf16 and fp16 inputs are held exactly by tf32. Measured in docs/lab/TRAINING_SPEED.md.
 FLOAT32_PRECISION = "tf32x3"
 
 
@@ -144,7 +144,7 @@ def first_keys(real: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
 
 def block_sizes(head_dim: int) -> tuple[int, int, int]:
     """(BM queries, BN keys, warps) of a program: 64 x 64 with 4 warps was the fastest tried at d = 64 and 128
-    (docs/TRAINING_SPEED.md); 128 x 64 needs more shared memory than an H100/H200 has at d = 128."""
+    (docs/lab/TRAINING_SPEED.md); 128 x 64 needs more shared memory than an H100/H200 has at d = 128."""
     return (64, 64, 4) if head_dim <= 128 else (64, 32, 4)  # larger heads (not measured): half the keys per block
 
 

@@ -40,7 +40,7 @@ SCAN_VARIANTS = {  # (steps, slots, head-dim columns, warps) of the long-sequenc
 
 
 def inputs(B, T, M, K):
-    """As scripts/bench_kernels.py: a = -4 softplus(randn), r = normalised sigmoid of the top-K router logits."""
+    """As scripts/bench/bench_kernels.py: a = -4 softplus(randn), r = normalised sigmoid of the top-K router logits."""
     torch.manual_seed(0)
     q = torch.randn(B, T, H, 1, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))

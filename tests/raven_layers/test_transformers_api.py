@@ -1,7 +1,7 @@
 """What the hybrid relies on in transformers' cache API, checked against the installed release.
 
 CI runs these under the newest transformers and again under the oldest one pyproject.toml accepts
-(scripts/test_oldest_transformers.sh); every failure names the release, so a breaking change is found by version.
+(scripts/dev/test_oldest_transformers.sh); every failure names the release, so a breaking change is found by version.
 """
 
 import dataclasses

@@ -1,11 +1,11 @@
 """archive_run.py keeps a run's results as docs/results holds them, the per-prompt scores gzipped, and
-results_table.py reads the archive as it reads the run."""
+`raven-eval table` reads the archive as it reads the run."""
 
 import gzip
 import json
 
-from scripts.archive_run import main
-from scripts.results_table import prompt_scores
+from raven_convert.evaluate.table import prompt_scores
+from scripts.lab.archive_run import main
 
 
 def fake_run(root):

@@ -1,4 +1,4 @@
-"""scripts/clean_load.sh: a converted model loads and generates where the toolkit cannot be imported."""
+"""scripts/tools/clean_load.sh: a converted model loads and generates where the toolkit cannot be imported."""
 
 import json
 import os
@@ -13,7 +13,7 @@ from raven_convert.cli import main
 
 pytestmark = pytest.mark.transformers_api
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "clean_load.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "tools" / "clean_load.sh"
 
 
 def run(model: Path, out: Path) -> subprocess.CompletedProcess:

@@ -1,4 +1,4 @@
-"""scripts/kernel_resources.py: Raven's per-chunk kernels and SILA's kernels, compiled offline for sm_90 under
+"""scripts/bench/kernel_resources.py: Raven's per-chunk kernels and SILA's kernels, compiled offline for sm_90 under
 their launch settings, fit in Hopper's shared memory and spill at most a little, and SILA's two sequential sweeps
 not at all (the launch and layout changes this guards are checked nowhere else without a GPU). Runs the script in
 a fresh interpreter: the tests' own Triton runs interpreted."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import triton
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "kernel_resources.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "kernel_resources.py"
 SHARED_LIMIT = 227 * 1024  # bytes of shared memory per block on sm_90
 KERNELS = ["o", "dq", "dkv", "dlf", "h", "dh", "gate", "dhc", "scan", "decode"]
 SILA = ["sila_fwd", "sila_o", "sila_dq", "sila_bwd", "sila_dkv"]

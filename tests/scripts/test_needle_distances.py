@@ -7,8 +7,8 @@ import json
 import pytest
 
 from raven_convert.evaluate.settings import EvalRequest
-from scripts.needle_distances import main
-from scripts.results_table import prompt_results
+from raven_convert.evaluate.table import prompt_results
+from scripts.lab.needle_distances import main
 from tests.conftest import tiny_tokenizer
 
 ESSAY = "Rivers bend twice before the town. Boats wait at the mill. Nobody hurries here in spring."

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from scripts.plot_generate import main
+from scripts.bench.plot_generate import main
 
 
 def test_plot_writes_a_png_and_skips_out_of_memory_rows(tmp_path):

@@ -1,5 +1,5 @@
 """decode_bench: the bytes a decode step must move (its bandwidth floor); the timing itself needs CUDA and runs on
-the device (scripts/bench_generate.py)."""
+the device (scripts/bench/bench_generate.py)."""
 
 from __future__ import annotations
 

@@ -123,7 +123,7 @@ def test_script_writes_json_plot_and_table(model, tmp_path, capsys):
     src = tmp_path / "hybrid"
     model.save_pretrained(src)
     tiny_tokenizer().save_pretrained(src)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts" / "tools"))
     import memory_reach as script
 
     out = tmp_path / "reach"

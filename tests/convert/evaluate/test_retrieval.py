@@ -379,7 +379,7 @@ def test_past_window_splits_by_how_far_back_the_answers_lie(tok, mixed_samples):
     with pytest.raises(ValueError, match="window must be a number of tokens >= 1, got 0"):
         R.past_window(results, 0)
     old = [{k: v for k, v in r.items() if k != "needle_distance"} for r in results]
-    with pytest.raises(ValueError, match="28 results have no needle_distance .*scripts/needle_distances.py"):
+    with pytest.raises(ValueError, match="28 results have no needle_distance .*scripts/lab/needle_distances.py"):
         R.past_window(old, window)
 
 

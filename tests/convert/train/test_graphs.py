@@ -102,7 +102,7 @@ def test_step_inputs_pads_the_documents_found_on_the_host():
 
 
 # SSE's and Raven's kernels take minutes under the interpreter here (both forms run where chosen on the device),
-# past the suite's budget: opt in with RAVEN_LONG_TESTS=1 (docs/TRAINING_SPEED.md has the runs)
+# past the suite's budget: opt in with RAVEN_LONG_TESTS=1 (docs/lab/TRAINING_SPEED.md has the runs)
 long_interpreted = pytest.mark.skipif(
     not os.environ.get("RAVEN_LONG_TESTS"), reason="minutes of interpreted kernels: set RAVEN_LONG_TESTS=1"
 )
@@ -415,8 +415,8 @@ def test_graphed_stage2_matches_eager_on_cuda(mixer, weighting, kd_weight, tmp_p
     graphed run stopped after a checkpoint and resumed ends where the uninterrupted one does. The eager steps run on the
     graphs' layout (documents padded to the run's slots, in-chunk forms chosen on the device): that it changes nothing
     is test_padded_documents_change_no_loss_or_gradient's, exactly, on the CPU; on a GPU it changes the rounding, which
-    8 Adam steps at lr 3e-3 carry into zero-started weights (docs/TRAINING_SPEED.md): the weights may differ by twice
-    what the same eager steps from starting weights 2^-20 apart leave."""
+    8 Adam steps at lr 3e-3 carry into zero-started weights (docs/lab/TRAINING_SPEED.md): the weights may differ by
+    twice what the same eager steps from starting weights 2^-20 apart leave."""
     declared_graph_safe(monkeypatch, mixer)
     teacher, hybrid = hybrid_models("cuda", mixer=mixer)
     teacher = teacher if kd_weight else None

@@ -1,0 +1,250 @@
+"""`raven-eval table`: one results table from several evaluation reports, teacher and hybrids side by side.
+
+    raven-eval table teacher=runs/teacher-eval raven=runs/smollm2-raven sse=runs/smollm2-sse \
+        --reference teacher --ppl-length 2048 --speed-length 16384 > table.md
+
+Each NAME=PATH names a `report.json` written by `raven-eval` or by a recipe's evaluate stage: the file itself, its
+directory, or a recipe run directory (RUN_DIR/evaluate/report.json). Columns: perplexity at one context length
+(and its ratio to the reference model's), accuracy per context length of every retrieval task found (standard
+variant unless --variant; a task on a named haystack, TASK@NAME, beside TASK), and decoding tokens/s with the
+per-sequence cache or state at one context length.
+
+The issue's retrieval targets, checked on the same reports (cells: every task and length of the standard variant,
+--lengths to keep some):
+    raven-eval table teacher=... sila=... sila-seed1=... --reference teacher \
+        --within 10 --lengths 1024 2048 4096 8192 --agree sila:sila-seed1
+--within P adds, for each model against --reference, how many cells are at most P points under it (or above it)
+and which are not; --agree A:B (repeatable) how many cells two models (two seeds) score within P points of each
+other (P of --within, 10 without it), their mean absolute difference, and the cells further apart. Where both
+reports have their prompts' scores beside them (retrieval_TASK_VARIANT.json as the evaluation writes them, or
+.json.gz as scripts/lab/archive_run.py keeps them), a cell further apart is marked * when the two differ beyond
+chance on the same prompts: the exact two-sided McNemar test of the prompts one model gets right and the other
+wrong (scores rounded to right/wrong), p < 0.05. The test counts prompts as independent: a passkey cell's 8 prompts
+per depth share their filler and are answered all or none (docs/lab/2026-11-27-ablations-07-seed-spread.md), so
+there a star says the models answer differently, not how sure that is.
+
+How much a hybrid whose kept attention is windowed answers through its mixers alone:
+    raven-eval table teacher=... raven-windows=... --beyond 4096 --lengths 8192 16384
+--beyond W counts, per model and task, the prompts answered among those whose answers all lie more than W tokens
+before the prompt's end (each prompt's `needle_distance`; scripts/lab/needle_distances.py adds it to scores from before
+the evaluation recorded it) and among the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from .compare import cells_under, load_report, perplexity_at, report_path, retrieval_cells
+from .retrieval import load_results, past_window
+
+
+def prompt_results(path: str, variant: str) -> list[dict]:
+    """Every prompt's result in the per-prompt files beside a report (empty when there are none)."""
+    results = []
+    folder = report_path(path).parent
+    for pattern in (f"retrieval_*_{variant}.json", f"retrieval_*_{variant}.json.gz"):  # gz: archive_run.py's
+        for file in sorted(folder.glob(pattern)):
+            results += load_results(file)["results"]
+    return results
+
+
+def prompt_scores(path: str, variant: str) -> dict[str, float]:
+    """{prompt id: score} of the per-prompt files beside a report (empty when there are none)."""
+    return {r["id"]: r["score"] for r in prompt_results(path, variant)}
+
+
+def mcnemar(only_a: int, only_b: int) -> float:
+    """Exact two-sided McNemar p-value: of the prompts the two models disagree on, `only_a` went to A."""
+    n, k = only_a + only_b, min(only_a, only_b)
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
+
+
+def significant(scores_a: dict, scores_b: dict, cell: tuple[str, int], variant: str) -> bool | None:
+    """Whether two models' right/wrong answers on a cell's shared prompts differ beyond chance (None: no prompts)."""
+    prefix = f"{cell[0]}/{variant}/{cell[1]}/"
+    shared = [i for i in scores_a if i.startswith(prefix) and i in scores_b]
+    if not shared:
+        return None
+    right_a = {i: scores_a[i] >= 0.5 for i in shared}
+    right_b = {i: scores_b[i] >= 0.5 for i in shared}
+    only_a = sum(right_a[i] and not right_b[i] for i in shared)
+    only_b = sum(right_b[i] and not right_a[i] for i in shared)
+    return mcnemar(only_a, only_b) < 0.05
+
+
+def speed_at(report: dict, length: int) -> dict | None:
+    for entry in report.get("speed") or []:
+        if entry.get("context_length") == length and not entry.get("skipped"):
+            return entry
+    return None
+
+
+def short(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.0f} KiB"
+
+
+def table(reports: dict[str, dict], reference: str | None, ppl_length: int, speed_length: int, variant: str) -> str:
+    tasks: dict[str, list[int]] = {}
+    for report in reports.values():
+        for label, summary in report.get("retrieval", {}).items():
+            task, _, var = label.partition("/")
+            if (var or "standard") == variant:
+                lengths = tasks.setdefault(task, [])
+                lengths += [int(n) for n in summary["by_length"] if int(n) not in lengths]
+    bases = list(dict.fromkeys(task.partition("@")[0] for task in tasks))
+    tasks = {t: tasks[t] for t in sorted(tasks, key=lambda t: bases.index(t.partition("@")[0]))}  # TASK@NAME by TASK
+    header = ["model", f"ppl @{short(ppl_length)}"]
+    header += [f"{task} {short(n)}" for task, lengths in tasks.items() for n in sorted(lengths)]
+    header += [f"decode tok/s @{short(speed_length)}", f"cache/state per sequence @{short(speed_length)}"]
+    rows = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    base = perplexity_at(reports[reference], ppl_length) if reference else None
+    for name, report in reports.items():
+        ppl = perplexity_at(report, ppl_length)
+        cells = [
+            name,
+            "-" if ppl is None else f"{ppl:.2f}" + (f" ({ppl / base:.2f}x)" if base and name != reference else ""),
+        ]
+        for task, lengths in tasks.items():
+            by_length = report.get("retrieval", {}).get(f"{task}/{variant}", {}).get("by_length", {})
+            for n in sorted(lengths):
+                value = by_length.get(str(n))
+                cells.append("-" if value is None else f"{100 * value:.0f}%")
+        speed = speed_at(report, speed_length)
+        if speed is None:
+            cells += ["-", "-"]
+        else:
+            cells.append(f"{speed['decode_tokens_per_second']:,.0f}" if speed.get("decode_tokens_per_second") else "-")
+            cache = speed.get("cache_bytes_per_sequence") or {}
+            cells.append(", ".join(f"{k} {mib(v)}" for k, v in cache.items() if v) or "-")
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def cell_name(cell: tuple[str, int]) -> str:
+    return f"{cell[0]} {short(cell[1])}"
+
+
+def within_reference(reports: dict[str, dict], reference: str, points: float, variant: str, lengths) -> str:
+    """Per model: the cells at most `points` under the reference's (or above it), and the misses."""
+    ref = retrieval_cells(reports[reference], variant, lengths)
+    rows = [f"| model | cells within {points:g} points of {reference} (or above) | cells under |"]
+    rows.append("| --- | --- | --- |")
+    for name, report in reports.items():
+        if name == reference:
+            continue
+        cells = retrieval_cells(report, variant, lengths)
+        shared, under = cells_under(cells, ref, points)
+        misses = ", ".join(f"{cell_name(c)} {cells[c]:.0f} vs {ref[c]:.0f}" for c in under) or "none"
+        rows.append(f"| {name} | {len(shared) - len(under)} of {len(shared)} | {misses} |")
+    return "\n".join(rows)
+
+
+def agreement(
+    reports: dict[str, dict], pairs: list[tuple[str, str]], points: float, variant: str, lengths, paths=None
+) -> str:
+    """Per pair of models (two seeds of a recipe): the cells within `points` of each other and the mean distance;
+    with `paths` ({name: report path}), the cells further apart that differ beyond chance marked * (McNemar)."""
+    rows = [f"| pair | cells within {points:g} points | mean difference | cells further apart (* beyond chance) |"]
+    rows.append("| --- | --- | --- | --- |")
+    for a, b in pairs:
+        cells_a = retrieval_cells(reports[a], variant, lengths)
+        cells_b = retrieval_cells(reports[b], variant, lengths)
+        scores = [prompt_scores(paths[n], variant) if paths else {} for n in (a, b)]
+        shared = [c for c in cells_a if c in cells_b]
+        diffs = {c: abs(cells_a[c] - cells_b[c]) for c in shared}
+        apart = []
+        for c in (c for c in shared if diffs[c] > points):
+            mark = "*" if significant(*scores, c, variant) else ""
+            apart.append(f"{cell_name(c)} {cells_a[c]:.0f} vs {cells_b[c]:.0f}{mark}")
+        mean = sum(diffs.values()) / len(diffs) if diffs else float("nan")
+        close = sum(d <= points for d in diffs.values())
+        rows.append(f"| {a} vs {b} | {close} of {len(shared)} | {mean:.1f} | {', '.join(apart) or 'none'} |")
+    return "\n".join(rows)
+
+
+def beyond_window(paths: dict[str, str], window: int, variant: str, lengths) -> str:
+    """Per model and task: the prompts answered right (score >= 0.5) among those whose answers all lie more than
+    `window` tokens back, and among the others (retrieval.past_window)."""
+    results = {name: prompt_results(path, variant) for name, path in paths.items()}
+    results = {n: [r for r in rs if lengths is None or r["length"] in lengths] for n, rs in results.items()}
+    tasks = list(dict.fromkeys(r["task"] for rs in results.values() for r in rs))
+    header = ["model", *(f"{task} past / inside" for task in tasks), "all past / inside"]
+    rows = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for name, rs in results.items():
+        if not rs:
+            raise SystemExit(f"{name}: no per-prompt scores beside {report_path(paths[name])} (retrieval_*.json)")
+        right = [r | {"score": float(r["score"] >= 0.5)} for r in rs]
+        cells = [name]
+        for task in [*tasks, None]:
+            mine = [r for r in right if task is None or r["task"] == task]
+            try:
+                split = past_window(mine, window)
+            except ValueError as err:
+                raise SystemExit(f"{name}: {err}") from None
+            cells.append(" / ".join(answered(split[part]) for part in ("past", "inside")) if mine else "-")
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def answered(part: dict) -> str:
+    return f"{round(part['accuracy'] * part['n'])} of {part['n']}" if part["n"] else "none"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="raven-eval table", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("reports", nargs="+", metavar="NAME=PATH")
+    parser.add_argument("--reference", default=None, help="the NAME whose perplexity the others are divided by")
+    parser.add_argument("--ppl-length", type=int, default=2048)
+    parser.add_argument("--speed-length", type=int, default=16384)
+    parser.add_argument("--variant", default="standard")
+    parser.add_argument("--within", type=float, default=None, metavar="P", help="check cells against --reference")
+    parser.add_argument("--agree", action="append", default=[], metavar="A:B", help="compare two models' cells")
+    parser.add_argument("--lengths", type=int, nargs="+", default=None, help="the lengths --within/--agree check")
+    parser.add_argument(
+        "--beyond", type=int, default=None, metavar="W", help="count the prompts answered past a W-token window"
+    )
+    args = parser.parse_args(argv)
+    paths = {}
+    for item in args.reports:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            parser.error(f"{item!r} is not NAME=PATH")
+        paths[name] = path
+    if args.reference is not None and args.reference not in paths:
+        parser.error(f"--reference {args.reference!r} is none of {list(paths)}")
+    pairs = []
+    for item in args.agree:
+        a, sep, b = item.partition(":")
+        if not sep or a not in paths or b not in paths:
+            parser.error(f"--agree {item!r} is not A:B with A and B among {list(paths)}")
+        pairs.append((a, b))
+    if args.lengths and args.within is None and not pairs and args.beyond is None:
+        parser.error("--lengths applies to --within, --agree and --beyond only")
+    if args.beyond is not None and args.beyond < 1:
+        parser.error(f"--beyond {args.beyond}: a window is a number of tokens >= 1")
+    if args.within is not None and args.reference is None:
+        parser.error("--within needs --reference, the model the cells are checked against")
+    reports = {name: load_report(path) for name, path in paths.items()}
+    print(table(reports, args.reference, args.ppl_length, args.speed_length, args.variant))
+    points = 10.0 if args.within is None else args.within
+    if args.within is not None:
+        print("\n" + within_reference(reports, args.reference, points, args.variant, args.lengths))
+    if pairs:
+        print("\n" + agreement(reports, pairs, points, args.variant, args.lengths, paths))
+    if args.beyond is not None:
+        print("\n" + beyond_window(paths, args.beyond, args.variant, args.lengths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

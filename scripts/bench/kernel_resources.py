@@ -1,0 +1,172 @@
+"""Registers, spill stack and shared memory of Raven's per-chunk and decode kernels and SILA's kernels on sm_90,
+without a GPU: each kernel is compiled with Triton for Hopper under its launch settings and its cubin read with
+the cuobjdump that ships with Triton.
+Check a launch or layout change here first: a spilling kernel is slow, and one that needs over 227 KB of shared
+memory does not launch.
+
+    python scripts/bench/kernel_resources.py [--d 128] [--slots 256] [--kernels o,dq,...,sila_fwd,sila_bwd,...]
+
+Prints one row per kernel: slots per block (Raven), warps, stages, registers per thread, stack bytes, shared bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from raven_kernels import chunked  # noqa: E402
+from raven_kernels.raven import chunk, chunk_bwd, chunk_h, fused_recurrent  # noqa: E402
+from raven_kernels.sila import fused_recurrent_bwd as sila_bwd_kernels  # noqa: E402
+from raven_kernels.sila import fused_recurrent_fwd as sila_fwd_kernels  # noqa: E402
+from raven_kernels.sila import utils as sila_utils  # noqa: E402
+from raven_kernels.sila.fused_recurrent import CHUNK_SIZE as SILA_CHUNK  # noqa: E402
+
+KERNELS = {
+    "o": chunk.raven_fwd_kernel_o,
+    "dq": chunk_bwd.raven_bwd_kernel_dq,
+    "dkv": chunk_bwd.raven_bwd_kernel_dkv,
+    "dlf": chunk_bwd.raven_bwd_kernel_dlf,
+    "h": chunk_h.raven_fwd_kernel_h,
+    "dh": chunk_h.raven_bwd_kernel_dh,
+    "gate": chunk_h.raven_fwd_kernel_gate,
+    "dhc": chunk_h.raven_bwd_kernel_dhc,
+    "scan": chunked.scan_fwd_kernel,
+    "decode": fused_recurrent.raven_fwd_kernel_fused_recurrent,
+    "sila_fwd": sila_fwd_kernels.sila_fwd_kernel_recurrent,  # the training sweep (SAVE), not the decode step
+    "sila_o": sila_fwd_kernels.sila_fwd_kernel_output,
+    "sila_dq": sila_bwd_kernels.sila_bwd_kernel_dq,
+    "sila_bwd": sila_bwd_kernels.sila_bwd_kernel_recurrent,
+    "sila_dkv": sila_bwd_kernels.sila_bwd_kernel_dkv,
+}
+INPUT_DTYPE = {
+    "q",
+    "k",
+    "v",
+    "do",
+    "o",
+    "dq",
+    "dk",
+    "dv",
+    "hk",
+    "hv",
+    "dhk",
+    "dhv",
+    "xk",
+    "xv",
+    "p",
+    "ds",
+}  # bf16 in training
+INT32 = {"chunk_bos", "chunk_len", "seq_chunks", "idx", "cu_seqlens", "state_offsets", "chunk_indices"}
+POINTER_TYPES = {**{n: "*bf16" for n in INPUT_DTYPE}, **{n: "*i32" for n in INT32}, "mask": "*u8"}
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+def resources(fn, constants: dict, num_warps: int, num_stages: int) -> dict[str, int]:
+    """Compile `fn` for sm_90 with these constexpr values (every other argument a pointer or a float scale).
+
+    Pointers are marked 16-byte aligned, as the launcher marks torch's allocations: without that Triton cannot
+    vectorise the loads and the compiled kernel is not the one that runs.
+    """
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(inspect.signature(fn.fn).parameters):
+        if name in constants:
+            signature[name] = "constexpr"
+            constexprs[(i,)] = constants[name]
+        elif name == "scale":
+            signature[name] = "fp32"
+        elif name == "T":
+            signature[name] = "i32"
+        else:
+            signature[name] = POINTER_TYPES.get(name, "*fp32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(
+        ASTSource(fn, signature, constexprs, attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": num_warps, "num_stages": num_stages},
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "kernel.cubin")
+        Path(cubin).write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", cubin], capture_output=True, text=True, check=True)
+    match = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
+    if match is None:
+        raise RuntimeError(f"cuobjdump gave no resource line for {fn.__name__}: {usage.stdout[:200]}")
+    return {"registers": int(match[1]), "stack": int(match[2]), "shared": compiled.metadata.shared}
+
+
+def kernel_rows(D: int, M: int, names: list[str]) -> list[tuple]:
+    """(name, slots per block, warps, stages, registers, stack, shared) of each kernel as chunk_raven launches it."""
+    BM_max, BD = chunk.block_sizes(M, D)
+    launch = chunk.launch_config(D)
+    BP, BM_scan, BD_scan, warps_scan = chunk.scan_config(M, D)
+    BM_seq, BD_seq = chunk.seq_blocks(M, D, NH=64)
+    for name in names:
+        if name not in KERNELS:
+            raise ValueError(f"--kernels: unknown kernel {name!r}; allowed: {', '.join(KERNELS)}")
+    rows = []
+    for name in names:
+        if name.startswith("sila_"):
+            rows.append(sila_row(name, D))
+            continue
+        if name in launch:
+            BM, warps, stages = launch[name]
+            BM, block_d = min(BM, BM_max), BD
+        elif name == "scan":  # chunk.scan
+            BM, warps, stages, block_d = BM_scan, warps_scan, 3, BD_scan
+        elif name in ("h", "dh"):  # chunk.sequential_states, chunk.state_grads
+            BM, warps, stages, block_d = BM_seq, 4, 3, BD_seq
+        elif name == "decode":  # fused_recurrent_raven at batch 64, 16 heads
+            (BM, warps), stages, block_d = fused_recurrent.decode_config(M, 1, D), 3, BD
+        else:  # the per-chunk state kernels (chunk.gates with contributions, chunk.state_grads)
+            BM, warps, stages, block_d = min(32, BM_max), 8 if name == "gate" else 4, 3, BD
+        constants = dict(H=16, G=1, M=M, K=32, D=D, BT=chunk.BT, BC=chunk.BC, BP=BP, BM=BM, BD=block_d, EXACT=False)
+        constants.update(BK=32, CONTRIB=True, PAIR=True, REVERSE=False, USE_H0=True, STORE_HT=True)
+        constants.update(USE_DHT=True, STORE_DH0=True)
+        if name == "decode":
+            constants.update(BG=1, IS_VARLEN=False, NS=1, MB=-(-M // BM))  # batch 64 fills the SMs: no slot split
+        used = resources(KERNELS[name], constants, warps, stages)
+        rows.append((name, BM, warps, stages, used["registers"], used["stack"], used["shared"]))
+    return rows
+
+
+def sila_row(name: str, D: int) -> tuple:
+    """(name, "-", warps, stages, registers, stack, shared) of a SILA kernel as fused_recurrent_sila launches it at
+    d_k = d_v = D, no mask, fixed-length batch, one query head per key head."""
+    warps = sila_utils.launch_settings(D, D)["sweep" if name in ("sila_fwd", "sila_bwd") else "chunk"]
+    constants = dict(H=16, G=1, K=D, V=D, KB=sila_utils.sweep_block(D), CHUNK=SILA_CHUNK, PRECISION="tf32")
+    constants.update(STORE_HT=False, SAVE=True, INLINE_OUTPUT=False, STORE_DH0=False, HAS_MASK=False, IS_VARLEN=False)
+    used = resources(KERNELS[name], constants, warps, 1)
+    return (name, "-", warps, 1, used["registers"], used["stack"], used["shared"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--d", type=int, default=128, help="head dim")
+    parser.add_argument("--slots", type=int, default=256, help="M")
+    parser.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated subset of {list(KERNELS)}")
+    args = parser.parse_args()
+    try:
+        rows = kernel_rows(args.d, args.slots, args.kernels.split(","))
+    except ValueError as error:
+        parser.error(str(error))
+    print(f"sm_90, d = {args.d}, M = {args.slots}, bf16 operands, fast path only (EXACT off)")
+    print("| kernel | slots/block | warps | stages | registers | stack B | shared B |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        print("| " + " | ".join(str(x) for x in row) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""Per-GPU memory and speed of each stage of an 8B conversion: a Qwen3-8B-shaped teacher with random weights (the
+real shapes), every stage run through the recipe pipeline (the same code path as a real run) for a few steps under
+`accelerate launch`, torch.cuda.max_memory_allocated and the process's peak host memory recorded per process and
+stage, and align's and train's tokens/s read from their DONE summaries.
+
+    python scripts/bench/memory_plan.py --processes 1,2 --strategy ddp,fsdp --out runs/memory-plan   # on 2 GPUs
+    python scripts/bench/memory_plan.py --tiny --processes 2 --strategy fsdp --out /tmp/plan         # a CPU smoke test
+
+Every pair of --processes and --strategy is one run (a single process is run once: both strategies are the same
+there). The teacher is made once and converted once; each run starts from that conversion. Prints one Markdown
+table last (the largest value over a run's processes) and writes OUT/memory_plan.json. Each process trains on one row
+of 2,048 tokens per step (the global batch grows with N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import string
+import subprocess
+import sys
+from pathlib import Path
+
+QWEN3_8B = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 12288,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+}
+TINY = QWEN3_8B | {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
+TINY |= {"head_dim": 16, "intermediate_size": 128, "vocab_size": 256}
+STAGES = ["convert", "align", "weights", "train", "extend", "evaluate", "export"]  # extend and evaluate: off (skipped)
+
+
+def recipe(teacher: Path, data: Path, tiny: bool, strategy: str, steps: int = 3) -> dict:
+    seq = 64 if tiny else 2048
+    precision = "no" if tiny else "bf16"
+    stage = {"steps": steps, "batch_size": 1, "save_every": steps, "log_every": 1, "mixed_precision": precision}
+    return {
+        "source": str(teacher),
+        "layers": [{"mixer": "raven", "layers": "0-35:2" if not tiny else "0-3:2"}],
+        "mixer_settings": {"raven": {"num_slots": 64, "top_k": 8}},
+        "dtype": "float32" if tiny else "bfloat16",
+        "data": {"source": str(data), "seq_len": seq, "validation_fraction": 0.1},
+        "align": stage,
+        "token_weights": {"enabled": True, "batch_size": 1},
+        "train": stage | {"trainable": "mixers+lora", "gradient_checkpointing": not tiny},
+        "export": {},
+        "distributed": {"strategy": strategy},
+    }
+
+
+def make_inputs(out: Path, tiny: bool) -> tuple[Path, Path]:
+    """A random teacher of the real shapes (bfloat16; float32 when tiny) with a character tokenizer, and a corpus."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
+
+    teacher, data = out / ("teacher-tiny" if tiny else "teacher-8b"), out / "corpus"
+    if not (teacher / "config.json").is_file():
+        config = Qwen3Config(**(TINY if tiny else QWEN3_8B))
+        torch.manual_seed(0)
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # random init of 8B: minutes on a CPU
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if tiny else torch.bfloat16)
+        model.save_pretrained(teacher)
+        del model
+        torch.cuda.empty_cache()  # this process stays alive beside the launched ones: it keeps no GPU memory
+        vocab = {c: i for i, c in enumerate(["<pad>", "<s>", "</s>", "<unk>", *sorted(set(string.printable))])}
+        backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+        backend.decoder = decoders.Fuse()
+        tokens = dict(bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+        PreTrainedTokenizerFast(tokenizer_object=backend, **tokens).save_pretrained(teacher)
+    if not data.is_dir():
+        data.mkdir(parents=True)
+        words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly big mice".split()
+        count = 64 if tiny else 12  # about 100 rows of 2,048 tokens: the weights stage reads them all with 8B
+        docs = [" ".join(words[i % 16 :] + words[: i % 16]) * 200 for i in range(count)]
+        (data / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return teacher, data
+
+
+def host_peak_gib(reset: bool = False) -> float:
+    """This process's peak resident memory (VmHWM) in GiB since the last reset; reset=True starts a new peak."""
+    status = Path("/proc/self/status").read_text()
+    peak = int(next(line for line in status.splitlines() if line.startswith("VmHWM")).split()[1]) / 2**20
+    if reset:
+        Path("/proc/self/clear_refs").write_text("5")
+    return peak
+
+
+def worker(args) -> None:
+    """One process of the launch: each stage after convert through run_recipe, its peak memory recorded."""
+    import torch
+
+    from raven_convert.train.recipe import parse_recipe
+    from raven_convert.train.stages import run_recipe
+
+    plan = parse_recipe(json.loads(Path(args.recipe).read_text()))
+    peaks = {}
+    for stage in STAGES[1:]:
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        host_peak_gib(reset=True)
+        run_recipe(plan, args.run_dir, stages=[stage])
+        gpu = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+        peaks[stage] = {"gpu": gpu, "host": host_peak_gib()}
+    rank = int(os.environ.get("RANK", "0"))
+    Path(args.report).with_suffix(f".rank{rank}.json").write_text(json.dumps(peaks))
+
+
+def launch(args, processes: int, recipe_path: Path, run_dir: Path, report: Path) -> None:
+    """The worker on `processes` processes: accelerate launch on GPUs, torchrun on the CPU (--tiny)."""
+    if args.tiny:  # accelerate launch --cpu starts one process (several are its MPI path): torchrun, gloo
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
+    else:
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes)]
+        command += ["--multi_gpu"] if processes > 1 else []
+    command += [__file__, "--worker", "--recipe", str(recipe_path), "--run-dir", str(run_dir), "--report", str(report)]
+    print("$", " ".join(command), flush=True)
+    subprocess.run(command, check=True)
+
+
+def convert_once(args, out: Path, teacher: Path, data: Path) -> dict:
+    """The convert stage, run once on one process into OUT/converted (every run starts from a hard-linked copy of
+    it): its peak memory (convert runs on the main process alone under any launch)."""
+    import torch
+
+    from raven_convert.train.recipe import parse_recipe
+    from raven_convert.train.stages import run_recipe
+
+    converted = out / "converted"
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    host_peak_gib(reset=True)
+    run_recipe(parse_recipe(recipe(teacher, data, args.tiny, "ddp")), converted, stages=["convert"])
+    gpu = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    torch.cuda.empty_cache()
+    return {"gpu": gpu, "host": host_peak_gib()}
+
+
+def rate(run_dir: Path, stage: str) -> float | None:
+    done = run_dir / stage / "DONE"
+    return json.loads(done.read_text()).get("tokens_per_second") if done.is_file() else None
+
+
+def parse_list(text: str, kind, allowed=None) -> list:
+    values = [kind(v) for v in text.split(",")]
+    bad = [v for v in values if (allowed is not None and v not in allowed) or (kind is int and v < 1)]
+    if bad:
+        raise SystemExit(f"{bad[0]!r} is not allowed here: " + (", ".join(allowed) if allowed else "integers >= 1"))
+    return values
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--processes", default="1", help="comma-separated process counts, e.g. 1,2,4,8")
+    parser.add_argument("--strategy", default="fsdp", help="comma-separated: ddp, fsdp")
+    parser.add_argument("--steps", type=int, default=None, help="align and train steps (default 6; 3 with --tiny)")
+    parser.add_argument("--out", default="runs/memory-plan")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: a smoke test of the script")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--recipe", help=argparse.SUPPRESS)
+    parser.add_argument("--run-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--report", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    counts = parse_list(args.processes, int)
+    strategies = parse_list(args.strategy, str, ("ddp", "fsdp"))
+    args.steps = args.steps or (3 if args.tiny else 6)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    teacher, data = make_inputs(out, args.tiny)
+    runs = [{"strategy": "-", "processes": 1, "stages": {"convert": convert_once(args, out, teacher, data)}}]
+    configs = [(n, s) for n in counts for s in (strategies if n > 1 else strategies[:1])]
+    for processes, strategy in configs:
+        name = f"{strategy}-{processes}"
+        path = out / f"recipe-{name}.json"
+        path.write_text(json.dumps(recipe(teacher, data, args.tiny, strategy, args.steps)))
+        run_dir, report = out / f"run-{name}", out / f"memory-{name}"
+        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+        subprocess.run(["cp", "-al", str(out / "converted"), str(run_dir)], check=True)
+        row = {"strategy": strategy if processes > 1 else "one process", "processes": processes}
+        try:
+            launch(args, processes, path, run_dir, report)
+        except subprocess.CalledProcessError as error:
+            runs.append(row | {"failed": str(error)})
+            shutil.rmtree(run_dir)
+            continue
+        ranks = [json.loads(report.with_suffix(f".rank{r}.json").read_text()) for r in range(processes)]
+        stages = {s: {k: max(r[s][k] or 0 for r in ranks) for k in ("gpu", "host")} for s in STAGES[1:]}
+        rates = {s: rate(run_dir, s) for s in ("align", "train")}
+        runs.append(row | {"stages": stages, "ranks": ranks, "tokens_per_second": rates})
+        shutil.rmtree(run_dir)  # an 8B run leaves tens of GB of model files; its numbers are in the report
+    meta = {"tiny": args.tiny, "steps": args.steps, "shape": TINY if args.tiny else QWEN3_8B}
+    (out / "memory_plan.json").write_text(json.dumps(meta | {"runs": runs}, indent=1))
+    print_table(runs, args.tiny)
+    return 0
+
+
+def print_table(runs: list[dict], tiny: bool) -> None:
+    """One row per stage, one column per run: peak GPU memory (GiB, largest process) / peak host memory (GiB)."""
+    shown = [STAGES[0]] + [s for s in STAGES[1:] if s not in ("extend", "evaluate")]
+    heads = [f"{r['processes']} x {r['strategy']}" if r["processes"] > 1 else r["strategy"] for r in runs[1:]]
+    unit = "peak host GiB per process (CPU run)" if tiny else "GiB per GPU (max allocated) / host GiB per process"
+    print(f"\n{unit}\n")
+    print("| stage | " + " | ".join(heads) + " |")
+    print("| --- " * (len(heads) + 1) + "|")
+    for stage in shown:
+        cells = []
+        for r in runs[1:]:
+            got = runs[0]["stages"]["convert"] if stage == "convert" else r.get("stages", {}).get(stage)
+            if got is None:
+                cells.append("failed")
+            elif tiny:
+                cells.append(f"{got['host']:.2f}")
+            else:
+                cells.append(f"{got['gpu']:.1f} / {got['host']:.1f}")
+        print(f"| {stage} | " + " | ".join(cells) + " |")
+    for stage in ("align", "train"):
+        cells = [
+            f"{r['tokens_per_second'][stage]:,.0f}" if r.get("tokens_per_second", {}).get(stage) else "-"
+            for r in runs[1:]
+        ]
+        print(f"| {stage} tokens/s | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

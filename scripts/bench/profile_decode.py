@@ -1,0 +1,194 @@
+"""Where a decode step's time goes, and what Inductor's options change: kernels per step and step time of each
+model's compiled, CUDA-graphed decode step, under several `model.decode_compile_options`.
+
+    python scripts/bench/profile_decode.py --models teacher-engine,sila --batches 1,32 --context 16k --out OUT \\
+        --variants default eager freezing=True max_autotune_gemm=True,coordinate_descent_tuning=True
+
+For each model (SmolLM2-135M-shaped, bf16, random weights; the teacher on this project's engine is the teacher
+converted with no layer, a hybrid converts `--layers`), batch and variant, the step is compiled afresh: generate()
+warms up (compiles, captures the graph; `compile s`), then
+- `kernels`: GPU kernels per step, from torch.profiler over 8 runs of the step outside the graph (what the graph
+  replays);
+- `replay ms`: GPU time of one graph replay (100 replays, CUDA events);
+- `generate ms`: wall time per step of generate() over `--steps` tokens (sampling and stopping criteria included);
+- `max |dlogit|`: the first decode step's logits against the `default` variant's, same prompt (bf16: the options
+  may round differently; a wrong fusion shows as a large difference).
+
+A variant is `default` (the model's own options), `eager` (the eager step captured: `compile_decode = False`), or
+comma-separated Inductor options `name=value` (Python literals). The table is printed last and written to
+OUT/profile_decode.json with the profiler's top kernels of each row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
+
+from bench_generate import SMOLLM2_135M, build_models, parse_sizes, release, spread_layers  # noqa: E402
+
+from raven_layers.decode_attention import decode_attention  # noqa: E402
+
+
+def parse_variant(text: str) -> tuple[str, dict | None]:
+    """'default' -> {}, 'eager' -> None (no compilation), 'a=1,b=True' -> {'a': 1, 'b': True}."""
+    if text == "default":
+        return text, {}
+    if text == "eager":
+        return text, None
+    options = {}
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--variants: {item!r} is not name=value; expected default, eager or name=value,...")
+        try:
+            options[name.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"--variants: {value!r} of {name} is not a Python literal (True, 1, 'x')") from None
+    return text, options
+
+
+def gpu_ms_per_replay(cache, replays: int = 100) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        cache.graph.graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def kernels_per_step(model, cache, token: torch.Tensor, runs: int = 8) -> tuple[float, list[dict]]:
+    """GPU kernels one decode step launches (the step outside its graph), and the top kernels by GPU time."""
+    step = model.decode_function()
+    with cache.decoding_step(), decode_attention(model.config):
+        step(token, cache)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(runs):
+                step(token, cache)
+            torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    top = [
+        {"name": e.key[:90], "per_step": e.count / runs, "us_per_step": e.self_device_time_total / runs}
+        for e in events[:15]
+    ]
+    return sum(e.count for e in events) / runs, top
+
+
+def measure(model, batch: int, context: int, steps: int, options: dict | None) -> dict:
+    model._static_cache = None  # a fresh cache and graph: the step below is compiled anew
+    model.compile_decode = options is not None
+    model.decode_compile_options = options or {}
+    release()
+    seed = torch.Generator(device="cuda").manual_seed(batch)  # every variant decodes the same prompt
+    ids = torch.randint(3, SMOLLM2_135M["vocab_size"], (batch, context), device="cuda", generator=seed)
+    kwargs = dict(do_sample=False, pad_token_id=2)
+    with torch.no_grad():
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=3, min_new_tokens=3, **kwargs)  # compiles, captures
+        torch.cuda.synchronize()
+        compile_s = time.perf_counter() - start
+        out = model.generate(
+            ids, max_new_tokens=2, min_new_tokens=2, output_logits=True, return_dict_in_generate=True, **kwargs
+        )
+        first_step = out.logits[1].float()  # [B, V]: logits[0] is the prefill's
+        cache = model._static_cache
+        replay = gpu_ms_per_replay(cache)
+        kernels, top = kernels_per_step(model, cache, out.sequences[:, -1:])
+        timings = []
+        for n in (1, steps + 1):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+            torch.cuda.synchronize()
+            timings.append(time.perf_counter() - start)
+    return {
+        "compile_s": compile_s,
+        "kernels": kernels,
+        "replay_ms": replay,
+        "generate_ms": (timings[1] - timings[0]) / steps * 1e3,
+        "first_step_logits": first_step,
+        "top_kernels": top,
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="teacher-engine,sila", help="teacher-engine and/or mixer names")
+    parser.add_argument("--layers", default="0-29:2", help="the layers each hybrid converts, or a number to spread")
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--context", default="16k")
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--variants", nargs="+", default=["default", "eager"])
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    variants = [parse_variant(v) for v in args.variants]
+    if variants[0][0] != "default":
+        variants.insert(0, ("default", {}))  # the reference of every |dlogit|
+    (context,) = parse_sizes(args.context)
+    names = args.models.split(",")
+    layers = args.layers
+    if layers.isdigit():
+        layers = spread_layers(int(layers), SMOLLM2_135M["num_hidden_layers"])
+    mixers = [name for name in names if name != "teacher-engine"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    info = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "layers": layers}
+    rows = []
+
+    def save():  # after every row: a run cut short keeps what it measured
+        (args.out / "profile_decode.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+
+    for name, model in build_models(mixers, [("", layers)], None):
+        if name not in names:
+            continue
+        for batch in parse_sizes(args.batches):
+            reference = None
+            for label, options in variants:
+                try:
+                    row = measure(model, batch, context, args.steps, options)
+                except Exception as error:  # a variant Inductor cannot compile: the others still run
+                    print(f"{name} B{batch} {label}: failed ({type(error).__name__}: {error})", flush=True)
+                    rows.append({"model": name, "batch": batch, "variant": label, "error": f"{error}"[:500]})
+                    save()
+                    continue
+                logits = row.pop("first_step_logits")
+                reference = logits if reference is None else reference
+                row["max_dlogit"] = (logits - reference).abs().max().item()
+                rows.append({"model": name, "batch": batch, "context": context, "variant": label, **row})
+                save()
+                print(
+                    f"{name} B{batch} {label}: compile {row['compile_s']:.1f} s, {row['kernels']:.0f} kernels, "
+                    f"replay {row['replay_ms']:.3f} ms, generate {row['generate_ms']:.3f} ms",
+                    flush=True,
+                )
+        del model
+    for row in rows:
+        if "top_kernels" in row:
+            print(f"\n{row['model']} B{row['batch']} {row['variant']}: top kernels per step")
+            for k in row["top_kernels"][:10]:
+                print(f"  {k['per_step']:5.1f} x {k['us_per_step']:8.1f} us  {k['name']}")
+    print(f"\n{info}")
+    print("| model | batch | variant | compile s | kernels/step | replay ms | generate ms | max abs dlogit |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        if "error" in row:
+            print(f"| {row['model']} | {row['batch']} | {row['variant']} | failed: {row['error'][:60]} | | | | |")
+            continue
+        print(
+            f"| {row['model']} | {row['batch']} | {row['variant']} | {row['compile_s']:.1f} | {row['kernels']:.0f} | "
+            f"{row['replay_ms']:.3f} | {row['generate_ms']:.3f} | {row['max_dlogit']:.3g} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

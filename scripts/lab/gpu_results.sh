@@ -1,0 +1,326 @@
+#!/usr/bin/env bash
+# The runs behind the lab notes docs/lab/ (issue 6): the teacher's evaluation and the SmolLM2 recipes of each mixer, as
+# background jobs on one H100 (scripts/lab/gpu_jobs.sh), so several share the GPU and outlive a 10-minute device call.
+#
+#   MODEL=~/cache/smollm2.gguf CORPUS=~/cache/corpus ESSAYS=~/cache/essays bash scripts/lab/gpu_results.sh start teacher raven sila
+#
+# after copying the model, corpus and essays in three calls (each carries at most 64 MiB with the checkout, itself
+# about 17 MB: the model in thirds, `split -n 3 MODEL .carry/m3/smollm2.gguf.part-`, wheels from
+# ../shared/tools/gpu-prep.sh in .whl with pydantic's, which the image lacks too (its `pip download` line with
+# pydantic pydantic-core annotated-types typing-inspection), the corpus split into .carry/corpus-*: a is the 8.4 MB
+# linux docs, b perl's and postgresql's, c python's; keep results under docs/results with scripts/lab/archive_run.py,
+# whose gzipped scores keep the checkout small enough):
+#   carry .carry/m3/smollm2.gguf.part-aa .carry/corpus-a:
+#     mkdir -p ~/cache/corpus && cp .carry/m3/smollm2.gguf.part-aa ~/cache/ && cp .carry/corpus-a/* ~/cache/corpus/
+#   carry .carry/m3/smollm2.gguf.part-ab .whl .carry/corpus-b .carry/pg_essays:
+#     cp .carry/m3/smollm2.gguf.part-ab ~/cache/ && cp .carry/corpus-b/* ~/cache/corpus/ &&
+#     cp -r .carry/pg_essays ~/cache/essays && source scripts/device_env.sh   # the wheels into /tmp/site, for later
+#   carry .carry/m3/smollm2.gguf.part-ac .carry/corpus-c:
+#     cat ~/cache/smollm2.gguf.part-a? .carry/m3/smollm2.gguf.part-ac > ~/cache/smollm2.gguf &&
+#     cp .carry/corpus-c/* ~/cache/corpus/ && ... start ...
+# (chain the calls: the machine goes back after 30 idle seconds, with the jobs it runs)
+#   bash scripts/lab/gpu_jobs.sh wait 540        # in each later call, until the jobs end
+#   bash scripts/lab/gpu_jobs.sh collect         # $OUT/runs.tar.gz: stage summaries, reports, pictures; logs.tar.gz
+# (the wait call's output whole, not through `| tail`: a call past its limit brings back nothing it printed)
+#
+# RECIPE_ARGS adds overrides to every run (a smoke test: RECIPE_ARGS="--set align.steps=2 ...").
+# WINDOWED=0 skips the sliding-window evaluation.
+# Jobs (each one run directory under ~/runs, with the recipe's own settings and these paths):
+#   teacher        the teacher, evaluated with the recipes' evaluate settings
+#   raven|sse|sila recipes/smollm2-<mixer>.yaml, every stage but export; after training, the final model is loaded
+#                  and generates in a process without the toolkit (scripts/tools/clean_load.sh -> RUN/load_check.json)
+#                  and is saved as its difference from the teacher (RUN/model.delta.safetensors, about 54 MB for
+#                  SILA; `bash scripts/lab/gpu_jobs.sh deltas RUN` brings it back, `python -m raven_convert.delta
+#                  apply` rebuilds it).
+#                  Before its own evaluation, RUN-sw: the trained hybrid evaluated with its kept attention layers
+#                  as 4K sliding windows (it trained with full attention), on retrieval at 4K-16K (WINDOWED_EVAL)
+#   sila-uniform   SILA's ablation: its aligned model trained with uniform token weights (started by the sila job
+#                  unless ABLATION=0)
+#   sse-every2     ablations of the sse job (layers auto:15 scored by fitted mixers), for the ablation table of
+#                  docs/lab/2026-11-28-summary.md: every other layer (0-29:2) instead;
+#   sse-window-choice  auto:15 scored by cutting each layer's attention to a 64-token window
+#                  (layer_choice.ablation: window) instead of by fitted mixers;
+#   MIXER-seed1    (raven, sse or sila) the MIXER job with every training seed 1 (layer fit, data order,
+#                  retrieval samples, align, train, extend): a second seed of that recipe;
+#   MIXER-eval-seed1  the MIXER job's trained model (it waits for it; EVAL_OF=RUN names another run of that
+#                  recipe, e.g. sila-seed1, into RUN-eval-seed1) evaluated again on other prompts (evaluate.seed 1):
+#                  the evaluation's own spread, to read MIXER-seed1 against;
+#   MIXER-trained-windows  the kept attention layers as 4K sliding windows from conversion on (sliding_window),
+#                  so the mixers learn to carry what the windows drop (the 16K sliding-window target);
+#   MIXER-far-windows  MIXER-trained-windows whose extend rows carry far facts (extend.retrieval: half the text
+#                  retrieval samples of 0.7-0.95 of a row with every fact in its first quarter, over 4K tokens from
+#                  its question), so the mixers learn to carry what the windows drop (recipes/README.md);
+#   sila-nodecay-windows  sila-far-windows with one kv head per SILA layer held at gamma = 1 (no_decay_heads: 1),
+#                  so that its memory can outlast the 4K window (docs/lab/2026-11-28-ablations-11-loss-kernels.md)
+#   MIXER-answers-windows  MIXER-far-windows with four times its extend steps (600) and each answer token of the
+#                  far facts counted ANSWER_WEIGHT (100) times in the cross-entropy (extend.answer_weight): the answers
+#                  are about 0.1% of a row's tokens, so the readout gets little gradient from them otherwise (Raven's
+#                  slots keep a passkey to 16K where its answer does not read it: docs/lab/2026-11-28-ablations-13-train-16-rows.md);
+#                  evaluated on the tasks that reach 16K only (TARGET_EVAL), as the run's own evaluation. Far facts
+#                  stay half of extend's text: at 90% the mix is ten times the corpus, about 160M tokens to pack,
+#                  some 24 minutes at the 110K tokens/s measured (docs/lab/2026-11-28-ablations-14-answer-weights.md);
+#   sila-nodecay-answers-windows  sila-answers-windows with sila-nodecay-windows' head that never forgets
+#   MIXER-narrow-windows  MIXER-answers-windows trained with 1K windows (sliding_window 1024 from conversion on) and
+#                  evaluated with 4K ones (evaluate.attention_window): in 2K and 8K rows most of the context then
+#                  reaches the answer through the mixers alone, where with 4K windows almost none did (no windowed
+#                  run answered a needle past its window: docs/lab/2026-11-28-ablations-15-answers-x100.md; Raven's did not either,
+#                  and lost most answers 1K-4K back: docs/lab/2026-11-28-ablations-16-narrow-windows.md)
+#   profile-MIXER  the MIXER recipe's train step under the profiler (scripts/bench/profile_train.py), as the recipe runs it;
+#   bench-MIXER    MIXER's train stage eager and as CUDA graphs at 8 and 16 rows a step (scripts/bench/bench_graphs.py, no
+#                  weights needed);
+#   MIXER-try-NAME  the MIXER job with TRY_ARGS (overrides split at spaces, so lists without them: TRY_ARGS="--set
+#                  extend.steps=300 --set evaluate.lengths=[1024,2048]") into the run MIXER-try-NAME: a one-off
+#                  experiment, named by what it tries;
+#   sse-noretrieval  no synthetic retrieval samples in the data (the recipe mixes in 20%, data.retrieval);
+#   sse-noextend   no extend stage;
+#   sse-norouter   SSE's router without the language-model gradient (router_gradient: false).
+#   reach-RUN      how long each mixer memory of run RUN's trained model holds a passkey over 16K tokens, with its
+#                  kept attention as 4K windows (scripts/tools/memory_reach.py; it waits for RUN's extend): RUN/memory-reach
+#   sila-deep22|sila-deep26  recipes/smollm2-sila-deepN.yaml: N of 30 layers, chosen by restoring attention
+#                  (layer_choice.direction restore; docs/DEPTH.md)
+#   sila-auto22|sila-auto26  smollm2-sila.yaml at auto:22/auto:26 with its own layer choice (each layer cut in
+#                  turn, three rounds): the deep recipes' layer choice against the half-depth one's
+#   sila-restore22-fine|sila-restore26-fine  smollm2-sila-deep26.yaml's restore choice at auto:22/auto:26 with the
+#                  first 8 kept layers chosen one a round (layer_choice.round_sizes; docs/LAYER_CHOICE.md)
+#   sila-kd22      smollm2-sila-deep22.yaml with distillation from the teacher in train and extend (kd_weight 1)
+#   sila-kd22-e2e|sila-kd26-e2e  sila-kd22, and at auto:26 (the same cut choice), with a third of align's steps
+#                  moved to train (align 800, train 600): the same minutes, more of them end to end
+#   decode-lab     the decode step's kernels and time under Inductor options (profile_decode.py), the fast path's
+#                  GPU tests, and the largest batch at 32K at 22 and 26 of 30 layers (bench_capacity.py --depths),
+#                  into RUNS/decode-lab
+#   depth-speed    decode speed at 15, 22, 26 and 30 of 30 layers converted against the teacher on transformers and
+#                  on this engine (bench_generate.py --depths: batch 1, 32, 128 at 4K and 16K, with bandwidth
+#                  floors), and the largest batch at 32K (bench_capacity.py --depths), into RUNS/depth-speed
+#   speed          short runs of the SSE and SILA recipes, one table of each stage's tokens/s
+#                  (scripts/bench/measure_stages.py); with BASE=DIR (an older checkout's files, copied outside this one)
+#                  the same runs of BASE's code first, and the rates as ratios to them.
+#                  Several at once on several GPUs: CUDA_VISIBLE_DEVICES=0 ... start sse; CUDA_VISIBLE_DEVICES=1 ...
+#                  start sse-seed1
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+source scripts/device_env.sh
+export TEACHER=$HOME/cache/teacher-hf RUNS=${RUNS:-$HOME/runs}
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # several jobs share the GPU's memory
+
+# The windowed evaluation: its target is passkey at 16K (the teacher scores 0 there), so the retrieval tasks that
+# reach past the 4K window, without the speed part; the whole suite would take as long again as the run's own.
+WINDOWED_EVAL=(--set evaluate.attention_window=4096 --set "evaluate.tasks=[passkey, niah_single_2]"
+  --set "evaluate.lengths=[4096, 8192, 16384]" --set "evaluate.task_lengths={}" --set "evaluate.speed_lengths=[]")
+
+# MIXER-answers-windows' own evaluation: the tasks that reach 16K, where the target is, without the speed part
+TARGET_EVAL=(--set "evaluate.tasks=[passkey, niah_single_2, niah_word]" --set "evaluate.task_lengths={}"
+  --set "evaluate.speed_lengths=[]")
+ANSWERS=(--set "extend.answer_weight=${ANSWER_WEIGHT:-100}" --set extend.steps=600)
+
+# sila-kd*: distillation from the teacher in the train and extend stages
+KD=(--set train.kd_weight=1.0 --set extend.kd_weight=1.0)
+
+# MIXER-seed1's settings: every training seed 1 (layer fit, data order, retrieval samples, align, train, extend)
+SEED1=(--set data.seed=1 --set data.retrieval.seed=1 --set layer_choice.seed=1 --set align.seed=1 --set train.seed=1
+  --set extend.seed=1)
+
+# MIXER-far-windows' extend data: every fact past a 4K window from its question (retrieval_data.py)
+FAR_FACTS=(--set "extend.retrieval={ratio: 0.5, length: [0.7, 0.95], depth: [0.0, 0.25]}")
+
+recipe() {  # recipe MIXER RUN [ARGS...]: the SmolLM2 recipe of MIXER into ~/runs/RUN
+  read -ra extra <<< "${RECIPE_ARGS:-}"
+  local_paths
+  python3 -m raven_convert.train "recipes/smollm2-$1.yaml" --run-dir "$RUNS/$2" "${LOCAL_PATHS[@]}" "${extra[@]}" "${@:3}"
+}
+
+trained() {  # trained MIXER RUN [ARGS...]: train RUN, check that its model loads without the toolkit, evaluate it
+  # windowed and as is; ARGS (--set overrides) go to every step of the run
+  recipe "$1" "$2" --stages convert,align,weights,train,extend "${@:3}" || return 1
+  local model="$RUNS/$2/extend/model"
+  [ -d "$model" ] || model="$RUNS/$2/train/model"  # a recipe without extend
+  bash scripts/tools/clean_load.sh "$model" "$RUNS/$2/load_check.json"
+  if [ "${WINDOWED:-1}" = 1 ]; then
+    rm -rf "$RUNS/$2-sw" && cp -a "$RUNS/$2" "$RUNS/$2-sw" &&
+      recipe "$1" "$2-sw" --stages evaluate --redo evaluate "${@:3}" "${WINDOWED_EVAL[@]}"
+  fi
+  recipe "$1" "$2" "${@:3}" || return 1
+  # then the trained hybrid as its difference from the teacher, small enough to bring back (gpu_jobs.sh deltas
+  # RUN), on a few CPU threads: four jobs' saves on all of the host's cores held up their evaluations (docs/lab/2026-11-27-ablations-06-graphed-align.md)
+  OMP_NUM_THREADS=4 python3 -m raven_convert.delta save "$model" "$TEACHER" "$RUNS/$2/model.delta.safetensors" --bf16
+}
+
+speed() {  # stage rates of the SSE and SILA recipes (short runs), against BASE's (an older checkout) where set
+  local recipes=(recipes/smollm2-sse.yaml recipes/smollm2-sila.yaml)
+  local flags=(--align-steps 40 --train-steps 30 --max-documents 300 --set "source=$TEACHER"
+    --set "data.source=$CORPUS")
+  if [ -n "${BASE:-}" ]; then
+    (cd "$BASE" && source scripts/device_env.sh && python3 "$(ls scripts/{bench/,}measure_stages.py 2>/dev/null | head -1)" \
+      "${recipes[@]}" "${flags[@]}" --run-root "$RUNS/speed-base" --json "$RUNS/speed-base.json") || return 1
+    flags+=(--baseline "$RUNS/speed-base.json")
+  fi
+  python3 scripts/bench/measure_stages.py "${recipes[@]}" "${flags[@]}" --run-root "$RUNS/speed" --json "$RUNS/speed.json"
+}
+
+wait_trained() {  # wait_trained RUN: until the job RUN has its trained model (extend's); fails if it ended without
+  until [ -f "$RUNS/$1/extend/DONE" ]; do
+    [ -f "${JOBS:-$HOME/jobs}/$1.rc" ] && return 1
+    sleep 30
+  done
+}
+
+run() {
+  case $1 in
+  teacher)
+    python3 - <<'PY'
+import os
+import shlex
+from pathlib import Path
+
+from raven_convert.evaluate.report import EvalRequest, evaluate_model
+from raven_convert.train.recipe import load_recipe
+
+essays = os.environ["ESSAYS"]
+extra = shlex.split(os.environ.get("RECIPE_ARGS", ""))
+overrides = [f"evaluate.haystack_dir={essays}", f"evaluate.ppl_data={essays}"]
+overrides += [value for flag, value in zip(extra, extra[1:]) if flag == "--set"]
+recipe = load_recipe("recipes/smollm2-raven.yaml", overrides)
+out = Path(os.environ["RUNS"]) / "teacher" / "evaluate"
+evaluate_model(EvalRequest(model=os.environ["TEACHER"], out=out, **recipe.evaluate.model_dump()))
+PY
+    ;;
+  raven | sse)
+    trained "$1" "$1"
+    ;;
+  sila)
+    recipe sila sila --stages convert,align || return 1
+    if [ "${ABLATION:-1}" = 1 ]; then
+      rm -rf "$RUNS/sila-uniform" && cp -a "$RUNS/sila" "$RUNS/sila-uniform" &&
+        bash scripts/lab/gpu_jobs.sh start sila-uniform "bash scripts/lab/gpu_results.sh run sila-uniform"
+    fi
+    trained sila sila
+    ;;
+  sila-uniform)
+    recipe sila sila-uniform --set token_weights.enabled=false
+    ;;
+  sse-every2)
+    trained sse sse-every2 --set 'layers=[{mixer: sse, layers: "0-29:2"}]'
+    ;;
+  sse-window-choice)
+    trained sse sse-window-choice --set layer_choice.ablation=window
+    ;;
+  raven-eval-seed1 | sse-eval-seed1 | sila-eval-seed1)
+    local mixer=${1%%-*}
+    local of=${EVAL_OF:-$mixer} seeds=()
+    [ "$of" = "$mixer-seed1" ] && seeds=("${SEED1[@]}")  # the run's own settings, which its stages' DONE check
+    wait_trained "$of" || return 1
+    rm -rf "$RUNS/$of-eval-seed1" && cp -a "$RUNS/$of" "$RUNS/$of-eval-seed1" &&
+      recipe "$mixer" "$of-eval-seed1" --stages evaluate --redo evaluate "${seeds[@]}" --set evaluate.seed=1
+    ;;
+  raven-seed1 | sse-seed1 | sila-seed1)
+    trained "${1%%-*}" "$1" "${SEED1[@]}"
+    ;;
+  raven-trained-windows | sse-trained-windows | sila-trained-windows)
+    trained "${1%%-*}" "$1" --set sliding_window=4096
+    ;;
+  raven-far-windows | sse-far-windows | sila-far-windows)
+    trained "${1%%-*}" "$1" --set sliding_window=4096 "${FAR_FACTS[@]}"
+    ;;
+  sila-nodecay-windows)
+    trained sila "$1" --set sliding_window=4096 "${FAR_FACTS[@]}" --set mixer_settings.sila.no_decay_heads=1
+    ;;
+  raven-answers-windows | sse-answers-windows | sila-answers-windows)
+    trained "${1%%-*}" "$1" --set sliding_window=4096 "${FAR_FACTS[@]}" "${ANSWERS[@]}" "${TARGET_EVAL[@]}"
+    ;;
+  sila-nodecay-answers-windows)
+    trained sila "$1" --set sliding_window=4096 "${FAR_FACTS[@]}" "${ANSWERS[@]}" "${TARGET_EVAL[@]}" \
+      --set mixer_settings.sila.no_decay_heads=1
+    ;;
+  raven-narrow-windows | sse-narrow-windows | sila-narrow-windows)
+    trained "${1%%-*}" "$1" --set sliding_window=1024 "${FAR_FACTS[@]}" "${ANSWERS[@]}" "${TARGET_EVAL[@]}" \
+      --set evaluate.attention_window=4096
+    ;;
+  sila-deep22 | sila-deep26)
+    trained "$1" "$1"
+    ;;
+  sila-auto22 | sila-auto26)
+    trained sila "$1" --set "layers=[{mixer: sila, layers: \"auto:${1#sila-auto}\"}]"
+    ;;
+  sila-restore22-fine | sila-restore26-fine)
+    local n=${1#sila-restore} && n=${n%-fine}
+    trained sila-deep26 "$1" --set "layers=[{mixer: sila, layers: \"auto:$n\"}]" \
+      --set "layer_choice.round_sizes=[1, 1, 1, 1, 1, 1, 1, 1]"
+    ;;
+  sila-kd22)
+    trained sila-deep22 "$1" "${KD[@]}"
+    ;;
+  sila-kd22-e2e | sila-kd26-e2e)
+    local n=${1#sila-kd} && n=${n%-e2e}
+    trained sila-deep22 "$1" "${KD[@]}" --set align.steps=800 --set train.steps=600 \
+      --set "layers=[{mixer: sila, layers: \"auto:$n\"}]"
+    ;;
+  decode-lab)
+    local out="$RUNS/decode-lab" && mkdir -p "$out"
+    timeout 600 python3 scripts/bench/profile_decode.py --out "$out" --models teacher-engine,sila --batches 1 \
+      --context 16k --variants default eager freezing=True combo_kernels=True max_autotune_gemm=True
+    RAVEN_SMOLLM2_GGUF=$MODEL timeout 420 python3 -m pytest -o addopts="" -q -rfE -m gpu \
+      tests/raven_layers/test_gpu.py -k "graphed or real_smollm2" > "$out/gpu-tests.log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$out/gpu-tests.log" | tail -20
+    timeout 480 python3 scripts/bench/bench_capacity.py --out "$out" --mixers sila --depths 22,26 --context 32k --time all
+    ;;
+  depth-speed)
+    local out="$RUNS/depth-speed" depths=(--mixers sila --depths "${DEPTHS:-15,22,26,30}")
+    python3 scripts/bench/bench_generate.py --out "$out" "${depths[@]}" --batches 1,32,128 --contexts 4k,16k \
+      --steps 16 || return 1
+    python3 scripts/bench/bench_capacity.py --out "$out" "${depths[@]}" --context 32k --time all
+    ;;
+  profile-raven | profile-sse | profile-sila)
+    python3 scripts/bench/profile_train.py "recipes/smollm2-${1#profile-}.yaml" --src "$TEACHER" --data "$CORPUS" \
+      --stage train --out "$RUNS/$1"
+    ;;
+  bench-raven | bench-sse | bench-sila)
+    (cd scripts/bench && python3 bench_graphs.py --stage train --mixer "${1#bench-}" --steps 60 --rows 8 16 --whole-rows 2)
+    ;;
+  raven-try-* | sse-try-* | sila-try-*)
+    local tries
+    read -ra tries <<< "${TRY_ARGS:?set TRY_ARGS to the overrides this experiment tries}"
+    trained "${1%%-*}" "$1" "${tries[@]}"
+    ;;
+  sse-noretrieval)
+    trained sse sse-noretrieval --set data.retrieval=null
+    ;;
+  sse-noextend)
+    trained sse sse-noextend --set extend=null
+    ;;
+  sse-norouter)
+    trained sse sse-norouter --set mixer_settings.sse.router_gradient=false
+    ;;
+  reach-*)
+    # how long each mixer memory of run RUN's model holds a passkey, with its kept attention as 4K windows
+    local of=${1#reach-}
+    wait_trained "$of" || return 1
+    python3 scripts/tools/memory_reach.py "$RUNS/$of/extend/model" --out "$RUNS/$of/memory-reach" --length 16384 \
+      --attention-window 4096
+    ;;
+  speed)
+    speed
+    ;;
+  *)
+    echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
+      "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e decode-lab depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
+    return 2
+    ;;
+  esac
+}
+
+case ${1:-} in
+start)
+  dequantised_teacher "$MODEL" "$TEACHER" || exit 1
+  for job in "${@:2}"; do
+    bash scripts/lab/gpu_jobs.sh start "$job" "bash scripts/lab/gpu_results.sh run $job"
+  done
+  ;;
+run)
+  run "$2"
+  ;;
+*)
+  echo "usage: bash scripts/lab/gpu_results.sh start JOB... | run JOB" >&2
+  exit 2
+  ;;
+esac
