@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from raven_layers import get_architecture, get_mixer
@@ -38,6 +39,13 @@ class ConvertRequest:
     choice_text_field: str = "text"
     choice_settings: ChoiceSettings = field(default_factory=ChoiceSettings)
     choice_cache: Path | None = None  # None: layer_choice.default_cache_dir()
+
+    @classmethod
+    def of(cls, values: Mapping, **given) -> ConvertRequest:
+        """The request of `given`, its other fields taken from `values` where a key there bears the field's name (the
+        CLI's parsed flags, the recipe's fields), so that a field added here reaches every caller that names it so."""
+        named = {f.name: values[f.name] for f in fields(cls) if f.name in values}
+        return cls(**(named | given))
 
 
 def convert_model(request: ConvertRequest, log=print) -> Path:
