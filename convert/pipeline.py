@@ -62,7 +62,10 @@ def convert_model(request: ConvertRequest, log=print) -> Path:
     arch = get_architecture(getattr(config, "model_type", None))
     auto = auto_assignment(request.assignments, config.num_hidden_layers, request.window_layers)
     if auto:  # until the layers are measured, the mixer is checked on the first N
-        check_choice_data(request.choice_data, request.choice_text_field)
+        from raven_convert.train.choice_parts import training_parts  # handed in: layer_choice imports nothing of train
+
+        parts = training_parts()
+        check_choice_data(request.choice_data, request.choice_text_field, parts)
     assignments = [(auto[0], f"0-{auto[1] - 1}")] if auto else request.assignments
     kinds = plan_layers(assignments, config.num_hidden_layers)  # registers mixers named by import path
     for mixer, values in request.mixer_settings.items():
@@ -84,7 +87,7 @@ def convert_model(request: ConvertRequest, log=print) -> Path:
     log(f"loaded the source in {time.perf_counter() - start:.1f} s ({model.dtype})")
     record = None
     if auto:
-        kinds, record = choose_kinds(model, tokenizer, auto, request, log)
+        kinds, record = choose_kinds(model, tokenizer, auto, request, parts, log)
         windows = plan_windows(kinds, arch.sliding_windows(config), request.sliding_window, request.window_layers)
         log(format_layer_map(kinds, windows or arch.sliding_windows(config)))
 
