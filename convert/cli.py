@@ -197,23 +197,8 @@ def request_from_args(args: argparse.Namespace) -> ConvertRequest:
             f"--choice-{e['loc'][0].replace('_', '-')} {e['input']!r}: {e['msg']}" for e in err.errors()
         )
         raise ValueError(problems) from None
-    return ConvertRequest(
-        out=args.out,
-        assignments=list(zip(mixers, args.layers)),
-        src=args.src,
-        mixer_settings=settings,
-        sliding_window=args.sliding_window,
-        window_layers=args.window_layers,
-        dtype=args.dtype,
-        seed=args.seed,
-        max_shard_size=args.max_shard_size,
-        overwrite=args.overwrite,
-        push_to_hub=args.push_to_hub,
-        private=args.private,
-        choice_data=args.choice_data,
-        choice_text_field=args.choice_text_field,
-        choice_settings=choice,
-        choice_cache=args.choice_cache,
+    return ConvertRequest.of(
+        vars(args), assignments=list(zip(mixers, args.layers)), mixer_settings=settings, choice_settings=choice
     )
 
 

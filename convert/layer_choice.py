@@ -1,13 +1,14 @@
 """`--layers auto:N`: measure how much each attention layer of the teacher matters, convert the N that matter least.
 
-    ranking = rank_layers(model, tokenizer, load_documents(corpus), ChoiceSettings(), cache_dir)
+    parts = training_parts()                        # train/choice_parts.py: what the scan borrows from training
+    ranking = rank_layers(model, tokenizer, parts.load_documents(corpus), ChoiceSettings(), cache_dir, parts=parts)
     record = choice_record(ranking, n=15)           # {"chosen": [...], "scores": [...], ...}: config + model card
 
 A layer is scored by ablation: its attention is cut to a sliding window of `window` tokens (what a linear-time mixer
 keeps exactly; the far context it can only summarise), on probe prompts, with forward passes only:
 - retrieval probes: corpus text with facts inserted at random depths and a question answered at the end, drawn by
-  the training-side generator (train/retrieval_data.build_sample), never the evaluation's needles or haystack;
-  `retrieval` is the rise of the answer tokens' mean NLL (nats per token);
+  the training-side generator (train/retrieval_data.build_sample, handed in with TrainingParts), never the
+  evaluation's needles or haystack; `retrieval` is the rise of the answer tokens' mean NLL (nats per token);
 - plain corpus rows: `kl` is the rise of the mean KL from the unablated teacher's next-token distribution to the
   ablated model's (nats per token), over the positions a window can change (from `window` on).
 score = max(retrieval, 0) + kl_weight * kl: a window that happens to lower the answer NLL (noise over a few answers,
@@ -47,8 +48,10 @@ import json
 import math
 import os
 import random
+import re
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -60,7 +63,6 @@ from raven_convert.files import write_json
 from raven_convert.layer_choice_report import format_table
 from raven_convert.layer_spec import auto_count
 from raven_convert.sources import model_fingerprint
-from raven_convert.train.retrieval_data import POOL_SIZE, VALUE_KINDS, WORD, build_sample
 
 METHODS = {
     "window": "sliding-window ablation (see docs/LAYER_CHOICE.md)",
@@ -75,6 +77,21 @@ DIRECTIONS = {
 PROBE_FORMATS = ("single", "multi", "kv")  # the formats answered by one value at the very end
 MIN_WORDS = 32  # distinct corpus words the probes need for keys and values
 CACHE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TrainingParts:
+    """What layer choice borrows from the training package, handed in by its caller (train/choice_parts.py builds
+    it) so that this module imports nothing of train, which imports it: the corpus reader and its check, the
+    retrieval-sample generator with its word pattern, word pool size and value kinds, and the aligner."""
+
+    load_documents: Callable  # train.data.load_documents
+    check_data_source: Callable  # train.data.check_data_source
+    build_sample: Callable  # train.retrieval_data.build_sample
+    word: re.Pattern  # train.retrieval_data.WORD
+    pool_size: int  # train.retrieval_data.POOL_SIZE
+    value_kinds: tuple[str, ...]  # train.retrieval_data.VALUE_KINDS
+    align: Callable  # train.align.align
 
 
 class ChoiceSettings(BaseModel):
@@ -149,7 +166,7 @@ def read_corpus(documents: Iterable[str], chars: int) -> list[str]:
     return kept
 
 
-def build_probes(documents: Iterable[str], tokenizer, settings: ChoiceSettings) -> dict:
+def build_probes(documents: Iterable[str], tokenizer, settings: ChoiceSettings, parts: TrainingParts) -> dict:
     """{"retrieval": [(ids, answer_start)], "text": [ids]}: `samples` retrieval prompts of at most seq_len tokens
     whose answer tokens are ids[answer_start:], and up to `text_rows` rows of seq_len corpus tokens; with fitted
     mixers (ablation "mixer" or "both") also "fit": up to `fit_rows` rows they align on. The first part of the
@@ -157,7 +174,7 @@ def build_probes(documents: Iterable[str], tokenizer, settings: ChoiceSettings) 
     rng = random.Random(f"layer-choice:{settings.seed}")
     fitting = settings.fit_rows if settings.fits else 0
     docs = read_corpus(documents, (settings.samples + settings.text_rows + fitting) * settings.seq_len * 6)
-    words = list(dict.fromkeys(w for d in docs for w in WORD.findall(d)))[:POOL_SIZE]
+    words = list(dict.fromkeys(w for d in docs for w in parts.word.findall(d)))[: parts.pool_size]
     if len(words) < MIN_WORDS:
         raise ValueError(
             f"the probe corpus has {len(words)} distinct words of 4-12 letters; layer choice needs at least {MIN_WORDS}"
@@ -177,8 +194,8 @@ def build_probes(documents: Iterable[str], tokenizer, settings: ChoiceSettings) 
         for _ in range(4):  # a longer tokenisation than estimated shrinks the filler
             size = max(1, min(len(corpus), size))
             start = rng.randint(0, len(corpus) - size)
-            fmt, kind = rng.choice(PROBE_FORMATS), rng.choice(VALUE_KINDS)
-            sample, (answer,) = build_sample(rng, fmt, kind, words, corpus[start : start + size], max_facts=8)
+            fmt, kind = rng.choice(PROBE_FORMATS), rng.choice(parts.value_kinds)
+            sample, (answer,) = parts.build_sample(rng, fmt, kind, words, corpus[start : start + size], max_facts=8)
             prompt = tokenizer(sample[: -sample.answer_chars])["input_ids"]
             tail = tokenizer(" " + answer, add_special_tokens=False)["input_ids"]
             if len(prompt) + len(tail) <= settings.seq_len:
@@ -426,31 +443,29 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "raven_convert" / "layer_choice"
 
 
-def check_choice_data(source: str | None, text_field: str = "text") -> None:
+def check_choice_data(source: str | None, text_field: str, parts: TrainingParts) -> None:
     """The probe corpus of auto:N is given and readable (ValueError naming --choice-data otherwise)."""
-    from raven_convert.train.data import check_data_source
-
     if source is None:
         raise ValueError(
             "--layers auto:N measures the layers on corpus text: pass --choice-data PATH (a .txt/.jsonl(.gz)/.parquet "
             "file or folder, or a Hub dataset); a recipe uses data.source"
         )
     try:
-        check_data_source(source, text_field, hint="; pass another --choice-data")
+        parts.check_data_source(source, text_field, hint="; pass another --choice-data")
     except ValueError as err:  # its messages name the recipe's field
         raise ValueError(str(err).replace("data.source", "--choice-data", 1)) from None
 
 
-def choose_kinds(model, tokenizer, auto: tuple[str, int], request, log=print) -> tuple[list[str], dict]:
+def choose_kinds(
+    model, tokenizer, auto: tuple[str, int], request, parts: TrainingParts, log=print
+) -> tuple[list[str], dict]:
     """Per-layer kinds with `auto` = (mixer, N) on the N layers that matter least, and the record of the choice
     (see choice_record). `request` is the ConvertRequest (choice_data, choice_text_field, choice_settings,
     choice_cache, and mixer_settings, which the fitted mixers are built with); the table goes to `log`."""
-    from raven_convert.train.data import load_documents
-
-    documents = load_documents(request.choice_data, request.choice_text_field)
+    documents = parts.load_documents(request.choice_data, request.choice_text_field)
     cache = request.choice_cache or default_cache_dir()
     mixer = (auto[0], request.mixer_settings.get(auto[0], {}))
-    result = rank_layers(model, tokenizer, documents, request.choice_settings, cache, log, mixer)
+    result = rank_layers(model, tokenizer, documents, request.choice_settings, cache, log, mixer, parts=parts)
     record = choice_record(result, auto[1])
     log(format_table(record))
     kinds = ["attention"] * model.config.num_hidden_layers
@@ -463,12 +478,13 @@ def _device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def fit_mixers(model, teacher, mixer: tuple[str, dict], rows: list[list[int]], settings: ChoiceSettings, log=print):
-    """A hybrid of `model` (the source) whose every layer is `mixer` (name, settings), its mixers aligned for
-    `fit_steps` steps on `rows` to the attention of `teacher` (the attention-only hybrid the scan runs), on the
-    teacher's device; in eval mode."""
+def fit_mixers(
+    model, teacher, mixer: tuple[str, dict], rows: list[list[int]], settings: ChoiceSettings, log=print, *, align
+):
+    """A hybrid of `model` (the source) whose every layer is `mixer` (name, settings), its mixers aligned by `align`
+    (train.align.align) for `fit_steps` steps on `rows` to the attention of `teacher` (the attention-only hybrid the
+    scan runs), on the teacher's device; in eval mode."""
     from raven_convert.surgery import build_hybrid
-    from raven_convert.train.align import align
 
     device = next(teacher.parameters()).device
     L = model.config.num_hidden_layers
@@ -507,16 +523,17 @@ def fit_mixers(model, teacher, mixer: tuple[str, dict], rows: list[list[int]], s
 
 
 def rank_layers(
-    model, tokenizer, documents: Iterable[str], settings: ChoiceSettings, cache_dir, log=print, mixer=None
+    model, tokenizer, documents: Iterable[str], settings: ChoiceSettings, cache_dir, log=print, mixer=None, *, parts
 ) -> dict:
     """{"key", "teacher", "settings", "seconds", "ranking"} for the layers of `model` (a transformers causal LM),
     read from `cache_dir` when this teacher, probe set and settings were scanned before, else scanned (on CUDA when
-    there is one) and saved there. Ablations "mixer" and "both" need `mixer`, (name, settings): the mixer to fit."""
+    there is one) and saved there. Ablations "mixer" and "both" need `mixer`, (name, settings): the mixer to fit.
+    `parts`: what the probes and the fit borrow from training (TrainingParts)."""
     from raven_convert.surgery import build_hybrid
 
     if settings.fits and mixer is None:
         raise ValueError(f"layer choice with ablation {settings.ablation!r} needs the mixer to fit; none was given")
-    probes = build_probes(documents, tokenizer, settings)
+    probes = build_probes(documents, tokenizer, settings, parts)
     teacher = model_fingerprint(model)[:16]
     fit = {"name": mixer[0], "settings": dict(mixer[1])} if settings.fits else None
     key_text = json.dumps([CACHE_VERSION, teacher, settings.key_fields(), probes, fit], sort_keys=True)
@@ -537,7 +554,9 @@ def rank_layers(
     if hybrid.config._attn_implementation not in ("sdpa", "eager"):  # flash kernels would not see the masks' windows
         hybrid.config._attn_implementation = "sdpa"
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    fitted = fit_mixers(model, hybrid, mixer, probes["fit"], settings, log) if settings.fits else None
+    fitted = (
+        fit_mixers(model, hybrid, mixer, probes["fit"], settings, log, align=parts.align) if settings.fits else None
+    )
     ranking = score_layers(hybrid, probes, settings, eos, log, fitted)
     del hybrid, fitted
     result = {

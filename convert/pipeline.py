@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from raven_layers import get_architecture, get_mixer
@@ -39,6 +40,13 @@ class ConvertRequest:
     choice_settings: ChoiceSettings = field(default_factory=ChoiceSettings)
     choice_cache: Path | None = None  # None: layer_choice.default_cache_dir()
 
+    @classmethod
+    def of(cls, values: Mapping, **given) -> ConvertRequest:
+        """The request of `given`, its other fields taken from `values` where a key there bears the field's name (the
+        CLI's parsed flags, the recipe's fields), so that a field added here reaches every caller that names it so."""
+        named = {f.name: values[f.name] for f in fields(cls) if f.name in values}
+        return cls(**(named | given))
+
 
 def convert_model(request: ConvertRequest, log=print) -> Path:
     """Convert `request.src` and write the hybrid to `request.out`; returns the output directory."""
@@ -54,7 +62,10 @@ def convert_model(request: ConvertRequest, log=print) -> Path:
     arch = get_architecture(getattr(config, "model_type", None))
     auto = auto_assignment(request.assignments, config.num_hidden_layers, request.window_layers)
     if auto:  # until the layers are measured, the mixer is checked on the first N
-        check_choice_data(request.choice_data, request.choice_text_field)
+        from raven_convert.train.choice_parts import training_parts  # handed in: layer_choice imports nothing of train
+
+        parts = training_parts()
+        check_choice_data(request.choice_data, request.choice_text_field, parts)
     assignments = [(auto[0], f"0-{auto[1] - 1}")] if auto else request.assignments
     kinds = plan_layers(assignments, config.num_hidden_layers)  # registers mixers named by import path
     for mixer, values in request.mixer_settings.items():
@@ -76,7 +87,7 @@ def convert_model(request: ConvertRequest, log=print) -> Path:
     log(f"loaded the source in {time.perf_counter() - start:.1f} s ({model.dtype})")
     record = None
     if auto:
-        kinds, record = choose_kinds(model, tokenizer, auto, request, log)
+        kinds, record = choose_kinds(model, tokenizer, auto, request, parts, log)
         windows = plan_windows(kinds, arch.sliding_windows(config), request.sliding_window, request.window_layers)
         log(format_layer_map(kinds, windows or arch.sliding_windows(config)))
 

@@ -2,7 +2,9 @@
 (raven_kernels) only through the kernel modules its mixers name (backend.kernel_module), the pipeline (raven_convert)
 imports both, and the kernels import the model package only from their reference and benchmark modules
 (kernels/<mixer>/naive.py, benchmark.py), which no other module imports. No module imports its importer, the kernel
-modules the model loads at run time included; and nothing imports a folder by its folder name (convert, kernels)."""
+modules the model loads at run time included; within a package, the modules of NOT_IMPORTED keep off the parts it
+names (layer_choice off the training package, which imports it); and nothing imports a folder by its folder name
+(convert, kernels)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,13 @@ from tests.helpers import REPO, TOOLKIT_PACKAGES, package_folder
 MAY_IMPORT = {"raven_convert": {"raven_kernels", "raven_layers"}, "raven_kernels": set(), "raven_layers": set()}
 REFERENCE_MODULES = ("naive", "benchmark")  # kernel modules that may import raven_layers: references and timings
 FOLDER_NAMES = {"convert": "raven_convert", "kernels": "raven_kernels"}  # folder -> import name, where they differ
+# module -> (the modules and packages it may not import, why): dependencies within a package that run one way
+NOT_IMPORTED = {
+    "raven_convert.layer_choice": (
+        ("raven_convert.train",),
+        "the training package imports it; its caller hands in what it borrows from training (TrainingParts)",
+    ),
+}
 
 Edge = tuple[str, str, str]  # (imported module, where: "path:line", the statement)
 
@@ -96,6 +105,16 @@ def wrong_directions(graph: dict[str, list[Edge]]) -> list[str]:
     return problems
 
 
+def forbidden_imports(graph: dict[str, list[Edge]], rules: dict = NOT_IMPORTED) -> list[str]:
+    """The imports `rules` forbid (a module, or any module of a package it names)."""
+    problems = []
+    for module, (forbidden, why) in rules.items():
+        for target, where, statement in graph.get(module, ()):
+            if any(target == name or target.startswith(name + ".") for name in forbidden):
+                problems.append(f"{where}: {module} imports {target} ({statement!r}); it may not: {why}")
+    return problems
+
+
 def cycles(graph: dict[str, list[Edge]]) -> list[str]:
     """Each import cycle once (by its first module in DFS order), as the chain of imports that closes it."""
     found, done, path = [], set(), []
@@ -144,6 +163,11 @@ def test_packages_import_one_way():
     assert not problems, "imports against the direction of the packages:\n" + "\n".join(problems)
 
 
+def test_modules_keep_off_what_they_may_not_import():
+    problems = forbidden_imports(toolkit_graph(run_time=False))
+    assert not problems, "\n".join(problems)
+
+
 def test_no_module_imports_its_importer():
     problems = cycles(toolkit_graph(run_time=True))
     assert not problems, "\n".join(problems)
@@ -184,8 +208,11 @@ def test_the_checks_name_the_module_and_the_import(tmp_path):
         "layers/__init__.py": "",
         "layers/mixer.py": "from . import other\nfrom raven_kernels.naive import reference\n",
         "layers/other.py": "import raven_layers.mixer\n",
+        "layers/train/__init__.py": "",
+        "layers/train/loop.py": "",
+        "layers/choice.py": "def fit():\n    from .train.loop import align\n",
     }.items():
-        (tmp_path / path).parent.mkdir(exist_ok=True)
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(text)
     roots = {"raven_kernels": tmp_path / "kernels", "raven_layers": tmp_path / "layers"}
     graph = import_graph(find_modules(roots), tmp_path)
@@ -195,6 +222,11 @@ def test_the_checks_name_the_module_and_the_import(tmp_path):
         "layers/mixer.py:2: raven_layers.mixer imports raven_kernels.naive ('from raven_kernels.naive import "
         "reference'), a reference or benchmark module, which imports the model package: only tests and other such "
         "modules may import it",
+    ]
+    rules = {"raven_layers.choice": (("raven_layers.train",), "train imports it")}
+    assert forbidden_imports(graph, rules) == [
+        "layers/choice.py:2: raven_layers.choice imports raven_layers.train.loop ('from .train.loop import align'); "
+        "it may not: train imports it"
     ]
     assert sorted(cycles(graph)) == [
         "import cycle: raven_kernels.naive -> raven_layers.mixer (kernels/naive.py:1: 'from raven_layers.mixer import "

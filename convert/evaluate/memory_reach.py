@@ -33,7 +33,7 @@ import torch
 
 from raven_layers.cache import output_cache
 
-from . import analysis
+from . import analysis, analysis_plots
 from .retrieval import build_samples
 
 PAST_NEEDLE = 8  # tokens after the needle's last one where `kept` is 1 by definition
@@ -208,7 +208,7 @@ def plot_reach(reach: Reach, path, title: str | None = None):
     (dotted) and SILA's forget-gate product (dashed)."""
     from matplotlib import colormaps
 
-    fig = analysis._figure(7.5, 4.5)
+    fig = analysis_plots.new_figure(7.5, 4.5)
     ax = fig.subplots()
     cmap = colormaps["viridis"]
     layers = list(reach.kept)
@@ -223,4 +223,4 @@ def plot_reach(reach: Reach, path, title: str | None = None):
     ax.set_ylabel("passkey kept (solid), control (dotted), gates (dashed)")
     ax.legend(title="layer", fontsize=6, ncol=2, loc="lower left")
     ax.set_title(title or "the needle's trace in each mixer's memory")
-    return analysis._save(fig, path)
+    return analysis_plots.save_png(fig, path)

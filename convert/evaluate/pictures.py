@@ -14,6 +14,13 @@ from pathlib import Path
 import torch
 
 from . import analysis
+from .analysis_plots import (
+    plot_effective_sequence_length,
+    plot_gate_trace,
+    plot_partition_usage,
+    plot_slot_allocation,
+    plot_state_entropy,
+)
 from .retrieval import build_samples
 
 
@@ -67,8 +74,8 @@ def raven_pictures(context: PictureContext, layer: int) -> dict[str, str]:
     esl = analysis.effective_sequence_length(writes)
     title = f"layer {layer}"
     return {
-        "raven_esl": analysis.plot_effective_sequence_length(esl, context.out / "raven_esl.png", title=title).name,
-        "raven_slot_allocation": analysis.plot_slot_allocation(
+        "raven_esl": plot_effective_sequence_length(esl, context.out / "raven_esl.png", title=title).name,
+        "raven_slot_allocation": plot_slot_allocation(
             writes, prompt.needle_mask, context.out / "raven_slot_allocation.png", title=title
         ).name,
     }
@@ -82,7 +89,7 @@ def sila_pictures(context: PictureContext, layer: int) -> dict[str, str]:
         traces[variant] = (prompt.tokens, analysis.sila_input_gate_trace(context.model, prompt.ids, layer))
         marks[variant] = prompt.needle_positions
     path = context.out / "sila_input_gate.png"
-    return {"sila_input_gate": analysis.plot_gate_trace(traces, path, marks=marks, title=f"layer {layer}").name}
+    return {"sila_input_gate": plot_gate_trace(traces, path, marks=marks, title=f"layer {layer}").name}
 
 
 def sse_pictures(context: PictureContext, layer: int) -> dict[str, str]:
@@ -93,8 +100,8 @@ def sse_pictures(context: PictureContext, layer: int) -> dict[str, str]:
     shared = context.model.model.layers[layer].self_attn.settings.shared_partition
     title = f"layer {layer}"
     return {
-        "sse_partition_usage": analysis.plot_partition_usage(usage, context.out / "sse_usage.png", title=title).name,
-        "sse_state_entropy": analysis.plot_state_entropy(
+        "sse_partition_usage": plot_partition_usage(usage, context.out / "sse_usage.png", title=title).name,
+        "sse_state_entropy": plot_state_entropy(
             {title: entropy}, context.out / "sse_state_entropy.png", shared_partition=shared
         ).name,
     }

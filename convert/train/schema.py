@@ -1,4 +1,4 @@
-"""What the settings models of the recipe's sections share (recipe.py builds the recipe from them).
+"""What the settings models of the recipe's sections share (recipe_schema.py builds the recipe from them).
 
 class RetrievalMix(BaseModel):
     restated: float = 0.0

@@ -227,6 +227,322 @@ def validation_ce(model, dataset, config: TrainConfig, accelerator) -> float:
     return (total[0] / total[1].clamp(min=1)).item()
 
 
+class Stage2Trainer:
+    """One stage-2 run in the shape of torchtune's recipes: `setup` (the accelerator, the trainable model and its
+    optimizer, the data, resumed by `load_checkpoint`), one optimizer step (`eager_step` over its micro-batches, or
+    `graph_step` replaying it as a CUDA graph), `finish_step` (record and log it, `evaluate` and `save_checkpoint`
+    where due), `run` (the loop) and `cleanup`. `train` builds one and runs it; its docstring says what a run does."""
+
+    parts_names = ("ce", "kd", "aux", "loss")  # what a step records, summed on the device over its micro-batches
+
+    def __init__(self, student, teacher, dataset, config, out_dir, token_weights=None, validation=None, parallel=None):
+        config = config if isinstance(config, TrainConfig) else TrainConfig(**config)
+        if config.kd_weight > 0 and teacher is None:
+            raise ValueError("kd_weight > 0 needs a teacher")
+        if isinstance(token_weights, torch.Tensor) and tuple(token_weights.shape[:1]) != (len(dataset),):
+            raise ValueError(f"token_weights has shape {tuple(token_weights.shape)}, expected [{len(dataset)}, T]")
+        self.student, self.teacher, self.dataset, self.config = student, teacher, dataset, config
+        self.out_dir, self.token_weights, self.validation = Path(out_dir), token_weights, validation
+        found = importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX")
+        self.tracker = "tensorboard" if found else None
+        self.parallel = parallel or Parallel()
+        self.history: list[dict] = []
+
+    def setup(self) -> None:
+        """The accelerator, the trainable parameters and their optimizer, the frozen teacher, the state of the newest
+        checkpoint, this process's micro-batches from there, and the CUDA graph of a step where it replays."""
+        from accelerate import Accelerator
+        from accelerate.state import AcceleratorState
+        from accelerate.utils import AutocastKwargs
+        from torch.distributed.fsdp import FSDPModule
+
+        config, student, dataset, parallel = self.config, self.student, self.dataset, self.parallel
+        # accelerate keeps one AcceleratorState per process and refuses a second Accelerator with another mixed
+        # precision (train without, extend with): start it afresh, keeping the launch's process group (its PartialState)
+        AcceleratorState._reset_state(reset_partial_state=False)
+        self.accelerator = accelerator = Accelerator(
+            cpu=on_cpu(),
+            mixed_precision=config.mixed_precision,
+            gradient_accumulation_steps=config.grad_accum,
+            project_dir=str(self.out_dir),
+            log_with=self.tracker,
+            kwargs_handlers=[AutocastKwargs(cache_enabled=False)],  # a graph cannot keep the cache's casts
+        )
+        if self.tracker:
+            accelerator.init_trackers("stage2", config={k: str(v) for k, v in config.model_dump().items()})
+        self.device = device = accelerator.device
+        processes = accelerator.num_processes
+        self.graphs = step_graphs(config, student, self.token_weights, device, processes, self.teacher)
+        self.hybrid = is_hybrid(student)
+
+        resumed = latest_checkpoint(self.out_dir, warn=self.note)
+        if resumed is None:  # a fresh run draws the same random numbers every time (LoRA's initial weights, Raven's
+            torch.manual_seed(config.seed + accelerator.process_index)  # router noise); a resumed one gets them back
+        self.params = select_trainable(student, config)
+        if config.gradient_checkpointing:
+            if hasattr(student, "activation_checkpointing_enable"):  # transformers >= 5's name
+                student.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        student.train()
+        distilling = config.kd_weight > 0
+        self.per_token = train_flops(student, len(dataset[0]["input_ids"]), self.teacher if distilling else None)
+        if parallel.sharded:  # FSDP2 replaces the parameters by their shards: the optimizer holds the shards
+            self.model = parallel.shard(student)
+            self.params = [p for p in self.model.parameters() if p.requires_grad]
+            adamw = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
+            self.optimizer = accelerator.prepare(adamw)
+        else:  # a graph holds a fused AdamW's update
+            adamw = torch.optim.AdamW(
+                self.params, lr=config.lr, weight_decay=config.weight_decay, fused=self.graphs or None
+            )
+            self.model, self.optimizer = accelerator.prepare(student, adamw)
+        if distilling and not isinstance(self.teacher, FSDPModule):
+            self.teacher = parallel.frozen(self.teacher)
+
+        self.tau = None
+        if self.token_weights is not None:
+            row_tokens = len(dataset[0]["input_ids"])
+            run_tokens = config.steps * config.grad_accum * config.batch_size * processes * row_tokens
+            self.tau = config.tau_tokens(run_tokens)
+            self.note(
+                f"token weights: tau = {self.tau:,.0f} tokens ({self.tau / run_tokens:.3g} of the run's {run_tokens:,})"
+            )
+        if config.answer_weight != 1:
+            self.note(f"answer tokens weighted x{config.answer_weight:g}: {_answers(dataset)}")
+        self.load_checkpoint(resumed)
+        optimizer_mode(self.optimizer, self.graphs, device)  # after a resume too: the checkpoint's groups may differ
+        if isinstance(self.token_weights, torch.Tensor):
+            _check_weighted(self.token_weights, dataset, config, processes)
+            data = _IndexedPacked(dataset) if isinstance(dataset, PackedDataset) else _Indexed(dataset)
+        else:
+            data = dataset
+        self.batches = _micro_batches(data, config, accelerator, self.start_step)
+        micro_batches = config.steps * config.grad_accum
+        self.slots = run_document_slots(dataset, config.batch_size, config.seed, micro_batches) if self.graphs else None
+        if self.slots is not None:
+            self.note(f"CUDA graphs: documents padded to {self.slots} per step, one layout")
+
+        self.inner = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper holds the torch one
+        if self.graphs:  # a step whose loss or gradient is not finite changes nothing (fused AdamW's found_inf)
+            self.inner.found_inf = torch.zeros((), device=device)
+        self.uniform = torch.zeros((), device=device)  # the token-weight schedule's uniform part at this step (graphs)
+        # frozen linear weights in bf16 while the loop runs (exact under bf16 autocast; precision.py)
+        self.casts = [accelerator.unwrap_model(self.model), self.teacher if distilling else None]
+        self.bf16 = config.mixed_precision == "bf16" and not parallel.sharded
+        self.fuse = resolve_compile(config.compile, device, parallel.sharded)  # small operations compiled
+        self.captured = CapturedStep(self.whole_step) if self.graphs else None
+        self.counted_after = self.start_step + untimed_steps(self.captured)  # the rate counts from this step's end
+
+    def note(self, message: str) -> None:
+        self.accelerator.print(f"[stage2] {message}", file=sys.stderr)
+
+    def load_checkpoint(self, resumed: tuple[Path, dict] | None) -> None:
+        """The trained weights, optimizer state, step and tokens seen of checkpoint `resumed` (latest_checkpoint's
+        (path, meta)); None starts at step 0."""
+        self.start_step, self.tokens_seen = 0, 0
+        if resumed is None:
+            return
+        path, meta = resumed
+        self.parallel.load(path, self.accelerator.unwrap_model(self.model), self.optimizer)
+        self.start_step, self.tokens_seen = meta["step"], meta["tokens_seen"]
+        self.note(f"resumed from {path} (step {self.start_step}, {self.tokens_seen:,} tokens)")
+
+    def save_checkpoint(self, step: int) -> None:
+        model = self.accelerator.unwrap_model(self.model)
+        _save(self.parallel, model, self.optimizer, self.out_dir, step, self.tokens_seen, self.config)
+
+    def micro_step(self, batch: dict, w: torch.Tensor | None, uniform_part) -> dict[str, torch.Tensor]:
+        """Forward and backward of one micro-batch (device tensors; "packed_documents" as the hybrid takes them, w
+        its raw token weights [B, T] or None): its loss parts, each process's share of the global mean."""
+        config, accelerator, parallel, teacher = self.config, self.accelerator, self.parallel, self.teacher
+        mask = prediction_mask(batch)
+        inputs = model_inputs(batch) | {"use_cache": False}
+        student_inputs = inputs | (
+            {"packed_documents": batch["packed_documents"]} if "packed_documents" in batch else {}
+        )
+        # autocast here too: a model an earlier Accelerator prepared is not wrapped again
+        with record_function("train.student_forward"), accelerator.autocast():
+            out = self.model(**student_inputs)
+        weights = None if w is None else scheduled(w.float(), uniform_part, batch["attention_mask"])
+        if config.answer_weight != 1:  # the rows mark answers: _answers checked them
+            weights = answer_weighted(weights, batch["answers"], config.answer_weight)
+        # each process's mean weighted by its share of the predictions: the processes' mean is the global one
+        parts = {"ce": ce_loss(out.logits, batch["input_ids"], mask, weights) * parallel.share(mask[:, :-1].sum())}
+        if config.kd_weight > 0:
+            given = teacher_mask(teacher, batch.get("packed_documents"), inputs.get("attention_mask"))
+            with torch.no_grad(), accelerator.autocast(), record_function("train.teacher_forward"):
+                teacher_logits = teacher(**inputs | {"attention_mask": given}).logits  # nothing read back
+            kd = kd_loss(out.logits, teacher_logits, config.kd_temperature, mask)
+            parts["kd"] = kd * parallel.share(mask.sum())
+        aux = aux_loss(out)
+        if aux is not None:
+            parts["aux"] = aux
+        total = training_loss(parts, config.kd_weight)
+        with record_function("train.backward"):
+            accelerator.backward(total)
+        return parts | {"loss": total}
+
+    def gradient_norm(self) -> torch.Tensor:
+        grads = [_local(p.grad) for p in self.params if p.grad is not None]  # this process's shards: finite or not
+        return torch.stack([g.float().norm() for g in grads]).norm() if grads else torch.zeros((), device=self.device)
+
+    def update(self) -> None:
+        with record_function("train.optimizer"):
+            if self.config.grad_clip:
+                self.accelerator.clip_grad_norm_(self.params, self.config.grad_clip)
+            self.optimizer.step()
+
+    def eager_step(self, step: int) -> tuple[dict[str, float], int]:
+        """Optimizer step `step` over its grad_accum micro-batches: its loss parts (checked, see `checked`) and the
+        global batch's token count."""
+        config, device, token_weights = self.config, self.device, self.token_weights
+        sums = {k: torch.zeros((), device=device) for k in self.parts_names}
+        local_tokens = torch.zeros((), device=device)
+        for micro in range(config.grad_accum):
+            host = next(self.batches)
+            w = token_weights[host["index"]] if torch.is_tensor(token_weights) else None  # on the host
+            batch = to_device(host, device)
+            found = _documents(host, device) if self.hybrid else None
+            if found is not None:
+                batch["packed_documents"] = found
+            if callable(token_weights):
+                w = token_weights(batch)
+            w = None if w is None else w.to(device)
+            sync = micro == config.grad_accum - 1
+            with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
+                parts = self.micro_step(
+                    batch, w, schedule_uniform(self.tokens_seen, self.tau) if w is not None else 0.0
+                )
+            for name, value in parts.items():
+                sums[name] += value.detach().float() / config.grad_accum
+            local_tokens += batch["attention_mask"].sum()
+        sums, step_tokens = self.step_totals(sums, self.gradient_norm(), local_tokens, step)
+        self.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return sums, step_tokens
+
+    def whole_step(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One step of one micro-batch as a graph holds it: gradients zeroed in place, forward and backward, the
+        update skipped on the device when a loss part or the gradient norm is not finite; returns [ce, kd, aux,
+        loss, gradient norm]."""
+        self.optimizer.zero_grad(set_to_none=False)
+        batch = dict(tensors)
+        if "cu_seqlens" in batch:
+            batch["packed_documents"] = (batch.pop("documents"), batch.pop("cu_seqlens"))
+        else:
+            batch["packed_documents"] = False
+        w = batch.pop("weights", None)
+        parts = self.micro_step(batch, w, self.uniform)
+        zero = torch.zeros((), device=self.device)
+        stacked = [parts.get(k, zero).detach().float() for k in self.parts_names] + [self.gradient_norm().float()]
+        stacked = torch.stack(stacked)
+        self.inner.found_inf.copy_(~torch.isfinite(stacked).all())
+        self.update()
+        return stacked
+
+    def graph_step(self, step: int, lr: float, pending: tuple | None) -> tuple:
+        """Optimizer step `step` of one micro-batch, replayed as a CUDA graph; the step before (`pending`) is read
+        back, and stopped on, before this one's update. Returns this step's `pending`, read during the next."""
+        host = next(self.batches)
+        tensors, step_tokens = graph_inputs(host, self.token_weights, self.device, self.slots)
+        if pending is not None:
+            self.finish_pending(pending)
+        self.uniform.fill_(schedule_uniform(self.tokens_seen, self.tau) if self.token_weights is not None else 0.0)
+        stacked = self.captured(tensors)
+        self.tokens_seen += step_tokens
+        return (step, lr, *read_later(stacked), step_tokens)
+
+    def finish_pending(self, pending: tuple) -> None:
+        step, lr, values, event, step_tokens = pending
+        self.finish_step(step, lr, self.checked(read_back(values, event), step), step_tokens)
+
+    def step_totals(self, sums: dict[str, torch.Tensor], norm: torch.Tensor, tokens: torch.Tensor, step: int):
+        """The global batch's loss parts and token count from every process's sums, in one reduction and one host
+        sync per step; a loss part or the gradient norm that is not finite (on any process: sums carry it) stops
+        the run before the optimizer applies anything."""
+        local = torch.stack([sums[k] for k in self.parts_names] + [norm.float(), tokens.float()])
+        values = self.accelerator.reduce(local, reduction="sum").tolist()
+        return self.checked(values[:-1], step), int(values[-1])
+
+    def checked(self, values: list[float], step: int) -> dict[str, float]:
+        """{part: value} of a step's [ce, kd, aux, loss, gradient norm] summed over the processes; FloatingPointError
+        naming what is not finite."""
+        names = self.parts_names
+        bad_loss = [k for k, v in zip(names[:-1], values) if not math.isfinite(v)]
+        if bad_loss:
+            raise FloatingPointError(f"loss not finite at step {step} ({', '.join(bad_loss)}); nothing applied")
+        if not math.isfinite(values[len(names)]):
+            raise FloatingPointError(f"gradient not finite at step {step} (gradient norm); nothing applied")
+        world = self.accelerator.num_processes  # loss parts: the processes' mean is the global batch's
+        return {k: v / world for k, v in zip(names, values)}
+
+    def finish_step(self, step: int, lr: float, sums: dict[str, float], step_tokens: int) -> None:
+        """Record and log a finished step, then evaluate and checkpoint where due."""
+        config = self.config
+        self.timed_tokens += step_tokens
+        elapsed = max(time.perf_counter() - self.clock, 1e-9)
+        rate = self.timed_tokens / elapsed
+        if step <= self.counted_after:
+            self.clock, self.timed_tokens = time.perf_counter(), 0
+        utilisation = mfu(rate * self.per_token, self.device, self.parallel.world)
+        record = {"step": step, **sums, "lr": lr, "tokens_per_second": rate, "mfu": utilisation}
+        self.history.append(record)
+        if self.tracker:
+            self.accelerator.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=step)
+        if config.log_every and (step % config.log_every == 0 or step == config.steps):
+            left = (config.steps - step) * elapsed / max(step - self.counted_after, 1)
+            self.note(
+                f"step {step}/{config.steps} loss {sums['loss']:.4g} (ce {sums['ce']:.4g}"
+                f" kd {sums['kd']:.4g} aux {sums['aux']:.4g}) lr {lr:.3g} | {rate:,.0f} tok/s"
+                f"{mfu_text(utilisation)} | {eta(left)}"
+            )
+        due = step == config.steps or (config.eval_every and step % config.eval_every == 0)
+        if self.validation is not None and due:
+            self.evaluate(record)
+        if step % config.save_every == 0 or step == config.steps:
+            self.save_checkpoint(step)
+
+    def evaluate(self, record: dict) -> None:
+        """The validation CE into the step's `record` ("val_ce"); its time is not training throughput."""
+        paused = time.perf_counter()
+        record["val_ce"] = validation_ce(self.model, self.validation, self.config, self.accelerator)
+        self.clock += time.perf_counter() - paused
+        self.note(f"step {record['step']} validation CE {record['val_ce']:.4g}")
+        if self.tracker:
+            self.accelerator.log({"val_ce": record["val_ce"]}, step=record["step"])
+
+    def run(self) -> list[dict]:
+        """The steps from the resumed one to config.steps; the history of those run."""
+        config, pending = self.config, None  # graphs: the step whose losses are read back during the next one
+        self.clock, self.timed_tokens = time.perf_counter(), 0
+        with (
+            frozen_linears_in(self.casts, torch.bfloat16, enabled=self.bf16),
+            compiled_parts(self.casts, enabled=self.fuse),
+        ):
+            for step in range(self.start_step + 1, config.steps + 1):
+                lr = lr_at(step - 1, config.lr, config.steps, config.warmup_steps, config.schedule)
+                set_lr(self.optimizer, lr)
+                if self.captured is not None:  # one micro-batch, its step a graph
+                    pending = self.graph_step(step, lr, pending)
+                    continue
+                sums, step_tokens = self.eager_step(step)
+                self.tokens_seen += step_tokens
+                self.finish_step(step, lr, sums, step_tokens)
+            if pending is not None:
+                self.finish_pending(pending)
+        if self.captured is not None and self.history:  # each layout costs an eager step and a capture
+            self.history[-1]["graph_layouts"] = len(self.captured.graphs)  # one, where slots pad
+        if self.graphs:
+            self.optimizer.zero_grad(set_to_none=True)  # the gradients held for the graphs
+        return self.history
+
+    def cleanup(self) -> None:
+        if self.tracker:
+            for open_tracker in self.accelerator.trackers:  # not end_training(), which ends the launch's process group
+                open_tracker.finish()
+
+
 def train(
     student,
     teacher,
@@ -252,255 +568,8 @@ def train(
     slice of every global micro-batch; under fsdp `student` and `teacher` are sharded in place, and the trained
     student is read back whole with `parallel.full_state_dict(student)`.
     """
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import AutocastKwargs
-    from torch.distributed.fsdp import FSDPModule
-
-    config = config if isinstance(config, TrainConfig) else TrainConfig(**config)
-    if config.kd_weight > 0 and teacher is None:
-        raise ValueError("kd_weight > 0 needs a teacher")
-    if isinstance(token_weights, torch.Tensor) and tuple(token_weights.shape[:1]) != (len(dataset),):
-        raise ValueError(f"token_weights has shape {tuple(token_weights.shape)}, expected [{len(dataset)}, T]")
-    out_dir = Path(out_dir)
-    tracker = (
-        "tensorboard" if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX") else None
-    )
-    parallel = parallel or Parallel()
-    # accelerate keeps one AcceleratorState per process and refuses a second Accelerator with another mixed precision
-    # (train without, extend with): start it afresh, keeping the launch's process group (its PartialState)
-    AcceleratorState._reset_state(reset_partial_state=False)
-    accelerator = Accelerator(
-        cpu=on_cpu(),
-        mixed_precision=config.mixed_precision,
-        gradient_accumulation_steps=config.grad_accum,
-        project_dir=str(out_dir),
-        log_with=tracker,
-        kwargs_handlers=[AutocastKwargs(cache_enabled=False)],  # a graph cannot keep the cache's casts
-    )
-    if tracker:
-        accelerator.init_trackers("stage2", config={k: str(v) for k, v in config.model_dump().items()})
-    device = accelerator.device
-    graphs = step_graphs(config, student, token_weights, device, accelerator.num_processes, teacher)
-    hybrid = is_hybrid(student)
-
-    resumed = latest_checkpoint(out_dir, warn=lambda message: accelerator.print(f"[stage2] {message}", file=sys.stderr))
-    if resumed is None:  # a fresh run draws the same random numbers every time (LoRA's initial weights, Raven's
-        torch.manual_seed(config.seed + accelerator.process_index)  # router noise); a resumed one gets them back
-    params = select_trainable(student, config)
-    if config.gradient_checkpointing:
-        if hasattr(student, "activation_checkpointing_enable"):  # transformers >= 5's name
-            student.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    student.train()
-    per_token = train_flops(student, len(dataset[0]["input_ids"]), teacher if config.kd_weight > 0 else None)
-    if parallel.sharded:  # FSDP2 replaces the parameters by their shards: the optimizer holds the shards
-        model = parallel.shard(student)
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = accelerator.prepare(torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay))
-    else:  # a graph holds a fused AdamW's update
-        optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, fused=graphs or None)
-        model, optimizer = accelerator.prepare(student, optimizer)
-    if config.kd_weight > 0 and not isinstance(teacher, FSDPModule):
-        teacher = parallel.frozen(teacher)
-
-    if token_weights is not None:
-        row_tokens = len(dataset[0]["input_ids"])
-        run_tokens = config.steps * config.grad_accum * config.batch_size * accelerator.num_processes * row_tokens
-        tau = config.tau_tokens(run_tokens)
-        accelerator.print(
-            f"[stage2] token weights: tau = {tau:,.0f} tokens ({tau / run_tokens:.3g} of the run's {run_tokens:,})",
-            file=sys.stderr,
-        )
-    if config.answer_weight != 1:
-        answers = _answers(dataset)
-        accelerator.print(f"[stage2] answer tokens weighted x{config.answer_weight:g}: {answers}", file=sys.stderr)
-    start_step, tokens_seen = 0, 0
-    if resumed is not None:
-        path, meta = resumed
-        parallel.load(path, accelerator.unwrap_model(model), optimizer)
-        start_step, tokens_seen = meta["step"], meta["tokens_seen"]
-        accelerator.print(f"[stage2] resumed from {path} (step {start_step}, {tokens_seen:,} tokens)", file=sys.stderr)
-    optimizer_mode(optimizer, graphs, device)  # after a resume too: the checkpoint's groups may be the other mode's
-    if isinstance(token_weights, torch.Tensor):
-        _check_weighted(token_weights, dataset, config, accelerator.num_processes)
-        data = _IndexedPacked(dataset) if isinstance(dataset, PackedDataset) else _Indexed(dataset)
-    else:
-        data = dataset
-    batches = _micro_batches(data, config, accelerator, start_step)
-    micro_batches = config.steps * config.grad_accum
-    slots = run_document_slots(dataset, config.batch_size, config.seed, micro_batches) if graphs else None
-    if slots is not None:
-        accelerator.print(f"[stage2] CUDA graphs: documents padded to {slots} per step, one layout", file=sys.stderr)
-
-    parts_names = ("ce", "kd", "aux", "loss")  # what a step records, summed on the device over its micro-batches
-    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch optimizer
-    if graphs:  # a step whose loss or gradient is not finite changes nothing (fused AdamW's found_inf)
-        inner.found_inf = torch.zeros((), device=device)
-    uniform = torch.zeros((), device=device)  # the token-weight schedule's uniform part at this step (graphs)
-
-    def micro_step(batch: dict, w: torch.Tensor | None, uniform_part) -> dict[str, torch.Tensor]:
-        """Forward and backward of one micro-batch (device tensors; "packed_documents" as the hybrid takes them, w
-        its raw token weights [B, T] or None): its loss parts, each process's share of the global mean."""
-        mask = prediction_mask(batch)
-        inputs = model_inputs(batch) | {"use_cache": False}
-        student_inputs = inputs | (
-            {"packed_documents": batch["packed_documents"]} if "packed_documents" in batch else {}
-        )
-        # autocast here too: a model an earlier Accelerator prepared is not wrapped again
-        with record_function("train.student_forward"), accelerator.autocast():
-            out = model(**student_inputs)
-        weights = None if w is None else scheduled(w.float(), uniform_part, batch["attention_mask"])
-        if config.answer_weight != 1:  # the rows mark answers: _answers checked them
-            weights = answer_weighted(weights, batch["answers"], config.answer_weight)
-        # each process's mean weighted by its share of the predictions: the processes' mean is the global one
-        parts = {"ce": ce_loss(out.logits, batch["input_ids"], mask, weights) * parallel.share(mask[:, :-1].sum())}
-        if config.kd_weight > 0:
-            given = teacher_mask(teacher, batch.get("packed_documents"), inputs.get("attention_mask"))
-            with torch.no_grad(), accelerator.autocast(), record_function("train.teacher_forward"):
-                teacher_logits = teacher(**inputs | {"attention_mask": given}).logits  # nothing read back
-            kd = kd_loss(out.logits, teacher_logits, config.kd_temperature, mask)
-            parts["kd"] = kd * parallel.share(mask.sum())
-        aux = aux_loss(out)
-        if aux is not None:
-            parts["aux"] = aux
-        total = training_loss(parts, config.kd_weight)
-        with record_function("train.backward"):
-            accelerator.backward(total)
-        return parts | {"loss": total}
-
-    def gradient_norm() -> torch.Tensor:
-        grads = [_local(p.grad) for p in params if p.grad is not None]  # this process's shards: finite or not
-        return torch.stack([g.float().norm() for g in grads]).norm() if grads else torch.zeros((), device=device)
-
-    def update() -> None:
-        with record_function("train.optimizer"):
-            if config.grad_clip:
-                accelerator.clip_grad_norm_(params, config.grad_clip)
-            optimizer.step()
-
-    def whole_step(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One step of one micro-batch as a graph holds it: gradients zeroed in place, forward and backward, the
-        update skipped on the device when a loss part or the gradient norm is not finite; returns [ce, kd, aux,
-        loss, gradient norm]."""
-        optimizer.zero_grad(set_to_none=False)
-        batch = dict(tensors)
-        if "cu_seqlens" in batch:
-            batch["packed_documents"] = (batch.pop("documents"), batch.pop("cu_seqlens"))
-        else:
-            batch["packed_documents"] = False
-        w = batch.pop("weights", None)
-        parts = micro_step(batch, w, uniform)
-        zero = torch.zeros((), device=device)
-        stacked = torch.stack([parts.get(k, zero).detach().float() for k in parts_names] + [gradient_norm().float()])
-        inner.found_inf.copy_(~torch.isfinite(stacked).all())
-        update()
-        return stacked
-
-    def step_totals(sums: dict[str, torch.Tensor], norm: torch.Tensor, tokens: torch.Tensor, step: int):
-        """The global batch's loss parts and token count from every process's sums, in one reduction and one host
-        sync per step; a loss part or the gradient norm that is not finite (on any process: sums carry it) stops
-        the run before the optimizer applies anything."""
-        local = torch.stack([sums[k] for k in parts_names] + [norm.float(), tokens.float()])
-        values = accelerator.reduce(local, reduction="sum").tolist()
-        return checked(values[:-1], step), int(values[-1])
-
-    def checked(values: list[float], step: int) -> dict[str, float]:
-        """{part: value} of a step's [ce, kd, aux, loss, gradient norm] summed over the processes; FloatingPointError
-        naming what is not finite."""
-        bad_loss = [k for k, v in zip(parts_names[:-1], values) if not math.isfinite(v)]
-        if bad_loss:
-            raise FloatingPointError(f"loss not finite at step {step} ({', '.join(bad_loss)}); nothing applied")
-        if not math.isfinite(values[len(parts_names)]):
-            raise FloatingPointError(f"gradient not finite at step {step} (gradient norm); nothing applied")
-        world = accelerator.num_processes  # loss parts: the processes' mean is the global batch's
-        return {k: v / world for k, v in zip(parts_names, values)}
-
-    # frozen linear weights in bf16 while the loop runs (exact under bf16 autocast; precision.py)
-    casts = [accelerator.unwrap_model(model), teacher if config.kd_weight > 0 else None]
-    bf16 = config.mixed_precision == "bf16" and not parallel.sharded
-    fuse = resolve_compile(config.compile, device, parallel.sharded)  # small operations compiled (compiling.py)
-    captured = CapturedStep(whole_step) if graphs else None
-    history, clock, timed_tokens = [], time.perf_counter(), 0
-    counted_after = start_step + untimed_steps(captured)  # the rate counts from this step's end
-
-    def finish(step: int, lr: float, sums: dict[str, float], step_tokens: int) -> None:
-        """Record and log a finished step, then validate and checkpoint where due."""
-        nonlocal clock, timed_tokens
-        timed_tokens += step_tokens
-        elapsed = max(time.perf_counter() - clock, 1e-9)
-        rate = timed_tokens / elapsed
-        if step <= counted_after:
-            clock, timed_tokens = time.perf_counter(), 0
-        utilisation = mfu(rate * per_token, device, parallel.world)
-        record = {"step": step, **sums, "lr": lr, "tokens_per_second": rate, "mfu": utilisation}
-        history.append(record)
-        if tracker:
-            accelerator.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=step)
-        if config.log_every and (step % config.log_every == 0 or step == config.steps):
-            left = (config.steps - step) * elapsed / max(step - counted_after, 1)
-            accelerator.print(
-                f"[stage2] step {step}/{config.steps} loss {sums['loss']:.4g} (ce {sums['ce']:.4g}"
-                f" kd {sums['kd']:.4g} aux {sums['aux']:.4g}) lr {lr:.3g} | {rate:,.0f} tok/s"
-                f"{mfu_text(utilisation)} | {eta(left)}",
-                file=sys.stderr,
-            )
-        if validation is not None and (step == config.steps or (config.eval_every and step % config.eval_every == 0)):
-            paused = time.perf_counter()
-            record["val_ce"] = validation_ce(model, validation, config, accelerator)
-            clock += time.perf_counter() - paused  # validation time is not training throughput
-            accelerator.print(f"[stage2] step {step} validation CE {record['val_ce']:.4g}", file=sys.stderr)
-            if tracker:
-                accelerator.log({"val_ce": record["val_ce"]}, step=step)
-        if step % config.save_every == 0 or step == config.steps:
-            _save(parallel, accelerator.unwrap_model(model), optimizer, out_dir, step, tokens_seen, config)
-
-    pending = None  # graphs: the step whose losses are read back during the next one
-    with frozen_linears_in(casts, torch.bfloat16, enabled=bf16), compiled_parts(casts, enabled=fuse):
-        for step in range(start_step + 1, config.steps + 1):
-            lr = lr_at(step - 1, config.lr, config.steps, config.warmup_steps, config.schedule)
-            set_lr(optimizer, lr)
-            if captured is not None:  # one micro-batch, its step a graph
-                host = next(batches)
-                tensors, step_tokens = graph_inputs(host, token_weights, device, slots)
-                if pending is not None:  # the step before, read (and stopped on) before this one's update
-                    finish(pending[0], pending[1], checked(read_back(*pending[2:4]), pending[0]), pending[4])
-                uniform.fill_(schedule_uniform(tokens_seen, tau) if token_weights is not None else 0.0)
-                stacked = captured(tensors)
-                tokens_seen += step_tokens
-                pending = (step, lr, *read_later(stacked), step_tokens)
-                continue
-            sums = {k: torch.zeros((), device=device) for k in parts_names}
-            local_tokens = torch.zeros((), device=device)
-            for micro in range(config.grad_accum):
-                host = next(batches)
-                w = token_weights[host["index"]] if torch.is_tensor(token_weights) else None  # on the host
-                batch = to_device(host, device)
-                found = _documents(host, device) if hybrid else None
-                if found is not None:
-                    batch["packed_documents"] = found
-                if callable(token_weights):
-                    w = token_weights(batch)
-                w = None if w is None else w.to(device)
-                sync = micro == config.grad_accum - 1
-                with contextlib.nullcontext() if sync else accelerator.no_sync(model):
-                    parts = micro_step(batch, w, schedule_uniform(tokens_seen, tau) if w is not None else 0.0)
-                for name, value in parts.items():
-                    sums[name] += value.detach().float() / config.grad_accum
-                local_tokens += batch["attention_mask"].sum()
-            sums, step_tokens = step_totals(sums, gradient_norm(), local_tokens, step)
-            update()
-            optimizer.zero_grad(set_to_none=True)
-            tokens_seen += step_tokens
-            finish(step, lr, sums, step_tokens)
-        if pending is not None:
-            finish(pending[0], pending[1], checked(read_back(*pending[2:4]), pending[0]), pending[4])
-    if captured is not None and history:  # each layout costs an eager step and a capture: one, where slots pad
-        history[-1]["graph_layouts"] = len(captured.graphs)
-    if graphs:
-        optimizer.zero_grad(set_to_none=True)  # the gradients held for the graphs
-    if tracker:
-        for open_tracker in accelerator.trackers:  # not end_training(), which ends the launch's process group too
-            open_tracker.finish()
+    trainer = Stage2Trainer(student, teacher, dataset, config, out_dir, token_weights, validation, parallel)
+    trainer.setup()
+    history = trainer.run()
+    trainer.cleanup()
     return history

@@ -1,5 +1,5 @@
 """Stage 2's settings (`TrainConfig`): what stage2.train reads, and what the recipe's train, extend and fine-tune
-sections are (recipe.py); every field validated, with its allowed range in the error.
+sections are (recipe_schema.py); every field validated, with its allowed range in the error.
 
     config = TrainConfig(steps=2000, batch_size=8, lr=3e-4, trainable="mixers+lora", kd_weight=1.0)
     config.tau_tokens(run_tokens)   # the token-weight schedule's tau for a run of that many tokens

@@ -128,15 +128,11 @@ def _stage_convert(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel
     from raven_convert.pipeline import ConvertRequest, convert_model
 
     out = run_dir / "convert" / "model"
-    request = ConvertRequest(
+    request = ConvertRequest.of(
+        dict(recipe),  # mixer_settings, sliding_window, window_layers, dtype, seed
         out=out,
         assignments=[(a.mixer, a.layers) for a in recipe.layers],
         src=recipe.source,
-        mixer_settings=recipe.mixer_settings,
-        sliding_window=recipe.sliding_window,
-        window_layers=recipe.window_layers,
-        dtype=recipe.dtype,
-        seed=recipe.seed,
         overwrite=True,
         choice_data=recipe.data.source,
         choice_text_field=recipe.data.text_field,

@@ -19,6 +19,7 @@ from pathlib import Path
 from raven_convert.layer_choice import ChoiceSettings, choice_record, rank_layers
 from raven_convert.layer_choice_report import format_table
 from raven_convert.sources import Source
+from raven_convert.train.choice_parts import training_parts
 
 
 def documents(path: str):
@@ -48,7 +49,9 @@ def main() -> None:
     else:
         model = source.load_model("float32")
     with tempfile.TemporaryDirectory() as cache:
-        result = rank_layers(model, source.load_tokenizer(), documents(args.data), settings, cache)
+        result = rank_layers(
+            model, source.load_tokenizer(), documents(args.data), settings, cache, parts=training_parts()
+        )
     print(format_table(choice_record(result, args.n)))
     print(json.dumps({"seconds": result["seconds"], "device": result["device"], "settings": result["settings"]}))
 

@@ -14,12 +14,14 @@ from raven_convert.cli import main
 from raven_convert.layer_choice import ChoiceSettings, build_probes, choice_record, rank_layers
 from raven_convert.layer_spec import auto_count
 from raven_convert.sources import Source
+from raven_convert.train.choice_parts import training_parts
 from raven_convert.train.data import load_documents
 from raven_convert.train.recipe import parse_recipe
 from raven_convert.train.stages import run_recipe
 from tests.conftest import make_tiny_source
 from tests.helpers import words_corpus as make_words_corpus
 
+PARTS = training_parts()
 SMALL = ChoiceSettings(window=8, samples=3, text_rows=2, seq_len=96, rounds=2, batch_size=4)
 SMALL_FLAGS = ["--choice-window", "8", "--choice-samples", "3", "--choice-text-rows", "2", "--choice-seq-len", "96"]
 
@@ -56,21 +58,25 @@ def test_auto_grammar():
 
 def test_probes_come_from_the_training_generator(words_corpus, loaded):
     _, tokenizer = loaded
-    probes = build_probes(load_documents(str(words_corpus)), tokenizer, SMALL)
+    probes = build_probes(load_documents(str(words_corpus)), tokenizer, SMALL, PARTS)
     assert len(probes["retrieval"]) == 3 and len(probes["text"]) == 2
     for ids, start in probes["retrieval"]:
         assert len(ids) <= SMALL.seq_len and 0 < start < len(ids)
     assert all(len(row) == SMALL.seq_len for row in probes["text"])
-    again = build_probes(load_documents(str(words_corpus)), tokenizer, SMALL)
+    again = build_probes(load_documents(str(words_corpus)), tokenizer, SMALL, PARTS)
     assert again == probes  # seeded
-    other = build_probes(load_documents(str(words_corpus)), tokenizer, SMALL.model_copy(update={"seed": 1}))
+    other = build_probes(load_documents(str(words_corpus)), tokenizer, SMALL.model_copy(update={"seed": 1}), PARTS)
     assert other["retrieval"] != probes["retrieval"]
 
 
 def test_scores_are_seeded_and_cached(words_corpus, loaded, tmp_path, monkeypatch):
     model, tokenizer = loaded
-    first = rank_layers(model, tokenizer, load_documents(str(words_corpus)), SMALL, tmp_path / "a", log=lambda m: None)
-    again = rank_layers(model, tokenizer, load_documents(str(words_corpus)), SMALL, tmp_path / "b", log=lambda m: None)
+    first = rank_layers(
+        model, tokenizer, load_documents(str(words_corpus)), SMALL, tmp_path / "a", log=lambda m: None, parts=PARTS
+    )
+    again = rank_layers(
+        model, tokenizer, load_documents(str(words_corpus)), SMALL, tmp_path / "b", log=lambda m: None, parts=PARTS
+    )
     assert first["ranking"] == again["ranking"] and first["key"] == again["key"]  # a fresh cache: same scores
     assert sorted(row["layer"] for row in first["ranking"]) == list(range(6))
     assert [row["round"] for row in first["ranking"]] == [1, 1, 1, 2, 2, 2]  # 2 rounds of 3 layers each
@@ -79,7 +85,9 @@ def test_scores_are_seeded_and_cached(words_corpus, loaded, tmp_path, monkeypatc
         raise AssertionError("scored again despite the cache")
 
     monkeypatch.setattr(layer_choice, "score_layers", no_scan)
-    cached = rank_layers(model, tokenizer, load_documents(str(words_corpus)), SMALL, tmp_path / "a", log=print)
+    cached = rank_layers(
+        model, tokenizer, load_documents(str(words_corpus)), SMALL, tmp_path / "a", log=print, parts=PARTS
+    )
     assert cached == first
 
 
@@ -102,7 +110,9 @@ def test_auto_n_converts_the_n_lowest(loaded, words_corpus, tmp_path, monkeypatc
 
     def rank(**settings):
         corpus = load_documents(str(words_corpus))
-        return rank_layers(model, tokenizer, corpus, SMALL.model_copy(update=settings), tmp_path, log=lambda m: None)
+        return rank_layers(
+            model, tokenizer, corpus, SMALL.model_copy(update=settings), tmp_path, log=lambda m: None, parts=PARTS
+        )
 
     result = rank(rounds=1)
     for n in (1, 3, 5):
@@ -236,27 +246,31 @@ def test_mixer_ablation_keeps_the_layer_its_mixer_imitates_worst(words_corpus, l
     model, tokenizer = loaded
     corpus = str(words_corpus)
     with pytest.raises(ValueError, match="needs the mixer to fit"):
-        rank_layers(model, tokenizer, load_documents(corpus), FIT, tmp_path, log=lambda m: None)
+        rank_layers(model, tokenizer, load_documents(corpus), FIT, tmp_path, log=lambda m: None, parts=PARTS)
     fits, real = [], layer_choice.fit_mixers
 
-    def spoiled(source, teacher, mixer, rows, settings, log=print):
+    def spoiled(source, teacher, mixer, rows, settings, log=print, *, align):
         fits.append((mixer, len(rows)))
-        fitted = real(source, teacher, mixer, rows, settings, log)
+        fitted = real(source, teacher, mixer, rows, settings, log, align=align)
         with torch.no_grad():
             fitted.model.layers[2].self_attn.o_proj.weight.mul_(30.0)
         return fitted
 
     monkeypatch.setattr(layer_choice, "fit_mixers", spoiled)
     mixer = ("sila", {"conv_size": 2})
-    result = rank_layers(model, tokenizer, load_documents(corpus), FIT, tmp_path, log=lambda m: None, mixer=mixer)
+    result = rank_layers(
+        model, tokenizer, load_documents(corpus), FIT, tmp_path, log=lambda m: None, mixer=mixer, parts=PARTS
+    )
     assert fits == [(mixer, 4)]
     assert result["ranking"][-1]["layer"] == 2 and result["mixer"] == {"name": "sila", "settings": {"conv_size": 2}}
     record = choice_record(result, 3)
     assert "aligned mixers" in record["method"] and 2 not in record["chosen"]
     assert "replaced by its sila mixer after 4 align steps" in layer_choice_report.card_section(record)
     layer_choice_report.plot_choice(record, tmp_path / "choice.png")
-    windows = rank_layers(model, tokenizer, load_documents(corpus), SMALL, tmp_path, log=lambda m: None)
-    other = rank_layers(model, tokenizer, load_documents(corpus), FIT, tmp_path, lambda m: None, ("raven", {}))
+    windows = rank_layers(model, tokenizer, load_documents(corpus), SMALL, tmp_path, log=lambda m: None, parts=PARTS)
+    other = rank_layers(
+        model, tokenizer, load_documents(corpus), FIT, tmp_path, lambda m: None, ("raven", {}), parts=PARTS
+    )
     assert len({result["key"], windows["key"], other["key"]}) == 3  # the mixer and its settings are in the key
     assert len(fits) == 2
 
@@ -268,10 +282,10 @@ def test_both_sums_the_window_and_the_mixer_scores(words_corpus, loaded, tmp_pat
 
     model, tokenizer = loaded
     both_settings = FIT.model_copy(update={"ablation": "both"})
-    probes = build_probes(load_documents(str(words_corpus)), tokenizer, both_settings)
+    probes = build_probes(load_documents(str(words_corpus)), tokenizer, both_settings, PARTS)
     hybrid = build_hybrid(model, ["attention"] * 6, {}).eval()
     mixer = ("sila", {"conv_size": 2})
-    fitted = layer_choice.fit_mixers(model, hybrid, mixer, probes["fit"], FIT, log=lambda m: None)
+    fitted = layer_choice.fit_mixers(model, hybrid, mixer, probes["fit"], FIT, log=lambda m: None, align=PARTS.align)
 
     def scores(ablation, fitted):
         settings = FIT.model_copy(update={"ablation": ablation})
@@ -284,7 +298,9 @@ def test_both_sums_the_window_and_the_mixer_scores(words_corpus, loaded, tmp_pat
         assert both[i]["parts"] == pytest.approx({"window": window[i]["score"], "mixer": fit[i]["score"]}, abs=1e-6)
         assert both[i]["score"] == pytest.approx(window[i]["score"] + fit[i]["score"], abs=1e-6)
         assert both[i]["kl"] == pytest.approx(window[i]["kl"] + fit[i]["kl"], abs=1e-6)
-    result = rank_layers(model, tokenizer, load_documents(str(words_corpus)), both_settings, tmp_path, print, mixer)
+    result = rank_layers(
+        model, tokenizer, load_documents(str(words_corpus)), both_settings, tmp_path, print, mixer, parts=PARTS
+    )
     record = choice_record(result, 3)
     assert sorted(record["parts"]) == ["mixer", "window"] and "plus replacement" in record["method"]
     table = layer_choice_report.format_table(record)
@@ -381,9 +397,11 @@ def test_restore_scores_what_restoring_a_layer_recovers(words_corpus, loaded, tm
 
     model, tokenizer = loaded
     settings = FIT.model_copy(update={"ablation": "mixer", "direction": "restore", "text_rows": 2})
-    probes = build_probes(load_documents(str(words_corpus)), tokenizer, settings)
+    probes = build_probes(load_documents(str(words_corpus)), tokenizer, settings, PARTS)
     hybrid = build_hybrid(model, ["attention"] * 6, {}).eval()
-    fitted = layer_choice.fit_mixers(model, hybrid, ("sila", {"conv_size": 2}), probes["fit"], settings, print)
+    fitted = layer_choice.fit_mixers(
+        model, hybrid, ("sila", {"conv_size": 2}), probes["fit"], settings, print, align=PARTS.align
+    )
     with torch.no_grad():
         fitted.model.layers[2].self_attn.o_proj.weight.mul_(30.0)
     rows = layer_choice.score_layers(hybrid, probes, settings, 0, lambda m: None, fitted)
@@ -418,10 +436,10 @@ def test_restore_is_its_own_cache_entry_and_recorded(teacher, words_corpus, load
     table's title and the card."""
     model, tokenizer = loaded
     corpus = str(words_corpus)
-    cut = rank_layers(model, tokenizer, load_documents(corpus), SMALL, tmp_path, log=lambda m: None)
+    cut = rank_layers(model, tokenizer, load_documents(corpus), SMALL, tmp_path, log=lambda m: None, parts=PARTS)
     assert "direction" not in SMALL.key_fields()
     restore = SMALL.model_copy(update={"direction": "restore", "rounds": 1})
-    result = rank_layers(model, tokenizer, load_documents(corpus), restore, tmp_path, log=lambda m: None)
+    result = rank_layers(model, tokenizer, load_documents(corpus), restore, tmp_path, log=lambda m: None, parts=PARTS)
     assert result["key"] != cut["key"]
     record = choice_record(result, 4)
     assert record["direction"] == "restore" and choice_record(cut, 4)["direction"] == "cut"
@@ -443,7 +461,9 @@ def test_round_sizes_schedule_the_greedy_rounds(words_corpus, loaded, tmp_path, 
     assert sizes.schedule(6) == [1, 1, 4] and "round_sizes" not in SMALL.key_fields()
     model, tokenizer = loaded
     restore = sizes.model_copy(update={"direction": "restore"})
-    result = rank_layers(model, tokenizer, load_documents(str(words_corpus)), restore, tmp_path, log=lambda m: None)
+    result = rank_layers(
+        model, tokenizer, load_documents(str(words_corpus)), restore, tmp_path, log=lambda m: None, parts=PARTS
+    )
     assert [row["round"] for row in result["ranking"]] == [3, 3, 3, 3, 2, 1]  # kept first: rounds 1 and 2, one each
     with pytest.raises(ValueError, match="round_sizes.0"):
         ChoiceSettings(round_sizes=[0])

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from raven_convert import build_hybrid
 from raven_convert.evaluate import analysis as A
+from raven_convert.evaluate import analysis_plots as P
 from raven_layers import sila_chunked
 from tests.conftest import tiny_config
 
@@ -160,14 +161,14 @@ def test_every_plot_writes_a_png(model, ids, tmp_path):
     traces = {"no_inst": (tokens, beta), "strong_inst": (tokens[:5] + tokens, beta_inst)}
     entropy = A.state_singular_value_entropy(model, ids, SSE)
     paths = [
-        A.plot_effective_sequence_length(A.effective_sequence_length(writes), tmp_path / "esl.png"),
-        A.plot_effective_sequence_length(A.effective_sequence_length(writes), tmp_path / "esl1.png", heads=[1]),
-        A.plot_slot_allocation(writes, special, tmp_path / "alloc.png", head=1, tokens=tokens),
-        A.plot_gate_trace(traces, tmp_path / "gates.png", marks={"no_inst": [10, 11], "strong_inst": [15, 16]}),
-        A.plot_gate_trace(traces, tmp_path / "gates_head.png", head=0),
-        A.plot_partition_usage(A.sse_partition_usage(model, ids, SSE), tmp_path / "usage.png"),
-        A.plot_state_entropy(entropy, tmp_path / "entropy.png"),
-        A.plot_state_entropy({"layer 1": entropy, "one token": entropy * 0.5}, tmp_path / "sub" / "entropy2.png"),
+        P.plot_effective_sequence_length(A.effective_sequence_length(writes), tmp_path / "esl.png"),
+        P.plot_effective_sequence_length(A.effective_sequence_length(writes), tmp_path / "esl1.png", heads=[1]),
+        P.plot_slot_allocation(writes, special, tmp_path / "alloc.png", head=1, tokens=tokens),
+        P.plot_gate_trace(traces, tmp_path / "gates.png", marks={"no_inst": [10, 11], "strong_inst": [15, 16]}),
+        P.plot_gate_trace(traces, tmp_path / "gates_head.png", head=0),
+        P.plot_partition_usage(A.sse_partition_usage(model, ids, SSE), tmp_path / "usage.png"),
+        P.plot_state_entropy(entropy, tmp_path / "entropy.png"),
+        P.plot_state_entropy({"layer 1": entropy, "one token": entropy * 0.5}, tmp_path / "sub" / "entropy2.png"),
     ]
     for path in paths:
         assert path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 1000
@@ -201,13 +202,13 @@ def test_raven_plots_stay_readable_at_256_slots(tmp_path, monkeypatch):
     # the paper's M = 256: at most 32 labelled slot rows, every label inside the figure, and the ESL bar colours
     # explained by a legend next to the reference lines
     figures = {}
-    monkeypatch.setattr(A, "_save", lambda fig, path: figures.setdefault(Path(path).stem, fig) and Path(path))
+    monkeypatch.setattr(P, "save_png", lambda fig, path: figures.setdefault(Path(path).stem, fig) and Path(path))
     g = torch.Generator().manual_seed(0)
     writes = torch.rand(600, 2, 256, generator=g) < torch.linspace(0.01, 0.3, 256)
     special = torch.zeros(600, dtype=torch.bool)
     special[300:304] = True
-    A.plot_slot_allocation(writes, special, tmp_path / "alloc.png")
-    A.plot_effective_sequence_length(A.effective_sequence_length(writes), tmp_path / "esl.png")
+    P.plot_slot_allocation(writes, special, tmp_path / "alloc.png")
+    P.plot_effective_sequence_length(A.effective_sequence_length(writes), tmp_path / "esl.png")
     grid_ax = figures["alloc"].axes[0]
     assert len(grid_ax.get_yticks()) <= 32
     esl = figures["esl"]

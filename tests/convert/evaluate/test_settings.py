@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 import raven_convert.evaluate.__main__ as cli
 from raven_convert.evaluate.settings import EvalRequest, EvaluateSettings
-from raven_convert.train import recipe
+from raven_convert.train import recipe, recipe_schema
 
 
 def test_raven_eval_defaults_are_the_schemas(tmp_path, monkeypatch):
@@ -18,7 +18,7 @@ def test_raven_eval_defaults_are_the_schemas(tmp_path, monkeypatch):
 
 
 def test_a_recipes_evaluate_section_is_the_same_schema():
-    assert recipe.EvaluateSettings is EvaluateSettings
+    assert recipe_schema.EvaluateSettings is EvaluateSettings
     section = recipe.parse_recipe({"source": "m", "layers": [{"mixer": "raven", "layers": "0"}], "evaluate": {}})
     request = EvalRequest(model="m", out=Path("eval"), **section.evaluate.model_dump())
     assert request == EvalRequest(model="m", out=Path("eval"))
