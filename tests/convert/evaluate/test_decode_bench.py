@@ -52,3 +52,20 @@ def test_cuda_times_the_fast_path_and_other_devices_the_dynamic_cache(tiny_sourc
     assert decode_path(hybrid, cuda) == "generate, static cache, CUDA graphs"
     hybrid.use_decode_graphs = False
     assert decode_path(hybrid, cuda) == "generate, static cache (eager)"
+
+
+def test_the_cuda_arguments_run_each_generate_on_its_static_cache(tiny_sources):
+    """What CUDA adds (compilation, graph replay) needs the device; the cache and the fixed lengths show on CPU."""
+    from transformers import AutoModelForCausalLM, StaticCache
+
+    from raven_layers.cache import output_cache
+    from raven_layers.static_cache import StaticHybridCache
+
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_sources["llama"]).eval()
+    hybrid = build_hybrid(teacher, plan_layers([("sila", "0")], teacher.config.num_hidden_layers), {}).eval()
+    ids = torch.randint(3, teacher.config.vocab_size, (2, 16))
+    for model, cache in ((teacher, StaticCache), (hybrid, StaticHybridCache)):
+        kwargs = generate_kwargs(model, torch.device("cuda"), 3)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), return_dict_in_generate=True, **kwargs)
+        assert out.sequences.shape == (2, 16 + 3) and isinstance(output_cache(out), cache)
