@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -177,7 +178,7 @@ def _oom_reason(err: BaseException) -> str:
 def measure_speed(
     model: nn.Module,
     context_lengths: list[int],
-    batches: list[int] = BATCHES,
+    batches: Sequence[int] = BATCHES,
     decode_tokens: int = 32,
     warmup: int = 1,
     repeats: int = 3,
