@@ -1,7 +1,7 @@
 """`raven-eval` (also `python -m raven_convert.evaluate`): evaluate a model and write a report.
 
 raven-eval runs/smollm2-raven --out runs/smollm2-raven/eval --lengths 1k,2k,4k --tasks passkey,niah_single_2
-raven-eval model.gguf --out eval --ppl-data ../shared/data/pg_essays --speed-lengths 1k,4k,16k
+raven-eval model.gguf --out eval --ppl-data ../shared/data/pg_essays --speed-lengths 1k,4k,16k --speed-batches 1,8
 raven-eval MODEL --out eval --tasks niah_single_2,niah_single_2@papers --haystacks papers=../shared/papers
 
 raven-eval table teacher=runs/teacher-eval sila=runs/smollm2-sila --reference teacher   # reports side by side
@@ -24,7 +24,7 @@ from raven_convert.files import check_writable
 from .needles import haystack_files
 from .report import EvalRequest, evaluate_model
 from .retrieval import TASKS, VARIANTS
-from .runtime import parse_lengths
+from .runtime import parse_batches, parse_lengths
 
 
 def _names(allowed=None):
@@ -158,7 +158,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--ppl-windows", type=_positive, default=d.ppl_windows, help="windows per length (default: %(default)s)"
     )
-    p.add_argument("--speed-lengths", type=parse_lengths, default=d.speed_lengths, help="e.g. 1k,4k,16k,64k")
+    p.add_argument(
+        "--speed-lengths",
+        type=parse_lengths,
+        default=d.speed_lengths,
+        help="prompt lengths the speed part times generate() after, 1k = 1024, e.g. 1k,4k,16k (default: none, "
+        "which skips the speed part)",
+    )
+    p.add_argument(
+        "--speed-batches",
+        type=parse_batches,
+        default=d.speed_batches,
+        help="batch sizes the speed part times at, comma separated integers >= 1; a batch that runs out of memory "
+        f"is recorded as skipped (default: {_listed(d.speed_batches)})",
+    )
     p.add_argument("--no-pictures", dest="pictures", action="store_false", help="skip the mixer pictures")
     p.add_argument(
         "--picture-length",

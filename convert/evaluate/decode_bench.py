@@ -1,4 +1,4 @@
-"""Decode speed as users decode: `generate()` timed on CUDA, per decode step, with the bandwidth floor of the step.
+"""Decode speed as users decode: `generate()` timed per decode step, with the bandwidth floor of the step (CUDA).
 
     bandwidth = copy_bandwidth()                                  # bytes/s, measured on this GPU now
     row = measure_decode("sila", hybrid, batch=32, context=16384, steps=16, bandwidth=bandwidth)
@@ -6,14 +6,15 @@
 A hybrid (a model with `layer_mixers` in its config, the teacher converted with no layer included) runs its own
 `generate()`: the static hybrid cache and CUDA-graphed decode steps. Any other model runs transformers'
 `generate(cache_implementation="static")`, whose decode step transformers compiles: the teacher at its best under
-stock transformers. A prompt of `context` random tokens per row (speed does not depend on the values); one warm-up
+stock transformers. On other devices (CPU) both run generate() on the dynamic cache, eager (`decode_path` names the
+path a device gets). A prompt of `context` random tokens per row (speed does not depend on the values); one warm-up
 call (compilation, graph capture), then the best of two calls for 1 new token (time to first token) and for
 `steps + 1`; ms per decode step is the difference over `steps`.
 
 The floor of a step is the bytes it must move (step_bytes: every weight read once, every attention layer's keys and
 values up to its window, every mixer state read and written) over the device-to-device copy bandwidth; `floor_share`
 is floor / step, how close the step comes to what the memory allows. scripts/bench/bench_generate.py,
-bench_capacity.py and raven_convert.depth time through here.
+bench_capacity.py, raven_convert.depth and raven-eval's speed part (speed.py) time through here.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from __future__ import annotations
 import time
 
 import torch
+
+from raven_layers.common import recompile_limits
+
+from .runtime import sync
 
 
 def is_hybrid(model) -> bool:
@@ -66,20 +71,52 @@ def mixer_state_bytes(model) -> int:
     return int(cache.state_bytes().get("mixer", 0))
 
 
-def timed_generate(model, ids: torch.Tensor, new_tokens: int, prefill_chunk: int | None = None) -> float:
-    """Seconds for one greedy generate() of `new_tokens` tokens after the prompt `ids` [B, T] (see the module)."""
+def decode_path(model, device: torch.device) -> str:
+    """Which decode path `timed_generate` times on `device`: the label a speed row carries."""
+    if device.type != "cuda":
+        return "generate, dynamic cache (eager)"
+    if not is_hybrid(model):
+        return "generate, transformers static cache, compiled"
+    graphs = getattr(model, "use_decode_graphs", True)
+    return "generate, static cache, CUDA graphs" if graphs else "generate, static cache (eager)"
+
+
+def generate_kwargs(model, device: torch.device, new_tokens: int, prefill_chunk: int | None = None) -> dict:
+    """The arguments of a timed generate(): greedy, exactly `new_tokens` new tokens, the static cache on CUDA (a
+    hybrid's with CUDA-graphed steps, transformers' compiled one otherwise) and the dynamic cache elsewhere."""
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+    kwargs["cache_implementation"] = "static" if device.type == "cuda" else "dynamic"
     if prefill_chunk is not None:
         kwargs["prefill_chunk_size"] = prefill_chunk
-    if not is_hybrid(model):
-        kwargs["cache_implementation"] = "static"
-    torch.cuda.synchronize()
+    return kwargs
+
+
+def timed_generate(model, ids: torch.Tensor, new_tokens: int, prefill_chunk: int | None = None) -> float:
+    """Seconds for one greedy generate() of `new_tokens` tokens after the prompt `ids` [B, T] (see the module)."""
+    kwargs = generate_kwargs(model, ids.device, new_tokens, prefill_chunk)
+    sync(ids.device)
     start = time.perf_counter()
-    with torch.no_grad():
+    # every (batch, cache length) compiles once; past dynamo's default of 8 the step would run eager, silently
+    with torch.no_grad(), torch._dynamo.config.patch(**recompile_limits(1 << 20)):
         model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-    torch.cuda.synchronize()
+    sync(ids.device)
     return time.perf_counter() - start
+
+
+def warm_up(model, ids: torch.Tensor, steps: int, prefill_chunk: int | None = None) -> None:
+    """One untimed generate() of `steps + 1` new tokens: it compiles and captures the step, and the longest call
+    first leaves a static cache that every timed call fits (transformers makes a new one only for a longer one)."""
+    timed_generate(model, ids, steps + 1, prefill_chunk)
+
+
+def generate_times(model, ids: torch.Tensor, steps: int, repeats: int = 2, prefill_chunk: int | None = None) -> dict:
+    """After `warm_up`: `repeats` generate() calls of 1 new token, then `repeats` of `steps + 1`. Returns {"ttft_s":
+    the best 1-token call, "step_s": (best long call - best 1-token call) / steps, "ttft_all", "long_all": every
+    call's seconds}."""
+    ttft = [timed_generate(model, ids, 1, prefill_chunk) for _ in range(repeats)]
+    long = [timed_generate(model, ids, steps + 1, prefill_chunk) for _ in range(repeats)]
+    return {"ttft_s": min(ttft), "step_s": (min(long) - min(ttft)) / steps, "ttft_all": ttft, "long_all": long}
 
 
 def measure_decode(
@@ -92,11 +129,10 @@ def measure_decode(
     if bandwidth:
         entry["floor_ms"] = round(step_bytes(model, batch, context) / bandwidth * 1e3, 3)
     try:
-        timed_generate(model, ids, steps + 1, prefill_chunk)  # warm-up: compilation or graph capture
+        warm_up(model, ids, steps, prefill_chunk)
         torch.cuda.reset_peak_memory_stats()
-        first = min(timed_generate(model, ids, 1, prefill_chunk) for _ in range(2))
-        total = min(timed_generate(model, ids, steps + 1, prefill_chunk) for _ in range(2))
-        step = (total - first) / steps
+        times = generate_times(model, ids, steps, 2, prefill_chunk)
+        first, step = times["ttft_s"], times["step_s"]
         entry.update(
             ttft_ms=round(first * 1e3, 2),
             step_ms=round(step * 1e3, 3),

@@ -3,9 +3,10 @@
     report = evaluate_model(EvalRequest(model="runs/smollm2-raven", out=Path("runs/smollm2-raven/eval")))
 
 Parts: retrieval (passkey and RULER-style needles, heatmaps; TASK@NAME, a task on a named haystack, is a part of
-its own), perplexity with position-wise loss curves (when texts are given), speed and memory versus context (when
-lengths are given), and for hybrids the pictures each mixer's declaration names (the papers' pictures of the
-built-in mixers' memories) on a passkey prompt. The recipe pipeline calls `evaluate_model` at its end.
+its own), perplexity with position-wise loss curves (when texts are given), generate() speed and memory versus
+context and batch (when lengths are given), and for hybrids the pictures each mixer's declaration names (the
+papers' pictures of the built-in mixers' memories) on a passkey prompt. The recipe pipeline calls `evaluate_model`
+at its end.
 
 Under a launch of N processes (the recipe's evaluate stage passes its `parallel`, see shares.py) retrieval and
 perplexity are split across the processes, each on its own device, and every process gets the results in one
@@ -168,7 +169,7 @@ def evaluate_model(request: EvalRequest, log=print, resume: bool = False, parall
         log(format_perplexity_table({name: result}))
 
     def speed() -> None:
-        result = measure_speed(model, request.speed_lengths)
+        result = measure_speed(model, request.speed_lengths, request.speed_batches)
         plot_speed({name: result}, out / "speed.png")
         report["speed"] = result
         log(format_speed_table({name: result}))

@@ -1,6 +1,7 @@
 """What the evaluation's measurements share about the model they run on: where it lives, in what precision, what
-it ran on (run_info), loading any model the toolkit reads, freeing and synchronising the device, the lengths flag,
-and the command-line comparison of several models (perplexity.py and speed.py each measure; this runs them).
+it ran on (run_info), loading any model the toolkit reads, freeing and synchronising the device, the lengths and
+batches flags, and the command-line comparison of several models (perplexity.py and speed.py each measure; this
+runs them).
 
     model, tokenizer = load_for_evaluation("runs/sila/model", "bfloat16")
     record = run_info(model)       # {"model", "device", "dtype", "torch", "transformers", ...}
@@ -96,6 +97,14 @@ def parse_lengths(text: str) -> list[int]:
     if not out:
         raise argparse.ArgumentTypeError(f"{text!r} names no length; expected integers >= 1 such as 512,4k,32k")
     return out
+
+
+def parse_batches(text: str) -> list[int]:
+    """'1,8' -> [1, 8]"""
+    parts = [part for part in re.split(r"[,\s]+", text.strip()) if part]
+    if not parts or not all(part.isdigit() and int(part) >= 1 for part in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of batch sizes; expected integers >= 1 such as 1,8")
+    return [int(part) for part in parts]
 
 
 def load_for_evaluation(src: str, dtype: str = "auto", device: str | None = None):

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from raven_layers.common import did_you_mean
 
 from .needles import BUILT_IN_HAYSTACKS, VARIANTS, Sample, build_samples, essay_folder, haystack_files, split_task
+from .speed import BATCHES
 
 HAYSTACK_NAME = r"[a-z][a-z0-9_]{0,23}"  # a named haystack: short, and safe in a task string and a file name
 
@@ -50,6 +51,9 @@ class EvaluateSettings(BaseModel):
     ppl_lengths: list[int] = Field(default_factory=lambda: [512, 2048])
     ppl_windows: int = Field(8, ge=1)
     speed_lengths: list[int] = Field(default_factory=list, description="empty skips the speed part")
+    speed_batches: list[int] = Field(
+        default_factory=lambda: list(BATCHES), description="batch sizes the speed part times generate() at"
+    )
     pictures: bool = Field(True, description="the mixers' pictures, for hybrids")
     picture_length: int = Field(1024, ge=1)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -130,6 +134,13 @@ class EvaluateSettings(BaseModel):
     def _positive(cls, value: list[int]) -> list[int]:
         if any(v < 1 for v in value):
             raise ValueError(f"lengths must be >= 1, got {value}")
+        return value
+
+    @field_validator("speed_batches")
+    @classmethod
+    def _batches(cls, value: list[int]) -> list[int]:
+        if not value or any(v < 1 for v in value):
+            raise ValueError(f"speed_batches must be one or more batch sizes, integers >= 1; got {value}")
         return value
 
     @field_validator("depths")

@@ -1,31 +1,37 @@
-"""Prefill and decode speed, peak memory and cache size at several context lengths.
+"""Decode speed as users decode (`generate()`), time to first token, peak memory and cache size at several context
+lengths and batch sizes.
 
-For each context length L, `measure_speed` times the prefill of a random prompt of L tokens, then `decode_tokens`
-greedy steps that feed one token at a time through the model's own cache (`model(input_ids=next_token, cache=cache,
-use_cache=True)`, not `generate()`, so the timings hold no sampling or bookkeeping), and
-records the bytes the cache holds per sequence after the prefill: a hybrid's `HybridCache` splits them into
-constant-size mixer states and the attention layers' growing KV cache; a transformers `DynamicCache` holds keys and
-values only.
+For each context length L and batch size B, `measure_speed` times `model.generate()` after a random prompt of
+[B, L] tokens, greedy with fixed lengths, on the path users decode on (decode_bench.py): on CUDA a hybrid's default
+generate() (static hybrid cache, compiled step replayed as CUDA graphs) and transformers' compiled static cache
+(`cache_implementation="static"`) for any other model; elsewhere generate() on the dynamic cache, eager. Each row
+says which under `path`. One untimed warm-up call (compilation, graph capture), then `repeats` calls of 1 new token
+(time to first token, TTFT) and as many of `decode_tokens + 1`; the decode step is the difference of the best of
+each over `decode_tokens`. `prefill_tokens_per_second` is the prompt's tokens over the TTFT.
 
-Peak memory: on CUDA `torch.cuda.max_memory_allocated` (reset before each length; it includes the weights, and
-`peak_memory_growth_bytes` is the part above what was allocated before the length's first run). On CPU (Linux) the
-process's peak resident set size, reset before each length through `/proc/self/clear_refs` (VmHWM); where that
-cannot be reset, the growth of `resource.getrusage(...).ru_maxrss` (a lower bound: 0 when an earlier peak was
-higher); `peak_memory_method` says which, and both values are null where neither is available.
+The bytes the cache holds per sequence are measured apart, from one eager forward of the prompt's first row on the
+model's dynamic cache (then `decode_tokens` more tokens): a hybrid's `HybridCache` splits them into constant-size
+mixer states and the attention layers' growing KV cache; a transformers `DynamicCache` holds keys and values only.
+
+Peak memory: on CUDA `torch.cuda.max_memory_allocated` over the timed calls (it includes the weights, and
+`peak_memory_growth_bytes` is the part above what was allocated before the row's warm-up). On CPU (Linux) the
+process's peak resident set size, reset through `/proc/self/clear_refs` (VmHWM); where that cannot be reset, the
+growth of `resource.getrusage(...).ru_maxrss` (a lower bound: 0 when an earlier peak was higher);
+`peak_memory_method` says which, and both values are null where neither is available. A row that runs out of
+memory is recorded with `skipped: true` and the reason, and the next one is tried.
 
 Command line:
 
     python -m raven_convert.evaluate.speed --model Qwen/Qwen3-0.6B --model qwen3-raven --lengths 1k,4k,16k,64k \\
-        --dtype bfloat16 --out speed.json --plot speed.png
+        --batches 1,8 --dtype bfloat16 --out speed.json --plot speed.png
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-import statistics
 import sys
-import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -33,9 +39,11 @@ from torch import nn
 
 from raven_layers.cache import cache_argument, output_cache
 
-from .runtime import OutOfMemory, compare_models, free, model_device, parse_lengths, run_info, sync
+from .decode_bench import decode_path, generate_times, warm_up
+from .runtime import OutOfMemory, compare_models, free, model_device, parse_batches, parse_lengths, run_info, sync
 
 MiB = 1024**2
+BATCHES = (1, 8)  # the batch sizes timed unless asked otherwise: one user, and a small server batch
 
 
 def cache_bytes(cache) -> dict[str, int]:
@@ -109,6 +117,17 @@ class _PeakMemory:
         except (ImportError, OSError):
             self.method, self.start = None, 0
 
+    def clear_peak(self) -> None:
+        """Start the peak afresh, keeping the start `reset` recorded (no-op where the peak cannot be reset)."""
+        if self.method == "cuda_max_memory_allocated":
+            sync(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.method == "linux_vmhwm":
+            try:
+                Path("/proc/self/clear_refs").write_text("5")
+            except OSError:
+                pass
+
     def read(self) -> tuple[int | None, int | None]:
         """(peak bytes, peak bytes above the start) since `reset`."""
         if self.method == "cuda_max_memory_allocated":
@@ -137,55 +156,47 @@ def _forward(model: nn.Module, ids: torch.Tensor, cache=None):
         out = model(**kwargs, logits_to_keep=1)
     except TypeError:
         out = model(**kwargs)
-    return out.logits[:, -1:], output_cache(out)
+    return output_cache(out)
 
 
-def _run_once(model: nn.Module, prompt: torch.Tensor, decode_tokens: int) -> dict:
-    """Prefill `prompt`, then greedy-decode `decode_tokens` tokens one step at a time; times and cache sizes."""
-    device = prompt.device
-    sync(device)
-    t0 = time.perf_counter()
-    logits, cache = _forward(model, prompt)
-    sync(device)
-    prefill = time.perf_counter() - t0
-    after_prefill = cache_bytes(cache)
-    token = logits.argmax(-1)
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(decode_tokens):
-        logits, cache = _forward(model, token, cache)
-        token = logits.argmax(-1)
-    sync(device)
-    decode = time.perf_counter() - t0
-    return {
-        "prefill_s": prefill,
-        "decode_s": decode,
-        "after_prefill": after_prefill,
-        "after_decode": cache_bytes(cache),
-    }
+def cache_sizes(model: nn.Module, prompt: torch.Tensor, more_tokens: int) -> tuple[dict, dict]:
+    """Bytes the model's dynamic cache holds for `prompt` [B, L] (see `cache_bytes`), and after `more_tokens` more."""
+    with torch.inference_mode():
+        cache = _forward(model, prompt)
+        after_prompt = cache_bytes(cache)
+        for _ in range(more_tokens):  # one at a time, as decoding adds them (a window's cache may hold a chunk whole)
+            cache = _forward(model, prompt[:, -1:], cache)
+        return after_prompt, cache_bytes(cache)
+
+
+def _oom_reason(err: BaseException) -> str:
+    if isinstance(err, MemoryError):
+        return f"out of memory (host): {err}"
+    return f"out of memory: {str(err).splitlines()[0][:200]}"
 
 
 def measure_speed(
     model: nn.Module,
     context_lengths: list[int],
-    batch_size: int = 1,
+    batches: Sequence[int] = BATCHES,
     decode_tokens: int = 32,
     warmup: int = 1,
     repeats: int = 3,
     seed: int = 0,
     progress: bool = True,
 ) -> list[dict]:
-    """Prefill and decode speed, peak memory and cache bytes of `model` at each context length.
+    """generate() speed, time to first token, peak memory and cache bytes per sequence of `model`: one row per
+    context length and batch size (see the module), each naming the decode `path` timed.
 
-    Per length: `warmup` untimed runs, then `repeats` timed runs, each a fresh prefill of the same random prompt of
-    [batch_size, L] tokens and `decode_tokens` greedy steps through the cache; the medians are reported. Runs under
-    `torch.inference_mode()` in the model's dtype on its device, synchronising CUDA around every timed region.
-    A length that runs out of memory is recorded with `skipped: true` and the reason, and the next one is tried.
+    Per row: `warmup` untimed generate() calls, then `repeats` timed ones of each length on the same random prompt of
+    [batch, L] tokens, in the model's dtype on its device. A row that runs out of memory is recorded with
+    `skipped: true` and the reason, and the next one is tried.
     """
-    if batch_size < 1 or decode_tokens < 0 or warmup < 0 or repeats < 1:
-        raise ValueError("batch_size and repeats must be >= 1, decode_tokens and warmup >= 0")
+    if min(batches, default=0) < 1 or decode_tokens < 1 or warmup < 0 or repeats < 1:
+        raise ValueError("batches must be one or more sizes >= 1; decode_tokens and repeats >= 1, warmup >= 0")
     device = model_device(model)
     info = run_info(model)
+    path = decode_path(model, device)
     emb = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
     vocab = emb.num_embeddings if isinstance(emb, nn.Embedding) else model.config.vocab_size
     memory = _PeakMemory(device)
@@ -194,68 +205,63 @@ def measure_speed(
     results = []
     try:
         for L in [int(x) for x in context_lengths]:
-            entry = {
-                **info,
-                "context_length": L,
-                "batch_size": batch_size,
-                "decode_tokens": decode_tokens,
-                "warmup": warmup,
-                "repeats": repeats,
-            }
             g = torch.Generator().manual_seed(seed + L)
-            prompt = torch.randint(0, vocab, (batch_size, L), generator=g).to(device)
-            free(device)
-            memory.reset()
-            runs, oom = [], None
+            prompts = torch.randint(0, vocab, (max(batches), L), generator=g).to(device)  # [max batch, L]
+            sizes, reason = None, None
             try:
-                with torch.inference_mode():
-                    for _ in range(warmup):
-                        _run_once(model, prompt, min(decode_tokens, 2))
-                    for _ in range(repeats):
-                        runs.append(_run_once(model, prompt, decode_tokens))
-            except OutOfMemory as err:
-                oom = f"out of memory: {str(err).splitlines()[0][:200]}"
-            except MemoryError as err:
-                oom = f"out of memory (host): {err}"
-            peak, growth = memory.read()
-            if oom is not None:
-                runs = []
+                sizes = cache_sizes(model, prompts[:1], decode_tokens)
+            except (*OutOfMemory, MemoryError) as err:
+                reason = _oom_reason(err)
                 free(device, collect=True)
-                results.append({**entry, "skipped": True, "reason": oom})
+            for batch in batches:
+                entry = {**info, "context_length": L, "batch_size": batch, "path": path}
+                entry |= {"decode_tokens": decode_tokens, "warmup": warmup, "repeats": repeats}
+                if sizes is not None:
+                    entry, reason = _timed_row(model, prompts[:batch], entry, sizes, memory)
+                if reason is not None:
+                    free(device, collect=True)
+                    entry = {**entry, "skipped": True, "reason": reason}
+                results.append(entry)
                 if progress:
-                    print(f"[speed] {info['model']} L={L}: skipped ({oom})", file=sys.stderr, flush=True)
-                continue
-            prefill_s = statistics.median(r["prefill_s"] for r in runs)
-            decode_s = statistics.median(r["decode_s"] for r in runs)
-            per_seq = {k: v // batch_size for k, v in runs[-1]["after_prefill"].items()}
-            per_seq_decoded = {k: v // batch_size for k, v in runs[-1]["after_decode"].items()}
-            entry.update(
-                {
-                    "skipped": False,
-                    "prefill_seconds": prefill_s,
-                    "prefill_tokens_per_second": batch_size * L / max(prefill_s, 1e-12),
-                    "decode_seconds": decode_s,
-                    "decode_ms_per_token": 1e3 * decode_s / decode_tokens if decode_tokens else None,
-                    "decode_tokens_per_second": batch_size * decode_tokens / max(decode_s, 1e-12)
-                    if decode_tokens
-                    else None,
-                    "prefill_seconds_all": [r["prefill_s"] for r in runs],
-                    "decode_seconds_all": [r["decode_s"] for r in runs],
-                    "cache_bytes_per_sequence": per_seq,
-                    "cache_bytes_per_sequence_after_decode": per_seq_decoded,
-                    "peak_memory_bytes": peak,
-                    "peak_memory_growth_bytes": growth,
-                    "peak_memory_method": memory.method,
-                }
-            )
-            results.append(entry)
-            if progress:
-                print(f"[speed] {format_speed_row(info['model'], entry)}", file=sys.stderr, flush=True)
-            del runs
+                    print(f"[speed] {format_speed_row(info['model'], entry)}", file=sys.stderr, flush=True)
+            del prompts
     finally:
         model.train(was_training)
     free(device)
     return results
+
+
+def _timed_row(model: nn.Module, prompt: torch.Tensor, entry: dict, sizes, memory: _PeakMemory):
+    """(entry with the timings of `prompt` [B, L], None), or (entry, why it was skipped) where memory ran out."""
+    batch, L = prompt.shape
+    steps, device = entry["decode_tokens"], prompt.device
+    free(device)
+    memory.reset()
+    try:
+        for _ in range(entry["warmup"]):
+            warm_up(model, prompt, steps)
+        memory.clear_peak()
+        times = generate_times(model, prompt, steps, entry["repeats"])
+    except (*OutOfMemory, MemoryError) as err:
+        return entry, _oom_reason(err)
+    peak, growth = memory.read()
+    step = times["step_s"]
+    entry |= {
+        "skipped": False,
+        "ttft_seconds": times["ttft_s"],
+        "prefill_tokens_per_second": batch * L / times["ttft_s"],
+        "decode_seconds": step * steps,
+        "decode_ms_per_token": 1e3 * step if step > 0 else None,  # one step: a token for each of the batch's rows
+        "decode_tokens_per_second": batch / step if step > 0 else None,
+        "ttft_seconds_all": times["ttft_all"],
+        "generate_seconds_all": times["long_all"],
+        "cache_bytes_per_sequence": sizes[0],
+        "cache_bytes_per_sequence_after_decode": sizes[1],
+        "peak_memory_bytes": peak,
+        "peak_memory_growth_bytes": growth,
+        "peak_memory_method": memory.method,
+    }
+    return entry, None
 
 
 def _mib(x) -> str:
@@ -266,33 +272,39 @@ def _rate(x) -> str:
     return "-" if x is None else f"{x:,.1f}"
 
 
+def _ms(seconds) -> str:
+    return "-" if seconds is None else f"{1e3 * seconds:,.1f}"
+
+
 def format_speed_row(name: str, e: dict) -> str:
+    where = f"{name}  L={e['context_length']}  B={e.get('batch_size', 1)}  {e.get('path', '-')}:"
     if e.get("skipped"):
-        return f"{name}  L={e['context_length']}  skipped: {e['reason']}"
+        return f"{where}  skipped: {e['reason']}"
     c = e["cache_bytes_per_sequence"]
     return (
-        f"{name}  L={e['context_length']}  prefill {_rate(e['prefill_tokens_per_second'])} tok/s  "
-        f"decode {_rate(e['decode_tokens_per_second'])} tok/s  cache {_mib(c['total'])} MiB "
-        f"(attention {_mib(c['attention'])}, mixer {_mib(c['mixer'])})  peak {_mib(e['peak_memory_bytes'])} MiB"
+        f"{where}  TTFT {_ms(e.get('ttft_seconds'))} ms  decode {_rate(e['decode_tokens_per_second'])} tok/s  "
+        f"cache {_mib(c['total'])} MiB (attention {_mib(c['attention'])}, mixer {_mib(c['mixer'])})  "
+        f"peak {_mib(e['peak_memory_bytes'])} MiB"
     )
 
 
 def format_speed_table(results_by_model: dict[str, list[dict]]) -> str:
-    """One row per model and length: prefill and decode tokens/s, cache MiB per sequence after the prefill
-    (attention KV + mixer state), peak MiB (CUDA allocated or process RSS, see the module docstring)."""
-    header = ("model", "length", "prefill tok/s", "decode tok/s", "cache MiB", "(attn / mixer)", "peak MiB")
+    """One row per model, length and batch: the decode path timed, time to first token, decode tokens/s (all the
+    batch's rows together), cache MiB per sequence after the prompt (attention KV + mixer state), peak MiB (CUDA
+    allocated or process RSS, see the module)."""
+    header = ("model", "length", "batch", "path", "TTFT ms", "decode tok/s", "cache MiB", "(attn / mixer)", "peak MiB")
     rows = [header]
     for name, entries in results_by_model.items():
         for e in entries:
+            where = (name, str(e["context_length"]), str(e.get("batch_size", 1)), e.get("path", "-"))
             if e.get("skipped"):
-                rows.append((name, str(e["context_length"]), "skipped: " + e["reason"], "", "", "", ""))
+                rows.append((*where, "skipped: " + e["reason"], "", "", "", ""))
                 continue
             c = e["cache_bytes_per_sequence"]
             rows.append(
                 (
-                    name,
-                    str(e["context_length"]),
-                    _rate(e["prefill_tokens_per_second"]),
+                    *where,
+                    _ms(e.get("ttft_seconds")),
                     _rate(e["decode_tokens_per_second"]),
                     _mib(c["total"]),
                     f"{_mib(c['attention'])} / {_mib(c['mixer'])}",
@@ -300,7 +312,7 @@ def format_speed_table(results_by_model: dict[str, list[dict]]) -> str:
                 )
             )
     widths = [max([len(r[i]) for r in rows if not r[i].startswith("skipped")], default=0) for i in range(len(header))]
-    numeric = {2, 3, 4, 5, 6}
+    numeric = {1, 2, 4, 5, 6, 7, 8}
     lines = []
     for r in rows:
         cells = [c if c.startswith("skipped") else (c.rjust(w) if i in numeric else c.ljust(w))
@@ -310,8 +322,9 @@ def format_speed_table(results_by_model: dict[str, list[dict]]) -> str:
 
 
 def plot_speed(results_by_model: dict[str, list[dict]], path: str | Path) -> Path:
-    """PNG with three panels against context length (log x): prefill tokens/s, decode tokens/s, and memory
-    (peak memory solid; per-sequence cache after the prefill: attention KV dashed, mixer state dotted)."""
+    """PNG with three panels against context length (log x), a line per model and batch: prefill tokens/s (prompt
+    tokens over the time to first token), decode tokens/s through generate(), and memory (peak memory solid; per
+    model, the cache per sequence after the prompt: attention KV dashed, mixer state dotted)."""
     import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -320,31 +333,31 @@ def plot_speed(results_by_model: dict[str, list[dict]], path: str | Path) -> Pat
     FigureCanvasAgg(fig)  # PNG rendering, without pyplot or a global backend switch
     axes = fig.subplots(1, 3)
     colours = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    markers = "os^vDP"
     for m, (name, entries) in enumerate(results_by_model.items()):
         ok = sorted((e for e in entries if not e.get("skipped")), key=lambda e: e["context_length"])
-        if not ok:
-            continue
         colour = colours[m % len(colours)]
-        x = [e["context_length"] for e in ok]
-        axes[0].plot(x, [e["prefill_tokens_per_second"] for e in ok], "o-", color=colour, label=name)
-        dec = [(e["context_length"], e["decode_tokens_per_second"]) for e in ok if e["decode_tokens_per_second"]]
-        if dec:
-            axes[1].plot(*zip(*dec), "o-", color=colour, label=name)
-        series = [
-            ("peak", "-", "o", [(e["context_length"], e.get("peak_memory_bytes")) for e in ok]),
-            (
-                "attention KV",
-                "--",
-                "s",
-                [(e["context_length"], e["cache_bytes_per_sequence"]["attention"]) for e in ok],
-            ),
-            ("mixer state", ":", "^", [(e["context_length"], e["cache_bytes_per_sequence"]["mixer"]) for e in ok]),
-        ]
-        for label, style, marker, points in series:
-            points = [(px, py / MiB) for px, py in points if py]
+        batches = sorted({e.get("batch_size", 1) for e in ok})
+        for b, batch in enumerate(batches):
+            rows = [e for e in ok if e.get("batch_size", 1) == batch]
+            style = dict(color=colour, marker=markers[b % len(markers)], label=f"{name}, batch {batch}")
+            axes[0].plot([e["context_length"] for e in rows], [e["prefill_tokens_per_second"] for e in rows], **style)
+            dec = [(e["context_length"], e["decode_tokens_per_second"]) for e in rows if e["decode_tokens_per_second"]]
+            if dec:
+                axes[1].plot(*zip(*dec), **style)
+            peak = [(e["context_length"], e.get("peak_memory_bytes")) for e in rows if e.get("peak_memory_bytes")]
+            if peak:
+                axes[2].plot(
+                    [x for x, _ in peak], [y / MiB for _, y in peak], **(style | {"label": f"{style['label']}: peak"})
+                )
+        first = [e for e in ok if e.get("batch_size", 1) == batches[0]] if batches else []
+        for label, style, key in (("attention KV", "--", "attention"), ("mixer state", ":", "mixer")):
+            points = [(e["context_length"], e["cache_bytes_per_sequence"][key] / MiB) for e in first]
+            points = [(x, y) for x, y in points if y]
             if points:
-                axes[2].plot(*zip(*points), linestyle=style, marker=marker, color=colour, label=f"{name}: {label}")
-    titles = ("prefill", "decode (one token per step, cached)", "memory: peak (solid), cache per sequence")
+                axes[2].plot(*zip(*points), linestyle=style, marker="s", color=colour, label=f"{name}: {label}")
+    titles = ("prefill (prompt tokens / time to first token)", "decode: generate(), every row of the batch",
+              "memory: peak (solid), cache per sequence")  # fmt: skip
     ylabels = ("tokens / s", "tokens / s", "MiB")
     for ax, title, ylabel in zip(axes, titles, ylabels):
         ax.set_xscale("log")
@@ -355,9 +368,12 @@ def plot_speed(results_by_model: dict[str, list[dict]], path: str | Path) -> Pat
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
             ax.set_yscale("log")
-    device = next((e.get("device_name") for es in results_by_model.values() for e in es), None)
-    if device:
-        fig.suptitle(f"{device}", fontsize=9)
+    rows = [e for es in results_by_model.values() for e in es]
+    device = next((e.get("device_name") for e in rows), None)
+    paths = ", ".join(dict.fromkeys(e["path"] for e in rows if e.get("path")))
+    title = "; ".join(t for t in (device, paths) if t)
+    if title:
+        fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -369,7 +385,12 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m raven_convert.evaluate.speed", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", action="append", required=True, help="repeatable; Hub id, directory or .gguf")
     p.add_argument("--lengths", type=parse_lengths, default=parse_lengths("1k,4k,16k"))
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument(
+        "--batches",
+        type=parse_batches,
+        default=list(BATCHES),
+        help=f"batch sizes, comma-separated integers >= 1 (default: {','.join(map(str, BATCHES))})",
+    )
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
@@ -380,7 +401,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     def measure(model, _tokenizer):
-        return measure_speed(model, args.lengths, args.batch_size, args.decode_tokens, args.warmup, args.repeats)
+        return measure_speed(model, args.lengths, args.batches, args.decode_tokens, args.warmup, args.repeats)
 
     compare_models(args, measure, format_speed_table, plot_speed)
 

@@ -6,8 +6,8 @@
 Each NAME=PATH names a `report.json` written by `raven-eval` or by a recipe's evaluate stage: the file itself, its
 directory, or a recipe run directory (RUN_DIR/evaluate/report.json). Columns: perplexity at one context length
 (and its ratio to the reference model's), accuracy per context length of every retrieval task found (standard
-variant unless --variant; a task on a named haystack, TASK@NAME, beside TASK), and decoding tokens/s with the
-per-sequence cache or state at one context length.
+variant unless --variant; a task on a named haystack, TASK@NAME, beside TASK), and decoding tokens/s at batch 1
+(the speed row's generate() path) with the per-sequence cache or state at one context length.
 
 The issue's retrieval targets, checked on the same reports (cells: every task and length of the standard variant,
 --lengths to keep some):
@@ -77,8 +77,9 @@ def significant(scores_a: dict, scores_b: dict, cell: tuple[str, int], variant: 
 
 
 def speed_at(report: dict, length: int) -> dict | None:
+    """The report's speed row at `length` and batch 1 (None where it has none that ran)."""
     for entry in report.get("speed") or []:
-        if entry.get("context_length") == length and not entry.get("skipped"):
+        if entry.get("context_length") == length and entry.get("batch_size", 1) == 1 and not entry.get("skipped"):
             return entry
     return None
 
@@ -103,7 +104,7 @@ def table(reports: dict[str, dict], reference: str | None, ppl_length: int, spee
     tasks = {t: tasks[t] for t in sorted(tasks, key=lambda t: bases.index(t.partition("@")[0]))}  # TASK@NAME by TASK
     header = ["model", f"ppl @{short(ppl_length)}"]
     header += [f"{task} {short(n)}" for task, lengths in tasks.items() for n in sorted(lengths)]
-    header += [f"decode tok/s @{short(speed_length)}", f"cache/state per sequence @{short(speed_length)}"]
+    header += [f"decode tok/s @{short(speed_length)}, batch 1", f"cache/state per sequence @{short(speed_length)}"]
     rows = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     base = perplexity_at(reports[reference], ppl_length) if reference else None
     for name, report in reports.items():

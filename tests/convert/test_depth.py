@@ -108,6 +108,7 @@ def test_run_converts_at_each_depth_once_and_resumes(tmp_path, capsys):
             "ppl_lengths": [64],
             "ppl_windows": 2,
             "speed_lengths": [64],
+            "speed_batches": [1],
             "pictures": False,
         },
         "export": None,

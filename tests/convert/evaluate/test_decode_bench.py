@@ -1,10 +1,12 @@
-"""decode_bench: the bytes a decode step must move (its bandwidth floor); the timing itself needs CUDA and runs on
-the device (scripts/bench/bench_generate.py)."""
+"""decode_bench: the bytes a decode step must move (its bandwidth floor), and the generate() path each device gets;
+the CUDA timing runs on the device (scripts/bench/bench_generate.py, test_speed.py's GPU test)."""
 
 from __future__ import annotations
 
+import torch
+
 from raven_convert import build_hybrid, plan_layers
-from raven_convert.evaluate.decode_bench import is_hybrid, mixer_state_bytes, step_bytes
+from raven_convert.evaluate.decode_bench import decode_path, generate_kwargs, is_hybrid, mixer_state_bytes, step_bytes
 
 
 def test_step_bytes_counts_weights_kv_and_mixer_states(tiny_sources):
@@ -29,3 +31,41 @@ def test_step_bytes_counts_weights_kv_and_mixer_states(tiny_sources):
 
 def weights_of(model) -> int:
     return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def test_cuda_times_the_fast_path_and_other_devices_the_dynamic_cache(tiny_sources):
+    from transformers import AutoModelForCausalLM
+
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_sources["llama"]).eval()
+    hybrid = build_hybrid(teacher, plan_layers([("sila", "0")], teacher.config.num_hidden_layers), {}).eval()
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for model in (teacher, hybrid):
+        kwargs = generate_kwargs(model, cuda, 5)
+        assert kwargs["cache_implementation"] == "static"  # a hybrid's graphed step, transformers' compiled one
+        assert kwargs["max_new_tokens"] == kwargs["min_new_tokens"] == 5 and kwargs["do_sample"] is False
+        assert generate_kwargs(model, cpu, 5, prefill_chunk=64) == kwargs | {
+            "cache_implementation": "dynamic",
+            "prefill_chunk_size": 64,
+        }
+        assert decode_path(model, cpu) == "generate, dynamic cache (eager)"
+    assert decode_path(teacher, cuda) == "generate, transformers static cache, compiled"
+    assert decode_path(hybrid, cuda) == "generate, static cache, CUDA graphs"
+    hybrid.use_decode_graphs = False
+    assert decode_path(hybrid, cuda) == "generate, static cache (eager)"
+
+
+def test_the_cuda_arguments_run_each_generate_on_its_static_cache(tiny_sources):
+    """What CUDA adds (compilation, graph replay) needs the device; the cache and the fixed lengths show on CPU."""
+    from transformers import AutoModelForCausalLM, StaticCache
+
+    from raven_layers.cache import output_cache
+    from raven_layers.static_cache import StaticHybridCache
+
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_sources["llama"]).eval()
+    hybrid = build_hybrid(teacher, plan_layers([("sila", "0")], teacher.config.num_hidden_layers), {}).eval()
+    ids = torch.randint(3, teacher.config.vocab_size, (2, 16))
+    for model, cache in ((teacher, StaticCache), (hybrid, StaticHybridCache)):
+        kwargs = generate_kwargs(model, torch.device("cuda"), 3)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), return_dict_in_generate=True, **kwargs)
+        assert out.sequences.shape == (2, 16 + 3) and isinstance(output_cache(out), cache)

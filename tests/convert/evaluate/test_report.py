@@ -66,8 +66,11 @@ def test_hybrid_report_has_every_part_and_picture(tiny_sources, tmp_path, haysta
 
 def test_teacher_report_with_speed(tiny_sources, tmp_path, haystack):
     out = tmp_path / "eval"
-    report = run_eval(tiny_sources["llama"], out, haystack, "--tasks", "passkey", "--speed-lengths", "16,32")
-    assert "pictures" not in report and [e["context_length"] for e in report["speed"]] == [16, 32]
+    speed = ["--speed-lengths", "16", "--speed-batches", "1,2"]
+    report = run_eval(tiny_sources["llama"], out, haystack, "--tasks", "passkey", *speed)
+    rows = [(e["context_length"], e["batch_size"], e["path"]) for e in report["speed"]]
+    path = "generate, dynamic cache (eager)"
+    assert "pictures" not in report and rows == [(16, 1, path), (16, 2, path)]
     assert "past_window" not in report["retrieval"]["passkey/standard"]  # full attention: no window to be past
     assert (out / "speed.png").stat().st_size > 1000
 
@@ -175,6 +178,12 @@ def test_attention_window_needs_a_hybrid(tiny_sources, tmp_path, capsys):
         ("--batch-size", "0", "argument --batch-size: expected an integer >= 1, got '0'"),
         ("--samples", "0", "argument --samples: expected an integer >= 1, got '0'"),
         ("--speed-lengths", "0", "argument --speed-lengths: '0' is not a length"),
+        (
+            "--speed-batches",
+            "1,0",
+            "argument --speed-batches: '1,0' is not a list of batch sizes; expected integers >=",
+        ),
+        ("--speed-batches", "8x", "argument --speed-batches: '8x' is not a list of batch sizes"),
         ("--lengths", ",", "argument --lengths: ',' names no length"),
         ("--tasks", ",", "argument --tasks: ',' names none"),
         ("--variants", "loud", "argument --variants: ['loud'] not allowed; choose from ['no_inst', 'standard',"),
@@ -218,7 +227,7 @@ def test_ctrl_c_says_what_finished_and_the_rerun_resumes(tiny_sources, tmp_path,
     monkeypatch.setattr(report_module, "measure_speed", interrupt)
     out = tmp_path / "eval"
     args = [str(tiny_sources["llama"]), "--out", str(out), "--lengths", "700", "--depths", "0", "--samples", "1"]
-    args += ["--haystack-dir", str(haystack), "--tasks", "passkey", "--speed-lengths", "16"]
+    args += ["--haystack-dir", str(haystack), "--tasks", "passkey", "--speed-lengths", "16", "--speed-batches", "1"]
     assert eval_main(args) == 130
     line = capsys.readouterr().err.splitlines()[-1]
     resume = shlex.join(["raven-eval", *args, "--resume"])
@@ -246,5 +255,6 @@ def test_raven_eval_help_gives_each_flag_its_default(capsys):
         ("--ppl-lengths", "512,2048"),
         ("--ppl-windows", "8"),
         ("--picture-length", "1024"),
+        ("--speed-batches", "1,8"),
     ]:
         assert re.search(rf"{flag} \S+ [^-]*\(default: {re.escape(default)}\)", text), flag

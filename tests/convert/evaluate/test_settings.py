@@ -77,6 +77,15 @@ def test_bad_tasks_and_haystacks_are_refused_naming_the_value(values, message):
     assert [e["loc"] for e in err.value.errors()] == [(next(iter(values)),)]  # one error, on the field at fault
 
 
+@pytest.mark.parametrize("value", [[1, 0], []])
+def test_speed_batches_are_one_or_more_sizes(value):
+    assert EvaluateSettings().speed_batches == [1, 8]
+    with pytest.raises(ValidationError) as err:
+        EvaluateSettings(speed_batches=value)
+    assert f"speed_batches must be one or more batch sizes, integers >= 1; got {value}" in str(err.value)
+    assert [e["loc"] for e in err.value.errors()] == [("speed_batches",)]
+
+
 def test_task_lengths_replace_the_lengths_of_their_task_only():
     settings = EvaluateSettings(
         tasks=["passkey", "niah_multikey"], lengths=[1024, 16384], task_lengths={"niah_multikey": [1024, 8192]}

@@ -118,3 +118,17 @@ def test_raven_eval_table_is_the_table(tmp_path, capsys):
     with pytest.raises(SystemExit):
         raven_eval(["table", "--help"])
     assert capsys.readouterr().out.startswith("usage: raven-eval table")
+
+
+def test_the_speed_columns_read_the_batch_1_row(tmp_path, capsys):
+    cache = {"attention": 3 * 2**20, "mixer": 2**19, "total": 3.5 * 2**20}
+    row = {"context_length": 16384, "skipped": False, "cache_bytes_per_sequence": cache}
+    rows = [row | {"batch_size": b, "decode_tokens_per_second": 100.0 * b} for b in (8, 1)]
+    (tmp_path / "report.json").write_text(json.dumps({"retrieval": {}, "speed": rows}))
+    assert main([f"sila={tmp_path}"]) == 0
+    header, _, row = capsys.readouterr().out.splitlines()
+    assert [c.strip() for c in header.split("|")[3:5]] == [
+        "decode tok/s @16K, batch 1",
+        "cache/state per sequence @16K",
+    ]
+    assert [c.strip() for c in row.split("|")[3:5]] == ["100", "attention 3.0 MiB, mixer 512 KiB, total 3.5 MiB"]

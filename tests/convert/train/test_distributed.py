@@ -158,6 +158,7 @@ def evaluation(root: Path, data: Path) -> dict:
         "ppl_lengths": [16, 24],
         "ppl_windows": 3,
         "speed_lengths": [16],
+        "speed_batches": [1],
         "picture_length": 300,
     }
 
