@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_generate import (  # noqa: E402
+from common import (  # noqa: E402
     SMOLLM2_135M,
     add_model_arguments,
     build_models,

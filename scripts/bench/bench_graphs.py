@@ -27,7 +27,7 @@ from contextlib import nullcontext
 from unittest import mock
 
 import torch
-from bench_generate import SMOLLM2_135M  # scripts/: SmolLM2-135M's config
+from common import SMOLLM2_135M
 from host_syncs import packed_batch
 from transformers import AutoModelForCausalLM, LlamaConfig
 

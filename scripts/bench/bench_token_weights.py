@@ -21,7 +21,7 @@ import argparse
 import time
 
 import torch
-from bench_generate import SMOLLM2_135M  # scripts/: SmolLM2-135M's config
+from common import SMOLLM2_135M
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from raven_convert.train.token_weights import PRECISIONS, token_weights

@@ -22,7 +22,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from bench_generate import SMOLLM2_135M  # scripts/: SmolLM2-135M's config
+from common import SMOLLM2_135M
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from raven_convert import build_hybrid, plan_layers

@@ -23,18 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-QWEN3_8B = {
-    "hidden_size": 4096,
-    "num_hidden_layers": 36,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "intermediate_size": 12288,
-    "vocab_size": 151936,
-    "max_position_embeddings": 40960,
-    "rope_theta": 1000000.0,
-    "tie_word_embeddings": False,
-}
+from common import QWEN3_8B  # scripts/bench/: the model shapes the benchmarks share
+
 TINY = QWEN3_8B | {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
 TINY |= {"head_dim": 16, "intermediate_size": 128, "vocab_size": 256}
 STAGES = ["convert", "align", "weights", "train", "extend", "evaluate", "export"]  # extend and evaluate: off (skipped)

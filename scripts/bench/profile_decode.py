@@ -32,7 +32,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
 
-from bench_generate import SMOLLM2_135M, build_models, parse_sizes, release, spread_layers  # noqa: E402
+from common import SMOLLM2_135M, build_models, parse_sizes, release, spread_layers  # noqa: E402
 
 from raven_layers.decode_attention import decode_attention  # noqa: E402
 

@@ -12,7 +12,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
 
 import bench_capacity  # noqa: E402
-from bench_generate import layer_specs, spread_layers, table  # noqa: E402
+from bench_generate import table  # noqa: E402
+from common import layer_specs, spread_layers  # noqa: E402
 
 from raven_convert.layer_spec import parse_layer_spec  # noqa: E402
 

@@ -1,0 +1,182 @@
+"""What the benchmarks and profilers in scripts/bench/ share: the model shapes they build (SmolLM2-135M's, Qwen3-8B's),
+the models a decode benchmark runs (the teacher on transformers, the teacher on this project's engine, each hybrid),
+their command-line flags, and the JSON record each writes.
+
+    from common import SMOLLM2_135M, build_models   # a script in scripts/bench/ (its folder is on sys.path)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+SMOLLM2_135M = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=131072,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+
+QWEN3_8B = {  # Qwen3-8B's shapes (memory_plan.py)
+    "hidden_size": 4096,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 12288,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+}
+
+
+def parse_sizes(text: str) -> list[int]:
+    sizes = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        scale = 1024 if part.endswith("k") else 1
+        try:
+            value = int(part.rstrip("k")) * scale
+        except ValueError:
+            raise SystemExit(f"{text!r}: {part!r} is not a size; expected numbers such as 1,32 or 4k,16k") from None
+        if value < 1:
+            raise SystemExit(f"{text!r}: sizes must be >= 1")
+        sizes.append(value)
+    return sizes
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, mixers: str | None = None) -> None:
+    """--out, --mixers (default: the built-in ones), --layers and --windows: the models every bench script builds
+    (build_models)."""
+    from raven_layers.registry import BUILTIN_MIXERS
+
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--mixers", default=mixers or ",".join(spec.name for spec in BUILTIN_MIXERS))
+    parser.add_argument("--layers", default="0-29:2", help="the layers each hybrid converts")
+    parser.add_argument(
+        "--depths", default=None, help="instead of --layers: numbers of layers converted, each spread evenly (15,22)"
+    )
+    parser.add_argument("--windows", type=int, default=None, help="also run each hybrid with W-token windows")
+
+
+def spread_layers(n: int, num_layers: int) -> str:
+    """A layer spec converting n of num_layers layers, the kept ones spread evenly (the last layer kept first).
+
+    >>> spread_layers(26, 30)
+    '0-2,4-9,11-16,18-23,25-28'
+    """
+    if not 0 <= n <= num_layers:
+        raise ValueError(f"--depths: {n} layers converted; expected 0 to {num_layers}")
+    kept = {num_layers - 1 - int(k * num_layers / (num_layers - n)) for k in range(num_layers - n)}
+    converted = [i for i in range(num_layers) if i not in kept]
+    if not converted:
+        return "none"
+    runs, start = [], converted[0]
+    for a, b in zip(converted, converted[1:] + [None]):
+        if b != a + 1:
+            runs.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(runs)
+
+
+def layer_specs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(suffix, layer spec) per hybrid of each mixer: --layers alone, or one per --depths entry."""
+    if args.depths is None:
+        return [("", args.layers)]
+    n = SMOLLM2_135M["num_hidden_layers"]
+    try:
+        depths = [int(d) for d in args.depths.split(",") if d.strip()]
+        return [(f"-{d}of{n}", spread_layers(d, n)) for d in depths]
+    except ValueError as err:
+        raise SystemExit(f"--depths {args.depths!r}: {err}") from None
+
+
+def checked_mixers(args: argparse.Namespace, what: str) -> list[str]:
+    """The --mixers list, after --mixers and --windows are checked and a CUDA device is found (`what` it measures)."""
+    from raven_layers import resolve_mixer
+
+    try:
+        mixers = [resolve_mixer(m.strip()).name for m in args.mixers.split(",") if m.strip()]
+    except ValueError as err:
+        raise SystemExit(f"--mixers: {err}") from None
+    if args.windows is not None and args.windows < 1:
+        raise SystemExit(f"--windows {args.windows}: expected an integer >= 1")
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{Path(sys.argv[0]).stem} measures {what}: no CUDA device here")
+    args.out.mkdir(parents=True, exist_ok=True)
+    return mixers
+
+
+def write_record(path: Path, results: list[dict], **extra) -> None:
+    """results as JSON at `path`, atomically, with the command, the GPU and the library versions."""
+    import transformers
+
+    record = {
+        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        "gpu": torch.cuda.get_device_name(),
+        **extra,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "results": results,
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(path)
+
+
+def release() -> None:
+    """Free what the last model left: its compiled steps keep references to its cache (and transformers' compiled
+    generate its CUDA graphs' memory pool)."""
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def build_models(mixers: list[str], specs: list[tuple[str, str]], windows: int | None):
+    """(name, model) pairs: the teacher on transformers first, then on this project's engine (`teacher-engine`, no
+    layer converted), then one hybrid per mixer and layer spec of `specs` ((name suffix, spec) pairs), and each again
+    with windows. Drop `model` before asking for the next: each model's memory (its static cache and compiled step
+    too) is freed before the next is built, or the next one's peak memory and batch capacity would include it. The
+    teacher's weights stay: every hybrid is built from them."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from raven_convert import build_hybrid, plan_layers
+
+    torch.manual_seed(0)
+    teacher = AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2_135M), attn_implementation="sdpa")
+    teacher = teacher.to("cuda", torch.bfloat16).eval()
+    yield "teacher", teacher
+    release()
+    n = SMOLLM2_135M["num_hidden_layers"]
+    engine = build_hybrid(teacher, ["attention"] * n, {}).to("cuda", torch.bfloat16).eval()
+    yield "teacher-engine", engine
+    del engine
+    release()
+    for mixer in mixers:
+        for suffix, layers in specs:
+            kinds = plan_layers([(mixer, layers)], n)
+            for window in [None] + ([windows] if windows else []):
+                spans = [window if kind == "attention" else None for kind in kinds] if window else None
+                hybrid = build_hybrid(teacher, kinds, {}, attention_windows=spans).to("cuda", torch.bfloat16).eval()
+                yield f"{mixer}{suffix}" + (f"-sw{window}" if window else ""), hybrid
+                del hybrid
+                release()
