@@ -85,6 +85,9 @@
 #   sila-kd22      smollm2-sila-deep22.yaml with distillation from the teacher in train and extend (kd_weight 1)
 #   sila-kd22-e2e|sila-kd26-e2e  sila-kd22, and at auto:26 (the same cut choice), with a third of align's steps
 #                  moved to train (align 800, train 600): the same minutes, more of them end to end
+#   sila-deep22-ddp4|sila-deep26-ddp4  the deep recipe on all four GPUs of the host under data parallel (PROCESSES=4:
+#                  each stage through `accelerate launch`, batch_size rows per process), so 4x the tokens in about
+#                  the same minutes; start it alone, with every GPU visible
 #   decode-lab     the decode step's kernels and time under Inductor options (profile_decode.py), the fast path's
 #                  GPU tests, and the largest batch at 32K at 22 and 26 of 30 layers (bench_capacity.py --depths),
 #                  into RUNS/decode-lab
@@ -125,7 +128,11 @@ FAR_FACTS=(--set "extend.retrieval={ratio: 0.5, length: [0.7, 0.95], depth: [0.0
 recipe() {  # recipe MIXER RUN [ARGS...]: the SmolLM2 recipe of MIXER into ~/runs/RUN
   read -ra extra <<< "${RECIPE_ARGS:-}"
   local_paths
-  python3 -m raven_convert.train "recipes/smollm2-$1.yaml" --run-dir "$RUNS/$2" "${LOCAL_PATHS[@]}" "${extra[@]}" "${@:3}"
+  local launch=(python3)  # PROCESSES=N: every stage on N GPUs under data parallel (N x batch_size rows a step)
+  [ "${PROCESSES:-1}" -gt 1 ] && launch=(accelerate launch --config_file recipes/accelerate/ddp.yaml
+    --num_processes "$PROCESSES")
+  "${launch[@]}" -m raven_convert.train "recipes/smollm2-$1.yaml" --run-dir "$RUNS/$2" "${LOCAL_PATHS[@]}" \
+    "${extra[@]}" "${@:3}"
 }
 
 trained() {  # trained MIXER RUN [ARGS...]: train RUN, check that its model loads without the toolkit, evaluate it
@@ -248,6 +255,10 @@ PY
   sila-kd22)
     trained sila-deep22 "$1" "${KD[@]}"
     ;;
+  sila-deep22-ddp4 | sila-deep26-ddp4)
+    local recipe=${1%-ddp4}
+    PROCESSES=4 trained "$recipe" "$1"
+    ;;
   sila-kd22-e2e | sila-kd26-e2e)
     local n=${1#sila-kd} && n=${n%-e2e}
     trained sila-deep22 "$1" "${KD[@]}" --set align.steps=800 --set train.steps=600 \
@@ -302,7 +313,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e decode-lab depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-deep22-ddp4 sila-deep26-ddp4 decode-lab depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;
