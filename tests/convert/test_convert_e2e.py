@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from raven_convert import build_hybrid, plan_layers
 from raven_convert.cli import main
 from raven_layers import BUNDLED_FILES, output_cache
-from tests.helpers import run_without_toolkit
+from tests.helpers import REPO, run_without_toolkit
 
 SPECS = {"llama": "0,-1", "qwen3": "0-23:5", "mistral": "1-3", "qwen2": "all"}
 RAVEN = ["--raven-num-slots", "16", "--raven-top-k", "4", "--raven-chunk-size", "4"]
@@ -103,7 +103,7 @@ def test_standalone_load_without_the_toolkit(tiny_sources, tmp_path):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
         model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True).eval()
-        tokenizer = AutoTokenizer.from_pretrained({str(out)!r})
+        tokenizer = AutoTokenizer.from_pretrained({str(out)!r}, trust_remote_code=True)
         ids = torch.tensor({IDS})
         with torch.no_grad():
             result["logits"] = model(ids).logits.tolist()
@@ -317,23 +317,39 @@ def test_a_tampered_config_names_its_file(tiny_sources, tmp_path, edit, message)
     assert result["error"].startswith(f"{out}/config.json: ") and message in result["error"]
 
 
-def test_the_model_cards_snippet_runs_without_the_toolkit_and_never_asks(tiny_sources, tmp_path):
+ASK_AND_WARN = """
+import logging
+import transformers.models.auto.configuration_auto as config_auto
+import transformers.models.auto.tokenization_auto as tokenizer_auto
+result["asked"], result["warned"] = [], []
+def refuse(trust, name, local, remote, *args, **kwargs):
+    if trust is None and remote and not local:
+        result["asked"].append(name)
+        raise ValueError("answered no")  # as a "N" in a terminal
+    return bool(trust)
+config_auto.resolve_trust_remote_code = tokenizer_auto.resolve_trust_remote_code = refuse
+class Record(logging.Handler):
+    def emit(self, record):
+        result["warned"].append(record.getMessage())
+logging.getLogger("transformers").addHandler(Record(logging.WARNING))
+logging.getLogger("transformers").setLevel(logging.WARNING)  # run_python sets TRANSFORMERS_VERBOSITY=error
+"""
+
+
+def snippet(markdown: str, name: str, out) -> str:
+    return markdown.split("```python\n", 1)[1].split("```", 1)[0].replace(name, str(out))
+
+
+@pytest.mark.transformers_api
+@pytest.mark.parametrize("page", ["card", "readme"])
+def test_the_documented_snippet_runs_without_the_toolkit_and_never_asks_nor_warns(tiny_sources, tmp_path, page):
     # transformers asks "Do you wish to run the custom code?" (15 s in a terminal) when remote code is needed and
-    # trust_remote_code was not given: record every such question instead of answering it
+    # trust_remote_code was not given, AutoTokenizer included (it reads config.json first): record every question
+    # instead of answering it, and every warning, such as the one of a config read without its class
     out = convert_tiny(tiny_sources, tmp_path, "llama", "0", *RAVEN)
-    card = (out / "README.md").read_text()
-    snippet = card.split("```python\n", 1)[1].split("```", 1)[0].replace("THIS_REPO_OR_DIR", str(out))
-    result = run_without_toolkit(
-        "import transformers.models.auto.configuration_auto as config_auto\n"
-        "import transformers.models.auto.tokenization_auto as tokenizer_auto\n"
-        "result['asked'] = []\n"
-        "def refuse(trust, name, local, remote, *args, **kwargs):\n"
-        "    if trust is None and remote and not local:\n"
-        "        result['asked'].append(name)\n"
-        "    return bool(trust)\n"
-        "config_auto.resolve_trust_remote_code = tokenizer_auto.resolve_trust_remote_code = refuse\n"
-        + snippet
-        + "result['ran'] = True\n",
-        cwd=tmp_path,
-    )
-    assert result == {"asked": [], "ran": True}
+    if page == "card":
+        code = snippet((out / "README.md").read_text(), "THIS_REPO_OR_DIR", out)
+    else:
+        code = snippet((REPO / "README.md").read_text(), "smollm2-sila", out)
+    result = run_without_toolkit(ASK_AND_WARN + code + 'result["ran"] = True\n', cwd=tmp_path)
+    assert result == {"asked": [], "warned": [], "ran": True}
