@@ -451,6 +451,8 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
             extra = {"options": options} if options else {}  # only Inductor takes options: the CPU tests use others
             compiled = torch.compile(self.decode_logits, fullgraph=True, dynamic=False, **extra)
             config, limits = torch._dynamo.config, recompile_limits(1 << 20)
+            if options.get("freezing"):  # dynamo hands Inductor the weights as parameters to fold, not as inputs
+                limits["prepare_freezing"] = True
 
             def step(input_ids: torch.Tensor, cache: StaticHybridCache) -> torch.Tensor:
                 # each (model, batch, cache length) compiles once and is then replayed as a graph, never traced

@@ -39,6 +39,7 @@ MODEL_FILES = (
     "common.py",
     "configuration_hybrid.py",
     "decode_attention.py",
+    "decode_fusion.py",
     "decode_graph.py",
     "extra_mixers.py",
     "modeling_hybrid.py",

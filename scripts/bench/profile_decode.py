@@ -2,7 +2,7 @@
 model's compiled, CUDA-graphed decode step, under several `model.decode_compile_options`.
 
     python scripts/bench/profile_decode.py --models teacher-engine,sila --batches 1,32 --context 16k --out OUT \\
-        --variants default eager freezing=True max_autotune_gemm=True,coordinate_descent_tuning=True
+        --variants default eager fused fused,combo_kernels=True combo_kernels=True
 
 For each model (SmolLM2-135M-shaped, bf16, random weights; the teacher on this project's engine is the teacher
 converted with no layer, a hybrid converts `--layers`), batch and variant, the step is compiled afresh: generate()
@@ -15,7 +15,8 @@ warms up (compiles, captures the graph; `compile s`), then
   may round differently; a wrong fusion shows as a large difference).
 
 A variant is `default` (the model's own options), `eager` (the eager step captured: `compile_decode = False`), or
-comma-separated Inductor options `name=value` (Python literals). The table is printed last and written to
+comma-separated Inductor options `name=value` (Python literals) and `fused` (the projection fusion of
+raven_layers/decode_fusion.py, e.g. `fused,combo_kernels=True`). The table is printed last and written to
 OUT/profile_decode.json with the profiler's top kernels of each row.
 """
 
@@ -35,16 +36,21 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).res
 from common import SMOLLM2_135M, build_models, parse_sizes, release, spread_layers  # noqa: E402
 
 from raven_layers.decode_attention import decode_attention  # noqa: E402
+from raven_layers.decode_fusion import FUSED_PROJECTIONS  # noqa: E402
 
 
 def parse_variant(text: str) -> tuple[str, dict | None]:
-    """'default' -> {}, 'eager' -> None (no compilation), 'a=1,b=True' -> {'a': 1, 'b': True}."""
+    """'default' -> {}, 'eager' -> None (no compilation), 'a=1,b=True' -> {'a': 1, 'b': True}, 'fused' (alone or
+    with others) -> decode_fusion.FUSED_PROJECTIONS."""
     if text == "default":
         return text, {}
     if text == "eager":
         return text, None
     options = {}
     for item in text.split(","):
+        if item == "fused":  # the projection fusion's options (raven_layers/decode_fusion.py)
+            options.update(FUSED_PROJECTIONS)
+            continue
         name, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"--variants: {item!r} is not name=value; expected default, eager or name=value,...")

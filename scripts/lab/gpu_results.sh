@@ -88,7 +88,8 @@
 #   sila-deep22-ddp4|sila-deep26-ddp4  the deep recipe on all four GPUs of the host under data parallel (PROCESSES=4:
 #                  each stage through `accelerate launch`, batch_size rows per process), so 4x the tokens in about
 #                  the same minutes; start it alone, with every GPU visible
-#   decode-lab     the decode step's kernels and time under Inductor options (profile_decode.py), the fast path's
+#   decode-lab     the decode step's kernels and time under Inductor options and the projection fusion
+#                  (profile_decode.py), the fast path's
 #                  GPU tests, and the largest batch at 32K at 22 and 26 of 30 layers (bench_capacity.py --depths),
 #                  into RUNS/decode-lab
 #   depth-speed    decode speed at 15, 22, 26 and 30 of 30 layers converted against the teacher on transformers and
@@ -267,7 +268,7 @@ PY
   decode-lab)
     local out="$RUNS/decode-lab" && mkdir -p "$out"
     timeout 600 python3 scripts/bench/profile_decode.py --out "$out" --models teacher-engine,sila --batches 1 \
-      --context 16k --variants default eager freezing=True combo_kernels=True max_autotune_gemm=True
+      --context 16k --variants default fused combo_kernels=True fused,combo_kernels=True
     RAVEN_SMOLLM2_GGUF=$MODEL timeout 420 python3 -m pytest -o addopts="" -q -rfE -m gpu \
       tests/raven_layers/test_gpu.py -k "graphed or real_smollm2" > "$out/gpu-tests.log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$out/gpu-tests.log" | tail -20
