@@ -5,7 +5,8 @@
 #   MODEL=~/cache/smollm2.gguf CORPUS=~/cache/corpus ESSAYS=~/cache/essays bash scripts/lab/gpu_results.sh start teacher raven sila
 #
 # after copying the model, corpus and essays in three calls (each carries at most 64 MiB with the checkout, itself
-# about 17 MB: the model in thirds, `split -n 3 MODEL .carry/m3/smollm2.gguf.part-`, wheels from
+# about 22 MiB, so the first call carries about 61 of its 64: split the model in four once the checkout grows;
+# the model in thirds, `split -n 3 MODEL .carry/m3/smollm2.gguf.part-`, wheels from
 # ../shared/tools/gpu-prep.sh in .whl with pydantic's, which the image lacks too (its `pip download` line with
 # pydantic pydantic-core annotated-types typing-inspection), the corpus split into .carry/corpus-*: a is the 8.4 MB
 # linux docs, b perl's and postgresql's, c python's; keep results under docs/results with scripts/lab/archive_run.py,
