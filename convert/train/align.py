@@ -101,9 +101,12 @@ def step_inputs(
 
 
 def alignment_losses(
-    teacher, hybrid, input_ids, attention_mask=None, position_ids=None, packed="auto"
+    teacher, hybrid, input_ids, attention_mask=None, position_ids=None, packed="auto", backward=False
 ) -> dict[int, torch.Tensor]:
     """Per converted layer, the MSE between its mixer and the teacher's attention on the teacher's own inputs.
+    `backward`: each layer's loss (with its balance loss) is backpropagated as soon as it is computed, and returned
+    detached, so only one layer's activations are held at a time; the gradients are those of the summed loss, as
+    no parameter reaches two layers' losses.
 
     Padding (attention_mask == 0) counts neither as input to the mixers' states nor in the mean. Rows of packed
     documents come with position_ids restarting at each document and no attention_mask: the teacher's attention
@@ -132,8 +135,13 @@ def alignment_losses(
     with record_function("align.mixers"):
         for i in layers:
             x, y = captured[i]
-            out, _ = hybrid.model.layers[i].self_attn(x.to(hybrid.dtype), **extra)
+            mixer = hybrid.model.layers[i].self_attn
+            out, _ = mixer(x.to(hybrid.dtype), **extra)
             losses[i] = alignment_mse(out, y, real)
+            if backward:
+                aux = mixer.aux_loss
+                (losses[i] if aux is None else losses[i] + aux.float()).backward()
+                losses[i] = losses[i].detach()
     return losses
 
 
@@ -340,17 +348,25 @@ def align(
                 f"{mfu_text(utilisation)} | {eta((steps - step - 1) * per_step)}"
             )
 
+    # eager and unsharded: one layer's backward at a time (alignment_losses' `backward`), so the step holds one
+    # layer's activations, not every layer's (30 mixers of 8 x 1,024 tokens grew to 16 GB on a CPU); a graph or
+    # FSDP's hooks take the summed loss's one backward
+    per_layer = not graphs and not parallel.sharded
+
     def forward_backward(inputs: dict, packed) -> torch.Tensor:
         """The step's losses and their gradients; returns the global batch's losses and token count, reduced on the
         device ([total, each layer's, (aux,) tokens]): every process reads the same means, so all stop together."""
+        if per_layer:
+            optimizer.zero_grad(set_to_none=True)
         with autocast:
-            losses = alignment_losses(teacher, hybrid, **inputs, packed=packed)
+            losses = alignment_losses(teacher, hybrid, **inputs, packed=packed, backward=per_layer)
         aux = mixers_aux_loss(hybrid, losses)  # SSE's balance loss trains its router here too
         has_aux.setdefault("aux", aux is not None)
         total = torch.stack(list(losses.values())).sum() + (0.0 if aux is None else aux)
-        optimizer.zero_grad(set_to_none=not graphs)  # a graph's gradients stay where it found them
-        with record_function("align.backward"):
-            total.backward()
+        if not per_layer:
+            optimizer.zero_grad(set_to_none=not graphs)  # a graph's gradients stay where it found them
+            with record_function("align.backward"):
+                total.backward()
         mask = inputs.get("attention_mask")
         ids = inputs["input_ids"]  # the count by a fill, not a copy from the host (which a graph cannot hold)
         local = torch.full((), ids.numel(), device=ids.device) if mask is None else mask.sum()

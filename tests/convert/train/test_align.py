@@ -131,3 +131,25 @@ def test_document_mask_is_the_one_transformers_builds(models):
     found = alignment_losses(teacher, hybrid, ids, position_ids=positions)
     ahead = alignment_losses(teacher, hybrid, ids, position_ids=positions, packed=packed)
     assert found.keys() == ahead.keys() and all(torch.equal(found[i], ahead[i]) for i in found)
+
+
+def test_one_layer_at_a_time_gives_the_summed_losss_gradients(models):
+    """alignment_losses(backward=True), what an eager align step runs so that it holds one layer's activations at a
+    time, leaves the gradients one backward of the summed loss (SSE's balance loss with it) leaves."""
+    teacher, hybrid = models
+    batch = next(batches(seed=5, n=1))
+    params = mixer_parameters(hybrid)
+    grads = {}
+    for per_layer in (False, True):
+        hybrid.zero_grad(set_to_none=True)
+        torch.manual_seed(0)  # Raven's router noise: the same draw both times
+        losses = alignment_losses(teacher, hybrid, **batch, backward=per_layer)
+        if not per_layer:
+            aux = [hybrid.model.layers[i].self_attn.aux_loss for i in losses]
+            (sum(losses.values()) + sum(a.float() for a in aux if a is not None)).backward()
+        else:
+            assert all(not loss.requires_grad for loss in losses.values())
+        grads[per_layer] = [p.grad.clone() for p in params]
+    assert any(g.abs().sum() > 0 for g in grads[True])
+    for a, b in zip(grads[True], grads[False]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
