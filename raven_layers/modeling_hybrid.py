@@ -319,8 +319,7 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.use_decode_graphs = True  # replay decode steps over a static cache on CUDA as CUDA graphs
         self.compile_decode = True  # and compile the step they capture (see decode_function)
-        self.decode_compile_options: dict = {}  # Inductor options of that compilation (torch.compile's `options`)
-        self._compiled_decode = None  # (options, step)
+        self.decode_compile_options = {}  # Inductor options of that compilation (torch.compile's `options`)
         self._static_cache: StaticHybridCache | None = None  # kept for the next generate() that fits it
         self.post_init()
 
@@ -438,30 +437,40 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         `decode_attention(config)`: what the decode graphs capture."""
         return self.lm_head(self.model.decode_layers(self.model.embed_tokens(input_ids), cache))
 
+    @property
+    def decode_compile_options(self) -> dict:
+        return dict(self._decode_compile_options)
+
+    @decode_compile_options.setter
+    def decode_compile_options(self, options: dict) -> None:
+        """New options drop the compiled step: the next decode step compiles with them (and is captured anew)."""
+        self._decode_compile_options = dict(options)
+        self._compiled_decode = None
+
     def decode_function(self):
         """`decode_logits`, compiled by torch.compile when `compile_decode` is set (Inductor fuses the norms, rotary
         embeddings, gates and routing around the kernels, which run as custom ops) with `decode_compile_options`;
         compiled once per model and options."""
         if not self.compile_decode:
             return self.decode_logits
-        options = dict(self.decode_compile_options)
-        if self._compiled_decode is None or self._compiled_decode[0] != options:
+        if self._compiled_decode is None:
+            options = self._decode_compile_options
             mixers = {self.config.mixer_spec(kind) for kind in set(self.config.layer_mixers) - {"attention"}}
             preload([KERNELS, *(spec.kernels for spec in mixers if spec.kernels)])
             extra = {"options": options} if options else {}  # only Inductor takes options: the CPU tests use others
             compiled = torch.compile(self.decode_logits, fullgraph=True, dynamic=False, **extra)
-            config, limits = torch._dynamo.config, recompile_limits(1 << 20)
+            config, patches = torch._dynamo.config, recompile_limits(1 << 20)
             if options.get("freezing"):  # dynamo hands Inductor the weights as parameters to fold, not as inputs
-                limits["prepare_freezing"] = True
+                patches["prepare_freezing"] = True
 
             def step(input_ids: torch.Tensor, cache: StaticHybridCache) -> torch.Tensor:
                 # each (model, batch, cache length) compiles once and is then replayed as a graph, never traced
                 # again; dynamo's default of 8 compilations per function would run the 9th one eager, silently
-                with config.patch(**limits):
+                with config.patch(**patches):
                     return compiled(input_ids, cache)
 
-            self._compiled_decode = (options, step)
-        return self._compiled_decode[1]
+            self._compiled_decode = step
+        return self._compiled_decode
 
     def _graph_step(self, cache, input_ids, labels, kwargs) -> bool:
         """Whether this forward is a decode step to replay as a CUDA graph (see decode_graph.py)."""

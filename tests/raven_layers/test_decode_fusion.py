@@ -65,11 +65,6 @@ def test_groups_it_cannot_fuse_are_left_alone():
     assert fuse_shared_input_linears(graph) == 0 and linears(graph) == 3
 
 
-def test_the_options_fold_the_weights_and_carry_the_pass():
-    assert FUSED_PROJECTIONS["freezing"] is True
-    assert FUSED_PROJECTIONS["pre_grad_custom_pass"].uuid()
-
-
 def test_the_compiled_step_with_the_fusion_options_equals_the_eager_step():
     """Through `model.decode_compile_options` and Inductor (its CPU code here): the pass, and freezing with the
     weights handed over as parameters (dynamo's prepare_freezing, which the step sets), give the eager step's
