@@ -26,6 +26,7 @@ from .common import Mixer, one_cache, recompile_limits
 from .configuration_hybrid import HybridConfig, HybridConfigError
 from .decode_attention import KERNELS, decode_attention
 from .decode_graph import DecodeGraph
+from .decode_loop import applies, decode_loop
 from .static_cache import StaticHybridCache
 
 
@@ -319,6 +320,7 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.use_decode_graphs = True  # replay decode steps over a static cache on CUDA as CUDA graphs
         self.compile_decode = True  # and compile the step they capture (see decode_function)
+        self.use_decode_loop = True  # generate() over a static cache in decode_loop, which never waits per token
         self.decode_compile_options = {}  # Inductor options of that compilation (torch.compile's `options`)
         self._static_cache: StaticHybridCache | None = None  # kept for the next generate() that fits it
         self.post_init()
@@ -341,7 +343,8 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         generation (attention keys in place, sliding windows as rings, mixer states updated in place) and replays
         each decode step as a CUDA graph; `"dynamic"` (the default elsewhere) keeps the growing `HybridCache`, the
         eager reference. A cache passed in is used as it is. `model.use_decode_graphs = False` keeps the static
-        cache but decodes eagerly.
+        cache but decodes eagerly. Greedy decoding and sampling that return only the tokens run in decode_loop.py's
+        loop, which does not wait on the GPU at every token (`model.use_decode_loop = False`: transformers' loop).
         """
         config = generation_config if generation_config is not None else self.generation_config
         given = one_cache(kwargs.get("cache"), kwargs.get("past_key_values"))
@@ -371,6 +374,8 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
             max_length = kwargs.get("max_length", config.max_length)
         max_length = max(max_length, getattr(config, "max_cache_len", None) or 0)
         cache = self.static_cache(prompt.shape[0] * rows, -(-max_length // 128) * 128)  # rounded: reuse across calls
+        if self.use_decode_loop and applies(config, kwargs):
+            kwargs["custom_generate"] = decode_loop
         return super().generate(inputs, generation_config, **{OUTPUT_CACHE_FIELD: cache}, **kwargs)
 
     def set_attention_window(self, window: int | None) -> None:

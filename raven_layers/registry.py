@@ -41,6 +41,7 @@ MODEL_FILES = (
     "decode_attention.py",
     "decode_fusion.py",
     "decode_graph.py",
+    "decode_loop.py",
     "extra_mixers.py",
     "modeling_hybrid.py",
     "registry.py",

@@ -10,7 +10,8 @@ warms up (compiles, captures the graph; `compile s`), then
 - `kernels`: GPU kernels per step, from torch.profiler over 8 runs of the step outside the graph (what the graph
   replays);
 - `replay ms`: GPU time of one graph replay (100 replays, CUDA events);
-- `generate ms`: wall time per step of generate() over `--steps` tokens (sampling and stopping criteria included);
+- `generate ms`: wall time per step of generate() over `--steps` tokens (token choice and stopping criteria
+  included), in its own loop (raven_layers/decode_loop.py) and in transformers' (`use_decode_loop = False`);
 - `max |dlogit|`: the first decode step's logits against the `default` variant's, same prompt (bf16: the options
   may round differently; a wrong fusion shows as a large difference).
 
@@ -111,18 +112,24 @@ def measure(model, batch: int, context: int, steps: int, options: dict | None) -
         cache = model._static_cache
         replay = gpu_ms_per_replay(cache)
         kernels, top = kernels_per_step(model, cache, out.sequences[:, -1:])
-        timings = []
-        for n in (1, steps + 1):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
-            torch.cuda.synchronize()
-            timings.append(time.perf_counter() - start)
+        per_step = {}
+        for loop in (True, False):
+            model.use_decode_loop = loop
+            timings = []
+            for n in (1, steps + 1):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+                torch.cuda.synchronize()
+                timings.append(time.perf_counter() - start)
+            per_step[loop] = (timings[1] - timings[0]) / steps * 1e3
+        model.use_decode_loop = True
     return {
         "compile_s": compile_s,
         "kernels": kernels,
         "replay_ms": replay,
-        "generate_ms": (timings[1] - timings[0]) / steps * 1e3,
+        "generate_ms": per_step[True],
+        "transformers_loop_ms": per_step[False],
         "first_step_logits": first_step,
         "top_kernels": top,
     }
@@ -174,7 +181,8 @@ def main(argv=None):
                 save()
                 print(
                     f"{name} B{batch} {label}: compile {row['compile_s']:.1f} s, {row['kernels']:.0f} kernels, "
-                    f"replay {row['replay_ms']:.3f} ms, generate {row['generate_ms']:.3f} ms",
+                    f"replay {row['replay_ms']:.3f} ms, generate {row['generate_ms']:.3f} ms "
+                    f"({row['transformers_loop_ms']:.3f} in transformers' loop)",
                     flush=True,
                 )
         del model
@@ -184,15 +192,19 @@ def main(argv=None):
             for k in row["top_kernels"][:10]:
                 print(f"  {k['per_step']:5.1f} x {k['us_per_step']:8.1f} us  {k['name']}")
     print(f"\n{info}")
-    print("| model | batch | variant | compile s | kernels/step | replay ms | generate ms | max abs dlogit |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "| model | batch | variant | compile s | kernels/step | replay ms | generate ms | in transformers' loop | "
+        "max abs dlogit |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
         if "error" in row:
-            print(f"| {row['model']} | {row['batch']} | {row['variant']} | failed: {row['error'][:60]} | | | | |")
+            print(f"| {row['model']} | {row['batch']} | {row['variant']} | failed: {row['error'][:60]} | | | | | |")
             continue
         print(
             f"| {row['model']} | {row['batch']} | {row['variant']} | {row['compile_s']:.1f} | {row['kernels']:.0f} | "
-            f"{row['replay_ms']:.3f} | {row['generate_ms']:.3f} | {row['max_dlogit']:.3g} |"
+            f"{row['replay_ms']:.3f} | {row['generate_ms']:.3f} | {row['transformers_loop_ms']:.3f} | "
+            f"{row['max_dlogit']:.3g} |"
         )
 
 

@@ -173,3 +173,32 @@ def test_real_smollm2_fast_path_equals_the_eager_path(smollm2_dir, mixer, dtype)
         fast_error = mean_step_error(torch.stack(fast.logits, dim=1), truth)
         eager_error = mean_step_error(model(fast.sequences, attention_mask=full_mask).logits[:, prompt - 1 : -1], truth)
         assert fast_error < 2 * eager_error + 1e-3, f"fast path {fast_error:.2e}, eager bf16 {eager_error:.2e}"
+
+
+@pytest.mark.parametrize("mixer", ["raven", "sse", "sila"])
+def test_decode_loop_on_cuda_graphs_equals_transformers_loop(mixer):
+    """generate()'s own loop (decode_loop.py) over replayed CUDA graphs: float32 greedy tokens, with rows that stop
+    at their end token, and sampled tokens from the same seed, equal transformers' loop over the same graphs."""
+    torch.manual_seed(0)
+    source = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
+    model = build_hybrid(source, plan_layers([(mixer, "0,2")], 4), {mixer: SETTINGS[mixer]}).cuda()
+    ids = torch.randint(3, 100, (3, 41), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+
+    def both(seed=0, **kwargs):
+        out = []
+        for loop in (False, True):
+            model.use_decode_loop = loop
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                out.append(model.generate(ids, attention_mask=mask, max_new_tokens=48, pad_token_id=0, **kwargs))
+            assert model._static_cache.graph.graph is not None  # the steps were replayed graphs
+        return out
+
+    free, _ = both(do_sample=False)
+    eos = [int(free[row, 41 + step]) for row, step in ((0, 5), (1, 9), (2, 20))]
+    theirs, ours = both(do_sample=False, eos_token_id=eos)
+    assert torch.equal(ours, theirs) and ours.shape[1] < free.shape[1]
+    theirs, ours = both(seed=3, do_sample=True, top_k=30, temperature=0.8)
+    assert torch.equal(ours, theirs)

@@ -1,0 +1,110 @@
+"""generate()'s own decoding loop (decode_loop.py) returns the tokens of transformers' loop, and runs only where it
+applies."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+import raven_layers.modeling_hybrid as modeling
+from raven_convert import build_hybrid, plan_layers
+from raven_layers.decode_loop import applies
+from tests.conftest import tiny_config
+
+pytestmark = pytest.mark.transformers_api
+SETTINGS = {"raven": {"num_slots": 16, "top_k": 4, "chunk_size": 4}, "sila": {"chunk_size": 4}}
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    torch.manual_seed(0)
+    source = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=4)).eval()
+    return build_hybrid(source, plan_layers([("sila", "0"), ("raven", "2")], 4), SETTINGS).eval()
+
+
+@pytest.fixture
+def loops(monkeypatch):
+    """The number of generate() calls that ran decode_loop."""
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return modeling.decode_loop.__wrapped__(*args, **kwargs)
+
+    counted.__wrapped__ = modeling.decode_loop
+    monkeypatch.setattr(modeling, "decode_loop", counted)
+    return calls
+
+
+def prompt(rows=3):
+    ids = torch.randint(3, 100, (rows, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[-1, :8] = 0  # one real token
+    return ids, mask
+
+
+def both(model, ids, mask, seed=0, **kwargs):
+    """generate() in transformers' loop, then in decode_loop, from the same random state."""
+    out = []
+    for loop in (False, True):
+        model.use_decode_loop = loop
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            out.append(
+                model.generate(
+                    ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0, cache_implementation="static", **kwargs
+                )
+            )
+    model.use_decode_loop = True
+    return out
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"do_sample": False},
+        {"do_sample": False, "prefill_chunk_size": 4},
+        {"do_sample": True, "top_k": 20, "temperature": 0.7},
+        {"do_sample": True, "top_p": 0.9, "num_return_sequences": 2},
+        {"do_sample": False, "repetition_penalty": 1.3, "min_new_tokens": 4},
+    ],
+    ids=["greedy", "prefill-chunks", "top-k", "top-p-2-sequences", "penalties"],
+)
+def test_tokens_equal_transformers_loop(hybrid, loops, settings):
+    ids, mask = prompt()
+    theirs, ours = both(hybrid, ids, mask, **settings)
+    assert loops == [1]
+    assert ours.shape == theirs.shape == (ids.shape[0] * settings.get("num_return_sequences", 1), 21)
+    assert torch.equal(ours, theirs)
+
+
+def test_rows_that_stop_early_are_padded_and_the_loop_ends_when_all_have(hybrid, loops):
+    ids, mask = prompt(rows=2)
+    free, _ = both(hybrid, ids, mask)
+    eos = [int(free[0, 11]), int(free[1, 13])]  # row 0 stops at its third new token, row 1 at its fifth
+    theirs, ours = both(hybrid, ids, mask, eos_token_id=eos)
+    assert loops == [1, 1]
+    assert ours.shape[1] < free.shape[1] and torch.equal(ours, theirs)
+    assert (ours[0, 12:] == 0).all()
+    # the next generate() starts from a clean cache although the loop ran one step past the end
+    again, _ = both(hybrid, ids, mask, eos_token_id=eos)
+    assert torch.equal(again, theirs)
+
+
+def test_transformers_loop_runs_what_decode_loop_does_not_cover(hybrid, loops):
+    ids, mask = prompt()
+    with torch.no_grad():
+        hybrid.generate(ids, attention_mask=mask, max_new_tokens=3, cache_implementation="static", num_beams=2)
+        hybrid.generate(
+            ids, attention_mask=mask, max_new_tokens=3, cache_implementation="static", return_dict_in_generate=True
+        )
+        hybrid.generate(ids, attention_mask=mask, max_new_tokens=3, cache_implementation="dynamic")
+    assert loops == []
+
+
+def test_applies_reads_the_config_and_the_arguments():
+    greedy = GenerationConfig()
+    assert applies(greedy, {}) and applies(greedy, {"do_sample": True, "attention_mask": None})
+    assert not applies(greedy, {"num_beams": 3})
+    assert not applies(GenerationConfig(return_dict_in_generate=True), {})
+    assert not applies(greedy, {"streamer": object()})
