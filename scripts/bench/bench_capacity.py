@@ -215,14 +215,20 @@ def main(argv: list[str] | None = None) -> None:
     mixers = checked_mixers(args, "CUDA memory")
     bandwidth = copy_bandwidth()
     results = []
-    for name, model in build_models(mixers, layer_specs(args), args.windows):
+    for name, model in build_models(mixers, layer_specs(args), args.windows, args.decode_options):
         timed = name.startswith("teacher") or args.time == "all" or "-sw" in name
         entry = largest_batch(name, model, context, args.steps, args.reserve, timed, bandwidth)
         results.append(entry)
         print(json.dumps(entry), flush=True)
         del model  # freed before the next model is built (build_models)
     gpu_gib = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
-    write_record(args.out / "bench_capacity.json", results, gpu_gib=gpu_gib, copy_tb_per_s=round(bandwidth / 1e12, 3))
+    write_record(
+        args.out / "bench_capacity.json",
+        results,
+        gpu_gib=gpu_gib,
+        copy_tb_per_s=round(bandwidth / 1e12, 3),
+        decode_options=args.decode_options,
+    )
     print(table(results))
 
 

@@ -83,14 +83,19 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth = copy_bandwidth()
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s", flush=True)
     results = []
-    for name, model in build_models(mixers, specs, args.windows):
+    for name, model in build_models(mixers, specs, args.windows, args.decode_options):
         for context in contexts:
             for batch in batches:
                 entry = measure_decode(name, model, batch, context, args.steps, args.prefill_chunk, bandwidth)
                 results.append(entry)
                 print(json.dumps(entry), flush=True)
         del model
-    write_record(args.out / "bench_generate.json", results, copy_tb_per_s=round(bandwidth / 1e12, 3))
+    write_record(
+        args.out / "bench_generate.json",
+        results,
+        copy_tb_per_s=round(bandwidth / 1e12, 3),
+        decode_options=args.decode_options,
+    )
     print(table(results))
 
 

@@ -76,6 +76,50 @@ def add_model_arguments(parser: argparse.ArgumentParser, mixers: str | None = No
         "--depths", default=None, help="instead of --layers: numbers of layers converted, each spread evenly (15,22)"
     )
     parser.add_argument("--windows", type=int, default=None, help="also run each hybrid with W-token windows")
+    parser.add_argument(
+        "--decode-options",
+        type=checked_decode_options,
+        default="default",
+        help="the decode step's compilation on this engine: default, eager, or Inductor options (fused,a=1,...)",
+    )
+
+
+def parse_decode_options(text: str) -> dict | None:
+    """A decode step's compilation as `model.decode_compile_options` takes it: 'default' -> {} (the model's own),
+    'eager' -> None (not compiled: `compile_decode = False`), 'a=1,b=True' -> {'a': 1, 'b': True} (Inductor options,
+    Python literals), 'fused' alone or among them -> raven_layers.decode_fusion.FUSED_PROJECTIONS."""
+    import ast
+
+    from raven_layers.decode_fusion import FUSED_PROJECTIONS
+
+    if text == "default":
+        return {}
+    if text == "eager":
+        return None
+    options = {}
+    for item in text.split(","):
+        if item == "fused":
+            options.update(FUSED_PROJECTIONS)
+            continue
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"{item!r} is not name=value; expected default, eager or name=value,...")
+        try:
+            options[name.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            raise argparse.ArgumentTypeError(f"{value!r} of {name} is not a Python literal (True, 1, 'x')") from None
+    return options
+
+
+def checked_decode_options(text: str) -> str:
+    parse_decode_options(text)
+    return text
+
+
+def set_decode_options(model, options: dict | None) -> None:
+    """Compile `model`'s decode step with `options` (parse_decode_options), or not at all for None."""
+    model.compile_decode = options is not None
+    model.decode_compile_options = options or {}
 
 
 def spread_layers(n: int, num_layers: int) -> str:
@@ -151,10 +195,11 @@ def release() -> None:
     torch.cuda.empty_cache()
 
 
-def build_models(mixers: list[str], specs: list[tuple[str, str]], windows: int | None):
+def build_models(mixers: list[str], specs: list[tuple[str, str]], windows: int | None, decode_options: str = "default"):
     """(name, model) pairs: the teacher on transformers first, then on this project's engine (`teacher-engine`, no
     layer converted), then one hybrid per mixer and layer spec of `specs` ((name suffix, spec) pairs), and each again
-    with windows. Drop `model` before asking for the next: each model's memory (its static cache and compiled step
+    with windows; the models on this engine compile their decode step as `decode_options` says (parse_decode_options).
+    Drop `model` before asking for the next: each model's memory (its static cache and compiled step
     too) is freed before the next is built, or the next one's peak memory and batch capacity would include it. The
     teacher's weights stay: every hybrid is built from them."""
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -168,6 +213,7 @@ def build_models(mixers: list[str], specs: list[tuple[str, str]], windows: int |
     release()
     n = SMOLLM2_135M["num_hidden_layers"]
     engine = build_hybrid(teacher, ["attention"] * n, {}).to("cuda", torch.bfloat16).eval()
+    set_decode_options(engine, parse_decode_options(decode_options))
     yield "teacher-engine", engine
     del engine
     release()
@@ -177,6 +223,7 @@ def build_models(mixers: list[str], specs: list[tuple[str, str]], windows: int |
             for window in [None] + ([windows] if windows else []):
                 spans = [window if kind == "attention" else None for kind in kinds] if window else None
                 hybrid = build_hybrid(teacher, kinds, {}, attention_windows=spans).to("cuda", torch.bfloat16).eval()
+                set_decode_options(hybrid, parse_decode_options(decode_options))
                 yield f"{mixer}{suffix}" + (f"-sw{window}" if window else ""), hybrid
                 del hybrid
                 release()

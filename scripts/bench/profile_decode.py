@@ -24,7 +24,6 @@ OUT/profile_decode.json with the profiler's top kernels of each row.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import sys
 import time
@@ -34,32 +33,24 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
 
-from common import SMOLLM2_135M, build_models, parse_sizes, release, spread_layers  # noqa: E402
+from common import (  # noqa: E402
+    SMOLLM2_135M,
+    build_models,
+    parse_decode_options,
+    parse_sizes,
+    release,
+    set_decode_options,
+    spread_layers,
+)
 
 from raven_layers.decode_attention import decode_attention  # noqa: E402
-from raven_layers.decode_fusion import FUSED_PROJECTIONS  # noqa: E402
 
 
 def parse_variant(text: str) -> tuple[str, dict | None]:
-    """'default' -> {}, 'eager' -> None (no compilation), 'a=1,b=True' -> {'a': 1, 'b': True}, 'fused' (alone or
-    with others) -> decode_fusion.FUSED_PROJECTIONS."""
-    if text == "default":
-        return text, {}
-    if text == "eager":
-        return text, None
-    options = {}
-    for item in text.split(","):
-        if item == "fused":  # the projection fusion's options (raven_layers/decode_fusion.py)
-            options.update(FUSED_PROJECTIONS)
-            continue
-        name, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--variants: {item!r} is not name=value; expected default, eager or name=value,...")
-        try:
-            options[name.strip()] = ast.literal_eval(value.strip())
-        except (ValueError, SyntaxError):
-            raise SystemExit(f"--variants: {value!r} of {name} is not a Python literal (True, 1, 'x')") from None
-    return text, options
+    try:
+        return text, parse_decode_options(text)
+    except argparse.ArgumentTypeError as error:
+        raise SystemExit(f"--variants: {error}") from None
 
 
 def gpu_ms_per_replay(cache, replays: int = 100) -> float:
@@ -93,8 +84,7 @@ def kernels_per_step(model, cache, token: torch.Tensor, runs: int = 8) -> tuple[
 
 def measure(model, batch: int, context: int, steps: int, options: dict | None) -> dict:
     model._static_cache = None  # a fresh cache and graph: the step below is compiled anew
-    model.compile_decode = options is not None
-    model.decode_compile_options = options or {}
+    set_decode_options(model, options)
     release()
     seed = torch.Generator(device="cuda").manual_seed(batch)  # every variant decodes the same prompt
     ids = torch.randint(3, SMOLLM2_135M["vocab_size"], (batch, context), device="cuda", generator=seed)
