@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raven_convert import layer_choice, layer_choice_report
+from raven_convert import layer_choice, layer_choice_report, layer_scan
 from raven_convert.cli import main
 from raven_convert.layer_choice import ChoiceSettings, build_probes, choice_record, rank_layers
 from raven_convert.layer_spec import auto_count
@@ -289,7 +289,7 @@ def test_both_sums_the_window_and_the_mixer_scores(words_corpus, loaded, tmp_pat
 
     def scores(ablation, fitted):
         settings = FIT.model_copy(update={"ablation": ablation})
-        rows = layer_choice.score_layers(hybrid, probes, settings, 0, lambda m: None, fitted)
+        rows = layer_scan.score_layers(hybrid, probes, settings, 0, lambda m: None, fitted)
         assert [row["score"] for row in rows] == sorted(row["score"] for row in rows)
         return {row["layer"]: row for row in rows}
 
@@ -371,7 +371,7 @@ def test_scoring_reuses_the_prefix(loaded):
     from raven_convert.surgery import build_hybrid
 
     hybrid = build_hybrid(model, ["attention"] * 6, {})
-    stack = layer_choice._Stack(hybrid, window=96)
+    stack = layer_scan._Stack(hybrid, window=96)
     ids = torch.randint(3, 100, (2, 64))
     h, context = stack.start(ids)
     full = stack.finish(h, 0, context, {})
@@ -404,7 +404,7 @@ def test_restore_scores_what_restoring_a_layer_recovers(words_corpus, loaded, tm
     )
     with torch.no_grad():
         fitted.model.layers[2].self_attn.o_proj.weight.mul_(30.0)
-    rows = layer_choice.score_layers(hybrid, probes, settings, 0, lambda m: None, fitted)
+    rows = layer_scan.score_layers(hybrid, probes, settings, 0, lambda m: None, fitted)
     assert rows[-1]["layer"] == 2  # the spoiled mixer's layer recovers most: kept first
     assert [row["score"] for row in rows] == sorted(row["score"] for row in rows)  # one round: ascending
 
@@ -426,7 +426,7 @@ def test_restore_scores_what_restoring_a_layer_recovers(words_corpus, loaded, tm
         for row in rows:
             assert row["kl"] == pytest.approx(base - kl_with({row["layer"]}), abs=1e-4)
 
-    greedy = layer_choice.score_layers(hybrid, probes, settings.model_copy(update={"rounds": 3}), 0, print, fitted)
+    greedy = layer_scan.score_layers(hybrid, probes, settings.model_copy(update={"rounds": 3}), 0, print, fitted)
     assert [row["round"] for row in greedy] == [3, 3, 2, 2, 1, 1]  # the first kept, in round 1, rank last
     assert greedy[-1]["layer"] == 2
 
