@@ -280,7 +280,7 @@ def first_kinds(start: list[str], auto: tuple[str, int]) -> list[str]:
     fixed = len(start) - len(free)
     if n <= fixed:
         raise ValueError(
-            f"auto:{n} converts {n} layers in all, and the source hybrid converted {fixed} already (layers "
+            f"auto:{n} counts every converted layer, the {fixed} the source hybrid converted among them (layers "
             f"{listed_layers(start)}): N must be above {fixed} (and at most {len(start) - 1})"
         )
     chosen = sorted([i for i, kind in enumerate(start) if kind != "attention"] + free[: n - fixed])
@@ -417,6 +417,8 @@ def choice_record(result: dict, n: int) -> dict:
     """What the converted model's config records (`layer_choice`): the N layers converted and every layer's score
     parts, as lists indexed by layer; a source hybrid's converted layers ("fixed", counted in N) score None."""
     ranking, fixed = result["ranking"], result.get("fixed", [])
+    if n <= len(fixed):
+        raise ValueError(f"n = {n} does not exceed the {len(fixed)} layers the scanned hybrid had converted")
     by_layer = {row["layer"]: row for row in ranking}
     rows = [by_layer.get(i) for i in range(len(ranking) + len(fixed))]
 

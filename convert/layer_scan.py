@@ -3,6 +3,8 @@ by what ablating it costs (direction "cut") or what restoring it recovers (direc
 
     ranking = score_layers(hybrid, probes, settings, eos, fitted=fitted)   # [{layer, round, retrieval, kl, score}]
 
+`settings` is a layer_choice.ChoiceSettings (not imported here: layer_choice imports this module).
+
 The model scanned is a hybrid (an attention-only one for a Transformer teacher). Its attention layers are scored;
 the mixers of a hybrid converted further stay as they are in every pass, neither ablated nor ranked. A layer's
 ablation reuses the hidden states before it and runs only the layers from it on.
@@ -11,14 +13,10 @@ ablation reuses the hidden states before it and runs only the layers from it on.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from raven_convert.console import eta
-
-if TYPE_CHECKING:
-    from raven_convert.layer_choice import ChoiceSettings
 
 KINDS = {"window": ("window",), "mixer": ("mixer",), "both": ("window", "mixer")}  # the ablations each scan runs
 
@@ -86,7 +84,7 @@ def _kl(stack: _Stack, final: torch.Tensor, teacher: torch.Tensor, chunk: int = 
     return total
 
 
-def _batches(probes: dict, settings: ChoiceSettings, eos: int, device) -> list[dict]:
+def _batches(probes: dict, settings, eos: int, device) -> list[dict]:
     """Probe batches on `device`: retrieval ones right-padded with `eos` (causal: a pad never reaches an answer)."""
     out = []
     items = probes["retrieval"]
@@ -145,7 +143,7 @@ def _scan(
 
 
 @torch.no_grad()
-def score_layers(hybrid, probes: dict, settings: ChoiceSettings, eos: int, log=print, fitted=None) -> list[dict]:
+def score_layers(hybrid, probes: dict, settings, eos: int, log=print, fitted=None) -> list[dict]:
     """The ranking of the attention layers of `hybrid` (eval mode; its mixers, where it is a hybrid converted further,
     run as they are and are not ranked), one row per layer in ranking order: {layer, round, retrieval, kl, score},
     each a rise over its round's base (the layers ranked before ablated), or under direction "restore" a fall from

@@ -138,8 +138,10 @@ class HybridConfig(PretrainedConfig):
             base_model_type = source_config.base_model_type
             mixer_settings = _carried_settings(source_config.mixer_settings, mixer_settings)
             mixer_sources = {**source_config.mixer_sources, **(mixer_sources or {})}
-            if attention_windows is None:
-                attention_windows = source_config.attention_windows
+            if attention_windows is None and source_config.attention_windows is not None:  # none on a new mixer
+                attention_windows = [
+                    w if kind == "attention" else None for w, kind in zip(source_config.attention_windows, layer_mixers)
+                ]
         return cls(
             base_model_type=base_model_type,
             layer_mixers=layer_mixers,

@@ -164,13 +164,13 @@ class Recipe(_Strict):
         "export": ("export",),
     }
     source: str = Field(description="teacher: Hub id, model directory or .gguf file")
+    layers: list[LayerAssignment] = Field(min_length=1)
     start_from: str | None = Field(
         None,
         min_length=1,
         description="a hybrid this toolkit saved (its model directory), converted further: convert keeps its mixers "
         "and converts more of its attention layers, align imitates it; source stays the teacher of the other stages",
     )
-    layers: list[LayerAssignment] = Field(min_length=1)
     mixer_settings: dict[str, dict] = Field(default_factory=dict)
     sliding_window: int | None = Field(None, ge=1)
     window_layers: str | None = None

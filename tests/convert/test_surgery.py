@@ -91,7 +91,10 @@ def test_a_hybrid_converted_further_keeps_its_mixers_and_starts_the_new_ones_as_
         (["--mixer", "sila", "--layers", "1,2", "--mixer", "sse", "--layers", "0"], None),
         (["--mixer", "sila", "--layers", "1"], "the plan converts no layer that the source hybrid"),
         (["--mixer", "sila", "--layers", "1,2", "--sila-conv-size", "4"], "sila.conv_size = 4, but the source"),
-        (["--mixer", "sila", "--layers", "auto:1", "--choice-data", "CORPUS"], "auto:1 converts 1 layers in all"),
+        (
+            ["--mixer", "sila", "--layers", "auto:1", "--choice-data", "CORPUS"],
+            "auto:1 counts every converted layer, the 1 the source",
+        ),
     ],
 )
 def test_a_further_conversion_refuses_a_plan_that_does_not_keep_the_source_before_loading_it(
@@ -118,3 +121,11 @@ def test_a_further_conversion_refuses_a_plan_that_does_not_keep_the_source_befor
     error = capsys.readouterr().err
     assert problem in error and "Traceback" not in error
     assert not (tmp_path / "out").exists()
+
+
+def test_a_further_conversion_keeps_the_sources_sliding_windows_on_the_attention_it_keeps(tiny_sources, tmp_path):
+    windowed = tmp_path / "windowed"
+    argv = ["--src", tiny_sources["llama"], "--mixer", "sila", "--layers", "1", "--sliding-window", "4"]
+    assert convert(*argv, "--out", windowed) == 0
+    assert convert("--src", windowed, "--mixer", "sila", "--layers", "1,2", "--out", tmp_path / "further") == 0
+    assert json.loads((tmp_path / "further" / "config.json").read_text())["attention_windows"] == [4, None, None, 4]
