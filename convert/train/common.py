@@ -16,6 +16,8 @@ import math
 import torch
 from torch import nn
 
+from raven_convert.surgery import start_kinds
+
 
 def is_hybrid(model) -> bool:
     """Whether `model` is a converted hybrid (its config lists each layer's mixer), not a plain causal LM."""
@@ -31,7 +33,7 @@ def aligned_layers(teacher, hybrid) -> list[int]:
     """The converted layers of `hybrid` that align trains: those whose attention `teacher` runs. A Transformer
     teacher runs every one; a hybrid teacher, the start of a further conversion, has its own mixers in some layers,
     which the hybrid took over trained."""
-    kinds = getattr(teacher.config, "layer_mixers", None) or ["attention"] * teacher.config.num_hidden_layers
+    kinds = start_kinds(teacher.config)
     return [i for i in converted_layers(hybrid) if kinds[i] == "attention"]
 
 
