@@ -6,6 +6,7 @@ Hugging Face decoder into a hybrid with linear-time mixers (Raven, SSE, SILA, or
             --raven-num-slots 64 --raven-top-k 8 --sliding-window 512 --out out
     convert --src model.gguf --mixer mypkg.gla:MIXER --layers 0-29:2 --gla-expand 2 --out out
     convert --src model.gguf --mixer sse --layers auto:15 --choice-data corpus/ --out out
+    convert --src out --mixer sse --layers auto:22 --choice-data corpus/ --out out-22   # a hybrid, further
 """
 
 from __future__ import annotations
@@ -101,7 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawTextHelpFormatter,
     )
-    p.add_argument("--src", default=DEFAULT_SRC, help=f"Hub id, model directory or .gguf file (default {DEFAULT_SRC})")
+    p.add_argument(
+        "--src",
+        default=DEFAULT_SRC,
+        help=f"Hub id, model directory or .gguf file (default {DEFAULT_SRC}); a hybrid this toolkit saved is "
+        "converted further, keeping the layers it converted (docs/DEPTH.md)",
+    )
     p.add_argument(
         "--mixer",
         action="append",

@@ -116,6 +116,7 @@ def model_card(model: HybridForCausalLM, base_model: str) -> str:
     sizes_text = "\n".join(lines)
     n_params = sum(p.numel() for p in model.parameters())
     choice = "\n" + card_section(config.layer_choice) if getattr(config, "layer_choice", None) else ""
+    steps = "\n" + _steps_section(config.converted_from) if getattr(config, "converted_from", None) else ""
     front = {
         "library_name": "transformers",
         "pipeline_tag": "text-generation",
@@ -166,7 +167,20 @@ Only `transformers` and `torch` are needed: the modeling code ships with the wei
 | layer | mixer |
 | --- | --- |
 {table}
-{choice}"""
+{steps}{choice}"""
+
+
+def _steps_section(chain: list[dict]) -> str:
+    """The model card's account of a conversion in steps: the hybrids it was converted further from, oldest first."""
+    rows = [
+        f"- `{step['model']}`, which had converted layers "
+        + ", ".join(f"{i} ({kind})" for i, kind in enumerate(step["layer_mixers"]) if kind != "attention")
+        for step in chain
+    ]
+    return (
+        "## Converted in steps\n\nThis hybrid was converted further from the last hybrid below, keeping its mixers "
+        "with their trained\nweights; each was converted from the one before it:\n\n" + "\n".join(rows) + "\n"
+    )
 
 
 def push_to_hub(out_dir: str | Path, repo_id: str, *, private: bool = False, token: str | None = None, api=None):

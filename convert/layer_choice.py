@@ -29,13 +29,17 @@ max(retrieval, 0) + kl_weight * kl). A mixer fitted on short probes imitates som
 still loses their far context at 4-8K, which the window's score sees; the window misses layers no mixer imitates,
 which the mixer's sees. The greedy rounds run the ranked layers' mixers; the scan runs both ablations.
 
-A scan reuses the hidden states before the layer it changes (a layer's ablation runs only the layers from it on).
-With `direction: restore` the scan runs the other way, for deep conversion, where few layers stay attention: the
-base is the model with every layer ablated (its mixer, window or each in turn), and a layer is scored by what
-restoring its attention recovers (the falls of the answer NLL and of the KL, the same parts, 0 where the NLL
+A scan (layer_scan.py) reuses the hidden states before the layer it changes (a layer's ablation runs only the layers
+from it on). With `direction: restore` the scan runs the other way, for deep conversion, where few layers stay
+attention: the base is the model with every layer ablated (its mixer, window or each in turn), and a layer is scored
+by what restoring its attention recovers (the falls of the answer NLL and of the KL, the same parts, 0 where the NLL
 rises). Each greedy round keeps its highest-scoring share restored for the rounds after, so the first layers kept
 are the ones that recover most with the fewest others beside them (KL-guided layer selection restores softmax
 layers so); the ranking is the order of restoring reversed, and `auto:N` still converts its first N.
+
+A source that is a hybrid, converted further, is scanned as it is: its mixers stay in every pass, only its attention
+layers are ranked (every ablation and direction works so), and `auto:N` converts the first N - k of them beside its
+k converted layers (`fixed` in the record).
 
 The ranking is cached as JSON in `cache_dir` under a key hashing the teacher's config and weights, the probe
 tokens and the settings: the same teacher, corpus and settings never scan twice.
@@ -58,9 +62,9 @@ from typing import Annotated, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from raven_convert.console import eta
 from raven_convert.files import write_json
 from raven_convert.layer_choice_report import format_table
+from raven_convert.layer_scan import KINDS, score_layers
 from raven_convert.layer_spec import auto_count
 from raven_convert.sources import model_fingerprint
 
@@ -69,7 +73,6 @@ METHODS = {
     "mixer": "replacement by briefly aligned mixers (see docs/LAYER_CHOICE.md)",
     "both": "sliding-window ablation plus replacement by briefly aligned mixers (see docs/LAYER_CHOICE.md)",
 }
-KINDS = {"window": ("window",), "mixer": ("mixer",), "both": ("window", "mixer")}  # the ablations each scan runs
 DIRECTIONS = {
     "cut": "each layer ablated in turn",
     "restore": "every layer ablated, each layer's attention restored in turn",
@@ -211,195 +214,6 @@ def build_probes(documents: Iterable[str], tokenizer, settings: ChoiceSettings, 
     return probes
 
 
-class _Stack:
-    """The decoder stack of an attention-only hybrid, run layer by layer with chosen layers ablated: windowed
-    ("window"), or with `replacements` (the decoder layers of a hybrid of the same teacher whose every layer is a
-    mixer) run in their place ("mixer"). Layers already ranked are ablated as `ranked` says: by their mixers when
-    there are replacements, else windowed."""
-
-    def __init__(self, hybrid, window: int, replacements=None):
-        self.inner, self.head, self.window = hybrid.model, hybrid.lm_head, window
-        self.replacements = replacements
-        self.ranked = "window" if replacements is None else "mixer"
-
-    def start(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """[B, T] token ids -> the embeddings [B, T, H] and what every layer needs (positions, masks)."""
-        inner = self.inner
-        h = inner.embed_tokens(ids)  # [B, T, H]
-        B, T = ids.shape
-        positions = torch.arange(T, device=ids.device).expand(B, -1)
-        windows = {*inner.windows, self.window}
-        masks = {w: inner._attention_mask(None, B, T, 0, w, h, None) for w in windows}
-        return h, {"positions": positions, "rotary": inner.rotary_emb(h, positions), "masks": masks}
-
-    def layer(self, i: int, h: torch.Tensor, context: dict, ablation: str | None) -> torch.Tensor:
-        """Layer i on h, as it is (ablation None), windowed ("window") or replaced by its mixer ("mixer")."""
-        layers, window = self.inner.layers, self.inner.windows[i]
-        if ablation == "mixer":  # the mixer in place of the attention; it reads no mask
-            layers = self.replacements
-        elif ablation == "window":
-            window = self.window if window is None else min(self.window, window)
-        return layers[i](
-            h,
-            attention_mask=context["masks"][window],
-            position_ids=context["positions"],
-            position_embeddings=context["rotary"],
-            use_cache=False,
-            **{self.inner.cache_argument: None},
-        )
-
-    def finish(self, h: torch.Tensor, first: int, context: dict, ablated: dict[int, str]) -> torch.Tensor:
-        """Layers first.. on h (those in `ablated` ablated as it says), then the final norm: [B, T, H] -> [B, T, H]."""
-        for i in range(first, len(self.inner.layers)):
-            h = self.layer(i, h, context, ablated.get(i))
-        return self.inner.norm(h)
-
-
-def _answer_nll(stack: _Stack, final: torch.Tensor, ids: torch.Tensor, starts: list[int], ends: list[int]) -> float:
-    """Summed NLL of the answer tokens ids[b, starts[b]:ends[b]], from final hidden states [B, T, H]."""
-    total = 0.0
-    for b, (s, e) in enumerate(zip(starts, ends)):
-        logits = stack.head(final[b, s - 1 : e - 1]).float()  # [A, V], each predicting the next answer token
-        total += torch.nn.functional.cross_entropy(logits, ids[b, s:e], reduction="sum").item()
-    return total
-
-
-def _kl(stack: _Stack, final: torch.Tensor, teacher: torch.Tensor, chunk: int = 256) -> float:
-    """Summed KL(teacher || model) over [B, T', H] final hidden states, in chunks of positions."""
-    total = 0.0
-    for c in range(0, final.shape[1], chunk):
-        p = stack.head(teacher[:, c : c + chunk]).float().log_softmax(-1)  # [B, C, V]
-        q = stack.head(final[:, c : c + chunk]).float().log_softmax(-1)
-        total += (p.exp() * (p - q)).sum().item()
-    return total
-
-
-def _batches(probes: dict, settings: ChoiceSettings, eos: int, device) -> list[dict]:
-    """Probe batches on `device`: retrieval ones right-padded with `eos` (causal: a pad never reaches an answer)."""
-    out = []
-    items = probes["retrieval"]
-    for b in range(0, len(items), settings.batch_size):
-        group = items[b : b + settings.batch_size]
-        width = max(len(ids) for ids, _ in group)
-        ids = torch.tensor([ids + [eos] * (width - len(ids)) for ids, _ in group], device=device)  # [B, T]
-        out.append({"ids": ids, "starts": [s for _, s in group], "ends": [len(i) for i, _ in group]})
-    rows = probes["text"]
-    for b in range(0, len(rows), settings.batch_size):
-        out.append({"ids": torch.tensor(rows[b : b + settings.batch_size], device=device)})
-    return out
-
-
-@torch.no_grad()
-def _scan(
-    stack: _Stack, batches: list[dict], plan, candidates: list[int], kinds: tuple[str, ...], window: int, progress
-):
-    """Summed answer NLL and plain-text KL of each kind's base, and of each candidate changed in each kind's way.
-    `plan(kind)` gives (base, change): the base ablates the layers of {layer: ablation}; a candidate runs as
-    `change` (an ablation, or None for its attention) over that base.
-    -> ({("base", kind) or (layer, kind): [nll, kl]}, answer tokens, KL positions)."""
-    sums = {key: [0.0, 0.0] for kind in kinds for key in [("base", kind), *((i, kind) for i in candidates)]}
-    tokens = positions = 0
-    L = len(stack.inner.layers)
-    for batch in batches:
-        ids = batch["ids"]
-        if "starts" in batch:
-            tokens += sum(e - s for s, e in zip(batch["starts"], batch["ends"]))
-
-            def measure(final, batch=batch):
-                return _answer_nll(stack, final, batch["ids"], batch["starts"], batch["ends"]), 0.0
-        else:
-            positions += ids.shape[0] * max(0, ids.shape[1] - window)
-
-            def measure(final, teacher=batch["teacher"][:, window:]):
-                return 0.0, _kl(stack, final[:, window:], teacher)
-
-        groups: dict[str, list[str]] = {}  # kinds with the same base share its prefix (cut: every kind)
-        for kind in kinds:
-            groups.setdefault(repr(sorted(plan(kind)[0].items())), []).append(kind)
-        for group in groups.values():
-            base = plan(group[0])[0]
-            h, context = stack.start(ids)
-            for i in range(L):
-                for kind in group if i in candidates else ():  # the layers before i ran once, for every candidate
-                    changed = stack.finish(stack.layer(i, h, context, plan(kind)[1]), i + 1, context, base)
-                    sums[i, kind] = [a + b for a, b in zip(sums[i, kind], measure(changed))]
-                    progress(L - i)  # the layers it ran
-                h = stack.layer(i, h, context, base.get(i))
-            measured = measure(stack.inner.norm(h))
-            for kind in group:
-                sums["base", kind] = [a + b for a, b in zip(sums["base", kind], measured)]
-            progress(L)
-    return sums, tokens, positions
-
-
-@torch.no_grad()
-def score_layers(hybrid, probes: dict, settings: ChoiceSettings, eos: int, log=print, fitted=None) -> list[dict]:
-    """The ranking of the layers of `hybrid` (attention only, eval mode), one row per layer in ranking order:
-    {layer, round, retrieval, kl, score}, each a rise over its round's base (the layers ranked before ablated), or
-    under direction "restore" a fall from it (every layer but those kept before ablated; the first kept rank last);
-    under ablation "both", retrieval and kl summed over the two ablations, and "parts": {kind: its score}.
-    `fitted`: the hybrid of aligned mixers whose layers replace the ablated ones (ablations "mixer" and "both", and
-    the ranked layers); None: windows."""
-    device = next(hybrid.parameters()).device
-    stack = _Stack(hybrid, settings.window, None if fitted is None else fitted.model.layers)
-    kinds = KINDS[settings.ablation]
-    batches = _batches(probes, settings, eos, device)
-    for batch in batches:
-        if "starts" not in batch:  # the unablated teacher's final hidden states, the reference of the KL
-            h, context = stack.start(batch["ids"])
-            batch["teacher"] = stack.finish(h, 0, context, {})
-    L = len(hybrid.model.layers)
-    sizes = settings.schedule(L)
-    # layer passes: a candidate of layer i runs L - i layers (on average (L + 1) / 2), the round's base L, per kind
-    candidates = [L - sum(sizes[:r]) for r in range(len(sizes))]
-    total = round(sum((c * (L + 1) / 2 + L) * len(kinds) for c in candidates) * len(batches))
-    clock, done, last = time.perf_counter(), [0], [0.0]
-
-    def progress(units: int) -> None:
-        done[0] += units
-        spent = time.perf_counter() - clock
-        if spent - last[0] >= 10:  # the total is an estimate: never shown as reached before the end
-            last[0] = spent
-            log(
-                f"layer choice: {done[0]:,}/~{total:,} layer passes, {spent:.0f} s, "
-                f"{eta(spent / done[0] * max(total - done[0], 1))}"
-            )
-
-    restore = settings.direction == "restore"
-    left, ranked = list(range(L)), []  # cut: the layers to convert, first first; restore: those kept, first first
-    for r, size in enumerate(sizes):
-        done_layers = {row["layer"] for row in ranked}
-        if restore:  # every layer not yet kept ablated; a candidate's attention restored
-
-            def plan(kind, kept=done_layers):
-                return {i: kind for i in range(L) if i not in kept}, None
-        else:  # the layers already ranked ablated; a candidate ablated besides
-
-            def plan(kind, cut=done_layers):
-                return dict.fromkeys(cut, stack.ranked), kind
-
-        sums, tokens, positions = _scan(stack, batches, plan, left, kinds, settings.window, progress)
-        sign = -1.0 if restore else 1.0  # restore: what the candidate recovers, the base's loss over its own
-        rows = []
-        for i in left:
-            row = {"layer": i, "round": r + 1, "retrieval": 0.0, "kl": 0.0, "score": 0.0}
-            parts = {}
-            for kind in kinds:
-                base_nll = sums["base", kind][0] / max(tokens, 1)
-                base_kl = sums["base", kind][1] / max(positions, 1)
-                retrieval = sign * (sums[i, kind][0] / max(tokens, 1) - base_nll)
-                kl = sign * (sums[i, kind][1] / max(positions, 1) - base_kl)
-                parts[kind] = max(retrieval, 0.0) + settings.kl_weight * kl  # only harm to retrieval counts
-                row["retrieval"] += retrieval
-                row["kl"] += kl
-                row["score"] += parts[kind]
-            rows.append(row | ({"parts": parts} if len(kinds) > 1 else {}))
-        rows.sort(key=lambda row: (-row["score"], row["layer"]) if restore else (row["score"], row["layer"]))
-        ranked += rows[:size]
-        left = [i for i in left if i not in {row["layer"] for row in ranked}]
-    return ranked[::-1] if restore else ranked
-
-
 def auto_assignment(
     assignments: list[tuple[str, str]],
     num_layers: int | None,
@@ -431,7 +245,7 @@ def stage_summary(model_dir: Path, run_dir: Path) -> dict:
     record = json.loads((Path(model_dir) / "config.json").read_text()).get("layer_choice")
     if not record:
         return {}
-    keys = ("chosen", "order", "score", "retrieval", "kl", "cache_key")
+    keys = ("chosen", "order", "score", "retrieval", "kl", "cache_key", *(("fixed",) if "fixed" in record else ()))
     return {
         "layer_choice": {k: record[k] for k in keys},
         "picture": str(model_dir.relative_to(run_dir) / "layer_choice.png"),
@@ -456,21 +270,42 @@ def check_choice_data(source: str | None, text_field: str, parts: TrainingParts)
         raise ValueError(str(err).replace("data.source", "--choice-data", 1)) from None
 
 
+def first_kinds(start: list[str], auto: tuple[str, int]) -> list[str]:
+    """The kinds `auto` = (mixer, N) stands for before the layers are measured, which the mixer's settings are
+    checked on: the layers `start` converted (a hybrid's, converted further, which N counts) and its first attention
+    layers, N in all. ValueError where N does not exceed the layers `start` converted."""
+    from raven_convert.surgery import listed_layers, plan_layers
+
+    (mixer, n), free = auto, [i for i, kind in enumerate(start) if kind == "attention"]
+    fixed = len(start) - len(free)
+    if n <= fixed:
+        raise ValueError(
+            f"auto:{n} counts every converted layer, the {fixed} the source hybrid converted among them (layers "
+            f"{listed_layers(start)}): N must be above {fixed} (and at most {len(start) - 1})"
+        )
+    chosen = sorted([i for i, kind in enumerate(start) if kind != "attention"] + free[: n - fixed])
+    return plan_layers([(mixer, ",".join(map(str, chosen)))], len(start))
+
+
 def choose_kinds(
     model, tokenizer, auto: tuple[str, int], request, parts: TrainingParts, log=print
 ) -> tuple[list[str], dict]:
-    """Per-layer kinds with `auto` = (mixer, N) on the N layers that matter least, and the record of the choice
-    (see choice_record). `request` is the ConvertRequest (choice_data, choice_text_field, choice_settings,
-    choice_cache, and mixer_settings, which the fitted mixers are built with); the table goes to `log`."""
+    """Per-layer kinds with `auto` = (mixer, N) on the N layers that matter least (a hybrid's converted layers among
+    them, where `model` is one, converted further), and the record of the choice (see choice_record). `request` is
+    the ConvertRequest (choice_data, choice_text_field, choice_settings, choice_cache, and mixer_settings, which the
+    fitted mixers are built with); the table goes to `log`."""
+    from raven_convert.surgery import start_kinds
+
     documents = parts.load_documents(request.choice_data, request.choice_text_field)
     cache = request.choice_cache or default_cache_dir()
     mixer = (auto[0], request.mixer_settings.get(auto[0], {}))
     result = rank_layers(model, tokenizer, documents, request.choice_settings, cache, log, mixer, parts=parts)
     record = choice_record(result, auto[1])
     log(format_table(record))
-    kinds = ["attention"] * model.config.num_hidden_layers
+    kinds = start_kinds(model.config)
     for i in record["chosen"]:
-        kinds[i] = auto[0]
+        if kinds[i] == "attention":
+            kinds[i] = auto[0]
     return kinds, record
 
 
@@ -481,14 +316,15 @@ def _device() -> torch.device:
 def fit_mixers(
     model, teacher, mixer: tuple[str, dict], rows: list[list[int]], settings: ChoiceSettings, log=print, *, align
 ):
-    """A hybrid of `model` (the source) whose every layer is `mixer` (name, settings), its mixers aligned by `align`
-    (train.align.align) for `fit_steps` steps on `rows` to the attention of `teacher` (the attention-only hybrid the
-    scan runs), on the teacher's device; in eval mode."""
-    from raven_convert.surgery import build_hybrid
+    """A hybrid of `model` (the source) whose every attention layer is `mixer` (name, settings; a hybrid source's
+    mixers stay), those mixers aligned by `align` (train.align.align) for `fit_steps` steps on `rows` to the attention
+    of `teacher` (the hybrid the scan runs), on the teacher's device; in eval mode."""
+    from raven_convert.surgery import build_hybrid, start_kinds
 
     device = next(teacher.parameters()).device
-    L = model.config.num_hidden_layers
-    fitted = build_hybrid(model, [mixer[0]] * L, {mixer[0]: mixer[1]}).to(device)
+    kinds = [mixer[0] if kind == "attention" else kind for kind in start_kinds(model.config)]
+    L = sum(kind == "attention" for kind in start_kinds(model.config))  # the mixers aligned
+    fitted = build_hybrid(model, kinds, {mixer[0]: mixer[1]}).to(device)
     data = torch.tensor(rows)  # [R, seq_len]
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(settings.seed))
 
@@ -525,11 +361,12 @@ def fit_mixers(
 def rank_layers(
     model, tokenizer, documents: Iterable[str], settings: ChoiceSettings, cache_dir, log=print, mixer=None, *, parts
 ) -> dict:
-    """{"key", "teacher", "settings", "seconds", "ranking"} for the layers of `model` (a transformers causal LM),
-    read from `cache_dir` when this teacher, probe set and settings were scanned before, else scanned (on CUDA when
-    there is one) and saved there. Ablations "mixer" and "both" need `mixer`, (name, settings): the mixer to fit.
+    """{"key", "teacher", "settings", "seconds", "ranking"} for the attention layers of `model` (a transformers
+    causal LM, or a hybrid converted further: then also "fixed", its converted layers, which are not ranked), read
+    from `cache_dir` when this teacher, probe set and settings were scanned before, else scanned (on CUDA when there
+    is one) and saved there. Ablations "mixer" and "both" need `mixer`, (name, settings): the mixer to fit.
     `parts`: what the probes and the fit borrow from training (TrainingParts)."""
-    from raven_convert.surgery import build_hybrid
+    from raven_convert.surgery import build_hybrid, start_kinds
 
     if settings.fits and mixer is None:
         raise ValueError(f"layer choice with ablation {settings.ablation!r} needs the mixer to fit; none was given")
@@ -542,15 +379,17 @@ def rank_layers(
     if path.is_file():
         log(f"layer choice: scores read from {path}")
         return json.loads(path.read_text())
-    L = model.config.num_hidden_layers
+    kinds = start_kinds(model.config)
+    fixed = [i for i, kind in enumerate(kinds) if kind != "attention"]
+    L = len(kinds) - len(fixed)
     log(
         f"layer choice: scoring {L} layers on {len(probes['retrieval'])} retrieval probes and {len(probes['text'])} "
         f"text rows of up to {settings.seq_len} tokens, window {settings.window}, {len(settings.schedule(L))} "
-        "round(s), "
-        f"{DIRECTIONS[settings.direction]}"
+        f"round(s), {DIRECTIONS[settings.direction]}"
+        + (f"; the source's {len(fixed)} converted layers stay mixers" if fixed else "")
     )
     clock = time.perf_counter()
-    hybrid = build_hybrid(model, ["attention"] * L, {}).to(_device())
+    hybrid = build_hybrid(model, kinds, {}).to(_device())  # the source as a hybrid, the scan's own model
     if hybrid.config._attn_implementation not in ("sdpa", "eager"):  # flash kernels would not see the masks' windows
         hybrid.config._attn_implementation = "sdpa"
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
@@ -567,6 +406,7 @@ def rank_layers(
         "seconds": round(time.perf_counter() - clock, 2),
         "device": str(_device()),
         "ranking": ranking,
+        **({"fixed": fixed} if fixed else {}),
     }
     write_json(result, path)
     log(f"layer choice: scored in {result['seconds']:.1f} s on {result['device']}; saved to {path}")
@@ -575,27 +415,33 @@ def rank_layers(
 
 def choice_record(result: dict, n: int) -> dict:
     """What the converted model's config records (`layer_choice`): the N layers converted and every layer's score
-    parts, as lists indexed by layer."""
-    ranking = result["ranking"]
-    L = len(ranking)
-    by_layer = {row["layer"]: (rank, row) for rank, row in enumerate(ranking)}
-    rows = [by_layer[i] for i in range(L)]
+    parts, as lists indexed by layer; a source hybrid's converted layers ("fixed", counted in N) score None."""
+    ranking, fixed = result["ranking"], result.get("fixed", [])
+    if n <= len(fixed):
+        raise ValueError(f"n = {n} does not exceed the {len(fixed)} layers the scanned hybrid had converted")
+    by_layer = {row["layer"]: row for row in ranking}
+    rows = [by_layer.get(i) for i in range(len(ranking) + len(fixed))]
+
+    def per_layer(value) -> list:
+        return [None if row is None else value(row) for row in rows]
+
     return {
         "method": METHODS[result["settings"].get("ablation", "window")],  # scores cached before mixers: windows
         "direction": result["settings"].get("direction", "cut"),
         **({"mixer": result["mixer"]} if "mixer" in result else {}),
         "n": n,
-        "chosen": sorted(row["layer"] for row in ranking[:n]),
+        **({"fixed": fixed} if fixed else {}),
+        "chosen": sorted(fixed + [row["layer"] for row in ranking[: n - len(fixed)]]),
         "order": [row["layer"] for row in ranking],
-        "score": [round(row["score"], 6) for _, row in rows],
-        "retrieval": [round(row["retrieval"], 6) for _, row in rows],
-        "kl": [round(row["kl"], 6) for _, row in rows],
+        "score": per_layer(lambda row: round(row["score"], 6)),
+        "retrieval": per_layer(lambda row: round(row["retrieval"], 6)),
+        "kl": per_layer(lambda row: round(row["kl"], 6)),
         **(
-            {"parts": {kind: [round(row["parts"][kind], 6) for _, row in rows] for kind in ranking[0]["parts"]}}
+            {"parts": {kind: per_layer(lambda row, k=kind: round(row["parts"][k], 6)) for kind in ranking[0]["parts"]}}
             if "parts" in ranking[0]
             else {}
         ),
-        "round": [row["round"] for _, row in rows],
+        "round": per_layer(lambda row: row["round"]),
         "seed": result["settings"]["seed"],
         "probes": result["settings"],
         "cache_key": result["key"],

@@ -11,6 +11,15 @@ from pathlib import Path
 from raven_convert.files import atomic_file
 
 
+def _fixed(record: dict) -> set[int]:
+    """The layers a source hybrid had converted already (converted further): kept as they were, never scored."""
+    return set(record.get("fixed", ()))
+
+
+def _converted(record: dict, i: int) -> str:
+    return "before" if i in _fixed(record) else "yes" if i in record["chosen"] else "no"
+
+
 def _restores(record: dict) -> bool:
     return record.get("direction", "cut") == "restore"
 
@@ -24,17 +33,22 @@ def _score_text(record: dict) -> str:
 
 def format_table(record: dict) -> str:
     """The per-layer score table: layer, round, retrieval and KL rise, score (and its parts under ablation
-    "both"), rank, whether it is converted."""
-    chosen, order, parts = set(record["chosen"]), record["order"], record.get("parts", {})
+    "both"), rank, whether it is converted ("before": by the source hybrid, not scored)."""
+    order, parts = record["order"], record.get("parts", {})
     lines = [
         f"layer choice ({record['method']}; score = {_score_text(record)}, nats/token):",
         "  layer  round  retrieval        kl  " + "".join(f"{k:>8}  " for k in parts) + "   score  rank  converted",
     ]
     for i, score in enumerate(record["score"]):
+        if score is None:
+            lines.append(
+                f"  {i:>5}  {'-':>5}  {'-':>9}  {'-':>8}  " + f"{'-':>8}  " * (len(parts) + 1) + "   -  before"
+            )
+            continue
         lines.append(
             f"  {i:>5}  {record['round'][i]:>5}  {record['retrieval'][i]:>9.4f}  {record['kl'][i]:>8.4f}  "
             + "".join(f"{parts[kind][i]:>8.4f}  " for kind in parts)
-            + f"{score:>8.4f}  {order.index(i) + 1:>4}  {'yes' if i in chosen else 'no'}"
+            + f"{score:>8.4f}  {order.index(i) + 1:>4}  {_converted(record, i)}"
         )
     return "\n".join(lines)
 
@@ -55,12 +69,12 @@ def plot_choice(record: dict, path: str | Path) -> Path:
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    chosen, scores = set(record["chosen"]), record["score"]
-    colours = ["tab:orange" if i in chosen else "tab:blue" for i in range(len(scores))]
+    fixed, scores = _fixed(record), [s or 0.0 for s in record["score"]]
+    colours = {"before": "tab:grey", "yes": "tab:orange", "no": "tab:blue"}
     fig = Figure(figsize=(max(6.0, 0.3 * len(scores)), 3.6))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    ax.bar(range(len(scores)), scores, color=colours)
+    ax.bar(range(len(scores)), scores, color=[colours[_converted(record, i)] for i in range(len(scores))])
     ax.set_xlabel("layer")
     ax.set_ylabel("score (nats/token)")
     ax.set_xticks(range(len(scores)))
@@ -70,8 +84,10 @@ def plot_choice(record: dict, path: str | Path) -> Path:
         title = f"loss recovered by restoring a layer, the rest ablated ({_ablation_text(record)})"
     else:
         title = f"loss rise with {_ablation_text(record)}"
-    ax.set_title(f"{title}; {len(chosen)} lowest converted", fontsize=9)
-    ax.legend(handles=[Patch(color="tab:orange", label="converted"), Patch(color="tab:blue", label="kept attention")])
+    before = f", {len(fixed)} converted before (not scored)" if fixed else ""
+    ax.set_title(f"{title}; {len(record['chosen']) - len(fixed)} lowest converted{before}", fontsize=9)
+    labels = {"yes": "converted", "no": "kept attention", **({"before": "converted before"} if fixed else {})}
+    ax.legend(handles=[Patch(color=colours[k], label=label) for k, label in labels.items()])
     fig.tight_layout()
     with atomic_file(path, "wb") as f:
         fig.savefig(f, dpi=110, format="png")
@@ -80,7 +96,9 @@ def plot_choice(record: dict, path: str | Path) -> Path:
 
 def card_section(record: dict) -> str:
     """The model card's account of the choice (Markdown), with the picture save_hybrid writes beside it."""
-    chosen = ", ".join(map(str, record["chosen"]))
+    fixed = _fixed(record)
+    chosen = ", ".join(str(i) for i in record["chosen"] if i not in fixed)
+    before = f"\n- converted before, by the source: {', '.join(map(str, sorted(fixed)))}" if fixed else ""
     kept = ", ".join(str(i) for i in range(len(record["score"])) if i not in set(record["chosen"]))
     p, parts = record["probes"], record.get("parts", {})
     if _restores(record):
@@ -94,7 +112,7 @@ def card_section(record: dict) -> str:
             "layer is restored; each round kept its highest-scoring layers restored"
         )
     else:
-        scan = f"each attention layer of the teacher was scored with {_ablation_text(record)}"
+        scan = f"each attention layer of the source was scored with {_ablation_text(record)}"
         measure = (
             f"the rise of the answer tokens' NLL (0 where it falls) plus {p['kl_weight']:g} x the rise of the KL "
             "to the unablated teacher on plain text (nats per token)"
@@ -104,11 +122,16 @@ def card_section(record: dict) -> str:
 
 The converted layers were chosen by measurement (`--layers auto:{record["n"]}`, {record["method"]}): {scan},
 on {p["samples"]} synthetic retrieval probes and {p["text_rows"]} corpus rows of up to {p["seq_len"]} tokens (seed
-{record["seed"]}, {max(record["round"])} greedy round(s)). Its score is {
+{record["seed"]}, {max(r for r in record["round"] if r is not None)} greedy round(s)). Its score is {
             "the sum over both ablations of " if "parts" in record else ""
-        }{measure}; the {record["n"]} lowest-ranked layers were converted.
+        }{measure}; {
+            f"the source, a hybrid, had converted {len(fixed)} layers, which stayed; its "
+            f"{record['n'] - len(fixed)} lowest-ranked attention layers were converted besides"
+            if fixed
+            else f"the {record['n']} lowest-ranked layers were converted"
+        }.
 
-- converted: {chosen}
+- converted: {chosen}{before}
 - kept attention: {kept}
 
 ![per-layer scores](layer_choice.png)
@@ -117,9 +140,11 @@ on {p["samples"]} synthetic retrieval probes and {p["text_rows"]} corpus rows of
 | --- | --- | --- | --- | {"--- | " * len(parts)}--- | --- |
 """
         + "\n".join(
-            f"| {i} | {record['round'][i]} | {record['retrieval'][i]:.4f} | {record['kl'][i]:.4f} | "
+            f"| {i} | - | - | - | {'- | ' * len(parts)}- | before |"
+            if s is None
+            else f"| {i} | {record['round'][i]} | {record['retrieval'][i]:.4f} | {record['kl'][i]:.4f} | "
             + "".join(f"{parts[kind][i]:.4f} | " for kind in parts)
-            + f"{s:.4f} | {'yes' if i in record['chosen'] else 'no'} |"
+            + f"{s:.4f} | {_converted(record, i)} |"
             for i, s in enumerate(record["score"])
         )
         + "\n"

@@ -11,9 +11,21 @@ from raven_layers import get_architecture, get_mixer
 
 from .bundle import check_bundle
 from .export import check_out_dir, check_shard_size, push_to_hub, save_hybrid
-from .layer_choice import ChoiceSettings, auto_assignment, check_choice_data, choose_kinds
+from .layer_choice import ChoiceSettings, auto_assignment, check_choice_data, choose_kinds, first_kinds
 from .sources import DEFAULT_SRC, Source
-from .surgery import build_hybrid, check_mixers_fit, format_layer_map, plan_layers, plan_windows
+from .surgery import (
+    build_hybrid,
+    check_kept,
+    check_mixers_fit,
+    conversion_chain,
+    format_layer_map,
+    is_hybrid_config,
+    listed_layers,
+    plan_layers,
+    plan_windows,
+    source_windows,
+    start_kinds,
+)
 
 
 @dataclass
@@ -21,7 +33,8 @@ class ConvertRequest:
     """Everything `convert` needs. `assignments` pairs a mixer with a `--layers` spec, e.g. [("raven", "0-23:5")]; a
     mixer is a registered name or the import path of a declaration (see raven_layers.registry). `mixer_settings`
     is keyed by the mixers' names. A spec `auto:N` (the only assignment then) converts the N layers that matter
-    least, measured on `choice_data` (see layer_choice.py), with the scores cached in `choice_cache`."""
+    least, measured on `choice_data` (see layer_choice.py), with the scores cached in `choice_cache`. `src` may be a
+    hybrid this toolkit saved, converted further: the plan keeps the layers it converted (auto:N counts them)."""
 
     out: Path
     assignments: list[tuple[str, str]]
@@ -49,7 +62,8 @@ class ConvertRequest:
 
 
 def convert_model(request: ConvertRequest, log=print) -> Path:
-    """Convert `request.src` and write the hybrid to `request.out`; returns the output directory."""
+    """Convert `request.src` and write the hybrid to `request.out`; returns the output directory. The source may be
+    a hybrid this toolkit saved: it is converted further (surgery.check_kept says what its plan must keep)."""
     out = Path(request.out)
     check_out_dir(out, request.overwrite)  # the output flags first: a typo there costs no download
     check_shard_size(request.max_shard_size)
@@ -59,27 +73,31 @@ def convert_model(request: ConvertRequest, log=print) -> Path:
 
         validate_repo_id(request.push_to_hub)
     config = source.load_config()
-    arch = get_architecture(getattr(config, "model_type", None))
-    auto = auto_assignment(request.assignments, config.num_hidden_layers, request.window_layers)
+    further = is_hybrid_config(config)  # a hybrid this toolkit saved, converted further
+    arch = get_architecture(config.base_model_type if further else getattr(config, "model_type", None))
+    before = start_kinds(config)
+    L = config.num_hidden_layers
+    auto = auto_assignment(request.assignments, L, request.window_layers)
     if auto:  # until the layers are measured, the mixer is checked on the first N
         from raven_convert.train.choice_parts import training_parts  # handed in: layer_choice imports nothing of train
 
         parts = training_parts()
         check_choice_data(request.choice_data, request.choice_text_field, parts)
-    assignments = [(auto[0], f"0-{auto[1] - 1}")] if auto else request.assignments
-    kinds = plan_layers(assignments, config.num_hidden_layers)  # registers mixers named by import path
+    kinds = first_kinds(before, auto) if auto else plan_layers(request.assignments, L)  # registers import paths
+    check_kept(before, kinds, source.name)
     for mixer, values in request.mixer_settings.items():
         try:
             spec = get_mixer(mixer)
         except ValueError as err:
             raise ValueError(f"settings given for {err}") from None
         spec.settings.from_dict(values)
-    windows = plan_windows(kinds, arch.sliding_windows(config), request.sliding_window, request.window_layers)
+    windows = plan_windows(kinds, source_windows(config), request.sliding_window, request.window_layers)
     used = {k: request.mixer_settings.get(k, {}) for k in set(kinds) - {"attention"}}
     check_bundle(check_mixers_fit(config, kinds, used, windows))
-    log(f"source: {source.name} ({arch.model_type}, {config.num_hidden_layers} layers)")
+    converted = f"; a hybrid that converted layers {listed_layers(before)}" if further else ""
+    log(f"source: {source.name} ({arch.model_type}, {L} layers{converted})")
     if not auto:
-        log(format_layer_map(kinds, windows or arch.sliding_windows(config)))
+        log(format_layer_map(kinds, windows or source_windows(config)))
 
     start = time.perf_counter()
     model = source.load_model(request.dtype)
@@ -88,13 +106,15 @@ def convert_model(request: ConvertRequest, log=print) -> Path:
     record = None
     if auto:
         kinds, record = choose_kinds(model, tokenizer, auto, request, parts, log)
-        windows = plan_windows(kinds, arch.sliding_windows(config), request.sliding_window, request.window_layers)
-        log(format_layer_map(kinds, windows or arch.sliding_windows(config)))
+        windows = plan_windows(kinds, source_windows(config), request.sliding_window, request.window_layers)
+        log(format_layer_map(kinds, windows or source_windows(config)))
 
     hybrid = build_hybrid(model, kinds, used, seed=request.seed, attention_windows=windows)
     del model
     if record is not None:
         hybrid.config.layer_choice = record  # saved in config.json, drawn and described by save_hybrid
+    if further:
+        hybrid.config.converted_from = conversion_chain(config, source.name)  # in config.json and the model card
     save_hybrid(
         hybrid,
         tokenizer,

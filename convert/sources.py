@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-import raven_layers  # noqa: F401  (its import registers the hybrid with the Auto classes, so a hybrid loads as one)
+from raven_layers import HybridConfig  # its import registers the hybrid with the Auto classes: a hybrid loads as one
 
 DEFAULT_SRC = "Qwen/Qwen3-0.6B"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -101,6 +101,23 @@ class Source:
 
     def load_tokenizer(self, trust_remote_code: bool = False):
         return self._load("tokenizer", AutoTokenizer.from_pretrained, trust_remote_code=trust_remote_code)
+
+
+def hybrid_config(path: str, option: str):
+    """The config of the hybrid this toolkit saved in the folder `path` (the start of a further conversion);
+    SourceError naming `option` where the folder holds no model, or a model that is not such a hybrid."""
+    folder = Path(path).expanduser()
+    expected = "expected the folder of a hybrid this toolkit saved (a recipe's RUN_DIR/model, or convert's --out)"
+    if not (folder / "config.json").is_file():
+        problem = "a folder without config.json" if folder.is_dir() else "no such directory"
+        raise SourceError(f"{option} {path!r}: {problem}; {expected}")
+    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    if model_type != HybridConfig.model_type:
+        raise SourceError(
+            f"{option} {path!r} holds a {model_type!r} model, not a hybrid (model_type {HybridConfig.model_type!r}); "
+            f"{expected}. A Transformer to convert is the teacher: source (--src)"
+        )
+    return HybridConfig.from_pretrained(str(folder))
 
 
 def smollm2_gguf(cache_dir: str | Path | None = None) -> Path:

@@ -1,10 +1,16 @@
-"""The surgery: decide which layer becomes which mixer, then build the hybrid from the source weights."""
+"""The surgery: decide which layer becomes which mixer, then build the hybrid from the source weights.
+
+The source is a Transformer or a hybrid this toolkit saved, converted further (progressive conversion): a plan for a
+hybrid keeps every layer it converted, with the same mixer and its trained weights, and converts more of the
+attention layers it kept.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from raven_layers import HybridConfig, HybridForCausalLM, get_architecture, mixer_names, resolve_mixer
+from raven_layers.architectures import layer_windows
 
 from .layer_spec import parse_layer_spec
 
@@ -32,6 +38,59 @@ def plan_layers(assignments: list[tuple[str, str]], num_layers: int) -> list[str
             owner[i] = (mixer, spec)
             kinds[i] = mixer
     return kinds
+
+
+def is_hybrid_config(config) -> bool:
+    """Whether a source's config is a hybrid's (one this toolkit saved), not a Transformer's."""
+    return getattr(config, "model_type", None) == HybridConfig.model_type
+
+
+def start_kinds(config) -> list[str]:
+    """Per layer, what the source runs: a hybrid's layer kinds, or attention everywhere for a Transformer."""
+    return list(config.layer_mixers) if is_hybrid_config(config) else ["attention"] * config.num_hidden_layers
+
+
+def source_windows(config) -> list[int | None]:
+    """Per layer, the attention window of the source (None: full attention; a hybrid's mixer layers: None)."""
+    if is_hybrid_config(config):
+        return layer_windows(config)
+    return get_architecture(getattr(config, "model_type", None)).sliding_windows(config)
+
+
+def check_kept(start: list[str], kinds: list[str], source: str) -> None:
+    """A plan of a further conversion (`start`: the source hybrid's kinds) keeps every layer the source converted,
+    as the same mixer, and converts at least one layer more; ValueError naming the layers otherwise. A Transformer's
+    plan (start all attention) passes."""
+    if all(kind == "attention" for kind in start):
+        return
+    changed = [
+        f"layer {i} is {was} in the source and {'kept as attention' if now == 'attention' else now} in the plan"
+        for i, (was, now) in enumerate(zip(start, kinds))
+        if was != "attention" and now != was
+    ]
+    if changed:
+        raise ValueError(
+            f"the source {source!r} is a hybrid, and a further conversion keeps each layer it converted as the same "
+            f"mixer: {'; '.join(changed)}. Name those layers with their mixer in the plan (--mixer/--layers, or a "
+            "recipe's layers)"
+        )
+    if kinds == start:
+        raise ValueError(
+            f"the plan converts no layer that the source hybrid {source!r} kept as attention (it converted "
+            f"layers {listed_layers(start)}): name more layers, or auto:N with N above "
+            f"{sum(k != 'attention' for k in start)}"
+        )
+
+
+def listed_layers(kinds: list[str]) -> str:
+    """'0, 2 (sila), 5 (raven)': the converted layers of `kinds`."""
+    return ", ".join(f"{i} ({kind})" for i, kind in enumerate(kinds) if kind != "attention")
+
+
+def conversion_chain(config, name: str) -> list[dict]:
+    """The `converted_from` record of a hybrid converted further from the hybrid `name` (whose config is `config`):
+    the hybrids it came from, oldest first, each {"model": as it was given, "layer_mixers": its layers' kinds}."""
+    return [*getattr(config, "converted_from", []), {"model": name, "layer_mixers": list(config.layer_mixers)}]
 
 
 def plan_windows(
@@ -97,27 +156,29 @@ def build_hybrid(
     seed: int = 0,
     attention_windows: list[int | None] | None = None,
 ) -> HybridForCausalLM:
-    """A hybrid of `source` (a transformers causal LM) with `layer_kinds[i]` in layer i.
+    """A hybrid of `source` (a transformers causal LM, or a hybrid converted further) with `layer_kinds[i]` in layer i.
 
     Every weight keeps its source name: embeddings, norms, MLPs and kept attention layers load unchanged, and a
     mixer's q/k/v/o (and q/k norms, where both sides have them) start from the attention it replaces. Only the
-    mixer-specific parameters are new; they get the mixer's own initialisation (seeded by `seed`).
-    `attention_windows` (see `plan_windows`) turns kept attention layers into sliding-window attention; their
-    weights and RoPE are unchanged.
+    mixer-specific parameters are new; they get the mixer's own initialisation (seeded by `seed`). The mixers a
+    hybrid source has already load whole, trained weights included (check_kept: they stay where they are, the same
+    mixer, with its settings: HybridConfig.from_source). `attention_windows` (see `plan_windows`) turns kept
+    attention layers into sliding-window attention; their weights and RoPE are unchanged.
     """
     config = HybridConfig.from_source(source.config, layer_kinds, mixer_settings, attention_windows)
     torch.manual_seed(seed)
     hybrid = HybridForCausalLM(config).to(source.dtype)
+    start = start_kinds(source.config)
+    new = [i for i, kind in enumerate(layer_kinds) if kind != "attention" and start[i] == "attention"]
     fresh = {
         f"model.layers.{i}.self_attn.{name}"
-        for i, kind in enumerate(layer_kinds)
-        if kind != "attention"
+        for i in new
         for name in hybrid.model.layers[i].self_attn.fresh_parameter_names()
     }
     # a fresh parameter may share a source name with another shape (e.g. SSE's q/k with c != head_dim)
     weights = {k: v for k, v in source.state_dict().items() if k not in fresh}
     missing, unexpected = hybrid.load_state_dict(weights, strict=False)
-    replaced = tuple(f"model.layers.{i}.self_attn." for i, kind in enumerate(layer_kinds) if kind != "attention")
+    replaced = tuple(f"model.layers.{i}.self_attn." for i in new)
     dropped = {k for k in unexpected if k.startswith(replaced)}  # e.g. q/k norms of a mixer without them
     if set(missing) != fresh or set(unexpected) != dropped:
         raise RuntimeError(

@@ -16,6 +16,17 @@ _SOURCE_ONLY_FIELDS = (
     "_name_or_path",
     "quantization_config",
 )
+# Fields of a hybrid's config beyond its architecture's: the plan of its conversion and the toolkit's records of how
+# it was made. A hybrid converted further states its own (from_source carries the settings, sources and windows).
+_HYBRID_FIELDS = (
+    "base_model_type",
+    "layer_mixers",
+    "mixer_settings",
+    "mixer_sources",
+    "attention_windows",
+    "layer_choice",
+    "converted_from",
+)
 
 
 class HybridConfigError(ValueError):
@@ -117,12 +128,40 @@ class HybridConfig(PretrainedConfig):
     def from_source(
         cls, source_config, layer_mixers, mixer_settings, attention_windows=None, mixer_sources=None
     ) -> "HybridConfig":
-        fields = {k: v for k, v in source_config.to_dict().items() if k not in _SOURCE_ONLY_FIELDS}
+        """The config of a hybrid of `source_config` with `layer_mixers`. The source may be a hybrid itself, converted
+        further: its architecture, its mixers' settings and import paths, and its attention windows (unless
+        `attention_windows` is given) carry over, and settings given for one of its mixers must be the ones it has
+        (every layer of a mixer shares them, its trained layers included); HybridConfigError otherwise."""
+        fields = {k: v for k, v in source_config.to_dict().items() if k not in _SOURCE_ONLY_FIELDS + _HYBRID_FIELDS}
+        base_model_type = source_config.model_type
+        if base_model_type == cls.model_type:
+            base_model_type = source_config.base_model_type
+            mixer_settings = _carried_settings(source_config.mixer_settings, mixer_settings)
+            mixer_sources = {**source_config.mixer_sources, **(mixer_sources or {})}
+            if attention_windows is None and source_config.attention_windows is not None:  # none on a new mixer
+                attention_windows = [
+                    w if kind == "attention" else None for w, kind in zip(source_config.attention_windows, layer_mixers)
+                ]
         return cls(
-            base_model_type=source_config.model_type,
+            base_model_type=base_model_type,
             layer_mixers=layer_mixers,
             mixer_settings=mixer_settings,
             attention_windows=attention_windows,
             mixer_sources=mixer_sources,
             **fields,
         )
+
+
+def _carried_settings(source: dict[str, dict], given: dict[str, dict]) -> dict[str, dict]:
+    """The settings of a further conversion: the source hybrid's for its mixers, `given` for the others; a given
+    value that differs from the source's raises HybridConfigError naming it."""
+    for mixer, values in given.items():
+        changed = {k: v for k, v in values.items() if k in source.get(mixer, {}) and source[mixer][k] != v}
+        if changed:
+            name, value = next(iter(changed.items()))
+            raise HybridConfigError(
+                f"{mixer}.{name} = {value!r}, but the source hybrid's {mixer} layers were made with "
+                f"{source[mixer][name]!r}: the layers of one mixer share its settings; leave it out (the source's "
+                "value is kept) or give that value"
+            )
+    return {**given, **{mixer: {**values, **given.get(mixer, {})} for mixer, values in source.items()}}

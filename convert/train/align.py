@@ -3,7 +3,10 @@ transfer, RADLADS' step 1).
 
 The teacher is frozen. One teacher forward per batch records, for each converted layer, the input its attention
 received and the output it produced; each mixer then sees that same input and is trained to reproduce that output
-(mean squared error over real tokens). All converted layers train together and only mixer parameters change.
+(mean squared error over real tokens). All converted layers train together and only mixer parameters change. In a
+further conversion the teacher is the hybrid it started from (its hidden states are what the new mixers will see),
+and only the layers it still runs as attention are aligned (common.aligned_layers); the mixers it had stay as they
+are.
 
     history = align(teacher, hybrid, batches, steps=200, lr=1e-3)   # per-step, per-layer losses
 """
@@ -26,11 +29,11 @@ from torch.profiler import record_function
 from raven_convert.console import eta
 from raven_convert.train.checkpoint import latest_checkpoint, save_checkpoint
 from raven_convert.train.common import (
-    converted_layers,
+    aligned_layers,
     lr_at,
     mixer_parameters,
     model_inputs,
-    teacher_mask,
+    teacher_inputs,
     to_device,
 )
 from raven_convert.train.compiling import CompileSetting, compiled_parts, resolve_compile
@@ -103,7 +106,8 @@ def step_inputs(
 def alignment_losses(
     teacher, hybrid, input_ids, attention_mask=None, position_ids=None, packed="auto", backward=False
 ) -> dict[int, torch.Tensor]:
-    """Per converted layer, the MSE between its mixer and the teacher's attention on the teacher's own inputs.
+    """Per aligned layer (common.aligned_layers), the MSE between its mixer and the teacher's attention on the
+    teacher's own inputs.
     `backward`: each layer's loss (with its balance loss) is backpropagated as soon as it is computed, and returned
     detached, so only one layer's activations are held at a time; the gradients are those of the summed loss, as
     no parameter reaches two layers' losses.
@@ -113,18 +117,18 @@ def alignment_losses(
     then stays within each document (transformers' packed-sequence masks) and so does every mixer's state.
     `packed`: find_packed_documents(position_ids) on the inputs' device, computed ahead (align reads it from the
     batch on the host, so that the step never waits for the GPU to find the documents); "auto": found here. With
-    packed documents an sdpa teacher gets their mask ready-made (common.teacher_mask), which transformers would
+    packed documents an sdpa teacher gets their mask ready-made (common.teacher_inputs), which transformers would
     find by reading the position ids back.
     """
     if attention_mask is not None and position_ids is not None:
         raise ValueError("pass attention_mask (padded rows) or position_ids (packed documents), not both")
     if packed == "auto":
         packed = None if position_ids is None else find_packed_documents(position_ids)
-    layers = converted_layers(hybrid)
+    layers = aligned_layers(teacher, hybrid)
     with torch.no_grad(), attention_taps(teacher, layers) as captured, record_function("align.teacher"):
         teacher(
             input_ids=input_ids,
-            attention_mask=teacher_mask(teacher, packed, attention_mask),  # [B, 1, T, T] for packed documents
+            **teacher_inputs(teacher, packed, attention_mask),  # [B, 1, T, T] for packed documents (sdpa)
             position_ids=position_ids,
             use_cache=False,
             **_one_logit(teacher),
@@ -207,12 +211,13 @@ def _share(batch: dict, parallel) -> dict:
     return {k: v[parallel.rank * size : (parallel.rank + 1) * size] for k, v in batch.items()}
 
 
-def place_mixers(hybrid, parallel) -> None:
-    """Put the mixers of `hybrid`, what align runs of it, on this process's device: under fsdp each mixer sharded
-    (a unit of its own). The rest of the model stays where it is. Once is enough; again does nothing."""
+def place_mixers(hybrid, parallel, layers: list[int]) -> None:
+    """Put the mixers of `layers` (common.aligned_layers), what align runs of `hybrid`, on this process's device:
+    under fsdp each mixer sharded (a unit of its own). The rest of the model stays where it is. Once is enough; again
+    does nothing."""
     from torch.distributed.fsdp import FSDPModule
 
-    mixers = [hybrid.model.layers[i].self_attn for i in converted_layers(hybrid)]
+    mixers = [hybrid.model.layers[i].self_attn for i in layers]
     if parallel.sharded and not any(isinstance(m, FSDPModule) for m in mixers):
         parallel.shard(hybrid, units=mixers, root=False)
     elif not parallel.sharded:
@@ -239,12 +244,12 @@ def align(
     seed: int | None = None,
     parallel: Parallel | None = None,
 ) -> list[dict]:
-    """Train the mixers of `hybrid` to match `teacher`'s attention for `steps` batches ({"input_ids", and either
-    "position_ids" for packed documents or an optional "attention_mask"}); returns one record per step:
-    {"step", "loss", "layers": {layer: mse}, "tokens_per_second", "mfu" (flops.py; None off known GPUs), "lr", and
-    "aux" where a mixer has a balance loss} (the rate counts from the end of the first step of this call, which
-    compiles kernels). The loss is the layers' MSE
-    plus the mixers' balance losses (SSE's, as in stage 2).
+    """Train the mixers of `hybrid` (those of common.aligned_layers) to match `teacher`'s attention for `steps`
+    batches ({"input_ids", and either "position_ids" for packed documents or an optional "attention_mask"}); returns
+    one record per step: {"step", "loss", "layers": {layer: mse}, "tokens_per_second", "mfu" (flops.py; None off
+    known GPUs), "lr", and "aux" where a mixer has a balance loss} (the rate counts from the end of the first step of
+    this call, which compiles kernels). The loss is the layers' MSE plus the mixers' balance losses (SSE's, as in
+    stage 2).
 
     Only mixer parameters receive gradients (others are frozen for the duration and restored after). The learning
     rate warms up linearly over `warmup_steps`, then follows a cosine to 10% of `lr`. A non-finite loss stops the
@@ -282,7 +287,10 @@ def align(
         raise ValueError(f"mixed_precision = {mixed_precision!r} is not allowed; expected 'no' or 'bf16'")
     parallel = parallel or Parallel()
     graphs = resolve_graphs(cuda_graphs, hybrid, parallel.device, parallel.world)
-    place_mixers(hybrid, parallel)
+    layers = aligned_layers(teacher, hybrid)
+    if not layers:
+        raise ValueError("align has no layer to align: the teacher runs none of the hybrid's mixer layers as attention")
+    place_mixers(hybrid, parallel, layers)
     # no cache of cast weights: each is cast once per step anyway, and a graph cannot keep the cache's tensors
     autocast = torch.autocast(
         parallel.device.type, dtype=torch.bfloat16, enabled=mixed_precision == "bf16", cache_enabled=False
@@ -290,13 +298,12 @@ def align(
     teacher.eval()
     was_training = hybrid.training
     hybrid.train()
-    trainable = {id(p) for p in mixer_parameters(hybrid)}
+    trainable = {id(p) for p in mixer_parameters(hybrid, layers)}
     frozen = [(p, p.requires_grad) for p in hybrid.parameters()]
     for p, _ in frozen:
         p.requires_grad_(id(p) in trainable)
     named = {n: p for n, p in hybrid.named_parameters() if id(p) in trainable}
     params = list(named.values())
-    layers = converted_layers(hybrid)
     # a step's losses are read back one step later (no host sync in the step): the fused AdamW skips, on the GPU,
     # the update of a step whose loss is not finite (found_inf), and the next step raises before its own update
     lagged = not parallel.sharded

@@ -3,8 +3,9 @@ were converted and their parameters, the model inputs of a batch, and the learni
 
     is_hybrid(model)                                        # False for a plain causal LM (finetune.py trains those)
     layers = converted_layers(hybrid)                       # [0, 2, 5]: the layers whose attention became a mixer
+    layers = aligned_layers(teacher, hybrid)                # those whose attention the teacher still runs
     outputs = model(**model_inputs(batch, device))          # packed rows by position_ids, padded ones by their mask
-    teacher(**inputs, attention_mask=teacher_mask(teacher, packed))   # packed documents' mask, built on the device
+    teacher(**inputs, **teacher_inputs(teacher, packed))    # packed documents' mask, built on the device
     lr = lr_at(step, lr=1e-3, steps=200, warmup_steps=10)   # linear warmup, then cosine to 10% (or constant)
 """
 
@@ -14,6 +15,8 @@ import math
 
 import torch
 from torch import nn
+
+from raven_convert.surgery import start_kinds
 
 
 def is_hybrid(model) -> bool:
@@ -26,6 +29,14 @@ def converted_layers(model) -> list[int]:
     return [i for i, kind in enumerate(model.config.layer_mixers) if kind != "attention"]
 
 
+def aligned_layers(teacher, hybrid) -> list[int]:
+    """The converted layers of `hybrid` that align trains: those whose attention `teacher` runs. A Transformer
+    teacher runs every one; a hybrid teacher, the start of a further conversion, has its own mixers in some layers,
+    which the hybrid took over trained."""
+    kinds = start_kinds(teacher.config)
+    return [i for i in converted_layers(hybrid) if kinds[i] == "attention"]
+
+
 def attention_layers(model) -> list[int]:
     """Indices of the layers that kept the source attention."""
     return [i for i, kind in enumerate(model.config.layer_mixers) if kind == "attention"]
@@ -36,9 +47,11 @@ def mixers(model) -> list[nn.Module]:
     return [model.model.layers[i].self_attn for i in converted_layers(model)]
 
 
-def mixer_parameters(model) -> list[nn.Parameter]:
-    """Every parameter of the converted layers' mixers (what align trains, and train's "mixers")."""
-    return [p for mixer in mixers(model) for p in mixer.parameters()]
+def mixer_parameters(model, layers: list[int] | None = None) -> list[nn.Parameter]:
+    """Every parameter of the converted layers' mixers (train's "mixers"), or of those of `layers` (what align
+    trains)."""
+    chosen = mixers(model) if layers is None else [model.model.layers[i].self_attn for i in layers]
+    return [p for mixer in chosen for p in mixer.parameters()]
 
 
 def mixer_prefixes(model) -> tuple[str, ...]:
@@ -73,6 +86,16 @@ def teacher_mask(model, packed, attention_mask: torch.Tensor | None = None) -> t
     if isinstance(packed, tuple) and model.config._attn_implementation == "sdpa":
         return document_mask(packed[0])
     return attention_mask
+
+
+def teacher_inputs(model, packed, attention_mask: torch.Tensor | None = None) -> dict:
+    """The mask arguments of a frozen model's forward (align's teacher) with packed documents found ahead (`packed`:
+    (documents, cu_seqlens), or None): a plain model's attention_mask (`teacher_mask`); a hybrid, the start of a
+    further conversion, takes the documents as the student does (packed_documents, False: none), so that neither
+    reads the position ids back."""
+    if is_hybrid(model):
+        return {"attention_mask": attention_mask, "packed_documents": packed if isinstance(packed, tuple) else False}
+    return {"attention_mask": teacher_mask(model, packed, attention_mask)}
 
 
 def to_device(tensors: dict, device) -> dict:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from raven_convert.train.common import converted_layers, is_hybrid
+from raven_convert.train.common import aligned_layers, is_hybrid
 
 # dense bf16 tensor-core peak, FLOP/s, by a name the device reports (torch.cuda.get_device_name)
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "4090": 165e12}
@@ -58,9 +58,9 @@ def train_flops(student, seq_len: int, teacher=None) -> float:
 
 def align_flops(teacher, hybrid, seq_len: int) -> float:
     """Per token of align: the teacher's forward without its output head (align needs its layers' inputs and
-    outputs, and has the head compute one position per row) and each mixer's forward and backward on its layer's
-    input."""
-    mixers = sum(_linear_weights(hybrid.model.layers[i].self_attn) for i in converted_layers(hybrid))
+    outputs, and has the head compute one position per row) and each aligned mixer's forward and backward on its
+    layer's input."""
+    mixers = sum(_linear_weights(hybrid.model.layers[i].self_attn) for i in aligned_layers(teacher, hybrid))
     head = teacher.get_output_embeddings()
     head_flops = 2 * head.weight.numel() if isinstance(head, nn.Linear) else 0
     return forward_flops(teacher, seq_len) - head_flops + 3 * 2 * mixers

@@ -2,6 +2,7 @@
 trained model gathered whole, and saved as a model directory.
 
     teacher = load_teacher(recipe, parallel)            # sharded under fsdp, a full copy per process else
+    start = load_teacher(recipe, parallel, recipe.start_from)   # align's teacher in a further conversion
     student = load_hybrid(model_dir, "cpu")             # the toolkit's own HybridForCausalLM
     whole = whole_model(parallel, student, model_dir)   # on the main process, None on the others
     save_model(whole, model_dir, out, base_model)       # atomic: weights (unchanged files linked), code, tokenizer
@@ -17,12 +18,13 @@ from raven_convert.train.distributed import Parallel
 from raven_convert.train.recipe import Recipe
 
 
-def load_teacher(recipe: Recipe, parallel: Parallel):
-    """The frozen teacher, read on the CPU and then placed: sharded under fsdp, whole on this process's device else.
-    The processes of a launch read it in turn, so the host holds one full copy at a time."""
+def load_teacher(recipe: Recipe, parallel: Parallel, model: str | None = None):
+    """The frozen teacher (or `model`, read the same way: align's start hybrid, start_from), read on the CPU and then
+    placed: sharded under fsdp, whole on this process's device else. The processes of a launch read it in turn, so
+    the host holds one full copy at a time."""
     from raven_convert.sources import Source
 
-    source = Source.resolve(recipe.source)
+    source = Source.resolve(model or recipe.source)
     return parallel.in_turn(lambda: parallel.frozen(source.load_model(recipe.dtype)))
 
 

@@ -3,11 +3,13 @@
     recipe = load_recipe("recipes/smollm2-raven.yaml")
     run_recipe(recipe, "runs/smollm2-raven")                      # convert -> align -> weights -> train -> ...
 
-Relative paths in a recipe (source, reference and data.source when they exist as local paths, data.cache_dir,
-token_weights.cache_dir, export.dir, evaluate.haystack_dir, the folders of evaluate.haystacks, evaluate.ppl_data)
+Relative paths in a recipe (source, reference and data.source when they exist as local paths, start_from,
+data.cache_dir, token_weights.cache_dir, export.dir, evaluate.haystack_dir, the folders of evaluate.haystacks,
+evaluate.ppl_data)
 are resolved against the current working directory when the recipe is loaded, not against the recipe file's
 directory. Names that do not exist locally (Hub ids such as Qwen/Qwen3-0.6B) are kept as given. The shipped
-recipes name no local paths: the inputs come from INPUT_FLAGS (--src, --reference, --data, --haystack, --ppl-data;
+recipes name no local paths but a further conversion's start_from (the model a shipped recipe exports into its run
+directory): the inputs come from INPUT_FLAGS (--src, --start-from, --reference, --data, --haystack, --ppl-data;
 named haystacks from --set evaluate.haystacks.NAME=DIR), and check_inputs says which flag or field to set when one
 is missing or does not exist. The schema's classes and names are importable from here too.
 """
@@ -49,6 +51,7 @@ from raven_layers.common import did_you_mean
 # (sugar for --set FIELD=VALUE), its metavar and help.
 INPUT_FLAGS = {
     "source": ("--src", "MODEL", "the teacher (of a fine-tuning recipe: the model trained): Hub id, directory, .gguf"),
+    "start_from": ("--start-from", "DIR", "a hybrid this toolkit saved, to convert further (source stays the teacher)"),
     "reference": ("--reference", "MODEL", "fine-tuning recipes: the Transformer whose attention gives token weights"),
     "data.source": ("--data", "PATH", "training text: .txt/.jsonl(.gz)/.parquet file or folder, or a Hub dataset"),
     "evaluate.haystack_dir": ("--haystack", "DIR", "folder of *.txt essays the needle tasks hide needles in"),
@@ -142,6 +145,8 @@ def resolve_paths(recipe: Recipe | FinetuneRecipe, base: str | Path | None = Non
         if r.token_weights.cache_dir:
             r.token_weights.cache_dir = _local(r.token_weights.cache_dir, base)
         return r
+    if r.start_from:
+        r.start_from = _local(r.start_from, base)
     if r.evaluate:
         if r.evaluate.haystack_dir:
             r.evaluate.haystack_dir = _local(r.evaluate.haystack_dir, base)
@@ -222,6 +227,28 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe | Finetun
     return parse_recipe(apply_overrides(data, list(overrides)), name=str(path))
 
 
+def check_start(start_from: str, teacher) -> None:
+    """start_from names a hybrid this toolkit saved, converted from a model of the teacher's (`teacher`, a Source)
+    architecture and shape: ValueError naming the field and its flag otherwise (configs read, no weights)."""
+    from raven_convert.sources import hybrid_config
+
+    try:
+        start = hybrid_config(start_from, "start_from")
+    except ValueError as err:
+        raise ValueError(f"{err}; {how_to_set('start_from')}") from None
+    config = teacher.load_config()
+    shape = ("num_hidden_layers", "hidden_size", "vocab_size")
+    if start.base_model_type != config.model_type or any(getattr(start, k) != getattr(config, k) for k in shape):
+
+        def described(model_type, c) -> str:
+            return f"{model_type} ({', '.join(f'{k} {getattr(c, k)}' for k in shape)})"
+
+        raise ValueError(
+            f"start_from {start_from}: a hybrid of a {described(start.base_model_type, start)}, but the teacher "
+            f"(source) is a {described(config.model_type, config)}: start from a hybrid converted from the teacher"
+        )
+
+
 def check_inputs(recipe: Recipe | FinetuneRecipe, stages: list[str]) -> None:
     """Before any of `stages` (those left to run) starts: each input they read is set and exists, else a
     ValueError naming the field and the flag that sets it. The data source is also sampled (check_data_source),
@@ -255,6 +282,9 @@ def check_inputs(recipe: Recipe | FinetuneRecipe, stages: list[str]) -> None:
             Source.resolve(recipe.reference)
         except ValueError as err:
             raise ValueError(f"reference: {err}") from None
+    start = getattr(recipe, "start_from", None)
+    if start and ("convert" in stages or ("align" in stages and uses_data(recipe, "align"))):
+        check_start(start, source)
     if choosing:  # N against the model's layers, from its config (no weights loaded)
         layers = source.load_config().num_hidden_layers
         auto_assignment([(a.mixer, a.layers) for a in recipe.layers], layers, recipe.window_layers, NAMES)

@@ -1,7 +1,8 @@
 """The recipe schema: the validated settings of one YAML recipe, section by section (recipe.py loads and checks it;
 stages.py runs it).
 
-A recipe with `layers` (Recipe) converts the teacher in `source` and trains the hybrid back through STAGES. A recipe
+A recipe with `layers` (Recipe) converts the teacher in `source` (or, with `start_from`, converts a hybrid it made
+further, `source` staying the teacher) and trains the hybrid back through STAGES. A recipe
 without `layers` is a fine-tuning recipe (FinetuneRecipe, run by finetune.run_finetune_recipe): the model in `source`
 is trained as it is, in its own class, with token weights from a `reference` Transformer (weights -> train ->
 export). Each stage's fingerprint hashes the fields `stage_fields` names (run_state.fingerprints).
@@ -164,6 +165,12 @@ class Recipe(_Strict):
     }
     source: str = Field(description="teacher: Hub id, model directory or .gguf file")
     layers: list[LayerAssignment] = Field(min_length=1)
+    start_from: str | None = Field(
+        None,
+        min_length=1,
+        description="a hybrid this toolkit saved (its model directory), converted further: convert keeps its mixers "
+        "and converts more of its attention layers, align imitates it; source stays the teacher of the other stages",
+    )
     mixer_settings: dict[str, dict] = Field(default_factory=dict)
     sliding_window: int | None = Field(None, ge=1)
     window_layers: str | None = None

@@ -30,6 +30,8 @@ PER_PROCESS = ("align", "train", "extend")  # the sections whose batch_size coun
 # `distributed` is in no stage's fields (recipe.stage_fields): the strategy and the process count change memory and
 # speed, not results (at one global batch).
 CHOICE_FIELDS = ("layer_choice", "data.source", "data.text_field")  # what convert also reads under layers: auto:N
+# what convert and align also read in a further conversion (left out without one: older runs' fingerprints stand)
+START_FIELDS = ("start_from",)
 
 
 def read_done(run_dir: Path, stage: str, damaged_ok: bool = False) -> dict | None:
@@ -61,8 +63,10 @@ def stage_inputs(recipe: Recipe | FinetuneRecipe, stage: str, processes: int = 1
     for section in PER_PROCESS:
         if isinstance(data.get(section), dict):
             data[section]["batch_size"] *= processes
-    inputs = {}
-    for path in recipe.stage_fields[stage] + (CHOICE_FIELDS if stage == "convert" and recipe.auto() else ()):
+    inputs, fields = {}, recipe.stage_fields[stage]
+    fields += CHOICE_FIELDS if stage == "convert" and recipe.auto() else ()
+    fields += START_FIELDS if stage in ("convert", "align") and getattr(recipe, "start_from", None) else ()
+    for path in fields:
         value = data
         for key in path.split("."):
             value = value.get(key) if isinstance(value, dict) else None

@@ -132,7 +132,7 @@ def _stage_convert(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel
         dict(recipe),  # mixer_settings, sliding_window, window_layers, dtype, seed
         out=out,
         assignments=[(a.mixer, a.layers) for a in recipe.layers],
-        src=recipe.source,
+        src=recipe.start_from or recipe.source,  # a further conversion builds on the hybrid it starts from
         overwrite=True,
         choice_data=recipe.data.source,
         choice_text_field=recipe.data.text_field,
@@ -141,20 +141,25 @@ def _stage_convert(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel
     )
     convert_model(request, log=lambda m: log(f"[convert] {m}"))
     summary = {"model": "convert/model", "layers": [[a.mixer, a.layers] for a in recipe.layers]}
+    if recipe.start_from:
+        summary["start_from"] = recipe.start_from
     return summary | stage_summary(out, run_dir)
 
 
 def _stage_align(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:
     from raven_convert.train.align import align, place_mixers, validation_losses
+    from raven_convert.train.common import aligned_layers
     from raven_convert.train.data import batch_iterator
 
     settings, model_dir = recipe.align, _latest_model(run_dir, done)
     if settings.steps == 0:
         return {"skipped": True, "model": str(model_dir.relative_to(run_dir))}
     train_rows, val_rows = recipe_dataset(recipe, run_dir, model_dir)
-    teacher, hybrid = load_teacher(recipe, parallel), load_hybrid(model_dir, "cpu")  # align places the mixers
+    # a further conversion imitates the hybrid it starts from, whose hidden states its new mixers will see
+    teacher = load_teacher(recipe, parallel, recipe.start_from)
+    hybrid = load_hybrid(model_dir, "cpu")  # align places the mixers
     held_out = _held_out_batches(val_rows, settings.batch_size, settings.seed)
-    place_mixers(hybrid, parallel)
+    place_mixers(hybrid, parallel, aligned_layers(teacher, hybrid))
     before = validation_losses(teacher, hybrid, held_out) if held_out else None
     rows = settings.batch_size * parallel.world  # a global batch: batch_size rows per process
     history = align(

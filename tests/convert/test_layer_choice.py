@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raven_convert import layer_choice, layer_choice_report
+from raven_convert import layer_choice, layer_choice_report, layer_scan
 from raven_convert.cli import main
 from raven_convert.layer_choice import ChoiceSettings, build_probes, choice_record, rank_layers
 from raven_convert.layer_spec import auto_count
@@ -19,6 +19,7 @@ from raven_convert.train.data import load_documents
 from raven_convert.train.recipe import parse_recipe
 from raven_convert.train.stages import run_recipe
 from tests.conftest import make_tiny_source
+from tests.helpers import read_weights
 from tests.helpers import words_corpus as make_words_corpus
 
 PARTS = training_parts()
@@ -289,7 +290,7 @@ def test_both_sums_the_window_and_the_mixer_scores(words_corpus, loaded, tmp_pat
 
     def scores(ablation, fitted):
         settings = FIT.model_copy(update={"ablation": ablation})
-        rows = layer_choice.score_layers(hybrid, probes, settings, 0, lambda m: None, fitted)
+        rows = layer_scan.score_layers(hybrid, probes, settings, 0, lambda m: None, fitted)
         assert [row["score"] for row in rows] == sorted(row["score"] for row in rows)
         return {row["layer"]: row for row in rows}
 
@@ -371,7 +372,7 @@ def test_scoring_reuses_the_prefix(loaded):
     from raven_convert.surgery import build_hybrid
 
     hybrid = build_hybrid(model, ["attention"] * 6, {})
-    stack = layer_choice._Stack(hybrid, window=96)
+    stack = layer_scan._Stack(hybrid, window=96)
     ids = torch.randint(3, 100, (2, 64))
     h, context = stack.start(ids)
     full = stack.finish(h, 0, context, {})
@@ -404,7 +405,7 @@ def test_restore_scores_what_restoring_a_layer_recovers(words_corpus, loaded, tm
     )
     with torch.no_grad():
         fitted.model.layers[2].self_attn.o_proj.weight.mul_(30.0)
-    rows = layer_choice.score_layers(hybrid, probes, settings, 0, lambda m: None, fitted)
+    rows = layer_scan.score_layers(hybrid, probes, settings, 0, lambda m: None, fitted)
     assert rows[-1]["layer"] == 2  # the spoiled mixer's layer recovers most: kept first
     assert [row["score"] for row in rows] == sorted(row["score"] for row in rows)  # one round: ascending
 
@@ -426,7 +427,7 @@ def test_restore_scores_what_restoring_a_layer_recovers(words_corpus, loaded, tm
         for row in rows:
             assert row["kl"] == pytest.approx(base - kl_with({row["layer"]}), abs=1e-4)
 
-    greedy = layer_choice.score_layers(hybrid, probes, settings.model_copy(update={"rounds": 3}), 0, print, fitted)
+    greedy = layer_scan.score_layers(hybrid, probes, settings.model_copy(update={"rounds": 3}), 0, print, fitted)
     assert [row["round"] for row in greedy] == [3, 3, 2, 2, 1, 1]  # the first kept, in round 1, rank last
     assert greedy[-1]["layer"] == 2
 
@@ -472,3 +473,65 @@ def test_round_sizes_schedule_the_greedy_rounds(words_corpus, loaded, tmp_path, 
     with pytest.raises(SystemExit):
         main(args)
     assert "expected a comma-separated list such as 1,1,2, got '1,x'" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def half(teacher, tmp_path_factory) -> Path:
+    """The 6-layer teacher with layers 1 and 4 converted to SILA (conv_size 2): a hybrid to convert further."""
+    out = tmp_path_factory.mktemp("half") / "hybrid"
+    argv = ["--src", str(teacher), "--mixer", "sila", "--sila-conv-size", "2", "--layers", "1,4", "--out", str(out)]
+    assert main(argv) == 0
+    return out
+
+
+def test_auto_n_on_a_hybrid_ranks_only_its_attention_layers(half, words_corpus, tmp_path):
+    """A hybrid converted further is scanned as it is (its mixers run in every pass: the scan's base is the hybrid's
+    own forward); every ablation and direction ranks its attention layers only, and auto:N converts N - 2 of them
+    beside its two mixers."""
+    source = Source.resolve(str(half))
+    model, tokenizer = source.load_model("float32"), source.load_tokenizer()
+    weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    stack = layer_scan._Stack(model, window=8)
+    ids = torch.randint(3, 100, (2, 48))
+    with torch.no_grad():
+        h, context = stack.start(ids)
+        torch.testing.assert_close(stack.finish(h, 0, context, {}), model.model(ids).last_hidden_state)
+    sila = ("sila", {"conv_size": 2})
+    for settings in (
+        SMALL,
+        FIT.model_copy(update={"ablation": "both"}),
+        FIT.model_copy(update={"direction": "restore"}),
+    ):
+        documents = load_documents(str(words_corpus))
+        result = rank_layers(model, tokenizer, documents, settings, tmp_path, lambda m: None, sila, parts=PARTS)
+        assert result["fixed"] == [1, 4] and sorted(row["layer"] for row in result["ranking"]) == [0, 2, 3, 5]
+        record = choice_record(result, 4)
+        assert record["fixed"] == [1, 4] and record["chosen"] == sorted([1, 4, *record["order"][:2]])
+        assert [record["score"][i] for i in (1, 4)] == [None, None] and record["score"][record["order"][0]] is not None
+        assert "   -  before" in layer_choice_report.format_table(record)
+        card = layer_choice_report.card_section(record)
+        assert "- converted before, by the source: 1, 4" in card and "| 1 | - | - | - |" in card
+        layer_choice_report.plot_choice(record, tmp_path / "choice.png")
+    assert all(torch.equal(tensor, weights[name]) for name, tensor in model.state_dict().items())  # left as it was
+
+
+def test_cli_auto_n_converts_a_hybrid_further(half, words_corpus, tmp_path, capsys):
+    def convert(mixer: str, out):
+        argv = ["--src", str(half), "--mixer", mixer, "--layers", "auto:4", "--out", str(out)]
+        return main(
+            argv + ["--choice-data", str(words_corpus), "--choice-cache", str(tmp_path / "cache"), *SMALL_FLAGS]
+        )
+
+    with pytest.raises(SystemExit):
+        convert("raven", tmp_path / "raven")
+    assert "layer 1 is sila in the source and raven in the plan" in capsys.readouterr().err
+    out = tmp_path / "out"
+    assert convert("sila", out) == 0
+    assert "converted layers 1 (sila), 4 (sila)" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    record = config["layer_choice"]
+    assert record["fixed"] == [1, 4] and {1, 4} < set(record["chosen"]) and len(record["chosen"]) == 4
+    assert [i for i, kind in enumerate(config["layer_mixers"]) if kind == "sila"] == record["chosen"]
+    assert config["converted_from"][0]["model"] == str(half)
+    before, after = read_weights(half), read_weights(out)
+    assert all(torch.equal(after[name], before[name]) for name in before if ".1.self_attn." in name)

@@ -153,3 +153,26 @@ def test_one_layer_at_a_time_gives_the_summed_losss_gradients(models):
     assert any(g.abs().sum() > 0 for g in grads[True])
     for a, b in zip(grads[True], grads[False]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_hybrid_teacher_aligns_only_the_layers_it_runs_as_attention(tiny_sources):
+    """A further conversion aligns against the hybrid it starts from: only the layers that hybrid still runs as
+    attention, on its own hidden states (packed documents reach it as the student takes them); its mixer stays."""
+    source = AutoModelForCausalLM.from_pretrained(tiny_sources["llama"]).eval()
+    start = build_hybrid(source, plan_layers([("sila", "1")], 4), {})
+    further = build_hybrid(start, plan_layers([("sila", "1,3"), ("raven", "2")], 4), SETTINGS)
+    kept = {n: p.detach().clone() for n, p in further.named_parameters() if ".1.self_attn." in n}
+    positions = torch.cat([torch.arange(n) for n in (10, 14)]).repeat(4, 1)  # two documents a row
+
+    def packed(seed: int, n: int):
+        for batch in batches(seed, n):
+            yield {"input_ids": batch["input_ids"], "position_ids": positions}
+
+    before = alignment_losses(start, further, **next(packed(99, 1)))
+    history = align(start, further, packed(0, 40), steps=40, lr=3e-3, warmup_steps=5, log_every=0)
+    after = alignment_losses(start, further, **next(packed(99, 1)))
+    assert set(before) == set(history[-1]["layers"]) == {2, 3}
+    assert all(after[i] < before[i] for i in (2, 3))
+    assert all(torch.equal(p, kept[n]) for n, p in further.named_parameters() if n in kept)
+    with pytest.raises(ValueError, match="align has no layer to align"):
+        align(further, further, packed(0, 1), steps=1, log_every=0)

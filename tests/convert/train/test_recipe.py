@@ -27,13 +27,22 @@ def test_the_shipped_recipes_are_there():
         assert {f"smollm2-{mixer}.yaml", f"qwen3-0.6b-{mixer}.yaml"} <= names
 
 
-def header_command(path: Path) -> list[str]:
-    """The command in a recipe's first comment lines (continued with backslashes), as words."""
-    text = ""
+def header_commands(path: Path) -> list[list[str]]:
+    """The commands in a recipe's first comment lines (each continued with backslashes), as words."""
+    commands, text = [], ""
     for line in path.read_text().splitlines():
+        if not text and not line.startswith("# python "):
+            return commands
         text += line.removeprefix("#").strip().removesuffix("\\") + " "
         if not line.endswith("\\"):
-            return shlex.split(text)
+            commands.append(shlex.split(text))
+            text = ""
+    return commands
+
+
+def header_command(path: Path) -> list[str]:
+    """The header's command that runs the recipe (a further conversion's header runs the one it starts from first)."""
+    return next(words for words in header_commands(path) if f"recipes/{path.name}" in words)
 
 
 def runnable_header(path) -> list[str]:
@@ -385,6 +394,42 @@ def test_input_flags_are_set_overrides_read_as_plain_strings(tmp_path):
     assert "--data yes --haystack 'a: b#c'" in resume_command(args)
     override = load_recipe(path, input_overrides(args) + ["data.source=other"])  # --set comes last and wins
     assert override.data.source == "other"
+
+
+def test_start_from_names_a_hybrid_of_the_teacher_and_is_fingerprinted(tiny_sources, tmp_path, capsys, monkeypatch):
+    """start_from (--start-from) must be a hybrid this toolkit saved, converted from a model shaped as the teacher:
+    checked before any stage; it joins the convert and align fingerprints only where it is set."""
+    from raven_convert.cli import main as convert
+    from raven_convert.train.run_state import fingerprints, stage_inputs
+
+    monkeypatch.chdir(tmp_path)
+    teacher = str(tiny_sources["llama"])
+    recipe = {"source": teacher, "layers": [{"mixer": "sila", "layers": "1,2"}], "data": {"source": "x"}}
+    with pytest.raises(ValueError, match=r"start_from: String should have at least 1 character"):
+        parse_recipe(recipe | {"start_from": ""})
+    with pytest.raises(ValueError, match=r"start_from: not a field of a fine-tuning recipe"):
+        parse_recipe({"source": teacher, "start_from": "h", "train": {"steps": 1}})
+    other = tmp_path / "qwen3-hybrid"
+    assert convert(["--src", str(tiny_sources["qwen3"]), "--mixer", "sila", "--layers", "1", "--out", str(other)]) == 0
+    expected = "expected the folder of a hybrid this toolkit saved"
+    for start, message in [
+        ("nowhere", f"start_from {str(tmp_path / 'nowhere')!r}: no such directory; {expected}"),
+        ("nowhere", "or convert's --out); pass --start-from DIR or set start_from in the recipe"),
+        (teacher, f"holds a 'llama' model, not a hybrid (model_type 'raven_hybrid'); {expected}"),
+        (str(other), "a hybrid of a qwen3 (num_hidden_layers 24, hidden_size 64, vocab_size 128), but the teacher"),
+    ]:
+        code, err = run_main(tmp_path, capsys, recipe, "--start-from", start, "--stages", "convert")
+        assert code == 2 and message in err, err
+        assert not (tmp_path / "run").exists()
+
+    args = build_parser().parse_args(["r.yaml", "--run-dir", "run", "--start-from", "h"])
+    assert input_overrides(args) == ['start_from="h"'] and "--start-from h" in resume_command(args)
+    plain, further = parse_recipe(recipe), parse_recipe(recipe | {"start_from": "h"})
+    assert all("start_from" not in stage_inputs(plain, stage) for stage in STAGES)  # older runs' fingerprints stand
+    assert stage_inputs(further, "convert")["start_from"] == stage_inputs(further, "align")["start_from"]
+    assert stage_inputs(further, "align")["start_from"] == str(tmp_path / "h")
+    moved = fingerprints(parse_recipe(recipe | {"start_from": "g"}))
+    assert fingerprints(plain)["convert"] != fingerprints(further)["convert"] != moved["convert"]
 
 
 def test_unknown_evaluation_task_is_refused_naming_the_allowed_ones():

@@ -1,0 +1,131 @@
+"""Surgery from a hybrid (progressive conversion): `convert --src HYBRID` keeps the mixers the hybrid had, bit for
+bit, initialises the new ones as a conversion of a Transformer does, takes every other weight from the hybrid, records
+the chain; a plan that drops or changes a converted layer, converts nothing new or changes a mixer's settings is
+refused before any weight is loaded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from raven_convert import build_hybrid, plan_layers
+from raven_convert.cli import main
+from raven_convert.export import save_hybrid
+from raven_convert.sources import Source
+from raven_layers import HybridForCausalLM
+from tests.conftest import tiny_tokenizer
+from tests.helpers import read_weights, words_corpus
+
+SILA = ["--sila-conv-size", "2"]
+
+
+def convert(*argv) -> int:
+    return main([str(a) for a in argv])
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_sources, tmp_path_factory):
+    """{"teacher", "hybrid"}: the tiny Llama converted at layer 1 to SILA (conv_size 2), every weight then moved as
+    training would move it (so the hybrid's attention and mixers differ from the teacher's), saved."""
+    root = tmp_path_factory.mktemp("trained")
+    teacher = tiny_sources["llama"]
+    assert convert("--src", teacher, "--mixer", "sila", "--layers", "1", *SILA, "--out", root / "converted") == 0
+    model = HybridForCausalLM.from_pretrained(root / "converted")
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    save_hybrid(model, tiny_tokenizer(), root / "hybrid", base_model=str(teacher))
+    return {"teacher": teacher, "hybrid": root / "hybrid"}
+
+
+def test_a_hybrid_converted_further_keeps_its_mixers_and_starts_the_new_ones_as_a_conversion_does(trained, tmp_path):
+    hybrid, teacher = trained["hybrid"], trained["teacher"]
+    out = tmp_path / "further"
+    assert convert("--src", hybrid, "--mixer", "sila", "--layers", "1,2", "--seed", "3", "--out", out) == 0
+    before, after = read_weights(hybrid), read_weights(out)
+    new = set(after) - set(before)  # layer 2's mixer-only parameters (its q/k/v/o keep their names)
+    assert new and all(name.startswith("model.layers.2.self_attn.") for name in new)
+    for name, tensor in after.items():  # everything but layer 2's new parameters: the hybrid's, bit for bit
+        if name not in new:
+            assert torch.equal(tensor, before[name]), name
+    assert not torch.equal(
+        before["model.layers.1.self_attn.q_proj.weight"],
+        read_weights(teacher)["model.layers.1.self_attn.q_proj.weight"],
+    )  # the hybrid's trained weights, not the teacher's
+
+    # the new layer's own parameters are those a conversion of the teacher to the same plan gives (same seed)
+    direct = build_hybrid(
+        Source.resolve(str(teacher)).load_model("float32"),
+        plan_layers([("sila", "1,2")], 4),
+        {"sila": {"conv_size": 2}},
+        3,
+    ).state_dict()
+    assert all(torch.equal(after[name], direct[name]) for name in new)
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["layer_mixers"] == ["attention", "sila", "sila", "attention"]
+    assert config["mixer_settings"]["sila"]["conv_size"] == 2  # the source's settings, carried
+    assert config["converted_from"] == [
+        {"model": str(hybrid), "layer_mixers": ["attention", "sila", "attention", "attention"]}
+    ]
+    assert f"- `{hybrid}`, which had converted layers 1 (sila)" in (out / "README.md").read_text()
+
+    # a third step records the chain, oldest first
+    third = tmp_path / "third"
+    assert convert("--src", out, "--mixer", "sila", "--layers", "1-3", "--out", third) == 0
+    chain = json.loads((third / "config.json").read_text())["converted_from"]
+    assert [step["model"] for step in chain] == [str(hybrid), str(out)]
+    assert torch.equal(
+        read_weights(third)["model.layers.2.self_attn.q_proj.weight"], after["model.layers.2.self_attn.q_proj.weight"]
+    )
+
+
+@pytest.mark.parametrize(
+    "plan, problem",
+    [
+        (["--mixer", "sila", "--layers", "2"], "layer 1 is sila in the source and kept as attention in the plan"),
+        (["--mixer", "raven", "--layers", "1,2"], "layer 1 is sila in the source and raven in the plan"),
+        (["--mixer", "sila", "--layers", "1,2", "--mixer", "sse", "--layers", "0"], None),
+        (["--mixer", "sila", "--layers", "1"], "the plan converts no layer that the source hybrid"),
+        (["--mixer", "sila", "--layers", "1,2", "--sila-conv-size", "4"], "sila.conv_size = 4, but the source"),
+        (
+            ["--mixer", "sila", "--layers", "auto:1", "--choice-data", "CORPUS"],
+            "auto:1 counts every converted layer, the 1 the source",
+        ),
+    ],
+)
+def test_a_further_conversion_refuses_a_plan_that_does_not_keep_the_source_before_loading_it(
+    trained, tmp_path, capsys, monkeypatch, plan, problem
+):
+    if problem is None:  # a mixer of another kind on a layer the source kept: allowed (SSE's rank fits the model)
+        plan += ["--sse-lora-rank", "8"]
+        assert convert("--src", trained["hybrid"], *plan, "--out", tmp_path / "mixed") == 0
+        assert json.loads((tmp_path / "mixed" / "config.json").read_text())["layer_mixers"][:3] == [
+            "sse",
+            "sila",
+            "sila",
+        ]
+        return
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the source's weights were loaded")
+
+    monkeypatch.setattr(Source, "load_model", no_weights)
+    plan = [str(words_corpus(tmp_path / "corpus")) if word == "CORPUS" else word for word in plan]
+    with pytest.raises(SystemExit) as info:
+        convert("--src", trained["hybrid"], *plan, "--out", tmp_path / "out")
+    assert info.value.code == 2
+    error = capsys.readouterr().err
+    assert problem in error and "Traceback" not in error
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_further_conversion_keeps_the_sources_sliding_windows_on_the_attention_it_keeps(tiny_sources, tmp_path):
+    windowed = tmp_path / "windowed"
+    argv = ["--src", tiny_sources["llama"], "--mixer", "sila", "--layers", "1", "--sliding-window", "4"]
+    assert convert(*argv, "--out", windowed) == 0
+    assert convert("--src", windowed, "--mixer", "sila", "--layers", "1,2", "--out", tmp_path / "further") == 0
+    assert json.loads((tmp_path / "further" / "config.json").read_text())["attention_windows"] == [4, None, None, 4]
