@@ -86,6 +86,10 @@
 #   sila-kd22      smollm2-sila-deep22.yaml with distillation from the teacher in train and extend (kd_weight 1)
 #   sila-kd22-e2e|sila-kd26-e2e  sila-kd22, and at auto:26 (the same cut choice), with a third of align's steps
 #                  moved to train (align 800, train 600): the same minutes, more of them end to end
+#   sila-prog22    converting in steps (docs/DEPTH.md): smollm2-sila.yaml's 15-layer hybrid trained without its
+#                  evaluation into RUNS/sila-prog15 (about 11 GPU-minutes), then
+#                  recipes/smollm2-sila-deep22-progressive.yaml from it (--start-from) into RUNS/sila-prog22, evaluated;
+#                  against sila-deep22 (one step) at the same evaluation
 #   sila-deep22-ddp4|sila-deep26-ddp4  the deep recipe on all four GPUs of the host under data parallel (PROCESSES=4:
 #                  each stage through `accelerate launch`, batch_size rows per process), so 4x the tokens in about
 #                  the same minutes; start it alone, with every GPU visible
@@ -257,6 +261,10 @@ PY
   sila-kd22)
     trained sila-deep22 "$1" "${KD[@]}"
     ;;
+  sila-prog22)
+    recipe sila sila-prog15 --stages convert,align,weights,train,extend || return 1
+    trained sila-deep22-progressive "$1" --start-from "$RUNS/sila-prog15/extend/model"
+    ;;
   sila-deep22-ddp4 | sila-deep26-ddp4)
     local recipe=${1%-ddp4}
     PROCESSES=4 trained "$recipe" "$1"
@@ -315,7 +323,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-deep22-ddp4 sila-deep26-ddp4 decode-lab depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deep22-ddp4 sila-deep26-ddp4 decode-lab depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;
