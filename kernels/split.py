@@ -47,16 +47,18 @@ def merge_fwd_kernel(
 
 
 @functools.cache
-def programs_wanted(device: torch.device) -> int:
+def programs_wanted(device: torch.device, per_sm: int = 2) -> int:
     """About two programs per SM keep the memory system busy; the interpreter gets a handful."""
     if device.type != "cuda":
         return 8
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def split_count(rows: int, blocks: int, device: torch.device) -> int:
-    """Ranges per row (a power of 2, at most `blocks`) so that rows x ranges covers the GPU."""
-    return min(triton.next_power_of_2(triton.cdiv(programs_wanted(device), rows)), triton.next_power_of_2(blocks))
+def split_count(rows: int, blocks: int, device: torch.device, per_sm: int = 2) -> int:
+    """Ranges per row (a power of 2, at most `blocks`) so that rows x ranges covers the GPU with `per_sm` programs
+    per SM."""
+    wanted = programs_wanted(device, per_sm)
+    return min(triton.next_power_of_2(triton.cdiv(wanted, rows)), triton.next_power_of_2(blocks))
 
 
 class Partials:

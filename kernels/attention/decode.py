@@ -4,10 +4,14 @@ Each program reads one key/value head of one row over a contiguous range of slot
 group at once, so every key and value is read once per step; only the slots written so far (`step + 1`, at most
 the buffer) are read. The ranges' partial softmax results (running max, sum, weighted values) are merged by a
 second kernel (kernels/split.py). The number of ranges grows until the grid covers the GPU, so batch 1 reads a
-long cache with every SM and large batches need no split.
+long cache with every SM and large batches need no split. How a program tiles its reads (`DecodeTiles`) is one
+setting for every call; `scripts/bench/sweep_decode_attention.py` times the choices on a GPU.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -37,6 +41,7 @@ def attention_fwd_kernel_split(
     BN: tl.constexpr,
     BD: tl.constexpr,
     PRECISION: tl.constexpr,
+    NATIVE: tl.constexpr,
 ):
     i_bh, i_s = tl.program_id(0), tl.program_id(1)
     i_b = i_bh // HKV
@@ -46,7 +51,9 @@ def attention_fwd_kernel_split(
     o_g, o_d = tl.arange(0, BG), tl.arange(0, BD)
     m_g, m_d = o_g < G, o_d < D
     p_q = q + (i_bh * G + o_g[:, None]) * D + o_d[None, :]
-    b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0).to(tl.float32)  # [BG, BD]
+    b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0)  # [BG, BD]
+    if not NATIVE:
+        b_q = b_q.to(tl.float32)
     p_kv = i_bh.to(tl.int64) * S * D
     b_m = tl.full([BG], -1e30, dtype=tl.float32)  # finite: a range with no valid slot keeps l = 0, not NaN
     b_l = tl.zeros([BG], dtype=tl.float32)
@@ -56,15 +63,21 @@ def attention_fwd_kernel_split(
         m_n = o_n < end
         b_valid = tl.load(valid + i_b * S + o_n, mask=m_n, other=0) != 0  # [BN]
         m_nd = m_n[:, None] & m_d[None, :]
-        b_k = tl.load(k + p_kv + o_n[:, None] * D + o_d[None, :], mask=m_nd, other=0.0).to(tl.float32)  # [BN, BD]
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * scale  # [BG, BN]
+        b_k = tl.load(k + p_kv + o_n[:, None] * D + o_d[None, :], mask=m_nd, other=0.0)  # [BN, BD]
+        if NATIVE:  # products in the cache's dtype, float32 sums (as flash attention multiplies)
+            b_s = tl.dot(b_q, tl.trans(b_k)) * scale  # [BG, BN]
+        else:
+            b_s = tl.dot(b_q, tl.trans(b_k.to(tl.float32)), input_precision=PRECISION) * scale
         b_s = tl.where(b_valid[None, :], b_s, float("-inf"))
         b_mn = tl.maximum(b_m, tl.max(b_s, 1))
         b_alpha = tl.exp(b_m - b_mn)
         b_p = tl.exp(b_s - b_mn[:, None])
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        b_v = tl.load(v + p_kv + o_n[:, None] * D + o_d[None, :], mask=m_nd, other=0.0).to(tl.float32)
-        b_o = b_o * b_alpha[:, None] + tl.dot(b_p, b_v, input_precision=PRECISION)
+        b_v = tl.load(v + p_kv + o_n[:, None] * D + o_d[None, :], mask=m_nd, other=0.0)  # [BN, BD]
+        if NATIVE:
+            b_o = b_o * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+        else:
+            b_o = b_o * b_alpha[:, None] + tl.dot(b_p, b_v.to(tl.float32), input_precision=PRECISION)
         b_m = b_mn
     p_part = (i_bh * NS + i_s) * BG + o_g
     tl.store(m_part + p_part, b_m)
@@ -72,9 +85,36 @@ def attention_fwd_kernel_split(
     tl.store(o_part + p_part[:, None] * BD + o_d[None, :], b_o)
 
 
-def split_config(rows: int, slots: int, device: torch.device, block: int = 64) -> tuple[int, int, int]:
+@dataclass(frozen=True)
+class DecodeTiles:
+    """How each program of `attention_decode` reads: `block` slots at a time with `warps` warps and `stages`
+    pipeline stages (None: Triton's default), ranges split until there are `per_sm` programs per SM, and bf16/fp16
+    caches multiplied in their own dtype with float32 sums (`native`) or as float32 tiles (tf32 products)."""
+
+    block: int = 64
+    warps: int = 4
+    stages: int | None = None
+    per_sm: int = 2
+    native: bool = False
+
+
+TILES = DecodeTiles()
+
+
+@contextmanager
+def decode_tiles(tiles: DecodeTiles):
+    """Every `attention_decode` call within runs with `tiles` (the sweep's way to try them; not thread-safe)."""
+    global TILES
+    before, TILES = TILES, tiles
+    try:
+        yield
+    finally:
+        TILES = before
+
+
+def split_config(rows: int, slots: int, device: torch.device, block: int = 64, per_sm: int = 2) -> tuple[int, int, int]:
     """(ranges NS, slots per range, slots per block) for `rows` = B * Hkv programs over `slots` slots."""
-    NS = split_count(rows, triton.cdiv(slots, block), device)
+    NS = split_count(rows, triton.cdiv(slots, block), device, per_sm)
     return NS, triton.cdiv(triton.cdiv(slots, block), NS) * block, block
 
 
@@ -104,9 +144,11 @@ def attention_decode(
     torch.compile keeps it whole, and Inductor fuses the work around it."""
     B, Hkv, G, D = q.shape
     S = k.shape[2]
-    NS, CHUNK, BN = split_config(B * Hkv, S, q.device)
+    tiles = TILES
+    NS, CHUNK, BN = split_config(B * Hkv, S, q.device, tiles.block, tiles.per_sm)
     part = Partials(B * Hkv, NS, G, D, q.device, pad=16)  # tl.dot wants 16 rows
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 holds bf16/fp16 inputs exactly
+    launch = {"num_warps": tiles.warps} | ({"num_stages": tiles.stages} if tiles.stages else {})
     attention_fwd_kernel_split[(B * Hkv, NS)](
         q,
         k,
@@ -127,6 +169,8 @@ def attention_decode(
         BN,
         part.BD,
         precision,
+        tiles.native and q.dtype != torch.float32,
+        **launch,
     )
     return part.merge(torch.empty(B, 1, Hkv * G, D, dtype=q.dtype, device=q.device))
 

@@ -1,5 +1,6 @@
 """decode_attention (Triton, interpreted on CPU) against its PyTorch reference: GQA groups, left padding, slots
-beyond the written ones never read, ranges with no valid slot, odd head sizes, bf16."""
+beyond the written ones never read, ranges with no valid slot, odd head sizes, bf16; under every tiling the sweep
+tries (scripts/bench/sweep_decode_attention.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from raven_kernels.attention import decode_attention
-from raven_kernels.attention.decode import split_config
+from raven_kernels.attention.decode import DecodeTiles, decode_tiles, split_config
 from raven_kernels.attention.naive import naive_decode_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -30,7 +31,10 @@ def make(B, Hq, Hkv, S, d, dtype=torch.float32, seed=0):
         (2, 2, 2, 64, 64, 64),  # no grouping
     ],
 )
-def test_matches_reference(B, Hq, Hkv, S, d, filled):
+@pytest.mark.parametrize(
+    "tiles", [DecodeTiles(), DecodeTiles(block=32, per_sm=4), DecodeTiles(block=128, warps=8, stages=3, per_sm=1)]
+)
+def test_matches_reference(B, Hq, Hkv, S, d, filled, tiles):
     q, k, v = make(B, Hq, Hkv, S, d)
     valid = torch.zeros(B, S, dtype=torch.bool, device=DEVICE)
     valid[:, :filled] = True
@@ -40,19 +44,34 @@ def test_matches_reference(B, Hq, Hkv, S, d, filled):
     v[:, :, filled:] = float("nan")
     step = torch.tensor([filled - 1], device=DEVICE)
     scale = d**-0.5
-    out = decode_attention(q, k, v, valid, step, scale)
+    with decode_tiles(tiles):
+        out = decode_attention(q, k, v, valid, step, scale)
     ref = naive_decode_attention(q, k[:, :, :filled], v[:, :, :filled], valid[:, :filled], step, scale)
     assert out.shape == (B, 1, Hq, d) and out.dtype == q.dtype
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_bf16_within_tolerance():
-    q, k, v = make(2, 6, 2, 96, 32, dtype=torch.bfloat16, seed=1)
+@pytest.mark.parametrize(
+    "dtype, native",
+    [
+        (torch.bfloat16, False),
+        (torch.float16, True),  # products in the cache's dtype
+        pytest.param(
+            torch.bfloat16,
+            True,
+            marks=pytest.mark.skipif(DEVICE == "cpu", reason="the Triton interpreter's bf16 tl.dot is wrong on CPU"),
+        ),
+    ],
+    ids=["bf16-float32-tiles", "fp16-products", "bf16-products"],
+)
+def test_half_precision_within_tolerance(dtype, native):
+    q, k, v = make(2, 6, 2, 96, 32, dtype=dtype, seed=1)
     valid = torch.ones(2, 96, dtype=torch.bool, device=DEVICE)
     step = torch.tensor([95], device=DEVICE)
-    out = decode_attention(q, k, v, valid, step, 32**-0.5)
+    with decode_tiles(DecodeTiles(native=native)):
+        out = decode_attention(q, k, v, valid, step, 32**-0.5)
     ref = naive_decode_attention(q, k, v, valid, step, 32**-0.5)
-    assert out.dtype == torch.bfloat16
+    assert out.dtype == dtype
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 

@@ -196,7 +196,7 @@ def test_chunk_scans_many_chunks_per_sequence(scan_form):
 @pytest.mark.parametrize("programs", [1, 64])
 def test_decode_steps_match_reference(programs, monkeypatch):
     """One program per head, and the slots split over as many as there are slot blocks (merged after)."""
-    monkeypatch.setattr(split, "programs_wanted", lambda device: programs)
+    monkeypatch.setattr(split, "programs_wanted", lambda device, per_sm=2: programs)
     B, T, H, G, d, M, K = 2, 5, 2, 2, 16, 16, 4
     q, k, v, a, idx, r = random_inputs(B, T, H, G, d, M, K, seed=5)
     state = random_state(B, H, M, d)

@@ -90,3 +90,16 @@ def test_tables_compare_with_both_teachers():
     text = bench_capacity.table(capacity)
     assert "| largest batch | vs teacher | vs teacher-engine | ms/step |" in text and "| of floor | peak GiB |" in text
     assert "| sila-26of30 | 32768 | 95.0 | 900 | 9.0x | 7.5x | 30.0 | 30000 | 15.0x | 5.0x | 50% | - |" in text
+
+
+def test_decode_options_name_the_models_compilation():
+    from common import parse_decode_options
+
+    from raven_layers.decode_fusion import FUSED_PROJECTIONS
+
+    assert parse_decode_options("default") == {} and parse_decode_options("eager") is None
+    assert parse_decode_options("fused,combo_kernels=True") == {**FUSED_PROJECTIONS, "combo_kernels": True}
+    with pytest.raises(argparse.ArgumentTypeError, match="not name=value"):
+        parse_decode_options("combo_kernels")
+    with pytest.raises(argparse.ArgumentTypeError, match="not a Python literal"):
+        parse_decode_options("combo_kernels=yes please")

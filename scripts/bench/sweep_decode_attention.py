@@ -1,0 +1,123 @@
+"""How the split-K decode attention should tile its reads: every `DecodeTiles` choice timed at each batch and
+context, as bytes read per second against the GPU's copy bandwidth.
+
+    python scripts/bench/sweep_decode_attention.py --out OUT --batches 1,32,128 --contexts 4k,16k
+    python scripts/bench/sweep_decode_attention.py --out OUT --batches 32 --contexts 16k --blocks 32,64,128 \\
+        --warps 2,4,8 --per-sm 1,2,4
+
+SmolLM2-135M's attention shape (9 query heads over 3 key/value heads of 64 channels), bf16, one layer's cache
+filled to `context` slots for `batch` rows. Every choice of the grid (stages 0: Triton's default) is timed by
+triton.testing.do_bench on the same inputs; a row's bandwidth is the keys and values it must read over its time,
+its share that over a device-to-device copy's (bytes read plus written, measured in the run). Each choice's output
+is compared with the current default's (max abs difference: bf16 products round differently, a wrong tiling
+shows as a large one). Writes OUT/sweep_decode_attention.json and prints, per shape, the default's row and the
+five fastest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
+
+from common import parse_sizes  # noqa: E402
+
+from raven_convert.evaluate.decode_bench import copy_bandwidth  # noqa: E402
+from raven_kernels.attention import decode_attention  # noqa: E402
+from raven_kernels.attention.decode import TILES, DecodeTiles, decode_tiles  # noqa: E402
+
+HQ, HKV, D = 9, 3, 64
+
+
+def numbers(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def inputs(batch: int, context: int) -> tuple:
+    g = torch.Generator(device="cuda").manual_seed(batch * 7 + context)
+    q = torch.randn(batch, HQ, 1, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(batch, HKV, context, D, device="cuda", dtype=torch.bfloat16, generator=g)  # [B, Hkv, S, d]
+    v = torch.randn_like(k)
+    valid = torch.ones(batch, context, dtype=torch.bool, device="cuda")
+    step = torch.tensor([context - 1], device="cuda")
+    return q, k, v, valid, step, D**-0.5
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--batches", default="1,32,128")
+    parser.add_argument("--contexts", default="4k,16k")
+    parser.add_argument("--blocks", type=numbers, default=[64, 128])
+    parser.add_argument("--warps", type=numbers, default=[4, 8])
+    parser.add_argument("--stages", type=numbers, default=[0, 2, 3, 4], help="0: Triton's default")
+    parser.add_argument("--per-sm", type=numbers, default=[2, 4])
+    parser.add_argument("--native", type=numbers, default=[0, 1], help="1: bf16 products, float32 sums")
+    args = parser.parse_args(argv)
+    grid = [
+        DecodeTiles(block=b, warps=w, stages=s or None, per_sm=p, native=bool(n))
+        for b, w, s, p, n in itertools.product(args.blocks, args.warps, args.stages, args.per_sm, args.native)
+    ]
+    bandwidth = copy_bandwidth()
+    print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s; {len(grid)} tilings", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    info = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "copy_tb_per_s": round(bandwidth / 1e12, 3),
+        "default": asdict(TILES),
+        "command": " ".join(sys.argv),
+    }
+    rows = []
+    for batch, context in itertools.product(parse_sizes(args.batches), parse_sizes(args.contexts)):
+        tensors = inputs(batch, context)
+        bytes_read = 2 * tensors[1].numel() * tensors[1].element_size()  # keys and values
+        reference = decode_attention(*tensors).float()
+        for tiles in [TILES, *(t for t in grid if t != TILES)]:
+            try:
+                with decode_tiles(tiles):
+                    out = decode_attention(*tensors).float()
+                    ms = triton.testing.do_bench(lambda t=tensors: decode_attention(*t))
+            except Exception as error:  # a tiling the GPU cannot hold (shared memory, registers)
+                rows.append({"batch": batch, "context": context, **asdict(tiles), "error": f"{error}"[:200]})
+                continue
+            rows.append(
+                {
+                    "batch": batch,
+                    "context": context,
+                    **asdict(tiles),
+                    "default": tiles == TILES,
+                    "us": round(ms * 1e3, 2),
+                    "tb_per_s": round(bytes_read / ms / 1e9, 3),
+                    "of_copy": round(bytes_read / (ms / 1e3) / bandwidth, 3),
+                    "max_diff": (out - reference).abs().max().item(),
+                }
+            )
+        (args.out / "sweep_decode_attention.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+        tensors = reference = out = None  # freed before the next shape's inputs
+        torch.cuda.empty_cache()
+    print(f"\n{info}")
+    print("| batch | context | block | warps | stages | per SM | bf16 products | us | TB/s | of copy | max diff |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for (batch, context), group in itertools.groupby(rows, key=lambda r: (r["batch"], r["context"])):
+        timed = [r for r in group if "us" in r]
+        shown = [r for r in timed if r["default"]] + sorted(timed, key=lambda r: r["us"])[:5]
+        for r in shown:
+            print(
+                f"| {batch} | {context} | {r['block']} | {r['warps']} | {r['stages'] or 'default'} | {r['per_sm']} | "
+                f"{'yes' if r['native'] else 'no'}{' (default)' if r['default'] else ''} | {r['us']:.1f} | "
+                f"{r['tb_per_s']:.2f} | {r['of_copy']:.0%} | {r['max_diff']:.2g} |"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""sweep_decode_attention.py times each tiling on a GPU and records it with its output's difference from the
+default's (run on the device machine: `python -m pytest -m gpu`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def test_a_small_sweep_records_every_tiling(tmp_path):
+    import sweep_decode_attention
+
+    sweep_decode_attention.main(
+        ["--out", str(tmp_path), "--batches", "2", "--contexts", "1k", "--blocks", "64", "--warps", "4",
+         "--stages", "0,2", "--per-sm", "2", "--native", "0,1"]
+    )  # fmt: skip
+    rows = json.loads((tmp_path / "sweep_decode_attention.json").read_text())["rows"]
+    assert len(rows) == 4 and sum(r["default"] for r in rows) == 1  # the default, then the grid's three others
+    assert all(r["us"] > 0 and r["max_diff"] < 0.05 for r in rows)
