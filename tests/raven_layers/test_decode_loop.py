@@ -91,6 +91,13 @@ def test_rows_that_stop_early_are_padded_and_the_loop_ends_when_all_have(hybrid,
     assert torch.equal(again, theirs)
 
 
+def test_a_prompt_of_embeddings_returns_the_new_tokens_as_transformers_loop_does(hybrid, loops):
+    ids, _ = prompt(rows=2)
+    embeds = hybrid.get_input_embeddings()(ids).detach()
+    theirs, ours = both(hybrid, None, None, inputs_embeds=embeds)
+    assert loops == [1] and ours.shape == (2, 12) and torch.equal(ours, theirs)
+
+
 def test_transformers_loop_runs_what_decode_loop_does_not_cover(hybrid, loops):
     ids, mask = prompt()
     with torch.no_grad():
