@@ -351,6 +351,9 @@ class SILAMixer(Mixer):
         if tail is None:
             tail = x.new_zeros(B, K - 1, Cn)
         full = torch.cat([tail.to(x.dtype), x], dim=1)  # [B, K - 1 + T, C]
+        if T == 1:  # a decode step: the K taps as one multiply-add, which a compiled step fuses (no convolution launch)
+            out = (full.float() * self.conv_weight.t().float()).sum(1, keepdim=True).to(x.dtype)  # [B, 1, C]
+            return out, full[:, 1:].clone()
         out = F.conv1d(full.transpose(1, 2), self.conv_weight.to(x.dtype).unsqueeze(1), groups=Cn)
         return out.transpose(1, 2), full[:, T:].clone()
 

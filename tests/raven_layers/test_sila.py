@@ -169,6 +169,19 @@ def test_prefill_then_decode_equals_full_forward(conv_size, prompt):
     assert cache.state[0].dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_steps_convolution_is_the_convolutions_last_output(dtype):
+    mixer = tiny_mixer().to(dtype)
+    x = torch.randn(3, 6, 64, dtype=dtype)  # [B, T, (H + 2 H_kv) d]
+    with torch.no_grad():
+        whole, tail = mixer.short_conv(x, None)
+        _, before = mixer.short_conv(x[:, :5], None)
+        step, after = mixer.short_conv(x[:, 5:], before)
+    assert step.dtype == dtype and torch.equal(after, tail)
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(step, whole[:, 5:], rtol=tolerance, atol=tolerance)
+
+
 def test_left_padding_gives_the_unpadded_outputs():
     mixer = tiny_mixer()
     x = torch.randn(1, 7, 32)
