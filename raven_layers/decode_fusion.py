@@ -4,10 +4,12 @@ At batch 1 a decode step's projections each read a few hundred KB of weights, an
 whatever its size: seven per Llama layer (q, k, v, o, gate, up, down), more in a mixer layer.
 `fuse_shared_input_linears` is an Inductor pre-grad pass: it finds the linear layers of a traced graph that read one
 tensor (q, k and v; gate and up; a mixer's projections of its input) and replaces them by one linear over their
-concatenated weights, split after, so the step launches one product where it launched several. Under Inductor's
-`freezing` (the decode step is inference) the concatenation is folded into a constant when the step compiles.
+weights, split after, so the step launches one product where it launched several. The weights are read in place
+where they lie one after another in one buffer (`share_projection_storage` lays them out so when a step compiles
+with SHARED_PROJECTIONS), or concatenated (FUSED_PROJECTIONS: under Inductor's `freezing` the concatenation is
+folded into a constant, a second copy of those weights baked into the step).
 
-    model.decode_compile_options = FUSED_PROJECTIONS   # or with other Inductor options: {**FUSED_PROJECTIONS, ...}
+    model.decode_compile_options = SHARED_PROJECTIONS   # or with other Inductor options: {**SHARED_PROJECTIONS, ...}
 
 Inductor's own `batch_linear_lhs` fusion does the same for 2-D inputs only; a decode step's are [B, 1, hidden].
 """
@@ -18,7 +20,7 @@ import operator
 
 import torch
 import torch.nn.functional as F
-from torch import fx
+from torch import fx, nn
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 LINEAR = (torch._C._nn.linear, F.linear)
@@ -28,10 +30,73 @@ def _argument(node: fx.Node, index: int, name: str):
     return node.args[index] if len(node.args) > index else node.kwargs.get(name)
 
 
-def fuse_shared_input_linears(graph: fx.Graph) -> int:
-    """Fuse each group of two or more bias-free linear nodes that read the same input node; returns how many linear
-    nodes were replaced. A group is left alone where a weight is computed after the group's first linear (it could
-    not be concatenated before it) or the weights differ in dtype or input width."""
+def _adjacent(values: list[torch.Tensor]) -> bool:
+    """Whether the weights [out_i, in] lie one after another in one storage, row-major: one [sum(out), in] view
+    reads them all (share_projection_storage lays them out so)."""
+    storage, offset = values[0].untyped_storage()._cdata, values[0].storage_offset()  # _cdata: the storage itself
+    for value in values:
+        if value.untyped_storage()._cdata != storage or not value.is_contiguous() or value.storage_offset() != offset:
+            return False
+        offset += value.numel()
+    return True
+
+
+def _adjacent_runs(nodes: list[fx.Node]) -> list[list[fx.Node]]:
+    """The linear nodes of `nodes` whose weights lie one after another in one storage, as runs of two or more in
+    storage order: each run is read as one view."""
+    by_storage: dict[int, list[fx.Node]] = {}
+    for node in nodes:
+        weight = _argument(node, 1, "weight")
+        value = weight.meta.get("example_value")
+        stored = weight.op in ("placeholder", "get_attr")  # a parameter: defined before every product
+        if stored and value is not None and value.dim() == 2 and value.is_contiguous():
+            by_storage.setdefault(value.untyped_storage()._cdata, []).append(node)
+    runs = []
+    for members in by_storage.values():
+        members.sort(key=lambda node: _argument(node, 1, "weight").meta["example_value"].storage_offset())
+        run = members[:1]
+        for node in members[1:]:
+            if _adjacent([_argument(n, 1, "weight").meta["example_value"] for n in (run[-1], node)]):
+                run.append(node)
+                continue
+            runs.append(run)
+            run = [node]
+        runs.append(run)
+    return [run for run in runs if len(run) > 1]
+
+
+def _fuse(graph: fx.Graph, source: fx.Node, nodes: list[fx.Node], order: dict, in_place: bool) -> None:
+    """Replace the linear nodes `nodes` of input `source` by one product over their weights, read in place (one
+    view of the storage they share) or concatenated, and split after."""
+    weights = [_argument(node, 1, "weight") for node in nodes]
+    values = [w.meta["example_value"] for w in weights]
+    sizes = [v.shape[0] for v in values]
+    shape, offset = (sum(sizes), values[0].shape[1]), values[0].storage_offset()
+    with graph.inserting_before(min(nodes, key=order.__getitem__)):
+        if in_place:  # [sum(out), in]: the weights themselves
+            joined = graph.call_function(torch.as_strided, (weights[0], shape, (shape[1], 1), offset))
+            joined.meta["example_value"] = torch.as_strided(values[0], shape, (shape[1], 1), offset)
+        else:
+            joined = graph.call_function(torch.cat, (weights,), {"dim": 0})  # [sum(out), in]
+            joined.meta["example_value"] = torch.cat(values, dim=0)
+        fused = graph.call_function(torch._C._nn.linear, (source, joined))
+        if "example_value" in source.meta:
+            fused.meta["example_value"] = F.linear(source.meta["example_value"], joined.meta["example_value"])
+        parts = graph.call_function(torch.split, (fused, sizes), {"dim": -1})
+        for i, node in enumerate(nodes):
+            part = graph.call_function(operator.getitem, (parts, i))
+            part.meta.update(node.meta)
+            node.replace_all_uses_with(part)
+    for node in nodes:
+        graph.erase_node(node)
+
+
+def fuse_shared_input_linears(graph: fx.Graph, copy: bool = True) -> int:
+    """Fuse the bias-free linear nodes that read the same input node; returns how many linear nodes were replaced.
+    Weights stored one after another in one buffer (share_projection_storage) are read as one view of it, a run of
+    them at a time; where there is no such run and `copy` allows, a group's weights are concatenated (a copy per step
+    unless Inductor's freezing folds it). A group is not concatenated where a weight is computed after the group's
+    first linear (it could not be concatenated before it) or the weights differ in dtype or input width."""
     order = {node: i for i, node in enumerate(graph.nodes)}
     groups: dict[fx.Node, list[fx.Node]] = {}
     for node in graph.nodes:
@@ -41,41 +106,72 @@ def fuse_shared_input_linears(graph: fx.Graph) -> int:
                 groups.setdefault(source, []).append(node)
     replaced = 0
     for source, nodes in groups.items():
+        runs = _adjacent_runs(nodes) if len(nodes) > 1 else []
+        for run in runs:
+            _fuse(graph, source, run, order, in_place=True)
+            replaced += len(run)
+        if runs or not copy or len(nodes) < 2:
+            continue
         weights = [_argument(node, 1, "weight") for node in nodes]
         values = [w.meta.get("example_value") for w in weights]
-        if len(nodes) < 2 or any(order[w] > order[nodes[0]] for w in weights):
+        if any(order[w] > order[nodes[0]] for w in weights):
             continue
         if any(v is None or v.dim() != 2 for v in values) or len({(v.dtype, v.shape[1]) for v in values}) > 1:
             continue
-        sizes = [v.shape[0] for v in values]
-        with graph.inserting_before(nodes[0]):
-            joined = graph.call_function(torch.cat, (weights,), {"dim": 0})  # [sum(out), in]
-            joined.meta["example_value"] = torch.cat(values, dim=0)
-            fused = graph.call_function(torch._C._nn.linear, (source, joined))
-            if "example_value" in source.meta:
-                fused.meta["example_value"] = F.linear(source.meta["example_value"], joined.meta["example_value"])
-            parts = graph.call_function(torch.split, (fused, sizes), {"dim": -1})
-            for i, node in enumerate(nodes):
-                part = graph.call_function(operator.getitem, (parts, i))
-                part.meta.update(node.meta)
-                node.replace_all_uses_with(part)
-        for node in nodes:
-            graph.erase_node(node)
+        _fuse(graph, source, nodes, order, in_place=False)
         replaced += len(nodes)
     return replaced
 
 
 class SharedInputLinears(CustomGraphPass):
-    """`fuse_shared_input_linears` as Inductor takes a pre-grad pass; its uuid (this file's hash) keys Inductor's
-    cache of compiled graphs."""
+    """`fuse_shared_input_linears` as Inductor takes a pre-grad pass (`copy`: its argument); its uuid (this file's
+    hash) keys Inductor's cache of compiled graphs."""
+
+    def __init__(self, copy: bool = True):
+        self.copy = copy
 
     def __call__(self, graph: fx.Graph) -> None:
-        fuse_shared_input_linears(graph)
+        fuse_shared_input_linears(graph, self.copy)
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__,))
+        return get_hash_for_files((__file__,)) + (b"copy" if self.copy else b"in place")
 
 
-# The decode step's Inductor options with the fusion. Freezing folds the weights' concatenation into a constant (the
-# weights are baked in: set the options again after changing them, which recompiles the step).
+PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # children of one module, one input
+
+
+def share_projection_storage(model: nn.Module) -> int:
+    """Store the weights of each bias-free projection group (PROJECTION_GROUPS) one after another in one buffer, the
+    parameters views of it: their values, names and objects are unchanged (training and saving see no difference),
+    and a fused product can read them in place. Returns the groups laid out anew (those already so are skipped)."""
+    laid = 0
+    for module in model.modules():
+        for names in PROJECTION_GROUPS:
+            linears = [getattr(module, name, None) for name in names]
+            if not all(isinstance(linear, nn.Linear) and linear.bias is None for linear in linears):
+                continue
+            weights = [linear.weight for linear in linears]
+            if len({(w.dtype, w.device, w.shape[1]) for w in weights}) > 1 or _adjacent([w.detach() for w in weights]):
+                continue
+            joint = torch.cat([w.detach() for w in weights])  # [sum(out), in]
+            offset = 0
+            for w in weights:
+                w.data = joint[offset : offset + w.shape[0]]
+                offset += w.shape[0]
+            laid += 1
+    return laid
+
+
+def prepare_weights(model: nn.Module, options: dict) -> None:
+    """Lay out the weights as `options`' pass reads them: in place (SHARED_PROJECTIONS) needs shared storage."""
+    compiled_pass = options.get("pre_grad_custom_pass")
+    if isinstance(compiled_pass, SharedInputLinears) and not compiled_pass.copy:
+        share_projection_storage(model)
+
+
+# The decode step's Inductor options with the fusion. SHARED_PROJECTIONS reads each group's weights in place, laid
+# out one after another (share_projection_storage, when the step compiles): no copy, and the step sees any later
+# change of the weights. FUSED_PROJECTIONS concatenates them and folds the concatenation into a constant under
+# freezing: a second copy of those weights, baked in (set the options again after changing them, which recompiles).
+SHARED_PROJECTIONS = {"pre_grad_custom_pass": SharedInputLinears(copy=False)}
 FUSED_PROJECTIONS = {"freezing": True, "pre_grad_custom_pass": SharedInputLinears()}

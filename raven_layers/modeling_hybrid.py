@@ -459,7 +459,10 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         if not self.compile_decode:
             return self.decode_logits
         if self._compiled_decode is None:
+            from .decode_fusion import prepare_weights  # Inductor's pass API: imported when a step compiles
+
             options = self._decode_compile_options
+            prepare_weights(self, options)
             mixers = {self.config.mixer_spec(kind) for kind in set(self.config.layer_mixers) - {"attention"}}
             preload([KERNELS, *(spec.kernels for spec in mixers if spec.kernels)])
             extra = {"options": options} if options else {}  # only Inductor takes options: the CPU tests use others

@@ -87,10 +87,11 @@ def add_model_arguments(parser: argparse.ArgumentParser, mixers: str | None = No
 def parse_decode_options(text: str) -> dict | None:
     """A decode step's compilation as `model.decode_compile_options` takes it: 'default' -> {} (the model's own),
     'eager' -> None (not compiled: `compile_decode = False`), 'a=1,b=True' -> {'a': 1, 'b': True} (Inductor options,
-    Python literals), 'fused' alone or among them -> raven_layers.decode_fusion.FUSED_PROJECTIONS."""
+    Python literals), 'fused' alone or among them -> raven_layers.decode_fusion.FUSED_PROJECTIONS, 'shared' ->
+    SHARED_PROJECTIONS (the fusion reading the weights in place)."""
     import ast
 
-    from raven_layers.decode_fusion import FUSED_PROJECTIONS
+    from raven_layers.decode_fusion import FUSED_PROJECTIONS, SHARED_PROJECTIONS
 
     if text == "default":
         return {}
@@ -98,8 +99,8 @@ def parse_decode_options(text: str) -> dict | None:
         return None
     options = {}
     for item in text.split(","):
-        if item == "fused":
-            options.update(FUSED_PROJECTIONS)
+        if item in ("fused", "shared"):
+            options.update(FUSED_PROJECTIONS if item == "fused" else SHARED_PROJECTIONS)
             continue
         name, sep, value = item.partition("=")
         if not sep:

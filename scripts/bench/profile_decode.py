@@ -2,7 +2,7 @@
 model's compiled, CUDA-graphed decode step, under several `model.decode_compile_options`.
 
     python scripts/bench/profile_decode.py --models teacher-engine,sila --batches 1,32 --context 16k --out OUT \\
-        --variants default eager fused fused,combo_kernels=True combo_kernels=True
+        --variants default eager fused shared shared,combo_kernels=True combo_kernels=True
 
 For each model (SmolLM2-135M-shaped, bf16, random weights; the teacher on this project's engine is the teacher
 converted with no layer, a hybrid converts `--layers`), batch and variant, the step is compiled afresh: generate()
@@ -16,8 +16,9 @@ warms up (compiles, captures the graph; `compile s`), then
   may round differently; a wrong fusion shows as a large difference).
 
 A variant is `default` (the model's own options), `eager` (the eager step captured: `compile_decode = False`), or
-comma-separated Inductor options `name=value` (Python literals) and `fused` (the projection fusion of
-raven_layers/decode_fusion.py, e.g. `fused,combo_kernels=True`). The table is printed last and written to
+comma-separated Inductor options `name=value` (Python literals) and `fused` or `shared` (the projection fusion of
+raven_layers/decode_fusion.py over concatenated weights, or over the weights in place; e.g.
+`shared,combo_kernels=True`). The table is printed last and written to
 OUT/profile_decode.json with the profiler's top kernels of each row.
 """
 

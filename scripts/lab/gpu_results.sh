@@ -94,8 +94,8 @@
 #                  each stage through `accelerate launch`, batch_size rows per process), so 4x the tokens in about
 #                  the same minutes; start it alone, with every GPU visible
 #   decode-lab     the split-K attention's tilings (sweep_decode_attention.py), the fast path's GPU tests, a
-#                  batch-1 step's kernels (profile_decode.py), and batch 1 at 4K and 16K for every mixer with the
-#                  fused projections (bench_generate.py), into RUNS/decode-lab
+#                  batch-1 step's kernels with and without the projections fused in place (profile_decode.py), and
+#                  batch 1 at 4K and 16K for every mixer so (bench_generate.py), into RUNS/decode-lab
 #   depth-speed    decode speed at 15, 22, 26 and 30 of 30 layers converted against the teacher on transformers and
 #                  on this engine (bench_generate.py --depths: batch 1, 32, 128 at 4K and 16K, with bandwidth
 #                  floors), and the largest batch at 32K (bench_capacity.py --depths), into RUNS/depth-speed
@@ -280,10 +280,10 @@ PY
       tests/raven_layers/test_gpu.py tests/kernels/test_attention.py tests/scripts/test_sweep_decode_attention.py \
       -k "graphed or real_smollm2 or decode_loop or attention or sweep" > "$out/gpu-tests.log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$out/gpu-tests.log" | tail -20
-    timeout 300 python3 scripts/bench/profile_decode.py --out "$out" --models teacher-engine,sila --batches 1 \
-      --context 16k --variants default
+    timeout 420 python3 scripts/bench/profile_decode.py --out "$out" --models teacher-engine,sila --batches 1 \
+      --context 16k --variants default shared,combo_kernels=True
     timeout 540 python3 scripts/bench/bench_generate.py --out "$out" --mixers raven,sse,sila --batches 1 \
-      --contexts 4k,16k --steps 16 --decode-options fused,combo_kernels=True
+      --contexts 4k,16k --steps 16 --decode-options shared,combo_kernels=True
     ;;
   depth-speed)
     local out="$RUNS/depth-speed" depths=(--mixers sila --depths "${DEPTHS:-15,22,26,30}")

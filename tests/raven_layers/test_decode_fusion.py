@@ -15,7 +15,13 @@ from raven_convert import build_hybrid, plan_layers
 from raven_layers import StaticHybridCache
 from raven_layers.backend import use_backend
 from raven_layers.decode_attention import decode_attention
-from raven_layers.decode_fusion import FUSED_PROJECTIONS, LINEAR, fuse_shared_input_linears
+from raven_layers.decode_fusion import (
+    FUSED_PROJECTIONS,
+    LINEAR,
+    SHARED_PROJECTIONS,
+    fuse_shared_input_linears,
+    share_projection_storage,
+)
 from tests.conftest import tiny_config
 
 
@@ -84,3 +90,90 @@ def test_the_compiled_step_with_the_fusion_options_equals_the_eager_step():
                 logits[compiled], code = run_and_get_code(hybrid.decode_function(), ids[:, 8:], cache)
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)
     assert "_frozen_param" in "".join(code)  # the weights became constants: their concatenation is folded
+
+
+def products(code: list[str]) -> int:
+    text = "".join(code)
+    return sum(text.count(f"extern_kernels.{op}(") for op in ("mm", "bmm", "addmm"))
+
+
+def test_the_step_reading_the_weights_in_place_equals_the_eager_step_and_follows_weight_changes():
+    """SHARED_PROJECTIONS through Inductor (its CPU code here): the projections of each group (q/k/v of the attention
+    and of the SILA mixer, gate/up) read their weights in place, laid out one after another when the step compiles:
+    the eager step's logits with 6 products fewer, and a weight changed after compiling is seen (nothing baked)."""
+    torch.manual_seed(0)
+    source = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2)).eval()
+    hybrid = build_hybrid(source, ["attention", "sila"], {}).eval()
+    ids = torch.randint(3, 100, (1, 9), generator=torch.Generator().manual_seed(2))
+    prefilled = StaticHybridCache(hybrid.config, batch_size=1, max_length=16)
+
+    def step(options):
+        hybrid.compile_decode, hybrid.decode_compile_options = options is not None, options or {}
+        cache = copy.deepcopy(prefilled)
+        with cache.decoding_step(), decode_attention(hybrid.config):
+            if options is None:
+                return hybrid.decode_function()(ids[:, 8:], cache), []
+            return run_and_get_code(hybrid.decode_function(), ids[:, 8:], cache)
+
+    with torch.no_grad():
+        hybrid(ids[:, :8], cache=prefilled)
+        eager, _ = step(None)
+        plain, plain_code = step({})
+        shared, shared_code = step(SHARED_PROJECTIONS)
+        torch.testing.assert_close(shared, eager, rtol=1e-5, atol=1e-5)
+        assert products(shared_code) == products(plain_code) - 6  # 3 q/k/v products -> 1 twice, gate/up -> 1 twice
+        hybrid.model.layers[1].self_attn.k_proj.weight.add_(0.5)  # in place, as an optimizer step writes
+        hybrid.model.layers[0].mlp.up_proj.weight.mul_(1.5)
+        hybrid.compile_decode = True
+        cache = copy.deepcopy(prefilled)
+        with cache.decoding_step(), decode_attention(hybrid.config):
+            changed = hybrid.decode_function()(ids[:, 8:], cache)
+        expected, _ = step(None)
+    assert not torch.allclose(expected, eager, atol=1e-3)
+    torch.testing.assert_close(changed, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_laying_out_the_weights_changes_no_value_name_or_parameter(tmp_path):
+    torch.manual_seed(0)
+    source = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2)).eval()
+    hybrid = build_hybrid(source, ["attention", "sila"], {}).eval()
+    before = {name: p.detach().clone() for name, p in hybrid.named_parameters()}
+    objects = {name: id(p) for name, p in hybrid.named_parameters()}
+    assert share_projection_storage(hybrid) == 4 and share_projection_storage(hybrid) == 0  # laid out once
+    attention = hybrid.model.layers[0].self_attn
+    q, k = attention.q_proj.weight, attention.k_proj.weight
+    assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() and k.storage_offset() == q.numel()
+    assert {name: id(p) for name, p in hybrid.named_parameters()} == objects
+    for name, p in hybrid.named_parameters():
+        assert torch.equal(p, before[name]), name
+    hybrid.save_pretrained(tmp_path)
+    loaded = type(hybrid).from_pretrained(tmp_path)
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p, before[name]), name
+
+
+def test_only_the_adjacent_weights_of_a_group_are_read_as_one_view():
+    """Five products of one input, three of whose weights lie one after another in one buffer: those three become
+    one product over a view of the buffer; the others stay, and nothing is concatenated where copying is refused."""
+    joint = torch.randn(12, 8)
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["example_value"] = torch.zeros(2, 1, 8)
+    weights = []
+    for name, value in [("a", joint[:4]), ("b", joint[4:8]), ("c", joint[8:]), ("d", torch.randn(4, 8))]:
+        node = graph.placeholder(name)
+        node.meta["example_value"] = value
+        weights.append(node)
+    computed = graph.call_function(torch.mul, (weights[3], 2.0))
+    computed.meta["example_value"] = torch.zeros(4, 8)
+    outs = [graph.call_function(F.linear, (x, w)) for w in [weights[2], weights[0], weights[3], computed, weights[1]]]
+    graph.output(tuple(outs))
+    inputs = [torch.randn(2, 1, 8)] + [w.meta["example_value"] for w in weights]
+    before = fx.GraphModule(torch.nn.Module(), copy.deepcopy(graph))(*inputs)
+    assert fuse_shared_input_linears(graph, copy=False) == 3
+    after = fx.GraphModule(torch.nn.Module(), graph)(*inputs)
+    for a, b in zip(after, before):
+        torch.testing.assert_close(a, b)
+    assert linears(graph) == 3
+    assert sum(node.target is torch.as_strided for node in graph.nodes) == 1
+    assert not any(node.target is torch.cat for node in graph.nodes)
