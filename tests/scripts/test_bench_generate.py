@@ -95,10 +95,11 @@ def test_tables_compare_with_both_teachers():
 def test_decode_options_name_the_models_compilation():
     from common import parse_decode_options
 
-    from raven_layers.decode_fusion import FUSED_PROJECTIONS
+    from raven_layers.decode_fusion import FUSED_PROJECTIONS, SHARED_PROJECTIONS
 
     assert parse_decode_options("default") == {} and parse_decode_options("eager") is None
     assert parse_decode_options("fused,combo_kernels=True") == {**FUSED_PROJECTIONS, "combo_kernels": True}
+    assert parse_decode_options("shared") == SHARED_PROJECTIONS
     with pytest.raises(argparse.ArgumentTypeError, match="not name=value"):
         parse_decode_options("combo_kernels")
     with pytest.raises(argparse.ArgumentTypeError, match="not a Python literal"):
