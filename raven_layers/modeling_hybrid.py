@@ -323,6 +323,7 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         self.use_decode_loop = True  # generate() over a static cache in decode_loop, which never waits per token
         self.decode_compile_options = {}  # Inductor options of that compilation (torch.compile's `options`)
         self._static_cache: StaticHybridCache | None = None  # kept for the next generate() that fits it
+        self._decode_weights: tuple[int, ...] | None = None  # where the weights were when the step was made
         self.post_init()
 
     def static_cache(self, batch_size: int, max_length: int) -> StaticHybridCache:
@@ -373,6 +374,7 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         else:
             max_length = kwargs.get("max_length", config.max_length)
         max_length = max(max_length, getattr(config, "max_cache_len", None) or 0)
+        self.refresh_decode_step()
         cache = self.static_cache(prompt.shape[0] * rows, -(-max_length // 128) * 128)  # rounded: reuse across calls
         if self.use_decode_loop and applies(config, kwargs):
             kwargs["custom_generate"] = decode_loop
@@ -411,7 +413,7 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
                 eager = self.decode_logits
                 fallback = (lambda ids: eager(ids, cache)) if self.compile_decode else None  # noqa: E731
                 cache.graph = DecodeGraph(lambda ids: step(ids, cache), cache.batch_size, cache.device, fallback)
-                cache.graph_step = step
+                cache.graph_step, self._decode_weights = step, self.weight_addresses()
             with cache.decoding_step(), decode_attention(self.config):
                 logits = cache.graph(input_ids)
             cache.advance(1)
@@ -452,6 +454,19 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         self._decode_compile_options = dict(options)
         self._compiled_decode = None
 
+    def weight_addresses(self) -> tuple[int, ...]:
+        """Where every parameter's data is: a replaced tensor (`param.data = ...`, a conversion) moves it."""
+        return tuple(p.data_ptr() for p in self.parameters())
+
+    def refresh_decode_step(self) -> None:
+        """Drop the compiled decode step and the captured graph if a weight moved since they were made (a graph
+        replays the addresses it captured; SHARED_PROJECTIONS reads weights laid out one after another); the next
+        step compiles and captures anew. generate() calls it; changes made in place need nothing."""
+        if self._decode_weights is not None and self._decode_weights != self.weight_addresses():
+            self._compiled_decode, self._decode_weights = None, None
+            if self._static_cache is not None:
+                self._static_cache.graph = self._static_cache.graph_step = None
+
     def decode_function(self):
         """`decode_logits`, compiled by torch.compile when `compile_decode` is set (Inductor fuses the norms, rotary
         embeddings, gates and routing around the kernels, which run as custom ops) with `decode_compile_options`;
@@ -463,6 +478,7 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
 
             options = self._decode_compile_options
             prepare_weights(self, options)
+            self._decode_weights = self.weight_addresses()
             mixers = {self.config.mixer_spec(kind) for kind in set(self.config.layer_mixers) - {"attention"}}
             preload([KERNELS, *(spec.kernels for spec in mixers if spec.kernels)])
             extra = {"options": options} if options else {}  # only Inductor takes options: the CPU tests use others

@@ -177,3 +177,35 @@ def test_only_the_adjacent_weights_of_a_group_are_read_as_one_view():
     assert linears(graph) == 3
     assert sum(node.target is torch.as_strided for node in graph.nodes) == 1
     assert not any(node.target is torch.cat for node in graph.nodes)
+
+
+def test_a_step_whose_weights_moved_is_made_anew():
+    """Weights given new tensors after the step compiled (`param.data = ...`) leave a step reading the old places
+    (a captured graph, or the in-place fusion's view of one buffer): refresh_decode_step, which generate() calls,
+    drops it, and the next step is laid out and compiled again; changes in place keep it."""
+    torch.manual_seed(0)
+    source = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2)).eval()
+    hybrid = build_hybrid(source, ["attention", "sila"], {}).eval()
+    ids = torch.randint(3, 100, (1, 9), generator=torch.Generator().manual_seed(2))
+    prefilled = StaticHybridCache(hybrid.config, batch_size=1, max_length=16)
+
+    def step(compiled: bool):
+        hybrid.compile_decode = compiled
+        cache = copy.deepcopy(prefilled)
+        with cache.decoding_step(), decode_attention(hybrid.config):
+            return hybrid.decode_function()(ids[:, 8:], cache)
+
+    with torch.no_grad():
+        hybrid(ids[:, :8], cache=prefilled)
+        hybrid.decode_compile_options = SHARED_PROJECTIONS
+        step(True)
+        first = hybrid.decode_function()
+        hybrid.model.layers[0].mlp.up_proj.weight.mul_(1.5)  # in place: the same step
+        hybrid.refresh_decode_step()
+        assert hybrid.decode_function() is first
+        attention = hybrid.model.layers[0].self_attn
+        for linear in (attention.q_proj, attention.k_proj, attention.v_proj):
+            linear.weight.data = linear.weight.data.clone() * 1.1  # a tensor of its own each
+        hybrid.refresh_decode_step()
+        assert hybrid.decode_function() is not first
+        torch.testing.assert_close(step(True), step(False), rtol=1e-5, atol=1e-5)

@@ -202,3 +202,20 @@ def test_decode_loop_on_cuda_graphs_equals_transformers_loop(mixer):
     assert torch.equal(ours, theirs) and ours.shape[1] < free.shape[1]
     theirs, ours = both(seed=3, do_sample=True, top_k=30, temperature=0.8)
     assert torch.equal(ours, theirs)
+
+
+def test_weights_given_new_tensors_between_generations_are_decoded_with():
+    """A captured graph replays the addresses it captured: after `param.data = ...` (new tensors, as a conversion
+    or a loaded adapter makes) generate() captures anew (refresh_decode_step) and decodes with the new weights."""
+    torch.manual_seed(0)
+    source = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
+    model = build_hybrid(source, plan_layers([("sila", "0,2")], 4), {"sila": {}}).cuda()
+    ids = torch.randint(3, 100, (2, 17), device="cuda")
+    args = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(ids, **args)
+        for p in model.model.layers[1].parameters():
+            p.data = p.data.clone() * 1.5  # tensors of their own, new values
+        fast = model.generate(ids, **args)
+        eager = model.generate(ids, cache_implementation="dynamic", **args)
+    assert torch.equal(fast, eager)
