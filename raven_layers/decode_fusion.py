@@ -137,21 +137,34 @@ class SharedInputLinears(CustomGraphPass):
         return get_hash_for_files((__file__,)) + (b"copy" if self.copy else b"in place")
 
 
-PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # children of one module, one input
+# Weights of one module whose products read one input, by name: a module's own `shared_input_weights` (a mixer's
+# gates beside its q/k/v), else these where it has them (attention's q/k/v, an MLP's gate/up).
+PROJECTION_GROUPS = (("q_proj.weight", "k_proj.weight", "v_proj.weight"), ("gate_proj.weight", "up_proj.weight"))
+
+
+def _weight_groups(module: nn.Module) -> list[list[torch.Tensor]]:
+    """The 2-D parameters of each of `module`'s groups that it has whole (its own parameters, not its children's
+    groups)."""
+    groups = []
+    for names in getattr(module, "shared_input_weights", PROJECTION_GROUPS):
+        try:
+            weights = [module.get_parameter(name) for name in names]
+        except AttributeError:  # a group it does not have
+            continue
+        if all(w.dim() == 2 for w in weights) and len({(w.dtype, w.device, w.shape[1]) for w in weights}) == 1:
+            groups.append(weights)
+    return groups
 
 
 def share_projection_storage(model: nn.Module) -> int:
-    """Store the weights of each bias-free projection group (PROJECTION_GROUPS) one after another in one buffer, the
-    parameters views of it: their values, names and objects are unchanged (training and saving see no difference),
-    and a fused product can read them in place. Returns the groups laid out anew (those already so are skipped)."""
+    """Store the weights of each group (PROJECTION_GROUPS, or a module's `shared_input_weights`) one after another in
+    one buffer, the parameters views of it: their values, names and objects are unchanged (training and saving see
+    no difference), and a fused product can read them in place. Returns the groups laid out anew (those already so
+    are skipped)."""
     laid = 0
     for module in model.modules():
-        for names in PROJECTION_GROUPS:
-            linears = [getattr(module, name, None) for name in names]
-            if not all(isinstance(linear, nn.Linear) and linear.bias is None for linear in linears):
-                continue
-            weights = [linear.weight for linear in linears]
-            if len({(w.dtype, w.device, w.shape[1]) for w in weights}) > 1 or _adjacent([w.detach() for w in weights]):
+        for weights in _weight_groups(module):
+            if _adjacent([w.detach() for w in weights]):
                 continue
             joint = torch.cat([w.detach() for w in weights])  # [sum(out), in]
             offset = 0

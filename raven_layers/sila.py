@@ -324,6 +324,23 @@ class SILAMixer(Mixer):
         channels = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         return self.num_kv_heads * self.head_dim**2 + (self.settings.conv_size - 1) * channels
 
+    @property
+    def shared_input_weights(self) -> tuple[tuple[str, ...], ...]:
+        """The weights whose products read the layer's input: a compiled decode step reads them as one
+        (decode_fusion.py)."""
+        output_gate = ("gate_weight",) if self.settings.output_gate else ()
+        return (
+            (
+                "q_proj.weight",
+                "k_proj.weight",
+                "v_proj.weight",
+                "beta_weight",
+                "gamma_weight",
+                "alpha_weight",
+                *output_gate,
+            ),
+        )
+
     def fresh_parameter_names(self) -> set[str]:
         """Parameters a converted layer cannot take from the source attention."""
         names = {
@@ -371,12 +388,16 @@ class SILAMixer(Mixer):
 
     def gate_inputs(self, x: torch.Tensor):
         """The input parts of the gates, in float32 at least: beta_x, gamma_x [B, T, H_kv] and alpha [B, T, H]."""
-        weight = torch.cat([self.beta_weight, self.gamma_weight, self.alpha_weight])
-        bias = torch.cat([self.beta_bias, self.gamma_bias, self.alpha_bias])
         dtype = torch.promote_types(x.dtype, torch.float32)  # gamma ~ 0.999 needs more than bf16's 8 bits
-        pre = F.linear(x, weight.to(x.dtype)).to(dtype) + bias.to(dtype)
-        beta_x, gamma_x, alpha_logit = pre.split([self.num_kv_heads, self.num_kv_heads, self.num_heads], dim=-1)
-        return beta_x, gamma_x, torch.sigmoid(alpha_logit)
+
+        def part(weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+            # a product per gate, of the weight itself: a compiled decode step joins the three with q/k/v into one
+            # (shared_input_weights, decode_fusion.py), where a concatenation here would be a copy every step
+            weight = weight if weight.dtype == x.dtype else weight.to(x.dtype)
+            return F.linear(x, weight).to(dtype) + bias.to(dtype)
+
+        beta_x, gamma_x = part(self.beta_weight, self.beta_bias), part(self.gamma_weight, self.gamma_bias)
+        return beta_x, gamma_x, torch.sigmoid(part(self.alpha_weight, self.alpha_bias))
 
     def recurrence_inputs(
         self,

@@ -52,8 +52,9 @@ def test_the_fused_step_equals_the_eager_step_with_fewer_products():
             cache = copy.deepcopy(prefilled)
             with cache.decoding_step(), decode_attention(hybrid.config):
                 steps[name] = step(ids[:, 8:], cache)
-    # the two attention layers' q/k/v and the three MLPs' gate/up: 12 products become 5
-    assert counts == [(24, 12, 17)]
+    # the two attention layers' q/k/v, the mixer's q/k/v with its three gates and output gate, and the three MLPs'
+    # gate/up: 19 products become 6
+    assert counts == [(26, 19, 13)]
     torch.testing.assert_close(steps["fused"], steps["eager"], rtol=1e-5, atol=1e-5)
 
 
@@ -98,9 +99,10 @@ def products(code: list[str]) -> int:
 
 
 def test_the_step_reading_the_weights_in_place_equals_the_eager_step_and_follows_weight_changes():
-    """SHARED_PROJECTIONS through Inductor (its CPU code here): the projections of each group (q/k/v of the attention
-    and of the SILA mixer, gate/up) read their weights in place, laid out one after another when the step compiles:
-    the eager step's logits with 6 products fewer, and a weight changed after compiling is seen (nothing baked)."""
+    """SHARED_PROJECTIONS through Inductor (its CPU code here): the products of each group (the attention's q/k/v,
+    the SILA mixer's q/k/v with its gates, gate/up) read their weights in place, laid out one after another when the
+    step compiles: the eager step's logits with 10 products fewer, and a weight changed after compiling is seen
+    (nothing baked)."""
     torch.manual_seed(0)
     source = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2)).eval()
     hybrid = build_hybrid(source, ["attention", "sila"], {}).eval()
@@ -121,7 +123,8 @@ def test_the_step_reading_the_weights_in_place_equals_the_eager_step_and_follows
         plain, plain_code = step({})
         shared, shared_code = step(SHARED_PROJECTIONS)
         torch.testing.assert_close(shared, eager, rtol=1e-5, atol=1e-5)
-        assert products(shared_code) == products(plain_code) - 6  # 3 q/k/v products -> 1 twice, gate/up -> 1 twice
+        # q/k/v -> 1 (attention), q/k/v + 3 gates + output gate -> 1 (SILA), gate/up -> 1 twice
+        assert products(shared_code) == products(plain_code) - 10
         hybrid.model.layers[1].self_attn.k_proj.weight.add_(0.5)  # in place, as an optimizer step writes
         hybrid.model.layers[0].mlp.up_proj.weight.mul_(1.5)
         hybrid.compile_decode = True
