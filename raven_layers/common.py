@@ -133,6 +133,15 @@ class Mixer(nn.Module):
     # set while training (convert/train/compiling.py): the many small operations around the kernels, fused by
     # torch.compile, launch a few kernels instead of dozens per layer, forward and backward
     compile_glue: bool = False
+    # a subclass's other weights whose bias-free products read the layer's input (beside q/k/v and the output gate)
+    input_weights: tuple[str, ...] = ()
+
+    @property
+    def shared_input_weights(self) -> tuple[tuple[str, ...], ...]:
+        """The weights whose products read the layer's input: a compiled decode step reads them as one product
+        (raven_layers/decode_fusion.py)."""
+        gate = ("gate_weight",) if self.settings.output_gate else ()
+        return (("q_proj.weight", "k_proj.weight", "v_proj.weight", *self.input_weights, *gate),)
 
     def __init__(self, config, layer_idx: int, settings, qk_head_dim: int | None = None):
         super().__init__()

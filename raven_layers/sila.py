@@ -242,6 +242,8 @@ class SILAMixer(Mixer):
     None). The decode state is (M [B, H_kv, d_v, d_k] float32, conv tail [B, conv_size - 1, (H + 2 H_kv) d]).
     """
 
+    input_weights = ("beta_weight", "gamma_weight", "alpha_weight")  # the gates' input parts (gate_inputs)
+
     INIT_BETA = 0.25  # beta at initialisation, for every token
     INIT_GAMMA = 0.999  # gamma at initialisation: just below 1, see reset_mixer_parameters
     INIT_ALPHA = 0.9  # alpha at initialisation
@@ -323,23 +325,6 @@ class SILAMixer(Mixer):
         """Elements of the decoding state per sequence: the memory [H_kv, d, d] and the convolution tail."""
         channels = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         return self.num_kv_heads * self.head_dim**2 + (self.settings.conv_size - 1) * channels
-
-    @property
-    def shared_input_weights(self) -> tuple[tuple[str, ...], ...]:
-        """The weights whose products read the layer's input: a compiled decode step reads them as one
-        (decode_fusion.py)."""
-        output_gate = ("gate_weight",) if self.settings.output_gate else ()
-        return (
-            (
-                "q_proj.weight",
-                "k_proj.weight",
-                "v_proj.weight",
-                "beta_weight",
-                "gamma_weight",
-                "alpha_weight",
-                *output_gate,
-            ),
-        )
 
     def fresh_parameter_names(self) -> set[str]:
         """Parameters a converted layer cannot take from the source attention."""

@@ -375,6 +375,8 @@ class SSEMixer(Mixer):
     leaves the balance loss of this call in `self.aux_loss` (None when balance_coef = 0).
     """
 
+    input_weights = ("partition_weight", "decay_down")  # the partition scores and the decay's first product
+
     def __init__(self, config, layer_idx: int, settings: SSESettings, source_has_qk_norm: bool = False):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rows = settings.rows_per_partition or head_dim  # c

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import fx
@@ -212,3 +213,40 @@ def test_a_step_whose_weights_moved_is_made_anew():
         hybrid.refresh_decode_step()
         assert hybrid.decode_function() is not first
         torch.testing.assert_close(step(True), step(False), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mixer", ["raven", "sse", "sila"])
+def test_each_mixers_products_of_its_input_read_their_weights_as_one(mixer):
+    """A mixer's q/k/v, its `input_weights` and its output gate, laid out by share_projection_storage, are read by
+    one product in place (the pass without copies, through dynamo): the eager step's logits."""
+    torch.manual_seed(0)
+    source = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=3)).eval()
+    settings = {"sse": {"lora_rank": 8, "num_partitions": 4, "top_k": 2}}.get(mixer, {})  # sized for the tiny model
+    hybrid = build_hybrid(source, plan_layers([(mixer, "1")], 3), {mixer: settings}).eval()
+    layer = hybrid.model.layers[1].self_attn
+    with torch.no_grad():  # untrained gates and routers start at zero: spread them so every product shows
+        for name in layer.input_weights:
+            layer.get_parameter(name).normal_(std=0.2)
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+    prefilled = StaticHybridCache(hybrid.config, batch_size=2, max_length=16)
+    replaced = []
+
+    def in_place_backend(gm: torch.fx.GraphModule, example_inputs):
+        replaced.append(fuse_shared_input_linears(gm.graph, copy=False))
+        gm.recompile()
+        return gm
+
+    with torch.no_grad(), use_backend("torch"):
+        hybrid(ids[:, :8], cache=prefilled)
+        share_projection_storage(hybrid)
+        steps = {}
+        for name, step in [
+            ("eager", hybrid.decode_logits),
+            ("fused", torch.compile(hybrid.decode_logits, backend=in_place_backend)),
+        ]:
+            cache = copy.deepcopy(prefilled)
+            with cache.decoding_step(), decode_attention(hybrid.config):
+                steps[name] = step(ids[:, 8:], cache)
+    group = 3 + len(layer.input_weights) + int(layer.settings.output_gate)
+    assert replaced == [2 * 3 + 3 * 2 + group]  # two attention layers' q/k/v, three MLPs' gate/up, the mixer's group
+    torch.testing.assert_close(steps["fused"], steps["eager"], rtol=1e-5, atol=1e-5)
