@@ -276,7 +276,7 @@ PY
   decode-lab)
     local out="$RUNS/decode-lab" && mkdir -p "$out"
     timeout 540 python3 scripts/bench/sweep_decode_attention.py --out "$out" --batches 1,32,128 --contexts 4k,16k
-    RAVEN_SMOLLM2_GGUF=$MODEL timeout 420 python3 -m pytest -o addopts="" -q -rfE \
+    RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q -rfE \
       tests/raven_layers/test_gpu.py tests/kernels/test_attention.py \
       tests/scripts/test_sweep_decode_attention.py > "$out/gpu-tests.log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$out/gpu-tests.log" | tail -20
