@@ -46,6 +46,36 @@ def merge_fwd_kernel(
     tl.store(o + (i_r * G + i_g) * D + o_d, (b_o / b_l).to(o.dtype.element_ty), mask=o_d < D)
 
 
+@triton.jit
+def merge_ranges(
+    m_part,
+    l_part,
+    o_part,
+    o,
+    i_r,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    NS: tl.constexpr,
+    BG: tl.constexpr,
+    BD: tl.constexpr,
+    BS: tl.constexpr,
+):
+    """`merge_fwd_kernel`'s work for every query head of row i_r at once, inside the kernel that wrote the ranges
+    (its last program of the row): o[i_r * G + g, :D]."""
+    o_s, o_g, o_d = tl.arange(0, NS), tl.arange(0, BG), tl.arange(0, BD)
+    p_m = (i_r * NS) * BG
+    b_mx = tl.max(tl.load(m_part + p_m + o_s[:, None] * BG + o_g[None, :]), 0)  # [BG]
+    b_l = tl.zeros([BG], dtype=tl.float32)
+    b_o = tl.zeros([BG, BD], dtype=tl.float32)
+    for s0 in range(0, NS, BS):
+        p_b = p_m + (s0 + tl.arange(0, BS))[:, None] * BG + o_g[None, :]  # [BS, BG]
+        b_w = tl.exp(tl.load(m_part + p_b) - b_mx[None, :])
+        b_l += tl.sum(b_w * tl.load(l_part + p_b), 0)
+        b_o += tl.sum(b_w[:, :, None] * tl.load(o_part + p_b[:, :, None] * BD + o_d[None, None, :]), 0)  # [BG, BD]
+    m_o = (o_g < G)[:, None] & (o_d < D)[None, :]  # the padded heads' l may be 0: never stored
+    tl.store(o + (i_r * G + o_g[:, None]) * D + o_d[None, :], (b_o / b_l[:, None]).to(o.dtype.element_ty), mask=m_o)
+
+
 @functools.cache
 def programs_wanted(device: torch.device, per_sm: int = 2) -> int:
     """About two programs per SM keep the memory system busy; the interpreter gets a handful."""
@@ -71,6 +101,11 @@ class Partials:
         self.m = torch.empty(rows, NS, self.BG, dtype=torch.float32, device=device)  # [rows, NS, BG]
         self.l = torch.empty_like(self.m)
         self.o = torch.empty(rows, NS, self.BG, self.BD, dtype=torch.float32, device=device)  # [rows, NS, BG, BD]
+
+    @property
+    def BS_row(self) -> int:
+        """Ranges per load of `merge_ranges`: [BS, BG, BD] floats in registers."""
+        return min(self.NS, max(1, 4096 // (self.BG * self.BD)))
 
     def merge(self, o: torch.Tensor) -> torch.Tensor:
         """Write the merged readout into o (contiguous, rows * G * D elements)."""

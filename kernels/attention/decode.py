@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..split import Partials, split_count
+from ..split import Partials, merge_ranges, split_count
 
 
 @triton.jit
@@ -42,6 +42,10 @@ def attention_fwd_kernel_split(
     BD: tl.constexpr,
     PRECISION: tl.constexpr,
     NATIVE: tl.constexpr,
+    out,
+    counter,
+    MERGE: tl.constexpr,
+    BS: tl.constexpr,
 ):
     i_bh, i_s = tl.program_id(0), tl.program_id(1)
     i_b = i_bh // HKV
@@ -83,19 +87,27 @@ def attention_fwd_kernel_split(
     tl.store(m_part + p_part, b_m)
     tl.store(l_part + p_part, b_l)
     tl.store(o_part + p_part[:, None] * BD + o_d[None, :], b_o)
+    if MERGE:  # the row's last range to finish merges the row: no second launch
+        tl.debug_barrier()  # every thread's partials stored before the count says so
+        if tl.atomic_add(counter + i_bh, 1, sem="acq_rel", scope="gpu") == NS - 1:  # acquire: the others' partials
+            merge_ranges(m_part, l_part, o_part, out, i_bh, G, D, NS, BG, BD, BS)
+            tl.store(counter + i_bh, 0)  # zero again for the next step
 
 
 @dataclass(frozen=True)
 class DecodeTiles:
     """How each program of `attention_decode` reads: `block` slots at a time with `warps` warps and `stages`
-    pipeline stages (None: Triton's default), ranges split until there are `per_sm` programs per SM, and bf16/fp16
-    caches multiplied in their own dtype with float32 sums (`native`) or as float32 tiles (tf32 products)."""
+    pipeline stages (None: Triton's default), ranges split until there are `per_sm` programs per SM, bf16/fp16
+    caches multiplied in their own dtype with float32 sums (`native`) or as float32 tiles (tf32 products), and the
+    ranges merged by the last program of each row (`merge_in_kernel`: one launch, counted with an atomic) or by a
+    second kernel."""
 
     block: int = 64
     warps: int = 4
     stages: int | None = None
     per_sm: int = 2
     native: bool = False
+    merge_in_kernel: bool = False
 
 
 TILES = DecodeTiles()
@@ -110,6 +122,20 @@ def decode_tiles(tiles: DecodeTiles):
         yield
     finally:
         TILES = before
+
+
+_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def row_counters(rows: int, device: torch.device) -> torch.Tensor:
+    """[rows] int32 zeros that `merge_in_kernel` counts finished ranges in, each row's set back to zero by the
+    program that merges it: made once per device and row count (its first call runs outside any CUDA graph the
+    step is captured in), so every call and graph replay reuses them. Calls that run at once on two streams must
+    not share them."""
+    key = (device, rows)
+    if key not in _counters:
+        _counters[key] = torch.zeros(rows, dtype=torch.int32, device=device)
+    return _counters[key]
 
 
 def split_config(rows: int, slots: int, device: torch.device, block: int = 64, per_sm: int = 2) -> tuple[int, int, int]:
@@ -149,6 +175,8 @@ def attention_decode(
     part = Partials(B * Hkv, NS, G, D, q.device, pad=16)  # tl.dot wants 16 rows
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 holds bf16/fp16 inputs exactly
     launch = {"num_warps": tiles.warps} | ({"num_stages": tiles.stages} if tiles.stages else {})
+    out = torch.empty(B, 1, Hkv * G, D, dtype=q.dtype, device=q.device)
+    counter = row_counters(B * Hkv, q.device) if tiles.merge_in_kernel else part.m  # unread without the merge
     attention_fwd_kernel_split[(B * Hkv, NS)](
         q,
         k,
@@ -170,9 +198,13 @@ def attention_decode(
         part.BD,
         precision,
         tiles.native and q.dtype != torch.float32,
+        out,
+        counter,
+        tiles.merge_in_kernel,
+        part.BS_row,
         **launch,
     )
-    return part.merge(torch.empty(B, 1, Hkv * G, D, dtype=q.dtype, device=q.device))
+    return out if tiles.merge_in_kernel else part.merge(out)
 
 
 @attention_decode.register_fake

@@ -1,9 +1,10 @@
 """How the split-K decode attention should tile its reads: every `DecodeTiles` choice timed at each batch and
-context, as bytes read per second against the GPU's copy bandwidth.
+context (with the merge of the ranges: a second kernel, or the last program of each row), as bytes read per second
+against the GPU's copy bandwidth.
 
     python scripts/bench/sweep_decode_attention.py --out OUT --batches 1,32,128 --contexts 4k,16k
     python scripts/bench/sweep_decode_attention.py --out OUT --batches 32 --contexts 16k --blocks 32,64,128 \\
-        --warps 2,4,8 --per-sm 1,2,4
+        --warps 2,4,8 --stages 0,2,3,4 --per-sm 1,2,4
 
 SmolLM2-135M's attention shape (9 query heads over 3 key/value heads of 64 channels), bf16, one layer's cache
 filled to `context` slots for `batch` rows. Every choice of the grid (stages 0: Triton's default) is timed by
@@ -58,13 +59,16 @@ def main(argv=None) -> None:
     parser.add_argument("--contexts", default="4k,16k")
     parser.add_argument("--blocks", type=numbers, default=[64, 128])
     parser.add_argument("--warps", type=numbers, default=[4, 8])
-    parser.add_argument("--stages", type=numbers, default=[0, 2, 3, 4], help="0: Triton's default")
+    parser.add_argument("--stages", type=numbers, default=[0, 3], help="0: Triton's default")
     parser.add_argument("--per-sm", type=numbers, default=[2, 4])
     parser.add_argument("--native", type=numbers, default=[0, 1], help="1: bf16 products, float32 sums")
+    parser.add_argument("--merge", type=numbers, default=[0, 1], help="1: ranges merged in the kernel (one launch)")
     args = parser.parse_args(argv)
     grid = [
-        DecodeTiles(block=b, warps=w, stages=s or None, per_sm=p, native=bool(n))
-        for b, w, s, p, n in itertools.product(args.blocks, args.warps, args.stages, args.per_sm, args.native)
+        DecodeTiles(block=b, warps=w, stages=s or None, per_sm=p, native=bool(n), merge_in_kernel=bool(m))
+        for b, w, s, p, n, m in itertools.product(
+            args.blocks, args.warps, args.stages, args.per_sm, args.native, args.merge
+        )
     ]
     bandwidth = copy_bandwidth()
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s; {len(grid)} tilings", flush=True)
@@ -106,15 +110,19 @@ def main(argv=None) -> None:
         tensors = reference = out = None  # freed before the next shape's inputs
         torch.cuda.empty_cache()
     print(f"\n{info}")
-    print("| batch | context | block | warps | stages | per SM | bf16 products | us | TB/s | of copy | max diff |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "| batch | context | block | warps | stages | per SM | bf16 products | merged in kernel | us | TB/s | of copy "
+        "| max diff |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for (batch, context), group in itertools.groupby(rows, key=lambda r: (r["batch"], r["context"])):
         timed = [r for r in group if "us" in r]
         shown = [r for r in timed if r["default"]] + sorted(timed, key=lambda r: r["us"])[:5]
         for r in shown:
             print(
                 f"| {batch} | {context} | {r['block']} | {r['warps']} | {r['stages'] or 'default'} | {r['per_sm']} | "
-                f"{'yes' if r['native'] else 'no'}{' (default)' if r['default'] else ''} | {r['us']:.1f} | "
+                f"{'yes' if r['native'] else 'no'} | {'yes' if r['merge_in_kernel'] else 'no'}"
+                f"{' (default)' if r['default'] else ''} | {r['us']:.1f} | "
                 f"{r['tb_per_s']:.2f} | {r['of_copy']:.0%} | {r['max_diff']:.2g} |"
             )
 

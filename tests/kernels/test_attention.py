@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from raven_kernels.attention import decode_attention
-from raven_kernels.attention.decode import DecodeTiles, decode_tiles, split_config
+from raven_kernels.attention.decode import DecodeTiles, decode_tiles, row_counters, split_config
 from raven_kernels.attention.naive import naive_decode_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -32,7 +32,13 @@ def make(B, Hq, Hkv, S, d, dtype=torch.float32, seed=0):
     ],
 )
 @pytest.mark.parametrize(
-    "tiles", [DecodeTiles(), DecodeTiles(block=32, per_sm=4), DecodeTiles(block=128, warps=8, stages=3, per_sm=1)]
+    "tiles",
+    [
+        DecodeTiles(),
+        DecodeTiles(block=32, per_sm=4),
+        DecodeTiles(block=128, warps=8, stages=3, per_sm=1),
+        DecodeTiles(block=32, per_sm=4, merge_in_kernel=True),  # several ranges a row, merged by the last
+    ],
 )
 def test_matches_reference(B, Hq, Hkv, S, d, filled, tiles):
     q, k, v = make(B, Hq, Hkv, S, d)
@@ -73,6 +79,18 @@ def test_half_precision_within_tolerance(dtype, native):
     ref = naive_decode_attention(q, k, v, valid, step, 32**-0.5)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_ranges_merged_in_kernel_leave_their_counters_at_zero_for_the_next_call():
+    q, k, v = make(2, 4, 2, 200, 16, seed=3)
+    valid = torch.ones(2, 200, dtype=torch.bool, device=DEVICE)
+    step = torch.tensor([199], device=DEVICE)
+    ref = naive_decode_attention(q, k, v, valid, step, 0.25)
+    with decode_tiles(DecodeTiles(block=32, per_sm=4, merge_in_kernel=True)):
+        assert split_config(4, 200, q.device, 32, 4)[0] > 1  # several ranges a row
+        for _ in range(2):  # the second call counts from the zeros the first left
+            torch.testing.assert_close(decode_attention(q, k, v, valid, step, 0.25), ref, atol=1e-5, rtol=1e-5)
+            assert not row_counters(4, q.device).any()
 
 
 def test_ring_buffer_full():

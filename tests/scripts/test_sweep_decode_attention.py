@@ -20,8 +20,8 @@ def test_a_small_sweep_records_every_tiling(tmp_path):
 
     sweep_decode_attention.main(
         ["--out", str(tmp_path), "--batches", "2", "--contexts", "1k", "--blocks", "64", "--warps", "4",
-         "--stages", "0,2", "--per-sm", "2", "--native", "0,1"]
+         "--stages", "0,2", "--per-sm", "2", "--native", "0,1", "--merge", "0,1"]
     )  # fmt: skip
     rows = json.loads((tmp_path / "sweep_decode_attention.json").read_text())["rows"]
-    assert len(rows) == 4 and sum(r["default"] for r in rows) == 1  # the default, then the grid's three others
+    assert len(rows) == 8 and sum(r["default"] for r in rows) == 1  # the default, then the grid's seven others
     assert all(r["us"] > 0 and r["max_diff"] < 0.05 for r in rows)
