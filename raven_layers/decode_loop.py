@@ -16,6 +16,8 @@ never seen.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import GenerationConfig, GenerationMixin
 from transformers.generation.configuration_utils import GenerationMode
@@ -26,8 +28,10 @@ from .cache import output_cache
 def applies(config: GenerationConfig, kwargs: dict) -> bool:
     """Whether generate(**kwargs) under `config` may run `decode_loop`: greedy decoding or sampling, returning only
     the tokens, with nothing that reads every step as it happens (a streamer, synced GPUs)."""
-    merged = GenerationConfig.from_dict(config.to_dict())
-    merged.update(**{key: value for key, value in kwargs.items() if hasattr(merged, key)})
+    merged = copy.copy(config)  # set, not updated: update() validates, and generate() warns about the flags already
+    for key, value in kwargs.items():
+        if hasattr(merged, key):
+            setattr(merged, key, value)
     return (
         hasattr(GenerationMixin, "_prefill")
         and merged.get_generation_mode() in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
