@@ -18,6 +18,39 @@ import triton.language as tl
 
 
 @triton.jit
+def merge_ranges(
+    m_part,
+    l_part,
+    o_part,
+    o,
+    i_r,
+    g0,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    NS: tl.constexpr,
+    BG: tl.constexpr,
+    BD: tl.constexpr,
+    BS: tl.constexpr,
+):
+    """Combine the NS ranges of row i_r for its query heads g0 .. g0 + H - 1, reading the ranges BS at a time (not one
+    after another): o[i_r * G + g, :D]. `merge_fwd_kernel` merges one head per program; a kernel that wrote the
+    ranges can merge a whole row itself (H = BG) in its last program of the row."""
+    o_s, o_g, o_d = tl.arange(0, NS), g0 + tl.arange(0, H), tl.arange(0, BD)
+    p_m = (i_r * NS) * BG
+    b_mx = tl.max(tl.load(m_part + p_m + o_s[:, None] * BG + o_g[None, :]), 0)  # [H]
+    b_l = tl.zeros([H], dtype=tl.float32)
+    b_o = tl.zeros([H, BD], dtype=tl.float32)
+    for s0 in range(0, NS, BS):
+        p_b = p_m + (s0 + tl.arange(0, BS))[:, None] * BG + o_g[None, :]  # [BS, H]
+        b_w = tl.exp(tl.load(m_part + p_b) - b_mx[None, :])
+        b_l += tl.sum(b_w * tl.load(l_part + p_b), 0)
+        b_o += tl.sum(b_w[:, :, None] * tl.load(o_part + p_b[:, :, None] * BD + o_d[None, None, :]), 0)  # [H, BD]
+    m_o = (o_g < G)[:, None] & (o_d < D)[None, :]  # padded heads' l may be 0: never stored
+    tl.store(o + (i_r * G + o_g[:, None]) * D + o_d[None, :], (b_o / b_l[:, None]).to(o.dtype.element_ty), mask=m_o)
+
+
+@triton.jit
 def merge_fwd_kernel(
     m_part,
     l_part,
@@ -30,50 +63,8 @@ def merge_fwd_kernel(
     BD: tl.constexpr,
     BS: tl.constexpr,
 ):
-    # one program per (row, query head): the ranges are read BS at a time, not one after another
-    i_r, i_g = tl.program_id(0), tl.program_id(1)
-    o_s, o_d = tl.arange(0, NS), tl.arange(0, BD)
-    p_m = (i_r * NS) * BG + i_g
-    b_mx = tl.max(tl.load(m_part + p_m + o_s * BG), 0)  # []
-    b_l = tl.zeros([], dtype=tl.float32)
-    b_o = tl.zeros([BD], dtype=tl.float32)
-    for s0 in range(0, NS, BS):
-        o_b = s0 + tl.arange(0, BS)
-        b_w = tl.exp(tl.load(m_part + p_m + o_b * BG) - b_mx)  # [BS]
-        b_l += tl.sum(b_w * tl.load(l_part + p_m + o_b * BG), 0)
-        b_part = tl.load(o_part + (p_m + o_b[:, None] * BG) * BD + o_d[None, :])  # [BS, BD]
-        b_o += tl.sum(b_w[:, None] * b_part, 0)
-    tl.store(o + (i_r * G + i_g) * D + o_d, (b_o / b_l).to(o.dtype.element_ty), mask=o_d < D)
-
-
-@triton.jit
-def merge_ranges(
-    m_part,
-    l_part,
-    o_part,
-    o,
-    i_r,
-    G: tl.constexpr,
-    D: tl.constexpr,
-    NS: tl.constexpr,
-    BG: tl.constexpr,
-    BD: tl.constexpr,
-    BS: tl.constexpr,
-):
-    """`merge_fwd_kernel`'s work for every query head of row i_r at once, inside the kernel that wrote the ranges
-    (its last program of the row): o[i_r * G + g, :D]."""
-    o_s, o_g, o_d = tl.arange(0, NS), tl.arange(0, BG), tl.arange(0, BD)
-    p_m = (i_r * NS) * BG
-    b_mx = tl.max(tl.load(m_part + p_m + o_s[:, None] * BG + o_g[None, :]), 0)  # [BG]
-    b_l = tl.zeros([BG], dtype=tl.float32)
-    b_o = tl.zeros([BG, BD], dtype=tl.float32)
-    for s0 in range(0, NS, BS):
-        p_b = p_m + (s0 + tl.arange(0, BS))[:, None] * BG + o_g[None, :]  # [BS, BG]
-        b_w = tl.exp(tl.load(m_part + p_b) - b_mx[None, :])
-        b_l += tl.sum(b_w * tl.load(l_part + p_b), 0)
-        b_o += tl.sum(b_w[:, :, None] * tl.load(o_part + p_b[:, :, None] * BD + o_d[None, None, :]), 0)  # [BG, BD]
-    m_o = (o_g < G)[:, None] & (o_d < D)[None, :]  # the padded heads' l may be 0: never stored
-    tl.store(o + (i_r * G + o_g[:, None]) * D + o_d[None, :], (b_o / b_l[:, None]).to(o.dtype.element_ty), mask=m_o)
+    # one program per (row, query head)
+    merge_ranges(m_part, l_part, o_part, o, tl.program_id(0), tl.program_id(1), 1, G, D, NS, BG, BD, BS)
 
 
 @functools.cache
@@ -102,13 +93,12 @@ class Partials:
         self.l = torch.empty_like(self.m)
         self.o = torch.empty(rows, NS, self.BG, self.BD, dtype=torch.float32, device=device)  # [rows, NS, BG, BD]
 
-    @property
-    def BS_row(self) -> int:
-        """Ranges per load of `merge_ranges`: [BS, BG, BD] floats in registers."""
-        return min(self.NS, max(1, 4096 // (self.BG * self.BD)))
+    def ranges_per_load(self, heads: int) -> int:
+        """`merge_ranges`' BS for `heads` query heads at once: [BS, heads, BD] floats in registers."""
+        return min(self.NS, max(1, 4096 // (heads * self.BD)))
 
     def merge(self, o: torch.Tensor) -> torch.Tensor:
         """Write the merged readout into o (contiguous, rows * G * D elements)."""
-        BS = min(self.NS, max(1, 4096 // self.BD))  # ranges per load: [BS, BD] floats in registers
+        BS = self.ranges_per_load(1)
         merge_fwd_kernel[(self.rows, self.G)](self.m, self.l, self.o, o, self.G, self.D, self.NS, self.BG, self.BD, BS)
         return o

@@ -90,7 +90,7 @@ def attention_fwd_kernel_split(
     if MERGE:  # the row's last range to finish merges the row: no second launch
         tl.debug_barrier()  # every thread's partials stored before the count says so
         if tl.atomic_add(counter + i_bh, 1, sem="acq_rel", scope="gpu") == NS - 1:  # acquire: the others' partials
-            merge_ranges(m_part, l_part, o_part, out, i_bh, G, D, NS, BG, BD, BS)
+            merge_ranges(m_part, l_part, o_part, out, i_bh, 0, BG, G, D, NS, BG, BD, BS)
             tl.store(counter + i_bh, 0)  # zero again for the next step
 
 
@@ -201,7 +201,7 @@ def attention_decode(
         out,
         counter,
         tiles.merge_in_kernel,
-        part.BS_row,
+        part.ranges_per_load(part.BG),
         **launch,
     )
     return out if tiles.merge_in_kernel else part.merge(out)
