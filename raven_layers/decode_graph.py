@@ -49,7 +49,7 @@ class DecodeGraph:
             with torch.cuda.graph(self.graph):
                 self.logits = self.step(self.input_ids)
         self.graph.replay()
-        return self.logits.clone()  # the next replay overwrites the buffer; callers may keep what they got
+        return self.logits  # the graph's buffer, which the next replay overwrites: callers copy what they keep
 
     def warm_up(self) -> torch.Tensor:
         if self.fallback is None:

@@ -83,7 +83,7 @@ def decode_loop(
         if selected is not None:
             selected.record()
         # queued before the flag is read: while the host waits for this token's flag, the GPU runs the next step
-        logits = model(input_ids=chosen[:, None], cache=cache, use_cache=True).logits[:, -1].float()  # [B, V]
+        logits = model.next_token_logits(chosen[:, None], cache)  # [B, V] float32
         if selected is not None:
             selected.synchronize()
         if finished.item():

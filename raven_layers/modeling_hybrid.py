@@ -407,16 +407,7 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
     ) -> HybridCausalLMOutput:
         cache = one_cache(cache, past_key_values)
         if self._graph_step(cache, input_ids, labels, kwargs):
-            cache.check_room(input_ids.shape[0], 1)
-            step = self.decode_function()
-            if cache.graph is None or cache.graph_step != step:  # another model, or its step recompiled
-                eager = self.decode_logits
-                fallback = (lambda ids: eager(ids, cache)) if self.compile_decode else None  # noqa: E731
-                cache.graph = DecodeGraph(lambda ids: step(ids, cache), cache.batch_size, cache.device, fallback)
-                cache.graph_step, self._decode_weights = step, self.weight_addresses()
-            with cache.decoding_step(), decode_attention(self.config):
-                logits = cache.graph(input_ids)
-            cache.advance(1)
+            logits = self._replay(input_ids, cache).clone()  # the caller may keep it past the next replay
             return HybridCausalLMOutput(logits=logits, **{OUTPUT_CACHE_FIELD: cache})
         outputs = self.model(
             input_ids=input_ids,
@@ -438,6 +429,30 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         return HybridCausalLMOutput(
             loss=loss, logits=logits, aux_loss=outputs.aux_loss, **{OUTPUT_CACHE_FIELD: output_cache(outputs)}
         )
+
+    def _replay(self, input_ids: torch.Tensor, cache: StaticHybridCache) -> torch.Tensor:
+        """A decode step as a replayed CUDA graph (see decode_graph.py): token ids [B, 1] -> logits [B, 1, V] in the
+        graph's buffer, which the next step overwrites."""
+        cache.check_room(input_ids.shape[0], 1)
+        step = self.decode_function()
+        if cache.graph is None or cache.graph_step != step:  # another model, or its step recompiled
+            eager = self.decode_logits
+            fallback = (lambda ids: eager(ids, cache)) if self.compile_decode else None  # noqa: E731
+            cache.graph = DecodeGraph(lambda ids: step(ids, cache), cache.batch_size, cache.device, fallback)
+            cache.graph_step, self._decode_weights = step, self.weight_addresses()
+        with cache.decoding_step(), decode_attention(self.config):
+            logits = cache.graph(input_ids)
+        cache.advance(1)
+        return logits
+
+    def next_token_logits(self, input_ids: torch.Tensor, cache: HybridCache) -> torch.Tensor:
+        """A decode step's logits as decode_loop takes them, float32 [B, V] in a tensor of their own: a replayed
+        graph's buffer is converted straight into it, one copy per token, not forward's copy and then another."""
+        if self._graph_step(cache, input_ids, None, {}):
+            logits = self._replay(input_ids, cache)
+        else:
+            logits = self(input_ids=input_ids, cache=cache, use_cache=True).logits
+        return logits[:, -1].to(torch.float32, copy=True)
 
     def decode_logits(self, input_ids: torch.Tensor, cache: StaticHybridCache) -> torch.Tensor:
         """One decode step, token ids [B, 1] -> logits [B, 1, V], within `cache.decoding_step()` and
