@@ -96,6 +96,9 @@
 #   decode-lab     the split-K attention's tilings (sweep_decode_attention.py), the fast path's GPU tests, a
 #                  batch-1 step's kernels with and without the projections fused in place (profile_decode.py), and
 #                  batch 1 at 4K and 16K for every mixer so (bench_generate.py), into RUNS/decode-lab
+#   decode-tests   the fast path's GPU tests, then a batch-1 step's kernels and logits with the projections fused in
+#                  place (profile_decode.py: kernel counts and max |dlogit| hold beside another job, times do not),
+#                  into RUNS/decode-tests
 #   depth-speed    decode speed at 15, 22, 26 and 30 of 30 layers converted against the teacher on transformers and
 #                  on this engine (bench_generate.py --depths: batch 1, 32, 128 at 4K and 16K, with bandwidth
 #                  floors), and the largest batch at 32K (bench_capacity.py --depths), into RUNS/depth-speed
@@ -285,6 +288,13 @@ PY
     timeout 540 python3 scripts/bench/bench_generate.py --out "$out" --mixers raven,sse,sila --batches 1 \
       --contexts 4k,16k --steps 16 --decode-options shared,combo_kernels=True
     ;;
+  decode-tests)
+    local out="$RUNS/decode-tests" && mkdir -p "$out"
+    RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q -rfE tests/raven_layers/test_gpu.py \
+      tests/kernels/test_attention.py tests/scripts/test_sweep_decode_attention.py 2>&1 | tail -40
+    timeout 420 python3 scripts/bench/profile_decode.py --out "$out" --models teacher-engine,sila --batches 1 \
+      --context 16k --variants default shared,combo_kernels=True
+    ;;
   depth-speed)
     local out="$RUNS/depth-speed" depths=(--mixers sila --depths "${DEPTHS:-15,22,26,30}")
     python3 scripts/bench/bench_generate.py --out "$out" "${depths[@]}" --batches 1,32,128 --contexts 4k,16k \
@@ -325,7 +335,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deep22-ddp4 sila-deep26-ddp4 decode-lab depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deep22-ddp4 sila-deep26-ddp4 decode-lab decode-tests depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;
