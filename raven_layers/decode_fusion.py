@@ -11,6 +11,9 @@ folded into a constant, a second copy of those weights baked into the step).
 
     model.decode_compile_options = SHARED_PROJECTIONS   # or with other Inductor options: {**SHARED_PROJECTIONS, ...}
 
+A model compiles its decode step with `default_decode_options()` (the in-place fusion and Inductor's combo kernels)
+unless its `decode_compile_options` are set.
+
 Inductor's own `batch_linear_lhs` fusion does the same for 2-D inputs only; a decode step's are [B, 1, hidden].
 """
 
@@ -188,3 +191,10 @@ def prepare_weights(model: nn.Module, options: dict) -> None:
 # freezing: a second copy of those weights, baked in (set the options again after changing them, which recompiles).
 SHARED_PROJECTIONS = {"pre_grad_custom_pass": SharedInputLinears(copy=False)}
 FUSED_PROJECTIONS = {"freezing": True, "pre_grad_custom_pass": SharedInputLinears()}
+
+
+def default_decode_options() -> dict:
+    """A model's decode step options unless set: the products fused in place, and Inductor's `combo_kernels`, which
+    launches the step's small independent pointwise kernels as one (both cut kernels per step, the cost of a step at
+    small batch; the logits are the unfused step's: docs/GENERATION.md)."""
+    return {**SHARED_PROJECTIONS, "combo_kernels": True}

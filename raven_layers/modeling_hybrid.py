@@ -321,7 +321,8 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         self.use_decode_graphs = True  # replay decode steps over a static cache on CUDA as CUDA graphs
         self.compile_decode = True  # and compile the step they capture (see decode_function)
         self.use_decode_loop = True  # generate() over a static cache in decode_loop, which never waits per token
-        self.decode_compile_options = {}  # Inductor options of that compilation (torch.compile's `options`)
+        self._decode_compile_options: dict | None = None  # Inductor options of that compilation; None: the default
+        self._compiled_decode = None
         self._static_cache: StaticHybridCache | None = None  # kept for the next generate() that fits it
         self._decode_weights: tuple[int, ...] | None = None  # where the weights were when the step was made
         self.post_init()
@@ -461,6 +462,12 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
 
     @property
     def decode_compile_options(self) -> dict:
+        """torch.compile's Inductor `options` for the decode step: decode_fusion.default_decode_options() (the
+        projections fused in place, combo kernels) until set; {} compiles with Inductor's own defaults."""
+        if self._decode_compile_options is None:
+            from .decode_fusion import default_decode_options  # Inductor's pass API: imported when asked for
+
+            return default_decode_options()
         return dict(self._decode_compile_options)
 
     @decode_compile_options.setter
@@ -491,7 +498,7 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         if self._compiled_decode is None:
             from .decode_fusion import prepare_weights  # Inductor's pass API: imported when a step compiles
 
-            options = self._decode_compile_options
+            options = self.decode_compile_options
             prepare_weights(self, options)
             self._decode_weights = self.weight_addresses()
             mixers = {self.config.mixer_spec(kind) for kind in set(self.config.layer_mixers) - {"attention"}}

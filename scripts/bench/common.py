@@ -85,18 +85,18 @@ def add_model_arguments(parser: argparse.ArgumentParser, mixers: str | None = No
 
 
 def parse_decode_options(text: str) -> dict | None:
-    """A decode step's compilation as `model.decode_compile_options` takes it: 'default' -> {} (the model's own),
-    'eager' -> None (not compiled: `compile_decode = False`), 'a=1,b=True' -> {'a': 1, 'b': True} (Inductor options,
-    Python literals), 'fused' alone or among them -> raven_layers.decode_fusion.FUSED_PROJECTIONS, 'shared' ->
-    SHARED_PROJECTIONS (the fusion reading the weights in place)."""
+    """A decode step's compilation as `model.decode_compile_options` takes it: 'default' -> the model's own
+    (raven_layers.decode_fusion.default_decode_options()), 'plain' -> {} (Inductor's defaults, no fusion), 'eager'
+    -> None (not compiled: `compile_decode = False`), 'a=1,b=True' -> {'a': 1, 'b': True} (Inductor options, Python
+    literals), 'fused' alone or among them -> FUSED_PROJECTIONS, 'shared' -> SHARED_PROJECTIONS (the fusion reading
+    the weights in place)."""
     import ast
 
-    from raven_layers.decode_fusion import FUSED_PROJECTIONS, SHARED_PROJECTIONS
+    from raven_layers.decode_fusion import FUSED_PROJECTIONS, SHARED_PROJECTIONS, default_decode_options
 
-    if text == "default":
-        return {}
-    if text == "eager":
-        return None
+    named = {"default": default_decode_options(), "plain": {}, "eager": None}
+    if text in named:
+        return named[text]
     options = {}
     for item in text.split(","):
         if item in ("fused", "shared"):
@@ -104,7 +104,9 @@ def parse_decode_options(text: str) -> dict | None:
             continue
         name, sep, value = item.partition("=")
         if not sep:
-            raise argparse.ArgumentTypeError(f"{item!r} is not name=value; expected default, eager or name=value,...")
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not name=value; expected default, plain, eager, fused, shared or name=value,..."
+            )
         try:
             options[name.strip()] = ast.literal_eval(value.strip())
         except (ValueError, SyntaxError):

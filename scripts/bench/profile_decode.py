@@ -2,7 +2,7 @@
 model's compiled, CUDA-graphed decode step, under several `model.decode_compile_options`.
 
     python scripts/bench/profile_decode.py --models teacher-engine,sila --batches 1,32 --context 16k --out OUT \\
-        --variants default eager fused shared shared,combo_kernels=True combo_kernels=True
+        --variants plain default eager fused shared combo_kernels=True
 
 For each model (SmolLM2-135M-shaped, bf16, random weights; the teacher on this project's engine is the teacher
 converted with no layer, a hybrid converts `--layers`), batch and variant, the step is compiled afresh: generate()
@@ -12,10 +12,11 @@ warms up (compiles, captures the graph; `compile s`), then
 - `replay ms`: GPU time of one graph replay (100 replays, CUDA events);
 - `generate ms`: wall time per step of generate() over `--steps` tokens (token choice and stopping criteria
   included), in its own loop (raven_layers/decode_loop.py) and in transformers' (`use_decode_loop = False`);
-- `max |dlogit|`: the first decode step's logits against the `default` variant's, same prompt (bf16: the options
-  may round differently; a wrong fusion shows as a large difference).
+- `max |dlogit|`: the first decode step's logits against the `plain` variant's (compiled, nothing fused: always
+  measured first), same prompt (bf16: the options may round differently; a wrong fusion shows as a large one).
 
-A variant is `default` (the model's own options), `eager` (the eager step captured: `compile_decode = False`), or
+A variant is `plain` (Inductor's own options), `default` (the model's own: `default_decode_options()` of
+raven_layers/decode_fusion.py), `eager` (the eager step captured: `compile_decode = False`), or
 comma-separated Inductor options `name=value` (Python literals) and `fused` or `shared` (the projection fusion of
 raven_layers/decode_fusion.py over concatenated weights, or over the weights in place; e.g.
 `shared,combo_kernels=True`). The table is printed last and written to
@@ -133,12 +134,12 @@ def main(argv=None):
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--context", default="16k")
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--variants", nargs="+", default=["default", "eager"])
+    parser.add_argument("--variants", nargs="+", default=["plain", "default", "eager"])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     variants = [parse_variant(v) for v in args.variants]
-    if variants[0][0] != "default":
-        variants.insert(0, ("default", {}))  # the reference of every |dlogit|
+    if variants[0][0] != "plain":
+        variants.insert(0, ("plain", {}))  # the reference of every |dlogit|: compiled, nothing fused
     (context,) = parse_sizes(args.context)
     names = args.models.split(",")
     layers = args.layers

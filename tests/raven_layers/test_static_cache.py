@@ -11,6 +11,7 @@ from raven_convert import build_hybrid, plan_layers
 from raven_layers import HybridCache, StaticHybridCache, output_cache
 from raven_layers.backend import use_backend
 from raven_layers.decode_attention import decode_attention
+from raven_layers.decode_fusion import SHARED_PROJECTIONS
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.transformers_api
@@ -162,6 +163,8 @@ def test_compiled_decode_step_equals_eager(monkeypatch):
     source = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=5)).eval()
     kinds = plan_layers([("raven", "0"), ("sila", "2"), ("sse", "4")], 5)
     hybrid = build_hybrid(source, kinds, SETTINGS, attention_windows=[None, 5, None, None, None]).eval()
+    if not torch.cuda.is_available():
+        hybrid.decode_compile_options = {}  # aot_eager takes no Inductor options (test_decode_fusion.py runs them)
     ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(3))  # 6 steps: the 5-token ring wraps
     mask = torch.ones(2, 6, dtype=torch.long)
     mask[1, :2] = 0
@@ -201,15 +204,19 @@ def test_compiled_decode_step_is_not_capped_by_dynamos_recompile_limit(monkeypat
 
 
 def test_decode_compile_options_reach_torch_compile_and_recompile_when_changed(monkeypatch):
-    """`model.decode_compile_options` are torch.compile's Inductor options for the decode step; the step is compiled
-    once per options (none passed when empty: other backends take none), and changed options give a new step."""
+    """`model.decode_compile_options` are torch.compile's Inductor options for the decode step, the in-place fusion
+    and combo kernels until set; the step is compiled once per options (none passed when empty: other backends take
+    none), and changed options give a new step."""
     calls = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
     source = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2)).eval()
     hybrid = build_hybrid(source, plan_layers([("sila", "0")], 2), SETTINGS)
     first = hybrid.decode_function()
-    assert hybrid.decode_function() is first and "options" not in calls[0] and len(calls) == 1
+    assert hybrid.decode_function() is first and len(calls) == 1
+    assert calls[0]["options"] == {**SHARED_PROJECTIONS, "combo_kernels": True} == hybrid.decode_compile_options
     hybrid.decode_compile_options = {"freezing": True}
     second = hybrid.decode_function()
     assert second is not first and calls[1]["options"] == {"freezing": True}
     assert hybrid.decode_function() is second and len(calls) == 2
+    hybrid.decode_compile_options = {}
+    assert hybrid.decode_function() is not second and "options" not in calls[2]
