@@ -94,11 +94,11 @@
 #                  each stage through `accelerate launch`, batch_size rows per process), so 4x the tokens in about
 #                  the same minutes; start it alone, with every GPU visible
 #   decode-lab     the split-K attention's tilings (sweep_decode_attention.py), the fast path's GPU tests, a
-#                  batch-1 step's kernels with and without the projections fused in place (profile_decode.py), and
-#                  batch 1 at 4K and 16K for every mixer so (bench_generate.py), into RUNS/decode-lab
-#   decode-tests   the fast path's GPU tests, then a batch-1 step's kernels and logits with the projections fused in
-#                  place (profile_decode.py: kernel counts and max |dlogit| hold beside another job, times do not),
-#                  into RUNS/decode-tests
+#                  batch-1 step's kernels under the default options and Inductor's own (profile_decode.py), and
+#                  batch 1 at 4K and 16K for every mixer (bench_generate.py), into RUNS/decode-lab
+#   decode-tests   the fast path's GPU tests, then a batch-1 step's kernels and logits under the default options and
+#                  Inductor's own (profile_decode.py: kernel counts and max |dlogit| hold beside another job, times
+#                  do not), into RUNS/decode-tests
 #   depth-speed    decode speed at 15, 22, 26 and 30 of 30 layers converted against the teacher on transformers and
 #                  on this engine (bench_generate.py --depths: batch 1, 32, 128 at 4K and 16K, with bandwidth
 #                  floors), and the largest batch at 32K (bench_capacity.py --depths), into RUNS/depth-speed
@@ -284,16 +284,16 @@ PY
       tests/scripts/test_sweep_decode_attention.py > "$out/gpu-tests.log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$out/gpu-tests.log" | tail -20
     timeout 420 python3 scripts/bench/profile_decode.py --out "$out" --models teacher-engine,sila --batches 1 \
-      --context 16k --variants default shared,combo_kernels=True
+      --context 16k --variants plain default
     timeout 540 python3 scripts/bench/bench_generate.py --out "$out" --mixers raven,sse,sila --batches 1 \
-      --contexts 4k,16k --steps 16 --decode-options shared,combo_kernels=True
+      --contexts 4k,16k --steps 16
     ;;
   decode-tests)
     local out="$RUNS/decode-tests" && mkdir -p "$out"
     RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q -rfE tests/raven_layers/test_gpu.py \
       tests/kernels/test_attention.py tests/scripts/test_sweep_decode_attention.py 2>&1 | tail -40
     timeout 420 python3 scripts/bench/profile_decode.py --out "$out" --models teacher-engine,sila --batches 1 \
-      --context 16k --variants default shared,combo_kernels=True
+      --context 16k --variants plain default
     ;;
   depth-speed)
     local out="$RUNS/depth-speed" depths=(--mixers sila --depths "${DEPTHS:-15,22,26,30}")
