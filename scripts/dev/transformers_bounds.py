@@ -1,6 +1,7 @@
-"""Helpers of scripts/dev/test_oldest_transformers.sh.
+"""Helpers of scripts/dev/test_oldest_transformers.sh and scripts/lab/newest_transformers.sh.
 
 python scripts/dev/transformers_bounds.py --oldest                    # prints 5.17: pyproject.toml's lower bound
+python scripts/dev/transformers_bounds.py --requirement               # prints transformers>=5.17,<6
 python scripts/dev/transformers_bounds.py --link-site-packages VENV   # VENV reads this interpreter's site-packages
 """
 
@@ -23,6 +24,14 @@ def oldest_transformers(text: str) -> str:
     return match.group(1)
 
 
+def transformers_requirement(text: str) -> str:
+    """The `transformers` requirement of a pyproject.toml's text, as pip takes it."""
+    match = re.search(r'"(transformers\s*[<>=!~][^"]*)"', text)
+    if match is None:
+        raise SystemExit(f"{PYPROJECT} declares no transformers requirement")
+    return match.group(1).replace(" ", "")
+
+
 def link_site_packages(venv: Path) -> Path:
     """Make `venv` read this interpreter's site-packages (and their .pth files: editable installs) after its own.
 
@@ -41,10 +50,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--oldest", action="store_true", help="print the oldest transformers release accepted")
+    group.add_argument("--requirement", action="store_true", help="print the transformers requirement")
     group.add_argument("--link-site-packages", type=Path, metavar="VENV")
     args = parser.parse_args(argv)
     if args.oldest:
         print(oldest_transformers(PYPROJECT.read_text()))
+    elif args.requirement:
+        print(transformers_requirement(PYPROJECT.read_text()))
     else:
         link_site_packages(args.link_site_packages)
 

@@ -96,7 +96,8 @@
 #   decode-lab     the split-K attention's tilings (sweep_decode_attention.py), the fast path's GPU tests, a
 #                  batch-1 step's kernels under the default options and Inductor's own (profile_decode.py), and
 #                  batch 1 at 4K and 16K for every mixer (bench_generate.py), into RUNS/decode-lab
-#   decode-tests   the fast path's GPU tests, then a batch-1 step's kernels and logits under the default options and
+#   decode-tests   the fast path's GPU tests (again under the newest transformers where /tmp/site-newest holds it:
+#                  scripts/lab/newest_transformers.sh), then a batch-1 step's kernels and logits under the default options and
 #                  Inductor's own (profile_decode.py: kernel counts and max |dlogit| hold beside another job, times
 #                  do not), into RUNS/decode-tests
 #   depth-speed    decode speed at 15, 22, 26 and 30 of 30 layers converted against the teacher on transformers and
@@ -292,6 +293,11 @@ PY
     local out="$RUNS/decode-tests" && mkdir -p "$out"
     RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q -rfE tests/raven_layers/test_gpu.py \
       tests/kernels/test_attention.py tests/scripts/test_sweep_decode_attention.py 2>&1 | tail -40
+    if [ -d /tmp/site-newest ]; then  # the newest transformers accepted (scripts/lab/newest_transformers.sh)
+      PYTHONPATH=/tmp/site-newest:$PYTHONPATH python3 -c "import transformers; print('+ transformers', transformers.__version__)"
+      PYTHONPATH=/tmp/site-newest:$PYTHONPATH RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" \
+        -q -rfE tests/raven_layers/test_gpu.py 2>&1 | tail -20
+    fi
     timeout 420 python3 scripts/bench/profile_decode.py --out "$out" --models teacher-engine,sila --batches 1 \
       --context 16k --variants plain default
     ;;
