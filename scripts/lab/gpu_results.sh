@@ -93,13 +93,12 @@
 #   sila-deep22-ddp4|sila-deep26-ddp4  the deep recipe on all four GPUs of the host under data parallel (PROCESSES=4:
 #                  each stage through `accelerate launch`, batch_size rows per process), so 4x the tokens in about
 #                  the same minutes; start it alone, with every GPU visible
-#   decode-lab     the split-K attention's tilings (sweep_decode_attention.py), the fast path's GPU tests, a
-#                  batch-1 step's kernels under the default options and Inductor's own (profile_decode.py), and
-#                  batch 1 at 4K and 16K for every mixer (bench_generate.py), into RUNS/decode-lab
-#   decode-tests   the fast path's GPU tests (again under the newest transformers where /tmp/site-newest holds it:
-#                  scripts/lab/newest_transformers.sh), then a batch-1 step's kernels and logits under the default options and
-#                  Inductor's own (profile_decode.py: kernel counts and max |dlogit| hold beside another job, times
-#                  do not), into RUNS/decode-tests
+#   decode-lab     times, so alone on the machine: the split-K attention's tilings at 16K (sweep_decode_attention.py),
+#                  a batch-1 step's kernels and time under the default options and Inductor's own (profile_decode.py),
+#                  SILA 15/30 at batch 1, 32, 128 and 16K, every mixer at batch 1 at 4K and 16K (bench_generate.py),
+#                  into RUNS/decode-lab
+#   decode-tests   the fast path's GPU tests, again under the newest transformers where /tmp/site-newest holds it
+#                  (scripts/lab/newest_transformers.sh); correctness only, so beside another job if need be
 #   depth-speed    decode speed at 15, 22, 26 and 30 of 30 layers converted against the teacher on transformers and
 #                  on this engine (bench_generate.py --depths: batch 1, 32, 128 at 4K and 16K, with bandwidth
 #                  floors), and the largest batch at 32K (bench_capacity.py --depths), into RUNS/depth-speed
@@ -158,6 +157,15 @@ trained() {  # trained MIXER RUN [ARGS...]: train RUN, check that its model load
   # then the trained hybrid as its difference from the teacher, small enough to bring back (gpu_jobs.sh deltas
   # RUN), on a few CPU threads: four jobs' saves on all of the host's cores held up their evaluations (docs/lab/2026-11-27-ablations-06-graphed-align.md)
   OMP_NUM_THREADS=4 python3 -m raven_convert.delta save "$model" "$TEACHER" "$RUNS/$2/model.delta.safetensors" --bf16
+}
+
+fast_path_tests() {  # the fast path's GPU tests, again under the newest transformers where /tmp/site-newest holds it
+  RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q -rfE tests/raven_layers/test_gpu.py \
+    tests/kernels/test_attention.py tests/scripts/test_sweep_decode_attention.py 2>&1 | tail -40
+  [ -d /tmp/site-newest ] || return 0
+  PYTHONPATH=/tmp/site-newest:$PYTHONPATH python3 -c "import transformers; print('+ transformers', transformers.__version__)"
+  PYTHONPATH=/tmp/site-newest:$PYTHONPATH RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q \
+    -rfE tests/raven_layers/test_gpu.py 2>&1 | tail -20
 }
 
 speed() {  # stage rates of the SSE and SILA recipes (short runs), against BASE's (an older checkout) where set
@@ -277,29 +285,18 @@ PY
     trained sila-deep22 "$1" "${KD[@]}" --set align.steps=800 --set train.steps=600 \
       --set "layers=[{mixer: sila, layers: \"auto:$n\"}]"
     ;;
-  decode-lab)
+  decode-lab)  # times: alone on the machine
     local out="$RUNS/decode-lab" && mkdir -p "$out"
-    timeout 540 python3 scripts/bench/sweep_decode_attention.py --out "$out" --batches 1,32,128 --contexts 4k,16k
-    RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q -rfE \
-      tests/raven_layers/test_gpu.py tests/kernels/test_attention.py \
-      tests/scripts/test_sweep_decode_attention.py > "$out/gpu-tests.log" 2>&1
-    grep -E "^(FAILED|ERROR)|passed|failed" "$out/gpu-tests.log" | tail -20
+    timeout 540 python3 scripts/bench/sweep_decode_attention.py --out "$out" --batches 1,32,128 --contexts 16k
     timeout 420 python3 scripts/bench/profile_decode.py --out "$out" --models teacher-engine,sila --batches 1 \
       --context 16k --variants plain default
-    timeout 540 python3 scripts/bench/bench_generate.py --out "$out" --mixers raven,sse,sila --batches 1 \
+    timeout 540 python3 scripts/bench/bench_generate.py --out "$out/sila" --mixers sila --depths 15 \
+      --batches 1,32,128 --contexts 16k --steps 16
+    timeout 540 python3 scripts/bench/bench_generate.py --out "$out/b1" --mixers raven,sse,sila --batches 1 \
       --contexts 4k,16k --steps 16
     ;;
-  decode-tests)
-    local out="$RUNS/decode-tests" && mkdir -p "$out"
-    RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q -rfE tests/raven_layers/test_gpu.py \
-      tests/kernels/test_attention.py tests/scripts/test_sweep_decode_attention.py 2>&1 | tail -40
-    if [ -d /tmp/site-newest ]; then  # the newest transformers accepted (scripts/lab/newest_transformers.sh)
-      PYTHONPATH=/tmp/site-newest:$PYTHONPATH python3 -c "import transformers; print('+ transformers', transformers.__version__)"
-      PYTHONPATH=/tmp/site-newest:$PYTHONPATH RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" \
-        -q -rfE tests/raven_layers/test_gpu.py 2>&1 | tail -20
-    fi
-    timeout 420 python3 scripts/bench/profile_decode.py --out "$out" --models teacher-engine,sila --batches 1 \
-      --context 16k --variants plain default
+  decode-tests)  # correctness only: may run beside another job
+    fast_path_tests
     ;;
   depth-speed)
     local out="$RUNS/depth-speed" depths=(--mixers sila --depths "${DEPTHS:-15,22,26,30}")
