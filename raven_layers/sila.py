@@ -228,6 +228,14 @@ def sila_chunked(
     return o + current, memory
 
 
+def in_place(memory: torch.Tensor | None) -> bool:
+    """Whether a decode step may update `memory` where it lies (fused_recurrent_sila_decode): a float32 contiguous
+    memory, and no gradients (a step that trains keeps the old memory for its backward pass)."""
+    return (
+        memory is not None and memory.dtype == torch.float32 and memory.is_contiguous() and not torch.is_grad_enabled()
+    )
+
+
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(|x|^2 + eps) over the last dim in float32 (Gated DeltaNet's l2norm); 0 stays 0."""
     x32 = x.float()
@@ -443,7 +451,9 @@ class SILAMixer(Mixer):
             packed = [t.flatten(0, 1).unsqueeze(0) for t in args[:6]]
             o, _ = kernels.fused_recurrent_sila(*packed, *args[6:8], cu_seqlens=cu_seqlens)
             return self.glue(self.read_out)(o, x)
-        if kernels is not None:  # Triton: one fused recurrent kernel for training, prefill and decode steps
+        if kernels is not None and T == 1 and in_place(memory):  # a decode step: the cache's memory updated in place
+            o = kernels.fused_recurrent_sila_decode(*args)
+        elif kernels is not None:  # Triton: one fused recurrent kernel for training, prefill and decode steps
             o, memory = kernels.fused_recurrent_sila(*args, output_final_state=True)
         elif T == 1 and memory is not None:
             o, memory = sila_recurrent(*args)

@@ -1,4 +1,5 @@
-"""`fused_recurrent_sila`: SILA's recurrence (raven_layers/sila.py, eqs. 5-7) in Triton, forward and backward."""
+"""`fused_recurrent_sila`: SILA's recurrence (raven_layers/sila.py, eqs. 5-7) in Triton, forward and backward;
+`fused_recurrent_sila_decode`: one decode step that updates a cache's memory in place."""
 
 from __future__ import annotations
 
@@ -146,3 +147,65 @@ def _(q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, initial_state, mask, cu_
     N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     ht = q.new_empty(N, k.shape[2], v.shape[-1], k.shape[-1], dtype=torch.float32)
     return q.new_empty(*q.shape[:-1], v.shape[-1]), ht
+
+
+def fused_recurrent_sila_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    alpha: torch.Tensor,
+    beta_x: torch.Tensor,
+    gamma_x: torch.Tensor,
+    w_beta: torch.Tensor,
+    w_gamma: torch.Tensor,
+    state: torch.Tensor,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One decode step of `fused_recurrent_sila` (T == 1, no gradients) that updates `state`, the memory a cache
+    holds, in place: the step reads and writes the memory where it lies, with no copy of it (for a cache, a copy of
+    every SILA layer's memory per step).
+
+    Args: as `fused_recurrent_sila`'s, with T == 1 and `state` [B, H, d_v, d_k] float32, contiguous (required:
+    the memory after the step is written into it).
+
+    Returns:
+        o: [B, 1, H, G, d_v] in q's dtype.
+    """
+    _check(q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, state, mask, None, CHUNK_SIZE)
+    if q.shape[1] != 1:
+        raise ValueError(f"fused_recurrent_sila_decode takes one step: T must be 1, got T = {q.shape[1]}")
+    if state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError(f"state must be a contiguous float32 tensor (it is updated in place), got {state.dtype}"
+                         f"{'' if state.is_contiguous() else ', not contiguous'}")  # fmt: skip
+    inputs = (q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (*inputs, state)):
+        raise ValueError("fused_recurrent_sila_decode computes no gradients; use fused_recurrent_sila to train")
+    args = [x.contiguous() for x in inputs]
+    return sila_decode(*args, state, None if mask is None else mask.contiguous().view(torch.uint8))
+
+
+@torch.library.custom_op("raven_hybrid::sila_decode", mutates_args=("state",))
+def sila_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    alpha: torch.Tensor,
+    beta_x: torch.Tensor,
+    gamma_x: torch.Tensor,
+    w_beta: torch.Tensor,
+    w_gamma: torch.Tensor,
+    state: torch.Tensor,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """The launch of `fused_recurrent_sila_decode` (checked, contiguous inputs) as a custom op that updates `state`
+    in place: torch.compile keeps it whole, and Inductor fuses the work around it."""
+    o, _, _ = fused_recurrent_sila_fwd(
+        q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, state, mask, True, None, CHUNK_SIZE, save=False,
+        final_state=state,
+    )  # fmt: skip
+    return o
+
+
+@sila_decode.register_fake
+def _(q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, state, mask):
+    return q.new_empty(*q.shape[:-1], v.shape[-1])

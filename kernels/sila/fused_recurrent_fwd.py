@@ -117,9 +117,11 @@ def sila_fwd_kernel_output(
 
 def fused_recurrent_sila_fwd(
     q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, initial_state, mask, output_final_state, cu_seqlens, chunk_size,
-    save,
+    save, final_state=None,
 ):  # fmt: skip
-    """Outputs [B, T, H, G, V] (q's dtype), the final memory [N, H, V, K] or None, and what backward needs."""
+    """Outputs [B, T, H, G, V] (q's dtype), the final memory [N, H, V, K] or None, and what backward needs. The final
+    memory goes into `final_state` where given (float32, contiguous; it may be `initial_state`: each program reads
+    its memory before it writes it)."""
     B, T, H, G, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -127,7 +129,9 @@ def fused_recurrent_sila_fwd(
     inline = not save and T == 1 and cu_seqlens is None  # a decode step: read on chip, nothing to save
     offsets, indices, n_states, n_chunks = utils.varlen_layout(cu_seqlens, N, T, chunk_size)
     o = utils.new_output((B, T, H, G, V), q)
-    ht = utils.new_output((N, H, V, K), q, torch.float32) if output_final_state else None
+    ht = final_state
+    if ht is None and output_final_state:
+        ht = utils.new_output((N, H, V, K), q, torch.float32)
     states = r = s = None
     if not inline:
         states = utils.new_output((n_states, H, V, K), q, torch.float32)
@@ -142,7 +146,7 @@ def fused_recurrent_sila_fwd(
     sila_fwd_kernel_recurrent[(N, H)](
         q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, vw, initial_state, mask, o, ht, states, r, s, cu_seqlens,
         offsets, T, H=H, G=G, K=K, V=V, KB=utils.sweep_block(K), CHUNK=chunk_size,
-        STORE_HT=output_final_state, SAVE=not inline, INLINE_OUTPUT=inline, num_warps=cfg["sweep"], **flags,
+        STORE_HT=ht is not None, SAVE=not inline, INLINE_OUTPUT=inline, num_warps=cfg["sweep"], **flags,
     )  # fmt: skip
     if not inline and n_chunks > 0:
         grid = (n_chunks, H) if cu_seqlens is not None else (n_chunks, N, H)

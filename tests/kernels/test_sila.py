@@ -6,10 +6,11 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from raven_kernels.sila import fused_recurrent_sila, utils
+from raven_kernels.sila import fused_recurrent_sila, fused_recurrent_sila_decode, utils
 from raven_kernels.sila.naive import naive_recurrent_sila
 from raven_layers.backend import use_backend
 from raven_layers.sila import SILAMixer, SILASettings, l2_normalize
+from tests.raven_layers.test_sila import FakeCache
 
 NAMES = ("q", "k", "v", "alpha", "beta_x", "gamma_x", "w_beta", "w_gamma", "initial_state")
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -160,6 +161,38 @@ def test_mixer_triton_matches_torch():
         assert rel_err(g_t[name], g_r[name]) < 1e-4, name
 
 
+def test_mixer_decode_steps_update_the_cache_memory_in_place():
+    """The mixer's decode steps on the Triton kernels write the cache's memory where it lies (the same tensor after
+    each step) and give the PyTorch recurrence's outputs and memory; a step with gradients takes the out-of-place
+    kernel, whose backward needs the old memory."""
+    config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         intermediate_size=64, vocab_size=32)  # fmt: skip
+    torch.manual_seed(0)
+    mixer = SILAMixer(config, 0, SILASettings(chunk_size=8))
+    with torch.no_grad():
+        for name in ("beta_state_weight", "gamma_state_weight", "beta_weight", "gamma_weight", "alpha_weight"):
+            getattr(mixer, name).normal_(std=0.3)
+    mixer.to(DEVICE)
+    x = torch.randn(2, 9, 32, device=DEVICE)
+    runs = {}
+    for backend in ("triton", "torch"):
+        cache = FakeCache()
+        with torch.no_grad(), use_backend(backend):
+            steps = [mixer(x[:, :5], cache=cache)[0]]
+            memory = cache.state[0]
+            for t in range(5, 9):
+                steps.append(mixer(x[:, t : t + 1], cache=cache)[0])
+                assert (cache.state[0] is memory) == (backend == "triton")
+        runs[backend] = (torch.cat(steps, 1), cache.state[0])
+    (y_t, m_t), (y_r, m_r) = runs["triton"], runs["torch"]
+    assert rel_err(y_t, y_r) < 1e-5 and rel_err(m_t, m_r) < 1e-5
+    kept = m_t.clone()
+    cache.state = (m_t, cache.state[1])
+    with use_backend("triton"):
+        mixer(x[:, :1], cache=cache)[0].square().sum().backward()
+    assert cache.state[0] is not m_t and torch.equal(m_t, kept) and mixer.gamma_state_weight.grad is not None
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("d, G", [(64, 3), (128, 2)])
@@ -170,3 +203,32 @@ def test_bf16_on_gpu(d, G):
     for i, (name, a, b) in enumerate(zip(("o", "final_state", *NAMES), kernel, reference)):
         assert torch.isfinite(a).all(), name
         assert rel_err(a, b) < (5e-3 if i < 2 else 1e-2), f"{name}: relative error {rel_err(a, b):.2e}"
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_decode_step_in_place(with_mask):
+    """fused_recurrent_sila_decode: the step's output and memory equal the reference's, the memory written into the
+    state given (the same tensor), and a padded row (mask False) leaves its memory as it was."""
+    q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, state = random_inputs(3, 1, 2, 2, 16, seed=11)
+    mask = torch.tensor([[True], [False], [True]], device=DEVICE) if with_mask else None
+    before = state.clone()
+    o_ref, ht_ref = naive_recurrent_sila(q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, before, mask)
+    with torch.no_grad():
+        o = fused_recurrent_sila_decode(q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, state, mask)
+    assert o.shape == o_ref.shape and rel_err(o, o_ref) < 1e-5
+    assert rel_err(state, ht_ref) < 1e-5
+    if with_mask:
+        assert torch.equal(state[1], before[1])
+
+
+def test_decode_step_in_place_rejects_what_it_cannot_update():
+    q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, state = random_inputs(2, 1, 2, 1, 16)
+    args = (q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        fused_recurrent_sila_decode(*args, state.double())
+    with pytest.raises(ValueError, match="contiguous float32"):
+        fused_recurrent_sila_decode(*args, state.transpose(-1, -2))
+    with pytest.raises(ValueError, match="T must be 1"):
+        fused_recurrent_sila_decode(*[torch.cat([x, x], 1) for x in args[:6]], w_beta, w_gamma, state)
+    with pytest.raises(ValueError, match="computes no gradients"):
+        fused_recurrent_sila_decode(q.requires_grad_(), *args[1:], state)

@@ -2,6 +2,7 @@
 
 import copy
 import functools
+import re
 
 import pytest
 import torch
@@ -220,3 +221,32 @@ def test_decode_compile_options_reach_torch_compile_and_recompile_when_changed(m
     assert hybrid.decode_function() is second and len(calls) == 2
     hybrid.decode_compile_options = {}
     assert hybrid.decode_function() is not second and "options" not in calls[2]
+
+
+def test_the_compiled_step_updates_the_sila_memory_where_it_lies():
+    """Through Inductor (its CPU code; the Triton kernels interpreted): a SILA layer's decode step hands the cache's
+    memory itself to the in-place kernel (no copy of it before or after) and leaves it equal to the eager step's."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    source = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2)).eval()
+    hybrid = build_hybrid(source, ["attention", "sila"], {}).eval()
+    hybrid.decode_compile_options = {}
+    ids = torch.randint(3, 100, (1, 9), generator=torch.Generator().manual_seed(2))
+    cache = StaticHybridCache(hybrid.config, batch_size=1, max_length=16)
+    with torch.no_grad(), use_backend("triton"):
+        hybrid(ids[:, :8], cache=cache)
+        eager_cache = copy.deepcopy(cache)
+        for compiled, step_cache in ((False, eager_cache), (True, cache)):
+            hybrid.compile_decode = compiled
+            with step_cache.decoding_step(), decode_attention(hybrid.config):
+                memory = step_cache.layers[1].state[0]
+                if compiled:
+                    _, code = run_and_get_code(hybrid.decode_function(), ids[:, 8:], step_cache)
+                else:
+                    hybrid.decode_function()(ids[:, 8:], step_cache)
+            assert step_cache.layers[1].state[0] is memory
+    torch.testing.assert_close(cache.layers[1].state[0], eager_cache.layers[1].state[0], rtol=1e-5, atol=1e-6)
+    (call,) = [line for line in "\n".join(code).splitlines() if "= torch.ops.raven_hybrid.sila_decode.default(" in line]
+    state_argument = call.rsplit(", ", 2)[1]  # (..., w_gamma, state, mask): the state is the graph's own input
+    assert re.fullmatch(r"arg\d+_1", state_argument), call
