@@ -228,11 +228,16 @@ def sila_chunked(
     return o + current, memory
 
 
-def in_place(memory: torch.Tensor | None) -> bool:
-    """Whether a decode step may update `memory` where it lies (fused_recurrent_sila_decode): a float32 contiguous
-    memory, and no gradients (a step that trains keeps the old memory for its backward pass)."""
+def in_place(memory: torch.Tensor | None, tail: torch.Tensor | None) -> bool:
+    """Whether a decode step may update the state where it lies (fused_recurrent_sila_decode): a float32 memory, both
+    contiguous, and no gradients (a step that trains keeps the old state for its backward pass)."""
     return (
-        memory is not None and memory.dtype == torch.float32 and memory.is_contiguous() and not torch.is_grad_enabled()
+        memory is not None
+        and tail is not None
+        and memory.dtype == torch.float32
+        and memory.is_contiguous()
+        and tail.is_contiguous()
+        and not torch.is_grad_enabled()
     )
 
 
@@ -379,18 +384,24 @@ class SILAMixer(Mixer):
             out = out + shifted * weight[:, K - 1 - j] * (offset >= j).to(x.dtype)
         return out
 
+    def gate_products(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The gates' products of x in x's dtype, before their biases: [B, T, H_kv] twice (beta, gamma), [B, T, H]."""
+        # a product per gate, of the weight itself: a compiled decode step joins the three with q/k/v into one
+        # (shared_input_weights, decode_fusion.py), where a concatenation here would be a copy every step
+        return tuple(
+            F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
+            for w in (self.beta_weight, self.gamma_weight, self.alpha_weight)
+        )
+
     def gate_inputs(self, x: torch.Tensor):
         """The input parts of the gates, in float32 at least: beta_x, gamma_x [B, T, H_kv] and alpha [B, T, H]."""
         dtype = torch.promote_types(x.dtype, torch.float32)  # gamma ~ 0.999 needs more than bf16's 8 bits
+        products = self.gate_products(x)
+        beta_x, gamma_x, alpha = (p.to(dtype) + b.to(dtype) for p, b in zip(products, self.gate_biases()))
+        return beta_x, gamma_x, torch.sigmoid(alpha)
 
-        def part(weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-            # a product per gate, of the weight itself: a compiled decode step joins the three with q/k/v into one
-            # (shared_input_weights, decode_fusion.py), where a concatenation here would be a copy every step
-            weight = weight if weight.dtype == x.dtype else weight.to(x.dtype)
-            return F.linear(x, weight).to(dtype) + bias.to(dtype)
-
-        beta_x, gamma_x = part(self.beta_weight, self.beta_bias), part(self.gamma_weight, self.gamma_bias)
-        return beta_x, gamma_x, torch.sigmoid(part(self.alpha_weight, self.alpha_bias))
+    def gate_biases(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.beta_bias, self.gamma_bias, self.alpha_bias
 
     def recurrence_inputs(
         self,
@@ -428,6 +439,18 @@ class SILAMixer(Mixer):
         alpha = alpha.view(B, T, Hkv, H // Hkv)  # [B, T, H_kv, G]
         return (q, k, v, alpha, beta_x, gamma_x), tail
 
+    def fused_decode_step(self, kernels, x: torch.Tensor, memory, tail, padding_mask) -> torch.Tensor:
+        """A decode step of x [B, 1, hidden] on `fused_recurrent_sila_decode`: the projections here, and what
+        `recurrence_inputs` and the recurrence do after them in one kernel that updates memory and tail in place.
+        Returns o [B, 1, H_kv, G, d]."""
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.use_qk_norm else None
+        return kernels.fused_recurrent_sila_decode(
+            self.q_proj(x), self.k_proj(x), self.v_proj(x), *self.gate_products(x), self.gate_biases(),
+            self.conv_weight, tail, self.beta_state_weight, self.gamma_state_weight, memory, qk_norms=norms,
+            norm_eps=self.q_norm.eps if self.use_qk_norm else 1e-6, feature_map=self.settings.feature_map,
+            mask=None if padding_mask is None else padding_mask.bool(),
+        )  # fmt: skip
+
     def mix(
         self,
         hidden_states: torch.Tensor,
@@ -444,6 +467,10 @@ class SILAMixer(Mixer):
         memory, tail = state if state is not None else (None, None)
         # packed documents: positions [B, T], not cu_seqlens, whose length changes with the batch, go to the glue
         positions = None if cu_seqlens is None else document_positions(cu_seqlens, B * T)[1].view(B, T)
+        if kernels is not None and T == 1 and cu_seqlens is None and in_place(memory, tail):  # one kernel, in place
+            o = self.fused_decode_step(kernels, x, memory, tail, padding_mask)
+            self.save_state(cache, (memory, tail), num_tokens=T)
+            return self.glue(self.read_out)(o, x)
         inputs, tail = self.glue(self.recurrence_inputs)(x, tail, padding_mask, positions)
         mask = padding_mask.bool() if padding_mask is not None else None
         args = (*inputs, self.beta_state_weight, self.gamma_state_weight, memory, mask)
@@ -451,9 +478,7 @@ class SILAMixer(Mixer):
             packed = [t.flatten(0, 1).unsqueeze(0) for t in args[:6]]
             o, _ = kernels.fused_recurrent_sila(*packed, *args[6:8], cu_seqlens=cu_seqlens)
             return self.glue(self.read_out)(o, x)
-        if kernels is not None and T == 1 and in_place(memory):  # a decode step: the cache's memory updated in place
-            o = kernels.fused_recurrent_sila_decode(*args)
-        elif kernels is not None:  # Triton: one fused recurrent kernel for training, prefill and decode steps
+        if kernels is not None:  # Triton: one fused recurrent kernel for training, prefill and decode steps
             o, memory = kernels.fused_recurrent_sila(*args, output_final_state=True)
         elif T == 1 and memory is not None:
             o, memory = sila_recurrent(*args)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from . import utils
 from .fused_recurrent_bwd import fused_recurrent_sila_bwd
-from .fused_recurrent_fwd import fused_recurrent_sila_fwd
+from .fused_recurrent_fwd import fused_recurrent_sila_fwd, sila_fwd_kernel_decode
 
 CHUNK_SIZE = 64  # steps between saved memories; the chunk-parallel kernels work on [CHUNK, d] tiles
 
@@ -153,59 +154,125 @@ def fused_recurrent_sila_decode(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    alpha: torch.Tensor,
     beta_x: torch.Tensor,
     gamma_x: torch.Tensor,
+    alpha_x: torch.Tensor,
+    gate_biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    conv_weight: torch.Tensor,
+    tail: torch.Tensor,
     w_beta: torch.Tensor,
     w_gamma: torch.Tensor,
     state: torch.Tensor,
+    qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None,
+    norm_eps: float = 1e-6,
+    feature_map: str = "silu",
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One decode step of `fused_recurrent_sila` (T == 1, no gradients) that updates `state`, the memory a cache
-    holds, in place: the step reads and writes the memory where it lies, with no copy of it (for a cache, a copy of
-    every SILA layer's memory per step).
+    """One decode step of a SILA layer from its projections, in one kernel that updates the layer's cached state
+    (the memory and the convolution tail) in place: what `raven_layers.sila.SILAMixer.recurrence_inputs` and then
+    `fused_recurrent_sila` compute at T == 1, with no copy of the state and no launch for the convolution, the
+    feature map, the norms or the gates. No gradients.
 
-    Args: as `fused_recurrent_sila`'s, with T == 1 and `state` [B, H, d_v, d_k] float32, contiguous (required:
-    the memory after the step is written into it).
+    Args:
+        q: [B, 1, H * G * d], k and v: [B, 1, H * d]: the layer's projections of the new token (rows may be strided
+            views of one product, the last dim contiguous); H key/value heads of G query heads, head dim d.
+        beta_x, gamma_x: [B, 1, H], alpha_x: [B, 1, H * G]: the gates' input products, before their biases
+            `gate_biases` ([H], [H], [H * G]).
+        conv_weight: [C, conv_size] over the channels C = (G + 2) H d (q, k, v); tail: [B, conv_size - 1, C], the
+            last inputs of the convolution (updated in place).
+        w_beta, w_gamma: [H, d]; state: [B, H, d, d] float32, the memory M (updated in place).
+        qk_norms: the RMSNorm weights [d] of q and k (the teacher's q/k norms), applied first, with `norm_eps`.
+        feature_map: "silu" or "identity", after the convolution.
+        mask: [B, 1] bool, False where the token is padding (it enters neither the state nor the tail).
 
     Returns:
-        o: [B, 1, H, G, d_v] in q's dtype.
+        o: [B, 1, H, G, d] in q's dtype.
     """
-    _check(q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, state, mask, None, CHUNK_SIZE)
-    if q.shape[1] != 1:
-        raise ValueError(f"fused_recurrent_sila_decode takes one step: T must be 1, got T = {q.shape[1]}")
-    if state.dtype != torch.float32 or not state.is_contiguous():
-        raise ValueError(f"state must be a contiguous float32 tensor (it is updated in place), got {state.dtype}"
-                         f"{'' if state.is_contiguous() else ', not contiguous'}")  # fmt: skip
-    inputs = (q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma)
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (*inputs, state)):
+    B, H, d = state.shape[0], state.shape[1], state.shape[-1]
+    G = q.shape[-1] // (H * d) if H * d else 0
+    C, taps = (G + 2) * H * d, conv_weight.shape[-1]
+    expected = {
+        "q": (q, (B, 1, H * G * d)),
+        "k": (k, (B, 1, H * d)),
+        "v": (v, (B, 1, H * d)),
+        "beta_x": (beta_x, (B, 1, H)),
+        "gamma_x": (gamma_x, (B, 1, H)),
+        "alpha_x": (alpha_x, (B, 1, H * G)),
+        "conv_weight": (conv_weight, (C, taps)),
+        "tail": (tail, (B, taps - 1, C)),
+        "w_beta": (w_beta, (H, d)),
+        "w_gamma": (w_gamma, (H, d)),
+        "state": (state, (B, H, d, d)),
+    }
+    for name, (x, shape) in expected.items():
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} (from state {tuple(state.shape)} and q), "
+                             f"got {tuple(x.shape)}")  # fmt: skip
+    for name, x in (("q", q), ("k", k), ("v", v), ("beta_x", beta_x), ("gamma_x", gamma_x), ("alpha_x", alpha_x)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name}'s last dim must be contiguous (rows may be strided), got strides {x.stride()}")
+    for name, x in (("state", state), ("tail", tail)):
+        if not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous: it is updated in place")
+    if state.dtype != torch.float32:
+        raise ValueError(f"state must be float32 (it is updated in place), got {state.dtype}")
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"the head dim must be a power of two >= 16 (the memory is one register tile), got {d}")
+    if feature_map not in ("silu", "identity"):
+        raise ValueError(f"feature_map must be 'silu' or 'identity', got {feature_map!r}")
+    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (B, 1)):
+        raise ValueError(f"mask must be a bool tensor [B, 1] = {(B, 1)}, got {mask.dtype} {tuple(mask.shape)}")
+    tensors = (q, k, v, beta_x, gamma_x, alpha_x, *gate_biases, conv_weight, w_beta, w_gamma, *(qk_norms or ()))
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (*tensors, state, tail)):
         raise ValueError("fused_recurrent_sila_decode computes no gradients; use fused_recurrent_sila to train")
-    args = [x.contiguous() for x in inputs]
-    return sila_decode(*args, state, None if mask is None else mask.contiguous().view(torch.uint8))
+    q_norm, k_norm = qk_norms if qk_norms is not None else (None, None)
+    return sila_decode(
+        q, k, v, beta_x, gamma_x, alpha_x, *(b.contiguous() for b in gate_biases), conv_weight.contiguous(), tail,
+        w_beta.contiguous(), w_gamma.contiguous(), state, q_norm, k_norm, float(norm_eps), feature_map == "silu",
+        None if mask is None else mask.contiguous().view(torch.uint8),
+    )  # fmt: skip
 
 
-@torch.library.custom_op("raven_hybrid::sila_decode", mutates_args=("state",))
+@torch.library.custom_op("raven_hybrid::sila_decode", mutates_args=("tail", "state"))
 def sila_decode(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    alpha: torch.Tensor,
     beta_x: torch.Tensor,
     gamma_x: torch.Tensor,
+    alpha_x: torch.Tensor,
+    beta_bias: torch.Tensor,
+    gamma_bias: torch.Tensor,
+    alpha_bias: torch.Tensor,
+    conv_weight: torch.Tensor,
+    tail: torch.Tensor,
     w_beta: torch.Tensor,
     w_gamma: torch.Tensor,
     state: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    norm_eps: float,
+    silu: bool,
     mask: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The launch of `fused_recurrent_sila_decode` (checked, contiguous inputs) as a custom op that updates `state`
-    in place: torch.compile keeps it whole, and Inductor fuses the work around it."""
-    o, _, _ = fused_recurrent_sila_fwd(
-        q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, state, mask, True, None, CHUNK_SIZE, save=False,
-        final_state=state,
-    )  # fmt: skip
+    """The launch of `fused_recurrent_sila_decode` (checked inputs) as a custom op that updates `tail` and `state` in
+    place: torch.compile keeps it whole, and Inductor fuses the work around it."""
+    B, H, d = state.shape[0], state.shape[1], state.shape[-1]
+    G = q.shape[-1] // (H * d)
+    o = utils.new_output((B, 1, H, G, d), q)
+    if B * H:
+        sila_fwd_kernel_decode[(B, H)](
+            q, k, v, beta_x, gamma_x, alpha_x, q.stride(0), k.stride(0), v.stride(0), beta_x.stride(0),
+            gamma_x.stride(0), alpha_x.stride(0), beta_bias, gamma_bias, alpha_bias, conv_weight, tail, q_norm, k_norm,
+            norm_eps, w_beta, w_gamma, state, mask, o, H=H, G=G, K=d, KB=utils.sweep_block(d),
+            TAPS=conv_weight.shape[-1], SILU=silu, HAS_QK_NORM=q_norm is not None, HAS_MASK=mask is not None,
+            num_warps=utils.launch_settings(d, d)["sweep"],
+        )  # fmt: skip
     return o
 
 
 @sila_decode.register_fake
-def _(q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, state, mask):
-    return q.new_empty(*q.shape[:-1], v.shape[-1])
+def _(q, k, v, beta_x, gamma_x, alpha_x, beta_bias, gamma_bias, alpha_bias, conv_weight, tail, w_beta, w_gamma,
+      state, q_norm, k_norm, norm_eps, silu, mask):  # fmt: skip
+    B, H, d = state.shape[0], state.shape[1], state.shape[-1]
+    return q.new_empty(B, 1, H, q.shape[-1] // (H * d), d)

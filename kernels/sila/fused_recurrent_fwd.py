@@ -16,9 +16,11 @@ import triton.language as tl
 from . import utils
 from .utils import (
     _add_pair,
+    delta_write,
     load_chunk,
     load_step,
     memory_slot,
+    recall,
     sequence_bounds,
     sila_gates,
     slot_start,
@@ -68,15 +70,13 @@ def sila_fwd_kernel_recurrent(
             for i_g in tl.static_range(G):
                 b_q = tl.load(q + (row * G + i_g) * K + o_kb).to(tl.float32)
                 b_a = tl.load(alpha + row * G + i_g).to(tl.float32)
-                b_qk = tl.sum(tl.sum(b_k * b_q, axis=1), axis=0)
-                b_o = tl.sum(tl.sum(b_M * b_q[None, :, :], axis=1), axis=1) + b_a * b_qk * b_v
+                b_o = recall(b_M, b_q, b_k, b_v, b_a)
                 tl.store(o + (row * G + i_g) * V + o_v, b_o.to(o.dtype.element_ty))
         if SAVE:
             tl.store(r + row * V + o_v, b_r)
             tl.store(s + 2 * row, b_sb)
             tl.store(s + 2 * row + 1, b_sg)
-        b_u = b_beta * (b_v - b_r)
-        b_M = b_gamma * b_M + b_u[:, None, None] * b_k[None, :, :]
+        b_M = delta_write(b_M, b_k, b_v, b_r, b_beta, b_gamma)
         if SAVE:  # M_t^T w = gamma M_{t-1}^T w + (u . w) k, with u . w = beta (v . w - r . w): scalars only
             b_vwb = tl.load(vw + 2 * row)
             b_vwg = tl.load(vw + 2 * row + 1)
@@ -115,13 +115,90 @@ def sila_fwd_kernel_output(
         tl.store(o + (rows[:, None] * G + i_g) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
+@triton.jit
+def conv_step(b_x, tail, conv_w, ch, b_live, C: tl.constexpr, TAPS: tl.constexpr, SILU: tl.constexpr):
+    """The short convolution of x (channels ch, any shape) after a sequence's cached tail [TAPS - 1, C]: the
+    convolved value, feature map applied, and the tail moved on by one with x, in place (each tail row is read
+    before the row below it is written). A padded token enters neither."""
+    b_x = tl.where(b_live, b_x, 0.0)
+    b_y = b_x * tl.load(conv_w + ch * TAPS + TAPS - 1).to(tl.float32)
+    for j in tl.static_range(TAPS - 1):
+        b_t = tl.load(tail + j * C + ch)
+        b_y += b_t.to(tl.float32) * tl.load(conv_w + ch * TAPS + j).to(tl.float32)
+        if j > 0:
+            tl.store(tail + (j - 1) * C + ch, b_t)
+    if TAPS > 1:
+        tl.store(tail + (TAPS - 2) * C + ch, b_x.to(tail.dtype.element_ty))
+    if SILU:
+        b_y = b_y * tl.sigmoid(b_y)
+    return b_y
+
+
+@triton.jit
+def head_norm(b_x, norm, o_kb, eps, K: tl.constexpr):
+    """RMSNorm of one head's [NB, KB] vector with weight `norm` [K] (the teacher's q/k norm)."""
+    b_ms = tl.sum(tl.sum(b_x * b_x, axis=1), axis=0) / K
+    return b_x * tl.rsqrt(b_ms + eps) * tl.load(norm + o_kb).to(tl.float32)
+
+
+@triton.jit
+def l2_normalized(b_x):
+    """x / sqrt(|x|^2 + 1e-6) for one head's [NB, KB] vector, as raven_layers.sila.l2_normalize."""
+    return b_x * tl.rsqrt(tl.sum(tl.sum(b_x * b_x, axis=1), axis=0) + 1e-6)
+
+
+@triton.jit
+def sila_fwd_kernel_decode(
+    q, k, v, beta_x, gamma_x, alpha_x, stride_q, stride_k, stride_v, stride_bx, stride_gx, stride_ax, beta_bias,
+    gamma_bias, alpha_bias, conv_w, tail, q_norm, k_norm, norm_eps, w_beta, w_gamma, state, mask, o,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, TAPS: tl.constexpr, SILU: tl.constexpr,
+    HAS_QK_NORM: tl.constexpr, HAS_MASK: tl.constexpr,
+):  # fmt: skip
+    """One decode step of a SILA layer from its projections, one program per (sequence, kv head): the q/k norms,
+    the short convolution after the cached tail (updated in place), the feature map, the L2 norms and the gates,
+    then the recurrence on the memory `state` [N, H, K, K] (in place) and the G outputs."""
+    i_n, i_h = tl.program_id(0), tl.program_id(1)
+    C: tl.constexpr = (G + 2) * H * K  # channels q, k, v
+    o_kb, o_mem = sweep_offsets(K, K, KB)
+    o_v = tl.arange(0, K)
+    p_tail = tail + i_n.to(tl.int64) * (TAPS - 1) * C
+    b_live = i_n >= 0  # a real token
+    if HAS_MASK:
+        b_live = tl.load(mask + i_n) != 0
+    b_k = tl.load(k + i_n * stride_k + i_h * K + o_kb).to(tl.float32)
+    if HAS_QK_NORM:
+        b_k = head_norm(b_k, k_norm, o_kb, norm_eps, K)
+    b_k = l2_normalized(conv_step(b_k, p_tail, conv_w, (G * H + i_h) * K + o_kb, b_live, C, TAPS, SILU))
+    b_v = tl.load(v + i_n * stride_v + i_h * K + o_v).to(tl.float32)
+    b_v = conv_step(b_v, p_tail, conv_w, (G * H + H + i_h) * K + o_v, b_live, C, TAPS, SILU)
+    b_bx = tl.load(beta_x + i_n * stride_bx + i_h).to(tl.float32) + tl.load(beta_bias + i_h).to(tl.float32)
+    b_gx = tl.load(gamma_x + i_n * stride_gx + i_h).to(tl.float32) + tl.load(gamma_bias + i_h).to(tl.float32)
+    b_M = tl.load(state + (i_n * H + i_h).to(tl.int64) * K * K + o_mem)
+    b_r = tl.sum(tl.sum(b_M * b_k[None, :, :], axis=1), axis=1)  # [V] M_{t-1} k_t
+    b_wb = tl.load(w_beta + i_h * K + o_v).to(tl.float32)
+    b_wg = tl.load(w_gamma + i_h * K + o_v).to(tl.float32)
+    b_sb, b_sg = tl.reduce((b_r * b_wb, b_r * b_wg), 0, _add_pair)
+    b_beta, b_gamma, _, _ = sila_gates(b_sb, b_sg, b_bx, b_gx, b_live)
+    for i_g in tl.static_range(G):
+        head = i_h * G + i_g
+        b_q = tl.load(q + i_n * stride_q + head * K + o_kb).to(tl.float32)
+        if HAS_QK_NORM:
+            b_q = head_norm(b_q, q_norm, o_kb, norm_eps, K)
+        b_q = l2_normalized(conv_step(b_q, p_tail, conv_w, head * K + o_kb, b_live, C, TAPS, SILU))
+        b_a = tl.sigmoid(
+            tl.load(alpha_x + i_n * stride_ax + head).to(tl.float32) + tl.load(alpha_bias + head).to(tl.float32)
+        )
+        b_o = recall(b_M, b_q, b_k, b_v, b_a)
+        tl.store(o + (i_n * H * G + head) * K + o_v, b_o.to(o.dtype.element_ty))
+    b_M = delta_write(b_M, b_k, b_v, b_r, b_beta, b_gamma)
+    tl.store(state + (i_n * H + i_h).to(tl.int64) * K * K + o_mem, b_M)
+
+
 def fused_recurrent_sila_fwd(
     q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, initial_state, mask, output_final_state, cu_seqlens, chunk_size,
-    save, final_state=None,
+    save,
 ):  # fmt: skip
-    """Outputs [B, T, H, G, V] (q's dtype), the final memory [N, H, V, K] or None, and what backward needs. The final
-    memory goes into `final_state` where given (float32, contiguous; it may be `initial_state`: each program reads
-    its memory before it writes it)."""
+    """Outputs [B, T, H, G, V] (q's dtype), the final memory [N, H, V, K] or None, and what backward needs."""
     B, T, H, G, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -129,9 +206,7 @@ def fused_recurrent_sila_fwd(
     inline = not save and T == 1 and cu_seqlens is None  # a decode step: read on chip, nothing to save
     offsets, indices, n_states, n_chunks = utils.varlen_layout(cu_seqlens, N, T, chunk_size)
     o = utils.new_output((B, T, H, G, V), q)
-    ht = final_state
-    if ht is None and output_final_state:
-        ht = utils.new_output((N, H, V, K), q, torch.float32)
+    ht = utils.new_output((N, H, V, K), q, torch.float32) if output_final_state else None
     states = r = s = None
     if not inline:
         states = utils.new_output((n_states, H, V, K), q, torch.float32)
@@ -146,7 +221,7 @@ def fused_recurrent_sila_fwd(
     sila_fwd_kernel_recurrent[(N, H)](
         q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, vw, initial_state, mask, o, ht, states, r, s, cu_seqlens,
         offsets, T, H=H, G=G, K=K, V=V, KB=utils.sweep_block(K), CHUNK=chunk_size,
-        STORE_HT=ht is not None, SAVE=not inline, INLINE_OUTPUT=inline, num_warps=cfg["sweep"], **flags,
+        STORE_HT=output_final_state, SAVE=not inline, INLINE_OUTPUT=inline, num_warps=cfg["sweep"], **flags,
     )  # fmt: skip
     if not inline and n_chunks > 0:
         grid = (n_chunks, H) if cu_seqlens is not None else (n_chunks, N, H)

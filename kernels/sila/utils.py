@@ -46,6 +46,20 @@ def sila_gates(b_sb, b_sg, b_bx, b_gx, b_live):
 
 
 @triton.jit
+def recall(b_M, b_q, b_k, b_v, b_a):
+    """One query head's read at a step: M_{t-1} q + alpha (k . q) v [V], M [V, NB, KB], q and k [NB, KB]."""
+    b_qk = tl.sum(tl.sum(b_k * b_q, axis=1), axis=0)
+    return tl.sum(tl.sum(b_M * b_q[None, :, :], axis=1), axis=1) + b_a * b_qk * b_v
+
+
+@triton.jit
+def delta_write(b_M, b_k, b_v, b_r, b_beta, b_gamma):
+    """M_t = gamma M_{t-1} + beta (v - M_{t-1} k) k^T, with r = M_{t-1} k."""
+    b_u = b_beta * (b_v - b_r)
+    return b_gamma * b_M + b_u[:, None, None] * b_k[None, :, :]
+
+
+@triton.jit
 def sila_log_gamma(b_pg, b_live):
     """log phi(pg) = log 2 + x - log(1 + e^{2x}) on x = min(pg, 0); 0 at padding. Finite wherever pg is."""
     b_x = tl.minimum(b_pg, 0.0)

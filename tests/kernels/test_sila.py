@@ -161,36 +161,86 @@ def test_mixer_triton_matches_torch():
         assert rel_err(g_t[name], g_r[name]) < 1e-4, name
 
 
-def test_mixer_decode_steps_update_the_cache_memory_in_place():
-    """The mixer's decode steps on the Triton kernels write the cache's memory where it lies (the same tensor after
-    each step) and give the PyTorch recurrence's outputs and memory; a step with gradients takes the out-of-place
-    kernel, whose backward needs the old memory."""
+@pytest.mark.parametrize(
+    "settings, qk_norm, padded",
+    [({}, False, False), ({}, True, True), ({"conv_size": 1, "feature_map": "identity"}, False, True),
+     ({"conv_size": 2}, False, False)],
+)  # fmt: skip
+def test_mixer_decode_steps_in_one_kernel_update_the_state_in_place(settings, qk_norm, padded):
+    """The mixer's decode steps on the Triton kernels run in one kernel that writes the cache's memory and
+    convolution tail where they lie (the same tensors after each step), and give the PyTorch path's outputs and
+    state: qk norms, padding (a padded token changes neither), a convolution of 1 and 2 taps, no feature map."""
     config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         intermediate_size=64, vocab_size=32)  # fmt: skip
+                         intermediate_size=64, vocab_size=32, rms_norm_eps=1e-5)  # fmt: skip
     torch.manual_seed(0)
-    mixer = SILAMixer(config, 0, SILASettings(chunk_size=8))
+    mixer = SILAMixer(config, 0, SILASettings(chunk_size=8, **settings), source_has_qk_norm=qk_norm)
     with torch.no_grad():
-        for name in ("beta_state_weight", "gamma_state_weight", "beta_weight", "gamma_weight", "alpha_weight"):
-            getattr(mixer, name).normal_(std=0.3)
+        for name, p in mixer.named_parameters():
+            if name in mixer.fresh_parameter_names() - {"gamma_bias"} or "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
     mixer.to(DEVICE)
     x = torch.randn(2, 9, 32, device=DEVICE)
+    padding = torch.ones(2, 9, dtype=torch.bool, device=DEVICE)
+    if padded:
+        padding[1, 6] = False
     runs = {}
     for backend in ("triton", "torch"):
         cache = FakeCache()
         with torch.no_grad(), use_backend(backend):
-            steps = [mixer(x[:, :5], cache=cache)[0]]
-            memory = cache.state[0]
+            steps = [mixer(x[:, :5], cache=cache, padding_mask=padding[:, :5])[0]]
+            state = cache.state
             for t in range(5, 9):
-                steps.append(mixer(x[:, t : t + 1], cache=cache)[0])
-                assert (cache.state[0] is memory) == (backend == "triton")
-        runs[backend] = (torch.cat(steps, 1), cache.state[0])
-    (y_t, m_t), (y_r, m_r) = runs["triton"], runs["torch"]
-    assert rel_err(y_t, y_r) < 1e-5 and rel_err(m_t, m_r) < 1e-5
-    kept = m_t.clone()
-    cache.state = (m_t, cache.state[1])
+                steps.append(mixer(x[:, t : t + 1], cache=cache, padding_mask=padding[:, t : t + 1])[0])
+                same = all(a is b for a, b in zip(cache.state, state))
+                assert same == (backend == "triton")
+        runs[backend] = (torch.cat(steps, 1), *cache.state)
+    for a, b in zip(runs["triton"], runs["torch"]):
+        assert a.shape == b.shape and rel_err(a, b) < 1e-5
+
+
+def test_a_decode_step_with_gradients_keeps_the_old_state():
+    """A step that trains takes the out-of-place kernel: its backward pass needs the memory before the step."""
+    config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         intermediate_size=64, vocab_size=32)  # fmt: skip
+    mixer = SILAMixer(config, 0, SILASettings(chunk_size=8)).to(DEVICE)
+    x = torch.randn(2, 6, 32, device=DEVICE)
+    cache = FakeCache()
+    with torch.no_grad(), use_backend("triton"):
+        mixer(x[:, :5], cache=cache)
+    memory, kept = cache.state[0], cache.state[0].clone()
     with use_backend("triton"):
-        mixer(x[:, :1], cache=cache)[0].square().sum().backward()
-    assert cache.state[0] is not m_t and torch.equal(m_t, kept) and mixer.gamma_state_weight.grad is not None
+        mixer(x[:, 5:], cache=cache)[0].square().sum().backward()
+    assert cache.state[0] is not memory and torch.equal(memory, kept) and mixer.gamma_state_weight.grad is not None
+
+
+def test_decode_kernel_reads_row_views_of_one_product_and_names_bad_arguments():
+    """The projections may be row views of one fused product (the compiled step's); wrong shapes, a state that is
+    not float32 or not contiguous, and gradients are refused by name."""
+    H, G, d, B = 2, 2, 16, 3
+    C = (G + 2) * H * d
+    g = torch.Generator().manual_seed(0)
+    product = torch.randn(B, 1, C + 2 * H + H * G, generator=g).to(DEVICE)  # q, k, v, beta, gamma, alpha
+    q, k, v, bx, gx, ax = product.split([H * G * d, H * d, H * d, H, H, H * G], dim=-1)
+    biases = tuple(torch.randn(n, generator=g).to(DEVICE) for n in (H, H, H * G))
+    conv = torch.randn(C, 4, generator=g).to(DEVICE)
+    tail = torch.randn(B, 3, C, generator=g).to(DEVICE)
+    w_beta, w_gamma = (torch.randn(H, d, generator=g).to(DEVICE) for _ in range(2))
+    state = torch.randn(B, H, d, d, generator=g).to(DEVICE)
+    args = (q, k, v, bx, gx, ax, biases, conv, tail, w_beta, w_gamma)
+    o = fused_recurrent_sila_decode(*args[:8], tail.clone(), w_beta, w_gamma, state.clone())
+    contiguous = [x.contiguous() for x in (q, k, v, bx, gx, ax)]
+    assert torch.equal(o, fused_recurrent_sila_decode(*contiguous, biases, conv, tail.clone(), w_beta, w_gamma,
+                                                      state.clone()))  # fmt: skip
+    with pytest.raises(ValueError, match="k must have shape"):
+        fused_recurrent_sila_decode(q, k[..., :8], *args[2:], state)
+    with pytest.raises(ValueError, match="state must be float32"):
+        fused_recurrent_sila_decode(*args, state.double())
+    with pytest.raises(ValueError, match="state must be contiguous"):
+        fused_recurrent_sila_decode(*args, state.transpose(-1, -2))
+    with pytest.raises(ValueError, match="feature_map"):
+        fused_recurrent_sila_decode(*args, state, feature_map="relu")
+    with pytest.raises(ValueError, match="computes no gradients"):
+        fused_recurrent_sila_decode(q.clone().requires_grad_(), *args[1:], state)
 
 
 @pytest.mark.gpu
@@ -203,32 +253,3 @@ def test_bf16_on_gpu(d, G):
     for i, (name, a, b) in enumerate(zip(("o", "final_state", *NAMES), kernel, reference)):
         assert torch.isfinite(a).all(), name
         assert rel_err(a, b) < (5e-3 if i < 2 else 1e-2), f"{name}: relative error {rel_err(a, b):.2e}"
-
-
-@pytest.mark.parametrize("with_mask", [False, True])
-def test_decode_step_in_place(with_mask):
-    """fused_recurrent_sila_decode: the step's output and memory equal the reference's, the memory written into the
-    state given (the same tensor), and a padded row (mask False) leaves its memory as it was."""
-    q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, state = random_inputs(3, 1, 2, 2, 16, seed=11)
-    mask = torch.tensor([[True], [False], [True]], device=DEVICE) if with_mask else None
-    before = state.clone()
-    o_ref, ht_ref = naive_recurrent_sila(q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, before, mask)
-    with torch.no_grad():
-        o = fused_recurrent_sila_decode(q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, state, mask)
-    assert o.shape == o_ref.shape and rel_err(o, o_ref) < 1e-5
-    assert rel_err(state, ht_ref) < 1e-5
-    if with_mask:
-        assert torch.equal(state[1], before[1])
-
-
-def test_decode_step_in_place_rejects_what_it_cannot_update():
-    q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma, state = random_inputs(2, 1, 2, 1, 16)
-    args = (q, k, v, alpha, beta_x, gamma_x, w_beta, w_gamma)
-    with pytest.raises(ValueError, match="contiguous float32"):
-        fused_recurrent_sila_decode(*args, state.double())
-    with pytest.raises(ValueError, match="contiguous float32"):
-        fused_recurrent_sila_decode(*args, state.transpose(-1, -2))
-    with pytest.raises(ValueError, match="T must be 1"):
-        fused_recurrent_sila_decode(*[torch.cat([x, x], 1) for x in args[:6]], w_beta, w_gamma, state)
-    with pytest.raises(ValueError, match="computes no gradients"):
-        fused_recurrent_sila_decode(q.requires_grad_(), *args[1:], state)
