@@ -103,7 +103,8 @@
 #                  (scripts/lab/newest_transformers.sh); correctness only, so beside another job if need be
 #   depth-speed    decode speed at 15, 22, 26 and 30 of 30 layers converted against the teacher on transformers and
 #                  on this engine (bench_generate.py --depths: batch 1, 32, 128 at 4K and 16K, with bandwidth
-#                  floors), and the largest batch at 32K (bench_capacity.py --depths), into RUNS/depth-speed
+#                  floors), and the largest batch at 32K (bench_capacity.py --depths), into RUNS/depth-speed;
+#                  DEPTHS, BATCHES and CONTEXTS narrow it, CAPACITY=0 skips the 32K part
 #   speed          short runs of the SSE and SILA recipes, one table of each stage's tokens/s
 #                  (scripts/bench/measure_stages.py); with BASE=DIR (an older checkout's files, copied outside this one)
 #                  the same runs of BASE's code first, and the rates as ratios to them.
@@ -167,7 +168,7 @@ fast_path_tests() {  # the fast path's GPU tests, again under the newest transfo
   [ -d /tmp/site-newest ] || return 0
   PYTHONPATH=/tmp/site-newest:$PYTHONPATH python3 -c "import transformers; print('+ transformers', transformers.__version__)"
   PYTHONPATH=/tmp/site-newest:$PYTHONPATH RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q \
-    -rfE tests/raven_layers/test_gpu.py 2>&1 | tail -20
+    -rfE tests/raven_layers/test_gpu.py -k "real_smollm2 or graphed or decode_loop" 2>&1 | tail -20  # the exactness tests
 }
 
 speed() {  # stage rates of the SSE and SILA recipes (short runs), against BASE's (an older checkout) where set
@@ -307,9 +308,9 @@ PY
     ;;
   depth-speed)
     local out="$RUNS/depth-speed" depths=(--mixers sila --depths "${DEPTHS:-15,22,26,30}")
-    python3 scripts/bench/bench_generate.py --out "$out" "${depths[@]}" --batches 1,32,128 --contexts 4k,16k \
-      --steps 16 || return 1
-    python3 scripts/bench/bench_capacity.py --out "$out" "${depths[@]}" --context 32k --time all
+    python3 scripts/bench/bench_generate.py --out "$out" "${depths[@]}" --batches "${BATCHES:-1,32,128}" \
+      --contexts "${CONTEXTS:-4k,16k}" --steps 16 || return 1
+    [ "${CAPACITY:-1}" = 0 ] || python3 scripts/bench/bench_capacity.py --out "$out" "${depths[@]}" --context 32k --time all
     ;;
   profile-raven | profile-sse | profile-sila)
     python3 scripts/bench/profile_train.py "recipes/smollm2-${1#profile-}.yaml" --src "$TEACHER" --data "$CORPUS" \
