@@ -439,17 +439,20 @@ class SILAMixer(Mixer):
         alpha = alpha.view(B, T, Hkv, H // Hkv)  # [B, T, H_kv, G]
         return (q, k, v, alpha, beta_x, gamma_x), tail
 
-    def fused_decode_step(self, kernels, x: torch.Tensor, memory, tail, padding_mask) -> torch.Tensor:
-        """A decode step of x [B, 1, hidden] on `fused_recurrent_sila_decode`: the projections here, and what
-        `recurrence_inputs` and the recurrence do after them in one kernel that updates memory and tail in place.
-        Returns o [B, 1, H_kv, G, d]."""
+    def fused_decode_step(self, kernels, x: torch.Tensor, memory, tail, padding_mask) -> tuple[torch.Tensor, None]:
+        """A decode step of x [B, 1, hidden] on `fused_recurrent_sila_decode`: the projections here, what
+        `recurrence_inputs`, the recurrence and the output gate do after them in one kernel that updates memory and
+        tail in place, then o_proj. Returns the layer's output ([B, 1, hidden], None), as `read_out`."""
         norms = (self.q_norm.weight, self.k_norm.weight) if self.use_qk_norm else None
-        return kernels.fused_recurrent_sila_decode(
+        gate = self.gate_weight if self.settings.output_gate else None
+        o = kernels.fused_recurrent_sila_decode(
             self.q_proj(x), self.k_proj(x), self.v_proj(x), *self.gate_products(x), self.gate_biases(),
             self.conv_weight, tail, self.beta_state_weight, self.gamma_state_weight, memory, qk_norms=norms,
             norm_eps=self.q_norm.eps if self.use_qk_norm else 1e-6, feature_map=self.settings.feature_map,
             mask=None if padding_mask is None else padding_mask.bool(),
+            out_gate=None if gate is None else F.linear(x, gate if gate.dtype == x.dtype else gate.to(x.dtype)),
         )  # fmt: skip
+        return self.o_proj(o.to(x.dtype).reshape(*x.shape[:2], -1)), None
 
     def mix(
         self,
@@ -468,9 +471,9 @@ class SILAMixer(Mixer):
         # packed documents: positions [B, T], not cu_seqlens, whose length changes with the batch, go to the glue
         positions = None if cu_seqlens is None else document_positions(cu_seqlens, B * T)[1].view(B, T)
         if kernels is not None and T == 1 and cu_seqlens is None and in_place(memory, tail):  # one kernel, in place
-            o = self.fused_decode_step(kernels, x, memory, tail, padding_mask)
+            out = self.fused_decode_step(kernels, x, memory, tail, padding_mask)
             self.save_state(cache, (memory, tail), num_tokens=T)
-            return self.glue(self.read_out)(o, x)
+            return out
         inputs, tail = self.glue(self.recurrence_inputs)(x, tail, padding_mask, positions)
         mask = padding_mask.bool() if padding_mask is not None else None
         args = (*inputs, self.beta_state_weight, self.gamma_state_weight, memory, mask)

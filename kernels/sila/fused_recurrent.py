@@ -167,6 +167,7 @@ def fused_recurrent_sila_decode(
     norm_eps: float = 1e-6,
     feature_map: str = "silu",
     mask: torch.Tensor | None = None,
+    out_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode step of a SILA layer from its projections, in one kernel that updates the layer's cached state
     (the memory and the convolution tail) in place: what `raven_layers.sila.SILAMixer.recurrence_inputs` and then
@@ -184,6 +185,7 @@ def fused_recurrent_sila_decode(
         qk_norms: the RMSNorm weights [d] of q and k (the teacher's q/k norms), applied first, with `norm_eps`.
         feature_map: "silu" or "identity", after the convolution.
         mask: [B, 1] bool, False where the token is padding (it enters neither the state nor the tail).
+        out_gate: [B, 1, H * G * d], the output gate's product: o is multiplied by 2 sigmoid(out_gate).
 
     Returns:
         o: [B, 1, H, G, d] in q's dtype.
@@ -204,12 +206,15 @@ def fused_recurrent_sila_decode(
         "w_gamma": (w_gamma, (H, d)),
         "state": (state, (B, H, d, d)),
     }
+    if out_gate is not None:
+        expected["out_gate"] = (out_gate, (B, 1, H * G * d))
     for name, (x, shape) in expected.items():
         if tuple(x.shape) != shape:
             raise ValueError(f"{name} must have shape {shape} (from state {tuple(state.shape)} and q), "
                              f"got {tuple(x.shape)}")  # fmt: skip
-    for name, x in (("q", q), ("k", k), ("v", v), ("beta_x", beta_x), ("gamma_x", gamma_x), ("alpha_x", alpha_x)):
-        if x.stride(-1) != 1:
+    products = {"q": q, "k": k, "v": v, "beta_x": beta_x, "gamma_x": gamma_x, "alpha_x": alpha_x, "out_gate": out_gate}
+    for name, x in products.items():
+        if x is not None and x.stride(-1) != 1:
             raise ValueError(f"{name}'s last dim must be contiguous (rows may be strided), got strides {x.stride()}")
     for name, x in (("state", state), ("tail", tail)):
         if not x.is_contiguous():
@@ -222,14 +227,15 @@ def fused_recurrent_sila_decode(
         raise ValueError(f"feature_map must be 'silu' or 'identity', got {feature_map!r}")
     if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (B, 1)):
         raise ValueError(f"mask must be a bool tensor [B, 1] = {(B, 1)}, got {mask.dtype} {tuple(mask.shape)}")
-    tensors = (q, k, v, beta_x, gamma_x, alpha_x, *gate_biases, conv_weight, w_beta, w_gamma, *(qk_norms or ()))
+    tensors = (*(x for x in products.values() if x is not None), *gate_biases, conv_weight, w_beta, w_gamma,
+               *(qk_norms or ()))  # fmt: skip
     if torch.is_grad_enabled() and any(x.requires_grad for x in (*tensors, state, tail)):
         raise ValueError("fused_recurrent_sila_decode computes no gradients; use fused_recurrent_sila to train")
     q_norm, k_norm = qk_norms if qk_norms is not None else (None, None)
     return sila_decode(
-        q, k, v, beta_x, gamma_x, alpha_x, *(b.contiguous() for b in gate_biases), conv_weight.contiguous(), tail,
-        w_beta.contiguous(), w_gamma.contiguous(), state, q_norm, k_norm, float(norm_eps), feature_map == "silu",
-        None if mask is None else mask.contiguous().view(torch.uint8),
+        q, k, v, beta_x, gamma_x, alpha_x, out_gate, *(b.contiguous() for b in gate_biases), conv_weight.contiguous(),
+        tail, w_beta.contiguous(), w_gamma.contiguous(), state, q_norm, k_norm, float(norm_eps),
+        feature_map == "silu", None if mask is None else mask.contiguous().view(torch.uint8),
     )  # fmt: skip
 
 
@@ -241,6 +247,7 @@ def sila_decode(
     beta_x: torch.Tensor,
     gamma_x: torch.Tensor,
     alpha_x: torch.Tensor,
+    out_gate: torch.Tensor | None,
     beta_bias: torch.Tensor,
     gamma_bias: torch.Tensor,
     alpha_bias: torch.Tensor,
@@ -262,17 +269,18 @@ def sila_decode(
     o = utils.new_output((B, 1, H, G, d), q)
     if B * H:
         sila_fwd_kernel_decode[(B, H)](
-            q, k, v, beta_x, gamma_x, alpha_x, q.stride(0), k.stride(0), v.stride(0), beta_x.stride(0),
-            gamma_x.stride(0), alpha_x.stride(0), beta_bias, gamma_bias, alpha_bias, conv_weight, tail, q_norm, k_norm,
-            norm_eps, w_beta, w_gamma, state, mask, o, H=H, G=G, K=d, KB=utils.sweep_block(d),
-            TAPS=conv_weight.shape[-1], SILU=silu, HAS_QK_NORM=q_norm is not None, HAS_MASK=mask is not None,
+            q, k, v, beta_x, gamma_x, alpha_x, out_gate, q.stride(0), k.stride(0), v.stride(0), beta_x.stride(0),
+            gamma_x.stride(0), alpha_x.stride(0), 0 if out_gate is None else out_gate.stride(0), beta_bias,
+            gamma_bias, alpha_bias, conv_weight, tail, q_norm, k_norm, norm_eps, w_beta, w_gamma, state, mask, o,
+            H=H, G=G, K=d, KB=utils.sweep_block(d), TAPS=conv_weight.shape[-1], SILU=silu,
+            HAS_QK_NORM=q_norm is not None, HAS_MASK=mask is not None, GATED=out_gate is not None,
             num_warps=utils.launch_settings(d, d)["sweep"],
         )  # fmt: skip
     return o
 
 
 @sila_decode.register_fake
-def _(q, k, v, beta_x, gamma_x, alpha_x, beta_bias, gamma_bias, alpha_bias, conv_weight, tail, w_beta, w_gamma,
-      state, q_norm, k_norm, norm_eps, silu, mask):  # fmt: skip
+def _(q, k, v, beta_x, gamma_x, alpha_x, out_gate, beta_bias, gamma_bias, alpha_bias, conv_weight, tail, w_beta,
+      w_gamma, state, q_norm, k_norm, norm_eps, silu, mask):  # fmt: skip
     B, H, d = state.shape[0], state.shape[1], state.shape[-1]
     return q.new_empty(B, 1, H, q.shape[-1] // (H * d), d)

@@ -149,14 +149,15 @@ def l2_normalized(b_x):
 
 @triton.jit
 def sila_fwd_kernel_decode(
-    q, k, v, beta_x, gamma_x, alpha_x, stride_q, stride_k, stride_v, stride_bx, stride_gx, stride_ax, beta_bias,
-    gamma_bias, alpha_bias, conv_w, tail, q_norm, k_norm, norm_eps, w_beta, w_gamma, state, mask, o,
-    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, TAPS: tl.constexpr, SILU: tl.constexpr,
-    HAS_QK_NORM: tl.constexpr, HAS_MASK: tl.constexpr,
+    q, k, v, beta_x, gamma_x, alpha_x, out_gate, stride_q, stride_k, stride_v, stride_bx, stride_gx, stride_ax,
+    stride_og, beta_bias, gamma_bias, alpha_bias, conv_w, tail, q_norm, k_norm, norm_eps, w_beta, w_gamma, state,
+    mask, o, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, TAPS: tl.constexpr,
+    SILU: tl.constexpr, HAS_QK_NORM: tl.constexpr, HAS_MASK: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
     """One decode step of a SILA layer from its projections, one program per (sequence, kv head): the q/k norms,
     the short convolution after the cached tail (updated in place), the feature map, the L2 norms and the gates,
-    then the recurrence on the memory `state` [N, H, K, K] (in place) and the G outputs."""
+    then the recurrence on the memory `state` [N, H, K, K] (in place) and the G outputs, times the output gate
+    2 sigmoid(out_gate) where GATED."""
     i_n, i_h = tl.program_id(0), tl.program_id(1)
     C: tl.constexpr = (G + 2) * H * K  # channels q, k, v
     o_kb, o_mem = sweep_offsets(K, K, KB)
@@ -189,6 +190,8 @@ def sila_fwd_kernel_decode(
             tl.load(alpha_x + i_n * stride_ax + head).to(tl.float32) + tl.load(alpha_bias + head).to(tl.float32)
         )
         b_o = recall(b_M, b_q, b_k, b_v, b_a)
+        if GATED:
+            b_o *= 2 * tl.sigmoid(tl.load(out_gate + i_n * stride_og + head * K + o_v).to(tl.float32))
         tl.store(o + (i_n * H * G + head) * K + o_v, b_o.to(o.dtype.element_ty))
     b_M = delta_write(b_M, b_k, b_v, b_r, b_beta, b_gamma)
     tl.store(state + (i_n * H + i_h).to(tl.int64) * K * K + o_mem, b_M)

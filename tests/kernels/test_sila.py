@@ -164,12 +164,13 @@ def test_mixer_triton_matches_torch():
 @pytest.mark.parametrize(
     "settings, qk_norm, padded",
     [({}, False, False), ({}, True, True), ({"conv_size": 1, "feature_map": "identity"}, False, True),
-     ({"conv_size": 2}, False, False)],
+     ({"conv_size": 2, "output_gate": False}, False, False)],
 )  # fmt: skip
 def test_mixer_decode_steps_in_one_kernel_update_the_state_in_place(settings, qk_norm, padded):
     """The mixer's decode steps on the Triton kernels run in one kernel that writes the cache's memory and
     convolution tail where they lie (the same tensors after each step), and give the PyTorch path's outputs and
-    state: qk norms, padding (a padded token changes neither), a convolution of 1 and 2 taps, no feature map."""
+    state: qk norms, padding (a padded token changes neither), a convolution of 1 and 2 taps, no feature map, no
+    output gate."""
     config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                          intermediate_size=64, vocab_size=32, rms_norm_eps=1e-5)  # fmt: skip
     torch.manual_seed(0)
@@ -219,18 +220,20 @@ def test_decode_kernel_reads_row_views_of_one_product_and_names_bad_arguments():
     H, G, d, B = 2, 2, 16, 3
     C = (G + 2) * H * d
     g = torch.Generator().manual_seed(0)
-    product = torch.randn(B, 1, C + 2 * H + H * G, generator=g).to(DEVICE)  # q, k, v, beta, gamma, alpha
-    q, k, v, bx, gx, ax = product.split([H * G * d, H * d, H * d, H, H, H * G], dim=-1)
+    product = torch.randn(B, 1, C + 2 * H + H * G + H * G * d, generator=g).to(DEVICE)  # q/k/v, 3 gates, output gate
+    q, k, v, bx, gx, ax, og = product.split([H * G * d, H * d, H * d, H, H, H * G, H * G * d], dim=-1)
     biases = tuple(torch.randn(n, generator=g).to(DEVICE) for n in (H, H, H * G))
     conv = torch.randn(C, 4, generator=g).to(DEVICE)
     tail = torch.randn(B, 3, C, generator=g).to(DEVICE)
     w_beta, w_gamma = (torch.randn(H, d, generator=g).to(DEVICE) for _ in range(2))
     state = torch.randn(B, H, d, d, generator=g).to(DEVICE)
     args = (q, k, v, bx, gx, ax, biases, conv, tail, w_beta, w_gamma)
-    o = fused_recurrent_sila_decode(*args[:8], tail.clone(), w_beta, w_gamma, state.clone())
+    o = fused_recurrent_sila_decode(*args[:8], tail.clone(), w_beta, w_gamma, state.clone(), out_gate=og)
     contiguous = [x.contiguous() for x in (q, k, v, bx, gx, ax)]
     assert torch.equal(o, fused_recurrent_sila_decode(*contiguous, biases, conv, tail.clone(), w_beta, w_gamma,
-                                                      state.clone()))  # fmt: skip
+                                                      state.clone(), out_gate=og.contiguous()))  # fmt: skip
+    ungated = fused_recurrent_sila_decode(*args[:8], tail.clone(), w_beta, w_gamma, state.clone())
+    torch.testing.assert_close(o, ungated * 2 * torch.sigmoid(og).view_as(o))
     with pytest.raises(ValueError, match="k must have shape"):
         fused_recurrent_sila_decode(q, k[..., :8], *args[2:], state)
     with pytest.raises(ValueError, match="state must be float32"):

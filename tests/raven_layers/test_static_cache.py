@@ -251,7 +251,7 @@ def test_the_compiled_step_updates_the_sila_memory_where_it_lies():
         torch.testing.assert_close(compiled_state, eager_state, rtol=1e-5, atol=1e-6)
     (call,) = [line for line in "\n".join(code).splitlines() if "= torch.ops.raven_hybrid.sila_decode.default(" in line]
     arguments = top_level_arguments(call[call.index("(") + 1 : call.rindex(")")])
-    for name, index in (("tail", 10), ("state", 13)):  # the graph's own inputs, the cache's buffers: no copies
+    for name, index in (("tail", 11), ("state", 14)):  # the graph's own inputs, the cache's buffers: no copies
         assert re.fullmatch(r"arg\d+_1", arguments[index]), f"{name}: {arguments[index]} in {call}"
 
 
