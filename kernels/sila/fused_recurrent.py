@@ -1,5 +1,6 @@
 """`fused_recurrent_sila`: SILA's recurrence (raven_layers/sila.py, eqs. 5-7) in Triton, forward and backward;
-`fused_recurrent_sila_decode`: one decode step that updates a cache's memory in place."""
+`fused_recurrent_sila_decode`: a generation step from a layer's projections in one kernel, its cached state
+updated in place."""
 
 from __future__ import annotations
 

@@ -100,7 +100,9 @@
 #                  SILA 15/30 at batch 1, 32, 128 and 16K, every mixer at batch 1 at 4K and 16K (bench_generate.py),
 #                  into RUNS/decode-lab
 #   decode-tests   the fast path's GPU tests, again under the newest transformers where /tmp/site-newest holds it
-#                  (scripts/lab/newest_transformers.sh); correctness only, so beside another job if need be
+#                  (scripts/lab/newest_transformers.sh), then every model's batch-1 kernels and logits under the
+#                  default options and Inductor's own (profile_decode.py; its times do not count beside another
+#                  job), into RUNS/decode-tests
 #   depth-speed    decode speed at 15, 22, 26 and 30 of 30 layers converted against the teacher on transformers and
 #                  on this engine (bench_generate.py --depths: batch 1, 32, 128 at 4K and 16K, with bandwidth
 #                  floors), and the largest batch at 32K (bench_capacity.py --depths), into RUNS/depth-speed;
@@ -303,8 +305,10 @@ PY
     timeout 540 python3 scripts/bench/bench_generate.py --out "$out/b1" --mixers raven,sse,sila --batches 1 \
       --contexts 4k,16k --steps 16
     ;;
-  decode-tests)  # correctness only: may run beside another job
+  decode-tests)  # correctness and kernel counts only: may run beside another job
     fast_path_tests
+    timeout 600 python3 scripts/bench/profile_decode.py --out "$RUNS/decode-tests" --batches 1 --context 16k \
+      --models teacher-engine,raven,sse,sila --variants plain default --steps 8
     ;;
   depth-speed)
     local out="$RUNS/depth-speed" depths=(--mixers sila --depths "${DEPTHS:-15,22,26,30}")
