@@ -88,6 +88,9 @@ def _fuse(graph: fx.Graph, source: fx.Node, nodes: list[fx.Node], order: dict, i
         parts = graph.call_function(torch.split, (fused, sizes), {"dim": -1})
         for i, node in enumerate(nodes):
             part = graph.call_function(operator.getitem, (parts, i))
+            bias = _argument(node, 2, "bias")
+            if bias is not None:  # added after the split: a pointwise add, which Inductor fuses into its reader
+                part = graph.call_function(operator.add, (part, bias))
             part.meta.update(node.meta)
             node.replace_all_uses_with(part)
     for node in nodes:
@@ -95,7 +98,8 @@ def _fuse(graph: fx.Graph, source: fx.Node, nodes: list[fx.Node], order: dict, i
 
 
 def fuse_shared_input_linears(graph: fx.Graph, copy: bool = True) -> int:
-    """Fuse the bias-free linear nodes that read the same input node; returns how many linear nodes were replaced.
+    """Fuse the linear nodes that read the same input node (their biases added after the fused product); returns how
+    many linear nodes were replaced.
     Weights stored one after another in one buffer (share_projection_storage) are read as one view of it, a run of
     them at a time; where there is no such run and `copy` allows, a group's weights are concatenated (a copy per step
     unless Inductor's freezing folds it). A group is not concatenated where a weight is computed after the group's
@@ -103,9 +107,10 @@ def fuse_shared_input_linears(graph: fx.Graph, copy: bool = True) -> int:
     order = {node: i for i, node in enumerate(graph.nodes)}
     groups: dict[fx.Node, list[fx.Node]] = {}
     for node in graph.nodes:
-        if node.op == "call_function" and node.target in LINEAR and _argument(node, 2, "bias") is None:
-            source = _argument(node, 0, "input")
-            if isinstance(source, fx.Node) and isinstance(_argument(node, 1, "weight"), fx.Node):
+        if node.op == "call_function" and node.target in LINEAR:
+            source, bias = _argument(node, 0, "input"), _argument(node, 2, "bias")
+            stored = isinstance(_argument(node, 1, "weight"), fx.Node) and (bias is None or isinstance(bias, fx.Node))
+            if isinstance(source, fx.Node) and stored:
                 groups.setdefault(source, []).append(node)
     replaced = 0
     for source, nodes in groups.items():

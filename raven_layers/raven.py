@@ -183,7 +183,7 @@ class RavenMixer(Mixer):
     omits load balancing on purpose (Section 4.1).
     """
 
-    input_weights = ("router_weight",)  # the router's slot scores
+    input_weights = ("router_weight", "decay_weight")  # the router's slot scores and the write decay
 
     def __init__(self, config, layer_idx: int, settings: RavenSettings, source_has_qk_norm: bool = False):
         super().__init__(config, layer_idx, settings)

@@ -227,6 +227,34 @@ def test_each_mixers_products_of_its_input_read_their_weights_as_one(mixer):
     with torch.no_grad():  # untrained gates and routers start at zero: spread them so every product shows
         for name in layer.input_weights:
             layer.get_parameter(name).normal_(std=0.2)
+    replaced, steps = eager_and_in_place_steps(hybrid)
+    group = 3 + len(layer.input_weights) + int(layer.settings.output_gate)
+    assert replaced == [2 * 3 + 3 * 2 + group]  # two attention layers' q/k/v, three MLPs' gate/up, the mixer's group
+    torch.testing.assert_close(steps["fused"], steps["eager"], rtol=1e-5, atol=1e-5)
+
+
+def test_products_with_biases_join_their_group_and_add_the_biases_after():
+    """q/k/v with biases (attention_bias, as Qwen2 has) and a mixer's biased product fuse with the rest of their
+    group: one product, each bias added to its part after the split; the eager step's logits."""
+    torch.manual_seed(0)
+    source = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2, attention_bias=True)).eval()
+    hybrid = build_hybrid(source, ["attention", "raven"], {}).eval()
+    layer = hybrid.model.layers[1].self_attn
+    with torch.no_grad():  # biases and the router away from zero, so a lost bias shows
+        for name, p in hybrid.named_parameters():
+            if name.endswith("bias") or "router" in name or "decay_weight" in name:
+                p.normal_(std=0.3)
+    replaced, steps = eager_and_in_place_steps(hybrid)
+    assert layer.q_proj.bias is not None and layer.decay_bias is not None
+    # q/k/v of the attention layer, the Raven layer's q/k/v, router, decay and output gate, two MLPs' gate/up
+    assert replaced == [3 + 6 + 2 * 2]
+    torch.testing.assert_close(steps["fused"], steps["eager"], rtol=1e-5, atol=1e-5)
+
+
+def eager_and_in_place_steps(hybrid) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """One decode step of `hybrid` after an 8-token prefill (2 rows), eager and with the pass reading the weights in
+    place (laid out by share_projection_storage; through dynamo, no Inductor): the linear nodes the pass replaced,
+    and both steps' logits."""
     ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(1))
     prefilled = StaticHybridCache(hybrid.config, batch_size=2, max_length=16)
     replaced = []
@@ -247,6 +275,4 @@ def test_each_mixers_products_of_its_input_read_their_weights_as_one(mixer):
             cache = copy.deepcopy(prefilled)
             with cache.decoding_step(), decode_attention(hybrid.config):
                 steps[name] = step(ids[:, 8:], cache)
-    group = 3 + len(layer.input_weights) + int(layer.settings.output_gate)
-    assert replaced == [2 * 3 + 3 * 2 + group]  # two attention layers' q/k/v, three MLPs' gate/up, the mixer's group
-    torch.testing.assert_close(steps["fused"], steps["eager"], rtol=1e-5, atol=1e-5)
+    return replaced, steps
