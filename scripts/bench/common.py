@@ -80,7 +80,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, mixers: str | None = No
         "--decode-options",
         type=checked_decode_options,
         default="default",
-        help="the decode step's compilation on this engine: default, eager, or Inductor options (fused,a=1,...)",
+        help="the decode step's compilation on this engine: default (the model's), plain (Inductor's own), eager, "
+        "or Inductor options (shared,a=1,...)",
     )
 
 
