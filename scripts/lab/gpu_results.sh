@@ -103,6 +103,8 @@
 #                  (scripts/lab/newest_transformers.sh), then every model's batch-1 kernels and logits under the
 #                  default options and Inductor's own (profile_decode.py; its times do not count beside another
 #                  job), into RUNS/decode-tests
+#   decode-round   one device session's worth: decode-tests beside sila-deep22-half (evaluated at 1K-8K), then
+#                  decode-lab alone, then depth-speed at 15, 22 and 26 converted, batch 32 and 128 at 16K
 #   depth-speed    decode speed at 15, 22, 26 and 30 of 30 layers converted against the teacher on transformers and
 #                  on this engine (bench_generate.py --depths: batch 1, 32, 128 at 4K and 16K, with bandwidth
 #                  floors), and the largest batch at 32K (bench_capacity.py --depths), into RUNS/depth-speed;
@@ -122,6 +124,9 @@ export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # several jobs share th
 # reach past the 4K window, without the speed part; the whole suite would take as long again as the run's own.
 WINDOWED_EVAL=(--set evaluate.attention_window=4096 --set "evaluate.tasks=[passkey, niah_single_2]"
   --set "evaluate.lengths=[4096, 8192, 16384]" --set "evaluate.task_lengths={}" --set "evaluate.speed_lengths=[]")
+
+# The evaluation at the targets' lengths only (1K-8K), without 16K and the speed part: 3.5 minutes instead of 6
+QUICK_EVAL=(--set "evaluate.lengths=[1024,2048,4096,8192]" --set "evaluate.speed_lengths=[]")
 
 # MIXER-answers-windows' own evaluation: the tasks that reach 16K, where the target is, without the speed part
 TARGET_EVAL=(--set "evaluate.tasks=[passkey, niah_single_2, niah_word]" --set "evaluate.task_lengths={}"
@@ -310,6 +315,11 @@ PY
     timeout 600 python3 scripts/bench/profile_decode.py --out "$RUNS/decode-tests" --batches 1 --context 16k \
       --models teacher-engine,raven,sse,sila --variants plain default --steps 8
     ;;
+  decode-round)  # one device session: what needs no quiet machine side by side, then what times
+    (run decode-tests & WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run sila-deep22-half; wait)
+    run decode-lab
+    DEPTHS=15,22,26 BATCHES=32,128 CONTEXTS=16k CAPACITY=0 run depth-speed
+    ;;
   depth-speed)
     local out="$RUNS/depth-speed" depths=(--mixers sila --depths "${DEPTHS:-15,22,26,30}")
     python3 scripts/bench/bench_generate.py --out "$out" "${depths[@]}" --batches "${BATCHES:-1,32,128}" \
@@ -350,7 +360,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deep22-half sila-deep22-double sila-deep22-ddp4 sila-deep26-ddp4 decode-lab decode-tests depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deep22-half sila-deep22-double sila-deep22-ddp4 sila-deep26-ddp4 decode-lab decode-tests decode-round depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;
