@@ -276,6 +276,17 @@ class MixerSpec:
         return self.settings.LABEL
 
 
+def updatable_in_place(float32: tuple, others: tuple = ()) -> bool:
+    """Whether a decode step's kernel may update a cached state where it lies: every tensor present and contiguous,
+    those of `float32` in float32, and no gradients (a step that trains keeps the old state for its backward)."""
+    tensors = (*float32, *others)
+    return (
+        all(t is not None and t.is_contiguous() for t in tensors)
+        and all(t.dtype == torch.float32 for t in float32)
+        and not torch.is_grad_enabled()
+    )
+
+
 def one_cache(cache, past_key_values):
     """The generation cache passed under either name: `cache` (transformers >= 5.24) or `past_key_values`."""
     if cache is not None and past_key_values is not None and cache is not past_key_values:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .backend import kernel_module
-from .common import Mixer, MixerSettings, MixerSpec, RMSNorm, init_fresh_parameters
+from .common import Mixer, MixerSettings, MixerSpec, RMSNorm, init_fresh_parameters, updatable_in_place
 
 RavenState = tuple[torch.Tensor, torch.Tensor]  # (S^k, S^v), each [B, H_kv, M, d], float32
 
@@ -283,6 +283,23 @@ class RavenMixer(Mixer):
             q, k = F.silu(q), F.silu(k)
         return q, k, v
 
+    def fused_decode_step(self, kernels, x: torch.Tensor, state, padding_mask) -> torch.Tensor:
+        """A decode step of x [B, 1, hidden] on `fused_recurrent_raven_decode`: the products here (one, fused in a
+        compiled step), the norms, feature map, routing and the slots' update in one kernel that rewrites the state
+        in place. Returns o [B, 1, H_kv, G, d]."""
+        s = self.settings
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.use_qk_norm else None
+
+        def product(weight: torch.Tensor) -> torch.Tensor:
+            return F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype))
+
+        return kernels.fused_recurrent_raven_decode(
+            self.q_proj(x), self.k_proj(x), self.v_proj(x), product(self.router_weight), product(self.decay_weight),
+            self.decay_bias, self.decay_log_scale, state, self.scale, s.top_k, s.alpha, qk_norms=norms,
+            norm_eps=self.q_norm.eps if self.use_qk_norm else 1e-6, feature_map=s.feature_map,
+            mask=None if padding_mask is None else padding_mask.bool(),
+        )  # fmt: skip
+
     def mix(
         self,
         hidden_states: torch.Tensor,
@@ -295,8 +312,13 @@ class RavenMixer(Mixer):
             return self.forward_packed(hidden_states, cu_seqlens)
         x = hidden_states  # [B, T, hidden]
         T = x.shape[1]
-        q, k, v = self.glue(self.projections)(x)
         state = self.load_state(cache)
+        one_kernel = kernels is not None and T == 1 and cu_seqlens is None and not self.training
+        if one_kernel and state is not None and updatable_in_place(state):
+            o = self.fused_decode_step(kernels, x, state, padding_mask)  # one kernel from the projections
+            self.save_state(cache, state, num_tokens=T)
+            return self.glue(self.read_out)(o, x)
+        q, k, v = self.glue(self.projections)(x)
         if kernels is not None:  # Triton: the router's choice goes to the kernels, which build the gates on chip
             a, idx, r = self.route(x, padding_mask, kernels)
             if cu_seqlens is not None:  # packed documents: one sequence of B * T tokens cut at cu_seqlens

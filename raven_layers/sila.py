@@ -33,7 +33,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from .backend import kernel_module
-from .common import Mixer, MixerSettings, MixerSpec, RMSNorm, document_positions, init_fresh_parameters
+from .common import (
+    Mixer,
+    MixerSettings,
+    MixerSpec,
+    RMSNorm,
+    document_positions,
+    init_fresh_parameters,
+    updatable_in_place,
+)
 
 SILAState = tuple[torch.Tensor, torch.Tensor]  # (M [B, H_kv, d_v, d_k] float32, conv tail [B, conv_size - 1, C])
 
@@ -226,19 +234,6 @@ def sila_chunked(
         memory = g_cum[..., -1, None, None].exp().to(u.dtype) * memory + written
     o = torch.stack(reads, dim=0).permute(1, 0, 3, 2, 4, 5).reshape(B, N * C, H, G, d_v)[:, :T]
     return o + current, memory
-
-
-def in_place(memory: torch.Tensor | None, tail: torch.Tensor | None) -> bool:
-    """Whether a decode step may update the state where it lies (fused_recurrent_sila_decode): a float32 memory, both
-    contiguous, and no gradients (a step that trains keeps the old state for its backward pass)."""
-    return (
-        memory is not None
-        and tail is not None
-        and memory.dtype == torch.float32
-        and memory.is_contiguous()
-        and tail.is_contiguous()
-        and not torch.is_grad_enabled()
-    )
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -470,7 +465,7 @@ class SILAMixer(Mixer):
         memory, tail = state if state is not None else (None, None)
         # packed documents: positions [B, T], not cu_seqlens, whose length changes with the batch, go to the glue
         positions = None if cu_seqlens is None else document_positions(cu_seqlens, B * T)[1].view(B, T)
-        if kernels is not None and T == 1 and cu_seqlens is None and in_place(memory, tail):  # one kernel, in place
+        if kernels is not None and T == 1 and cu_seqlens is None and updatable_in_place((memory,), (tail,)):
             out = self.fused_decode_step(kernels, x, memory, tail, padding_mask)
             self.save_state(cache, (memory, tail), num_tokens=T)
             return out

@@ -20,6 +20,56 @@ def decode_config(M: int, G: int, D: int) -> tuple[int, int]:
 
 
 @triton.jit
+def slot_pass(sk, sv, p_s, b_q, b_k, b_v, b_i, b_lfk, first, MB, M: tl.constexpr, D: tl.constexpr,
+              BG: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+    """One token over slot blocks [first, first + MB) of one head's state (S^k, S^v at offset p_s, [M, D] each):
+    the K routed slots (b_i [BK], log-retention b_lfk) are rewritten in place, and every slot is read by the
+    queries b_q [BG, BD] with an online softmax. Returns the running max [BG], sum [BG] and weighted values."""
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    b_mx = tl.full([BG], -1e30, dtype=tl.float32)  # finite: a range of padding slots weighs 0, not NaN
+    b_l = tl.zeros([BG], dtype=tl.float32)
+    b_o = tl.zeros([BG, BD], dtype=tl.float32)
+    for i_m in range(first, first + MB):  # this program's range of slot blocks
+        o_m = i_m * BM + tl.arange(0, BM)
+        m_m = o_m < M
+        m_md = m_m[:, None] & m_d[None, :]
+        p_md = p_s + o_m[:, None] * D + o_d[None, :]
+        b_lf = tl.sum(tl.where(b_i[None, :] == o_m[:, None], b_lfk[None, :], 0.0), 1)  # [BM]
+        series = -b_lf * (1.0 + b_lf * (0.5 + b_lf * (1.0 / 6.0 + b_lf * (1.0 / 24.0 + b_lf / 120.0))))
+        b_w = tl.where(b_lf > -0.1, series, 1.0 - tl.exp(b_lf))[:, None]  # 1 - exp(log_f), exact when tiny
+        b_f = tl.exp(b_lf)[:, None]
+        b_sk = b_f * tl.load(sk + p_md, mask=m_md, other=0.0) + b_w * b_k[None, :]  # [BM, BD]
+        b_sv = b_f * tl.load(sv + p_md, mask=m_md, other=0.0) + b_w * b_v[None, :]
+        m_w = m_md & (b_lf < 0.0)[:, None]  # only the written slots go back
+        tl.store(sk + p_md, b_sk, mask=m_w)
+        tl.store(sv + p_md, b_sv, mask=m_w)
+        b_s = tl.sum(b_q[:, None, :] * b_sk[None, :, :], 2)  # [BG, BM]
+        b_s = tl.where(m_m[None, :], b_s, float("-inf"))
+        b_mn = tl.maximum(b_mx, tl.max(b_s, 1))
+        b_alpha = tl.exp(b_mx - b_mn)
+        b_p = tl.exp(b_s - b_mn[:, None])
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        b_o = b_o * b_alpha[:, None] + tl.sum(b_p[:, :, None] * b_sv[None, :, :], 1)
+        b_mx = b_mn
+    return b_mx, b_l, b_o
+
+
+@triton.jit
+def store_read(o, m_part, l_part, o_part, p_gd, b_mx, b_l, b_o, i_nh, i_sp, G: tl.constexpr, D: tl.constexpr,
+               NS: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+    """The read of `slot_pass` into o at p_gd [BG, BD] (one range), or as this range's partials for the merge."""
+    o_g, o_d = tl.arange(0, BG), tl.arange(0, BD)
+    if NS == 1:
+        tl.store(o + p_gd, (b_o / b_l[:, None]).to(o.dtype.element_ty), mask=(o_g < G)[:, None] & (o_d < D)[None, :])
+    else:  # one token (T == 1): the ranges' partial readouts, merged by merge_fwd_kernel
+        p_part = (i_nh * NS + i_sp) * BG + o_g
+        tl.store(m_part + p_part, b_mx)
+        tl.store(l_part + p_part, b_l)
+        tl.store(o_part + p_part[:, None] * BD + o_d[None, :], b_o)
+
+
+@triton.jit
 def raven_fwd_kernel_fused_recurrent(
     q,
     k,
@@ -66,39 +116,68 @@ def raven_fwd_kernel_fused_recurrent(
         b_a = tl.load(a + t * H + i_h).to(tl.float32)
         b_i = tl.load(idx + (t * H + i_h) * K + o_k, mask=m_k, other=-1)
         b_lfk = b_a * tl.load(r + (t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
-        b_mx = tl.full([BG], -1e30, dtype=tl.float32)  # finite: a range of padding slots weighs 0, not NaN
-        b_l = tl.zeros([BG], dtype=tl.float32)
-        b_o = tl.zeros([BG, BD], dtype=tl.float32)
-        for i_m in range(i_sp * MB, i_sp * MB + MB):  # this program's range of slot blocks
-            o_m = i_m * BM + tl.arange(0, BM)
-            m_m = o_m < M
-            m_md = m_m[:, None] & m_d[None, :]
-            p_md = p_s + o_m[:, None] * D + o_d[None, :]
-            b_lf = tl.sum(tl.where(b_i[None, :] == o_m[:, None], b_lfk[None, :], 0.0), 1)  # [BM]
-            series = -b_lf * (1.0 + b_lf * (0.5 + b_lf * (1.0 / 6.0 + b_lf * (1.0 / 24.0 + b_lf / 120.0))))
-            b_w = tl.where(b_lf > -0.1, series, 1.0 - tl.exp(b_lf))[:, None]  # 1 - exp(log_f), exact when tiny
-            b_f = tl.exp(b_lf)[:, None]
-            b_sk = b_f * tl.load(sk + p_md, mask=m_md, other=0.0) + b_w * b_k[None, :]  # [BM, BD]
-            b_sv = b_f * tl.load(sv + p_md, mask=m_md, other=0.0) + b_w * b_v[None, :]
-            m_w = m_md & (b_lf < 0.0)[:, None]  # only the written slots go back
-            tl.store(sk + p_md, b_sk, mask=m_w)
-            tl.store(sv + p_md, b_sv, mask=m_w)
-            b_s = tl.sum(b_q[:, None, :] * b_sk[None, :, :], 2)  # [BG, BM]
-            b_s = tl.where(m_m[None, :], b_s, float("-inf"))
-            b_mn = tl.maximum(b_mx, tl.max(b_s, 1))
-            b_alpha = tl.exp(b_mx - b_mn)
-            b_p = tl.exp(b_s - b_mn[:, None])
-            b_l = b_l * b_alpha + tl.sum(b_p, 1)
-            b_o = b_o * b_alpha[:, None] + tl.sum(b_p[:, :, None] * b_sv[None, :, :], 1)
-            b_mx = b_mn
-        if NS == 1:
-            tl.store(o + p_gd, (b_o / b_l[:, None]).to(o.dtype.element_ty), mask=m_g[:, None] & m_d[None, :])
-        else:  # one token (T == 1): the ranges' partial readouts, merged by merge_fwd_kernel
-            p_part = (i_nh * NS + i_sp) * BG + o_g
-            tl.store(m_part + p_part, b_mx)
-            tl.store(l_part + p_part, b_l)
-            tl.store(o_part + p_part[:, None] * BD + o_d[None, :], b_o)
+        b_mx, b_l, b_o = slot_pass(sk, sv, p_s, b_q, b_k, b_v, b_i, b_lfk, i_sp * MB, MB, M, D, BG, BM, BD)
+        store_read(o, m_part, l_part, o_part, p_gd, b_mx, b_l, b_o, i_nh, i_sp, G, D, NS, BG, BD)
         tl.debug_barrier()  # this step's writes land before the next step reads the slots
+
+
+@triton.jit
+def head_rows_norm(b_x, norm, o_d, m_d, eps, D: tl.constexpr):
+    """RMSNorm of each row of b_x [R, BD] (one head each) with weight `norm` [D] (the teacher's q/k norm)."""
+    b_ms = tl.sum(b_x * b_x, 1) / D
+    return b_x * tl.rsqrt(b_ms + eps)[:, None] * tl.load(norm + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
+
+
+@triton.jit
+def raven_fwd_kernel_decode(
+    q, k, v, logits, decay_x, stride_q, stride_k, stride_v, stride_l, stride_d, decay_bias, decay_log_scale, q_norm,
+    k_norm, norm_eps, mask, sk, sv, o, m_part, l_part, o_part, scale, alpha,
+    H: tl.constexpr, G: tl.constexpr, M: tl.constexpr, D: tl.constexpr, K: tl.constexpr, BG: tl.constexpr,
+    BM: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, BMALL: tl.constexpr, NS: tl.constexpr, MB: tl.constexpr,
+    HAS_QK_NORM: tl.constexpr, SILU: tl.constexpr, HAS_MASK: tl.constexpr,
+):  # fmt: skip
+    """One decode step of a Raven layer from its projections, grid (N * H, NS): the q/k norms and feature map, the
+    router's top-K of the slot logits [M] and their weights, the write decay, then `slot_pass` over this program's
+    range of slots (the state rewritten in place)."""
+    i_nh, i_sp = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    o_g, o_d, o_k = tl.arange(0, BG), tl.arange(0, BD), tl.arange(0, BK)
+    m_g, m_d = o_g < G, o_d < D
+    b_q = tl.load(q + i_n * stride_q + (i_h * G + o_g[:, None]) * D + o_d[None, :],
+                  mask=m_g[:, None] & m_d[None, :], other=0.0).to(tl.float32)  # fmt: skip
+    b_k = tl.load(k + i_n * stride_k + i_h * D + o_d[None, :], mask=m_d[None, :], other=0.0).to(tl.float32)
+    b_v = tl.load(v + i_n * stride_v + i_h * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+    if HAS_QK_NORM:
+        b_q = head_rows_norm(b_q, q_norm, o_d, m_d, norm_eps, D)
+        b_k = head_rows_norm(b_k, k_norm, o_d, m_d, norm_eps, D)
+    if SILU:
+        b_q = b_q * tl.sigmoid(b_q)
+        b_k = b_k * tl.sigmoid(b_k)
+    b_k = tl.sum(b_k, 0)  # [BD]
+    # the router: top-K slots of the logits (the largest first, as torch.topk), weights sigmoid / (alpha sum)
+    o_all = tl.arange(0, BMALL)
+    b_rest = tl.load(logits + i_n * stride_l + i_h * M + o_all, mask=o_all < M, other=float("-inf")).to(tl.float32)
+    b_i = tl.full([BK], -1, dtype=tl.int32)
+    b_top = tl.zeros([BK], dtype=tl.float32)
+    for j in tl.static_range(K):
+        b_best = tl.max(b_rest, 0)
+        i_best = tl.min(tl.where(b_rest == b_best, o_all, BMALL), 0)  # the first slot of the largest logit
+        b_i = tl.where(o_k == j, i_best, b_i)
+        b_top = tl.where(o_k == j, b_best, b_top)
+        b_rest = tl.where(o_all == i_best, float("-inf"), b_rest)
+    b_sig = tl.where(o_k < K, tl.sigmoid(b_top), 0.0)
+    b_r = b_sig / (alpha * tl.sum(b_sig, 0))
+    b_dx = tl.load(decay_x + i_n * stride_d + i_h).to(tl.float32) + tl.load(decay_bias + i_h).to(tl.float32)
+    b_e = tl.exp(tl.minimum(b_dx, 20.0))
+    b_softplus = tl.where(b_dx > 20.0, b_dx, tl.where(b_e < 1e-4, b_e, tl.log(1.0 + b_e)))  # log1p where it is tiny
+    b_a = -b_softplus * tl.exp(tl.load(decay_log_scale + i_h).to(tl.float32))
+    if HAS_MASK:
+        b_a = tl.where(tl.load(mask + i_n) != 0, b_a, 0.0)  # padding neither writes nor decays
+    b_lfk = b_a * b_r
+    p_s = (i_n * H + i_h).to(tl.int64) * M * D
+    b_mx, b_l, b_o = slot_pass(sk, sv, p_s, b_q * scale, b_k, b_v, b_i, b_lfk, i_sp * MB, MB, M, D, BG, BM, BD)
+    p_gd = ((i_n * H + i_h) * G + o_g[:, None]) * D + o_d[None, :]
+    store_read(o, m_part, l_part, o_part, p_gd, b_mx, b_l, b_o, i_nh, i_sp, G, D, NS, BG, BD)
 
 
 def fused_recurrent_raven(
@@ -205,3 +284,129 @@ def raven_decode(
 @raven_decode.register_fake
 def _(q, k, v, a, idx, r, sk, sv, cu_seqlens, scale, num_slots):
     return torch.empty_like(q)
+
+
+def fused_recurrent_raven_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    logits: torch.Tensor,
+    decay_x: torch.Tensor,
+    decay_bias: torch.Tensor,
+    decay_log_scale: torch.Tensor,
+    state: tuple[torch.Tensor, torch.Tensor],
+    scale: float,
+    top_k: int,
+    alpha: float,
+    qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None,
+    norm_eps: float = 1e-6,
+    feature_map: str = "silu",
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One decode step of a Raven layer from its projections, in one kernel (and the ranges' merge where the slots
+    split over several programs) that rewrites the state (S^k, S^v) in place: what
+    `raven_layers.raven.RavenMixer.projections` and `route` and then `fused_recurrent_raven` compute at T == 1,
+    with no launch for the norms, the feature map or the router's top-K. No gradients.
+
+    Args:
+        q: [B, 1, H * G * d], k and v: [B, 1, H * d]: the projections of the new token (rows may be strided views of
+            one product, the last dim contiguous).
+        logits: [B, 1, H * M], the router's slot scores; decay_x: [B, 1, H], the write decay's product before its
+            bias `decay_bias` [H]; decay_log_scale: [H].
+        state: (S^k, S^v), each [B, H, M, d] float32 contiguous, rewritten in place.
+        scale: the query scale; top_k, alpha: the router's K and its weights' normaliser (r = s / (alpha sum s)).
+        qk_norms: the RMSNorm weights [d] of q and k, applied first, with `norm_eps`.
+        feature_map: "silu" or "identity", on q and k after their norms.
+        mask: [B, 1] bool, False where the token is padding (it neither writes nor decays).
+
+    Returns:
+        o: [B, 1, H, G, d] in q's dtype.
+    """
+    sk, sv = state
+    B, H, M, D = sk.shape
+    G = q.shape[-1] // (H * D) if H * D else 0
+    expected = {
+        "q": (q, (B, 1, H * G * D)),
+        "k": (k, (B, 1, H * D)),
+        "v": (v, (B, 1, H * D)),
+        "logits": (logits, (B, 1, H * M)),
+        "decay_x": (decay_x, (B, 1, H)),
+        "decay_bias": (decay_bias, (H,)),
+        "decay_log_scale": (decay_log_scale, (H,)),
+        "S^v": (sv, (B, H, M, D)),
+    }
+    for name, (x, shape) in expected.items():
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} (from S^k {tuple(sk.shape)} and q), got {tuple(x.shape)}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("logits", logits), ("decay_x", decay_x)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name}'s last dim must be contiguous (rows may be strided), got strides {x.stride()}")
+    for name, s in (("S^k", sk), ("S^v", sv)):
+        if s.dtype != torch.float32 or not s.is_contiguous():
+            raise ValueError(f"{name} is updated in place: it must be contiguous float32, got {s.dtype}"
+                             f"{'' if s.is_contiguous() else ', not contiguous'}")  # fmt: skip
+    if not 1 <= top_k <= M:
+        raise ValueError(f"top_k = {top_k} must lie in [1, num_slots = {M}]")
+    if feature_map not in ("silu", "identity"):
+        raise ValueError(f"feature_map must be 'silu' or 'identity', got {feature_map!r}")
+    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (B, 1)):
+        raise ValueError(f"mask must be a bool tensor [B, 1] = {(B, 1)}, got {mask.dtype} {tuple(mask.shape)}")
+    tensors = (q, k, v, logits, decay_x, decay_bias, decay_log_scale, *(qk_norms or ()))
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (*tensors, sk, sv)):
+        raise ValueError("fused_recurrent_raven_decode computes no gradients; use chunk_raven to train")
+    q_norm, k_norm = qk_norms if qk_norms is not None else (None, None)
+    return raven_decode_step(
+        q, k, v, logits, decay_x, decay_bias.contiguous(), decay_log_scale.contiguous(), q_norm, k_norm,
+        float(norm_eps), None if mask is None else mask.contiguous().view(torch.uint8), sk, sv, float(scale),
+        int(top_k), float(alpha), feature_map == "silu",
+    )  # fmt: skip
+
+
+@torch.library.custom_op("raven_hybrid::raven_decode_step", mutates_args=("sk", "sv"))
+def raven_decode_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    logits: torch.Tensor,
+    decay_x: torch.Tensor,
+    decay_bias: torch.Tensor,
+    decay_log_scale: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    norm_eps: float,
+    mask: torch.Tensor | None,
+    sk: torch.Tensor,
+    sv: torch.Tensor,
+    scale: float,
+    top_k: int,
+    alpha: float,
+    silu: bool,
+) -> torch.Tensor:
+    """The launches of `fused_recurrent_raven_decode` (checked inputs) as a custom op that updates the state
+    (sk, sv) in place: torch.compile keeps it whole, and Inductor fuses the work around it."""
+    B, H, M, D = sk.shape
+    G = q.shape[-1] // (H * D)
+    o = q.new_empty(B, 1, H, G, D)
+    BG, BD = triton.next_power_of_2(G), triton.next_power_of_2(D)
+    BM, warps = decode_config(M, G, D)
+    blocks = triton.cdiv(M, BM)
+    NS = split_count(B * H, blocks, q.device)  # the slots split over several programs when the heads leave SMs idle
+    part = Partials(B * H, NS, G, D, q.device) if NS > 1 else None
+    if B * H:
+        raven_fwd_kernel_decode[(B * H, NS)](
+            q, k, v, logits, decay_x, q.stride(0), k.stride(0), v.stride(0), logits.stride(0), decay_x.stride(0),
+            decay_bias, decay_log_scale, q_norm, k_norm, norm_eps, mask, sk, sv, o, part and part.m,
+            part and part.l, part and part.o, scale, alpha, H=H, G=G, M=M, D=D, K=top_k, BG=BG, BM=BM, BD=BD,
+            BK=triton.next_power_of_2(top_k), BMALL=triton.next_power_of_2(M), NS=NS, MB=triton.cdiv(blocks, NS),
+            HAS_QK_NORM=q_norm is not None, SILU=silu, HAS_MASK=mask is not None, num_warps=warps,
+        )  # fmt: skip
+        if part is not None:
+            part.merge(o)
+    return o
+
+
+@raven_decode_step.register_fake
+def _(q, k, v, logits, decay_x, decay_bias, decay_log_scale, q_norm, k_norm, norm_eps, mask, sk, sv, scale, top_k,
+      alpha, silu):  # fmt: skip
+    B, H, M, D = sk.shape
+    return q.new_empty(B, 1, H, q.shape[-1] // (H * D), D)

@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 
 from raven_kernels import chunked, split
 from raven_kernels.raven import chunk as raven_chunk
-from raven_kernels.raven import chunk_raven, fused_recurrent_raven, route, topk_slots
+from raven_kernels.raven import chunk_raven, fused_recurrent_raven, fused_recurrent_raven_decode, route, topk_slots
 from raven_kernels.raven.naive import naive_raven
 from raven_layers import RavenMixer, RavenSettings
 from raven_layers.backend import use_backend
@@ -311,6 +311,69 @@ def test_mixer_triton_matches_torch(level):
     assert grads.keys() == grads_ref.keys() and "router_weight" in grads
     for name in grads:
         assert rel_err(grads[name], grads_ref[name]) < TOL, name
+
+
+@pytest.mark.parametrize(
+    "settings, qk_norm, padded, programs",
+    [({}, False, False, 1), ({"feature_map": "silu"}, True, True, 64), ({"top_k": 1, "output_gate": False}, False,
+     True, 64)],
+)  # fmt: skip
+def test_mixer_decode_steps_in_one_kernel_rewrite_the_state_in_place(settings, qk_norm, padded, programs, monkeypatch):
+    """The mixer's decode steps on the Triton kernels route, update and read in one kernel (and the merge where the
+    slots split over several programs) that rewrites the cache's state where it lies, and give the PyTorch path's
+    outputs and state: q/k norms and the SiLU map, padding (a padded token neither writes nor decays), top-1."""
+    monkeypatch.setattr(split, "programs_wanted", lambda device, per_sm=2: programs)
+    config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    mixer = RavenMixer(config, 0, RavenSettings(**{"num_slots": 16, "top_k": 4, **settings}), qk_norm).to(DEVICE)
+    with torch.no_grad():
+        for name, p in mixer.named_parameters():
+            if name.startswith(("decay", "gate", "q_norm", "k_norm")):
+                p.add_(0.2 * torch.randn_like(p))
+    mixer.eval()
+    x = torch.randn(2, 9, 32, device=DEVICE)
+    padding = torch.ones(2, 9, dtype=torch.bool, device=DEVICE)
+    if padded:
+        padding[1, 6] = False
+    runs = {}
+    for backend in ("triton", "torch"):
+        cache = TinyCache()
+        with torch.no_grad(), use_backend(backend):
+            steps = [mixer(x[:, :5], cache=cache, padding_mask=padding[:, :5])[0]]
+            state = cache.states[0]
+            for t in range(5, 9):
+                steps.append(mixer(x[:, t : t + 1], cache=cache, padding_mask=padding[:, t : t + 1])[0])
+                if backend == "triton":
+                    assert all(a is b for a, b in zip(cache.states[0], state))
+        runs[backend] = (torch.cat(steps, 1), *cache.states[0])
+    for a, b in zip(runs["triton"], runs["torch"]):
+        assert a.shape == b.shape and rel_err(a, b) < TOL
+
+
+def test_decode_step_kernel_reads_row_views_and_names_bad_arguments():
+    """The projections may be row views of one fused product (the compiled step's); wrong shapes, a state that is not
+    contiguous float32, a top-K out of range and gradients are refused by name."""
+    H, G, d, M, B = 2, 2, 16, 16, 3
+    g = torch.Generator().manual_seed(0)
+    product = torch.randn(B, 1, H * G * d + 2 * H * d + H * M + H, generator=g).to(DEVICE)
+    q, k, v, logits, decay = product.split([H * G * d, H * d, H * d, H * M, H], dim=-1)
+    bias, log_scale = (torch.randn(H, generator=g).to(DEVICE) for _ in range(2))
+    state = random_state(B, H, M, d)
+
+    def step(*args, state=state, **kwargs):
+        return fused_recurrent_raven_decode(*args, bias, log_scale, tuple(s.clone() for s in state), 0.25, 4, 1.0,
+                                            **kwargs)  # fmt: skip
+
+    views = step(q, k, v, logits, decay)
+    assert torch.equal(views, step(*(x.contiguous() for x in (q, k, v, logits, decay))))
+    with pytest.raises(ValueError, match="logits must have shape"):
+        step(q, k, v, logits[..., :5], decay)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        step(q, k, v, logits, decay, state=(state[0].double(), state[1]))
+    with pytest.raises(ValueError, match="top_k"):
+        fused_recurrent_raven_decode(q, k, v, logits, decay, bias, log_scale, state, 0.25, 17, 1.0)
+    with pytest.raises(ValueError, match="computes no gradients"):
+        step(q.clone().requires_grad_(), k, v, logits, decay)
 
 
 @pytest.mark.gpu

@@ -223,15 +223,19 @@ def test_decode_compile_options_reach_torch_compile_and_recompile_when_changed(m
     assert hybrid.decode_function() is not second and "options" not in calls[2]
 
 
-def test_the_compiled_step_updates_the_sila_memory_where_it_lies():
-    """Through Inductor (its CPU code; the Triton kernels interpreted): a SILA layer's decode step hands the cache's
-    memory and convolution tail themselves to the in-place kernel (no copy of them before or after) and leaves them
-    equal to the eager step's."""
+@pytest.mark.parametrize(
+    "mixer, op, buffers",
+    [("sila", "sila_decode", {"tail": 11, "memory": 14}), ("raven", "raven_decode_step", {"S^k": 11, "S^v": 12})],
+)
+def test_the_compiled_step_updates_the_mixer_state_where_it_lies(mixer, op, buffers):
+    """Through Inductor (its CPU code; the Triton kernels interpreted): a mixer layer's decode step hands the cache's
+    state buffers themselves to its one-kernel step (no copy of them before or after) and leaves them equal to the
+    eager step's."""
     from torch._inductor.utils import run_and_get_code
 
     torch.manual_seed(0)
     source = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2)).eval()
-    hybrid = build_hybrid(source, ["attention", "sila"], {}).eval()
+    hybrid = build_hybrid(source, ["attention", mixer], {}).eval()
     hybrid.decode_compile_options = {}
     ids = torch.randint(3, 100, (1, 9), generator=torch.Generator().manual_seed(2))
     cache = StaticHybridCache(hybrid.config, batch_size=1, max_length=16)
@@ -241,17 +245,17 @@ def test_the_compiled_step_updates_the_sila_memory_where_it_lies():
         for compiled, step_cache in ((False, eager_cache), (True, cache)):
             hybrid.compile_decode = compiled
             with step_cache.decoding_step(), decode_attention(hybrid.config):
-                memory = step_cache.layers[1].state[0]
+                state = step_cache.layers[1].state
                 if compiled:
                     _, code = run_and_get_code(hybrid.decode_function(), ids[:, 8:], step_cache)
                 else:
                     hybrid.decode_function()(ids[:, 8:], step_cache)
-            assert step_cache.layers[1].state[0] is memory
+            assert all(a is b for a, b in zip(step_cache.layers[1].state, state))
     for compiled_state, eager_state in zip(cache.layers[1].state, eager_cache.layers[1].state):
         torch.testing.assert_close(compiled_state, eager_state, rtol=1e-5, atol=1e-6)
-    (call,) = [line for line in "\n".join(code).splitlines() if "= torch.ops.raven_hybrid.sila_decode.default(" in line]
+    (call,) = [line for line in "\n".join(code).splitlines() if f"= torch.ops.raven_hybrid.{op}.default(" in line]
     arguments = top_level_arguments(call[call.index("(") + 1 : call.rindex(")")])
-    for name, index in (("tail", 11), ("state", 14)):  # the graph's own inputs, the cache's buffers: no copies
+    for name, index in buffers.items():  # the graph's own inputs, the cache's buffers: no copies
         assert re.fullmatch(r"arg\d+_1", arguments[index]), f"{name}: {arguments[index]} in {call}"
 
 
