@@ -526,14 +526,14 @@ class SSEMixer(Mixer):
             k, log_g = k * real, log_g * real
         return q, k, log_g, idx, top[..., : s.top_k]
 
-    def kernel_inputs(self, x: torch.Tensor, padding_mask: torch.Tensor | None):
+    def kernel_inputs(self, x: torch.Tensor, padding_mask: torch.Tensor | None, balance: bool = True):
         """What the SSE forms take from hidden states x [B, T, hidden]: q, k, v [B, T, H_kv, d], log_g and idx (see
-        `partition_inputs`), and the balance loss (None when balance_coef = 0)."""
+        `partition_inputs`), and the balance loss (None when balance_coef = 0 or not `balance`)."""
         B, T, _ = x.shape
         scores = self.partition_scores(x)  # e_t
         q, k, log_g, idx, top = self.partition_inputs(x, scores, padding_mask)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        return q, k, v, log_g, idx, self.balance_loss(scores, top, padding_mask)
+        return q, k, v, log_g, idx, self.balance_loss(scores, top, padding_mask) if balance else None
 
     def read_out(self, o: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, None]:
         """`Mixer.read_out` with the per-head RMSNorm of the read o [B, T, H_kv, G, d] (`output_norm`) first."""
@@ -552,8 +552,9 @@ class SSEMixer(Mixer):
         x = hidden_states  # [B, T, hidden]
         B, T, _ = x.shape
         s = self.settings
-        q, k, v, log_g, idx, self.aux_loss = self.glue(self.kernel_inputs)(x, padding_mask)
         state = self.load_state(cache)
+        decoding = T == 1 and state is not None  # no balance loss for a generation step: nothing trains on it
+        q, k, v, log_g, idx, self.aux_loss = self.glue(self.kernel_inputs)(x, padding_mask, not decoding)
         initial = state[0] if state is not None else None
         args = (q, k, v, log_g, idx, self.num_partitions, self.scale, initial)
         kernels = kernel_module(MIXER.kernels, q)
@@ -563,7 +564,7 @@ class SSEMixer(Mixer):
             packed = [t.flatten(0, 1).unsqueeze(0) for t in (q, k, v, log_g, idx)]
             o, _ = sse_parallel(form, kernels, s.chunk_size)(*packed, *args[5:], cu_seqlens=cu_seqlens)
             o = o.view(B, T, *o.shape[2:])
-        elif T == 1 and state is not None:
+        elif decoding:
             o, new_state = kernels.fused_recurrent_sse(*args) if kernels else sse_recurrent(*args)
         else:
             o, new_state = sse_parallel(form, kernels, s.chunk_size)(*args)
