@@ -396,6 +396,7 @@ class SILAMixer(Mixer):
         return beta_x, gamma_x, torch.sigmoid(alpha)
 
     def gate_biases(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The biases of `gate_products`, in the same order: [H_kv], [H_kv], [H]."""
         return self.beta_bias, self.gamma_bias, self.alpha_bias
 
     def recurrence_inputs(
