@@ -100,11 +100,11 @@
 #                  SILA 15/30 at batch 1, 32, 128 and 16K, every mixer at batch 1 at 4K and 16K (bench_generate.py),
 #                  into RUNS/decode-lab
 #   decode-tests   the fast path's GPU tests, again under the newest transformers where /tmp/site-newest holds it
-#                  (scripts/lab/newest_transformers.sh), then every model's batch-1 kernels and logits under the
-#                  default options and Inductor's own (profile_decode.py; its times do not count beside another
+#                  (scripts/lab/newest_transformers.sh), then every model's batch-1 kernels under the default
+#                  options against Inductor's own logits (profile_decode.py; its times do not count beside another
 #                  job), into RUNS/decode-tests
-#   decode-round   one device session's worth: decode-tests beside sila-deep22-half (evaluated at 1K-8K), then
-#                  decode-lab alone, then depth-speed at 15, 22 and 26 converted, batch 32 and 128 at 16K
+#   decode-round   one device session's worth (about 25 minutes): decode-tests beside sila-deep22-half (evaluated at
+#                  1K-8K), then decode-lab alone
 #   depth-speed    decode speed at 15, 22, 26 and 30 of 30 layers converted against the teacher on transformers and
 #                  on this engine (bench_generate.py --depths: batch 1, 32, 128 at 4K and 16K, with bandwidth
 #                  floors), and the largest batch at 32K (bench_capacity.py --depths), into RUNS/depth-speed;
@@ -313,12 +313,11 @@ PY
   decode-tests)  # correctness and kernel counts only: may run beside another job
     fast_path_tests
     timeout 600 python3 scripts/bench/profile_decode.py --out "$RUNS/decode-tests" --batches 1 --context 16k \
-      --models teacher-engine,raven,sse,sila --variants plain default --steps 8
+      --models teacher-engine,raven,sse,sila --variants default --steps 8
     ;;
   decode-round)  # one device session: what needs no quiet machine side by side, then what times
     (run decode-tests & WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run sila-deep22-half; wait)
     run decode-lab
-    DEPTHS=15,22,26 BATCHES=32,128 CONTEXTS=16k CAPACITY=0 run depth-speed
     ;;
   depth-speed)
     local out="$RUNS/depth-speed" depths=(--mixers sila --depths "${DEPTHS:-15,22,26,30}")
