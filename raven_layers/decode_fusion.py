@@ -20,6 +20,7 @@ Inductor's own `batch_linear_lhs` fusion does the same for 2-D inputs only; a de
 from __future__ import annotations
 
 import operator
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -132,8 +133,10 @@ def fuse_shared_input_linears(graph: fx.Graph, copy: bool = True) -> int:
 
 
 class SharedInputLinears(CustomGraphPass):
-    """`fuse_shared_input_linears` as Inductor takes a pre-grad pass (`copy`: its argument); its uuid (this file's
-    hash) keys Inductor's cache of compiled graphs."""
+    """`fuse_shared_input_linears` as Inductor takes a pre-grad pass (`copy`: its argument). Its uuid keys Inductor's
+    caches of compiled graphs, which are looked up before the pass runs: it hashes this package's files, where the
+    pass and the groups whose layout it reads (share_projection_storage, `Mixer.shared_input_weights`) are defined,
+    so a cached step never reads weights laid out as another version of the code laid them out."""
 
     def __init__(self, copy: bool = True):
         self.copy = copy
@@ -142,7 +145,8 @@ class SharedInputLinears(CustomGraphPass):
         fuse_shared_input_linears(graph, self.copy)
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__,)) + (b"copy" if self.copy else b"in place")
+        files = tuple(sorted(str(path) for path in Path(__file__).parent.glob("*.py")))
+        return get_hash_for_files(files) + (b"copy" if self.copy else b"in place")
 
 
 # Weights of one module whose products read one input, by name: a module's own `shared_input_weights` (a mixer's

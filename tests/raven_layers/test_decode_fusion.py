@@ -4,6 +4,7 @@ one input become one product whose parts equal the eager step's outputs; groups 
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -276,3 +277,28 @@ def eager_and_in_place_steps(hybrid) -> tuple[list[int], dict[str, torch.Tensor]
             with cache.decoding_step(), decode_attention(hybrid.config):
                 steps[name] = step(ids[:, 8:], cache)
     return replaced, steps
+
+
+def step_launches(mixer: str) -> int:
+    """Kernel launches (Inductor's fused kernels, products, custom ops) of the compiled decode step of a 2-layer
+    hybrid, attention then `mixer`, under the model's default options, its mixer on the kernels (interpreted)."""
+    torch.manual_seed(0)
+    source = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2)).eval()
+    settings = {"sse": {"lora_rank": 8, "num_partitions": 4, "top_k": 2}}.get(mixer, {})  # sized for the tiny model
+    hybrid = build_hybrid(source, ["attention", mixer], {mixer: settings} if settings else {}).eval()
+    ids = torch.randint(3, 100, (1, 9), generator=torch.Generator().manual_seed(2))
+    cache = StaticHybridCache(hybrid.config, batch_size=1, max_length=16)
+    with torch.no_grad(), use_backend("triton"), torch._inductor.config.patch(force_disable_caches=True):
+        hybrid(ids[:, :8], cache=cache)
+        with cache.decoding_step(), decode_attention(hybrid.config):
+            _, code = run_and_get_code(hybrid.decode_function(), ids[:, 8:], cache)
+    calls = r"^\s*(\w+ = )?(cpp_fused_\w+|extern_kernels\.\w+|torch\.ops\.\w+\.\w+(\.default)?)\("
+    return sum(bool(re.match(calls, line)) for line in "\n".join(code).splitlines())
+
+
+@pytest.mark.parametrize("mixer, more", [("sila", 0), ("raven", 0), ("sse", 4)])
+def test_a_mixer_layers_decode_step_launches_no_more_than_an_attention_layers(mixer, more):
+    """The fused decode steps keep a mixer layer's launches at an attention layer's (SSE: at most 4 more, its top-k,
+    per-partition glue and the decay's second product, for now), counted in Inductor's CPU code: a product left out
+    of its layer's fused product, or glue left outside the mixer's kernel, shows here before a GPU profile."""
+    assert step_launches(mixer) <= step_launches("attention") + more
