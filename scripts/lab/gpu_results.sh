@@ -302,7 +302,7 @@ PY
     ;;
   decode-lab)  # times: alone on the machine
     local out="$RUNS/decode-lab" && mkdir -p "$out"
-    timeout 540 python3 scripts/bench/sweep_decode_attention.py --out "$out" --batches 1,32,128 --contexts 16k
+    timeout 540 python3 scripts/bench/sweep_decode_attention.py --out "$out" --batches 128,32,1 --contexts 16k
     timeout 420 python3 scripts/bench/profile_decode.py --out "$out" --models teacher-engine,sila --batches 1 \
       --context 16k --variants plain default
     timeout 540 python3 scripts/bench/bench_generate.py --out "$out/sila" --mixers sila --depths 15 \
