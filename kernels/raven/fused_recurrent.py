@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from ..split import Partials, split_count
+from .route import slots_by_score
 from .utils import check_inputs, slot_indices
 
 
@@ -154,18 +155,14 @@ def raven_fwd_kernel_decode(
         b_q = b_q * tl.sigmoid(b_q)
         b_k = b_k * tl.sigmoid(b_k)
     b_k = tl.sum(b_k, 0)  # [BD]
-    # the router: top-K slots of the logits (the largest first, as torch.topk), weights sigmoid / (alpha sum)
+    # the router: top-K slots of the logits (as the prefill's topk_slots sorts them), weights sigmoid / (alpha sum)
     o_all = tl.arange(0, BMALL)
-    b_rest = tl.load(logits + i_n * stride_l + i_h * M + o_all, mask=o_all < M, other=float("-inf")).to(tl.float32)
-    b_i = tl.full([BK], -1, dtype=tl.int32)
-    b_top = tl.zeros([BK], dtype=tl.float32)
-    for j in tl.static_range(K):
-        b_best = tl.max(b_rest, 0)
-        i_best = tl.min(tl.where(b_rest == b_best, o_all, BMALL), 0)  # the first slot of the largest logit
-        b_i = tl.where(o_k == j, i_best, b_i)
-        b_top = tl.where(o_k == j, b_best, b_top)
-        b_rest = tl.where(o_all == i_best, float("-inf"), b_rest)
-    b_sig = tl.where(o_k < K, tl.sigmoid(b_top), 0.0)
+    b_logit = tl.load(logits + i_n * stride_l + i_h * M + o_all[None, :], mask=(o_all < M)[None, :],
+                      other=float("-inf")).to(tl.float32)  # fmt: skip
+    b_sorted = slots_by_score(b_logit, M, BMALL)  # [1, BMALL]
+    b_i = tl.sum(tl.where(o_all[None, :] == o_k[:, None], b_sorted, 0), 1)  # [BK] the first BK slots, best first
+    b_top = tl.max(tl.where(o_all[None, :] == b_i[:, None], b_logit, float("-inf")), 1)  # [BK] their logits
+    b_sig = tl.where(o_k < K, tl.sigmoid(b_top), 0.0)  # the entries past K write nothing
     b_r = b_sig / (alpha * tl.sum(b_sig, 0))
     b_dx = tl.load(decay_x + i_n * stride_d + i_h).to(tl.float32) + tl.load(decay_bias + i_h).to(tl.float32)
     b_e = tl.exp(tl.minimum(b_dx, 20.0))

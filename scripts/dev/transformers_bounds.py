@@ -16,20 +16,20 @@ from pathlib import Path
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 
-def oldest_transformers(text: str) -> str:
-    """The lower bound of the `transformers` requirement in a pyproject.toml's text."""
-    match = re.search(r'"transformers\s*>=\s*([0-9][0-9.]*)', text)
-    if match is None:
-        raise SystemExit(f"{PYPROJECT} declares no lower bound for transformers (expected 'transformers>=X.Y')")
-    return match.group(1)
-
-
 def transformers_requirement(text: str) -> str:
     """The `transformers` requirement of a pyproject.toml's text, as pip takes it."""
     match = re.search(r'"(transformers\s*[<>=!~][^"]*)"', text)
     if match is None:
         raise SystemExit(f"{PYPROJECT} declares no transformers requirement")
     return match.group(1).replace(" ", "")
+
+
+def oldest_transformers(text: str) -> str:
+    """The lower bound of the `transformers` requirement in a pyproject.toml's text."""
+    match = re.search(r">=([0-9][0-9.]*)", transformers_requirement(text))
+    if match is None:
+        raise SystemExit(f"{PYPROJECT} declares no lower bound for transformers (expected 'transformers>=X.Y')")
+    return match.group(1)
 
 
 def link_site_packages(venv: Path) -> Path:

@@ -13,6 +13,7 @@ from raven_kernels.raven import chunk_raven, fused_recurrent_raven, fused_recurr
 from raven_kernels.raven.naive import naive_raven
 from raven_layers import RavenMixer, RavenSettings
 from raven_layers.backend import use_backend
+from tests.kernels.decode_steps import TinyCache, steps_on_both_backends
 from tests.kernels.gpu_rounding import round_dots_as_a_gpu
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -270,19 +271,6 @@ def test_topk_slots_orders_ties_and_signed_zeros():
         topk_slots(logits, 9)
 
 
-class TinyCache:
-    """What the mixer asks of a cache: one state per layer."""
-
-    def __init__(self):
-        self.states = {}
-
-    def get_mixer_state(self, layer_idx):
-        return self.states.get(layer_idx)
-
-    def set_mixer_state(self, layer_idx, state, num_tokens):
-        self.states[layer_idx] = state
-
-
 @pytest.mark.parametrize("level", [2, 0])
 def test_mixer_triton_matches_torch(level):
     # prefill with gradients, one decode step updating the prefill's final state in place, then the backward
@@ -330,22 +318,7 @@ def test_mixer_decode_steps_in_one_kernel_rewrite_the_state_in_place(settings, q
         for name, p in mixer.named_parameters():
             if name.startswith(("decay", "gate", "q_norm", "k_norm")):
                 p.add_(0.2 * torch.randn_like(p))
-    mixer.eval()
-    x = torch.randn(2, 9, 32, device=DEVICE)
-    padding = torch.ones(2, 9, dtype=torch.bool, device=DEVICE)
-    if padded:
-        padding[1, 6] = False
-    runs = {}
-    for backend in ("triton", "torch"):
-        cache = TinyCache()
-        with torch.no_grad(), use_backend(backend):
-            steps = [mixer(x[:, :5], cache=cache, padding_mask=padding[:, :5])[0]]
-            state = cache.states[0]
-            for t in range(5, 9):
-                steps.append(mixer(x[:, t : t + 1], cache=cache, padding_mask=padding[:, t : t + 1])[0])
-                if backend == "triton":
-                    assert all(a is b for a, b in zip(cache.states[0], state))
-        runs[backend] = (torch.cat(steps, 1), *cache.states[0])
+    runs = steps_on_both_backends(mixer.eval(), padded, DEVICE)
     for a, b in zip(runs["triton"], runs["torch"]):
         assert a.shape == b.shape and rel_err(a, b) < TOL
 

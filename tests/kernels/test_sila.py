@@ -10,6 +10,7 @@ from raven_kernels.sila import fused_recurrent_sila, fused_recurrent_sila_decode
 from raven_kernels.sila.naive import naive_recurrent_sila
 from raven_layers.backend import use_backend
 from raven_layers.sila import SILAMixer, SILASettings, l2_normalize
+from tests.kernels.decode_steps import steps_on_both_backends
 from tests.raven_layers.test_sila import FakeCache
 
 NAMES = ("q", "k", "v", "alpha", "beta_x", "gamma_x", "w_beta", "w_gamma", "initial_state")
@@ -179,22 +180,7 @@ def test_mixer_decode_steps_in_one_kernel_update_the_state_in_place(settings, qk
         for name, p in mixer.named_parameters():
             if name in mixer.fresh_parameter_names() - {"gamma_bias"} or "norm" in name:
                 p.add_(0.3 * torch.randn_like(p))
-    mixer.to(DEVICE)
-    x = torch.randn(2, 9, 32, device=DEVICE)
-    padding = torch.ones(2, 9, dtype=torch.bool, device=DEVICE)
-    if padded:
-        padding[1, 6] = False
-    runs = {}
-    for backend in ("triton", "torch"):
-        cache = FakeCache()
-        with torch.no_grad(), use_backend(backend):
-            steps = [mixer(x[:, :5], cache=cache, padding_mask=padding[:, :5])[0]]
-            state = cache.state
-            for t in range(5, 9):
-                steps.append(mixer(x[:, t : t + 1], cache=cache, padding_mask=padding[:, t : t + 1])[0])
-                same = all(a is b for a, b in zip(cache.state, state))
-                assert same == (backend == "triton")
-        runs[backend] = (torch.cat(steps, 1), *cache.state)
+    runs = steps_on_both_backends(mixer.to(DEVICE), padded, DEVICE)
     for a, b in zip(runs["triton"], runs["torch"]):
         assert a.shape == b.shape and rel_err(a, b) < 1e-5
 

@@ -19,10 +19,13 @@ def test_the_bounds_are_read_from_the_requirement():
     assert transformers_bounds.transformers_requirement(TEXT) == "transformers>=5.17,<6"
 
 
-def test_the_projects_own_requirement_has_both():
+def test_the_projects_own_requirement_has_both_bounds():
+    """The newest-release run installs the requirement as pip reads it: a lower bound (the oldest run's) and an
+    upper one, so the newest release is one the project accepts."""
     text = transformers_bounds.PYPROJECT.read_text()
     requirement = transformers_bounds.transformers_requirement(text)
     assert requirement.startswith("transformers>=" + transformers_bounds.oldest_transformers(text))
+    assert ",<" in requirement
 
 
 def test_a_pyproject_without_transformers_is_refused():
