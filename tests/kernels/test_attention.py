@@ -35,6 +35,7 @@ def make(B, Hq, Hkv, S, d, dtype=torch.float32, seed=0):
     "tiles",
     [
         DecodeTiles(),
+        DecodeTiles(block=64, stages=None, merge_in_kernel=False),  # the ranges merged by a second kernel
         DecodeTiles(block=32, per_sm=4),
         DecodeTiles(block=128, warps=8, stages=3, per_sm=1),
         DecodeTiles(block=32, per_sm=4, merge_in_kernel=True),  # several ranges a row, merged by the last
