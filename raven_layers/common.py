@@ -276,6 +276,12 @@ class MixerSpec:
         return self.settings.LABEL
 
 
+def input_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight) in x's dtype: a decode step's product of the layer's input, which a compiled step joins
+    with the layer's other products of x (`Mixer.shared_input_weights`, decode_fusion.py)."""
+    return F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype))
+
+
 def updatable_in_place(float32: tuple, others: tuple = ()) -> bool:
     """Whether a decode step's kernel may update a cached state where it lies: every tensor present and contiguous,
     those of `float32` in float32, and no gradients (a step that trains keeps the old state for its backward)."""

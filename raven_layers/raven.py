@@ -28,7 +28,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from .backend import kernel_module
-from .common import Mixer, MixerSettings, MixerSpec, RMSNorm, init_fresh_parameters, updatable_in_place
+from .common import (
+    Mixer,
+    MixerSettings,
+    MixerSpec,
+    RMSNorm,
+    init_fresh_parameters,
+    input_product,
+    updatable_in_place,
+)
 
 RavenState = tuple[torch.Tensor, torch.Tensor]  # (S^k, S^v), each [B, H_kv, M, d], float32
 
@@ -290,11 +298,9 @@ class RavenMixer(Mixer):
         s = self.settings
         norms = (self.q_norm.weight, self.k_norm.weight) if self.use_qk_norm else None
 
-        def product(weight: torch.Tensor) -> torch.Tensor:
-            return F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype))
-
         return kernels.fused_recurrent_raven_decode(
-            self.q_proj(x), self.k_proj(x), self.v_proj(x), product(self.router_weight), product(self.decay_weight),
+            self.q_proj(x), self.k_proj(x), self.v_proj(x), input_product(x, self.router_weight),
+            input_product(x, self.decay_weight),
             self.decay_bias, self.decay_log_scale, state, self.scale, s.top_k, s.alpha, qk_norms=norms,
             norm_eps=self.q_norm.eps if self.use_qk_norm else 1e-6, feature_map=s.feature_map,
             mask=None if padding_mask is None else padding_mask.bool(),

@@ -40,6 +40,7 @@ from .common import (
     RMSNorm,
     document_positions,
     init_fresh_parameters,
+    input_product,
     updatable_in_place,
 )
 
@@ -383,10 +384,7 @@ class SILAMixer(Mixer):
         """The gates' products of x in x's dtype, before their biases: [B, T, H_kv] twice (beta, gamma), [B, T, H]."""
         # a product per gate, of the weight itself: a compiled decode step joins the three with q/k/v into one
         # (shared_input_weights, decode_fusion.py), where a concatenation here would be a copy every step
-        return tuple(
-            F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
-            for w in (self.beta_weight, self.gamma_weight, self.alpha_weight)
-        )
+        return tuple(input_product(x, w) for w in (self.beta_weight, self.gamma_weight, self.alpha_weight))
 
     def gate_inputs(self, x: torch.Tensor):
         """The input parts of the gates, in float32 at least: beta_x, gamma_x [B, T, H_kv] and alpha [B, T, H]."""
@@ -446,7 +444,7 @@ class SILAMixer(Mixer):
             self.conv_weight, tail, self.beta_state_weight, self.gamma_state_weight, memory, qk_norms=norms,
             norm_eps=self.q_norm.eps if self.use_qk_norm else 1e-6, feature_map=self.settings.feature_map,
             mask=None if padding_mask is None else padding_mask.bool(),
-            out_gate=None if gate is None else F.linear(x, gate if gate.dtype == x.dtype else gate.to(x.dtype)),
+            out_gate=None if gate is None else input_product(x, gate),
         )  # fmt: skip
         return self.o_proj(o.to(x.dtype).reshape(*x.shape[:2], -1)), None
 

@@ -48,7 +48,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from .backend import kernel_module
-from .common import Mixer, MixerSettings, MixerSpec, RMSNorm, document_positions, init_fresh_parameters
+from .common import (
+    Mixer,
+    MixerSettings,
+    MixerSpec,
+    RMSNorm,
+    document_positions,
+    init_fresh_parameters,
+    input_product,
+    updatable_in_place,
+)
 
 SSEState = tuple[torch.Tensor]  # (S,), S: [B, H_kv, P, c, d] float32; partitions 0..N-1 routed, N the shared one
 
@@ -542,6 +551,23 @@ class SSEMixer(Mixer):
             o = self.o_norm(o)
         return self.project_out(o.reshape(*x.shape[:2], -1), x)
 
+    def fused_decode_step(self, kernels, x: torch.Tensor, state: torch.Tensor, padding_mask) -> torch.Tensor:
+        """A decode step of x [B, 1, hidden] on `fused_recurrent_sse_decode`: the products here (one, fused in a
+        compiled step), the routing, LoRA, gate, the partitions' update and read, the read's norm and output gate in
+        one kernel that updates the state [B, H_kv, P, c, d] in place. Returns the layer's output ([B, 1, hidden],
+        None), as `read_out`."""
+        s = self.settings
+        o = kernels.fused_recurrent_sse_decode(
+            x, self.q_proj(x), self.k_proj(x), self.v_proj(x), input_product(x, self.partition_weight),
+            input_product(x, self.decay_down), (self.q_lora_a, self.q_lora_b), (self.k_lora_a, self.k_lora_b),
+            self.decay_up, self.decay_bias, state, self.scale, s.top_k, self.read_top_k, s.gate_normalizer,
+            out_norm=self.o_norm.weight if s.output_norm else None,
+            norm_eps=self.o_norm.eps if s.output_norm else 1e-6,
+            out_gate=input_product(x, self.gate_weight) if s.output_gate else None,
+            mask=None if padding_mask is None else padding_mask.bool(),
+        )  # fmt: skip
+        return self.o_proj(o), None
+
     def mix(
         self,
         hidden_states: torch.Tensor,
@@ -554,10 +580,15 @@ class SSEMixer(Mixer):
         s = self.settings
         state = self.load_state(cache)
         decoding = T == 1 and state is not None  # no balance loss for a generation step: nothing trains on it
+        kernels = kernel_module(MIXER.kernels, x)
+        if kernels is not None and decoding and cu_seqlens is None and updatable_in_place(state):
+            self.aux_loss = None
+            out = self.fused_decode_step(kernels, x, state[0], padding_mask)  # one kernel from the products
+            self.save_state(cache, state, num_tokens=T)
+            return out
         q, k, v, log_g, idx, self.aux_loss = self.glue(self.kernel_inputs)(x, padding_mask, not decoding)
         initial = state[0] if state is not None else None
         args = (q, k, v, log_g, idx, self.num_partitions, self.scale, initial)
-        kernels = kernel_module(MIXER.kernels, q)
         varlen = s.implementation == "varlen" or (s.implementation == "auto" and T >= VARLEN_MIN_TOKENS)
         form = "varlen" if varlen else "masking"
         if cu_seqlens is not None:  # packed documents: one sequence of B * T tokens, each document from zero

@@ -7,8 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..rows import indices_by_score, rows_rms_norm, softplus
 from ..split import Partials, split_count
-from .route import slots_by_score
 from .utils import check_inputs, slot_indices
 
 
@@ -123,13 +123,6 @@ def raven_fwd_kernel_fused_recurrent(
 
 
 @triton.jit
-def head_rows_norm(b_x, norm, o_d, m_d, eps, D: tl.constexpr):
-    """RMSNorm of each row of b_x [R, BD] (one head each) with weight `norm` [D] (the teacher's q/k norm)."""
-    b_ms = tl.sum(b_x * b_x, 1) / D
-    return b_x * tl.rsqrt(b_ms + eps)[:, None] * tl.load(norm + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
-
-
-@triton.jit
 def raven_fwd_kernel_decode(
     q, k, v, logits, decay_x, stride_q, stride_k, stride_v, stride_l, stride_d, decay_bias, decay_log_scale, q_norm,
     k_norm, norm_eps, mask, sk, sv, o, m_part, l_part, o_part, scale, alpha,
@@ -149,8 +142,8 @@ def raven_fwd_kernel_decode(
     b_k = tl.load(k + i_n * stride_k + i_h * D + o_d[None, :], mask=m_d[None, :], other=0.0).to(tl.float32)
     b_v = tl.load(v + i_n * stride_v + i_h * D + o_d, mask=m_d, other=0.0).to(tl.float32)
     if HAS_QK_NORM:
-        b_q = head_rows_norm(b_q, q_norm, o_d, m_d, norm_eps, D)
-        b_k = head_rows_norm(b_k, k_norm, o_d, m_d, norm_eps, D)
+        b_q = rows_rms_norm(b_q, q_norm, o_d, m_d, norm_eps, D)
+        b_k = rows_rms_norm(b_k, k_norm, o_d, m_d, norm_eps, D)
     if SILU:
         b_q = b_q * tl.sigmoid(b_q)
         b_k = b_k * tl.sigmoid(b_k)
@@ -159,15 +152,13 @@ def raven_fwd_kernel_decode(
     o_all = tl.arange(0, BMALL)
     b_logit = tl.load(logits + i_n * stride_l + i_h * M + o_all[None, :], mask=(o_all < M)[None, :],
                       other=float("-inf")).to(tl.float32)  # fmt: skip
-    b_sorted = slots_by_score(b_logit, M, BMALL)  # [1, BMALL]
+    b_sorted = indices_by_score(b_logit, M, BMALL)  # [1, BMALL]
     b_i = tl.sum(tl.where(o_all[None, :] == o_k[:, None], b_sorted, 0), 1)  # [BK] the first BK slots, best first
     b_top = tl.max(tl.where(o_all[None, :] == b_i[:, None], b_logit, float("-inf")), 1)  # [BK] their logits
     b_sig = tl.where(o_k < K, tl.sigmoid(b_top), 0.0)  # the entries past K write nothing
     b_r = b_sig / (alpha * tl.sum(b_sig, 0))
     b_dx = tl.load(decay_x + i_n * stride_d + i_h).to(tl.float32) + tl.load(decay_bias + i_h).to(tl.float32)
-    b_e = tl.exp(tl.minimum(b_dx, 20.0))
-    b_softplus = tl.where(b_dx > 20.0, b_dx, tl.where(b_e < 1e-4, b_e, tl.log(1.0 + b_e)))  # log1p where it is tiny
-    b_a = -b_softplus * tl.exp(tl.load(decay_log_scale + i_h).to(tl.float32))
+    b_a = -softplus(b_dx) * tl.exp(tl.load(decay_log_scale + i_h).to(tl.float32))
     if HAS_MASK:
         b_a = tl.where(tl.load(mask + i_n) != 0, b_a, 0.0)  # padding neither writes nor decays
     b_lfk = b_a * b_r

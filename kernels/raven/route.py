@@ -4,7 +4,7 @@
 (T H rows of M = 256) it was the largest op of a Raven prefill after attention (kernels/raven/NOTES.md, "Router
 top-K"). Here every program sorts a block of rows on chip: each logit becomes one int64 key, its float order in the
 high 32 bits and its slot in the low bits, so one bitonic sort orders values and carries indices, and ties go to
-the lower slot (`slots_by_score`, which the one-kernel decode step sorts its head's logits with too). The reference
+the lower slot (`kernels/rows.py: indices_by_score`, which the one-kernel decode steps sort with too). The reference
 is `torch.topk`.
 """
 
@@ -14,19 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..rows import indices_by_score
+
 TILE_KEYS = 4096  # int64 keys a program sorts at most, [BR, BM]; fewer rows when there are fewer
-
-
-@triton.jit
-def slots_by_score(b_x, M: tl.constexpr, BM: tl.constexpr):
-    """The slots of each row of float32 scores b_x [R, BM] (-inf past M), best first, the lower slot first among
-    equal scores: [R, BM] int64, one bitonic sort of keys that hold a score's order and its slot."""
-    o_m = tl.arange(0, BM)
-    b_bits = b_x.to(tl.int32, bitcast=True)
-    b_ord = b_bits ^ ((b_bits >> 31) & 0x7FFFFFFF)  # signed integers in the floats' order
-    b_low = tl.where(o_m < M, M - 1 - o_m, 0).to(tl.int64)  # [BM] the lower slot wins a tie; padding sorts last
-    b_key = tl.sort((b_ord.to(tl.int64) << 32) | b_low[None, :], dim=1, descending=True)
-    return (M - 1) - (b_key & (BM - 1))
 
 
 @triton.jit
@@ -37,7 +27,7 @@ def raven_fwd_kernel_topk(x, idx, N, M: tl.constexpr, K: tl.constexpr, BR: tl.co
     m_r, m_m = o_r < N, o_m < M
     p_x = x + o_r[:, None].to(tl.int64) * M + o_m[None, :]
     b_x = tl.load(p_x, mask=m_r[:, None] & m_m[None, :], other=float("-inf")).to(tl.float32)  # [BR, BM]
-    b_idx = slots_by_score(b_x, M, BM)  # [BR, BM] slots, best first
+    b_idx = indices_by_score(b_x, M, BM)  # [BR, BM] slots, best first
     p_idx = idx + o_r[:, None].to(tl.int64) * K + o_m[None, :]
     tl.store(p_idx, b_idx, mask=m_r[:, None] & (o_m < K)[None, :])
 

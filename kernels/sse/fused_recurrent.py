@@ -1,5 +1,7 @@
-"""SSE decode step (Triton): each (batch row, kv head) gathers only the partitions its tokens select, updates them
-in place and reads them, one token after another: S^i = diag(exp(log_g)) S^i + k^T v, o = scale sum_i q^i S^i."""
+"""SSE decode steps (Triton): each (batch row, kv head) gathers only the partitions its tokens select, updates them
+in place and reads them, one token after another: S^i = diag(exp(log_g)) S^i + k^T v, o = scale sum_i q^i S^i.
+`fused_recurrent_sse` takes the routed inputs; `fused_recurrent_sse_decode` a generation step from the layer's
+products, routing, LoRA, gate and read-out included, in one kernel."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..rows import indices_by_score, rows_rms_norm, softplus
 from .chunk import _new
 
 
@@ -111,3 +114,247 @@ def sse_decode(
 @sse_decode.register_fake
 def _(q, k, v, log_g, idx, state, scale):
     return q.new_empty(*q.shape[:-2], v.shape[-1])
+
+
+@triton.jit
+def lora_down(p_x, a, i_p, HID, R: tl.constexpr, BR: tl.constexpr, BX: tl.constexpr):
+    """A^i x [BR]: partition i_p's first LoRA factor a [N, R, HID] times the hidden state at p_x."""
+    o_r = tl.arange(0, BR)
+    p_a = a + (i_p * R + o_r[:, None]).to(tl.int64) * HID
+    b_y = tl.zeros([BR], dtype=tl.float32)
+    for x0 in range(0, HID, BX):
+        o_x = x0 + tl.arange(0, BX)
+        m_x = o_x < HID
+        b_x = tl.load(p_x + o_x, mask=m_x, other=0.0).to(tl.float32)  # [BX]
+        b_a = tl.load(p_a + o_x[None, :], mask=(o_r < R)[:, None] & m_x[None, :], other=0.0).to(tl.float32)  # [BR, BX]
+        b_y += tl.sum(b_a * b_x[None, :], 1)
+    return b_y
+
+
+@triton.jit
+def lora_up(b, i_p, ROWS, row0, b_y, C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr):
+    """Rows row0 .. row0 + C of B^i y [BC]: partition i_p's second LoRA factor b [N, ROWS, R] times b_y [BR]."""
+    o_c, o_r = tl.arange(0, BC), tl.arange(0, BR)
+    p_b = b + (i_p * ROWS + row0 + o_c[:, None]).to(tl.int64) * R + o_r[None, :]
+    b_b = tl.load(p_b, mask=(o_c < C)[:, None] & (o_r < R)[None, :], other=0.0).to(tl.float32)  # [BC, BR]
+    return tl.sum(b_b * b_y[None, :], 1)
+
+
+@triton.jit
+def key_softmax(b_l, m_c):
+    """softmax of key logits b_l [BC] over the partition's rows m_c."""
+    b_l = tl.where(m_c, b_l, float("-inf"))
+    b_p = tl.exp(b_l - tl.max(b_l, 0))
+    return b_p / tl.sum(b_p, 0)
+
+
+@triton.jit
+def sse_fwd_kernel_step(
+    x, q, k, v, e, dx, og, stride_x, stride_q, stride_k, stride_v, stride_e, stride_dx, stride_og, q_lora_a,
+    q_lora_b, k_lora_a, k_lora_b, decay_up, decay_bias, o_norm, norm_eps, mask, state, o, scale, inv_tau, HID,
+    H: tl.constexpr, G: tl.constexpr, N: tl.constexpr, C: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+    RA: tl.constexpr, WK: tl.constexpr, RK: tl.constexpr, SHARED: tl.constexpr, NORM: tl.constexpr,
+    GATED: tl.constexpr, HAS_MASK: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
+    BD: tl.constexpr, BR: tl.constexpr, BRA: tl.constexpr, BX: tl.constexpr,
+):  # fmt: skip
+    """One decode step of an SSE layer from its products, one program per (sequence, kv head): the router's
+    partitions best first, their LoRA'd keys (softmax over the C rows) and queries, the GLA gate from its low-rank
+    product, the writes and reads of the top partitions and the shared one in the state [B, H, P, C, D] (in
+    place), then the read's per-head RMSNorm and output gate."""
+    i_b, i_h = tl.program_id(0), tl.program_id(1)
+    P: tl.constexpr = N + SHARED
+    MM: tl.constexpr = WK if WK > RK else RK  # entries: the top max(k, k') partitions
+    o_g, o_n, o_c, o_d, o_ra = tl.arange(0, BG), tl.arange(0, BN), tl.arange(0, BC), tl.arange(0, BD), tl.arange(0, BRA)
+    m_g, m_c, m_d = o_g < G, o_c < C, o_d < D
+    m_cd = m_c[:, None] & m_d[None, :]
+    b_live = i_b >= 0  # a real token
+    if HAS_MASK:
+        b_live = tl.load(mask + i_b) != 0
+    b_e = tl.load(e + i_b * stride_e + i_h * N + o_n, mask=o_n < N, other=float("-inf")).to(tl.float32)  # [BN]
+    b_top = indices_by_score(b_e[None, :], N, BN)  # [1, BN] partitions, best first
+    b_dx = tl.load(dx + i_b * stride_dx + o_ra, mask=o_ra < RA, other=0.0).to(tl.float32)  # [BRA] W_a1 x
+    p_up = decay_up + (i_h * C + o_c[:, None]) * RA + o_ra[None, :]
+    b_up = tl.load(p_up, mask=m_c[:, None] & (o_ra < RA)[None, :], other=0.0).to(tl.float32)  # [BC, BRA]
+    b_za = tl.sum(b_up * b_dx[None, :], 1) + tl.load(decay_bias + i_h * C + o_c, mask=m_c, other=0.0).to(tl.float32)
+    b_la = tl.where(b_live, -softplus(-b_za) * inv_tau, 0.0)  # [BC] log a = logsigmoid / tau; padding keeps S
+    b_a = tl.exp(b_la)[:, None]  # [BC, 1]
+    b_v = tl.load(v + i_b * stride_v + i_h * D + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BD]
+    b_kb = tl.load(k + i_b * stride_k + i_h * C + o_c, mask=m_c, other=0.0).to(tl.float32)  # [BC] x W_k
+    p_qb = q + i_b * stride_q + (i_h * G + o_g[:, None]) * C + o_c[None, :]
+    b_qb = tl.load(p_qb, mask=m_g[:, None] & m_c[None, :], other=0.0).to(tl.float32)  # [BG, BC] x W_q
+    p_x = x + i_b * stride_x
+    p_s0 = state + (i_b * H + i_h).to(tl.int64) * P * C * D + o_c[:, None] * D + o_d[None, :]
+    b_o = tl.zeros([BG, BD], dtype=tl.float32)
+    for m in tl.static_range(MM):
+        i_p = tl.sum(tl.where(o_n[None, :] == m, b_top, 0))  # the m-th best partition
+        p_s = p_s0 + i_p * C * D
+        b_s = tl.load(p_s, mask=m_cd, other=0.0)  # [BC, BD]
+        if m < WK:  # written: k = softmax(x (W_k + A_k^i B_k^i)) / k
+            b_ak = lora_down(p_x, k_lora_a, i_p, HID, R, BR, BX)
+            b_k = key_softmax(b_kb + lora_up(k_lora_b, i_p, H * C, i_h * C, b_ak, C, R, BC, BR), m_c) / WK
+            b_s = b_a * b_s + tl.where(b_live, b_k, 0.0)[:, None] * b_v[None, :]
+            tl.store(p_s, b_s, mask=m_cd)
+        if m < RK:  # read, after the write: q = x (W_q + A_q^i B_q^i)
+            b_aq = lora_down(p_x, q_lora_a, i_p, HID, R, BR, BX)
+            for i_g in tl.static_range(G):
+                b_qg = tl.sum(tl.where(o_g[:, None] == i_g, b_qb, 0.0), 0)  # [BC]
+                b_qg += lora_up(q_lora_b, i_p, H * G * C, (i_h * G + i_g) * C, b_aq, C, R, BC, BR)
+                b_o = tl.where(o_g[:, None] == i_g, b_o + tl.sum(b_qg[:, None] * b_s, 0)[None, :], b_o)
+    if SHARED:  # the shared partition N: the base projections, a plain key softmax
+        p_s = p_s0 + N * C * D
+        b_s = tl.load(p_s, mask=m_cd, other=0.0)
+        b_s = b_a * b_s + tl.where(b_live, key_softmax(b_kb, m_c), 0.0)[:, None] * b_v[None, :]
+        tl.store(p_s, b_s, mask=m_cd)
+        for i_g in tl.static_range(G):
+            b_qg = tl.sum(tl.where(o_g[:, None] == i_g, b_qb, 0.0), 0)
+            b_o = tl.where(o_g[:, None] == i_g, b_o + tl.sum(b_qg[:, None] * b_s, 0)[None, :], b_o)
+    b_o *= scale
+    if NORM:
+        b_o = rows_rms_norm(b_o, o_norm, o_d, m_d, norm_eps, D)
+    m_gd = m_g[:, None] & m_d[None, :]
+    if GATED:
+        p_og = og + i_b * stride_og + (i_h * G + o_g[:, None]) * D + o_d[None, :]
+        b_o *= 2 * tl.sigmoid(tl.load(p_og, mask=m_gd, other=0.0).to(tl.float32))
+    tl.store(o + (i_b * H * G + i_h * G + o_g[:, None]) * D + o_d[None, :], b_o.to(o.dtype.element_ty), mask=m_gd)
+
+
+def fused_recurrent_sse_decode(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scores: torch.Tensor,
+    decay_x: torch.Tensor,
+    q_lora: tuple[torch.Tensor, torch.Tensor],
+    k_lora: tuple[torch.Tensor, torch.Tensor],
+    decay_up: torch.Tensor,
+    decay_bias: torch.Tensor,
+    state: torch.Tensor,
+    scale: float,
+    top_k: int,
+    read_top_k: int,
+    gate_normalizer: float,
+    out_norm: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    out_gate: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One decode step of an SSE layer from its products, in one kernel that updates the state in place: what
+    `raven_layers.sse.SSEMixer.kernel_inputs`, `fused_recurrent_sse` and the read-out before o_proj compute at
+    T == 1, with no launch for the router's top-k, the LoRA, the key softmax, the gate, the norm or the output
+    gate. No gradients.
+
+    Args:
+        x: [B, 1, hidden], the layer's input (the LoRA's first factors read it in the kernel).
+        q: [B, 1, H * G * c], k: [B, 1, H * c], v: [B, 1, H * d]: the base projections (rows may be strided views
+            of one product, the last dim contiguous); H key/value heads of G query heads, c rows per partition.
+        scores: [B, 1, H * N], the router's partition scores; decay_x: [B, 1, r_a], the gate's first product W_a1 x.
+        q_lora, k_lora: (A [N, r, hidden], B [N, H * G * c or H * c, r]), the partitions' LoRA factors.
+        decay_up: [H * c, r_a] and decay_bias: [H * c], the gate's second product and bias.
+        state: [B, H, P, c, d] float32 contiguous, updated in place; P = N + 1 with the shared partition, else N.
+        scale: the read's scale; top_k, read_top_k: partitions written and read per token; gate_normalizer: tau.
+        out_norm: the per-head RMSNorm weight [d] of the read, with `norm_eps`; out_gate: [B, 1, H * G * d], the
+            output gate's product (the read is multiplied by 2 sigmoid(out_gate)).
+        mask: [B, 1] bool, False where the token is padding (it neither writes nor decays).
+
+    Returns:
+        o: [B, 1, H * G * d] in x's dtype, the input of o_proj.
+    """
+    B, H, P, C, D = state.shape
+    (qa, qb), (ka, kb) = q_lora, k_lora
+    N, R, hidden = qa.shape
+    G = q.shape[-1] // (H * C) if H * C else 0
+    RA = decay_x.shape[-1]
+    expected = {
+        "x": (x, (B, 1, hidden)),
+        "q": (q, (B, 1, H * G * C)),
+        "k": (k, (B, 1, H * C)),
+        "v": (v, (B, 1, H * D)),
+        "scores": (scores, (B, 1, H * N)),
+        "q_lora B": (qb, (N, H * G * C, R)),
+        "k_lora A": (ka, (N, R, hidden)),
+        "k_lora B": (kb, (N, H * C, R)),
+        "decay_up": (decay_up, (H * C, RA)),
+        "decay_bias": (decay_bias, (H * C,)),
+    }
+    if out_norm is not None:
+        expected["out_norm"] = (out_norm, (D,))
+    if out_gate is not None:
+        expected["out_gate"] = (out_gate, (B, 1, H * G * D))
+    for name, (t, shape) in expected.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} (from the state {tuple(state.shape)}, q_lora A "
+                             f"{tuple(qa.shape)} and q), got {tuple(t.shape)}")  # fmt: skip
+    products = {"x": x, "q": q, "k": k, "v": v, "scores": scores, "decay_x": decay_x, "out_gate": out_gate}
+    for name, t in products.items():
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError(f"{name}'s last dim must be contiguous (rows may be strided), got strides {t.stride()}")
+    if state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError(f"the state is updated in place: it must be contiguous float32, got {state.dtype}"
+                         f"{'' if state.is_contiguous() else ', not contiguous'}")  # fmt: skip
+    if P not in (N, N + 1):
+        raise ValueError(f"the state holds P = {P} partitions; expected N = {N} or N + 1 (with the shared one)")
+    for name, top in (("top_k", top_k), ("read_top_k", read_top_k)):
+        if not 1 <= top <= N:
+            raise ValueError(f"{name} = {top} must lie in [1, num_partitions = {N}]")
+    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (B, 1)):
+        raise ValueError(f"mask must be a bool tensor [B, 1] = {(B, 1)}, got {mask.dtype} {tuple(mask.shape)}")
+    weights = (qa, qb, ka, kb, decay_up, decay_bias, *(() if out_norm is None else (out_norm,)))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (*products.values(), *weights, state) if t is not None):
+        raise ValueError("fused_recurrent_sse_decode computes no gradients; use chunk_gla under sse_masking to train")
+    return sse_decode_step(
+        x, q, k, v, scores, decay_x, out_gate, *(t.contiguous() for t in (qa, qb, ka, kb, decay_up, decay_bias)),
+        out_norm, float(norm_eps), None if mask is None else mask.contiguous().view(torch.uint8), state,
+        float(scale), int(top_k), int(read_top_k), 1.0 / float(gate_normalizer),
+    )  # fmt: skip
+
+
+@torch.library.custom_op("raven_hybrid::sse_decode_step", mutates_args=("state",))
+def sse_decode_step(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scores: torch.Tensor,
+    decay_x: torch.Tensor,
+    out_gate: torch.Tensor | None,
+    q_lora_a: torch.Tensor,
+    q_lora_b: torch.Tensor,
+    k_lora_a: torch.Tensor,
+    k_lora_b: torch.Tensor,
+    decay_up: torch.Tensor,
+    decay_bias: torch.Tensor,
+    out_norm: torch.Tensor | None,
+    norm_eps: float,
+    mask: torch.Tensor | None,
+    state: torch.Tensor,
+    scale: float,
+    top_k: int,
+    read_top_k: int,
+    inv_tau: float,
+) -> torch.Tensor:
+    """The launch of `fused_recurrent_sse_decode` (checked inputs) as a custom op that updates `state` in place:
+    torch.compile keeps it whole, and Inductor fuses the work around it."""
+    B, H, P, C, D = state.shape
+    N, R, hidden = q_lora_a.shape
+    G = q.shape[-1] // (H * C)
+    o = x.new_empty(B, 1, H * G * D)
+    if B * H:
+        sse_fwd_kernel_step[(B, H)](
+            x, q, k, v, scores, decay_x, out_gate, x.stride(0), q.stride(0), k.stride(0), v.stride(0),
+            scores.stride(0), decay_x.stride(0), 0 if out_gate is None else out_gate.stride(0), q_lora_a, q_lora_b,
+            k_lora_a, k_lora_b, decay_up, decay_bias, out_norm, norm_eps, mask, state, o, scale, inv_tau, hidden,
+            H=H, G=G, N=N, C=C, D=D, R=R, RA=decay_x.shape[-1], WK=top_k, RK=read_top_k, SHARED=P - N,
+            NORM=out_norm is not None, GATED=out_gate is not None, HAS_MASK=mask is not None,
+            BG=triton.next_power_of_2(G), BN=triton.next_power_of_2(N), BC=triton.next_power_of_2(C),
+            BD=triton.next_power_of_2(D), BR=triton.next_power_of_2(R), BRA=triton.next_power_of_2(decay_x.shape[-1]),
+            BX=min(128, triton.next_power_of_2(hidden)), num_warps=4,
+        )  # fmt: skip
+    return o
+
+
+@sse_decode_step.register_fake
+def _(x, q, k, v, scores, decay_x, out_gate, q_lora_a, q_lora_b, k_lora_a, k_lora_b, decay_up, decay_bias, out_norm,
+      norm_eps, mask, state, scale, top_k, read_top_k, inv_tau):  # fmt: skip
+    B, H, P, C, D = state.shape
+    return x.new_empty(B, 1, H * (q.shape[-1] // (H * C)) * D)

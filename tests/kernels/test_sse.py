@@ -15,10 +15,11 @@ import raven_kernels.sse
 from raven_kernels import chunked
 from raven_kernels.chunked import RANGE_NATS, needs_exact
 from raven_kernels.sse import chunk as chunk_module
-from raven_kernels.sse import chunk_gla, fused_recurrent_sse
+from raven_kernels.sse import chunk_gla, fused_recurrent_sse, fused_recurrent_sse_decode
 from raven_kernels.sse.naive import chunk_gla_reference, gla_recurrent, sse_masking, sse_recurrent, sse_varlen
 from raven_layers.backend import use_backend
 from raven_layers.sse import sse_parallel
+from tests.kernels.decode_steps import steps_on_both_backends
 from tests.raven_layers.test_sse import CONFIG, FakeCache, random_gla, random_sse, tiny_mixer
 
 
@@ -275,6 +276,65 @@ def test_mixer_prefill_and_decode_with_the_kernels():
         outs[backend] = torch.cat(steps, dim=1), cache.state[0]
     assert rel_err(outs["triton"][0], outs["torch"][0]) < 1e-5
     assert rel_err(outs["triton"][1], outs["torch"][1]) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "settings, padded",
+    [
+        ({}, False),
+        ({"num_partitions": 3, "top_k": 2, "read_top_k": 3, "shared_partition": False, "output_norm": False,
+          "output_gate": False}, True),
+        ({"top_k": 2, "read_top_k": 1, "rows_per_partition": 4}, True),
+    ],
+)  # fmt: skip
+def test_mixer_decode_steps_in_one_kernel_update_the_state_in_place(settings, padded, monkeypatch):
+    """The mixer's decode steps on the Triton kernels route, project (LoRA), gate, update, read and gate the read in
+    one kernel that updates the cache's state where it lies, and give the PyTorch path's outputs and state: the
+    paper's n4k1 with the shared partition, more partitions written than read and the reverse, no shared partition,
+    norm or gate, c rows per partition other than the head dim, padding (a padded token neither writes nor decays)."""
+    steps = []
+    one_kernel = raven_kernels.sse.fused_recurrent_sse_decode
+    monkeypatch.setattr(
+        raven_kernels.sse, "fused_recurrent_sse_decode", lambda *a, **kw: steps.append(1) or one_kernel(*a, **kw)
+    )
+    runs = steps_on_both_backends(tiny_mixer(**settings), padded, "cpu")
+    assert len(steps) == 4  # every decode step of the Triton run
+    for a, b in zip(runs["triton"], runs["torch"]):
+        assert a.shape == b.shape and rel_err(a, b) < 1e-5
+
+
+def test_decode_step_kernel_reads_row_views_and_names_bad_arguments():
+    """The products may be row views of one fused product (the compiled step's); wrong shapes, a state that is not
+    contiguous float32, a top-k out of range and gradients are refused by name."""
+    mixer = tiny_mixer()
+    H, G, c, d, N, hidden, B = 2, 2, 8, 8, 4, 32, 3
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(B, 1, hidden, generator=g)
+    product = torch.randn(B, 1, H * G * c + H * c + H * d + H * N + 16 + H * G * d, generator=g)
+    q, k, v, scores, decay, gate = product.split([H * G * c, H * c, H * d, H * N, 16, H * G * d], dim=-1)
+    state = torch.randn(B, H, N + 1, c, d, generator=g)
+    lora = (mixer.q_lora_a, mixer.q_lora_b), (mixer.k_lora_a, mixer.k_lora_b)
+
+    def step(*products, state=state, top_k=1, **kwargs):
+        with torch.no_grad():
+            return fused_recurrent_sse_decode(
+                *products, *lora, mixer.decay_up, mixer.decay_bias, state.clone(), c**-0.5, top_k, 1, 16.0,
+                out_norm=mixer.o_norm.weight, out_gate=gate, **kwargs,
+            )  # fmt: skip
+
+    views = step(x, q, k, v, scores, decay)
+    assert views.shape == (B, 1, H * G * d)
+    assert torch.equal(views, step(*(t.contiguous() for t in (x, q, k, v, scores, decay))))
+    with pytest.raises(ValueError, match="scores must have shape"):
+        step(x, q, k, v, scores[..., :3], decay)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        step(x, q, k, v, scores, decay, state=state.double())
+    with pytest.raises(ValueError, match="top_k = 5"):
+        step(x, q, k, v, scores, decay, top_k=5)
+    with pytest.raises(ValueError, match="computes no gradients"):
+        fused_recurrent_sse_decode(
+            x, q, k, v, scores, decay, *lora, mixer.decay_up, mixer.decay_bias, state, c**-0.5, 1, 1, 16.0
+        )  # the mixer's parameters require gradients
 
 
 @pytest.mark.gpu

@@ -296,9 +296,9 @@ def step_launches(mixer: str) -> int:
     return sum(bool(re.match(calls, line)) for line in "\n".join(code).splitlines())
 
 
-@pytest.mark.parametrize("mixer, more", [("sila", 0), ("raven", 0), ("sse", 4)])
-def test_a_mixer_layers_decode_step_launches_no_more_than_an_attention_layers(mixer, more):
-    """The fused decode steps keep a mixer layer's launches at an attention layer's (SSE: at most 4 more, its top-k,
-    per-partition glue and the decay's second product, for now), counted in Inductor's CPU code: a product left out
-    of its layer's fused product, or glue left outside the mixer's kernel, shows here before a GPU profile."""
-    assert step_launches(mixer) <= step_launches("attention") + more
+@pytest.mark.parametrize("mixer", ["sila", "raven", "sse"])
+def test_a_mixer_layers_decode_step_launches_no_more_than_an_attention_layers(mixer):
+    """The fused decode steps keep a mixer layer's launches at an attention layer's, counted in Inductor's CPU code:
+    a product left out of its layer's fused product, or glue left outside the mixer's kernel, shows here before a
+    GPU profile."""
+    assert step_launches(mixer) <= step_launches("attention")
