@@ -4,7 +4,8 @@ many entries (attention over cached tokens, Raven over its slots).
 A kernel that splits its entries into NS ranges stores, per row (one key/value head of one sequence) and range,
 the running max `m`, the sum `l` of exp(score - m), and the exp-weighted values `o`, padded to BG query heads and
 BD channels; `merge_fwd_kernel` combines the ranges into o [rows, G, D], one program per row and query head, which
-reads the ranges in blocks (at batch 1 a row has up to a few hundred). A range with no entry stores m = -1e30
+reads the ranges in blocks (at batch 1 a row has up to a few hundred), or the last range of a row to finish merges
+the row itself (`merge_if_last`). A range with no entry stores m = -1e30
 (finite, so no NaN) and l = 0, and weighs nothing.
 """
 
@@ -51,6 +52,18 @@ def merge_ranges(
 
 
 @triton.jit
+def merge_if_last(m_part, l_part, o_part, o, counter, i_r, G: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
+                  BG: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr):  # fmt: skip
+    """Called by each range of row i_r once it stored its partials: the row's last range to finish merges the whole
+    row into o, counted with an atomic on counter[i_r] (`row_counters`), which it sets back to zero for the next
+    call. One launch instead of a second kernel."""
+    tl.debug_barrier()  # every thread's partials stored before the count says so
+    if tl.atomic_add(counter + i_r, 1, sem="acq_rel", scope="gpu") == NS - 1:  # acquire: the others' partials
+        merge_ranges(m_part, l_part, o_part, o, i_r, 0, BG, G, D, NS, BG, BD, BS)
+        tl.store(counter + i_r, 0)
+
+
+@triton.jit
 def merge_fwd_kernel(
     m_part,
     l_part,
@@ -80,6 +93,20 @@ def split_count(rows: int, blocks: int, device: torch.device, per_sm: int = 2) -
     per SM."""
     wanted = programs_wanted(device, per_sm)
     return min(triton.next_power_of_2(triton.cdiv(wanted, rows)), triton.next_power_of_2(blocks))
+
+
+_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def row_counters(rows: int, device: torch.device) -> torch.Tensor:
+    """[rows] int32 zeros that `merge_if_last` counts finished ranges in, each row's set back to zero by the
+    program that merges it: made once per device and row count (its first call runs outside any CUDA graph the
+    step is captured in), so every call and graph replay reuses them. Calls that run at once on two streams must
+    not share them."""
+    key = (device, rows)
+    if key not in _counters:
+        _counters[key] = torch.zeros(rows, dtype=torch.int32, device=device)
+    return _counters[key]
 
 
 class Partials:

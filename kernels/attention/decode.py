@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..split import Partials, merge_ranges, split_count
+from ..split import Partials, merge_if_last, row_counters, split_count
 
 
 @triton.jit
@@ -89,10 +89,7 @@ def attention_fwd_kernel_split(
     tl.store(l_part + p_part, b_l)
     tl.store(o_part + p_part[:, None] * BD + o_d[None, :], b_o)
     if MERGE:  # the row's last range to finish merges the row: no second launch
-        tl.debug_barrier()  # every thread's partials stored before the count says so
-        if tl.atomic_add(counter + i_bh, 1, sem="acq_rel", scope="gpu") == NS - 1:  # acquire: the others' partials
-            merge_ranges(m_part, l_part, o_part, out, i_bh, 0, BG, G, D, NS, BG, BD, BS)
-            tl.store(counter + i_bh, 0)  # zero again for the next step
+        merge_if_last(m_part, l_part, o_part, out, counter, i_bh, G, D, NS, BG, BD, BS)
 
 
 @dataclass(frozen=True)
@@ -123,20 +120,6 @@ def decode_tiles(tiles: DecodeTiles):
         yield
     finally:
         TILES = before
-
-
-_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def row_counters(rows: int, device: torch.device) -> torch.Tensor:
-    """[rows] int32 zeros that `merge_in_kernel` counts finished ranges in, each row's set back to zero by the
-    program that merges it: made once per device and row count (its first call runs outside any CUDA graph the
-    step is captured in), so every call and graph replay reuses them. Calls that run at once on two streams must
-    not share them."""
-    key = (device, rows)
-    if key not in _counters:
-        _counters[key] = torch.zeros(rows, dtype=torch.int32, device=device)
-    return _counters[key]
 
 
 def split_config(rows: int, slots: int, device: torch.device, block: int = 64, per_sm: int = 2) -> tuple[int, int, int]:

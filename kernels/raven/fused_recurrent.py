@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from ..rows import indices_by_score, rows_rms_norm, softplus
-from ..split import Partials, split_count
+from ..split import Partials, merge_if_last, row_counters, split_count
 from .utils import check_inputs, slot_indices
 
 
@@ -57,17 +57,19 @@ def slot_pass(sk, sv, p_s, b_q, b_k, b_v, b_i, b_lfk, first, MB, M: tl.constexpr
 
 
 @triton.jit
-def store_read(o, m_part, l_part, o_part, p_gd, b_mx, b_l, b_o, i_nh, i_sp, G: tl.constexpr, D: tl.constexpr,
-               NS: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr):  # fmt: skip
-    """The read of `slot_pass` into o at p_gd [BG, BD] (one range), or as this range's partials for the merge."""
+def store_read(o, m_part, l_part, o_part, counter, p_gd, b_mx, b_l, b_o, i_nh, i_sp, G: tl.constexpr,
+               D: tl.constexpr, NS: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr):  # fmt: skip
+    """The read of `slot_pass` into o at p_gd [BG, BD] (one range), or as this range's partials, the row merged by
+    its last range to finish."""
     o_g, o_d = tl.arange(0, BG), tl.arange(0, BD)
     if NS == 1:
         tl.store(o + p_gd, (b_o / b_l[:, None]).to(o.dtype.element_ty), mask=(o_g < G)[:, None] & (o_d < D)[None, :])
-    else:  # one token (T == 1): the ranges' partial readouts, merged by merge_fwd_kernel
+    else:  # one token (T == 1): the ranges' partial readouts
         p_part = (i_nh * NS + i_sp) * BG + o_g
         tl.store(m_part + p_part, b_mx)
         tl.store(l_part + p_part, b_l)
         tl.store(o_part + p_part[:, None] * BD + o_d[None, :], b_o)
+        merge_if_last(m_part, l_part, o_part, o, counter, i_nh, G, D, NS, BG, BD, BS)
 
 
 @triton.jit
@@ -84,6 +86,7 @@ def raven_fwd_kernel_fused_recurrent(
     m_part,
     l_part,
     o_part,
+    counter,
     cu_seqlens,
     scale,
     T,
@@ -99,6 +102,7 @@ def raven_fwd_kernel_fused_recurrent(
     NS: tl.constexpr,
     MB: tl.constexpr,
     IS_VARLEN: tl.constexpr,
+    BS: tl.constexpr,
 ):
     i_nh, i_sp = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -118,21 +122,21 @@ def raven_fwd_kernel_fused_recurrent(
         b_i = tl.load(idx + (t * H + i_h) * K + o_k, mask=m_k, other=-1)
         b_lfk = b_a * tl.load(r + (t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
         b_mx, b_l, b_o = slot_pass(sk, sv, p_s, b_q, b_k, b_v, b_i, b_lfk, i_sp * MB, MB, M, D, BG, BM, BD)
-        store_read(o, m_part, l_part, o_part, p_gd, b_mx, b_l, b_o, i_nh, i_sp, G, D, NS, BG, BD)
+        store_read(o, m_part, l_part, o_part, counter, p_gd, b_mx, b_l, b_o, i_nh, i_sp, G, D, NS, BG, BD, BS)
         tl.debug_barrier()  # this step's writes land before the next step reads the slots
 
 
 @triton.jit
 def raven_fwd_kernel_decode(
     q, k, v, logits, decay_x, stride_q, stride_k, stride_v, stride_l, stride_d, decay_bias, decay_log_scale, q_norm,
-    k_norm, norm_eps, mask, sk, sv, o, m_part, l_part, o_part, scale, alpha,
+    k_norm, norm_eps, mask, sk, sv, o, m_part, l_part, o_part, counter, scale, alpha,
     H: tl.constexpr, G: tl.constexpr, M: tl.constexpr, D: tl.constexpr, K: tl.constexpr, BG: tl.constexpr,
     BM: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, BMALL: tl.constexpr, NS: tl.constexpr, MB: tl.constexpr,
-    HAS_QK_NORM: tl.constexpr, SILU: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_QK_NORM: tl.constexpr, SILU: tl.constexpr, HAS_MASK: tl.constexpr, BS: tl.constexpr,
 ):  # fmt: skip
     """One decode step of a Raven layer from its projections, grid (N * H, NS): the q/k norms and feature map, the
     router's top-K of the slot logits [M] and their weights, the write decay, then `slot_pass` over this program's
-    range of slots (the state rewritten in place)."""
+    range of slots (the state rewritten in place), the ranges merged by the last of each row to finish."""
     i_nh, i_sp = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     o_g, o_d, o_k = tl.arange(0, BG), tl.arange(0, BD), tl.arange(0, BK)
@@ -165,7 +169,7 @@ def raven_fwd_kernel_decode(
     p_s = (i_n * H + i_h).to(tl.int64) * M * D
     b_mx, b_l, b_o = slot_pass(sk, sv, p_s, b_q * scale, b_k, b_v, b_i, b_lfk, i_sp * MB, MB, M, D, BG, BM, BD)
     p_gd = ((i_n * H + i_h) * G + o_g[:, None]) * D + o_d[None, :]
-    store_read(o, m_part, l_part, o_part, p_gd, b_mx, b_l, b_o, i_nh, i_sp, G, D, NS, BG, BD)
+    store_read(o, m_part, l_part, o_part, counter, p_gd, b_mx, b_l, b_o, i_nh, i_sp, G, D, NS, BG, BD, BS)
 
 
 def fused_recurrent_raven(
@@ -247,6 +251,7 @@ def raven_decode(
         part and part.m,
         part and part.l,
         part and part.o,
+        part and row_counters(N * H, q.device),
         cu_seqlens,
         float(scale),
         T,
@@ -262,10 +267,9 @@ def raven_decode(
         NS,
         triton.cdiv(blocks, NS),
         cu_seqlens is not None,
+        part.ranges_per_load(part.BG) if part else 1,
         num_warps=warps,
     )
-    if part is not None:
-        part.merge(o)
     return o
 
 
@@ -291,8 +295,8 @@ def fused_recurrent_raven_decode(
     feature_map: str = "silu",
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One decode step of a Raven layer from its projections, in one kernel (and the ranges' merge where the slots
-    split over several programs) that rewrites the state (S^k, S^v) in place: what
+    """One decode step of a Raven layer from its projections, in one kernel (the slots' ranges, where they split over
+    several programs, merged by the last of each row) that rewrites the state (S^k, S^v) in place: what
     `raven_layers.raven.RavenMixer.projections` and `route` and then `fused_recurrent_raven` compute at T == 1,
     with no launch for the norms, the feature map or the router's top-K. No gradients.
 
@@ -384,12 +388,11 @@ def raven_decode_step(
         raven_fwd_kernel_decode[(B * H, NS)](
             q, k, v, logits, decay_x, q.stride(0), k.stride(0), v.stride(0), logits.stride(0), decay_x.stride(0),
             decay_bias, decay_log_scale, q_norm, k_norm, norm_eps, mask, sk, sv, o, part and part.m,
-            part and part.l, part and part.o, scale, alpha, H=H, G=G, M=M, D=D, K=top_k, BG=BG, BM=BM, BD=BD,
-            BK=triton.next_power_of_2(top_k), BMALL=triton.next_power_of_2(M), NS=NS, MB=triton.cdiv(blocks, NS),
-            HAS_QK_NORM=q_norm is not None, SILU=silu, HAS_MASK=mask is not None, num_warps=warps,
+            part and part.l, part and part.o, part and row_counters(B * H, q.device), scale, alpha, H=H, G=G, M=M,
+            D=D, K=top_k, BG=BG, BM=BM, BD=BD, BK=triton.next_power_of_2(top_k), BMALL=triton.next_power_of_2(M),
+            NS=NS, MB=triton.cdiv(blocks, NS), HAS_QK_NORM=q_norm is not None, SILU=silu, HAS_MASK=mask is not None,
+            BS=part.ranges_per_load(part.BG) if part else 1, num_warps=warps,
         )  # fmt: skip
-        if part is not None:
-            part.merge(o)
     return o
 
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from raven_kernels.attention import decode_attention
-from raven_kernels.attention.decode import DecodeTiles, decode_tiles, row_counters, split_config
+from raven_kernels.attention.decode import DecodeTiles, decode_tiles, split_config
 from raven_kernels.attention.naive import naive_decode_attention
+from raven_kernels.split import row_counters
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -307,9 +307,10 @@ def test_mixer_triton_matches_torch(level):
      True, 64)],
 )  # fmt: skip
 def test_mixer_decode_steps_in_one_kernel_rewrite_the_state_in_place(settings, qk_norm, padded, programs, monkeypatch):
-    """The mixer's decode steps on the Triton kernels route, update and read in one kernel (and the merge where the
-    slots split over several programs) that rewrites the cache's state where it lies, and give the PyTorch path's
-    outputs and state: q/k norms and the SiLU map, padding (a padded token neither writes nor decays), top-1."""
+    """The mixer's decode steps on the Triton kernels route, update and read in one kernel (the slots split over
+    several programs merged by the last of each row) that rewrites the cache's state where it lies, and give the
+    PyTorch path's outputs and state: q/k norms and the SiLU map, padding (a padded token neither writes nor
+    decays), top-1."""
     monkeypatch.setattr(split, "programs_wanted", lambda device, per_sm=2: programs)
     config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5)
     torch.manual_seed(0)
