@@ -105,6 +105,10 @@
 #                  job), into RUNS/decode-tests
 #   decode-round   one device session's worth (about 25 minutes): decode-tests beside sila-deep22-half (evaluated at
 #                  1K-8K), then decode-lab alone
+#   decode-bench   times, alone: every mixer at 15 of 30 against both teachers at batch 128 and 32 at 16K, and at
+#                  batch 1 at 4K and 16K, with floors; SILA at 22 and 26 of 30 at batch 128 and 16K
+#                  (bench_generate.py), into RUNS/decode-bench
+#   decode-round-2 decode-tests (NEWEST=1: again under the newest transformers), then decode-bench
 #   depth-speed    decode speed at 15, 22, 26 and 30 of 30 layers converted against the teacher on transformers and
 #                  on this engine (bench_generate.py --depths: batch 1, 32, 128 at 4K and 16K, with bandwidth
 #                  floors), and the largest batch at 32K (bench_capacity.py --depths), into RUNS/depth-speed;
@@ -174,7 +178,7 @@ fast_path_tests() {  # the fast path's GPU tests, again under the newest transfo
     -k decode 2>&1 | tail -20  # the mixers' one-kernel decode steps, compiled for this GPU
   RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q -rfE tests/raven_layers/test_gpu.py \
     tests/kernels/test_attention.py tests/scripts/test_sweep_decode_attention.py 2>&1 | tail -40
-  [ -d /tmp/site-newest ] || return 0
+  [ -d /tmp/site-newest ] && [ "${NEWEST:-1}" = 1 ] || return 0
   PYTHONPATH=/tmp/site-newest:$PYTHONPATH python3 -c "import transformers; print('+ transformers', transformers.__version__)"
   PYTHONPATH=/tmp/site-newest:$PYTHONPATH RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q \
     -rfE tests/raven_layers/test_gpu.py -k "real_smollm2 or graphed or decode_loop" 2>&1 | tail -20  # the exactness tests
@@ -321,6 +325,19 @@ PY
     (run decode-tests & WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run sila-deep22-half; wait)
     run decode-lab
     ;;
+  decode-bench)  # times, so alone on the machine: issue 52's table, the floor targets first
+    local out="$RUNS/decode-bench" && mkdir -p "$out"
+    timeout 540 python3 scripts/bench/bench_generate.py --out "$out/large" --mixers raven,sse,sila --batches 128,32 \
+      --contexts 16k --steps 16
+    timeout 420 python3 scripts/bench/bench_generate.py --out "$out/b1" --mixers raven,sse,sila --batches 1 \
+      --contexts 4k,16k --steps 32
+    timeout 300 python3 scripts/bench/bench_generate.py --out "$out/depth" --mixers sila --depths 22,26 \
+      --batches 128 --contexts 16k --steps 16
+    ;;
+  decode-round-2)  # one device session: the fast path's tests, then its times
+    NEWEST=${NEWEST:-0} run decode-tests
+    run decode-bench
+    ;;
   depth-speed)
     local out="$RUNS/depth-speed" depths=(--mixers sila --depths "${DEPTHS:-15,22,26,30}")
     python3 scripts/bench/bench_generate.py --out "$out" "${depths[@]}" --batches "${BATCHES:-1,32,128}" \
@@ -361,7 +378,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deep22-half sila-deep22-double sila-deep22-ddp4 sila-deep26-ddp4 decode-lab decode-tests decode-round depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deep22-half sila-deep22-double sila-deep22-ddp4 sila-deep26-ddp4 decode-lab decode-tests decode-round decode-bench decode-round-2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;
