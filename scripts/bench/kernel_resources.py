@@ -1,6 +1,6 @@
-"""Registers, spill stack and shared memory of Raven's per-chunk and decode kernels and SILA's kernels on sm_90,
-without a GPU: each kernel is compiled with Triton for Hopper under its launch settings and its cubin read with
-the cuobjdump that ships with Triton.
+"""Registers, spill stack and shared memory of Raven's per-chunk and decode kernels, SILA's kernels and the mixers'
+one-kernel decode steps on sm_90, without a GPU: each kernel is compiled with Triton for Hopper under its launch
+settings and its cubin read with the cuobjdump that ships with Triton.
 Check a launch or layout change here first: a spilling kernel is slow, and one that needs over 227 KB of shared
 memory does not launch.
 
@@ -32,6 +32,7 @@ from raven_kernels.sila import fused_recurrent_bwd as sila_bwd_kernels  # noqa: 
 from raven_kernels.sila import fused_recurrent_fwd as sila_fwd_kernels  # noqa: E402
 from raven_kernels.sila import utils as sila_utils  # noqa: E402
 from raven_kernels.sila.fused_recurrent import CHUNK_SIZE as SILA_CHUNK  # noqa: E402
+from raven_kernels.sse import fused_recurrent as sse_recurrent  # noqa: E402
 
 KERNELS = {
     "o": chunk.raven_fwd_kernel_o,
@@ -49,6 +50,9 @@ KERNELS = {
     "sila_dq": sila_bwd_kernels.sila_bwd_kernel_dq,
     "sila_bwd": sila_bwd_kernels.sila_bwd_kernel_recurrent,
     "sila_dkv": sila_bwd_kernels.sila_bwd_kernel_dkv,
+    "sila_step": sila_fwd_kernels.sila_fwd_kernel_decode,  # the one-kernel decode steps, from a layer's products
+    "raven_step": fused_recurrent.raven_fwd_kernel_decode,
+    "sse_step": sse_recurrent.sse_fwd_kernel_step,
 }
 INPUT_DTYPE = {
     "q",
@@ -67,14 +71,17 @@ INPUT_DTYPE = {
     "xv",
     "p",
     "ds",
-}  # bf16 in training
-INT32 = {"chunk_bos", "chunk_len", "seq_chunks", "idx", "cu_seqlens", "state_offsets", "chunk_indices"}
+    *("x", "e", "dx", "og", "logits", "decay_x", "beta_x", "gamma_x", "alpha_x", "out_gate", "tail"),
+}  # bf16 in training, and the decode steps' products
+INT32 = {"chunk_bos", "chunk_len", "seq_chunks", "idx", "cu_seqlens", "state_offsets", "chunk_indices", "counter"}
+STEP_FLOATS = {"scale", "norm_eps", "alpha", "inv_tau"}  # the decode steps' floats (elsewhere alpha is a pointer)
 POINTER_TYPES = {**{n: "*bf16" for n in INPUT_DTYPE}, **{n: "*i32" for n in INT32}, "mask": "*u8"}
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-def resources(fn, constants: dict, num_warps: int, num_stages: int) -> dict[str, int]:
-    """Compile `fn` for sm_90 with these constexpr values (every other argument a pointer or a float scale).
+def resources(fn, constants: dict, num_warps: int, num_stages: int, floats=frozenset({"scale"})) -> dict[str, int]:
+    """Compile `fn` for sm_90 with these constexpr values (every other argument a pointer, one of `floats`, or an
+    integer: T, HID and strides).
 
     Pointers are marked 16-byte aligned, as the launcher marks torch's allocations: without that Triton cannot
     vectorise the loads and the compiled kernel is not the one that runs.
@@ -84,9 +91,9 @@ def resources(fn, constants: dict, num_warps: int, num_stages: int) -> dict[str,
         if name in constants:
             signature[name] = "constexpr"
             constexprs[(i,)] = constants[name]
-        elif name == "scale":
+        elif name in floats:
             signature[name] = "fp32"
-        elif name == "T":
+        elif name in ("T", "HID") or name.startswith("stride_"):
             signature[name] = "i32"
         else:
             signature[name] = POINTER_TYPES.get(name, "*fp32")
@@ -117,6 +124,9 @@ def kernel_rows(D: int, M: int, names: list[str]) -> list[tuple]:
             raise ValueError(f"--kernels: unknown kernel {name!r}; allowed: {', '.join(KERNELS)}")
     rows = []
     for name in names:
+        if name.endswith("_step"):
+            rows.append(step_row(name, D, M))
+            continue
         if name.startswith("sila_"):
             rows.append(sila_row(name, D))
             continue
@@ -149,6 +159,28 @@ def sila_row(name: str, D: int) -> tuple:
     constants.update(STORE_HT=False, SAVE=True, INLINE_OUTPUT=False, STORE_DH0=False, HAS_MASK=False, IS_VARLEN=False)
     used = resources(KERNELS[name], constants, warps, 1)
     return (name, "-", warps, 1, used["registers"], used["stack"], used["shared"])
+
+
+def step_row(name: str, D: int, M: int) -> tuple:
+    """(name, slots per block or "-", warps, stages, registers, stack, shared) of a one-kernel decode step as its
+    mixer launches it at batch 1 (one program per key/value head): SmolLM2's 3 key/value heads of 3 query heads,
+    head dim D, every option on (q/k norms, output gate and norm, padding mask); Raven with M slots and top-32, SSE
+    with its recipe's n4k1, LoRA rank 64 and the shared partition, SILA with a 4-tap convolution."""
+    G, BG = 3, 4
+    flags = dict(HAS_QK_NORM=True, HAS_MASK=True, SILU=True)
+    if name == "sila_step":
+        warps, BM = sila_utils.launch_settings(D, D)["sweep"], "-"
+        constants = dict(H=3, G=G, K=D, KB=sila_utils.sweep_block(D), TAPS=4, GATED=True, **flags)
+    elif name == "raven_step":
+        (BM, warps), K = fused_recurrent.decode_config(M, G, D), min(32, M)
+        constants = dict(H=3, G=G, M=M, D=D, K=K, BG=BG, BM=BM, BD=D, BK=K, BMALL=M, NS=1, MB=-(-M // BM), BS=1)
+        constants.update(flags)
+    else:
+        warps, BM, r = 8, "-", 64
+        constants = dict(H=3, G=G, N=4, C=D, D=D, R=r, RA=16, WK=1, RK=1, SHARED=1, NORM=True, GATED=True)
+        constants.update(HAS_MASK=True, BG=BG, BN=4, BC=D, BD=D, BR=r, BRA=16, BX=64)
+    used = resources(KERNELS[name], constants, warps, 1, STEP_FLOATS)
+    return (name, BM, warps, 1, used["registers"], used["stack"], used["shared"])
 
 
 def main() -> None:
