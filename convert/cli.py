@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from raven_layers import DEFAULT_MIXER, mixer_names, registered_mixers, resolve_mixer
 
-from .console import command_line, interrupted, invoked_as
+from .console import command_line, interrupted, invoked_as, reporting_interrupt
 from .files import DiskSpaceError
 from .layer_choice import ChoiceSettings
 from .layer_spec import ACCEPTED_FORMS, AUTO_FORM
@@ -225,12 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     except DiskSpaceError as err:  # what was needed, what was free; the partial output is already gone
         parser.exit(1, f"{parser.prog}: error: {err.strerror}\n")
     except KeyboardInterrupt:
-        if _stamp(args.out) == before:  # the output is swapped in whole, so it is either untouched or complete
-            saved = f"--out {args.out} is as it was" if before else f"nothing was written to --out {args.out}"
-            return interrupted(saved, command_line(parser.prog, argv))
-        again = argv if args.overwrite else [*argv, "--overwrite"]
-        saved = f"the model was written to {args.out}" + (", not pushed" if args.push_to_hub else "")
-        return interrupted(saved, command_line(parser.prog, again))
+        with reporting_interrupt():
+            if _stamp(args.out) == before:  # the output is swapped in whole, so it is either untouched or complete
+                saved = f"--out {args.out} is as it was" if before else f"nothing was written to --out {args.out}"
+                return interrupted(saved, command_line(parser.prog, argv))
+            again = argv if args.overwrite else [*argv, "--overwrite"]
+            saved = f"the model was written to {args.out}" + (", not pushed" if args.push_to_hub else "")
+            return interrupted(saved, command_line(parser.prog, again))
     return 0
 
 

@@ -7,7 +7,9 @@ import math
 import os
 import re
 import shlex
+import signal
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 INTERRUPTED = 130  # the shell's exit status for a command ended by SIGINT
@@ -43,6 +45,17 @@ def eta(seconds: float) -> str:
     if s >= 3600:
         return f"ETA {s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s"
     return f"ETA {s // 60}m{s % 60:02d}s" if s >= 60 else f"ETA {s}s"
+
+
+@contextmanager
+def reporting_interrupt():
+    """Around the handling of a Ctrl-C: further SIGINTs are ignored until it is reported. torchrun sends its
+    workers a second SIGINT as it stops them, which would otherwise break into the report with a traceback."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def interrupted(saved: str, resume: str) -> int:

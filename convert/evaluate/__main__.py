@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from raven_convert.console import attach_negative_values, command_line, interrupted
+from raven_convert.console import attach_negative_values, command_line, interrupted, reporting_interrupt
 from raven_convert.files import check_writable
 
 from .needles import haystack_files
@@ -203,10 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         p.exit(2, f"raven-eval: error: {_flags(str(err))}\n")
     except KeyboardInterrupt:
-        report = args.out / "report.json"
-        done = json.loads(report.read_text()).get("finished") if report.is_file() else None
-        saved = f"finished parts are in {report}: {', '.join(done)}" if done else "no part had finished"
-        return interrupted(saved, command_line("raven-eval", argv if resume else [*argv, "--resume"]))
+        with reporting_interrupt():
+            report = args.out / "report.json"
+            done = json.loads(report.read_text()).get("finished") if report.is_file() else None
+            saved = f"finished parts are in {report}: {', '.join(done)}" if done else "no part had finished"
+            return interrupted(saved, command_line("raven-eval", argv if resume else [*argv, "--resume"]))
     if report.get("failed"):
         parts = ", ".join(f"{part} ({error})" for part, error in report["failed"].items())
         print(f"raven-eval: error: {_flags(parts)} failed; the other parts are in {args.out / 'report.json'}")

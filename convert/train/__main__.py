@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from raven_convert.console import command_line, interrupted, invoked_as
+from raven_convert.console import command_line, interrupted, invoked_as, reporting_interrupt
 from raven_convert.files import DiskSpaceError
 from raven_convert.train.finetune import run_finetune_recipe
 from raven_convert.train.recipe import (
@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        return interrupted(saved_so_far(args.run_dir, stages, order), resume_command(args))
+        with reporting_interrupt():
+            return interrupted(saved_so_far(args.run_dir, stages, order), resume_command(args))
     return 0
 
 

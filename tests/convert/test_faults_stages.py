@@ -212,6 +212,33 @@ def test_ctrl_c_under_torchrun_is_reported_by_one_process(converted, tmp_path):
     assert len(said) == 1 and said[0].startswith(f"interrupted: stages done in {run}: convert"), log.read_text()
 
 
+SECOND_CTRL_C = """
+import os, signal, sys, time
+from raven_convert.console import interrupted, reporting_interrupt
+before = signal.getsignal(signal.SIGINT)
+def saved_so_far():
+    os.kill(os.getpid(), signal.SIGINT)  # the launcher's SIGINT, arriving while the report is made
+    time.sleep(0.05)
+    return "stages done in RUN: convert"
+try:
+    raise KeyboardInterrupt  # the first Ctrl-C
+except KeyboardInterrupt:
+    with reporting_interrupt():
+        status = interrupted(saved_so_far(), "RESUME")
+print(status, signal.getsignal(signal.SIGINT) is before)
+"""
+
+
+def test_a_second_ctrl_c_while_the_first_is_reported_does_not_break_the_report():
+    """torchrun sends its workers a second SIGINT as it stops them (under load the torchrun test above saw it break
+    into the report with a traceback): while one Ctrl-C is reported, another is ignored, and the handler is back
+    afterwards. In a fresh interpreter, so that a regression fails this test, not the test process."""
+    result = subprocess.run([sys.executable, "-c", SECOND_CTRL_C], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "interrupted: stages done in RUN: convert. To resume: RESUME\n"
+    assert result.stdout == "130 True\n"
+
+
 def test_an_eta_never_reads_zero_seconds():
     shown = [eta(s) for s in (0, 1e-4, 0.49, 0.51, 59.6, 61, 3725, float("nan"))]
     assert shown == ["done", "ETA <1s", "ETA <1s", "ETA <1s", "ETA 1m00s", "ETA 1m01s", "ETA 1h02m05s", "ETA ?"]
