@@ -107,7 +107,8 @@
 #                  1K-8K), then decode-lab alone
 #   decode-bench   times, alone: every mixer at 15 of 30 against both teachers at batch 128 and 32 at 16K, and at
 #                  batch 1 at 4K and 16K, with floors; SILA at 22 and 26 of 30 at batch 128 and 16K
-#                  (bench_generate.py), into RUNS/decode-bench
+#                  (bench_generate.py); where a batch-32 step goes (profile_decode.py); the attention's tilings
+#                  at batch 32 around the default (sweep_decode_attention.py), into RUNS/decode-bench
 #   decode-round-2 decode-tests (NEWEST=1: again under the newest transformers), then decode-bench
 #   depth-speed    decode speed at 15, 22, 26 and 30 of 30 layers converted against the teacher on transformers and
 #                  on this engine (bench_generate.py --depths: batch 1, 32, 128 at 4K and 16K, with bandwidth
@@ -333,6 +334,10 @@ PY
       --contexts 4k,16k --steps 32
     timeout 300 python3 scripts/bench/bench_generate.py --out "$out/depth" --mixers sila --depths 22,26 \
       --batches 128 --contexts 16k --steps 16
+    timeout 300 python3 scripts/bench/profile_decode.py --out "$out" --models teacher-engine,sila --batches 32 \
+      --context 16k --variants default
+    timeout 300 python3 scripts/bench/sweep_decode_attention.py --out "$out" --batches 32 --contexts 16k \
+      --blocks 64,128,256 --warps 4,8 --stages 2,3,4 --per-sm 1,2,4 --native 1 --merge 1
     ;;
   decode-round-2)  # one device session: the fast path's tests, then its times
     NEWEST=${NEWEST:-0} run decode-tests
