@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..decode_checks import check_in_place, check_row_views, check_shapes
 from ..rows import indices_by_score, rows_rms_norm, softplus
 from ..split import Partials, merge_if_last, row_counters, split_count
 from .utils import check_inputs, slot_indices
@@ -327,16 +328,9 @@ def fused_recurrent_raven_decode(
         "decay_log_scale": (decay_log_scale, (H,)),
         "S^v": (sv, (B, H, M, D)),
     }
-    for name, (x, shape) in expected.items():
-        if tuple(x.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape} (from S^k {tuple(sk.shape)} and q), got {tuple(x.shape)}")
-    for name, x in (("q", q), ("k", k), ("v", v), ("logits", logits), ("decay_x", decay_x)):
-        if x.stride(-1) != 1:
-            raise ValueError(f"{name}'s last dim must be contiguous (rows may be strided), got strides {x.stride()}")
-    for name, s in (("S^k", sk), ("S^v", sv)):
-        if s.dtype != torch.float32 or not s.is_contiguous():
-            raise ValueError(f"{name} is updated in place: it must be contiguous float32, got {s.dtype}"
-                             f"{'' if s.is_contiguous() else ', not contiguous'}")  # fmt: skip
+    check_shapes(expected, f"S^k {tuple(sk.shape)} and q")
+    check_row_views({"q": q, "k": k, "v": v, "logits": logits, "decay_x": decay_x})
+    check_in_place({"S^k": sk, "S^v": sv})
     if not 1 <= top_k <= M:
         raise ValueError(f"top_k = {top_k} must lie in [1, num_slots = {M}]")
     if feature_map not in ("silu", "identity"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..decode_checks import check_row_views, check_shapes
 from . import utils
 from .fused_recurrent_bwd import fused_recurrent_sila_bwd
 from .fused_recurrent_fwd import fused_recurrent_sila_fwd, sila_fwd_kernel_decode
@@ -209,14 +210,9 @@ def fused_recurrent_sila_decode(
     }
     if out_gate is not None:
         expected["out_gate"] = (out_gate, (B, 1, H * G * d))
-    for name, (x, shape) in expected.items():
-        if tuple(x.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape} (from state {tuple(state.shape)} and q), "
-                             f"got {tuple(x.shape)}")  # fmt: skip
+    check_shapes(expected, f"state {tuple(state.shape)} and q")
     products = {"q": q, "k": k, "v": v, "beta_x": beta_x, "gamma_x": gamma_x, "alpha_x": alpha_x, "out_gate": out_gate}
-    for name, x in products.items():
-        if x is not None and x.stride(-1) != 1:
-            raise ValueError(f"{name}'s last dim must be contiguous (rows may be strided), got strides {x.stride()}")
+    check_row_views(products)
     for name, x in (("state", state), ("tail", tail)):
         if not x.is_contiguous():
             raise ValueError(f"{name} must be contiguous: it is updated in place")

@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..decode_checks import check_in_place, check_row_views, check_shapes
 from ..rows import indices_by_score, rows_rms_norm, softplus
 from .chunk import _new
 
@@ -281,17 +282,10 @@ def fused_recurrent_sse_decode(
         expected["out_norm"] = (out_norm, (D,))
     if out_gate is not None:
         expected["out_gate"] = (out_gate, (B, 1, H * G * D))
-    for name, (t, shape) in expected.items():
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape} (from the state {tuple(state.shape)}, q_lora A "
-                             f"{tuple(qa.shape)} and q), got {tuple(t.shape)}")  # fmt: skip
+    check_shapes(expected, f"the state {tuple(state.shape)}, q_lora A {tuple(qa.shape)} and q")
     products = {"x": x, "q": q, "k": k, "v": v, "scores": scores, "decay_x": decay_x, "out_gate": out_gate}
-    for name, t in products.items():
-        if t is not None and t.stride(-1) != 1:
-            raise ValueError(f"{name}'s last dim must be contiguous (rows may be strided), got strides {t.stride()}")
-    if state.dtype != torch.float32 or not state.is_contiguous():
-        raise ValueError(f"the state is updated in place: it must be contiguous float32, got {state.dtype}"
-                         f"{'' if state.is_contiguous() else ', not contiguous'}")  # fmt: skip
+    check_row_views(products)
+    check_in_place({"the state": state})
     if P not in (N, N + 1):
         raise ValueError(f"the state holds P = {P} partitions; expected N = {N} or N + 1 (with the shared one)")
     for name, top in (("top_k", top_k), ("read_top_k", read_top_k)):
