@@ -5,8 +5,8 @@ A kernel that splits its entries into NS ranges stores, per row (one key/value h
 the running max `m`, the sum `l` of exp(score - m), and the exp-weighted values `o`, padded to BG query heads and
 BD channels; `merge_fwd_kernel` combines the ranges into o [rows, G, D], one program per row and query head, which
 reads the ranges in blocks (at batch 1 a row has up to a few hundred), or the last range of a row to finish merges
-the row itself (`merge_if_last`). A range with no entry stores m = -1e30
-(finite, so no NaN) and l = 0, and weighs nothing.
+the row itself (`merge_if_last`). A range with no entry stores m = -1e30 (finite, so no NaN) and l = 0, and weighs
+nothing.
 """
 
 from __future__ import annotations
