@@ -163,6 +163,11 @@ def sila_fwd_kernel_decode(
     o_kb, o_mem = sweep_offsets(K, K, KB)
     o_v = tl.arange(0, K)
     p_tail = tail + i_n.to(tl.int64) * (TAPS - 1) * C
+    # the memory and the gate weights first: their loads then overlap the norms and the convolution (whose tail
+    # stores would otherwise come before them in program order)
+    b_M = tl.load(state + (i_n * H + i_h).to(tl.int64) * K * K + o_mem)
+    b_wb = tl.load(w_beta + i_h * K + o_v).to(tl.float32)
+    b_wg = tl.load(w_gamma + i_h * K + o_v).to(tl.float32)
     b_live = i_n >= 0  # a real token
     if HAS_MASK:
         b_live = tl.load(mask + i_n) != 0
@@ -174,10 +179,7 @@ def sila_fwd_kernel_decode(
     b_v = conv_step(b_v, p_tail, conv_w, (G * H + H + i_h) * K + o_v, b_live, C, TAPS, SILU)
     b_bx = tl.load(beta_x + i_n * stride_bx + i_h).to(tl.float32) + tl.load(beta_bias + i_h).to(tl.float32)
     b_gx = tl.load(gamma_x + i_n * stride_gx + i_h).to(tl.float32) + tl.load(gamma_bias + i_h).to(tl.float32)
-    b_M = tl.load(state + (i_n * H + i_h).to(tl.int64) * K * K + o_mem)
     b_r = tl.sum(tl.sum(b_M * b_k[None, :, :], axis=1), axis=1)  # [V] M_{t-1} k_t
-    b_wb = tl.load(w_beta + i_h * K + o_v).to(tl.float32)
-    b_wg = tl.load(w_gamma + i_h * K + o_v).to(tl.float32)
     b_sb, b_sg = tl.reduce((b_r * b_wb, b_r * b_wg), 0, _add_pair)
     b_beta, b_gamma, _, _ = sila_gates(b_sb, b_sg, b_bx, b_gx, b_live)
     for i_g in tl.static_range(G):
