@@ -5,6 +5,8 @@
         --haystack ../shared/data/pg_essays --ppl-data ../shared/data/pg_essays --lengths 1024,2048,4096,8192
     python -m raven_convert.depth collect --teacher runs/depth/teacher 15=runs/a 22=runs/b \
         --speed bench_generate.json --out docs/results/depth
+    python -m raven_convert.depth budget --teacher runs/depth/teacher runs/half runs/whole --target-ppl 1.05 \
+        --out docs/results/depth/budget
 
 `run` evaluates the teacher once with the recipe's evaluate settings (RUN_ROOT/teacher), then runs the recipe with
 `layers: auto:N` for each depth N (RUN_ROOT/autoN: each an ordinary recipe run, so a rerun skips what is done and
@@ -17,7 +19,8 @@ Both write OUT/depth.json, depth.md (one table) and depth.png (quality and speed
 depth: perplexity and its ratio to the teacher's, the retrieval cells (task x length, at `--lengths`) within
 `--within` points of the teacher's or above, passkey per length, the keys and values one token adds to the cache
 (from the evaluation's speed part) and the throughput against the teacher on the same engine (its step over the
-hybrid's, same batch and context).
+hybrid's, same batch and context). `budget` puts runs of one recipe at several budgets against the tokens they read
+(raven_convert/budget.py).
 """
 
 from __future__ import annotations
@@ -313,7 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
     got.add_argument("--mixer", required=True, help="the mixer, as bench_generate.py names its rows")
     got.add_argument("--speed", default=None, help="a scripts/bench/bench_generate.py --depths JSON")
     got.add_argument("--out", required=True)
-    for p in (go, got):
+    spent = sub.add_parser("budget", help="quality against the tokens read, from runs of one recipe at several budgets")
+    spent.add_argument("runs", nargs="+", metavar="RUN", help="a recipe run directory or its archive (stages.json)")
+    spent.add_argument("--teacher", required=True, help="the teacher's evaluation (same settings)")
+    spent.add_argument("--target-ppl", type=float, default=1.05, help="the perplexity ratio to reach (1.05)")
+    spent.add_argument("--out", required=True)
+    for p in (go, got, spent):
         p.add_argument(
             "--lengths", type=parse_lengths, default=None, help="the retrieval lengths compared (default: all)"
         )
@@ -328,6 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             print(run(args))
+        elif args.command == "budget":
+            from raven_convert.budget import budget  # it reads depth's quality: imported here, not at the top
+
+            print(budget(args))
         else:
             print(collect(args))
     except (ValueError, FileNotFoundError) as err:
