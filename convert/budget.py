@@ -20,8 +20,7 @@ import json
 import math
 from pathlib import Path
 
-from raven_convert.depth import quality
-from raven_convert.evaluate.compare import load_report, report_path
+from raven_convert.evaluate.compare import load_report, quality, report_path
 from raven_convert.files import atomic_file, write_json
 from raven_convert.train.recipe_schema import STAGES
 from raven_convert.train.run_state import MARKER

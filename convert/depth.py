@@ -30,7 +30,8 @@ import json
 import sys
 from pathlib import Path
 
-from raven_convert.evaluate.compare import cells_under, load_report, perplexity_at, report_path, retrieval_cells
+from raven_convert.budget import budget
+from raven_convert.evaluate.compare import load_report, quality, report_path
 from raven_convert.files import atomic_file, write_json
 
 DEFAULT_BATCHES = (32, 128)
@@ -46,33 +47,6 @@ def parse_depths(text: str) -> list[int]:
     if not depths or depths[0] < 1:
         raise ValueError(f"--depths {text!r}: each depth is a number of layers converted, at least 1")
     return depths
-
-
-def quality(report: dict, teacher: dict, lengths: list[int] | None, within: float, ppl_length: int) -> dict:
-    """One depth's quality against the teacher's report (see the module)."""
-    ppl, base = perplexity_at(report, ppl_length), perplexity_at(teacher, ppl_length)
-    cells = retrieval_cells(report, "standard", lengths)
-    shared, under = cells_under(cells, retrieval_cells(teacher, "standard", lengths), within)
-    passkey = {n: v for (task, n), v in sorted(cells.items()) if task == "passkey"}
-    return {
-        "perplexity": ppl,
-        "perplexity_ratio": None if ppl is None or not base else round(ppl / base, 4),
-        "cells": len(shared),
-        "cells_within": len(shared) - len(under),
-        "cells_under": [f"{task} {n}: {cells[task, n]:.0f} vs teacher's" for task, n in under],
-        "passkey": passkey,
-        "kv_bytes_per_token": kv_per_token(report),
-    }
-
-
-def kv_per_token(report: dict) -> float | None:
-    """Keys and values one token adds to the cache, from the evaluation's speed part (attention bytes per sequence
-    over its context), or None where it did not measure speed."""
-    for entry in report.get("speed") or []:
-        cache = entry.get("cache_bytes_per_sequence")
-        if cache and entry.get("context_length") and not entry.get("skipped"):
-            return cache.get("attention", 0) / entry["context_length"]
-    return None
 
 
 def throughput(rows: list[dict], name: str) -> dict[str, float]:
@@ -337,8 +311,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             print(run(args))
         elif args.command == "budget":
-            from raven_convert.budget import budget  # it reads depth's quality: imported here, not at the top
-
             print(budget(args))
         else:
             print(collect(args))

@@ -1,5 +1,6 @@
 """Evaluation reports side by side: read a `report.json`, take its perplexity and retrieval cells, and count the
-cells a model keeps within P points of a reference (`raven-eval table`, raven_convert.depth).
+cells a model keeps within P points of a reference (`raven-eval table`); `quality` sums a hybrid up against its
+teacher for the depth and budget tables (raven_convert.depth, raven_convert.budget).
 
     cells = retrieval_cells(load_report("runs/sila"), "standard", [1024, 2048, 4096, 8192])  # {(task, length): %}
     shared, under = cells_under(cells, retrieval_cells(teacher, "standard", None), points=10)
@@ -50,3 +51,32 @@ def cells_under(cells: dict, reference: dict, points: float) -> tuple[list, list
     """(the cells both have, those more than `points` under the reference's) of two retrieval_cells results."""
     shared = [c for c in reference if c in cells]
     return shared, [c for c in shared if cells[c] < reference[c] - points]
+
+
+def quality(report: dict, teacher: dict, lengths: list[int] | None, within: float, ppl_length: int) -> dict:
+    """A hybrid's quality against its teacher's report, as the depth and budget tables count it: perplexity at
+    `ppl_length` and its ratio, the retrieval cells (task x length, at `lengths` or all) within `within` points of
+    the teacher's or above and those under, passkey per length, and the keys and values one token adds."""
+    ppl, base = perplexity_at(report, ppl_length), perplexity_at(teacher, ppl_length)
+    cells = retrieval_cells(report, "standard", lengths)
+    shared, under = cells_under(cells, retrieval_cells(teacher, "standard", lengths), within)
+    passkey = {n: v for (task, n), v in sorted(cells.items()) if task == "passkey"}
+    return {
+        "perplexity": ppl,
+        "perplexity_ratio": None if ppl is None or not base else round(ppl / base, 4),
+        "cells": len(shared),
+        "cells_within": len(shared) - len(under),
+        "cells_under": [f"{task} {n}: {cells[task, n]:.0f} vs teacher's" for task, n in under],
+        "passkey": passkey,
+        "kv_bytes_per_token": kv_per_token(report),
+    }
+
+
+def kv_per_token(report: dict) -> float | None:
+    """Keys and values one token adds to the cache, from the evaluation's speed part (attention bytes per sequence
+    over its context), or None where it did not measure speed."""
+    for entry in report.get("speed") or []:
+        cache = entry.get("cache_bytes_per_sequence")
+        if cache and entry.get("context_length") and not entry.get("skipped"):
+            return cache.get("attention", 0) / entry["context_length"]
+    return None
