@@ -90,8 +90,9 @@
 #                  evaluation into RUNS/sila-prog15 (about 11 GPU-minutes), then
 #                  recipes/smollm2-sila-deep22-progressive.yaml from it (--start-from) into RUNS/sila-prog22, evaluated;
 #                  against sila-deep22 (one step) at the same evaluation
-#   sila-deep22-half|sila-deep22-double  smollm2-sila-deep22.yaml at half and twice its align, train and extend steps:
-#                  perplexity and retrieval against the tokens read (about 8 and 22 GPU-minutes without evaluation)
+#   sila-deepN-half|sila-deepN-double  (N: 22 or 26) smollm2-sila-deepN.yaml at half and twice its align, train and
+#                  extend steps: perplexity and retrieval against the tokens read (about 8 and 22 GPU-minutes without
+#                  evaluation; `python -m raven_convert.depth budget` puts them beside the recipe's own run)
 #   sila-deep22-ddp4|sila-deep26-ddp4  the deep recipe on all four GPUs of the host under data parallel (PROCESSES=4:
 #                  each stage through `accelerate launch`, batch_size rows per process), so 4x the tokens in about
 #                  the same minutes; start it alone, with every GPU visible
@@ -293,10 +294,10 @@ PY
     recipe sila sila-prog15 --stages convert,align,weights,train,extend || return 1
     trained sila-deep22-progressive "$1" --start-from "$RUNS/sila-prog15/extend/model"
     ;;
-  sila-deep22-half | sila-deep22-double)
+  sila-deep22-half | sila-deep22-double | sila-deep26-half | sila-deep26-double)
     local a=600 t=150 e=75
-    [ "$1" = sila-deep22-double ] && a=2400 t=600 e=300
-    trained sila-deep22 "$1" --set align.steps=$a --set train.steps=$t --set extend.steps=$e
+    [ "${1##*-}" = double ] && a=2400 t=600 e=300
+    trained "${1%-*}" "$1" --set align.steps=$a --set train.steps=$t --set extend.steps=$e
     ;;
   sila-deep22-ddp4 | sila-deep26-ddp4)
     local recipe=${1%-ddp4}
@@ -383,7 +384,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deep22-half sila-deep22-double sila-deep22-ddp4 sila-deep26-ddp4 decode-lab decode-tests decode-round decode-bench decode-round-2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 decode-lab decode-tests decode-round decode-bench decode-round-2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;
