@@ -110,7 +110,8 @@
 #                  batch 1 at 4K and 16K, with floors; SILA at 22 and 26 of 30 at batch 128 and 16K
 #                  (bench_generate.py); where a batch-32 step goes (profile_decode.py); the attention's tilings
 #                  at batch 32 around the default (sweep_decode_attention.py), into RUNS/decode-bench
-#   decode-round-2 decode-tests (NEWEST=1: again under the newest transformers), then decode-bench
+#   decode-round-2 decode-tests (NEWEST=1: again under the newest transformers) beside sila-deep26-half (evaluated
+#                  at 1K-8K), then decode-bench alone
 #   depth-speed    decode speed at 15, 22, 26 and 30 of 30 layers converted against the teacher on transformers and
 #                  on this engine (bench_generate.py --depths: batch 1, 32, 128 at 4K and 16K, with bandwidth
 #                  floors), and the largest batch at 32K (bench_capacity.py --depths), into RUNS/depth-speed;
@@ -340,8 +341,8 @@ PY
     timeout 300 python3 scripts/bench/sweep_decode_attention.py --out "$out" --batches 32 --contexts 16k \
       --blocks 64,128,256 --warps 4,8 --stages 2,3,4 --per-sm 1,2,4 --native 1 --merge 1
     ;;
-  decode-round-2)  # one device session: the fast path's tests, then its times
-    NEWEST=${NEWEST:-0} run decode-tests
+  decode-round-2)  # one device session: the fast path's tests beside the 26-layer recipe at half its steps, then times
+    (NEWEST=${NEWEST:-0} run decode-tests & WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run sila-deep26-half; wait)
     run decode-bench
     ;;
   depth-speed)
