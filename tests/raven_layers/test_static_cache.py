@@ -225,7 +225,11 @@ def test_decode_compile_options_reach_torch_compile_and_recompile_when_changed(m
 
 @pytest.mark.parametrize(
     "mixer, op, buffers",
-    [("sila", "sila_decode", {"tail": 11, "memory": 14}), ("raven", "raven_decode_step", {"S^k": 11, "S^v": 12})],
+    [
+        ("sila", "sila_decode", {"tail": 11, "memory": 14}),
+        ("raven", "raven_decode_step", {"S^k": 11, "S^v": 12}),
+        ("sse", "sse_decode_step", {"state": 16}),
+    ],
 )
 def test_the_compiled_step_updates_the_mixer_state_where_it_lies(mixer, op, buffers):
     """Through Inductor (its CPU code; the Triton kernels interpreted): a mixer layer's decode step hands the cache's
@@ -235,7 +239,8 @@ def test_the_compiled_step_updates_the_mixer_state_where_it_lies(mixer, op, buff
 
     torch.manual_seed(0)
     source = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2)).eval()
-    hybrid = build_hybrid(source, ["attention", mixer], {}).eval()
+    settings = {"sse": {"sse": {"lora_rank": 8, "num_partitions": 4, "top_k": 2}}}.get(mixer, {})  # the tiny model's
+    hybrid = build_hybrid(source, ["attention", mixer], settings).eval()
     hybrid.decode_compile_options = {}
     ids = torch.randint(3, 100, (1, 9), generator=torch.Generator().manual_seed(2))
     cache = StaticHybridCache(hybrid.config, batch_size=1, max_length=16)
