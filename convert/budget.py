@@ -21,7 +21,7 @@ import math
 from pathlib import Path
 
 from raven_convert.evaluate.compare import load_report, quality, report_path
-from raven_convert.files import atomic_file, write_json
+from raven_convert.files import atomic_file, write_json, write_png
 from raven_convert.train.recipe_schema import STAGES
 from raven_convert.train.run_state import MARKER
 
@@ -164,9 +164,7 @@ def plot_budget(points: list[dict], fit: dict | None, target: float, path: str |
     right.set_title("retrieval")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    with atomic_file(path, "wb") as f:
-        fig.savefig(f, dpi=110, format="png")
-    return Path(path)
+    return write_png(fig, path)
 
 
 def budget(args) -> str:

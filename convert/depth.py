@@ -32,7 +32,7 @@ from pathlib import Path
 
 from raven_convert.budget import budget
 from raven_convert.evaluate.compare import load_report, quality, report_path
-from raven_convert.files import atomic_file, write_json
+from raven_convert.files import atomic_file, write_json, write_png
 
 DEFAULT_BATCHES = (32, 128)
 DEFAULT_CONTEXT = 16384
@@ -122,9 +122,7 @@ def plot_sweep(points: list[dict], path: str | Path, title: str) -> Path:
     right.set_title("decode throughput, cache per token")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    with atomic_file(path, "wb") as f:
-        fig.savefig(f, dpi=110, format="png")
-    return Path(path)
+    return write_png(fig, path)
 
 
 def assemble(teacher: dict, reports: dict[int, dict], layers: int, rows: list[dict], mixer: str, args) -> list[dict]:

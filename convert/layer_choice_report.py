@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from raven_convert.files import atomic_file
+from raven_convert.files import write_png
 
 
 def _fixed(record: dict) -> set[int]:
@@ -89,9 +89,7 @@ def plot_choice(record: dict, path: str | Path) -> Path:
     labels = {"yes": "converted", "no": "kept attention", **({"before": "converted before"} if fixed else {})}
     ax.legend(handles=[Patch(color=colours[k], label=label) for k, label in labels.items()])
     fig.tight_layout()
-    with atomic_file(path, "wb") as f:
-        fig.savefig(f, dpi=110, format="png")
-    return Path(path)
+    return write_png(fig, path)
 
 
 def card_section(record: dict) -> str:
