@@ -23,9 +23,10 @@ For every (model, batch, context): a prompt of `context` random tokens per row; 
 (compilation, graph capture), then is timed for 1 new token (time to first token: prefill and one step) and for
 `--steps + 1` new tokens; decode ms/step is the difference over `--steps`. `--prefill-chunk N` prefills every model
 in chunks of N tokens (transformers' `prefill_chunk_size`), for prompts too long for one pass (128K). Peak memory is
-of the timed runs. A configuration that runs out of memory is reported as OOM. Writes OUT/bench_generate.json (with
-the GPU and library versions) and prints a table of ratios to the teacher last. The largest batch that fits at a
-long context, and the throughput there: bench_capacity.py.
+of the timed runs. A configuration that runs out of memory is reported as OOM, one that fails otherwise by its
+error (the other models still run; the exit status says so). Writes OUT/bench_generate.json (with the GPU and
+library versions) after every row, and prints a table of ratios to the teacher last. The largest batch that fits at
+a long context, and the throughput there: bench_capacity.py.
 """
 
 from __future__ import annotations
@@ -42,9 +43,29 @@ from common import add_model_arguments, build_models, checked_mixers, layer_spec
 from raven_convert.evaluate.decode_bench import copy_bandwidth, measure_decode  # noqa: E402
 
 
+def measure_grid(models, contexts: list[int], batches: list[int], measure, save) -> list[dict]:
+    """Every (model, context, batch) through measure(name, model, batch, context): one that fails is a row naming
+    its error, not the end of the run (the other models still run), and save(rows) follows each row, so a run cut
+    short keeps what it measured."""
+    results = []
+    for name, model in models:
+        for context in contexts:
+            for batch in batches:
+                try:
+                    entry = measure(name, model, batch, context)
+                except Exception as err:  # reported in its row and by the exit status
+                    entry = {"model": name, "batch": batch, "context": context,
+                             "error": f"{type(err).__name__}: {err}"[:300]}  # fmt: skip
+                results.append(entry)
+                print(json.dumps(entry), flush=True)
+                save(results)
+        del model
+    return results
+
+
 def table(results: list[dict]) -> str:
     """Markdown: each row's step against the teacher on transformers and on this engine, and its bandwidth floor."""
-    ok = [r for r in results if not r.get("oom")]
+    ok = [r for r in results if not r.get("oom") and "error" not in r]
     bases = {m: {(r["batch"], r["context"]): r for r in ok if r["model"] == m} for m in ("teacher", "teacher-engine")}
     lines = [
         "| model | batch | context | ms/step | tokens/s | vs transformers | vs engine teacher | floor ms | of floor "
@@ -52,8 +73,9 @@ def table(results: list[dict]) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
-        if r.get("oom"):
-            lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | OOM | | | | | | | |")
+        if r.get("oom") or "error" in r:
+            what = "OOM" if r.get("oom") else f"failed: {r['error'].splitlines()[0][:80]}"
+            lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {what} | | | | | | | |")
             continue
         ratios = []
         for base in bases.values():
@@ -82,21 +104,20 @@ def main(argv: list[str] | None = None) -> None:
     mixers = checked_mixers(args, "CUDA decoding")
     bandwidth = copy_bandwidth()
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s", flush=True)
-    results = []
-    for name, model in build_models(mixers, specs, args.windows, args.decode_options):
-        for context in contexts:
-            for batch in batches:
-                entry = measure_decode(name, model, batch, context, args.steps, args.prefill_chunk, bandwidth)
-                results.append(entry)
-                print(json.dumps(entry), flush=True)
-        del model
-    write_record(
-        args.out / "bench_generate.json",
-        results,
-        copy_tb_per_s=round(bandwidth / 1e12, 3),
-        decode_options=args.decode_options,
-    )
+
+    def measure(name, model, batch, context):
+        return measure_decode(name, model, batch, context, args.steps, args.prefill_chunk, bandwidth)
+
+    def save(rows):
+        extra = dict(copy_tb_per_s=round(bandwidth / 1e12, 3), decode_options=args.decode_options)
+        write_record(args.out / "bench_generate.json", rows, **extra)
+
+    models = build_models(mixers, specs, args.windows, args.decode_options)
+    results = measure_grid(models, contexts, batches, measure, save)
     print(table(results))
+    failed = [r for r in results if "error" in r]
+    if failed:
+        raise SystemExit(f"bench_generate: {len(failed)} of {len(results)} configurations failed (their rows say why)")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
 
 import bench_capacity  # noqa: E402
-from bench_generate import table  # noqa: E402
+from bench_generate import measure_grid, table  # noqa: E402
 from common import layer_specs, spread_layers  # noqa: E402
 
 from raven_convert.layer_spec import parse_layer_spec  # noqa: E402
@@ -90,6 +90,27 @@ def test_tables_compare_with_both_teachers():
     text = bench_capacity.table(capacity)
     assert "| largest batch | vs teacher | vs teacher-engine | ms/step |" in text and "| of floor | peak GiB |" in text
     assert "| sila-26of30 | 32768 | 95.0 | 900 | 9.0x | 7.5x | 30.0 | 30000 | 15.0x | 5.0x | 50% | - |" in text
+
+
+def test_a_failing_configuration_is_a_row_and_the_others_still_run():
+    """One model's error (not an OOM) neither ends the run nor loses the rows before it: each is saved as it comes."""
+    saved = []
+
+    def measure(name, model, batch, context):
+        if name == "sse" and batch == 32:
+            raise RuntimeError("Triton compilation failed\nat 12:4: ...")
+        return {"model": name, "batch": batch, "context": context, "step_ms": 1.0, "tokens_per_s": batch * 1e3,
+                "ttft_ms": 1.0, "peak_gib": 1.0}  # fmt: skip
+
+    models = iter([("teacher-engine", object()), ("sse", object()), ("sila", object())])
+    rows = measure_grid(models, [16384], [1, 32], measure, lambda rows: saved.append(len(rows)))
+    assert [(r["model"], r["batch"]) for r in rows] == [
+        (m, b) for m in ("teacher-engine", "sse", "sila") for b in (1, 32)
+    ]
+    assert rows[3]["error"] == "RuntimeError: Triton compilation failed\nat 12:4: ..." and saved == [1, 2, 3, 4, 5, 6]
+    text = table(rows)
+    assert "| sse | 32 | 16384 | failed: RuntimeError: Triton compilation failed |" in text
+    assert "| sila | 32 | 16384 | 1.00 | 32000 | - | 1.00x |" in text
 
 
 def test_decode_options_name_the_models_compilation():
