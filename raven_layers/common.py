@@ -282,9 +282,12 @@ def input_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype))
 
 
-def updatable_in_place(float32: tuple, others: tuple = ()) -> bool:
-    """Whether a decode step's kernel may update a cached state where it lies: every tensor present and contiguous,
-    those of `float32` in float32, and no gradients (a step that trains keeps the old state for its backward)."""
+def one_kernel_step(kernels, x: torch.Tensor, cu_seqlens, float32: tuple | None, others: tuple = ()) -> bool:
+    """Whether a mixer's step on x [B, T, hidden] runs as its one-kernel decode step: Triton kernels, one token, no
+    packed documents, and a cached state the kernel may update where it lies (every tensor present and contiguous,
+    those of `float32` in float32, and no gradients: a step that trains keeps the old state for its backward)."""
+    if kernels is None or x.shape[1] != 1 or cu_seqlens is not None or float32 is None:
+        return False
     tensors = (*float32, *others)
     return (
         all(t is not None and t.is_contiguous() for t in tensors)

@@ -35,7 +35,7 @@ from .common import (
     RMSNorm,
     init_fresh_parameters,
     input_product,
-    updatable_in_place,
+    one_kernel_step,
 )
 
 RavenState = tuple[torch.Tensor, torch.Tensor]  # (S^k, S^v), each [B, H_kv, M, d], float32
@@ -319,8 +319,7 @@ class RavenMixer(Mixer):
         x = hidden_states  # [B, T, hidden]
         T = x.shape[1]
         state = self.load_state(cache)
-        one_kernel = kernels is not None and T == 1 and cu_seqlens is None and not self.training
-        if one_kernel and state is not None and updatable_in_place(state):
+        if not self.training and one_kernel_step(kernels, x, cu_seqlens, state):  # training routes with noise
             o = self.fused_decode_step(kernels, x, state, padding_mask)  # one kernel from the projections
             self.save_state(cache, state, num_tokens=T)
             return self.glue(self.read_out)(o, x)

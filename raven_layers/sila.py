@@ -41,7 +41,7 @@ from .common import (
     document_positions,
     init_fresh_parameters,
     input_product,
-    updatable_in_place,
+    one_kernel_step,
 )
 
 SILAState = tuple[torch.Tensor, torch.Tensor]  # (M [B, H_kv, d_v, d_k] float32, conv tail [B, conv_size - 1, C])
@@ -464,7 +464,7 @@ class SILAMixer(Mixer):
         memory, tail = state if state is not None else (None, None)
         # packed documents: positions [B, T], not cu_seqlens, whose length changes with the batch, go to the glue
         positions = None if cu_seqlens is None else document_positions(cu_seqlens, B * T)[1].view(B, T)
-        if kernels is not None and T == 1 and cu_seqlens is None and updatable_in_place((memory,), (tail,)):
+        if one_kernel_step(kernels, x, cu_seqlens, (memory,), (tail,)):
             out = self.fused_decode_step(kernels, x, memory, tail, padding_mask)
             self.save_state(cache, (memory, tail), num_tokens=T)
             return out

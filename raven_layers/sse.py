@@ -56,7 +56,7 @@ from .common import (
     document_positions,
     init_fresh_parameters,
     input_product,
-    updatable_in_place,
+    one_kernel_step,
 )
 
 SSEState = tuple[torch.Tensor]  # (S,), S: [B, H_kv, P, c, d] float32; partitions 0..N-1 routed, N the shared one
@@ -581,7 +581,7 @@ class SSEMixer(Mixer):
         state = self.load_state(cache)
         decoding = T == 1 and state is not None  # no balance loss for a generation step: nothing trains on it
         kernels = kernel_module(MIXER.kernels, x)
-        if kernels is not None and decoding and cu_seqlens is None and updatable_in_place(state):
+        if one_kernel_step(kernels, x, cu_seqlens, state):
             self.aux_loss = None
             out = self.fused_decode_step(kernels, x, state[0], padding_mask)  # one kernel from the products
             self.save_state(cache, state, num_tokens=T)
