@@ -9,7 +9,9 @@ A hybrid (a model with `layer_mixers` in its config, the teacher converted with 
 stock transformers. On other devices (CPU) both run generate() on the dynamic cache, eager (`decode_path` names the
 path a device gets). A prompt of `context` random tokens per row (speed does not depend on the values); one warm-up
 call (compilation, graph capture), then the best of two calls for 1 new token (time to first token) and for
-`steps + 1`; ms per decode step is the difference over `steps`.
+`steps + 1`. A decode step is timed inside the long call (`StepClock`: an event on the device's stream as each
+token's logits are ready, from the second decode step to the last), so neither the prompt's time nor the first
+step's one-time work lands in it; `step_wall_s`, the two calls' difference over `steps`, keeps them.
 
 The floor of a step is the bytes it must move (step_bytes: every weight read once, every attention layer's keys and
 values up to its window, every mixer state read and written) over the device-to-device copy bandwidth; `floor_share`
@@ -22,6 +24,7 @@ from __future__ import annotations
 import time
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from raven_layers.common import recompile_limits
 
@@ -92,9 +95,50 @@ def generate_kwargs(model, device: torch.device, new_tokens: int, prefill_chunk:
     return kwargs
 
 
-def timed_generate(model, ids: torch.Tensor, new_tokens: int, prefill_chunk: int | None = None) -> float:
-    """Seconds for one greedy generate() of `new_tokens` tokens after the prompt `ids` [B, T] (see the module)."""
+class StepClock(LogitsProcessor):
+    """A logits processor that changes nothing and marks when each new token's logits are ready: generate() calls
+    its processors once a token in transformers' loop and in this project's (decode_loop.py) alike. On CUDA a mark
+    is an event recorded on the stream, so the host never waits for it; elsewhere the step has finished (eager)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+        return scores
+
+    def step_s(self) -> float | None:
+        """Mean seconds of a decode step from the second to the last (marks 1 to n-1), None under 3 marks. Mark 0
+        follows the prompt, mark 1 the first decode step, which may carry one-time work (`first_step_s`)."""
+        if len(self.marks) < 3:
+            return None
+        return self._seconds(self.marks[1], self.marks[-1]) / (len(self.marks) - 2)
+
+    def first_step_s(self) -> float | None:
+        """Seconds from the prompt's logits to the first decode step's (None under 2 marks)."""
+        return self._seconds(self.marks[0], self.marks[1]) if len(self.marks) >= 2 else None
+
+    def _seconds(self, start, end) -> float:
+        if self.cuda:
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return end - start
+
+
+def timed_generate(
+    model, ids: torch.Tensor, new_tokens: int, prefill_chunk: int | None = None, clock: StepClock | None = None
+) -> float:
+    """Seconds for one greedy generate() of `new_tokens` tokens after the prompt `ids` [B, T] (see the module);
+    `clock` marks each token's logits."""
     kwargs = generate_kwargs(model, ids.device, new_tokens, prefill_chunk)
+    if clock is not None:
+        kwargs["logits_processor"] = LogitsProcessorList([clock])
     sync(ids.device)
     start = time.perf_counter()
     # every (batch, cache length) compiles once; past dynamo's default of 8 the step would run eager, silently
@@ -112,18 +156,31 @@ def warm_up(model, ids: torch.Tensor, steps: int, prefill_chunk: int | None = No
 
 def generate_times(model, ids: torch.Tensor, steps: int, repeats: int = 2, prefill_chunk: int | None = None) -> dict:
     """After `warm_up`: `repeats` generate() calls of 1 new token, then `repeats` of `steps + 1`. Returns {"ttft_s":
-    the best 1-token call, "step_s": (best long call - best 1-token call) / steps, "ttft_all", "long_all": every
-    call's seconds}."""
+    the best 1-token call, "step_s": the best long call's decode step (`StepClock`; with `steps` < 2 the wall-clock
+    one), "step_wall_s": (best long call - best 1-token call) / steps, "first_step_s": the first decode step of the
+    long call with the best step, "ttft_all", "long_all", "step_all": every call's seconds}."""
     ttft = [timed_generate(model, ids, 1, prefill_chunk) for _ in range(repeats)]
-    long = [timed_generate(model, ids, steps + 1, prefill_chunk) for _ in range(repeats)]
-    return {"ttft_s": min(ttft), "step_s": (min(long) - min(ttft)) / steps, "ttft_all": ttft, "long_all": long}
+    clocks = [StepClock(ids.device) for _ in range(repeats)]
+    long = [timed_generate(model, ids, steps + 1, prefill_chunk, clock) for clock in clocks]
+    wall = (min(long) - min(ttft)) / steps
+    clocked = [(step, clock) for clock in clocks if (step := clock.step_s()) is not None]
+    step, best = min(clocked, key=lambda pair: pair[0]) if clocked else (wall, None)
+    return {
+        "ttft_s": min(ttft),
+        "step_s": step,
+        "step_wall_s": wall,
+        "first_step_s": best.first_step_s() if best is not None else None,
+        "ttft_all": ttft,
+        "long_all": long,
+        "step_all": [pair[0] for pair in clocked],
+    }
 
 
 def measure_decode(
     name: str, model, batch: int, context: int, steps: int, prefill_chunk: int | None = None, bandwidth: float = 0
 ) -> dict:
-    """{model, batch, context, ttft_ms, step_ms, tokens_per_s, peak_gib} (with `bandwidth`, bytes/s: floor_ms and
-    floor_share too), or {..., oom: True} where the batch does not fit."""
+    """{model, batch, context, ttft_ms, step_ms, step_wall_ms, first_step_ms, tokens_per_s, peak_gib} (with
+    `bandwidth`, bytes/s: floor_ms and floor_share too), or {..., oom: True} where the batch does not fit."""
     ids = torch.randint(3, model.config.vocab_size, (batch, context), device="cuda")
     entry = {"model": name, "batch": batch, "context": context}
     if bandwidth:
@@ -136,6 +193,8 @@ def measure_decode(
         entry.update(
             ttft_ms=round(first * 1e3, 2),
             step_ms=round(step * 1e3, 3),
+            step_wall_ms=round(times["step_wall_s"] * 1e3, 3),
+            first_step_ms=None if times["first_step_s"] is None else round(times["first_step_s"] * 1e3, 3),
             tokens_per_s=round(batch / step, 1),
             peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
         )

@@ -6,8 +6,10 @@ For each context length L and batch size B, `measure_speed` times `model.generat
 generate() (static hybrid cache, compiled step replayed as CUDA graphs) and transformers' compiled static cache
 (`cache_implementation="static"`) for any other model; elsewhere generate() on the dynamic cache, eager. Each row
 says which under `path`. One untimed warm-up call (compilation, graph capture), then `repeats` calls of 1 new token
-(time to first token, TTFT) and as many of `decode_tokens + 1`; the decode step is the difference of the best of
-each over `decode_tokens`. `prefill_tokens_per_second` is the prompt's tokens over the TTFT.
+(time to first token, TTFT) and as many of `decode_tokens + 1`; the decode step is timed inside the best of the
+long calls, from its second decode step to its last (decode_bench.StepClock; `decode_step_seconds_wall` is the
+best calls' difference over `decode_tokens`, prompt and first step's one-time work included).
+`prefill_tokens_per_second` is the prompt's tokens over the TTFT.
 
 The bytes the cache holds per sequence are measured apart, from one eager forward of the prompt's first row on the
 model's dynamic cache (then `decode_tokens` more tokens): a hybrid's `HybridCache` splits them into constant-size
@@ -255,6 +257,9 @@ def _timed_row(model: nn.Module, prompt: torch.Tensor, entry: dict, sizes, memor
         "decode_tokens_per_second": batch / step if step > 0 else None,
         "ttft_seconds_all": times["ttft_all"],
         "generate_seconds_all": times["long_all"],
+        "decode_step_seconds_all": times["step_all"],
+        "decode_step_seconds_wall": times["step_wall_s"],
+        "first_decode_step_seconds": times["first_step_s"],
         "cache_bytes_per_sequence": sizes[0],
         "cache_bytes_per_sequence_after_decode": sizes[1],
         "peak_memory_bytes": peak,

@@ -10,8 +10,10 @@ warms up (compiles, captures the graph; `compile s`), then
 - `kernels`: GPU kernels per step, from torch.profiler over 8 runs of the step outside the graph (what the graph
   replays);
 - `replay ms`: GPU time of one graph replay (100 replays, CUDA events);
-- `generate ms`: wall time per step of generate() over `--steps` tokens (token choice and stopping criteria
-  included), in its own loop (raven_layers/decode_loop.py) and in transformers' (`use_decode_loop = False`);
+- `generate ms`: time per step of generate() over `--steps` tokens (token choice and stopping criteria included),
+  marked on the stream as each token's logits are ready, from the second decode step to the last
+  (`StepClock` of raven_convert/evaluate/decode_bench.py), in its own loop (raven_layers/decode_loop.py) and in
+  transformers' (`use_decode_loop = False`);
 - `max |dlogit|`: the first decode step's logits against the `plain` variant's (compiled, nothing fused: always
   measured first), same prompt (bf16: the options may round differently; a wrong fusion shows as a large one).
 
@@ -45,6 +47,7 @@ from common import (  # noqa: E402
     spread_layers,
 )
 
+from raven_convert.evaluate.decode_bench import StepClock  # noqa: E402
 from raven_layers.decode_attention import decode_attention  # noqa: E402
 
 
@@ -107,14 +110,9 @@ def measure(model, batch: int, context: int, steps: int, options: dict | None) -
         per_step = {}
         for loop in (True, False):
             model.use_decode_loop = loop
-            timings = []
-            for n in (1, steps + 1):
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
-                torch.cuda.synchronize()
-                timings.append(time.perf_counter() - start)
-            per_step[loop] = (timings[1] - timings[0]) / steps * 1e3
+            clock = StepClock(ids.device)
+            model.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, logits_processor=[clock], **kwargs)
+            per_step[loop] = clock.step_s() * 1e3
         model.use_decode_loop = True
     return {
         "compile_s": compile_s,
@@ -137,6 +135,8 @@ def main(argv=None):
     parser.add_argument("--variants", nargs="+", default=["plain", "default", "eager"])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
+    if args.steps < 2:
+        raise SystemExit(f"--steps {args.steps}: expected an integer >= 2 (a step is timed from the second one)")
     variants = [parse_variant(v) for v in args.variants]
     if variants[0][0] != "plain":
         variants.insert(0, ("plain", {}))  # the reference of every |dlogit|: compiled, nothing fused

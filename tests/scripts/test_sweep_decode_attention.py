@@ -23,5 +23,10 @@ def test_a_small_sweep_records_every_tiling(tmp_path):
          "--stages", "0,2", "--per-sm", "2", "--native", "0,1", "--merge", "0,1"]
     )  # fmt: skip
     rows = json.loads((tmp_path / "sweep_decode_attention.json").read_text())["rows"]
-    assert len(rows) == 8 and sum(r["default"] for r in rows) == 1  # the default, then the grid's seven others
+    keys = ("block", "warps", "stages", "per_sm", "native", "merge_in_kernel")
+    tilings = [tuple(r[k] for k in keys) for r in rows]
+    grid = {(64, 4, s, 2, n, m) for s in (None, 2) for n in (False, True) for m in (False, True)}
+    # the default first, then every tiling of the grid once (the default among them or not)
+    assert rows[0]["default"] and sum(r["default"] for r in rows) == 1
+    assert grid <= set(tilings) and len(set(tilings)) == len(tilings) == len(grid | {tilings[0]})
     assert all(r["us"] > 0 and r["max_diff"] < 0.05 for r in rows)

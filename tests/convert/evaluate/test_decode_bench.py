@@ -3,6 +3,7 @@ the CUDA timing runs on the device (scripts/bench/bench_generate.py, test_speed.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from raven_convert import build_hybrid, plan_layers
@@ -69,3 +70,31 @@ def test_the_cuda_arguments_run_each_generate_on_its_static_cache(tiny_sources):
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), return_dict_in_generate=True, **kwargs)
         assert out.sequences.shape == (2, 16 + 3) and isinstance(output_cache(out), cache)
+
+
+def test_step_clock_marks_every_token_and_changes_nothing(tiny_sources):
+    from transformers import AutoModelForCausalLM
+
+    from raven_convert.evaluate.decode_bench import StepClock, generate_times, timed_generate
+    from raven_layers.decode_loop import applies
+
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_sources["llama"]).eval()
+    hybrid = build_hybrid(teacher, plan_layers([("sila", "0")], teacher.config.num_hidden_layers), {}).eval()
+    ids = torch.randint(3, teacher.config.vocab_size, (2, 12))
+    kwargs = generate_kwargs(hybrid, ids.device, 5)
+    with torch.no_grad():
+        plain = hybrid.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        clock = StepClock(ids.device)
+        clocked = hybrid.generate(ids, attention_mask=torch.ones_like(ids), logits_processor=[clock], **kwargs)
+    assert torch.equal(plain, clocked) and len(clock.marks) == 5  # a mark a new token: the prompt's, 4 steps
+    assert applies(hybrid.generation_config, kwargs | {"logits_processor": [clock]})  # this project's loop still
+    assert clock.first_step_s() > 0 and clock.step_s() == pytest.approx((clock.marks[-1] - clock.marks[1]) / 3)
+    assert StepClock(ids.device).step_s() is None
+    for model in (teacher, hybrid):
+        short = StepClock(ids.device)
+        assert timed_generate(model, ids, 2, clock=short) > 0 and short.step_s() is None and len(short.marks) == 2
+        times = generate_times(model, ids, steps=4)
+        assert times["step_s"] == min(times["step_all"]) > 0 and len(times["step_all"]) == 2
+        assert times["step_wall_s"] == pytest.approx((min(times["long_all"]) - min(times["ttft_all"])) / 4)
+        one = generate_times(model, ids, steps=1)  # one decode step: nothing to time inside the call
+        assert one["step_all"] == [] and one["step_s"] == one["step_wall_s"]

@@ -47,13 +47,13 @@ def test_rows_name_length_batch_and_path(results):
             assert not e["skipped"] and e["path"] == CPU_PATH
             assert len(e["ttft_seconds_all"]) == len(e["generate_seconds_all"]) == 2
             assert e["ttft_seconds"] == min(e["ttft_seconds_all"]) > 0
-            step = (min(e["generate_seconds_all"]) - e["ttft_seconds"]) / 4  # the best calls' difference per step
-            assert e["decode_seconds"] == pytest.approx(4 * step)
-            if step > 0:  # a shared CPU's noise can leave a tiny model's step at or below zero: no rate then
-                assert e["decode_ms_per_token"] == pytest.approx(1e3 * step)
-                assert e["decode_tokens_per_second"] == pytest.approx(e["batch_size"] / step)
-            else:
-                assert e["decode_ms_per_token"] is None and e["decode_tokens_per_second"] is None
+            wall = (min(e["generate_seconds_all"]) - e["ttft_seconds"]) / 4  # the best calls' difference per step
+            assert e["decode_step_seconds_wall"] == pytest.approx(wall)
+            assert len(e["decode_step_seconds_all"]) == 2 and 0 < e["first_decode_step_seconds"]
+            step = min(e["decode_step_seconds_all"])  # timed inside the call, from the second decode step
+            assert 0 < step and e["decode_seconds"] == pytest.approx(4 * step)
+            assert e["decode_ms_per_token"] == pytest.approx(1e3 * step)
+            assert e["decode_tokens_per_second"] == pytest.approx(e["batch_size"] / step)
             assert e["prefill_tokens_per_second"] == pytest.approx(e["batch_size"] * e["context_length"] / min(
                 e["ttft_seconds_all"]))  # fmt: skip
             assert e["device"] == "cpu" and e["dtype"] == "float32" and e["torch"] and e["transformers"]
