@@ -45,6 +45,23 @@ def _adjacent(values: list[torch.Tensor]) -> bool:
     return True
 
 
+def _stored(weight) -> fx.Node | None:
+    """The parameter a linear's weight reads: the weight's node itself (a placeholder or attribute, defined before
+    every product), or the one it is a view of (a 3-D weight flattened to [rows, in]); None for a computed weight."""
+    if not isinstance(weight, fx.Node):
+        return None
+    if weight.op in ("placeholder", "get_attr"):
+        return weight
+    inputs = weight.all_input_nodes
+    if weight.op not in ("call_method", "call_function") or len(inputs) != 1:
+        return None
+    base, value, view = inputs[0], weight.meta.get("example_value"), inputs[0].meta.get("example_value")
+    shared = isinstance(value, torch.Tensor) and isinstance(view, torch.Tensor)
+    if base.op in ("placeholder", "get_attr") and shared:
+        return base if value.untyped_storage()._cdata == view.untyped_storage()._cdata else None
+    return None
+
+
 def _adjacent_runs(nodes: list[fx.Node]) -> list[list[fx.Node]]:
     """The linear nodes of `nodes` whose weights lie one after another in one storage, as runs of two or more in
     storage order: each run is read as one view."""
@@ -52,8 +69,7 @@ def _adjacent_runs(nodes: list[fx.Node]) -> list[list[fx.Node]]:
     for node in nodes:
         weight = _argument(node, 1, "weight")
         value = weight.meta.get("example_value")
-        stored = weight.op in ("placeholder", "get_attr")  # a parameter: defined before every product
-        if stored and value is not None and value.dim() == 2 and value.is_contiguous():
+        if _stored(weight) is not None and value is not None and value.dim() == 2 and value.is_contiguous():
             by_storage.setdefault(value.untyped_storage()._cdata, []).append(node)
     runs = []
     for members in by_storage.values():
@@ -77,8 +93,8 @@ def _fuse(graph: fx.Graph, source: fx.Node, nodes: list[fx.Node], order: dict, i
     sizes = [v.shape[0] for v in values]
     shape, offset = (sum(sizes), values[0].shape[1]), values[0].storage_offset()
     with graph.inserting_before(min(nodes, key=order.__getitem__)):
-        if in_place:  # [sum(out), in]: the weights themselves
-            joined = graph.call_function(torch.as_strided, (weights[0], shape, (shape[1], 1), offset))
+        if in_place:  # [sum(out), in]: the weights themselves, a view of the parameter the first reads
+            joined = graph.call_function(torch.as_strided, (_stored(weights[0]), shape, (shape[1], 1), offset))
             joined.meta["example_value"] = torch.as_strided(values[0], shape, (shape[1], 1), offset)
         else:
             joined = graph.call_function(torch.cat, (weights,), {"dim": 0})  # [sum(out), in]
@@ -155,15 +171,15 @@ PROJECTION_GROUPS = (("q_proj.weight", "k_proj.weight", "v_proj.weight"), ("gate
 
 
 def _weight_groups(module: nn.Module) -> list[list[torch.Tensor]]:
-    """The 2-D parameters of each of `module`'s groups that it has whole (its own parameters, not its children's
-    groups)."""
+    """The parameters of each of `module`'s groups that it has whole (its own parameters, not its children's
+    groups): [out, in], or [..., in] read flattened to rows of `in` (SSE's LoRA factors of every partition)."""
     groups = []
     for names in getattr(module, "shared_input_weights", PROJECTION_GROUPS):
         try:
             weights = [module.get_parameter(name) for name in names]
         except AttributeError:  # a group it does not have
             continue
-        if all(w.dim() == 2 for w in weights) and len({(w.dtype, w.device, w.shape[1]) for w in weights}) == 1:
+        if all(w.dim() >= 2 for w in weights) and len({(w.dtype, w.device, w.shape[-1]) for w in weights}) == 1:
             groups.append(weights)
     return groups
 
@@ -178,11 +194,12 @@ def share_projection_storage(model: nn.Module) -> int:
         for weights in _weight_groups(module):
             if _adjacent([w.detach() for w in weights]):
                 continue
-            joint = torch.cat([w.detach() for w in weights])  # [sum(out), in]
+            joint = torch.cat([w.detach().reshape(-1, w.shape[-1]) for w in weights])  # [sum(rows), in]
             offset = 0
             for w in weights:
-                w.data = joint[offset : offset + w.shape[0]]
-                offset += w.shape[0]
+                rows = w.numel() // w.shape[-1]
+                w.data = joint[offset : offset + rows].view(w.shape)
+                offset += rows
             laid += 1
     return laid
 

@@ -384,7 +384,8 @@ class SSEMixer(Mixer):
     leaves the balance loss of this call in `self.aux_loss` (None when balance_coef = 0).
     """
 
-    input_weights = ("partition_weight", "decay_down")  # the partition scores and the decay's first product
+    # the partition scores, the decay's first product and every partition's first LoRA factors (read as [N r, hidden])
+    input_weights = ("partition_weight", "decay_down", "q_lora_a", "k_lora_a")
 
     def __init__(self, config, layer_idx: int, settings: SSESettings, source_has_qk_norm: bool = False):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -506,8 +507,9 @@ class SSEMixer(Mixer):
         q_base = self.q_proj(x)  # [B, T, H*c]
         k_base = self.k_proj(x)  # [B, T, H_kv*c]
         # LoRA of every partition (cheap: N r (H + H_kv) c per token), then the ones each token picked
-        dq = torch.einsum("btnr,nor->btno", torch.einsum("btx,nrx->btnr", x, self.q_lora_a), self.q_lora_b)
-        dk = torch.einsum("btnr,nor->btno", torch.einsum("btx,nrx->btnr", x, self.k_lora_a), self.k_lora_b)
+        q_down, k_down = (F.linear(x, a.flatten(0, 1)).view(B, T, N, -1) for a in (self.q_lora_a, self.k_lora_a))
+        dq = torch.einsum("btnr,nor->btno", q_down, self.q_lora_b)  # [B, T, N, H*c]
+        dk = torch.einsum("btnr,nor->btno", k_down, self.k_lora_b)  # [B, T, N, H_kv*c]
         q_all = (q_base[:, :, None] + dq).view(B, T, N, Hkv, G, c).permute(0, 1, 3, 4, 2, 5)  # [B, T, H_kv, G, N, c]
         k_all = (k_base[:, :, None] + dk).view(B, T, N, Hkv, c).transpose(2, 3)  # [B, T, H_kv, N, c]
         q = q_all.gather(4, top[:, :, :, None, :, None].expand(B, T, Hkv, G, m, c)).to(dtype)  # [B, T, H_kv, G, m, c]
@@ -552,14 +554,16 @@ class SSEMixer(Mixer):
         return self.project_out(o.reshape(*x.shape[:2], -1), x)
 
     def fused_decode_step(self, kernels, x: torch.Tensor, state: torch.Tensor, padding_mask) -> torch.Tensor:
-        """A decode step of x [B, 1, hidden] on `fused_recurrent_sse_decode`: the products here (one, fused in a
-        compiled step), the routing, LoRA, gate, the partitions' update and read, the read's norm and output gate in
-        one kernel that updates the state [B, H_kv, P, c, d] in place. Returns the layer's output ([B, 1, hidden],
-        None), as `read_out`."""
+        """A decode step of x [B, 1, hidden] on `fused_recurrent_sse_decode`: the products of x here (one, fused in a
+        compiled step: q/k/v, the scores, the decay's first product, every partition's first LoRA products, the
+        output gate), the routing, the LoRA's second products, gate, the partitions' update and read, the read's norm
+        and output gate in one kernel that updates the state [B, H_kv, P, c, d] in place. Returns the layer's output
+        ([B, 1, hidden], None), as `read_out`."""
         s = self.settings
+        lora_x = tuple(input_product(x, a.flatten(0, 1)) for a in (self.q_lora_a, self.k_lora_a))  # [B, 1, N r]
         o = kernels.fused_recurrent_sse_decode(
-            x, self.q_proj(x), self.k_proj(x), self.v_proj(x), input_product(x, self.partition_weight),
-            input_product(x, self.decay_down), (self.q_lora_a, self.q_lora_b), (self.k_lora_a, self.k_lora_b),
+            self.q_proj(x), self.k_proj(x), self.v_proj(x), input_product(x, self.partition_weight),
+            input_product(x, self.decay_down), lora_x, (self.q_lora_b, self.k_lora_b),
             self.decay_up, self.decay_bias, state, self.scale, s.top_k, self.read_top_k, s.gate_normalizer,
             out_norm=self.o_norm.weight if s.output_norm else None,
             norm_eps=self.o_norm.eps if s.output_norm else 1e-6,

@@ -118,21 +118,6 @@ def _(q, k, v, log_g, idx, state, scale):
 
 
 @triton.jit
-def lora_down(p_x, a, i_p, HID, R: tl.constexpr, BR: tl.constexpr, BX: tl.constexpr):
-    """A^i x [BR]: partition i_p's first LoRA factor a [N, R, HID] times the hidden state at p_x."""
-    o_r = tl.arange(0, BR)
-    p_a = a + (i_p * R + o_r[:, None]).to(tl.int64) * HID
-    b_y = tl.zeros([BR], dtype=tl.float32)
-    for x0 in range(0, HID, BX):
-        o_x = x0 + tl.arange(0, BX)
-        m_x = o_x < HID
-        b_x = tl.load(p_x + o_x, mask=m_x, other=0.0).to(tl.float32)  # [BX]
-        b_a = tl.load(p_a + o_x[None, :], mask=(o_r < R)[:, None] & m_x[None, :], other=0.0).to(tl.float32)  # [BR, BX]
-        b_y += tl.sum(b_a * b_x[None, :], 1)
-    return b_y
-
-
-@triton.jit
 def lora_up(b, i_p, ROWS, row0, b_y, C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr):
     """Rows row0 .. row0 + C of B^i y [BC]: partition i_p's second LoRA factor b [N, ROWS, R] times b_y [BR]."""
     o_c, o_r = tl.arange(0, BC), tl.arange(0, BR)
@@ -151,21 +136,23 @@ def key_softmax(b_l, m_c):
 
 @triton.jit
 def sse_fwd_kernel_step(
-    x, q, k, v, e, dx, og, stride_x, stride_q, stride_k, stride_v, stride_e, stride_dx, stride_og, q_lora_a,
-    q_lora_b, k_lora_a, k_lora_b, decay_up, decay_bias, o_norm, norm_eps, mask, state, o, scale, inv_tau, HID,
+    q, k, v, e, dx, og, qa, ka, stride_q, stride_k, stride_v, stride_e, stride_dx, stride_og, stride_qa, stride_ka,
+    q_lora_b, k_lora_b, decay_up, decay_bias, o_norm, norm_eps, mask, state, o, scale, inv_tau,
     H: tl.constexpr, G: tl.constexpr, N: tl.constexpr, C: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
     RA: tl.constexpr, WK: tl.constexpr, RK: tl.constexpr, SHARED: tl.constexpr, NORM: tl.constexpr,
     GATED: tl.constexpr, HAS_MASK: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
-    BD: tl.constexpr, BR: tl.constexpr, BRA: tl.constexpr, BX: tl.constexpr,
+    BD: tl.constexpr, BR: tl.constexpr, BRA: tl.constexpr,
 ):  # fmt: skip
     """One decode step of an SSE layer from its products, one program per (sequence, kv head): the router's
-    partitions best first, their LoRA'd keys (softmax over the C rows) and queries, the GLA gate from its low-rank
-    product, the writes and reads of the top partitions and the shared one in the state [B, H, P, C, D] (in
-    place), then the read's per-head RMSNorm and output gate."""
+    partitions best first, their LoRA'd keys (softmax over the C rows) and queries from every partition's first
+    LoRA products qa, ka [B, N R], the GLA gate from its low-rank product, the writes and reads of the top
+    partitions and the shared one in the state [B, H, P, C, D] (in place), then the read's per-head RMSNorm and
+    output gate."""
     i_b, i_h = tl.program_id(0), tl.program_id(1)
     P: tl.constexpr = N + SHARED
     MM: tl.constexpr = WK if WK > RK else RK  # entries: the top max(k, k') partitions
     o_g, o_n, o_c, o_d, o_ra = tl.arange(0, BG), tl.arange(0, BN), tl.arange(0, BC), tl.arange(0, BD), tl.arange(0, BRA)
+    o_r = tl.arange(0, BR)
     m_g, m_c, m_d = o_g < G, o_c < C, o_d < D
     m_cd = m_c[:, None] & m_d[None, :]
     b_live = i_b >= 0  # a real token
@@ -183,7 +170,6 @@ def sse_fwd_kernel_step(
     b_kb = tl.load(k + i_b * stride_k + i_h * C + o_c, mask=m_c, other=0.0).to(tl.float32)  # [BC] x W_k
     p_qb = q + i_b * stride_q + (i_h * G + o_g[:, None]) * C + o_c[None, :]
     b_qb = tl.load(p_qb, mask=m_g[:, None] & m_c[None, :], other=0.0).to(tl.float32)  # [BG, BC] x W_q
-    p_x = x + i_b * stride_x
     p_s0 = state + (i_b * H + i_h).to(tl.int64) * P * C * D + o_c[:, None] * D + o_d[None, :]
     b_o = tl.zeros([BG, BD], dtype=tl.float32)
     for m in tl.static_range(MM):
@@ -191,12 +177,12 @@ def sse_fwd_kernel_step(
         p_s = p_s0 + i_p * C * D
         b_s = tl.load(p_s, mask=m_cd, other=0.0)  # [BC, BD]
         if m < WK:  # written: k = softmax(x (W_k + A_k^i B_k^i)) / k
-            b_ak = lora_down(p_x, k_lora_a, i_p, HID, R, BR, BX)
+            b_ak = tl.load(ka + i_b * stride_ka + i_p * R + o_r, mask=o_r < R, other=0.0).to(tl.float32)  # [BR]
             b_k = key_softmax(b_kb + lora_up(k_lora_b, i_p, H * C, i_h * C, b_ak, C, R, BC, BR), m_c) / WK
             b_s = b_a * b_s + tl.where(b_live, b_k, 0.0)[:, None] * b_v[None, :]
             tl.store(p_s, b_s, mask=m_cd)
         if m < RK:  # read, after the write: q = x (W_q + A_q^i B_q^i)
-            b_aq = lora_down(p_x, q_lora_a, i_p, HID, R, BR, BX)
+            b_aq = tl.load(qa + i_b * stride_qa + i_p * R + o_r, mask=o_r < R, other=0.0).to(tl.float32)  # [BR]
             for i_g in tl.static_range(G):
                 b_qg = tl.sum(tl.where(o_g[:, None] == i_g, b_qb, 0.0), 0)  # [BC]
                 b_qg += lora_up(q_lora_b, i_p, H * G * C, (i_h * G + i_g) * C, b_aq, C, R, BC, BR)
@@ -220,14 +206,13 @@ def sse_fwd_kernel_step(
 
 
 def fused_recurrent_sse_decode(
-    x: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     scores: torch.Tensor,
     decay_x: torch.Tensor,
-    q_lora: tuple[torch.Tensor, torch.Tensor],
-    k_lora: tuple[torch.Tensor, torch.Tensor],
+    lora_x: tuple[torch.Tensor, torch.Tensor],
+    lora_b: tuple[torch.Tensor, torch.Tensor],
     decay_up: torch.Tensor,
     decay_bias: torch.Tensor,
     state: torch.Tensor,
@@ -242,15 +227,16 @@ def fused_recurrent_sse_decode(
 ) -> torch.Tensor:
     """One decode step of an SSE layer from its products, in one kernel that updates the state in place: what
     `raven_layers.sse.SSEMixer.kernel_inputs`, `fused_recurrent_sse` and the read-out before o_proj compute at
-    T == 1, with no launch for the router's top-k, the LoRA, the key softmax, the gate, the norm or the output
-    gate. No gradients.
+    T == 1, with no launch for the router's top-k, the LoRA's second products, the key softmax, the gate, the norm or
+    the output gate. No gradients.
 
     Args:
-        x: [B, 1, hidden], the layer's input (the LoRA's first factors read it in the kernel).
         q: [B, 1, H * G * c], k: [B, 1, H * c], v: [B, 1, H * d]: the base projections (rows may be strided views
             of one product, the last dim contiguous); H key/value heads of G query heads, c rows per partition.
         scores: [B, 1, H * N], the router's partition scores; decay_x: [B, 1, r_a], the gate's first product W_a1 x.
-        q_lora, k_lora: (A [N, r, hidden], B [N, H * G * c or H * c, r]), the partitions' LoRA factors.
+        lora_x: (A_q x, A_k x), each [B, 1, N * r]: every partition's first LoRA product of the layer's input
+            (A [N, r, hidden] read as [N r, hidden]; row views like q's).
+        lora_b: (B_q [N, H * G * c, r], B_k [N, H * c, r]), the partitions' second LoRA factors.
         decay_up: [H * c, r_a] and decay_bias: [H * c], the gate's second product and bias.
         state: [B, H, P, c, d] float32 contiguous, updated in place; P = N + 1 with the shared partition, else N.
         scale: the read's scale; top_k, read_top_k: partitions written and read per token; gate_normalizer: tau.
@@ -259,22 +245,22 @@ def fused_recurrent_sse_decode(
         mask: [B, 1] bool, False where the token is padding (it neither writes nor decays).
 
     Returns:
-        o: [B, 1, H * G * d] in x's dtype, the input of o_proj.
+        o: [B, 1, H * G * d] in q's dtype, the input of o_proj.
     """
     B, H, P, C, D = state.shape
-    (qa, qb), (ka, kb) = q_lora, k_lora
-    N, R, hidden = qa.shape
+    (qa, ka), (qb, kb) = lora_x, lora_b
+    N, R = qb.shape[0], qb.shape[-1]
     G = q.shape[-1] // (H * C) if H * C else 0
     RA = decay_x.shape[-1]
     expected = {
-        "x": (x, (B, 1, hidden)),
         "q": (q, (B, 1, H * G * C)),
         "k": (k, (B, 1, H * C)),
         "v": (v, (B, 1, H * D)),
         "scores": (scores, (B, 1, H * N)),
-        "q_lora B": (qb, (N, H * G * C, R)),
-        "k_lora A": (ka, (N, R, hidden)),
-        "k_lora B": (kb, (N, H * C, R)),
+        "lora_x q": (qa, (B, 1, N * R)),
+        "lora_x k": (ka, (B, 1, N * R)),
+        "lora_b q": (qb, (N, H * G * C, R)),
+        "lora_b k": (kb, (N, H * C, R)),
         "decay_up": (decay_up, (H * C, RA)),
         "decay_bias": (decay_bias, (H * C,)),
     }
@@ -282,8 +268,9 @@ def fused_recurrent_sse_decode(
         expected["out_norm"] = (out_norm, (D,))
     if out_gate is not None:
         expected["out_gate"] = (out_gate, (B, 1, H * G * D))
-    check_shapes(expected, f"the state {tuple(state.shape)}, q_lora A {tuple(qa.shape)} and q")
-    products = {"x": x, "q": q, "k": k, "v": v, "scores": scores, "decay_x": decay_x, "out_gate": out_gate}
+    check_shapes(expected, f"the state {tuple(state.shape)}, lora_b q {tuple(qb.shape)} and q")
+    products = {"q": q, "k": k, "v": v, "scores": scores, "decay_x": decay_x, "lora_x q": qa, "lora_x k": ka}
+    products["out_gate"] = out_gate
     check_row_views(products)
     check_in_place({"the state": state})
     if P not in (N, N + 1):
@@ -293,11 +280,11 @@ def fused_recurrent_sse_decode(
             raise ValueError(f"{name} = {top} must lie in [1, num_partitions = {N}]")
     if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (B, 1)):
         raise ValueError(f"mask must be a bool tensor [B, 1] = {(B, 1)}, got {mask.dtype} {tuple(mask.shape)}")
-    weights = (qa, qb, ka, kb, decay_up, decay_bias, *(() if out_norm is None else (out_norm,)))
+    weights = (qb, kb, decay_up, decay_bias, *(() if out_norm is None else (out_norm,)))
     if torch.is_grad_enabled() and any(t.requires_grad for t in (*products.values(), *weights, state) if t is not None):
         raise ValueError("fused_recurrent_sse_decode computes no gradients; use chunk_gla under sse_masking to train")
     return sse_decode_step(
-        x, q, k, v, scores, decay_x, out_gate, *(t.contiguous() for t in (qa, qb, ka, kb, decay_up, decay_bias)),
+        q, k, v, scores, decay_x, out_gate, qa, ka, *(t.contiguous() for t in (qb, kb, decay_up, decay_bias)),
         out_norm, float(norm_eps), None if mask is None else mask.contiguous().view(torch.uint8), state,
         float(scale), int(top_k), int(read_top_k), 1.0 / float(gate_normalizer),
     )  # fmt: skip
@@ -305,16 +292,15 @@ def fused_recurrent_sse_decode(
 
 @torch.library.custom_op("raven_hybrid::sse_decode_step", mutates_args=("state",))
 def sse_decode_step(
-    x: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     scores: torch.Tensor,
     decay_x: torch.Tensor,
     out_gate: torch.Tensor | None,
-    q_lora_a: torch.Tensor,
+    q_lora_x: torch.Tensor,
+    k_lora_x: torch.Tensor,
     q_lora_b: torch.Tensor,
-    k_lora_a: torch.Tensor,
     k_lora_b: torch.Tensor,
     decay_up: torch.Tensor,
     decay_bias: torch.Tensor,
@@ -330,25 +316,25 @@ def sse_decode_step(
     """The launch of `fused_recurrent_sse_decode` (checked inputs) as a custom op that updates `state` in place:
     torch.compile keeps it whole, and Inductor fuses the work around it."""
     B, H, P, C, D = state.shape
-    N, R, hidden = q_lora_a.shape
+    N, R = q_lora_b.shape[0], q_lora_b.shape[-1]
     G = q.shape[-1] // (H * C)
-    o = x.new_empty(B, 1, H * G * D)
-    if B * H:  # 8 warps, 64-wide blocks of x: 182 registers a thread on sm_90 at SmolLM2's sizes (4 warps spill)
+    o = q.new_empty(B, 1, H * G * D)
+    if B * H:  # 8 warps: at head dim 128, 4 spill (scripts/bench/kernel_resources.py)
         sse_fwd_kernel_step[(B, H)](
-            x, q, k, v, scores, decay_x, out_gate, x.stride(0), q.stride(0), k.stride(0), v.stride(0),
-            scores.stride(0), decay_x.stride(0), 0 if out_gate is None else out_gate.stride(0), q_lora_a, q_lora_b,
-            k_lora_a, k_lora_b, decay_up, decay_bias, out_norm, norm_eps, mask, state, o, scale, inv_tau, hidden,
-            H=H, G=G, N=N, C=C, D=D, R=R, RA=decay_x.shape[-1], WK=top_k, RK=read_top_k, SHARED=P - N,
+            q, k, v, scores, decay_x, out_gate, q_lora_x, k_lora_x, q.stride(0), k.stride(0), v.stride(0),
+            scores.stride(0), decay_x.stride(0), 0 if out_gate is None else out_gate.stride(0), q_lora_x.stride(0),
+            k_lora_x.stride(0), q_lora_b, k_lora_b, decay_up, decay_bias, out_norm, norm_eps, mask, state, o, scale,
+            inv_tau, H=H, G=G, N=N, C=C, D=D, R=R, RA=decay_x.shape[-1], WK=top_k, RK=read_top_k, SHARED=P - N,
             NORM=out_norm is not None, GATED=out_gate is not None, HAS_MASK=mask is not None,
             BG=triton.next_power_of_2(G), BN=triton.next_power_of_2(N), BC=triton.next_power_of_2(C),
             BD=triton.next_power_of_2(D), BR=triton.next_power_of_2(R), BRA=triton.next_power_of_2(decay_x.shape[-1]),
-            BX=min(64, triton.next_power_of_2(hidden)), num_warps=8,
+            num_warps=8,
         )  # fmt: skip
     return o
 
 
 @sse_decode_step.register_fake
-def _(x, q, k, v, scores, decay_x, out_gate, q_lora_a, q_lora_b, k_lora_a, k_lora_b, decay_up, decay_bias, out_norm,
+def _(q, k, v, scores, decay_x, out_gate, q_lora_x, k_lora_x, q_lora_b, k_lora_b, decay_up, decay_bias, out_norm,
       norm_eps, mask, state, scale, top_k, read_top_k, inv_tau):  # fmt: skip
     B, H, P, C, D = state.shape
-    return x.new_empty(B, 1, H * (q.shape[-1] // (H * C)) * D)
+    return q.new_empty(B, 1, H * (q.shape[-1] // (H * C)) * D)

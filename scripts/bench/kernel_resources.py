@@ -71,7 +71,7 @@ INPUT_DTYPE = {
     "xv",
     "p",
     "ds",
-    *("x", "e", "dx", "og", "logits", "decay_x", "beta_x", "gamma_x", "alpha_x", "out_gate", "tail"),
+    *("x", "e", "dx", "og", "qa", "ka", "logits", "decay_x", "beta_x", "gamma_x", "alpha_x", "out_gate", "tail"),
 }  # bf16 in training, and the decode steps' products
 INT32 = {"chunk_bos", "chunk_len", "seq_chunks", "idx", "cu_seqlens", "state_offsets", "chunk_indices", "counter"}
 STEP_FLOATS = {"scale", "norm_eps", "alpha", "inv_tau"}  # the decode steps' floats (elsewhere alpha is a pointer)
@@ -178,7 +178,7 @@ def step_row(name: str, D: int, M: int) -> tuple:
     else:
         warps, BM, r = 8, "-", 64
         constants = dict(H=3, G=G, N=4, C=D, D=D, R=r, RA=16, WK=1, RK=1, SHARED=1, NORM=True, GATED=True)
-        constants.update(HAS_MASK=True, BG=BG, BN=4, BC=D, BD=D, BR=r, BRA=16, BX=64)
+        constants.update(HAS_MASK=True, BG=BG, BN=4, BC=D, BD=D, BR=r, BRA=16)
     used = resources(KERNELS[name], constants, warps, 1, STEP_FLOATS)
     return (name, BM, warps, 1, used["registers"], used["stack"], used["shared"])
 

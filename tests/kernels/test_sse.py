@@ -307,33 +307,35 @@ def test_decode_step_kernel_reads_row_views_and_names_bad_arguments():
     """The products may be row views of one fused product (the compiled step's); wrong shapes, a state that is not
     contiguous float32, a top-k out of range and gradients are refused by name."""
     mixer = tiny_mixer()
-    H, G, c, d, N, hidden, B = 2, 2, 8, 8, 4, 32, 3
+    H, G, c, d, N, r, B = 2, 2, 8, 8, 4, mixer.q_lora_b.shape[-1], 3
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(B, 1, hidden, generator=g)
-    product = torch.randn(B, 1, H * G * c + H * c + H * d + H * N + 16 + H * G * d, generator=g)
-    q, k, v, scores, decay, gate = product.split([H * G * c, H * c, H * d, H * N, 16, H * G * d], dim=-1)
+    sizes = [H * G * c, H * c, H * d, H * N, 16, N * r, N * r, H * G * d]
+    q, k, v, scores, decay, qa, ka, gate = torch.randn(B, 1, sum(sizes), generator=g).split(sizes, dim=-1)
     state = torch.randn(B, H, N + 1, c, d, generator=g)
-    lora = (mixer.q_lora_a, mixer.q_lora_b), (mixer.k_lora_a, mixer.k_lora_b)
+    lora_b = mixer.q_lora_b, mixer.k_lora_b
 
-    def step(*products, state=state, top_k=1, **kwargs):
+    def step(*products, lora_x=(qa, ka), state=state, top_k=1, **kwargs):
         with torch.no_grad():
             return fused_recurrent_sse_decode(
-                *products, *lora, mixer.decay_up, mixer.decay_bias, state.clone(), c**-0.5, top_k, 1, 16.0,
+                *products, lora_x, lora_b, mixer.decay_up, mixer.decay_bias, state.clone(), c**-0.5, top_k, 1, 16.0,
                 out_norm=mixer.o_norm.weight, out_gate=gate, **kwargs,
             )  # fmt: skip
 
-    views = step(x, q, k, v, scores, decay)
+    views = step(q, k, v, scores, decay)
     assert views.shape == (B, 1, H * G * d)
-    assert torch.equal(views, step(*(t.contiguous() for t in (x, q, k, v, scores, decay))))
+    contiguous = step(*(t.contiguous() for t in (q, k, v, scores, decay)), lora_x=(qa.contiguous(), ka.contiguous()))
+    assert torch.equal(views, contiguous)
     with pytest.raises(ValueError, match="scores must have shape"):
-        step(x, q, k, v, scores[..., :3], decay)
+        step(q, k, v, scores[..., :3], decay)
+    with pytest.raises(ValueError, match="lora_x k must have shape"):
+        step(q, k, v, scores, decay, lora_x=(qa, ka[..., 1:]))
     with pytest.raises(ValueError, match="contiguous float32"):
-        step(x, q, k, v, scores, decay, state=state.double())
+        step(q, k, v, scores, decay, state=state.double())
     with pytest.raises(ValueError, match="top_k = 5"):
-        step(x, q, k, v, scores, decay, top_k=5)
+        step(q, k, v, scores, decay, top_k=5)
     with pytest.raises(ValueError, match="computes no gradients"):
         fused_recurrent_sse_decode(
-            x, q, k, v, scores, decay, *lora, mixer.decay_up, mixer.decay_bias, state, c**-0.5, 1, 1, 16.0
+            q, k, v, scores, decay, (qa, ka), lora_b, mixer.decay_up, mixer.decay_bias, state, c**-0.5, 1, 1, 16.0
         )  # the mixer's parameters require gradients
 
 

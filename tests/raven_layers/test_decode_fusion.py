@@ -157,6 +157,30 @@ def test_laying_out_the_weights_changes_no_value_name_or_parameter(tmp_path):
         assert torch.equal(p, before[name]), name
 
 
+def test_a_group_lays_out_3d_weights_as_their_rows(tmp_path):
+    """SSE's LoRA factors [N, r, hidden] join its group as N r rows of the one buffer: still 3-D parameters with
+    their values, saved and loaded as before."""
+    torch.manual_seed(0)
+    source = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2)).eval()
+    hybrid = build_hybrid(source, ["attention", "sse"], {"sse": {"lora_rank": 8, "num_partitions": 4}}).eval()
+    before = {name: p.detach().clone() for name, p in hybrid.named_parameters()}
+    share_projection_storage(hybrid)
+    layer = hybrid.model.layers[1].self_attn
+    group = [layer.get_parameter(name) for name in layer.shared_input_weights[0]]
+    offset = group[0].storage_offset()
+    for weight in group:  # one after another in one buffer
+        assert weight.untyped_storage().data_ptr() == group[0].untyped_storage().data_ptr()
+        assert weight.storage_offset() == offset and weight.is_contiguous()
+        offset += weight.numel()
+    hidden = source.config.hidden_size
+    assert layer.q_lora_a.shape == before["model.layers.1.self_attn.q_lora_a"].shape == (4, 8, hidden)
+    for name, p in hybrid.named_parameters():
+        assert torch.equal(p, before[name]), name
+    hybrid.save_pretrained(tmp_path)
+    for name, p in type(hybrid).from_pretrained(tmp_path).named_parameters():
+        assert torch.equal(p, before[name]), name
+
+
 def test_only_the_adjacent_weights_of_a_group_are_read_as_one_view():
     """Five products of one input, three of whose weights lie one after another in one buffer: those three become
     one product over a view of the buffer; the others stay, and nothing is concatenated where copying is refused."""

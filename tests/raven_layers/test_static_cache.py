@@ -228,7 +228,7 @@ def test_decode_compile_options_reach_torch_compile_and_recompile_when_changed(m
     [
         ("sila", "sila_decode", {"tail": 11, "memory": 14}),
         ("raven", "raven_decode_step", {"S^k": 11, "S^v": 12}),
-        ("sse", "sse_decode_step", {"state": 16}),
+        ("sse", "sse_decode_step", {"state": 15}),
     ],
 )
 def test_the_compiled_step_updates_the_mixer_state_where_it_lies(mixer, op, buffers):
