@@ -107,11 +107,12 @@
 #   decode-round   one device session's worth (about 25 minutes): decode-tests beside sila-deep22-half (evaluated at
 #                  1K-8K), then decode-lab alone
 #   decode-bench   times, alone: every mixer at 15 of 30 against both teachers at batch 128 and 32 at 16K, and at
-#                  batch 1 at 4K and 16K, with floors; SILA at 22 and 26 of 30 at batch 128 and 16K
-#                  (bench_generate.py); where a batch-32 step goes (profile_decode.py); the attention's tilings
-#                  at batch 32 around the default (sweep_decode_attention.py), into RUNS/decode-bench
+#                  batch 1 at 4K and 16K, with floors (bench_generate.py); where a batch-32 and -128 step goes,
+#                  kernel by kernel (profile_decode.py); SILA at 22 and 26 of 30 at batch 128 and 16K, into
+#                  RUNS/decode-bench
 #   decode-round-2 decode-tests (NEWEST=1: again under the newest transformers) beside sila-deep26-half (evaluated
 #                  at 1K-8K), then decode-bench alone
+#   decode-round-3 the fast path's GPU tests, then decode-bench, all alone (about 25 minutes)
 #   depth-speed    decode speed at 15, 22, 26 and 30 of 30 layers converted against the teacher on transformers and
 #                  on this engine (bench_generate.py --depths: batch 1, 32, 128 at 4K and 16K, with bandwidth
 #                  floors), and the largest batch at 32K (bench_capacity.py --depths), into RUNS/depth-speed;
@@ -334,15 +335,17 @@ PY
       --contexts 16k --steps 16
     timeout 420 python3 scripts/bench/bench_generate.py --out "$out/b1" --mixers raven,sse,sila --batches 1 \
       --contexts 4k,16k --steps 32
+    timeout 360 python3 scripts/bench/profile_decode.py --out "$out" --models teacher-engine,raven,sse,sila \
+      --batches 32,128 --context 16k --variants default --steps 8
     timeout 300 python3 scripts/bench/bench_generate.py --out "$out/depth" --mixers sila --depths 22,26 \
       --batches 128 --contexts 16k --steps 16
-    timeout 300 python3 scripts/bench/profile_decode.py --out "$out" --models teacher-engine,sila --batches 32 \
-      --context 16k --variants default
-    timeout 300 python3 scripts/bench/sweep_decode_attention.py --out "$out" --batches 32 --contexts 16k \
-      --blocks 64,128,256 --warps 4,8 --stages 2,3,4 --per-sm 1,2,4 --native 1 --merge 1
     ;;
   decode-round-2)  # one device session: the fast path's tests beside the 26-layer recipe at half its steps, then times
     (NEWEST=${NEWEST:-0} run decode-tests & WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run sila-deep26-half; wait)
+    run decode-bench
+    ;;
+  decode-round-3)  # one device session, alone: the fast path's tests, then decode-bench
+    NEWEST=${NEWEST:-0} fast_path_tests
     run decode-bench
     ;;
   depth-speed)
@@ -385,7 +388,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 decode-lab decode-tests decode-round decode-bench decode-round-2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;
