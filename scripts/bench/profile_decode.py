@@ -22,7 +22,8 @@ raven_layers/decode_fusion.py), `eager` (the eager step captured: `compile_decod
 comma-separated Inductor options `name=value` (Python literals) and `fused` or `shared` (the projection fusion of
 raven_layers/decode_fusion.py over concatenated weights, or over the weights in place; e.g.
 `shared,combo_kernels=True`). The table is printed last and written to
-OUT/profile_decode.json with the profiler's top kernels of each row.
+OUT/profile_decode.json with the profiler's top kernels of each row and where its GPU time goes (`breakdown`: the
+attention, the mixers' step kernels, the products, Inductor's fused kernels, the rest; printed as a table too).
 """
 
 from __future__ import annotations
@@ -68,8 +69,32 @@ def gpu_ms_per_replay(cache, replays: int = 100) -> float:
     return start.elapsed_time(end) / replays
 
 
+# Where a step's GPU time goes, by kernel name: the first pattern a name contains decides
+CATEGORIES = (
+    ("attention", ("attention_fwd_kernel", "merge_fwd_kernel")),
+    ("mixer step", ("raven_fwd_kernel", "sse_fwd_kernel", "sila_fwd_kernel")),
+    ("products", ("nvjet", "gemv", "gemm", "cutlass", "xmma", "splitKreduce")),
+    ("fused (Inductor)", ("triton_",)),
+)
+
+
+def category(name: str) -> str:
+    """The part of a decode step a kernel of this name belongs to (CATEGORIES), else "other"."""
+    return next((label for label, patterns in CATEGORIES if any(p in name for p in patterns)), "other")
+
+
+def breakdown(kernels: list[dict]) -> dict[str, dict[str, float]]:
+    """{category: {"per_step": kernels, "us_per_step": GPU time}} of a step's kernels (every one, not the top)."""
+    parts = {label: {"per_step": 0.0, "us_per_step": 0.0} for label, _ in (*CATEGORIES, ("other", ()))}
+    for kernel in kernels:
+        part = parts[category(kernel["name"])]
+        part["per_step"] += kernel["per_step"]
+        part["us_per_step"] += kernel["us_per_step"]
+    return parts
+
+
 def kernels_per_step(model, cache, token: torch.Tensor, runs: int = 8) -> tuple[float, list[dict]]:
-    """GPU kernels one decode step launches (the step outside its graph), and the top kernels by GPU time."""
+    """GPU kernels one decode step launches (the step outside its graph), and every kernel by GPU time."""
     step = model.decode_function()
     with cache.decoding_step(), decode_attention(model.config):
         step(token, cache)
@@ -80,11 +105,10 @@ def kernels_per_step(model, cache, token: torch.Tensor, runs: int = 8) -> tuple[
             torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     events.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    top = [
-        {"name": e.key[:90], "per_step": e.count / runs, "us_per_step": e.self_device_time_total / runs}
-        for e in events[:15]
+    every = [
+        {"name": e.key[:90], "per_step": e.count / runs, "us_per_step": e.self_device_time_total / runs} for e in events
     ]
-    return sum(e.count for e in events) / runs, top
+    return sum(e.count for e in events) / runs, every
 
 
 def measure(model, batch: int, context: int, steps: int, options: dict | None) -> dict:
@@ -106,7 +130,7 @@ def measure(model, batch: int, context: int, steps: int, options: dict | None) -
         first_step = out.logits[1].float()  # [B, V]: logits[0] is the prefill's
         cache = model._static_cache
         replay = gpu_ms_per_replay(cache)
-        kernels, top = kernels_per_step(model, cache, out.sequences[:, -1:])
+        kernels, every = kernels_per_step(model, cache, out.sequences[:, -1:])
         per_step = {}
         for loop in (True, False):
             model.use_decode_loop = loop
@@ -121,7 +145,8 @@ def measure(model, batch: int, context: int, steps: int, options: dict | None) -
         "generate_ms": per_step[True],
         "transformers_loop_ms": per_step[False],
         "first_step_logits": first_step,
-        "top_kernels": top,
+        "top_kernels": every[:15],
+        "breakdown": breakdown(every),
     }
 
 
@@ -184,6 +209,16 @@ def main(argv=None):
             for k in row["top_kernels"][:10]:
                 print(f"  {k['per_step']:5.1f} x {k['us_per_step']:8.1f} us  {k['name']}")
     print(f"\n{info}")
+    labels = [label for label, _ in CATEGORIES] + ["other"]
+    print("| model | batch | variant | " + " | ".join(f"{label} us (kernels)" for label in labels) + " | GPU us |")
+    print("| --- | --- | --- |" + " --- |" * (len(labels) + 1))
+    for row in rows:
+        if "breakdown" in row:
+            parts = [row["breakdown"][label] for label in labels]
+            cells = " | ".join(f"{part['us_per_step']:.0f} ({part['per_step']:.0f})" for part in parts)
+            total = sum(part["us_per_step"] for part in parts)
+            print(f"| {row['model']} | {row['batch']} | {row['variant']} | {cells} | {total:.0f} |")
+    print()
     print(
         "| model | batch | variant | compile s | kernels/step | replay ms | generate ms | in transformers' loop | "
         "max abs dlogit |"
