@@ -133,7 +133,8 @@ class Mixer(nn.Module):
     # set while training (convert/train/compiling.py): the many small operations around the kernels, fused by
     # torch.compile, launch a few kernels instead of dozens per layer, forward and backward
     compile_glue: bool = False
-    # a subclass's other weights whose bias-free products read the layer's input (beside q/k/v and the output gate)
+    # a subclass's other weights whose bias-free products read the layer's input (beside q/k/v and the output gate;
+    # a 3-D weight [n, r, in] as its n r rows)
     input_weights: tuple[str, ...] = ()
 
     @property

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import LogitsProcessorList
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
 
@@ -135,7 +136,13 @@ def measure(model, batch: int, context: int, steps: int, options: dict | None) -
         for loop in (True, False):
             model.use_decode_loop = loop
             clock = StepClock(ids.device)
-            model.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, logits_processor=[clock], **kwargs)
+            model.generate(
+                ids,
+                max_new_tokens=steps + 1,
+                min_new_tokens=steps + 1,
+                logits_processor=LogitsProcessorList([clock]),
+                **kwargs,
+            )
             per_step[loop] = clock.step_s() * 1e3
         model.use_decode_loop = True
     return {
