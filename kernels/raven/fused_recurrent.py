@@ -9,7 +9,7 @@ import triton.language as tl
 
 from ..decode_checks import check_in_place, check_row_views, check_shapes
 from ..rows import indices_by_score, rows_rms_norm, softplus
-from ..split import Partials, merge_if_last, programs_wanted, row_counters, split_count
+from ..split import Partials, merge_if_last, row_counters, split_count
 from .utils import check_inputs, slot_indices
 
 
@@ -382,8 +382,7 @@ def raven_decode_step(
     # the slots split over several programs where the heads fill under half the SMs' warps (one-warp programs, 8 an
     # SM: the attention's 2 programs of 4): at 3 heads and batch 32, 2 programs an SM left 3 warps streaming each;
     # at 16 heads and batch 64, unsplit measured fastest (decode_config)
-    per_sm = DECODE_WARPS_PER_SM // warps
-    NS = split_count(B * H, blocks, q.device, per_sm) if 2 * B * H <= programs_wanted(q.device, per_sm) else 1
+    NS = split_count(B * H, blocks, q.device, DECODE_WARPS_PER_SM // warps, whole_from=0.5)
     part = Partials(B * H, NS, G, D, q.device) if NS > 1 else None
     if B * H:
         raven_fwd_kernel_decode[(B * H, NS)](

@@ -34,3 +34,18 @@ def test_merge_matches_the_softmax_merge(rows, NS, G, D):
     w = torch.exp(m - m.amax(1, keepdim=True))
     ref = (w[..., None] * o).sum(1) / (w * sums).sum(1)[..., None]  # [rows, G, D]
     torch.testing.assert_close(out.cpu(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_split_count_covers_the_gpu_and_keeps_full_rows_whole(monkeypatch):
+    """Rows x ranges reach the wanted programs (a power of 2, at most the blocks); with `whole_from`, rows that alone
+    give that share of them stay one range (Raven's decode: 8 one-warp programs an SM, whole from half)."""
+    from raven_kernels import split
+
+    monkeypatch.setattr(split, "programs_wanted", lambda device, per_sm=2: 132 * per_sm)  # an H200's SMs
+    cuda = torch.device("cuda")
+    assert split.split_count(3, 64, cuda, per_sm=8) == 64  # batch 1 at 3 heads: every block its own range
+    assert split.split_count(96, 64, cuda, per_sm=2) == 4  # batch 32: the old split
+    assert split.split_count(96, 64, cuda, per_sm=8, whole_from=0.5) == 16
+    assert split.split_count(384, 64, cuda, per_sm=8, whole_from=0.5) == 4  # batch 128
+    assert split.split_count(1024, 32, cuda, per_sm=8, whole_from=0.5) == 1  # 16 heads at batch 64: whole
+    assert split.split_count(1024, 32, cuda, per_sm=8) == 2
