@@ -1,7 +1,8 @@
 """SSE decode steps (Triton): each (batch row, kv head) gathers only the partitions its tokens select, updates them
 in place and reads them, one token after another: S^i = diag(exp(log_g)) S^i + k^T v, o = scale sum_i q^i S^i.
 `fused_recurrent_sse` takes the routed inputs; `fused_recurrent_sse_decode` a generation step from the layer's
-products, routing, LoRA, gate and read-out included, in one kernel."""
+products (every partition's first LoRA products among them), routing, the LoRA's second products, gate and
+read-out included, in one kernel."""
 
 from __future__ import annotations
 
