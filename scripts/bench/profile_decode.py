@@ -74,7 +74,7 @@ def gpu_ms_per_replay(cache, replays: int = 100) -> float:
 CATEGORIES = (
     ("attention", ("attention_fwd_kernel", "merge_fwd_kernel")),
     ("mixer step", ("raven_fwd_kernel", "sse_fwd_kernel", "sila_fwd_kernel")),
-    ("products", ("nvjet", "gemv", "gemm", "cutlass", "xmma", "splitKreduce")),
+    ("products", ("nvjet", "gemv", "gemm", "cutlass", "xmma", "splitKreduce", "triton_tem")),  # tem: Triton GEMMs
     ("fused (Inductor)", ("triton_",)),
 )
 

@@ -339,6 +339,9 @@ PY
       --batches 32,128 --context 16k --variants default --steps 8
     timeout 300 python3 scripts/bench/bench_generate.py --out "$out/depth" --mixers sila --depths 22,26 \
       --batches 128 --contexts 16k --steps 16
+    # the shared per-layer work at batch 128 with Triton's GEMM templates (epilogues fused), last: it autotunes
+    timeout 300 python3 scripts/bench/profile_decode.py --out "$out/autotune" --models teacher-engine,sila \
+      --batches 128 --context 16k --variants default "shared,combo_kernels=True,max_autotune_gemm=True" --steps 8
     ;;
   decode-round-2)  # one device session: the fast path's tests beside the 26-layer recipe at half its steps, then times
     (NEWEST=${NEWEST:-0} run decode-tests & WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run sila-deep26-half; wait)

@@ -19,6 +19,7 @@ def test_every_kernel_of_a_recorded_step_falls_in_its_part():
     rows = json.loads((ROOT / "docs/results/depth/decode/profile_decode_b1_all_mixers_beside_recipe.json").read_text())
     names = {k["name"] for row in rows["rows"] for k in row["top_kernels"]}
     assert category("attention_fwd_kernel_split") == category("merge_fwd_kernel") == "attention"
+    assert category("triton_tem_fused_mm_0") == "products"  # a Triton GEMM template (max_autotune_gemm)
     for mixer in ("raven_fwd_kernel_decode", "sse_fwd_kernel_step", "sila_fwd_kernel_decode"):
         assert mixer in names and category(mixer) == "mixer step"
     products = [n for n in names if n.startswith(("nvjet", "std::enable_if", "void cutlass"))]
