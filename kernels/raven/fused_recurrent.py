@@ -21,7 +21,7 @@ def decode_config(M: int, G: int, D: int) -> tuple[int, int]:
     return max(1, min(8, triton.next_power_of_2(M), 1024 // (BG * BD))), 1
 
 
-DECODE_WARPS_PER_SM = 8  # warps the decode step's programs should put on each SM (split_count)
+DECODE_WARPS_PER_SM = 8  # warps the decode step's programs put on each SM where the heads leave SMs idle
 
 
 @triton.jit
@@ -379,9 +379,8 @@ def raven_decode_step(
     BG, BD = triton.next_power_of_2(G), triton.next_power_of_2(D)
     BM, warps = decode_config(M, G, D)
     blocks = triton.cdiv(M, BM)
-    # the slots split over several programs where the heads fill under half the SMs' warps (one-warp programs, 8 an
-    # SM: the attention's 2 programs of 4): at 3 heads and batch 32, 2 programs an SM left 3 warps streaming each;
-    # at 16 heads and batch 64, unsplit measured fastest (decode_config)
+    # one-warp programs stream too few bytes each to keep an SM busy alone: split the slots until 8 an SM (the
+    # attention's warps an SM), unless the heads alone give half of them (many heads: unsplit, decode_config)
     NS = split_count(B * H, blocks, q.device, DECODE_WARPS_PER_SM // warps, whole_from=0.5)
     part = Partials(B * H, NS, G, D, q.device) if NS > 1 else None
     if B * H:
