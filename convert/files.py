@@ -52,7 +52,7 @@ def write_json(data, path: str | Path) -> None:
         json.dump(data, f, indent=1, default=str)
 
 
-def write_png(fig, path: str | Path, dpi: int = 110) -> Path:
+def write_png(fig, path: str | Path, dpi: float = 110) -> Path:
     """A matplotlib figure written atomically as a PNG: a cut run leaves the old picture or none, never half of one."""
     with atomic_file(path, "wb") as f:
         fig.savefig(f, dpi=dpi, format="png")

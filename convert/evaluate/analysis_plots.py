@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ..files import write_png
 from .analysis import BOTH, CATEGORY_NAMES, NEVER, OTHER_ONLY, SPECIAL_ONLY, slot_allocation
 
 # the slot categories' colours, the Raven paper's (Figures 6 and 7)
@@ -23,13 +24,6 @@ def new_figure(width: float, height: float):
     from matplotlib.figure import Figure  # a bare Figure renders with Agg and leaves pyplot's backend alone
 
     return Figure(figsize=(width, height), layout="constrained")
-
-
-def save_png(fig, path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, format="png")
-    return path
 
 
 def _token_ticks(ax, tokens: Sequence[str] | None, T: int, max_labels: int = 64):
@@ -80,7 +74,7 @@ def plot_effective_sequence_length(esl: torch.Tensor, path, heads: Sequence[int]
     fig.legend(handles=[*lines, *regimes], loc="outside lower center", ncols=3, fontsize=7)  # off the bars
     axes[-1].set_xlabel("slot (sorted by effective sequence length)")
     fig.suptitle(title or "Raven effective sequence length per slot")
-    return save_png(fig, path)
+    return write_png(fig, path, dpi=120)
 
 
 def plot_slot_allocation(
@@ -130,7 +124,7 @@ def plot_slot_allocation(
     handles = [Patch(color=CATEGORY_COLORS[c], label=f"{CATEGORY_NAMES[c]}: {counts[c]}") for c in CATEGORY_NAMES]
     fig.legend(handles=handles, loc="outside lower center", ncols=4, fontsize=7)
     fig.suptitle(title or f"Raven slot allocation, kv head {head}")
-    return save_png(fig, path)
+    return write_png(fig, path, dpi=120)
 
 
 def _common_suffix(a: Sequence[str], b: Sequence[str]) -> int:
@@ -209,7 +203,7 @@ def plot_gate_trace(
                 labels[t].set_color("red")
         ax.set_title(name, fontsize=9)
     fig.suptitle(title or "SILA input gate beta per token")
-    return save_png(fig, path)
+    return write_png(fig, path, dpi=120)
 
 
 def plot_partition_usage(usage: torch.Tensor, path, title=None) -> Path:
@@ -233,7 +227,7 @@ def plot_partition_usage(usage: torch.Tensor, path, title=None) -> Path:
     ax.set_ylabel("fraction of tokens writing it")
     ax.legend(fontsize=7, ncols=2)
     ax.set_title(title or "SSE partition usage", fontsize=10)
-    return save_png(fig, path)
+    return write_png(fig, path, dpi=120)
 
 
 def plot_state_entropy(entropy, path, shared_partition: bool = True, title=None) -> Path:
@@ -267,4 +261,4 @@ def plot_state_entropy(entropy, path, shared_partition: bool = True, title=None)
     ax.set_ylabel("singular value entropy")
     ax.legend(title="partition", fontsize=7, ncols=min(P, 5))
     ax.set_title(title or "SSE state singular value entropy", fontsize=10)
-    return save_png(fig, path)
+    return write_png(fig, path, dpi=120)

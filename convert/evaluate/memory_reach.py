@@ -33,6 +33,7 @@ import torch
 
 from raven_layers.cache import output_cache
 
+from ..files import write_png
 from . import analysis, analysis_plots
 from .retrieval import build_samples
 
@@ -223,4 +224,4 @@ def plot_reach(reach: Reach, path, title: str | None = None):
     ax.set_ylabel("passkey kept (solid), control (dotted), gates (dashed)")
     ax.legend(title="layer", fontsize=6, ncol=2, loc="lower left")
     ax.set_title(title or "the needle's trace in each mixer's memory")
-    return analysis_plots.save_png(fig, path)
+    return write_png(fig, path, dpi=120)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..console import eta
+from ..files import write_png
 from .runtime import OutOfMemory, compare_models, free, model_device, model_dtype, parse_lengths, run_info, sync
 from .shares import OneProcess, spread
 
@@ -375,10 +376,7 @@ def plot_loss_curve(results_by_model: dict[str, dict], path: str | Path) -> Path
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    return path
+    return write_png(fig, path, dpi=120)
 
 
 def format_perplexity_table(results_by_model: dict[str, dict]) -> str:

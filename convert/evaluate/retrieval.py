@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ..console import eta
-from ..files import atomic_file
+from ..files import atomic_file, write_png
 from .needles import (  # noqa: F401  (re-exported: the prompt side of the API)
     HAYSTACK_ENV,
     TASKS,
@@ -248,10 +248,7 @@ def plot_niah_heatmap(results: list[dict], path: str | Path, title: str = "") ->
     ax.set_title(title or "retrieval accuracy (%)")
     fig.colorbar(image, ax=ax, label="accuracy (%)")
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    return path
+    return write_png(fig, path, dpi=120)
 
 
 def load_results(path: str | Path) -> dict:

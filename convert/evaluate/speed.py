@@ -41,6 +41,7 @@ from torch import nn
 
 from raven_layers.cache import cache_argument, output_cache
 
+from ..files import write_png
 from .decode_bench import decode_path, generate_times, warm_up
 from .runtime import OutOfMemory, compare_models, free, model_device, parse_batches, parse_lengths, run_info, sync
 
@@ -380,10 +381,7 @@ def plot_speed(results_by_model: dict[str, list[dict]], path: str | Path) -> Pat
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return path
+    return write_png(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -45,6 +45,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from raven_convert.console import eta
+from raven_convert.files import write_png
 from raven_convert.train.checkpoint import latest_checkpoint, save_checkpoint
 from raven_kernels.attention import attention_distance, attention_distance_torch, first_keys
 from raven_layers.architectures import get_architecture
@@ -486,7 +487,4 @@ def plot_token_weights(
     cax = fig.add_axes((pad / width, 0.55 / height, text_w / width, 0.12 / height))
     fig.colorbar(ScalarMappable(norm=norm, cmap=colours), cax=cax, orientation="horizontal")
     cax.set_xlabel("loss weight  w_t = log(lambda d_t + 1)", fontsize=fontsize - 1)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
-    return path
+    return write_png(fig, path, dpi=fig.dpi)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
+
+from raven_convert.files import write_png
 
 
 def plot(record: dict, out: Path) -> None:
@@ -46,10 +47,8 @@ def plot(record: dict, out: Path) -> None:
         f"{record.get('gpu', '?')}, torch {record.get('torch', '?')}, transformers {record.get('transformers', '?')}"
     )
     fig.tight_layout()
-    tmp = out.with_name(out.stem + ".tmp" + out.suffix)
-    fig.savefig(tmp, dpi=120)
+    write_png(fig, out, dpi=120)
     plt.close(fig)
-    os.replace(tmp, out)
 
 
 def main(argv: list[str] | None = None) -> None:

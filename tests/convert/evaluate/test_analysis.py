@@ -202,7 +202,7 @@ def test_raven_plots_stay_readable_at_256_slots(tmp_path, monkeypatch):
     # the paper's M = 256: at most 32 labelled slot rows, every label inside the figure, and the ESL bar colours
     # explained by a legend next to the reference lines
     figures = {}
-    monkeypatch.setattr(P, "save_png", lambda fig, path: figures.setdefault(Path(path).stem, fig) and Path(path))
+    monkeypatch.setattr(P, "write_png", lambda fig, path, dpi: figures.setdefault(Path(path).stem, fig) and Path(path))
     g = torch.Generator().manual_seed(0)
     writes = torch.rand(600, 2, 256, generator=g) < torch.linspace(0.01, 0.3, 256)
     special = torch.zeros(600, dtype=torch.bool)
