@@ -21,7 +21,14 @@ def decode_config(M: int, G: int, D: int) -> tuple[int, int]:
     return max(1, min(8, triton.next_power_of_2(M), 1024 // (BG * BD))), 1
 
 
-DECODE_WARPS_PER_SM = 8  # warps the decode step's programs put on each SM where the heads leave SMs idle
+DECODE_WARPS_PER_SM = 8  # warps the one-token programs put on each SM where the heads leave SMs idle
+
+
+def slot_ranges(rows: int, blocks: int, warps: int, device: torch.device) -> int:
+    """Ranges the slots of each of `rows` heads split into for one token: one-warp programs stream too few bytes
+    each to keep an SM busy alone, so split until DECODE_WARPS_PER_SM warps an SM (the attention's warps an SM),
+    unless the heads alone give half of them (many heads: unsplit, decode_config)."""
+    return split_count(rows, blocks, device, DECODE_WARPS_PER_SM // warps, whole_from=0.5)
 
 
 @triton.jit
@@ -239,8 +246,7 @@ def raven_decode(
     BG, BD = triton.next_power_of_2(G), triton.next_power_of_2(D)
     BM, warps = decode_config(M, G, D)
     blocks = triton.cdiv(M, BM)
-    # one token per sequence: the slots split over several programs per head when the heads alone leave SMs idle
-    NS = split_count(N * H, blocks, q.device) if T == 1 and cu_seqlens is None else 1
+    NS = slot_ranges(N * H, blocks, warps, q.device) if T == 1 and cu_seqlens is None else 1  # one token a sequence
     part = Partials(N * H, NS, G, D, q.device) if NS > 1 else None
     raven_fwd_kernel_fused_recurrent[(N * H, NS)](
         q,
@@ -379,9 +385,7 @@ def raven_decode_step(
     BG, BD = triton.next_power_of_2(G), triton.next_power_of_2(D)
     BM, warps = decode_config(M, G, D)
     blocks = triton.cdiv(M, BM)
-    # one-warp programs stream too few bytes each to keep an SM busy alone: split the slots until 8 an SM (the
-    # attention's warps an SM), unless the heads alone give half of them (many heads: unsplit, decode_config)
-    NS = split_count(B * H, blocks, q.device, DECODE_WARPS_PER_SM // warps, whole_from=0.5)
+    NS = slot_ranges(B * H, blocks, warps, q.device)
     part = Partials(B * H, NS, G, D, q.device) if NS > 1 else None
     if B * H:
         raven_fwd_kernel_decode[(B * H, NS)](
