@@ -291,6 +291,9 @@ def fused_recurrent_sse_decode(
     )  # fmt: skip
 
 
+STEP_WARPS = 8  # sse_fwd_kernel_step's warps: at head dim 128, 4 spill (scripts/bench/kernel_resources.py)
+
+
 @torch.library.custom_op("raven_hybrid::sse_decode_step", mutates_args=("state",))
 def sse_decode_step(
     q: torch.Tensor,
@@ -320,7 +323,7 @@ def sse_decode_step(
     N, R = q_lora_b.shape[0], q_lora_b.shape[-1]
     G = q.shape[-1] // (H * C)
     o = q.new_empty(B, 1, H * G * D)
-    if B * H:  # 8 warps: at head dim 128, 4 spill (scripts/bench/kernel_resources.py)
+    if B * H:
         sse_fwd_kernel_step[(B, H)](
             q, k, v, scores, decay_x, out_gate, q_lora_x, k_lora_x, q.stride(0), k.stride(0), v.stride(0),
             scores.stride(0), decay_x.stride(0), 0 if out_gate is None else out_gate.stride(0), q_lora_x.stride(0),
@@ -329,7 +332,7 @@ def sse_decode_step(
             NORM=out_norm is not None, GATED=out_gate is not None, HAS_MASK=mask is not None,
             BG=triton.next_power_of_2(G), BN=triton.next_power_of_2(N), BC=triton.next_power_of_2(C),
             BD=triton.next_power_of_2(D), BR=triton.next_power_of_2(R), BRA=triton.next_power_of_2(decay_x.shape[-1]),
-            num_warps=8,
+            num_warps=STEP_WARPS,
         )  # fmt: skip
     return o
 

@@ -176,7 +176,7 @@ def step_row(name: str, D: int, M: int) -> tuple:
         constants = dict(H=3, G=G, M=M, D=D, K=K, BG=BG, BM=BM, BD=D, BK=K, BMALL=M, NS=1, MB=-(-M // BM), BS=1)
         constants.update(flags)
     else:
-        warps, BM, r = 8, "-", 64
+        warps, BM, r = sse_recurrent.STEP_WARPS, "-", 64
         constants = dict(H=3, G=G, N=4, C=D, D=D, R=r, RA=16, WK=1, RK=1, SHARED=1, NORM=True, GATED=True)
         constants.update(HAS_MASK=True, BG=BG, BN=4, BC=D, BD=D, BR=r, BRA=16)
     used = resources(KERNELS[name], constants, warps, 1, STEP_FLOATS)

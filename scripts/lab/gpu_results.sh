@@ -178,8 +178,8 @@ trained() {  # trained MIXER RUN [ARGS...]: train RUN, check that its model load
 }
 
 fast_path_tests() {  # the fast path's GPU tests, again under the newest transformers where /tmp/site-newest holds it
-  timeout 300 python3 -m pytest -o addopts="" -q -rfE tests/kernels/test_sila.py tests/kernels/test_raven.py tests/kernels/test_sse.py \
-    -k decode 2>&1 | tail -20  # the mixers' one-kernel decode steps, compiled for this GPU
+  timeout 300 python3 -m pytest -o addopts="" -q -rfE tests/kernels/test_sila.py tests/kernels/test_raven.py \
+    tests/kernels/test_sse.py -k decode 2>&1 | tail -20  # the mixers' one-kernel decode steps, compiled for this GPU
   RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q -rfE tests/raven_layers/test_gpu.py \
     tests/kernels/test_attention.py tests/scripts/test_sweep_decode_attention.py 2>&1 | tail -40
   [ -d /tmp/site-newest ] && [ "${NEWEST:-1}" = 1 ] || return 0

@@ -1,5 +1,5 @@
-"""How the mixers' one-kernel decode steps are checked (test_sila.py, test_raven.py): the same prompt and steps on
-the Triton kernels and on PyTorch."""
+"""How the mixers' one-kernel decode steps are checked (test_sila.py, test_raven.py, test_sse.py): the same prompt
+and steps on the Triton kernels and on PyTorch."""
 
 from __future__ import annotations
 

@@ -40,12 +40,13 @@ def test_split_count_covers_the_gpu_and_keeps_full_rows_whole(monkeypatch):
     """Rows x ranges reach the wanted programs (a power of 2, at most the blocks); with `whole_from`, rows that alone
     give that share of them stay one range (Raven's decode: 8 one-warp programs an SM, whole from half)."""
     from raven_kernels import split
+    from raven_kernels.raven.fused_recurrent import slot_ranges
 
     monkeypatch.setattr(split, "programs_wanted", lambda device, per_sm=2: 132 * per_sm)  # an H200's SMs
     cuda = torch.device("cuda")
-    assert split.split_count(3, 64, cuda, per_sm=8) == 64  # batch 1 at 3 heads: every block its own range
+    assert slot_ranges(3, 64, 1, cuda) == 64  # batch 1 at 3 heads: every block its own range
     assert split.split_count(96, 64, cuda, per_sm=2) == 4  # batch 32: the old split
-    assert split.split_count(96, 64, cuda, per_sm=8, whole_from=0.5) == 16
-    assert split.split_count(384, 64, cuda, per_sm=8, whole_from=0.5) == 4  # batch 128
-    assert split.split_count(1024, 32, cuda, per_sm=8, whole_from=0.5) == 1  # 16 heads at batch 64: whole
+    assert slot_ranges(96, 64, 1, cuda) == 16
+    assert slot_ranges(384, 64, 1, cuda) == 4  # batch 128
+    assert slot_ranges(1024, 32, 1, cuda) == 1  # 16 heads at batch 64: whole
     assert split.split_count(1024, 32, cuda, per_sm=8) == 2
