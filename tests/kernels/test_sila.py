@@ -16,6 +16,9 @@ from tests.raven_layers.test_sila import FakeCache
 NAMES = ("q", "k", "v", "alpha", "beta_x", "gamma_x", "w_beta", "w_gamma", "initial_state")
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Decode steps against the PyTorch path: on the GPU cuBLAS picks an algorithm per product shape, so the fused
+# product of the Triton path and the PyTorch path's separate ones sum in different orders (~1e-6 each)
+STEP_TOL = 1e-5 if DEVICE == "cpu" else 1e-4
 
 
 @pytest.fixture(autouse=True)
@@ -181,8 +184,8 @@ def test_mixer_decode_steps_in_one_kernel_update_the_state_in_place(settings, qk
             if name in mixer.fresh_parameter_names() - {"gamma_bias"} or "norm" in name:
                 p.add_(0.3 * torch.randn_like(p))
     runs = steps_on_both_backends(mixer.to(DEVICE), padded, DEVICE)
-    for a, b in zip(runs["triton"], runs["torch"]):
-        assert a.shape == b.shape and rel_err(a, b) < 1e-5
+    for i, (a, b) in enumerate(zip(runs["triton"], runs["torch"])):
+        assert a.shape == b.shape and rel_err(a, b) < STEP_TOL, f"output {i}: relative error {rel_err(a, b):.2e}"
 
 
 def test_a_decode_step_with_gradients_keeps_the_old_state():
@@ -216,8 +219,11 @@ def test_decode_kernel_reads_row_views_of_one_product_and_names_bad_arguments():
     args = (q, k, v, bx, gx, ax, biases, conv, tail, w_beta, w_gamma)
     o = fused_recurrent_sila_decode(*args[:8], tail.clone(), w_beta, w_gamma, state.clone(), out_gate=og)
     contiguous = [x.contiguous() for x in (q, k, v, bx, gx, ax)]
-    assert torch.equal(o, fused_recurrent_sila_decode(*contiguous, biases, conv, tail.clone(), w_beta, w_gamma,
-                                                      state.clone(), out_gate=og.contiguous()))  # fmt: skip
+    # equal under the interpreter; compiled, Triton lays out a load by its pointers' alignment, and the strides
+    # differ, so the sums may run in another order
+    torch.testing.assert_close(o, fused_recurrent_sila_decode(*contiguous, biases, conv, tail.clone(), w_beta, w_gamma,
+                                                              state.clone(), out_gate=og.contiguous()),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
     ungated = fused_recurrent_sila_decode(*args[:8], tail.clone(), w_beta, w_gamma, state.clone())
     torch.testing.assert_close(o, ungated * 2 * torch.sigmoid(og).view_as(o))
     with pytest.raises(ValueError, match="k must have shape"):
