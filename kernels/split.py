@@ -53,13 +53,14 @@ def merge_ranges(
 
 @triton.jit
 def merge_if_last(m_part, l_part, o_part, o, counter, i_r, G: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
-                  BG: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr):  # fmt: skip
+                  BG: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BS: tl.constexpr):  # fmt: skip
     """Called by each range of row i_r once it stored its partials: the row's last range to finish merges the whole
     row into o, counted with an atomic on counter[i_r] (`row_counters`), which it sets back to zero for the next
-    call. One launch instead of a second kernel."""
+    call. One launch instead of a second kernel. The merge reads the BH real query heads (`Partials.BH`), not the
+    BG a tl.dot pads them to."""
     tl.debug_barrier()  # every thread's partials stored before the count says so
     if tl.atomic_add(counter + i_r, 1, sem="acq_rel", scope="gpu") == NS - 1:  # acquire: the others' partials
-        merge_ranges(m_part, l_part, o_part, o, i_r, 0, BG, G, D, NS, BG, BD, BS)
+        merge_ranges(m_part, l_part, o_part, o, i_r, 0, BH, G, D, NS, BG, BD, BS)
         tl.store(counter + i_r, 0)
 
 
@@ -118,6 +119,7 @@ class Partials:
         """`pad`: the least BG and BD (16 for kernels that multiply the tiles with tl.dot)."""
         self.rows, self.NS, self.G, self.D = rows, NS, G, D
         self.BG, self.BD = max(pad, triton.next_power_of_2(G)), max(pad, triton.next_power_of_2(D))
+        self.BH = triton.next_power_of_2(G)  # the heads a merge of a whole row reads: the real ones, unpadded
         self.m = torch.empty(rows, NS, self.BG, dtype=torch.float32, device=device)  # [rows, NS, BG]
         self.l = torch.empty_like(self.m)
         self.o = torch.empty(rows, NS, self.BG, self.BD, dtype=torch.float32, device=device)  # [rows, NS, BG, BD]
@@ -125,6 +127,11 @@ class Partials:
     def ranges_per_load(self, heads: int) -> int:
         """`merge_ranges`' BS for `heads` query heads at once: [BS, heads, BD] floats in registers."""
         return min(self.NS, max(1, 4096 // (heads * self.BD)))
+
+    def row_in_one_load(self) -> bool:
+        """Whether one program merges a whole row's ranges in one load: `merge_if_last` reads the ranges one load
+        after another, so where a row has more (batch 1, a long cache) a second kernel over (row, head) is faster."""
+        return self.NS <= self.ranges_per_load(self.BH)
 
     def merge(self, o: torch.Tensor) -> torch.Tensor:
         """Write the merged readout into o (contiguous, rows * G * D elements)."""

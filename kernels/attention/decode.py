@@ -46,6 +46,7 @@ def attention_fwd_kernel_split(
     out,
     counter,
     MERGE: tl.constexpr,
+    BH: tl.constexpr,
     BS: tl.constexpr,
 ):
     i_bh, i_s = tl.program_id(0), tl.program_id(1)
@@ -84,12 +85,16 @@ def attention_fwd_kernel_split(
         else:
             b_o = b_o * b_alpha[:, None] + tl.dot(b_p, b_v.to(tl.float32), input_precision=PRECISION)
         b_m = b_mn
-    p_part = (i_bh * NS + i_s) * BG + o_g
-    tl.store(m_part + p_part, b_m)
-    tl.store(l_part + p_part, b_l)
-    tl.store(o_part + p_part[:, None] * BD + o_d[None, :], b_o)
-    if MERGE:  # the row's last range to finish merges the row: no second launch
-        merge_if_last(m_part, l_part, o_part, out, counter, i_bh, G, D, NS, BG, BD, BS)
+    if NS == 1:  # the whole row: no partials to merge
+        p_o = out + (i_bh * G + o_g[:, None]) * D + o_d[None, :]
+        tl.store(p_o, (b_o / b_l[:, None]).to(out.dtype.element_ty), mask=m_g[:, None] & m_d[None, :])
+    else:
+        p_part = (i_bh * NS + i_s) * BG + o_g
+        tl.store(m_part + p_part, b_m)
+        tl.store(l_part + p_part, b_l)
+        tl.store(o_part + p_part[:, None] * BD + o_d[None, :], b_o)
+        if MERGE:  # the row's last range to finish merges the row: no second launch
+            merge_if_last(m_part, l_part, o_part, out, counter, i_bh, G, D, NS, BG, BD, BH, BS)
 
 
 @dataclass(frozen=True)
@@ -97,15 +102,21 @@ class DecodeTiles:
     """How each program of `attention_decode` reads: `block` slots at a time with `warps` warps and `stages`
     pipeline stages (None: Triton's default), ranges split until there are `per_sm` programs per SM, bf16/fp16
     caches multiplied in their own dtype with float32 sums (`native`) or as float32 tiles (tf32 products), and the
-    ranges merged by the last program of each row (`merge_in_kernel`: one launch, counted with an atomic) or by a
-    second kernel. The Triton interpreter's bf16 products are wrong, so on a CPU bf16 is read as float32 tiles."""
+    ranges merged by the last program of each row (`merge_in_kernel` True: one launch, counted with an atomic), by a
+    second kernel (False), or by the last program where it reads a row's ranges in one load and by a second kernel
+    where a row has more (None: batch 1 splits a long cache into a hundred ranges or so). The Triton interpreter's
+    bf16 products are wrong, so on a CPU bf16 is read as float32 tiles."""
 
     block: int = 128
     warps: int = 4
     stages: int | None = 3
     per_sm: int = 2
     native: bool = True
-    merge_in_kernel: bool = True
+    merge_in_kernel: bool | None = None
+
+    def merges_in_kernel(self, part: Partials) -> bool:
+        """Whether the ranges of `part` are merged by the last program of each row."""
+        return part.row_in_one_load() if self.merge_in_kernel is None else self.merge_in_kernel
 
 
 TILES = DecodeTiles()
@@ -160,7 +171,8 @@ def attention_decode(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 holds bf16/fp16 inputs exactly
     launch = {"num_warps": tiles.warps} | ({"num_stages": tiles.stages} if tiles.stages else {})
     out = torch.empty(B, 1, Hkv * G, D, dtype=q.dtype, device=q.device)
-    counter = row_counters(B * Hkv, q.device) if tiles.merge_in_kernel else part.m  # unread without the merge
+    merge = tiles.merges_in_kernel(part) and NS > 1
+    counter = row_counters(B * Hkv, q.device) if merge else part.m  # unread without the merge
     attention_fwd_kernel_split[(B * Hkv, NS)](
         q,
         k,
@@ -184,11 +196,12 @@ def attention_decode(
         tiles.native and q.dtype != torch.float32 and not (q.dtype == torch.bfloat16 and q.device.type == "cpu"),
         out,
         counter,
-        tiles.merge_in_kernel,
-        part.ranges_per_load(part.BG),
+        merge,
+        part.BH,
+        part.ranges_per_load(part.BH),
         **launch,
     )
-    return out if tiles.merge_in_kernel else part.merge(out)
+    return out if merge or NS == 1 else part.merge(out)
 
 
 @attention_decode.register_fake

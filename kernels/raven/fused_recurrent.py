@@ -80,7 +80,7 @@ def store_read(o, m_part, l_part, o_part, counter, p_gd, b_mx, b_l, b_o, i_nh, i
         tl.store(m_part + p_part, b_mx)
         tl.store(l_part + p_part, b_l)
         tl.store(o_part + p_part[:, None] * BD + o_d[None, :], b_o)
-        merge_if_last(m_part, l_part, o_part, o, counter, i_nh, G, D, NS, BG, BD, BS)
+        merge_if_last(m_part, l_part, o_part, o, counter, i_nh, G, D, NS, BG, BD, BG, BS)  # BG: no padding
 
 
 @triton.jit

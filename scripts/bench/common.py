@@ -191,6 +191,31 @@ def write_record(path: Path, results: list[dict], **extra) -> None:
     tmp.replace(path)
 
 
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 100) -> float:
+    """GPU milliseconds of one replay of a captured CUDA graph, the replays queued back to back (CUDA events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()  # the first replay uploads the graph
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def graphed_us(fn, calls: int = 20, replays: int = 20) -> float:
+    """GPU microseconds of one call of `fn` (no arguments) with `calls` calls captured in one CUDA graph: what a call
+    takes inside a graphed decode step, without the eager launch cost that dwarfs a kernel of a few microseconds.
+    `fn` runs once first, outside the graph (its compilation and one-time buffers)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return replay_ms(graph, replays) * 1e3 / calls
+
+
 def release() -> None:
     """Free what the last model left: its compiled steps keep references to its cache (and transformers' compiled
     generate its CUDA graphs' memory pool)."""

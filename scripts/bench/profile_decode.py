@@ -45,6 +45,7 @@ from common import (  # noqa: E402
     parse_decode_options,
     parse_sizes,
     release,
+    replay_ms,
     set_decode_options,
     spread_layers,
 )
@@ -58,16 +59,6 @@ def parse_variant(text: str) -> tuple[str, dict | None]:
         return text, parse_decode_options(text)
     except argparse.ArgumentTypeError as error:
         raise SystemExit(f"--variants: {error}") from None
-
-
-def gpu_ms_per_replay(cache, replays: int = 100) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        cache.graph.graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays
 
 
 # Where a step's GPU time goes, by kernel name: the first pattern a name contains decides
@@ -130,7 +121,7 @@ def measure(model, batch: int, context: int, steps: int, options: dict | None) -
         )
         first_step = out.logits[1].float()  # [B, V]: logits[0] is the prefill's
         cache = model._static_cache
-        replay = gpu_ms_per_replay(cache)
+        replay = replay_ms(cache.graph.graph)
         kernels, every = kernels_per_step(model, cache, out.sequences[:, -1:])
         per_step = {}
         for loop in (True, False):

@@ -7,8 +7,9 @@ against the GPU's copy bandwidth.
         --warps 2,4,8 --stages 0,2,3,4 --per-sm 1,2,4
 
 SmolLM2-135M's attention shape (9 query heads over 3 key/value heads of 64 channels), bf16, one layer's cache
-filled to `context` slots for `batch` rows. Every choice of the grid (stages 0: Triton's default) is timed by
-triton.testing.do_bench on the same inputs; a row's bandwidth is the keys and values it must read over its time,
+filled to `context` slots for `batch` rows. Every choice of the grid (stages 0: Triton's default) is timed on the
+same inputs inside a CUDA graph of 20 calls, as a graphed decode step runs it (timed eagerly, a call at batch 1
+would be mostly its launch); a row's bandwidth is the keys and values it must read over its time,
 its share that over a device-to-device copy's (bytes read plus written, measured in the run). Each choice's output
 is compared with the current default's (max abs difference: bf16 products round differently, a wrong tiling
 shows as a large one). Writes OUT/sweep_decode_attention.json and prints, per shape, the default's row and the
@@ -29,13 +30,14 @@ import triton
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
 
-from common import parse_sizes  # noqa: E402
+from common import graphed_us, parse_sizes  # noqa: E402
 
 from raven_convert.evaluate.decode_bench import copy_bandwidth  # noqa: E402
 from raven_kernels.attention import decode_attention  # noqa: E402
 from raven_kernels.attention.decode import TILES, DecodeTiles, decode_tiles  # noqa: E402
 
 HQ, HKV, D = 9, 3, 64
+MERGES = {True: "yes", False: "no", None: "where a row fits one load"}  # DecodeTiles.merge_in_kernel
 
 
 def numbers(text: str) -> list[int]:
@@ -90,7 +92,7 @@ def main(argv=None) -> None:
             try:
                 with decode_tiles(tiles):
                     out = decode_attention(*tensors).float()
-                    ms = triton.testing.do_bench(lambda t=tensors: decode_attention(*t))
+                    us = graphed_us(lambda t=tensors: decode_attention(*t))
             except Exception as error:  # a tiling the GPU cannot hold (shared memory, registers)
                 rows.append({"batch": batch, "context": context, **asdict(tiles), "error": f"{error}"[:200]})
                 continue
@@ -100,9 +102,9 @@ def main(argv=None) -> None:
                     "context": context,
                     **asdict(tiles),
                     "default": tiles == TILES,
-                    "us": round(ms * 1e3, 2),
-                    "tb_per_s": round(bytes_read / ms / 1e9, 3),
-                    "of_copy": round(bytes_read / (ms / 1e3) / bandwidth, 3),
+                    "us": round(us, 2),
+                    "tb_per_s": round(bytes_read / us / 1e6, 3),
+                    "of_copy": round(bytes_read / (us / 1e6) / bandwidth, 3),
                     "max_diff": (out - reference).abs().max().item(),
                 }
             )
@@ -121,7 +123,7 @@ def main(argv=None) -> None:
         for r in shown:
             print(
                 f"| {batch} | {context} | {r['block']} | {r['warps']} | {r['stages'] or 'default'} | {r['per_sm']} | "
-                f"{'yes' if r['native'] else 'no'} | {'yes' if r['merge_in_kernel'] else 'no'}"
+                f"{'yes' if r['native'] else 'no'} | {MERGES[r['merge_in_kernel']]}"
                 f"{' (default)' if r['default'] else ''} | {r['us']:.1f} | "
                 f"{r['tb_per_s']:.2f} | {r['of_copy']:.0%} | {r['max_diff']:.2g} |"
             )

@@ -10,7 +10,7 @@ import torch
 from raven_kernels.attention import decode_attention
 from raven_kernels.attention.decode import DecodeTiles, decode_tiles, split_config
 from raven_kernels.attention.naive import naive_decode_attention
-from raven_kernels.split import row_counters
+from raven_kernels.split import Partials, row_counters
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -93,6 +93,26 @@ def test_ranges_merged_in_kernel_leave_their_counters_at_zero_for_the_next_call(
         for _ in range(2):  # the second call counts from the zeros the first left
             torch.testing.assert_close(decode_attention(q, k, v, valid, step, 0.25), ref, atol=1e-5, rtol=1e-5)
             assert not row_counters(4, q.device).any()
+
+
+def test_the_default_merges_in_the_kernel_where_a_row_fits_one_load(monkeypatch):
+    """`DecodeTiles()` merges a row's ranges in its last program where they fit one load, and by a second kernel
+    where a row has more: batch 1 over a long cache (128 ranges of 3 heads at 16K on an H200) would merge them one
+    load after another in one program."""
+    assert Partials(3, 4, 3, 64, "cpu", pad=16).row_in_one_load()  # batch 32 at 16K: 4 ranges a row
+    assert not Partials(3, 128, 3, 64, "cpu", pad=16).row_in_one_load()  # batch 1 at 16K
+    second, real = [], Partials.merge
+    monkeypatch.setattr(Partials, "merge", lambda self, o: second.append(self.NS) or real(self, o))
+    for Hq, d, by_second_kernel in [(3, 16, False), (8, 128, True)]:  # 8 heads of 128: 4 ranges a load
+        q, k, v = make(1, Hq, 1, 256, d, seed=Hq)
+        valid = torch.ones(1, 256, dtype=torch.bool, device=DEVICE)
+        step = torch.tensor([255], device=DEVICE)
+        with decode_tiles(DecodeTiles(block=16)):
+            assert split_config(1, 256, q.device, 16)[0] == 8
+            out = decode_attention(q, k, v, valid, step, d**-0.5)
+        torch.testing.assert_close(out, naive_decode_attention(q, k, v, valid, step, d**-0.5), atol=1e-5, rtol=1e-5)
+        assert second == ([8] if by_second_kernel else [])
+        second.clear()
 
 
 def test_ring_buffer_full():
