@@ -29,20 +29,39 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 LINEAR = (torch._C._nn.linear, F.linear)
 
+# Rows a group's weights start at multiples of (16 bytes of bf16 outputs): a fused product of an odd width (a
+# mixer's q/k/v and gates, 1551 for SILA at SmolLM2's sizes) makes cuBLAS fall back to its unaligned kernels, twice
+# as slow and with a split-K reduction. The product reads the zero rows between the weights too, and drops them.
+ALIGN_ROWS = 8
+
 
 def _argument(node: fx.Node, index: int, name: str):
     return node.args[index] if len(node.args) > index else node.kwargs.get(name)
 
 
-def _adjacent(values: list[torch.Tensor]) -> bool:
-    """Whether the weights [out_i, in] lie one after another in one storage, row-major: one [sum(out), in] view
-    reads them all (share_projection_storage lays them out so)."""
-    storage, offset = values[0].untyped_storage()._cdata, values[0].storage_offset()  # _cdata: the storage itself
-    for value in values:
-        if value.untyped_storage()._cdata != storage or not value.is_contiguous() or value.storage_offset() != offset:
-            return False
-        offset += value.numel()
-    return True
+def _gap_rows(first: torch.Tensor, second: torch.Tensor) -> int | None:
+    """The rows between weight `first` [out, in] and `second` [..., in] where `second` follows it in one storage,
+    fewer than ALIGN_ROWS rows after it (both contiguous): one view reads both; None where it does not."""
+    same = first.untyped_storage()._cdata == second.untyped_storage()._cdata  # _cdata: the storage itself
+    if not (same and first.is_contiguous() and second.is_contiguous()):
+        return None
+    gap, width = second.storage_offset() - first.storage_offset() - first.numel(), first.shape[-1]
+    return gap // width if 0 <= gap < ALIGN_ROWS * width and gap % width == 0 else None
+
+
+def _layout(rows: list[int]) -> tuple[list[int], int]:
+    """Where share_projection_storage puts the weights of a group ([rows_i, in] each), in rows from its buffer's
+    start, and the buffer's rows: each at a multiple of ALIGN_ROWS, the last one whose rows are a multiple too placed
+    last, so the product over the group has an aligned width and every part an aligned start."""
+    order = list(range(len(rows)))
+    aligned = [i for i in order if rows[i] % ALIGN_ROWS == 0]
+    if aligned:
+        order.append(order.pop(aligned[-1]))
+    starts, end = [0] * len(rows), 0
+    for i in order:
+        starts[i] = end
+        end += -(-rows[i] // ALIGN_ROWS) * ALIGN_ROWS
+    return starts, end
 
 
 def _stored(weight) -> fx.Node | None:
@@ -63,8 +82,8 @@ def _stored(weight) -> fx.Node | None:
 
 
 def _adjacent_runs(nodes: list[fx.Node]) -> list[list[fx.Node]]:
-    """The linear nodes of `nodes` whose weights lie one after another in one storage, as runs of two or more in
-    storage order: each run is read as one view."""
+    """The linear nodes of `nodes` whose weights lie one after another in one storage (`_gap_rows`), as runs of two
+    or more in storage order: each run is read as one view."""
     by_storage: dict[int, list[fx.Node]] = {}
     for node in nodes:
         weight = _argument(node, 1, "weight")
@@ -76,7 +95,7 @@ def _adjacent_runs(nodes: list[fx.Node]) -> list[list[fx.Node]]:
         members.sort(key=lambda node: _argument(node, 1, "weight").meta["example_value"].storage_offset())
         run = members[:1]
         for node in members[1:]:
-            if _adjacent([_argument(n, 1, "weight").meta["example_value"] for n in (run[-1], node)]):
+            if _gap_rows(*(_argument(n, 1, "weight").meta["example_value"] for n in (run[-1], node))) is not None:
                 run.append(node)
                 continue
             runs.append(run)
@@ -87,10 +106,16 @@ def _adjacent_runs(nodes: list[fx.Node]) -> list[list[fx.Node]]:
 
 def _fuse(graph: fx.Graph, source: fx.Node, nodes: list[fx.Node], order: dict, in_place: bool) -> None:
     """Replace the linear nodes `nodes` of input `source` by one product over their weights, read in place (one
-    view of the storage they share) or concatenated, and split after."""
+    view of the storage they share, the rows between them included) or concatenated, and split after."""
     weights = [_argument(node, 1, "weight") for node in nodes]
     values = [w.meta["example_value"] for w in weights]
-    sizes = [v.shape[0] for v in values]
+    gaps = [0] + [_gap_rows(a, b) if in_place else 0 for a, b in zip(values, values[1:])]
+    sizes, index = [], []  # the product's parts, and each node's
+    for gap, value in zip(gaps, values):
+        if gap:
+            sizes.append(gap)  # outputs of the rows between two weights (share_projection_storage's alignment)
+        index.append(len(sizes))
+        sizes.append(value.shape[0])
     shape, offset = (sum(sizes), values[0].shape[1]), values[0].storage_offset()
     with graph.inserting_before(min(nodes, key=order.__getitem__)):
         if in_place:  # [sum(out), in]: the weights themselves, a view of the parameter the first reads
@@ -103,7 +128,7 @@ def _fuse(graph: fx.Graph, source: fx.Node, nodes: list[fx.Node], order: dict, i
         if "example_value" in source.meta:
             fused.meta["example_value"] = F.linear(source.meta["example_value"], joined.meta["example_value"])
         parts = graph.call_function(torch.split, (fused, sizes), {"dim": -1})
-        for i, node in enumerate(nodes):
+        for i, node in zip(index, nodes):
             part = graph.call_function(operator.getitem, (parts, i))
             bias = _argument(node, 2, "bias")
             if bias is not None:  # added after the split: a pointwise add, which Inductor fuses into its reader
@@ -186,20 +211,27 @@ def _weight_groups(module: nn.Module) -> list[list[torch.Tensor]]:
 
 def share_projection_storage(model: nn.Module) -> int:
     """Store the weights of each group (PROJECTION_GROUPS, or a module's `shared_input_weights`) one after another in
-    one buffer, the parameters views of it: their values, names and objects are unchanged (training and saving see
-    no difference), and a fused product can read them in place. Returns the groups laid out anew (those already so
-    are skipped)."""
+    one buffer (`_layout`: aligned, zeros between), the parameters views of it: their values, names and objects are
+    unchanged (training and saving see no difference), and a fused product can read them in place. Returns the
+    groups laid out anew (those already so are skipped)."""
     laid = 0
     for module in model.modules():
         for weights in _weight_groups(module):
-            if _adjacent([w.detach() for w in weights]):
+            width = weights[0].shape[-1]
+            rows = [w.numel() // width for w in weights]
+            starts, end = _layout(rows)
+            first = weights[starts.index(0)].detach()
+            if all(
+                w.untyped_storage()._cdata == first.untyped_storage()._cdata
+                and w.is_contiguous()
+                and w.storage_offset() == first.storage_offset() + start * width
+                for w, start in zip(weights, starts)
+            ):
                 continue
-            joint = torch.cat([w.detach().reshape(-1, w.shape[-1]) for w in weights])  # [sum(rows), in]
-            offset = 0
-            for w in weights:
-                rows = w.numel() // w.shape[-1]
-                w.data = joint[offset : offset + rows].view(w.shape)
-                offset += rows
+            joint = weights[0].new_zeros(end, width)  # [rows, in]
+            for w, start, n in zip(weights, starts, rows):
+                joint[start : start + n] = w.detach().reshape(n, width)
+                w.data = joint[start : start + n].view(w.shape)
             laid += 1
     return laid
 

@@ -18,6 +18,7 @@ from raven_layers import StaticHybridCache
 from raven_layers.backend import use_backend
 from raven_layers.decode_attention import decode_attention
 from raven_layers.decode_fusion import (
+    ALIGN_ROWS,
     FUSED_PROJECTIONS,
     LINEAR,
     SHARED_PROJECTIONS,
@@ -167,11 +168,11 @@ def test_a_group_lays_out_3d_weights_as_their_rows(tmp_path):
     share_projection_storage(hybrid)
     layer = hybrid.model.layers[1].self_attn
     group = [layer.get_parameter(name) for name in layer.shared_input_weights[0]]
-    offset = group[0].storage_offset()
-    for weight in group:  # one after another in one buffer
-        assert weight.untyped_storage().data_ptr() == group[0].untyped_storage().data_ptr()
-        assert weight.storage_offset() == offset and weight.is_contiguous()
-        offset += weight.numel()
+    width, offset = group[0].shape[-1], group[0].storage_offset()
+    for weight in group:  # one after another in one buffer, each at a multiple of ALIGN_ROWS rows
+        assert weight.untyped_storage().data_ptr() == group[0].untyped_storage().data_ptr() and weight.is_contiguous()
+        assert weight.storage_offset() == offset
+        offset += -(-weight.numel() // (ALIGN_ROWS * width)) * ALIGN_ROWS * width
     hidden = source.config.hidden_size
     assert layer.q_lora_a.shape == before["model.layers.1.self_attn.q_lora_a"].shape == (4, 8, hidden)
     for name, p in hybrid.named_parameters():
@@ -206,6 +207,29 @@ def test_only_the_adjacent_weights_of_a_group_are_read_as_one_view():
     assert linears(graph) == 3
     assert sum(node.target is torch.as_strided for node in graph.nodes) == 1
     assert not any(node.target is torch.cat for node in graph.nodes)
+
+
+def test_weights_a_few_rows_apart_are_read_as_one_view_and_the_rows_between_dropped():
+    """Weights laid out at aligned rows (share_projection_storage) have up to ALIGN_ROWS - 1 rows between them: one
+    product reads them and the rows between, whose outputs are dropped; weights further apart are products of their
+    own."""
+    joint = torch.randn(40, 8)  # a at rows 0-2, b at 8-15 (5 rows between), c at 30-39 (14 rows between)
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["example_value"] = torch.zeros(2, 1, 8)
+    weights = []
+    for name, value in [("a", joint[:3]), ("b", joint[8:16]), ("c", joint[30:])]:
+        weights.append(graph.placeholder(name))
+        weights[-1].meta["example_value"] = value
+    graph.output(tuple(graph.call_function(F.linear, (x, w)) for w in weights))
+    inputs = [torch.randn(2, 1, 8)] + [w.meta["example_value"] for w in weights]
+    before = fx.GraphModule(torch.nn.Module(), copy.deepcopy(graph))(*inputs)
+    assert fuse_shared_input_linears(graph, copy=False) == 2
+    after = fx.GraphModule(torch.nn.Module(), graph)(*inputs)
+    for a, b in zip(after, before):
+        torch.testing.assert_close(a, b)
+    views = [node for node in graph.nodes if node.target is torch.as_strided]
+    assert linears(graph) == 2 and len(views) == 1 and views[0].args[1] == (16, 8)  # a, 5 rows between, b
 
 
 def test_a_step_whose_weights_moved_is_made_anew():
@@ -252,10 +276,16 @@ def test_each_mixers_products_of_its_input_read_their_weights_as_one(mixer):
     with torch.no_grad():  # untrained gates and routers start at zero: spread them so every product shows
         for name in layer.input_weights:
             layer.get_parameter(name).normal_(std=0.2)
-    replaced, steps = eager_and_in_place_steps(hybrid)
+    widths = []
+    replaced, steps = eager_and_in_place_steps(hybrid, widths)
     group = 3 + len(layer.input_weights) + int(layer.settings.output_gate)
     assert replaced == [2 * 3 + 3 * 2 + group]  # two attention layers' q/k/v, three MLPs' gate/up, the mixer's group
     torch.testing.assert_close(steps["fused"], steps["eager"], rtol=1e-5, atol=1e-5)
+    # every product's width aligned (cuBLAS's fast kernels) but the LM head's (vocab 100); the mixer's reads its
+    # group's rows and the zeros between them
+    assert all(width % ALIGN_ROWS == 0 for width in widths[:-1])
+    sizes = [layer.get_parameter(name).numel() // layer.q_proj.in_features for name in layer.shared_input_weights[0]]
+    assert sum(-(-n // ALIGN_ROWS) * ALIGN_ROWS for n in sizes) in widths
 
 
 def test_products_with_biases_join_their_group_and_add_the_biases_after():
@@ -276,10 +306,10 @@ def test_products_with_biases_join_their_group_and_add_the_biases_after():
     torch.testing.assert_close(steps["fused"], steps["eager"], rtol=1e-5, atol=1e-5)
 
 
-def eager_and_in_place_steps(hybrid) -> tuple[list[int], dict[str, torch.Tensor]]:
+def eager_and_in_place_steps(hybrid, widths: list | None = None) -> tuple[list[int], dict[str, torch.Tensor]]:
     """One decode step of `hybrid` after an 8-token prefill (2 rows), eager and with the pass reading the weights in
     place (laid out by share_projection_storage; through dynamo, no Inductor): the linear nodes the pass replaced,
-    and both steps' logits."""
+    and both steps' logits; `widths` gets the outputs a row of each product of the fused step."""
     ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(1))
     prefilled = StaticHybridCache(hybrid.config, batch_size=2, max_length=16)
     replaced = []
@@ -287,6 +317,8 @@ def eager_and_in_place_steps(hybrid) -> tuple[list[int], dict[str, torch.Tensor]
     def in_place_backend(gm: torch.fx.GraphModule, example_inputs):
         replaced.append(fuse_shared_input_linears(gm.graph, copy=False))
         gm.recompile()
+        if widths is not None:
+            widths.extend(n.args[1].meta["example_value"].shape[0] for n in gm.graph.nodes if n.target in LINEAR)
         return gm
 
     with torch.no_grad(), use_backend("torch"):
