@@ -8,15 +8,37 @@ import triton.language as tl
 
 
 @triton.jit
-def indices_by_score(b_x, M: tl.constexpr, BM: tl.constexpr):
-    """The indices of each row of float32 scores b_x [R, BM] (-inf past M), best first, the lower index first among
-    equal scores: [R, BM] int64, one bitonic sort of keys that hold a score's order and its index."""
+def score_keys(b_x, M: tl.constexpr, BM: tl.constexpr):
+    """int64 keys of float32 scores b_x [R, BM] (-inf past M) in the order `indices_by_score` ranks them: the score's
+    order in the high 32 bits, M - 1 - its index in the low ones (the lower index wins a tie; padding ranks last)."""
     o_m = tl.arange(0, BM)
     b_bits = b_x.to(tl.int32, bitcast=True)
     b_ord = b_bits ^ ((b_bits >> 31) & 0x7FFFFFFF)  # signed integers in the floats' order
-    b_low = tl.where(o_m < M, M - 1 - o_m, 0).to(tl.int64)  # [BM] the lower index wins a tie; padding sorts last
-    b_key = tl.sort((b_ord.to(tl.int64) << 32) | b_low[None, :], dim=1, descending=True)
+    b_low = tl.where(o_m < M, M - 1 - o_m, 0).to(tl.int64)  # [BM]
+    return (b_ord.to(tl.int64) << 32) | b_low[None, :]
+
+
+@triton.jit
+def indices_by_score(b_x, M: tl.constexpr, BM: tl.constexpr):
+    """The indices of each row of float32 scores b_x [R, BM] (-inf past M), best first, the lower index first among
+    equal scores: [R, BM] int64, one bitonic sort of `score_keys`."""
+    b_key = tl.sort(score_keys(b_x, M, BM), dim=1, descending=True)
     return (M - 1) - (b_key & (BM - 1))
+
+
+@triton.jit
+def top_indices_by_score(b_x, M: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """The first BK of `indices_by_score` for one row of scores b_x [1, BM] (those past the M scores unspecified):
+    [BK] int64, by BK rounds of a max over `score_keys` (a reduction a round, where sorting M keys moves every key
+    log2(M) (log2(M) + 1) / 2 times)."""
+    b_key = score_keys(b_x, M, BM)  # [1, BM]
+    o_k = tl.arange(0, BK)
+    b_top = tl.zeros([BK], dtype=tl.int64)
+    for i in tl.static_range(BK):
+        b_best = tl.max(b_key, 1)  # [1]
+        b_top = tl.where(o_k == i, b_best, b_top)
+        b_key = tl.where(b_key == b_best[:, None], -9223372036854775807, b_key)  # taken: below every other key
+    return (M - 1) - (b_top & (BM - 1))
 
 
 @triton.jit

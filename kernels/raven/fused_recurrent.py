@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from ..decode_checks import check_in_place, check_row_views, check_shapes
-from ..rows import indices_by_score, rows_rms_norm, softplus
+from ..rows import rows_rms_norm, softplus, top_indices_by_score
 from ..split import Partials, merge_if_last, row_counters, split_count
 from .utils import check_inputs, slot_indices
 
@@ -163,12 +163,11 @@ def raven_fwd_kernel_decode(
         b_q = b_q * tl.sigmoid(b_q)
         b_k = b_k * tl.sigmoid(b_k)
     b_k = tl.sum(b_k, 0)  # [BD]
-    # the router: top-K slots of the logits (as the prefill's topk_slots sorts them), weights sigmoid / (alpha sum)
+    # the router: top-K slots of the logits (in the prefill topk_slots' order), weights sigmoid / (alpha sum)
     o_all = tl.arange(0, BMALL)
     b_logit = tl.load(logits + i_n * stride_l + i_h * M + o_all[None, :], mask=(o_all < M)[None, :],
                       other=float("-inf")).to(tl.float32)  # fmt: skip
-    b_sorted = indices_by_score(b_logit, M, BMALL)  # [1, BMALL]
-    b_i = tl.sum(tl.where(o_all[None, :] == o_k[:, None], b_sorted, 0), 1)  # [BK] the first BK slots, best first
+    b_i = top_indices_by_score(b_logit, M, BMALL, BK)  # [BK] the best slots, best first (each range alike)
     b_top = tl.max(tl.where(o_all[None, :] == b_i[:, None], b_logit, float("-inf")), 1)  # [BK] their logits
     b_sig = tl.where(o_k < K, tl.sigmoid(b_top), 0.0)  # the entries past K write nothing
     b_r = b_sig / (alpha * tl.sum(b_sig, 0))

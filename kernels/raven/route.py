@@ -4,7 +4,7 @@
 (T H rows of M = 256) it was the largest op of a Raven prefill after attention (kernels/raven/NOTES.md, "Router
 top-K"). Here every program sorts a block of rows on chip: each logit becomes one int64 key, its float order in the
 high 32 bits and its slot in the low bits, so one bitonic sort orders values and carries indices, and ties go to
-the lower slot (`kernels/rows.py: indices_by_score`, which the one-kernel decode steps sort with too). The reference
+the lower slot (`kernels/rows.py: indices_by_score`, whose order the one-kernel decode steps pick in too). The reference
 is `torch.topk`.
 """
 
