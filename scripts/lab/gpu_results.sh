@@ -106,13 +106,15 @@
 #                  job), into RUNS/decode-tests
 #   decode-round   one device session's worth (about 25 minutes): decode-tests beside sila-deep22-half (evaluated at
 #                  1K-8K), then decode-lab alone
-#   decode-bench   times, alone: every mixer at 15 of 30 against both teachers at batch 128 and 32 at 16K, and at
-#                  batch 1 at 4K and 16K, with floors (bench_generate.py); where a batch-32 and -128 step goes,
-#                  kernel by kernel (profile_decode.py); SILA at 22 and 26 of 30 at batch 128 and 16K, into
-#                  RUNS/decode-bench
+#   decode-bench   times, alone: every mixer at 15 of 30 against both teachers at batch 1 at 4K and 16K and at
+#                  batch 32 and 128 at 16K, with floors (bench_generate.py); the attention's tilings at batch 1
+#                  (sweep_decode_attention.py, in CUDA graphs); where a batch-32 step goes, kernel by kernel
+#                  (profile_decode.py); SILA at 22 and 26 of 30 at batch 128 and 16K; the batch-128 step with
+#                  autotuned GEMMs, into RUNS/decode-bench
 #   decode-round-2 decode-tests (NEWEST=1: again under the newest transformers) beside sila-deep26-half (evaluated
 #                  at 1K-8K), then decode-bench alone
-#   decode-round-3 the fast path's GPU tests, then decode-bench, all alone (about 25 minutes)
+#   decode-round-3 the fast path's GPU tests, then decode-bench, all alone (about 25 minutes; what runs past the
+#                  session's device time is lost, so decode-bench runs its parts in the order above)
 #   depth-speed    decode speed at 15, 22, 26 and 30 of 30 layers converted against the teacher on transformers and
 #                  on this engine (bench_generate.py --depths: batch 1, 32, 128 at 4K and 16K, with bandwidth
 #                  floors), and the largest batch at 32K (bench_capacity.py --depths), into RUNS/depth-speed;
@@ -179,7 +181,7 @@ trained() {  # trained MIXER RUN [ARGS...]: train RUN, check that its model load
 
 fast_path_tests() {  # the fast path's GPU tests, again under the newest transformers where /tmp/site-newest holds it
   timeout 300 python3 -m pytest -o addopts="" -q -rfE tests/kernels/test_sila.py tests/kernels/test_raven.py \
-    tests/kernels/test_sse.py -k decode 2>&1 | tail -20  # the mixers' one-kernel decode steps, compiled for this GPU
+    tests/kernels/test_sse.py tests/kernels/test_rows.py -k "decode or top_indices" 2>&1 | tail -20  # compiled here
   RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q -rfE tests/raven_layers/test_gpu.py \
     tests/kernels/test_attention.py tests/scripts/test_sweep_decode_attention.py 2>&1 | tail -40
   [ -d /tmp/site-newest ] && [ "${NEWEST:-1}" = 1 ] || return 0
@@ -331,12 +333,15 @@ PY
     ;;
   decode-bench)  # times, so alone on the machine: issue 52's table, the floor targets first
     local out="$RUNS/decode-bench" && mkdir -p "$out"
-    timeout 540 python3 scripts/bench/bench_generate.py --out "$out/large" --mixers raven,sse,sila --batches 128,32 \
-      --contexts 16k --steps 16
     timeout 420 python3 scripts/bench/bench_generate.py --out "$out/b1" --mixers raven,sse,sila --batches 1 \
       --contexts 4k,16k --steps 32
-    timeout 360 python3 scripts/bench/profile_decode.py --out "$out" --models teacher-engine,raven,sse,sila \
-      --batches 32,128 --context 16k --variants default --steps 8
+    timeout 540 python3 scripts/bench/bench_generate.py --out "$out/large" --mixers raven,sse,sila --batches 128,32 \
+      --contexts 16k --steps 16
+    # the attention's merge at batch 1 (128 ranges a row at 16K), timed inside CUDA graphs
+    timeout 180 python3 scripts/bench/sweep_decode_attention.py --out "$out/sweep-b1" --batches 1 --contexts 4k,16k \
+      --blocks 64,128 --warps 4 --stages 0,3 --per-sm 2,4 --native 1 --merge 0,1
+    timeout 420 python3 scripts/bench/profile_decode.py --out "$out" --models teacher-engine,raven,sse,sila \
+      --batches 32 --context 16k --variants default --steps 8
     timeout 300 python3 scripts/bench/bench_generate.py --out "$out/depth" --mixers sila --depths 22,26 \
       --batches 128 --contexts 16k --steps 16
     # the shared per-layer work at batch 128 with Triton's GEMM templates (epilogues fused), last: it autotunes
