@@ -3,6 +3,9 @@ every slot once, the softmax over slots done online while the slots stream by.""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -22,6 +25,31 @@ def decode_config(M: int, G: int, D: int) -> tuple[int, int]:
 
 
 DECODE_WARPS_PER_SM = 8  # warps the one-token programs put on each SM where the heads leave SMs idle
+
+
+@dataclass(frozen=True)
+class StepSplit:
+    """How `raven_decode_step` launches, where set: slots a block, warps a program, ranges a head (None: its own
+    choice, `decode_config` and `slot_ranges`). scripts/bench/sweep_raven_decode.py times the choices."""
+
+    block: int | None = None
+    warps: int | None = None
+    ranges: int | None = None
+
+
+STEP_SPLIT = StepSplit()
+
+
+@contextmanager
+def step_split(split: StepSplit):
+    """Every `raven_decode_step` call within launches as `split` says (the sweep's way to try them; not
+    thread-safe)."""
+    global STEP_SPLIT
+    before, STEP_SPLIT = STEP_SPLIT, split
+    try:
+        yield
+    finally:
+        STEP_SPLIT = before
 
 
 def slot_ranges(rows: int, blocks: int, warps: int, device: torch.device) -> int:
@@ -383,8 +411,9 @@ def raven_decode_step(
     o = q.new_empty(B, 1, H, G, D)
     BG, BD = triton.next_power_of_2(G), triton.next_power_of_2(D)
     BM, warps = decode_config(M, G, D)
+    BM, warps = STEP_SPLIT.block or BM, STEP_SPLIT.warps or warps
     blocks = triton.cdiv(M, BM)
-    NS = slot_ranges(B * H, blocks, warps, q.device)
+    NS = STEP_SPLIT.ranges or slot_ranges(B * H, blocks, warps, q.device)
     part = Partials(B * H, NS, G, D, q.device) if NS > 1 else None
     if B * H:
         raven_fwd_kernel_decode[(B * H, NS)](

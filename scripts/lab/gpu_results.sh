@@ -108,7 +108,8 @@
 #                  1K-8K), then decode-lab alone
 #   decode-bench   times, alone: every mixer at 15 of 30 against both teachers at batch 1 at 4K and 16K and at
 #                  batch 32 and 128 at 16K, with floors (bench_generate.py); the attention's tilings at batch 1
-#                  (sweep_decode_attention.py, in CUDA graphs); where a batch-32 step goes, kernel by kernel
+#                  and Raven's step splits (sweep_decode_attention.py, sweep_raven_decode.py, in CUDA graphs);
+#                  where a batch-32 step goes, kernel by kernel
 #                  (profile_decode.py); SILA at 22 and 26 of 30 at batch 128 and 16K; the batch-128 step with
 #                  autotuned GEMMs, into RUNS/decode-bench
 #   decode-round-2 decode-tests (NEWEST=1: again under the newest transformers) beside sila-deep26-half (evaluated
@@ -183,7 +184,8 @@ fast_path_tests() {  # the fast path's GPU tests, again under the newest transfo
   timeout 300 python3 -m pytest -o addopts="" -q -rfE tests/kernels/test_sila.py tests/kernels/test_raven.py \
     tests/kernels/test_sse.py tests/kernels/test_rows.py -k "decode or top_indices" 2>&1 | tail -20  # compiled here
   RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q -rfE tests/raven_layers/test_gpu.py \
-    tests/kernels/test_attention.py tests/scripts/test_sweep_decode_attention.py 2>&1 | tail -40
+    tests/kernels/test_attention.py tests/scripts/test_sweep_decode_attention.py tests/scripts/test_sweep_raven_decode.py \
+    2>&1 | tail -40
   [ -d /tmp/site-newest ] && [ "${NEWEST:-1}" = 1 ] || return 0
   PYTHONPATH=/tmp/site-newest:$PYTHONPATH python3 -c "import transformers; print('+ transformers', transformers.__version__)"
   PYTHONPATH=/tmp/site-newest:$PYTHONPATH RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q \
@@ -340,6 +342,7 @@ PY
     # the attention's merge at batch 1 (128 ranges a row at 16K), timed inside CUDA graphs
     timeout 180 python3 scripts/bench/sweep_decode_attention.py --out "$out/sweep-b1" --batches 1 --contexts 4k,16k \
       --blocks 64,128 --warps 4 --stages 0,3 --per-sm 2,4 --native 1 --merge 0,1
+    timeout 240 python3 scripts/bench/sweep_raven_decode.py --out "$out/sweep-raven" --batches 1,32,128
     timeout 420 python3 scripts/bench/profile_decode.py --out "$out" --models teacher-engine,raven,sse,sila \
       --batches 32 --context 16k --variants default --steps 8
     timeout 300 python3 scripts/bench/bench_generate.py --out "$out/depth" --mixers sila --depths 22,26 \

@@ -10,6 +10,7 @@ from transformers import LlamaConfig
 from raven_kernels import chunked, split
 from raven_kernels.raven import chunk as raven_chunk
 from raven_kernels.raven import chunk_raven, fused_recurrent_raven, fused_recurrent_raven_decode, route, topk_slots
+from raven_kernels.raven.fused_recurrent import StepSplit, step_split
 from raven_kernels.raven.naive import naive_raven
 from raven_layers import RavenMixer, RavenSettings
 from raven_layers.backend import use_backend
@@ -322,6 +323,26 @@ def test_mixer_decode_steps_in_one_kernel_rewrite_the_state_in_place(settings, q
     runs = steps_on_both_backends(mixer.eval(), padded, DEVICE)
     for a, b in zip(runs["triton"], runs["torch"]):
         assert a.shape == b.shape and rel_err(a, b) < TOL
+
+
+@pytest.mark.parametrize("split", [StepSplit(2, 1, 8), StepSplit(8, 2, 1), StepSplit(4, 4, 2), StepSplit(ranges=16)])
+def test_decode_step_gives_the_same_step_under_every_split(split):
+    """However the step splits its slots (blocks, warps, ranges a head: the sweep's choices, up to more ranges than
+    blocks), it writes the same state and output."""
+    H, G, d, M, B = 2, 2, 16, 16, 3
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(B, 1, n, generator=g).to(DEVICE) for n in (H * G * d, H * d, H * d))
+    logits, decay = torch.randn(B, 1, H * M, generator=g).to(DEVICE), torch.randn(B, 1, H, generator=g).to(DEVICE)
+    bias, log_scale = (torch.randn(H, generator=g).to(DEVICE) for _ in range(2))
+    state = random_state(B, H, M, d)
+    runs = []
+    for how in (StepSplit(), split):
+        live = tuple(s.clone() for s in state)
+        with step_split(how):
+            o = fused_recurrent_raven_decode(q, k, v, logits, decay, bias, log_scale, live, 0.25, 4, 1.0)
+        runs.append((o, *live))
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_decode_step_kernel_reads_row_views_and_names_bad_arguments():

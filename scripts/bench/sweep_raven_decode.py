@@ -1,0 +1,137 @@
+"""How Raven's one-kernel decode step should split its slots: every `StepSplit` choice (slots a block, warps a
+program, ranges a head) timed at each batch, as state bytes read per second against the GPU's copy bandwidth.
+
+    python scripts/bench/sweep_raven_decode.py --out OUT --batches 1,32,128
+    python scripts/bench/sweep_raven_decode.py --out OUT --batches 32 --blocks 4,8 --warps 1,2 --ranges 1,4,16
+
+SmolLM2-135M's Raven layer at the recipe's settings (3 key/value heads of 3 query heads, 64 channels, `--slots`
+M = 64, top-`--top-k` 8), bf16 projections and a float32 state, one token a row. Each choice runs the step
+(`fused_recurrent_raven_decode`: the q/k map, the router's top-K, the decay, the slots' update and read, the ranges'
+merge) inside a CUDA graph of 20 calls, as a graphed decode step runs it; a row's bandwidth is the state it must
+read (S^k and S^v) over its time. Each choice's output is compared with the default's on the same state (max abs
+difference; float32 sums in another order). Writes OUT/sweep_raven_decode.json and prints, per batch, the default's
+row and the five fastest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
+
+from common import graphed_us, parse_sizes  # noqa: E402
+
+from raven_convert.evaluate.decode_bench import copy_bandwidth  # noqa: E402
+from raven_kernels.raven import fused_recurrent_raven_decode  # noqa: E402
+from raven_kernels.raven.fused_recurrent import StepSplit, decode_config, slot_ranges, step_split  # noqa: E402
+
+H, G, D = 3, 3, 64
+
+
+def numbers(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def inputs(batch: int, M: int) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(batch)
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device="cuda", dtype=dtype, generator=g)
+
+    return {
+        "q": randn(batch, 1, H * G * D),
+        "k": randn(batch, 1, H * D),
+        "v": randn(batch, 1, H * D),
+        "logits": randn(batch, 1, H * M),
+        "decay_x": randn(batch, 1, H),
+        "decay_bias": randn(H, dtype=torch.float32),
+        "decay_log_scale": randn(H, dtype=torch.float32) * 0.1,
+        "state": (randn(batch, H, M, D, dtype=torch.float32), randn(batch, H, M, D, dtype=torch.float32)),
+    }
+
+
+def step(x: dict, top_k: int, state=None) -> torch.Tensor:
+    """One decode step over `state` (x's own where None, rewritten in place)."""
+    return fused_recurrent_raven_decode(
+        x["q"], x["k"], x["v"], x["logits"], x["decay_x"], x["decay_bias"], x["decay_log_scale"],
+        state or x["state"], D**-0.5, top_k, 1.0, feature_map="silu",
+    )  # fmt: skip
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--batches", default="1,32,128")
+    parser.add_argument("--slots", type=int, default=64, help="M, the slots a head")
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--blocks", type=numbers, default=[2, 4, 8], help="slots a block")
+    parser.add_argument("--warps", type=numbers, default=[1, 2, 4])
+    parser.add_argument("--ranges", type=numbers, default=[1, 2, 4, 8, 16], help="ranges a head")
+    args = parser.parse_args(argv)
+    if not 1 <= args.top_k <= args.slots:
+        raise SystemExit(f"--top-k {args.top_k}: expected 1 <= top-k <= --slots ({args.slots})")
+    grid = [StepSplit(b, w, r) for b, w, r in itertools.product(args.blocks, args.warps, args.ranges)]
+    bandwidth = copy_bandwidth()
+    print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s; {len(grid)} splits", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    info = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "copy_tb_per_s": round(bandwidth / 1e12, 3),
+        "slots": args.slots,
+        "top_k": args.top_k,
+        "command": " ".join(sys.argv),
+    }
+    rows = []
+    for batch in parse_sizes(args.batches):
+        x = inputs(batch, args.slots)
+        bytes_read = sum(s.numel() * s.element_size() for s in x["state"])  # S^k and S^v
+        block, warps = decode_config(args.slots, G, D)
+        default = StepSplit(block, warps, slot_ranges(batch * H, triton.cdiv(args.slots, block), warps, x["q"].device))
+        reference = step(x, args.top_k, tuple(s.clone() for s in x["state"])).float()
+        for split in [default, *(s for s in grid if s != default)]:
+            try:
+                with step_split(split):
+                    out = step(x, args.top_k, tuple(s.clone() for s in x["state"])).float()
+                    us = graphed_us(lambda x=x: step(x, args.top_k))
+            except Exception as error:  # a split the GPU cannot hold (registers, shared memory)
+                rows.append({"batch": batch, **asdict(split), "error": f"{error}"[:200]})
+                continue
+            rows.append(
+                {
+                    "batch": batch,
+                    **asdict(split),
+                    "default": split == default,
+                    "us": round(us, 2),
+                    "tb_per_s": round(bytes_read / us / 1e6, 3),
+                    "of_copy": round(bytes_read / (us / 1e6) / bandwidth, 3),
+                    "max_diff": (out - reference).abs().max().item(),
+                }
+            )
+        (args.out / "sweep_raven_decode.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+        x = reference = out = None
+        torch.cuda.empty_cache()
+    print(f"\n{info}")
+    print("| batch | slots a block | warps | ranges a head | us | TB/s | of copy | max diff |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for batch, group in itertools.groupby(rows, key=lambda r: r["batch"]):
+        timed = [r for r in group if "us" in r]
+        shown = [r for r in timed if r["default"]] + sorted(timed, key=lambda r: r["us"])[:5]
+        for r in shown:
+            print(
+                f"| {batch} | {r['block']} | {r['warps']} | {r['ranges']}{' (default)' if r['default'] else ''} | "
+                f"{r['us']:.1f} | {r['tb_per_s']:.2f} | {r['of_copy']:.0%} | {r['max_diff']:.2g} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
