@@ -173,21 +173,62 @@ def fuse_shared_input_linears(graph: fx.Graph, copy: bool = True) -> int:
     return replaced
 
 
-class SharedInputLinears(CustomGraphPass):
-    """`fuse_shared_input_linears` as Inductor takes a pre-grad pass (`copy`: its argument). Its uuid keys Inductor's
-    caches of compiled graphs, which are looked up before the pass runs: it hashes this package's files, where the
-    pass and the groups whose layout it reads (share_projection_storage, `Mixer.shared_input_weights`) are defined,
-    so a cached step never reads weights laid out as another version of the code laid them out."""
+def _traced(graph: fx.Graph, op: str, target, args: tuple) -> fx.Node:
+    """A new node of `graph` with the example value (fake tensor) its arguments' give, as dynamo's nodes carry."""
+    node = graph.create_node(op, target, args)
+    values = [a.meta.get("example_value") if isinstance(a, fx.Node) else a for a in args]
+    if all(v is not None for v in values):
+        node.meta["example_value"] = getattr(values[0], target)(*values[1:]) if op == "call_method" else target(*values)
+    return node
 
-    def __init__(self, copy: bool = True):
-        self.copy = copy
+
+def linears_as_reductions(graph: fx.Graph, max_rows: int) -> int:
+    """Replace each linear node whose input has at most `max_rows` rows (a decode step's batch) by its float32 sum
+    of products, (x [rows, 1, in] * weight [out, in]).sum(-1) (bias added after): Inductor writes it as one of its
+    own reduction kernels, where a GEMV of cuBLAS is a kernel it cannot fuse with the norm before it or the
+    pointwise work after it. Returns how many it replaced."""
+    replaced = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in LINEAR:
+            continue
+        x, weight, bias = (_argument(node, i, name) for i, name in enumerate(("input", "weight", "bias")))
+        value = x.meta.get("example_value") if isinstance(x, fx.Node) else None
+        if value is None or value.dim() < 2 or value.numel() // value.shape[-1] > max_rows:
+            continue
+        with graph.inserting_before(node):
+            x32 = _traced(graph, "call_method", "float", (_traced(graph, "call_method", "unsqueeze", (x, -2)),))
+            w32 = _traced(graph, "call_method", "float", (weight,))
+            products = _traced(graph, "call_function", operator.mul, (x32, w32))  # [..., out, in]
+            out = _traced(
+                graph, "call_method", "to", (_traced(graph, "call_method", "sum", (products, -1)), value.dtype)
+            )
+            if bias is not None:
+                out = _traced(graph, "call_function", operator.add, (out, bias))
+        out.meta.update(node.meta)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        replaced += 1
+    return replaced
+
+
+class SharedInputLinears(CustomGraphPass):
+    """`fuse_shared_input_linears` as Inductor takes a pre-grad pass (`copy`: its argument), then, with
+    `reduce_rows`, `linears_as_reductions` for inputs of up to that many rows. Its uuid keys Inductor's caches of
+    compiled graphs, which are looked up before the pass runs: it hashes this package's files, where the pass and the
+    groups whose layout it reads (share_projection_storage, `Mixer.shared_input_weights`) are defined, so a cached
+    step never reads weights laid out as another version of the code laid them out."""
+
+    def __init__(self, copy: bool = True, reduce_rows: int = 0):
+        self.copy, self.reduce_rows = copy, reduce_rows
 
     def __call__(self, graph: fx.Graph) -> None:
         fuse_shared_input_linears(graph, self.copy)
+        if self.reduce_rows:
+            linears_as_reductions(graph, self.reduce_rows)
 
     def uuid(self) -> bytes:
         files = tuple(sorted(str(path) for path in Path(__file__).parent.glob("*.py")))
-        return get_hash_for_files(files) + (b"copy" if self.copy else b"in place")
+        return get_hash_for_files(files) + (b"copy" if self.copy else b"in place") + b"%d" % self.reduce_rows
 
 
 # Weights of one module whose products read one input, by name: a module's own `shared_input_weights` (a mixer's
@@ -248,6 +289,8 @@ def prepare_weights(model: nn.Module, options: dict) -> None:
 # change of the weights. FUSED_PROJECTIONS concatenates them and folds the concatenation into a constant under
 # freezing: a second copy of those weights, baked in (set the options again after changing them, which recompiles).
 SHARED_PROJECTIONS = {"pre_grad_custom_pass": SharedInputLinears(copy=False)}
+# SHARED_PROJECTIONS with the products of a batch of up to 4 rows as Inductor's reductions (linears_as_reductions)
+REDUCED_PRODUCTS = {"pre_grad_custom_pass": SharedInputLinears(copy=False, reduce_rows=4)}
 FUSED_PROJECTIONS = {"freezing": True, "pre_grad_custom_pass": SharedInputLinears()}
 
 

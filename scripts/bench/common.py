@@ -90,23 +90,30 @@ def parse_decode_options(text: str) -> dict | None:
     (raven_layers.decode_fusion.default_decode_options()), 'plain' -> {} (Inductor's defaults, no fusion), 'eager'
     -> None (not compiled: `compile_decode = False`), 'a=1,b=True' -> {'a': 1, 'b': True} (Inductor options, Python
     literals), 'fused' alone or among them -> FUSED_PROJECTIONS, 'shared' -> SHARED_PROJECTIONS (the fusion reading
-    the weights in place)."""
+    the weights in place), 'reduced' -> REDUCED_PRODUCTS (that, and a small batch's products as Inductor's
+    reductions)."""
     import ast
 
-    from raven_layers.decode_fusion import FUSED_PROJECTIONS, SHARED_PROJECTIONS, default_decode_options
+    from raven_layers.decode_fusion import (
+        FUSED_PROJECTIONS,
+        REDUCED_PRODUCTS,
+        SHARED_PROJECTIONS,
+        default_decode_options,
+    )
 
     named = {"default": default_decode_options(), "plain": {}, "eager": None}
     if text in named:
         return named[text]
     options = {}
     for item in text.split(","):
-        if item in ("fused", "shared"):
-            options.update(FUSED_PROJECTIONS if item == "fused" else SHARED_PROJECTIONS)
+        passes = {"fused": FUSED_PROJECTIONS, "shared": SHARED_PROJECTIONS, "reduced": REDUCED_PRODUCTS}
+        if item in passes:
+            options.update(passes[item])
             continue
         name, sep, value = item.partition("=")
         if not sep:
             raise argparse.ArgumentTypeError(
-                f"{item!r} is not name=value; expected default, plain, eager, fused, shared or name=value,..."
+                f"{item!r} is not name=value; expected default, plain, eager, fused, shared, reduced or name=value,..."
             )
         try:
             options[name.strip()] = ast.literal_eval(value.strip())

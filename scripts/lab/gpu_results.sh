@@ -109,6 +109,7 @@
 #   decode-bench   times, alone: every mixer at 15 of 30 against both teachers at batch 1 at 4K and 16K and at
 #                  batch 32 and 128 at 16K, with floors (bench_generate.py); the attention's tilings at batch 1
 #                  and Raven's step splits (sweep_decode_attention.py, sweep_raven_decode.py, in CUDA graphs);
+#                  a batch-1 step with its products as Inductor's reductions (profile_decode.py, `reduced`);
 #                  where a batch-32 step goes, kernel by kernel
 #                  (profile_decode.py); SILA at 22 and 26 of 30 at batch 128 and 16K; the batch-128 step with
 #                  autotuned GEMMs, into RUNS/decode-bench
@@ -343,6 +344,9 @@ PY
     timeout 180 python3 scripts/bench/sweep_decode_attention.py --out "$out/sweep-b1" --batches 1 --contexts 4k,16k \
       --blocks 64,128 --warps 4 --stages 0,3 --per-sm 2,4 --native 1 --merge 0,1
     timeout 240 python3 scripts/bench/sweep_raven_decode.py --out "$out/sweep-raven" --batches 1,32,128
+    # a batch-1 step with its products as Inductor's reductions (fusable with the work around them) or as GEMVs
+    timeout 300 python3 scripts/bench/profile_decode.py --out "$out/reduced" --models teacher-engine,sila \
+      --batches 1 --context 16k --variants default "reduced,combo_kernels=True" --steps 16
     timeout 420 python3 scripts/bench/profile_decode.py --out "$out" --models teacher-engine,raven,sse,sila \
       --batches 32 --context 16k --variants default --steps 8
     timeout 300 python3 scripts/bench/bench_generate.py --out "$out/depth" --mixers sila --depths 22,26 \

@@ -21,6 +21,7 @@ from raven_layers.decode_fusion import (
     ALIGN_ROWS,
     FUSED_PROJECTIONS,
     LINEAR,
+    REDUCED_PRODUCTS,
     SHARED_PROJECTIONS,
     fuse_shared_input_linears,
     share_projection_storage,
@@ -137,6 +138,30 @@ def test_the_step_reading_the_weights_in_place_equals_the_eager_step_and_follows
         expected, _ = step(None)
     assert not torch.allclose(expected, eager, atol=1e-3)
     torch.testing.assert_close(changed, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch, reduced", [(1, True), (8, False)])
+def test_a_small_batchs_products_as_reductions_equal_the_eager_step(batch, reduced):
+    """REDUCED_PRODUCTS through Inductor (its CPU code here): at a batch of up to 4 rows every linear product, the
+    fused ones and the LM head, becomes one of Inductor's reductions (no extern mm or addmm left; the batched
+    products are the CPU's PyTorch attention) with the eager step's logits; a larger batch keeps its GEMMs."""
+    torch.manual_seed(0)
+    source = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2)).eval()
+    hybrid = build_hybrid(source, ["attention", "sila"], {}).eval()
+    ids = torch.randint(3, 100, (batch, 9), generator=torch.Generator().manual_seed(2))
+    prefilled = StaticHybridCache(hybrid.config, batch_size=batch, max_length=16)
+    with torch.no_grad():
+        hybrid(ids[:, :8], cache=prefilled)
+        steps = {}
+        for options in (None, REDUCED_PRODUCTS):
+            hybrid.compile_decode, hybrid.decode_compile_options = options is not None, options or {}
+            cache = copy.deepcopy(prefilled)
+            with cache.decoding_step(), decode_attention(hybrid.config):
+                steps[options is None] = run_and_get_code(hybrid.decode_function(), ids[:, 8:], cache)
+    (reduced_logits, code), (eager, _) = steps[False], steps[True]
+    torch.testing.assert_close(reduced_logits, eager, rtol=1e-5, atol=1e-5)
+    linear_products = sum("".join(code).count(f"extern_kernels.{op}(") for op in ("mm", "addmm"))
+    assert (linear_products == 0) == reduced
 
 
 def test_laying_out_the_weights_changes_no_value_name_or_parameter(tmp_path):
