@@ -7,7 +7,9 @@ tensor (q, k and v; gate and up; a mixer's projections of its input) and replace
 weights, split after, so the step launches one product where it launched several. The weights are read in place
 where they lie one after another in one buffer (`share_projection_storage` lays them out so when a step compiles
 with SHARED_PROJECTIONS), or concatenated (FUSED_PROJECTIONS: under Inductor's `freezing` the concatenation is
-folded into a constant, a second copy of those weights baked into the step).
+folded into a constant, a second copy of those weights baked into the step). REDUCED_PRODUCTS adds
+`linears_as_reductions`: at a batch of a few rows the products become Inductor's own reductions instead of cuBLAS's
+GEMVs, which Inductor can fuse with the work around them.
 
     model.decode_compile_options = SHARED_PROJECTIONS   # or with other Inductor options: {**SHARED_PROJECTIONS, ...}
 
