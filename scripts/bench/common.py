@@ -223,6 +223,38 @@ def graphed_us(fn, calls: int = 20, replays: int = 20) -> float:
     return replay_ms(graph, replays) * 1e3 / calls
 
 
+def sweep_info(bandwidth: float, **extra) -> dict:
+    """What a sweep's record says of its run: the GPU, the library versions, the copy bandwidth measured (bytes/s),
+    `extra`, and the command."""
+    import triton
+
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "copy_tb_per_s": round(bandwidth / 1e12, 3),
+        **extra,
+        "command": " ".join(sys.argv),
+    }
+
+
+def timing_fields(bytes_read: int, us: float, bandwidth: float, out: torch.Tensor, reference: torch.Tensor) -> dict:
+    """A sweep row's measures: microseconds a call, the bytes it must read per second and their share of the copy
+    bandwidth (bytes/s), and the max abs difference of its output from the default's."""
+    return {
+        "us": round(us, 2),
+        "tb_per_s": round(bytes_read / us / 1e6, 3),
+        "of_copy": round(bytes_read / (us / 1e6) / bandwidth, 3),
+        "max_diff": (out - reference).abs().max().item(),
+    }
+
+
+def shown_rows(rows: list[dict]) -> list[dict]:
+    """The rows of one shape a sweep prints: the default's, then the five fastest."""
+    timed = [r for r in rows if "us" in r]
+    return [r for r in timed if r["default"]] + sorted(timed, key=lambda r: r["us"])[:5]
+
+
 def release() -> None:
     """Free what the last model left: its compiled steps keep references to its cache (and transformers' compiled
     generate its CUDA graphs' memory pool)."""

@@ -26,11 +26,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
 
-from common import graphed_us, parse_sizes  # noqa: E402
+from common import graphed_us, parse_sizes, shown_rows, sweep_info, timing_fields  # noqa: E402
 
 from raven_convert.evaluate.decode_bench import copy_bandwidth  # noqa: E402
 from raven_kernels.attention import decode_attention  # noqa: E402
@@ -75,14 +74,7 @@ def main(argv=None) -> None:
     bandwidth = copy_bandwidth()
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s; {len(grid)} tilings", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    info = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "copy_tb_per_s": round(bandwidth / 1e12, 3),
-        "default": asdict(TILES),
-        "command": " ".join(sys.argv),
-    }
+    info = sweep_info(bandwidth, default=asdict(TILES))
     rows = []
     for batch, context in itertools.product(parse_sizes(args.batches), parse_sizes(args.contexts)):
         tensors = inputs(batch, context)
@@ -96,18 +88,8 @@ def main(argv=None) -> None:
             except Exception as error:  # a tiling the GPU cannot hold (shared memory, registers)
                 rows.append({"batch": batch, "context": context, **asdict(tiles), "error": f"{error}"[:200]})
                 continue
-            rows.append(
-                {
-                    "batch": batch,
-                    "context": context,
-                    **asdict(tiles),
-                    "default": tiles == TILES,
-                    "us": round(us, 2),
-                    "tb_per_s": round(bytes_read / us / 1e6, 3),
-                    "of_copy": round(bytes_read / (us / 1e6) / bandwidth, 3),
-                    "max_diff": (out - reference).abs().max().item(),
-                }
-            )
+            row = {"batch": batch, "context": context, **asdict(tiles), "default": tiles == TILES}
+            rows.append(row | timing_fields(bytes_read, us, bandwidth, out, reference))
         (args.out / "sweep_decode_attention.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
         tensors = reference = out = None  # freed before the next shape's inputs
         torch.cuda.empty_cache()
@@ -118,9 +100,7 @@ def main(argv=None) -> None:
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for (batch, context), group in itertools.groupby(rows, key=lambda r: (r["batch"], r["context"])):
-        timed = [r for r in group if "us" in r]
-        shown = [r for r in timed if r["default"]] + sorted(timed, key=lambda r: r["us"])[:5]
-        for r in shown:
+        for r in shown_rows(list(group)):
             print(
                 f"| {batch} | {context} | {r['block']} | {r['warps']} | {r['stages'] or 'default'} | {r['per_sm']} | "
                 f"{'yes' if r['native'] else 'no'} | {MERGES[r['merge_in_kernel']]}"

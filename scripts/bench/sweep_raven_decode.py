@@ -27,7 +27,7 @@ import triton
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
 
-from common import graphed_us, parse_sizes  # noqa: E402
+from common import graphed_us, parse_sizes, shown_rows, sweep_info, timing_fields  # noqa: E402
 
 from raven_convert.evaluate.decode_bench import copy_bandwidth  # noqa: E402
 from raven_kernels.raven import fused_recurrent_raven_decode  # noqa: E402
@@ -82,15 +82,7 @@ def main(argv=None) -> None:
     bandwidth = copy_bandwidth()
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s; {len(grid)} splits", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    info = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "copy_tb_per_s": round(bandwidth / 1e12, 3),
-        "slots": args.slots,
-        "top_k": args.top_k,
-        "command": " ".join(sys.argv),
-    }
+    info = sweep_info(bandwidth, slots=args.slots, top_k=args.top_k)
     rows = []
     for batch in parse_sizes(args.batches):
         x = inputs(batch, args.slots)
@@ -106,17 +98,8 @@ def main(argv=None) -> None:
             except Exception as error:  # a split the GPU cannot hold (registers, shared memory)
                 rows.append({"batch": batch, **asdict(split), "error": f"{error}"[:200]})
                 continue
-            rows.append(
-                {
-                    "batch": batch,
-                    **asdict(split),
-                    "default": split == default,
-                    "us": round(us, 2),
-                    "tb_per_s": round(bytes_read / us / 1e6, 3),
-                    "of_copy": round(bytes_read / (us / 1e6) / bandwidth, 3),
-                    "max_diff": (out - reference).abs().max().item(),
-                }
-            )
+            row = {"batch": batch, **asdict(split), "default": split == default}
+            rows.append(row | timing_fields(bytes_read, us, bandwidth, out, reference))
         (args.out / "sweep_raven_decode.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
         x = reference = out = None
         torch.cuda.empty_cache()
@@ -124,9 +107,7 @@ def main(argv=None) -> None:
     print("| batch | slots a block | warps | ranges a head | us | TB/s | of copy | max diff |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for batch, group in itertools.groupby(rows, key=lambda r: r["batch"]):
-        timed = [r for r in group if "us" in r]
-        shown = [r for r in timed if r["default"]] + sorted(timed, key=lambda r: r["us"])[:5]
-        for r in shown:
+        for r in shown_rows(list(group)):
             print(
                 f"| {batch} | {r['block']} | {r['warps']} | {r['ranges']}{' (default)' if r['default'] else ''} | "
                 f"{r['us']:.1f} | {r['tb_per_s']:.2f} | {r['of_copy']:.0%} | {r['max_diff']:.2g} |"

@@ -207,28 +207,39 @@ def test_a_group_lays_out_3d_weights_as_their_rows(tmp_path):
         assert torch.equal(p, before[name]), name
 
 
+def graph_of_weights(weights: dict[str, torch.Tensor]) -> tuple[fx.Graph, fx.Node, list[fx.Node]]:
+    """A graph with an input x [2, 1, 8] and the named weights as placeholders (their values as example values)."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["example_value"] = torch.zeros(2, 1, 8)
+    nodes = []
+    for name, value in weights.items():
+        nodes.append(graph.placeholder(name))
+        nodes[-1].meta["example_value"] = value
+    return graph, x, nodes
+
+
+def fuse_in_place_and_compare(graph: fx.Graph, weights: list[fx.Node], replaced: int) -> None:
+    """Run the pass without copies on `graph` (from `graph_of_weights`): it replaces `replaced` linear nodes, and
+    the graph's outputs are those before."""
+    inputs = [torch.randn(2, 1, 8)] + [w.meta["example_value"] for w in weights]
+    before = fx.GraphModule(torch.nn.Module(), copy.deepcopy(graph))(*inputs)
+    assert fuse_shared_input_linears(graph, copy=False) == replaced
+    after = fx.GraphModule(torch.nn.Module(), graph)(*inputs)
+    for a, b in zip(after, before):
+        torch.testing.assert_close(a, b)
+
+
 def test_only_the_adjacent_weights_of_a_group_are_read_as_one_view():
     """Five products of one input, three of whose weights lie one after another in one buffer: those three become
     one product over a view of the buffer; the others stay, and nothing is concatenated where copying is refused."""
     joint = torch.randn(12, 8)
-    graph = fx.Graph()
-    x = graph.placeholder("x")
-    x.meta["example_value"] = torch.zeros(2, 1, 8)
-    weights = []
-    for name, value in [("a", joint[:4]), ("b", joint[4:8]), ("c", joint[8:]), ("d", torch.randn(4, 8))]:
-        node = graph.placeholder(name)
-        node.meta["example_value"] = value
-        weights.append(node)
+    graph, x, weights = graph_of_weights({"a": joint[:4], "b": joint[4:8], "c": joint[8:], "d": torch.randn(4, 8)})
     computed = graph.call_function(torch.mul, (weights[3], 2.0))
     computed.meta["example_value"] = torch.zeros(4, 8)
     outs = [graph.call_function(F.linear, (x, w)) for w in [weights[2], weights[0], weights[3], computed, weights[1]]]
     graph.output(tuple(outs))
-    inputs = [torch.randn(2, 1, 8)] + [w.meta["example_value"] for w in weights]
-    before = fx.GraphModule(torch.nn.Module(), copy.deepcopy(graph))(*inputs)
-    assert fuse_shared_input_linears(graph, copy=False) == 3
-    after = fx.GraphModule(torch.nn.Module(), graph)(*inputs)
-    for a, b in zip(after, before):
-        torch.testing.assert_close(a, b)
+    fuse_in_place_and_compare(graph, weights, replaced=3)
     assert linears(graph) == 3
     assert sum(node.target is torch.as_strided for node in graph.nodes) == 1
     assert not any(node.target is torch.cat for node in graph.nodes)
@@ -239,20 +250,9 @@ def test_weights_a_few_rows_apart_are_read_as_one_view_and_the_rows_between_drop
     product reads them and the rows between, whose outputs are dropped; weights further apart are products of their
     own."""
     joint = torch.randn(40, 8)  # a at rows 0-2, b at 8-15 (5 rows between), c at 30-39 (14 rows between)
-    graph = fx.Graph()
-    x = graph.placeholder("x")
-    x.meta["example_value"] = torch.zeros(2, 1, 8)
-    weights = []
-    for name, value in [("a", joint[:3]), ("b", joint[8:16]), ("c", joint[30:])]:
-        weights.append(graph.placeholder(name))
-        weights[-1].meta["example_value"] = value
+    graph, x, weights = graph_of_weights({"a": joint[:3], "b": joint[8:16], "c": joint[30:]})
     graph.output(tuple(graph.call_function(F.linear, (x, w)) for w in weights))
-    inputs = [torch.randn(2, 1, 8)] + [w.meta["example_value"] for w in weights]
-    before = fx.GraphModule(torch.nn.Module(), copy.deepcopy(graph))(*inputs)
-    assert fuse_shared_input_linears(graph, copy=False) == 2
-    after = fx.GraphModule(torch.nn.Module(), graph)(*inputs)
-    for a, b in zip(after, before):
-        torch.testing.assert_close(a, b)
+    fuse_in_place_and_compare(graph, weights, replaced=2)
     views = [node for node in graph.nodes if node.target is torch.as_strided]
     assert linears(graph) == 2 and len(views) == 1 and views[0].args[1] == (16, 8)  # a, 5 rows between, b
 
