@@ -26,10 +26,12 @@ def poisoned_outputs(monkeypatch, request):
     """Every buffer the kernels write starts as NaN (integers as -1), so an element left unwritten fails.
 
     Compiled on a GPU, the float32 tests take the chunk products in full float32 (the default, tf32, would blur
-    gradients that vanish exactly, e.g. at gamma ~ 0); the bf16 tests keep the production setting.
+    gradients that vanish exactly, e.g. at gamma ~ 0), and so does the PyTorch path's short convolution (cuDNN
+    takes tf32 by default); the bf16 tests keep the production setting.
     """
     if torch.cuda.is_available() and "gpu" not in request.keywords:
         monkeypatch.setattr(utils, "DOT_PRECISION", "ieee")
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     real = utils.new_output
 
     def poisoned(shape, like, dtype=None):
