@@ -30,6 +30,7 @@ def make(B, Hq, Hkv, S, d, dtype=torch.float32, seed=0):
         (2, 4, 2, 200, 16, 150),  # slots past step + 1 hold garbage that must not be read
         (3, 9, 3, 130, 24, 1),  # only the new token: most ranges see no valid slot
         (2, 2, 2, 64, 64, 64),  # no grouping
+        (100, 6, 3, 40, 16, 33),  # 300 rows, more than the GPU's programs: one range a row, written directly
     ],
 )
 @pytest.mark.parametrize(
