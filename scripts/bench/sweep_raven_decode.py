@@ -4,8 +4,9 @@ program, ranges a head) timed at each batch, as state bytes read per second agai
     python scripts/bench/sweep_raven_decode.py --out OUT --batches 1,32,128
     python scripts/bench/sweep_raven_decode.py --out OUT --batches 32 --blocks 4,8 --warps 1,2 --ranges 1,4,16
 
-SmolLM2-135M's Raven layer at the recipe's settings (3 key/value heads of 3 query heads, 64 channels, `--slots`
-M = 64, top-`--top-k` 8), bf16 projections and a float32 state, one token a row. Each choice runs the step
+SmolLM2-135M's Raven layer (3 key/value heads of 3 query heads, 64 channels) with RavenSettings' defaults, as the
+benchmarks build it (`--slots` M = 256, `--top-k` 32; the SmolLM2 recipe's are 64 and 8), bf16 projections and a
+float32 state, one token a row. Each choice runs the step
 (`fused_recurrent_raven_decode`: the q/k map, the router's top-K, the decay, the slots' update and read, the ranges'
 merge) inside a CUDA graph of 20 calls, as a graphed decode step runs it; a row's bandwidth is the state it must
 read (S^k and S^v) over its time. Each choice's output is compared with the default's on the same state (max abs
@@ -32,6 +33,7 @@ from common import graphed_us, parse_sizes, shown_rows, sweep_info, timing_field
 from raven_convert.evaluate.decode_bench import copy_bandwidth  # noqa: E402
 from raven_kernels.raven import fused_recurrent_raven_decode  # noqa: E402
 from raven_kernels.raven.fused_recurrent import StepSplit, decode_config, slot_ranges, step_split  # noqa: E402
+from raven_layers import RavenSettings  # noqa: E402
 
 H, G, D = 3, 3, 64
 
@@ -70,8 +72,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--batches", default="1,32,128")
-    parser.add_argument("--slots", type=int, default=64, help="M, the slots a head")
-    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--slots", type=int, default=RavenSettings().num_slots, help="M, the slots a head")
+    parser.add_argument("--top-k", type=int, default=RavenSettings().top_k)
     parser.add_argument("--blocks", type=numbers, default=[2, 4, 8], help="slots a block")
     parser.add_argument("--warps", type=numbers, default=[1, 2, 4])
     parser.add_argument("--ranges", type=numbers, default=[1, 2, 4, 8, 16], help="ranges a head")
