@@ -176,11 +176,32 @@ def generate_times(model, ids: torch.Tensor, steps: int, repeats: int = 2, prefi
     }
 
 
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 100) -> float:
+    """GPU milliseconds of one replay of a captured CUDA graph, the replays queued back to back (CUDA events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()  # the first replay uploads the graph
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def decode_graph_ms(model) -> float | None:
+    """GPU milliseconds of one replay of `model`'s captured decode step (this engine's models after a generate();
+    None for others): a step's GPU work alone, without generate()'s loop. The replays write the cache's buffers,
+    which the next generate() fills anew."""
+    graph = getattr(getattr(getattr(model, "_static_cache", None), "graph", None), "graph", None)
+    return None if graph is None else replay_ms(graph)
+
+
 def measure_decode(
     name: str, model, batch: int, context: int, steps: int, prefill_chunk: int | None = None, bandwidth: float = 0
 ) -> dict:
-    """{model, batch, context, ttft_ms, step_ms, step_wall_ms, first_step_ms, tokens_per_s, peak_gib} (with
-    `bandwidth`, bytes/s: floor_ms and floor_share too), or {..., oom: True} where the batch does not fit."""
+    """{model, batch, context, ttft_ms, step_ms, step_wall_ms, first_step_ms, graph_ms, tokens_per_s, peak_gib}
+    (`graph_ms`: `decode_graph_ms`, None off this engine; with `bandwidth`, bytes/s: floor_ms and floor_share too),
+    or {..., oom: True} where the batch does not fit."""
     ids = torch.randint(3, model.config.vocab_size, (batch, context), device="cuda")
     entry = {"model": name, "batch": batch, "context": context}
     if bandwidth:
@@ -198,6 +219,8 @@ def measure_decode(
             tokens_per_s=round(batch / step, 1),
             peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
         )
+        graph_ms = decode_graph_ms(model)
+        entry["graph_ms"] = None if graph_ms is None else round(graph_ms, 3)
         if "floor_ms" in entry:
             entry["floor_share"] = round(entry["floor_ms"] / entry["step_ms"], 3)
     except torch.OutOfMemoryError:

@@ -23,7 +23,8 @@ For every (model, batch, context): a prompt of `context` random tokens per row; 
 (compilation, graph capture), then is timed for 1 new token (time to first token: prefill and one step) and for
 `--steps + 1` new tokens; decode ms/step is timed inside the long call from its second step to its last
 (raven_convert.evaluate.decode_bench.StepClock; `step_wall_ms`, the calls' difference over `--steps`, and
-`first_step_ms` are in the JSON). `--prefill-chunk N` prefills every model
+`first_step_ms` are in the JSON). On this engine `graph ms` is the GPU time of one replay of the captured step
+alone: what the step costs the GPU, without generate()'s loop. `--prefill-chunk N` prefills every model
 in chunks of N tokens (transformers' `prefill_chunk_size`), for prompts too long for one pass (128K). Peak memory is
 of the timed runs. A configuration that runs out of memory is reported as OOM, one that fails otherwise by its
 error (the other models still run; the exit status says so). Writes OUT/bench_generate.json (with the GPU and
@@ -70,23 +71,25 @@ def table(results: list[dict]) -> str:
     ok = [r for r in results if not r.get("oom") and "error" not in r]
     bases = {m: {(r["batch"], r["context"]): r for r in ok if r["model"] == m} for m in ("teacher", "teacher-engine")}
     lines = [
-        "| model | batch | context | ms/step | tokens/s | vs transformers | vs engine teacher | floor ms | of floor "
-        "| TTFT ms | peak GiB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | batch | context | ms/step | graph ms | tokens/s | vs transformers | vs engine teacher | floor ms "
+        "| of floor | TTFT ms | peak GiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         if r.get("oom") or "error" in r:
             what = "OOM" if r.get("oom") else f"failed: {r['error'].splitlines()[0][:80]}"
-            lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {what} | | | | | | | |")
+            lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {what} | | | | | | | | |")
             continue
         ratios = []
         for base in bases.values():
             t = base.get((r["batch"], r["context"]))
             ratios.append(f"{r['step_ms'] / t['step_ms']:.2f}x" if t else "-")
         floor = f"{r['floor_ms']:.2f} | {r['floor_share']:.0%}" if "floor_share" in r else "- | -"
+        graph = "-" if r.get("graph_ms") is None else f"{r['graph_ms']:.2f}"
         lines.append(
-            f"| {r['model']} | {r['batch']} | {r['context']} | {r['step_ms']:.2f} | {r['tokens_per_s']:.0f} | "
-            f"{ratios[0]} | {ratios[1]} | {floor} | {r['ttft_ms']:.1f} | {r['peak_gib']:.2f} |"
+            f"| {r['model']} | {r['batch']} | {r['context']} | {r['step_ms']:.2f} | {graph} | "
+            f"{r['tokens_per_s']:.0f} | {ratios[0]} | {ratios[1]} | {floor} | {r['ttft_ms']:.1f} | "
+            f"{r['peak_gib']:.2f} |"
         )
     return "\n".join(lines)
 

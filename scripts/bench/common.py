@@ -198,22 +198,12 @@ def write_record(path: Path, results: list[dict], **extra) -> None:
     tmp.replace(path)
 
 
-def replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 100) -> float:
-    """GPU milliseconds of one replay of a captured CUDA graph, the replays queued back to back (CUDA events)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()  # the first replay uploads the graph
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays
-
-
 def graphed_us(fn, calls: int = 20, replays: int = 20) -> float:
     """GPU microseconds of one call of `fn` (no arguments) with `calls` calls captured in one CUDA graph: what a call
     takes inside a graphed decode step, without the eager launch cost that dwarfs a kernel of a few microseconds.
     `fn` runs once first, outside the graph (its compilation and one-time buffers)."""
+    from raven_convert.evaluate.decode_bench import replay_ms
+
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

@@ -46,12 +46,11 @@ from common import (  # noqa: E402
     parse_decode_options,
     parse_sizes,
     release,
-    replay_ms,
     set_decode_options,
     spread_layers,
 )
 
-from raven_convert.evaluate.decode_bench import StepClock  # noqa: E402
+from raven_convert.evaluate.decode_bench import StepClock, replay_ms  # noqa: E402
 from raven_layers.decode_attention import decode_attention  # noqa: E402
 
 

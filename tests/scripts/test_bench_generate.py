@@ -58,7 +58,7 @@ def test_tables_compare_with_both_teachers():
     ] + [{"model": "sila-26of30", "batch": 32, "context": 16384, "oom": True}]
     text = table(rows)
     assert "| vs transformers | vs engine teacher | floor ms | of floor |" in text
-    assert "| sila-22of30 | 32 | 16384 | 2.50 | 12800 | 0.08x | 0.50x | 2.00 | 80% |" in text
+    assert "| sila-22of30 | 32 | 16384 | 2.50 | - | 12800 | 0.08x | 0.50x | 2.00 | 80% |" in text
     assert "| sila-26of30 | 32 | 16384 | OOM |" in text
     capacity = [
         {
@@ -100,7 +100,7 @@ def test_a_failing_configuration_is_a_row_and_the_others_still_run():
         if name == "sse" and batch == 32:
             raise RuntimeError("Triton compilation failed\nat 12:4: ...")
         return {"model": name, "batch": batch, "context": context, "step_ms": 1.0, "tokens_per_s": batch * 1e3,
-                "ttft_ms": 1.0, "peak_gib": 1.0}  # fmt: skip
+                "ttft_ms": 1.0, "peak_gib": 1.0, "graph_ms": 0.9 if name == "sila" else None}  # fmt: skip
 
     models = iter([("teacher-engine", object()), ("sse", object()), ("sila", object())])
     rows = measure_grid(models, [16384], [1, 32], measure, lambda rows: saved.append(len(rows)))
@@ -110,7 +110,8 @@ def test_a_failing_configuration_is_a_row_and_the_others_still_run():
     assert rows[3]["error"] == "RuntimeError: Triton compilation failed\nat 12:4: ..." and saved == [1, 2, 3, 4, 5, 6]
     text = table(rows)
     assert "| sse | 32 | 16384 | failed: RuntimeError: Triton compilation failed |" in text
-    assert "| sila | 32 | 16384 | 1.00 | 32000 | - | 1.00x |" in text
+    assert "| sila | 32 | 16384 | 1.00 | 0.90 | 32000 | - | 1.00x |" in text  # its graph's replay beside its step
+    assert "| teacher-engine | 32 | 16384 | 1.00 | - | 32000 |" in text
 
 
 def test_decode_options_name_the_models_compilation():
