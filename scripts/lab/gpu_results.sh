@@ -110,9 +110,8 @@
 #                  batch 32 and 128 at 16K, with floors (bench_generate.py); the attention's tilings at batch 1
 #                  and Raven's step splits (sweep_decode_attention.py, sweep_raven_decode.py, in CUDA graphs);
 #                  a batch-1 step with its products as Inductor's reductions (profile_decode.py, `reduced`);
-#                  where a batch-32 step goes, kernel by kernel
-#                  (profile_decode.py); SILA at 22 and 26 of 30 at batch 128 and 16K; the batch-128 step with
-#                  autotuned GEMMs, into RUNS/decode-bench
+#                  where a batch-32 step goes, kernel by kernel (profile_decode.py); SILA at 22 and 26 of 30 at
+#                  batch 128 and 16K; the batch-128 step with autotuned GEMMs, into RUNS/decode-bench
 #   decode-round-2 decode-tests (NEWEST=1: again under the newest transformers) beside sila-deep26-half (evaluated
 #                  at 1K-8K), then decode-bench alone
 #   decode-round-3 the fast path's GPU tests, then decode-bench, all alone (about 25 minutes; what runs past the
@@ -185,8 +184,8 @@ fast_path_tests() {  # the fast path's GPU tests, again under the newest transfo
   timeout 300 python3 -m pytest -o addopts="" -q -rfE tests/kernels/test_sila.py tests/kernels/test_raven.py \
     tests/kernels/test_sse.py tests/kernels/test_rows.py -k "decode or top_indices" 2>&1 | tail -20  # compiled here
   RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q -rfE tests/raven_layers/test_gpu.py \
-    tests/kernels/test_attention.py tests/scripts/test_sweep_decode_attention.py tests/scripts/test_sweep_raven_decode.py \
-    2>&1 | tail -40
+    tests/kernels/test_attention.py tests/scripts/test_sweep_decode_attention.py \
+    tests/scripts/test_sweep_raven_decode.py 2>&1 | tail -40
   [ -d /tmp/site-newest ] && [ "${NEWEST:-1}" = 1 ] || return 0
   PYTHONPATH=/tmp/site-newest:$PYTHONPATH python3 -c "import transformers; print('+ transformers', transformers.__version__)"
   PYTHONPATH=/tmp/site-newest:$PYTHONPATH RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q \
