@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import LogitsProcessorList
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
 
@@ -50,7 +49,7 @@ from common import (  # noqa: E402
     spread_layers,
 )
 
-from raven_convert.evaluate.decode_bench import StepClock, replay_ms  # noqa: E402
+from raven_convert.evaluate.decode_bench import StepClock, replay_ms, timed_generate  # noqa: E402
 from raven_layers.decode_attention import decode_attention  # noqa: E402
 
 
@@ -127,13 +126,7 @@ def measure(model, batch: int, context: int, steps: int, options: dict | None) -
         for loop in (True, False):
             model.use_decode_loop = loop
             clock = StepClock(ids.device)
-            model.generate(
-                ids,
-                max_new_tokens=steps + 1,
-                min_new_tokens=steps + 1,
-                logits_processor=LogitsProcessorList([clock]),
-                **kwargs,
-            )
+            timed_generate(model, ids, steps + 1, clock=clock)  # as bench_generate times a step
             per_step[loop] = clock.step_s() * 1e3
         model.use_decode_loop = True
     return {
