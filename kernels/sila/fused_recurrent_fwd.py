@@ -118,16 +118,19 @@ def sila_fwd_kernel_output(
 @triton.jit
 def conv_step(b_x, tail, conv_w, ch, b_live, C: tl.constexpr, TAPS: tl.constexpr, SILU: tl.constexpr):
     """The short convolution of x (channels ch, any shape) after a sequence's cached tail [TAPS - 1, C]: the
-    convolved value, feature map applied, and the tail moved on by one with x, in place (each tail row is read
-    before the row below it is written). A padded token enters neither."""
+    convolved value, feature map applied, and the tail moved on by one with x, in place. A padded token enters
+    neither. A channel's value may be held by several threads (a head has fewer values than the program threads),
+    so a barrier sits between every thread's read of a tail row and the first write to it."""
     b_x = tl.where(b_live, b_x, 0.0)
     b_y = b_x * tl.load(conv_w + ch * TAPS + TAPS - 1).to(tl.float32)
     for j in tl.static_range(TAPS - 1):
         b_t = tl.load(tail + j * C + ch)
         b_y += b_t.to(tl.float32) * tl.load(conv_w + ch * TAPS + j).to(tl.float32)
         if j > 0:
+            tl.debug_barrier()  # row j - 1 read by every thread
             tl.store(tail + (j - 1) * C + ch, b_t)
     if TAPS > 1:
+        tl.debug_barrier()  # row TAPS - 2 read by every thread
         tl.store(tail + (TAPS - 2) * C + ch, b_x.to(tail.dtype.element_ty))
     if SILU:
         b_y = b_y * tl.sigmoid(b_y)

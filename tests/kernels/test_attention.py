@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import raven_kernels.split
 from raven_kernels.attention import decode_attention
 from raven_kernels.attention.decode import DecodeTiles, decode_tiles, split_config
 from raven_kernels.attention.naive import naive_decode_attention
@@ -104,6 +105,8 @@ def test_the_default_merges_in_the_kernel_where_a_row_fits_one_load(monkeypatch)
     assert not Partials(3, 128, 3, 64, "cpu", pad=16).row_in_one_load()  # batch 1 at 16K
     second, real = [], Partials.merge
     monkeypatch.setattr(Partials, "merge", lambda self, o: second.append(self.NS) or real(self, o))
+    # the interpreter's 8 programs on a GPU too, so the split below is the same everywhere
+    monkeypatch.setattr(raven_kernels.split, "programs_wanted", lambda device, per_sm=2: 8)
     for Hq, d, by_second_kernel in [(3, 16, False), (8, 128, True)]:  # 8 heads of 128: 4 ranges a load
         q, k, v = make(1, Hq, 1, 256, d, seed=Hq)
         valid = torch.ones(1, 256, dtype=torch.bool, device=DEVICE)

@@ -250,3 +250,28 @@ def test_bf16_on_gpu(d, G):
     for i, (name, a, b) in enumerate(zip(("o", "final_state", *NAMES), kernel, reference)):
         assert torch.isfinite(a).all(), name
         assert rel_err(a, b) < (5e-3 if i < 2 else 1e-2), f"{name}: relative error {rel_err(a, b):.2e}"
+
+
+def test_decode_step_is_repeatable_and_moves_the_tail_on_exactly():
+    """At SmolLM2's shapes a head's 64 values are held by more threads than there are values: every thread must
+    read a tail row before any overwrites it. The same step from the same state gives the same bits every time,
+    and the tail moves on by exactly one token (on the CPU: two rows, twice)."""
+    B, H, G, d, taps = (128 if DEVICE == "cuda" else 2), 3, 3, 64, 4
+    C = (G + 2) * H * d
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    q, k, v, bx, gx, ax = (
+        torch.randn(B, 1, n, device=DEVICE, generator=g) for n in (H * G * d, H * d, H * d, H, H, H * G)
+    )
+    biases = tuple(torch.randn(n, device=DEVICE, generator=g) for n in (H, H, H * G))
+    conv = torch.randn(C, taps, device=DEVICE, generator=g)
+    tail = torch.randn(B, taps - 1, C, device=DEVICE, generator=g)
+    w_beta, w_gamma = (torch.randn(H, d, device=DEVICE, generator=g) for _ in range(2))
+    state = torch.randn(B, H, d, d, device=DEVICE, generator=g)
+    runs = []
+    for _ in range(50 if DEVICE == "cuda" else 2):
+        t, s = tail.clone(), state.clone()
+        o = fused_recurrent_sila_decode(q, k, v, bx, gx, ax, biases, conv, t, w_beta, w_gamma, s)
+        runs.append((o, t, s))
+    assert torch.equal(runs[0][1], torch.cat([tail[:, 1:], torch.cat([q, k, v], -1)], 1))
+    for o, t, s in runs[1:]:
+        assert torch.equal(o, runs[0][0]) and torch.equal(t, runs[0][1]) and torch.equal(s, runs[0][2])
