@@ -12,6 +12,12 @@ generate() prepares the inputs, the logits processors and the stopping criteria,
 The tokens are those of transformers' loop: the same processors and criteria are called with the same inputs, in
 the same order (sampling draws the same random numbers). The cache is not returned, so the extra step it holds is
 never seen.
+
+Greedy decoding whose logits processors only observe (`ScoreObserver`) and whose only stopping criteria are the
+maximum length and EOS tokens, generate()'s defaults, chooses each token inside the decode step instead
+(`GreedyTokens`, captured in the step's CUDA graph by `next_tokens`): between two replays the host then writes the
+token and reads one flag, where the general loop launches about 15 small kernels (the logits as float32, the
+argmax, the finished rows, the criteria).
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers import GenerationConfig, GenerationMixin
+from transformers import GenerationConfig, GenerationMixin, LogitsProcessor
 from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .cache import output_cache
 
@@ -38,6 +45,71 @@ def applies(config: GenerationConfig, kwargs: dict) -> bool:
         and not merged.return_dict_in_generate
         and not any(kwargs.get(key) for key in ("streamer", "synced_gpus", "assistant_model", "custom_generate"))
     )
+
+
+class ScoreObserver(LogitsProcessor):
+    """A logits processor that changes no score, only observes each token (a clock, a counter): it must return the
+    scores it is given. Where every processor is one, greedy decoding chooses its tokens inside the decode step,
+    and calls them once a token with the tokens so far and `scores=None` (the prompt's token: its logits)."""
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor | None) -> torch.FloatTensor | None:
+        return scores
+
+
+class GreedyTokens:
+    """The next tokens of greedy decoding from a step's logits, as transformers' loop chooses them under
+    `chooses_in_step`: the argmax, the pad token for rows that have finished, and rows that finish on an EOS
+    token. All of it is device work over buffers of its own, so a decode step that ends in it can be captured in
+    one CUDA graph. One per static cache (its graph captures these buffers); `start` refills them for a generate()."""
+
+    EOS_SLOTS = 8  # EOS tokens it holds; -1 fills the rest (no token id is negative)
+
+    def __init__(self, batch_size: int, device: torch.device):
+        self.batch_size = batch_size
+        self.unfinished = torch.ones(batch_size, dtype=torch.long, device=device)  # [B], 1: still generating
+        self.done = torch.zeros((), dtype=torch.bool, device=device)  # every row has finished
+        self.pad = torch.zeros((), dtype=torch.long, device=device)
+        self.eos = torch.full((self.EOS_SLOTS,), -1, dtype=torch.long, device=device)
+
+    def start(self, pad: torch.Tensor | None, eos: list[int]) -> None:
+        """A new generation: every row unfinished, `pad` (a scalar tensor; None where no row stops on EOS) for
+        finished rows, rows finishing on the tokens `eos` (at most EOS_SLOTS)."""
+        if len(eos) > self.EOS_SLOTS:
+            raise ValueError(f"{len(eos)} EOS tokens; GreedyTokens holds at most {self.EOS_SLOTS}")
+        self.unfinished.fill_(1)
+        self.done.fill_(False)
+        self.pad.fill_(0 if pad is None else pad)
+        self.eos.copy_(torch.tensor(eos + [-1] * (self.EOS_SLOTS - len(eos))))
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] -> the tokens chosen [B]; the rows that chose an EOS token finish."""
+        chosen = torch.argmax(logits, dim=-1)  # the first of equal maxima, as on float32 scores
+        chosen = chosen * self.unfinished + self.pad * (1 - self.unfinished)
+        self.unfinished.copy_(self.unfinished & ~(chosen[:, None] == self.eos).any(-1))  # isin, without a sort
+        self.done.copy_(self.unfinished.max() == 0)
+        return chosen
+
+
+def chooses_in_step(config: GenerationConfig, logits_processor, stopping_criteria) -> bool:
+    """Whether `GreedyTokens` chooses what transformers' loop would: greedy decoding, processors that only observe,
+    and no criterion but the maximum length (at or past the config's) and up to EOS_SLOTS EOS tokens."""
+
+    def covered(criterion) -> bool:
+        if type(criterion) is MaxLengthCriteria:
+            return criterion.max_length >= config.max_length  # never stops before this loop's own end
+        return type(criterion) is EosTokenCriteria
+
+    return (
+        not config.do_sample
+        and all(isinstance(processor, ScoreObserver) for processor in logits_processor)
+        and all(covered(criterion) for criterion in stopping_criteria)
+        and len(eos_tokens(stopping_criteria)) <= GreedyTokens.EOS_SLOTS
+    )
+
+
+def eos_tokens(stopping_criteria) -> list[int]:
+    """The EOS tokens of the criteria that stop a row on one (transformers' `EosTokenCriteria`)."""
+    return [int(t) for c in stopping_criteria if hasattr(c, "eos_token_id") for t in c.eos_token_id.reshape(-1)]
 
 
 def decode_loop(
@@ -66,6 +138,25 @@ def decode_loop(
     cache = output_cache(outputs)
     logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32)  # [B, V]
     del outputs  # the prompt's logits may be large
+    if chooses_in_step(generation_config, logits_processor, stopping_criteria):
+        greedy = model.greedy_tokens(cache)
+        greedy.start(pad if stops_at_eos else None, eos_tokens(stopping_criteria))
+        chosen = greedy(logits)  # [B], the prompt's token
+        while True:
+            logits_processor(tokens[:, :length], logits)  # observers: the prompt's logits, then None
+            tokens[:, length] = chosen
+            length += 1
+            if length >= max_length:
+                break
+            finished.copy_(greedy.done, non_blocking=True)
+            if selected is not None:
+                selected.record()
+            chosen, logits = model.next_tokens(chosen[:, None], cache, greedy), None  # queued before the flag is read
+            if selected is not None:
+                selected.synchronize()
+            if finished.item():
+                break
+        return tokens[:, :length]
     while True:
         scores = logits_processor(tokens[:, :length], logits)
         if generation_config.do_sample:

@@ -26,7 +26,7 @@ from .common import Mixer, one_cache, recompile_limits
 from .configuration_hybrid import HybridConfig, HybridConfigError
 from .decode_attention import KERNELS, decode_attention
 from .decode_graph import DecodeGraph
-from .decode_loop import applies, decode_loop
+from .decode_loop import GreedyTokens, applies, decode_loop
 from .static_cache import StaticHybridCache
 
 
@@ -431,20 +431,44 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
             loss=loss, logits=logits, aux_loss=outputs.aux_loss, **{OUTPUT_CACHE_FIELD: output_cache(outputs)}
         )
 
-    def _replay(self, input_ids: torch.Tensor, cache: StaticHybridCache) -> torch.Tensor:
-        """A decode step as a replayed CUDA graph (see decode_graph.py): token ids [B, 1] -> logits [B, 1, V] in the
-        graph's buffer, which the next step overwrites."""
+    def _replay(self, input_ids: torch.Tensor, cache: StaticHybridCache, choose: GreedyTokens | None = None):
+        """A decode step as a replayed CUDA graph (see decode_graph.py): token ids [B, 1] -> logits [B, 1, V], or
+        with `choose` the tokens it picks from them [B], in the graph's buffer, which the next step overwrites."""
         cache.check_room(input_ids.shape[0], 1)
         step = self.decode_function()
-        if cache.graph is None or cache.graph_step != step:  # another model, or its step recompiled
-            eager = self.decode_logits
-            fallback = (lambda ids: eager(ids, cache)) if self.compile_decode else None  # noqa: E731
-            cache.graph = DecodeGraph(lambda ids: step(ids, cache), cache.batch_size, cache.device, fallback)
-            cache.graph_step, self._decode_weights = step, self.weight_addresses()
+        key = step if choose is None else (step, choose)
+        graph = cache.graph if choose is None else cache.token_graph
+        if graph is None or key != (cache.graph_step if choose is None else cache.token_graph_step):
+            eager = self.decode_logits  # another model, or its step recompiled: captured anew
+
+            def captured(run):
+                return run if choose is None else lambda ids: choose(run(ids)[:, -1])
+
+            fallback = captured(lambda ids: eager(ids, cache)) if self.compile_decode else None
+            graph = DecodeGraph(captured(lambda ids: step(ids, cache)), cache.batch_size, cache.device, fallback)
+            if choose is None:
+                cache.graph, cache.graph_step = graph, key
+            else:
+                cache.token_graph, cache.token_graph_step = graph, key
+            self._decode_weights = self.weight_addresses()
         with cache.decoding_step(), decode_attention(self.config):
-            logits = cache.graph(input_ids)
+            out = graph(input_ids)
         cache.advance(1)
-        return logits
+        return out
+
+    def greedy_tokens(self, cache: StaticHybridCache) -> GreedyTokens:
+        """The cache's `GreedyTokens` (made for its batch on first use), which `next_tokens` ends a step with."""
+        if cache.greedy is None or cache.greedy.batch_size != cache.batch_size:
+            cache.greedy = GreedyTokens(cache.batch_size, cache.device)
+        return cache.greedy
+
+    def next_tokens(self, input_ids: torch.Tensor, cache: StaticHybridCache, choose: GreedyTokens) -> torch.Tensor:
+        """A decode step that ends in `choose`, for decode_loop's greedy decoding: token ids [B, 1] -> the next
+        tokens [B]. Replayed as one CUDA graph with the choice inside where the step is graphed (the result is then
+        the graph's buffer, which the next step overwrites), eager otherwise."""
+        if self._graph_step(cache, input_ids, None, {}):
+            return self._replay(input_ids, cache, choose)
+        return choose(self(input_ids=input_ids, cache=cache, use_cache=True).logits[:, -1])
 
     def next_token_logits(self, input_ids: torch.Tensor, cache: HybridCache) -> torch.Tensor:
         """A decode step's logits as decode_loop takes them, float32 [B, V] in a tensor of their own: a replayed
@@ -487,7 +511,7 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         if self._decode_weights is not None and self._decode_weights != self.weight_addresses():
             self._compiled_decode, self._decode_weights = None, None
             if self._static_cache is not None:
-                self._static_cache.graph = self._static_cache.graph_step = None
+                self._static_cache.drop_graphs()
 
     def decode_function(self):
         """`decode_logits`, compiled by torch.compile when `compile_decode` is set (Inductor fuses the norms, rotary

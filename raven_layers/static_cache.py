@@ -117,7 +117,7 @@ class StaticHybridCache(HybridCache):
         d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rows, self.max_length, self.device, self.dtype = batch_size, max_length, device, dtype
         self.num_tokens, self.decoding = 0, False
-        self.graph, self.graph_step = None, None  # a DecodeGraph over these buffers, and the step it captures
+        self.drop_graphs()
         self.step = torch.zeros(1, dtype=torch.long, device=device)  # tokens written, the same for every row
         self.positions = torch.zeros(batch_size, dtype=torch.long, device=device)  # next position id per row
         self.valid: dict[int, torch.Tensor] = {}  # slots per buffer -> [B, slots] bool: holds a real token
@@ -228,7 +228,13 @@ class StaticHybridCache(HybridCache):
         self.positions = fn(self.positions)
         self.valid = {size: fn(valid) for size, valid in self.valid.items()}
         self.rows = self.positions.shape[0]
-        self.graph, self.graph_step = None, None
+        self.drop_graphs()
+
+    def drop_graphs(self) -> None:
+        """Forget the captured decode steps (new buffers, moved weights): the next step captures anew."""
+        self.graph, self.graph_step = None, None  # a DecodeGraph over these buffers, and the step it captures
+        self.token_graph, self.token_graph_step = None, None  # the same, ending in `greedy`'s choice of tokens
+        self.greedy = None  # decode_loop.GreedyTokens: buffers the token graph captures
 
     def batch_repeat_interleave(self, repeats: int):
         self._resize_batch(lambda x: x.repeat_interleave(repeats, dim=0))

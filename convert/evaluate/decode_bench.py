@@ -24,9 +24,10 @@ from __future__ import annotations
 import time
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessorList
 
 from raven_layers.common import recompile_limits
+from raven_layers.decode_loop import ScoreObserver
 
 from .runtime import sync
 
@@ -85,26 +86,29 @@ def decode_path(model, device: torch.device) -> str:
 
 
 def generate_kwargs(model, device: torch.device, new_tokens: int, prefill_chunk: int | None = None) -> dict:
-    """The arguments of a timed generate(): greedy, exactly `new_tokens` new tokens, the static cache on CUDA (a
-    hybrid's with CUDA-graphed steps, transformers' compiled one otherwise) and the dynamic cache elsewhere."""
+    """The arguments of a timed generate(): greedy, exactly `new_tokens` new tokens (no EOS token ends a row: random
+    weights may choose one, and a processor that forbids it would be work a user's generate() does not do), the
+    static cache on CUDA (a hybrid's with CUDA-graphed steps, transformers' compiled one otherwise) and the dynamic
+    cache elsewhere."""
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+    kwargs = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad, eos_token_id=None)
     kwargs["cache_implementation"] = "static" if device.type == "cuda" else "dynamic"
     if prefill_chunk is not None:
         kwargs["prefill_chunk_size"] = prefill_chunk
     return kwargs
 
 
-class StepClock(LogitsProcessor):
-    """A logits processor that changes nothing and marks when each new token's logits are ready: generate() calls
-    its processors once a token in transformers' loop and in this project's (decode_loop.py) alike. On CUDA a mark
-    is an event recorded on the stream, so the host never waits for it; elsewhere the step has finished (eager)."""
+class StepClock(ScoreObserver):
+    """A logits processor that changes nothing and marks each new token: generate() calls its processors once a
+    token in transformers' loop and in this project's (decode_loop.py) alike, when the token's logits are ready,
+    or, where decode_loop chooses greedy tokens inside the step, once the step that chose it is queued. On CUDA a
+    mark is an event recorded on the stream, so the host never waits for it; elsewhere the step has finished."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.marks: list = []
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor | None) -> torch.FloatTensor | None:
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -190,10 +194,13 @@ def replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 100) -> float:
 
 def decode_graph_ms(model) -> float | None:
     """GPU milliseconds of one replay of `model`'s captured decode step (this engine's models after a generate();
-    None for others): a step's GPU work alone, without generate()'s loop. The replays write the cache's buffers,
-    which the next generate() fills anew."""
-    graph = getattr(getattr(getattr(model, "_static_cache", None), "graph", None), "graph", None)
-    return None if graph is None else replay_ms(graph)
+    None for others): a step's GPU work alone, without generate()'s loop. Where greedy decoding chose its tokens in
+    the step (decode_loop.py), the graph that did. The replays write the cache's buffers, which the next
+    generate() fills anew."""
+    cache = getattr(model, "_static_cache", None)
+    captured = [getattr(cache, name, None) for name in ("token_graph", "graph")]
+    graphs = [c.graph for c in captured if c is not None and c.graph is not None]
+    return replay_ms(graphs[0]) if graphs else None
 
 
 def measure_decode(

@@ -23,8 +23,10 @@ For every (model, batch, context): a prompt of `context` random tokens per row; 
 (compilation, graph capture), then is timed for 1 new token (time to first token: prefill and one step) and for
 `--steps + 1` new tokens; decode ms/step is timed inside the long call from its second step to its last
 (raven_convert.evaluate.decode_bench.StepClock; `step_wall_ms`, the calls' difference over `--steps`, and
-`first_step_ms` are in the JSON). On this engine `graph ms` is the GPU time of one replay of the captured step
-alone: what the step costs the GPU, without generate()'s loop. `--prefill-chunk N` prefills every model
+`first_step_ms` are in the JSON). Every generate() is greedy with no processor and no EOS stop (exactly the
+tokens asked for), so this engine's loop chooses each token inside the replayed step (raven_layers/decode_loop.py).
+On this engine `graph ms` is the GPU time of one replay of that captured step alone: what the step costs the GPU,
+without generate()'s loop. `--prefill-chunk N` prefills every model
 in chunks of N tokens (transformers' `prefill_chunk_size`), for prompts too long for one pass (128K). Peak memory is
 of the timed runs. A configuration that runs out of memory is reported as OOM, one that fails otherwise by its
 error (the other models still run; the exit status says so). Writes OUT/bench_generate.json (with the GPU and

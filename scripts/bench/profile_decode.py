@@ -11,9 +11,9 @@ warms up (compiles, captures the graph; `compile s`), then
   replays);
 - `replay ms`: GPU time of one graph replay (100 replays, CUDA events);
 - `generate ms`: time per step of generate() over `--steps` tokens (token choice and stopping criteria included),
-  marked on the stream as each token's logits are ready, from the second decode step to the last
-  (`StepClock` of raven_convert/evaluate/decode_bench.py), in its own loop (raven_layers/decode_loop.py) and in
-  transformers' (`use_decode_loop = False`);
+  marked on the stream as each token is chosen, from the second decode step to the last (`StepClock` of
+  raven_convert/evaluate/decode_bench.py), in its own loop (raven_layers/decode_loop.py: greedy, so the step's
+  graph chooses the token too) and in transformers' (`use_decode_loop = False`);
 - `max |dlogit|`: the first decode step's logits against the `plain` variant's (compiled, nothing fused: always
   measured first), same prompt (bf16: the options may round differently; a wrong fusion shows as a large one).
 

@@ -3,11 +3,19 @@ applies."""
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    StoppingCriteriaList,
+)
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
 
 import raven_layers.modeling_hybrid as modeling
 from raven_convert import build_hybrid, plan_layers
-from raven_layers.decode_loop import applies
+from raven_layers.decode_loop import GreedyTokens, ScoreObserver, applies, chooses_in_step
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.transformers_api
@@ -32,6 +40,14 @@ def loops(monkeypatch):
 
     counted.__wrapped__ = modeling.decode_loop
     monkeypatch.setattr(modeling, "decode_loop", counted)
+    return calls
+
+
+@pytest.fixture
+def in_step(hybrid, monkeypatch):
+    """The decode steps that chose their tokens themselves (`next_tokens`)."""
+    calls, real = [], type(hybrid).next_tokens
+    monkeypatch.setattr(type(hybrid), "next_tokens", lambda *args: calls.append(1) or real(*args))
     return calls
 
 
@@ -70,20 +86,33 @@ def both(model, ids, mask, seed=0, **kwargs):
     ],
     ids=["greedy", "prefill-chunks", "top-k", "top-p-2-sequences", "penalties"],
 )
-def test_tokens_equal_transformers_loop(hybrid, loops, settings):
+def test_tokens_equal_transformers_loop(hybrid, loops, in_step, settings):
     ids, mask = prompt()
     theirs, ours = both(hybrid, ids, mask, **settings)
     assert loops == [1]
+    greedy = not settings["do_sample"] and "repetition_penalty" not in settings  # no processor
+    assert len(in_step) == (11 if greedy else 0)  # 12 new tokens: the prompt's, then 11 steps
     assert ours.shape == theirs.shape == (ids.shape[0] * settings.get("num_return_sequences", 1), 21)
     assert torch.equal(ours, theirs)
 
 
-def test_rows_that_stop_early_are_padded_and_the_loop_ends_when_all_have(hybrid, loops):
+class Unchanged(LogitsProcessor):
+    """A processor that returns the scores as they are, but is not a `ScoreObserver`: the loop calls it."""
+
+    def __call__(self, input_ids, scores):
+        return scores
+
+
+def test_rows_that_stop_early_are_padded_and_the_loop_ends_when_all_have(hybrid, loops, in_step):
+    """Greedy, so each step chooses its tokens itself (`GreedyTokens`), and with a processor, in the loop."""
     ids, mask = prompt(rows=2)
     free, _ = both(hybrid, ids, mask)
-    eos = [int(free[0, 11]), int(free[1, 13])]  # row 0 stops at its third new token, row 1 at its fifth
+    eos = [int(free[0, 11]), int(free[1, 13])]  # row 0 stops at its third new token, row 1 at its first (= fifth)
     theirs, ours = both(hybrid, ids, mask, eos_token_id=eos)
-    assert loops == [1, 1]
+    steps = len(in_step)
+    assert loops == [1, 1] and steps == 11 + ours.shape[1] - 9  # 11, then one past the last row's last token
+    processed, ours_processed = both(hybrid, ids, mask, eos_token_id=eos, logits_processor=[Unchanged()])
+    assert torch.equal(ours_processed, processed) and torch.equal(processed, theirs) and len(in_step) == steps
     assert ours.shape[1] < free.shape[1] and torch.equal(ours, theirs)
     assert (ours[0, 12:] == 0).all()
     # the next generate() starts from a clean cache although the loop ran one step past the end
@@ -115,3 +144,33 @@ def test_applies_reads_the_config_and_the_arguments():
     assert not applies(greedy, {"num_beams": 3})
     assert not applies(GenerationConfig(return_dict_in_generate=True), {})
     assert not applies(greedy, {"streamer": object()})
+
+
+def test_greedy_tokens_choose_as_transformers_loop_does():
+    """The first of equal maxima; finished rows get the pad token and stay finished; `done` once all have; a new
+    generation refills the buffers."""
+    greedy = GreedyTokens(3, torch.device("cpu"))
+    greedy.start(torch.tensor(0), [5, 7])
+    logits = torch.zeros(3, 9)
+    logits[0, [2, 4]] = 1.0  # a tie: the first
+    logits[1, 5] = logits[2, 7] = 1.0  # EOS tokens
+    assert greedy(logits).tolist() == [2, 5, 7] and greedy.unfinished.tolist() == [1, 0, 0] and not greedy.done
+    logits[0] = 0.0
+    logits[0, 7] = 1.0
+    assert greedy(logits).tolist() == [7, 0, 0] and greedy.unfinished.tolist() == [0, 0, 0] and greedy.done
+    greedy.start(None, [])  # no EOS: no row finishes
+    assert greedy(logits).tolist() == [7, 5, 7] and bool(greedy.unfinished.all()) and not greedy.done
+    with pytest.raises(ValueError, match="9 EOS tokens"):
+        greedy.start(torch.tensor(0), list(range(9)))
+
+
+def test_chooses_in_step_only_what_transformers_loop_would_choose_alike():
+    config = GenerationConfig(max_length=20)
+    length, eos = MaxLengthCriteria(20), EosTokenCriteria([1, 2])
+    assert chooses_in_step(config, LogitsProcessorList([ScoreObserver()]), StoppingCriteriaList([length, eos]))
+    assert chooses_in_step(config, [], [MaxLengthCriteria(30)])  # never stops before the loop's own end
+    assert not chooses_in_step(config, [], [MaxLengthCriteria(10)])
+    assert not chooses_in_step(config, [RepetitionPenaltyLogitsProcessor(1.2)], [length])
+    assert not chooses_in_step(config, [], [length, MaxTimeCriteria(10.0)])
+    assert not chooses_in_step(config, [], [EosTokenCriteria(list(range(9)))])
+    assert not chooses_in_step(GenerationConfig(max_length=20, do_sample=True), [], [length])

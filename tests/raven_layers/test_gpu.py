@@ -177,8 +177,9 @@ def test_real_smollm2_fast_path_equals_the_eager_path(smollm2_dir, mixer, dtype)
 
 @pytest.mark.parametrize("mixer", ["raven", "sse", "sila"])
 def test_decode_loop_on_cuda_graphs_equals_transformers_loop(mixer):
-    """generate()'s own loop (decode_loop.py) over replayed CUDA graphs: float32 greedy tokens, with rows that stop
-    at their end token, and sampled tokens from the same seed, equal transformers' loop over the same graphs."""
+    """generate()'s own loop (decode_loop.py) over replayed CUDA graphs: float32 greedy tokens chosen inside the
+    graphed step, with rows that stop at their end token (twice: the second generate() replays the same graph),
+    and sampled tokens from the same seed, equal transformers' loop over the same graphs."""
     torch.manual_seed(0)
     source = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
     model = build_hybrid(source, plan_layers([(mixer, "0,2")], 4), {mixer: SETTINGS[mixer]}).cuda()
@@ -197,9 +198,13 @@ def test_decode_loop_on_cuda_graphs_equals_transformers_loop(mixer):
         return out
 
     free, _ = both(do_sample=False)
+    token_graph = model._static_cache.token_graph
+    assert token_graph.graph is not None  # greedy: the tokens were chosen in a replayed graph
     eos = [int(free[row, 41 + step]) for row, step in ((0, 5), (1, 9), (2, 20))]
-    theirs, ours = both(do_sample=False, eos_token_id=eos)
-    assert torch.equal(ours, theirs) and ours.shape[1] < free.shape[1]
+    for _ in range(2):
+        theirs, ours = both(do_sample=False, eos_token_id=eos)
+        assert torch.equal(ours, theirs) and ours.shape[1] < free.shape[1]
+        assert model._static_cache.token_graph is token_graph  # captured once, its buffers refilled
     theirs, ours = both(seed=3, do_sample=True, top_k=30, temperature=0.8)
     assert torch.equal(ours, theirs)
 

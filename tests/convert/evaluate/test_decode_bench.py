@@ -43,7 +43,8 @@ def test_cuda_times_the_fast_path_and_other_devices_the_dynamic_cache(tiny_sourc
     for model in (teacher, hybrid):
         kwargs = generate_kwargs(model, cuda, 5)
         assert kwargs["cache_implementation"] == "static"  # a hybrid's graphed step, transformers' compiled one
-        assert kwargs["max_new_tokens"] == kwargs["min_new_tokens"] == 5 and kwargs["do_sample"] is False
+        assert kwargs["max_new_tokens"] == 5 and kwargs["do_sample"] is False
+        assert kwargs["eos_token_id"] is None and "min_new_tokens" not in kwargs  # exactly 5 tokens, no processor
         assert generate_kwargs(model, cpu, 5, prefill_chunk=64) == kwargs | {
             "cache_implementation": "dynamic",
             "prefill_chunk_size": 64,

@@ -79,7 +79,7 @@ def test_decode_is_timed_through_generate_with_fixed_lengths(request, which, mon
     assert [kwargs["max_new_tokens"] for _, kwargs, _ in calls] == [6, 1, 1, 6, 6]  # warm-up, TTFT, decode
     for shape, kwargs, out in calls:
         assert shape == (3, 16) and out == (3, 16 + kwargs["max_new_tokens"])  # no early stop
-        assert kwargs["min_new_tokens"] == kwargs["max_new_tokens"] and kwargs["do_sample"] is False
+        assert kwargs["eos_token_id"] is None and kwargs["do_sample"] is False
         assert kwargs["cache_implementation"] == "dynamic"
     assert row["path"] == CPU_PATH and row["batch_size"] == 3
 
