@@ -138,43 +138,36 @@ def decode_loop(
     cache = output_cache(outputs)
     logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32)  # [B, V]
     del outputs  # the prompt's logits may be large
+    greedy = None  # where set, each step chooses its own tokens (GreedyTokens), after the prompt's
     if chooses_in_step(generation_config, logits_processor, stopping_criteria):
         greedy = model.greedy_tokens(cache)
         greedy.start(pad if stops_at_eos else None, eos_tokens(stopping_criteria))
-        chosen = greedy(logits)  # [B], the prompt's token
-        while True:
-            logits_processor(tokens[:, :length], logits)  # observers: the prompt's logits, then None
-            tokens[:, length] = chosen
-            length += 1
-            if length >= max_length:
-                break
-            finished.copy_(greedy.done, non_blocking=True)
-            if selected is not None:
-                selected.record()
-            chosen, logits = model.next_tokens(chosen[:, None], cache, greedy), None  # queued before the flag is read
-            if selected is not None:
-                selected.synchronize()
-            if finished.item():
-                break
-        return tokens[:, :length]
     while True:
-        scores = logits_processor(tokens[:, :length], logits)
-        if generation_config.do_sample:
-            chosen = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)  # [B]
+        scores = logits_processor(tokens[:, :length], logits)  # greedy: observers, and None after the prompt's
+        if greedy is not None:
+            if scores is not None:  # the prompt's token; the steps chose the others
+                chosen = greedy(scores)  # [B]
         else:
-            chosen = torch.argmax(scores, dim=-1)  # [B]
-        if stops_at_eos:
-            chosen = chosen * unfinished + pad * (1 - unfinished)
+            if generation_config.do_sample:
+                chosen = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)  # [B]
+            else:
+                chosen = torch.argmax(scores, dim=-1)  # [B]
+            if stops_at_eos:
+                chosen = chosen * unfinished + pad * (1 - unfinished)
         tokens[:, length] = chosen
         length += 1
-        unfinished = unfinished & ~stopping_criteria(tokens[:, :length], None)
+        if greedy is None:
+            unfinished = unfinished & ~stopping_criteria(tokens[:, :length], None)
         if length >= max_length:
             break
-        finished.copy_(unfinished.max() == 0, non_blocking=True)
+        finished.copy_(greedy.done if greedy is not None else unfinished.max() == 0, non_blocking=True)
         if selected is not None:
             selected.record()
         # queued before the flag is read: while the host waits for this token's flag, the GPU runs the next step
-        logits = model.next_token_logits(chosen[:, None], cache)  # [B, V] float32
+        if greedy is not None:
+            chosen, logits = model.next_tokens(chosen[:, None], cache, greedy), None
+        else:
+            logits = model.next_token_logits(chosen[:, None], cache)  # [B, V] float32
         if selected is not None:
             selected.synchronize()
         if finished.item():
