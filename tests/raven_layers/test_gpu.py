@@ -166,6 +166,11 @@ def test_real_smollm2_fast_path_equals_the_eager_path(smollm2_dir, mixer, dtype)
             errors = [((a - b).norm() / b.norm()).item() for a, b in zip(fast.logits, eager.logits)]
             assert torch.equal(fast.sequences, eager.sequences), f"step errors before the fork: {errors}"
             assert max(errors) < 1e-3, f"largest step error {max(errors):.2e}"
+            # plain greedy decoding (no processor, no EOS stop): each token chosen inside the graphed step
+            plain = {key: value for key, value in args.items() if key != "min_new_tokens"} | {"eos_token_id": None}
+            in_step = model.generate(**plain)
+            assert model._static_cache.token_graph.graph is not None
+            assert torch.equal(in_step, model.generate(cache_implementation="dynamic", **plain))
             return
         prompt = batch.input_ids.shape[1]
         full_mask = torch.cat([batch.attention_mask, batch.attention_mask.new_ones(len(PROMPTS), 64)], dim=1)
