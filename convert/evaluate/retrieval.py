@@ -83,7 +83,9 @@ def run_retrieval(
 ) -> list[dict]:
     """Greedy answers to every sample, scored; results in the order of `samples`.
 
-    Samples are sorted by length and batched (left padding, pad token falling back to EOS), so a batch pads little.
+    Samples are sorted by length and batched (left padding, pad token falling back to EOS), so a batch pads little;
+    the batches run longest first, so on CUDA the first batch's static cache, with its compiled and captured decode
+    step, serves every later batch of its size (shortest first, every longer batch would make and compile anew).
     Only the generated tokens are decoded. `max_new_tokens=None` allows the longest answer of the batch plus a margin.
     Under a launch (`parallel`, see shares.py) each process answers every world-th batch, the batches one process
     would make, so the results are one process's; every process returns them all.
@@ -95,7 +97,7 @@ def run_retrieval(
 
     order = sorted(range(len(samples)), key=lambda i: (flag(i), samples[i].meta.get("n_tokens", samples[i].length)))
     groups = [list(g) for _, g in itertools.groupby(order, key=flag)]
-    batches = [g[j : j + batch_size] for g in groups for j in range(0, len(g), batch_size)]
+    batches = [g[j : j + batch_size] for g in groups for j in range(0, len(g), batch_size)][::-1]  # longest first
     saved_side, saved_pad = tokenizer.padding_side, tokenizer.pad_token
     device = getattr(model, "device", None) or torch.device("cpu")
 

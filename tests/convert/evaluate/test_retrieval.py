@@ -315,6 +315,8 @@ def test_run_retrieval_echo_and_empty(tok, mixed_samples, capsys):
     assert sum(b[0] for b in model.batches) == len(mixed_samples) and max(b[0] for b in model.batches) == 3
     # sorted by length: batches pad a token or two, but for the one batch holding both 700- and 1000-token prompts
     assert max(model.pads) > 0 and sum(pad > 10 for pad in model.pads) == 1
+    lengths = [shape[1] for shape in model.batches]  # longest first: the first static cache serves the rest
+    assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]
     assert "28/28 samples" in capsys.readouterr().err
     assert tok.padding_side == "right"  # restored
     empty = R.run_retrieval(EchoModel(tok, empty=True), tok, mixed_samples, batch_size=4, progress=False)
