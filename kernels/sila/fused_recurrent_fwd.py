@@ -119,18 +119,36 @@ def sila_fwd_kernel_output(
 def conv_step(b_x, tail, conv_w, ch, b_live, C: tl.constexpr, TAPS: tl.constexpr, SILU: tl.constexpr):
     """The short convolution of x (channels ch, any shape) after a sequence's cached tail [TAPS - 1, C]: the
     convolved value, feature map applied, and the tail moved on by one with x, in place. A padded token enters
-    neither. A channel's value may be held by several threads (a head has fewer values than the program threads),
-    so a barrier sits between every thread's read of a tail row and the first write to it."""
+    neither. A channel's value may be held by several threads (a head has fewer values than the program has
+    threads), so no thread writes a tail row before every thread has read it: a tail of up to 3 rows (the default
+    4 taps) is read at once and written after one barrier; a longer one moves a row at a time, a barrier each."""
     b_x = tl.where(b_live, b_x, 0.0)
     b_y = b_x * tl.load(conv_w + ch * TAPS + TAPS - 1).to(tl.float32)
-    for j in tl.static_range(TAPS - 1):
-        b_t = tl.load(tail + j * C + ch)
-        b_y += b_t.to(tl.float32) * tl.load(conv_w + ch * TAPS + j).to(tl.float32)
-        if j > 0:
-            tl.debug_barrier()  # row j - 1 read by every thread
-            tl.store(tail + (j - 1) * C + ch, b_t)
-    if TAPS > 1:
+    if TAPS <= 4:
+        if TAPS > 1:
+            b_t0 = tl.load(tail + ch)
+            b_y += b_t0.to(tl.float32) * tl.load(conv_w + ch * TAPS).to(tl.float32)
+        if TAPS > 2:
+            b_t1 = tl.load(tail + C + ch)
+            b_y += b_t1.to(tl.float32) * tl.load(conv_w + ch * TAPS + 1).to(tl.float32)
+        if TAPS > 3:
+            b_t2 = tl.load(tail + 2 * C + ch)
+            b_y += b_t2.to(tl.float32) * tl.load(conv_w + ch * TAPS + 2).to(tl.float32)
+        if TAPS > 1:
+            tl.debug_barrier()  # every thread has read the tail
+        if TAPS > 2:
+            tl.store(tail + ch, b_t1)
+        if TAPS > 3:
+            tl.store(tail + C + ch, b_t2)
+    else:
+        for j in tl.static_range(TAPS - 1):
+            b_t = tl.load(tail + j * C + ch)
+            b_y += b_t.to(tl.float32) * tl.load(conv_w + ch * TAPS + j).to(tl.float32)
+            if j > 0:
+                tl.debug_barrier()  # row j - 1 read by every thread
+                tl.store(tail + (j - 1) * C + ch, b_t)
         tl.debug_barrier()  # row TAPS - 2 read by every thread
+    if TAPS > 1:
         tl.store(tail + (TAPS - 2) * C + ch, b_x.to(tail.dtype.element_ty))
     if SILU:
         b_y = b_y * tl.sigmoid(b_y)

@@ -170,7 +170,8 @@ def test_mixer_triton_matches_torch():
 @pytest.mark.parametrize(
     "settings, qk_norm, padded",
     [({}, False, False), ({}, True, True), ({"conv_size": 1, "feature_map": "identity"}, False, True),
-     ({"conv_size": 2, "output_gate": False}, False, False)],
+     ({"conv_size": 2, "output_gate": False}, False, False), ({"conv_size": 3}, False, True),
+     ({"conv_size": 5}, True, False)],
 )  # fmt: skip
 def test_mixer_decode_steps_in_one_kernel_update_the_state_in_place(settings, qk_norm, padded):
     """The mixer's decode steps on the Triton kernels run in one kernel that writes the cache's memory and
@@ -252,11 +253,13 @@ def test_bf16_on_gpu(d, G):
         assert rel_err(a, b) < (5e-3 if i < 2 else 1e-2), f"{name}: relative error {rel_err(a, b):.2e}"
 
 
-def test_decode_step_is_repeatable_and_moves_the_tail_on_exactly():
+@pytest.mark.parametrize("taps", [2, 4, 5])
+def test_decode_step_is_repeatable_and_moves_the_tail_on_exactly(taps):
     """At SmolLM2's shapes a head's 64 values are held by more threads than there are values: every thread must
     read a tail row before any overwrites it. The same step from the same state gives the same bits every time,
-    and the tail moves on by exactly one token (on the CPU: two rows, twice)."""
-    B, H, G, d, taps = (128 if DEVICE == "cuda" else 2), 3, 3, 64, 4
+    and the tail moves on by exactly one token (on the CPU: two rows, twice), with the tail in registers (up to 4
+    taps) or moved a row at a time."""
+    B, H, G, d = (128 if DEVICE == "cuda" else 2), 3, 3, 64
     C = (G + 2) * H * d
     g = torch.Generator(device=DEVICE).manual_seed(0)
     q, k, v, bx, gx, ax = (
