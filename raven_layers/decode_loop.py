@@ -56,6 +56,21 @@ class ScoreObserver(LogitsProcessor):
         return scores
 
 
+def choose_greedy(logits, unfinished, done, pad, eos) -> torch.Tensor:
+    """logits [B, V] -> the tokens chosen [B]: the argmax (the first of equal maxima, as on float32 scores), `pad`
+    for rows no longer `unfinished` [B] long, and those that chose a token of `eos` [E] finish (in place, as `done`:
+    whether all have)."""
+    chosen = torch.argmax(logits, dim=-1)
+    chosen = chosen * unfinished + pad * (1 - unfinished)
+    unfinished.copy_(unfinished & ~(chosen[:, None] == eos).any(-1))  # isin, without a sort
+    done.copy_(unfinished.max() == 0)
+    return chosen
+
+
+# its dozen small kernels as one or two, for a step captured in a CUDA graph (compiled at the first call)
+compiled_choose_greedy = torch.compile(choose_greedy, fullgraph=True, dynamic=False)
+
+
 class GreedyTokens:
     """The next tokens of greedy decoding from a step's logits, as transformers' loop chooses them under
     `chooses_in_step`: the argmax, the pad token for rows that have finished, and rows that finish on an EOS
@@ -81,13 +96,10 @@ class GreedyTokens:
         self.pad.fill_(0 if pad is None else pad)
         self.eos.copy_(torch.tensor(eos + [-1] * (self.EOS_SLOTS - len(eos))))
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [B, V] -> the tokens chosen [B]; the rows that chose an EOS token finish."""
-        chosen = torch.argmax(logits, dim=-1)  # the first of equal maxima, as on float32 scores
-        chosen = chosen * self.unfinished + self.pad * (1 - self.unfinished)
-        self.unfinished.copy_(self.unfinished & ~(chosen[:, None] == self.eos).any(-1))  # isin, without a sort
-        self.done.copy_(self.unfinished.max() == 0)
-        return chosen
+    def __call__(self, logits: torch.Tensor, compiled: bool = False) -> torch.Tensor:
+        """logits [B, V] -> the tokens chosen [B] (`choose_greedy`; `compiled`: torch.compile's)."""
+        choose = compiled_choose_greedy if compiled else choose_greedy
+        return choose(logits, self.unfinished, self.done, self.pad, self.eos)
 
 
 def chooses_in_step(config: GenerationConfig, logits_processor, stopping_criteria) -> bool:

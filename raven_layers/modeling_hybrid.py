@@ -441,11 +441,13 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         if graph is None or key != (cache.graph_step if choose is None else cache.token_graph_step):
             eager = self.decode_logits  # another model, or its step recompiled: captured anew
 
-            def captured(run):
-                return run if choose is None else lambda ids: choose(run(ids)[:, -1])
+            def captured(run, compiled: bool):  # the step, then with `choose` its choice of tokens
+                return run if choose is None else lambda ids: choose(run(ids)[:, -1], compiled)
 
-            fallback = captured(lambda ids: eager(ids, cache)) if self.compile_decode else None
-            graph = DecodeGraph(captured(lambda ids: step(ids, cache)), cache.batch_size, cache.device, fallback)
+            fallback = captured(lambda ids: eager(ids, cache), False) if self.compile_decode else None
+            graph = DecodeGraph(
+                captured(lambda ids: step(ids, cache), self.compile_decode), cache.batch_size, cache.device, fallback
+            )
             if choose is None:
                 cache.graph, cache.graph_step = graph, key
             else:

@@ -174,3 +174,17 @@ def test_chooses_in_step_only_what_transformers_loop_would_choose_alike():
     assert not chooses_in_step(config, [], [length, MaxTimeCriteria(10.0)])
     assert not chooses_in_step(config, [], [EosTokenCriteria(list(range(9)))])
     assert not chooses_in_step(GenerationConfig(max_length=20, do_sample=True), [], [length])
+
+
+def test_the_compiled_choice_equals_the_eager_one():
+    """What a compiled step captures on CUDA (`compiled_choose_greedy`, Inductor's kernels) chooses as the eager
+    choice does, and leaves the same buffers, over steps where rows finish."""
+    eager, compiled = GreedyTokens(4, torch.device("cpu")), GreedyTokens(4, torch.device("cpu"))
+    for greedy in (eager, compiled):
+        greedy.start(torch.tensor(0), [3])
+    logits = torch.randn(3, 4, 11, generator=torch.Generator().manual_seed(0))
+    logits[0, 1, 3] = logits[1, 2, 3] = 10.0  # row 1 finishes at the first step, row 2 at the second
+    for step in logits:
+        assert torch.equal(eager(step), compiled(step, compiled=True))
+        assert torch.equal(eager.unfinished, compiled.unfinished) and bool(eager.done) == bool(compiled.done)
+    assert compiled.unfinished.tolist() == [1, 0, 0, 1]
