@@ -23,6 +23,7 @@ argmax, the finished rows, the criteria).
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 from transformers import GenerationConfig, GenerationMixin, LogitsProcessor
@@ -67,8 +68,11 @@ def choose_greedy(logits, unfinished, done, pad, eos) -> torch.Tensor:
     return chosen
 
 
-# its dozen small kernels as one or two, for a step captured in a CUDA graph (compiled at the first call)
-compiled_choose_greedy = torch.compile(choose_greedy, fullgraph=True, dynamic=False)
+@functools.cache
+def compiled_choose_greedy():
+    """`choose_greedy` compiled by torch.compile (made at the first use, compiled at its first call): its dozen
+    small kernels as one or two, for a compiled step captured in a CUDA graph."""
+    return torch.compile(choose_greedy, fullgraph=True, dynamic=False)
 
 
 class GreedyTokens:
@@ -98,7 +102,7 @@ class GreedyTokens:
 
     def __call__(self, logits: torch.Tensor, compiled: bool = False) -> torch.Tensor:
         """logits [B, V] -> the tokens chosen [B] (`choose_greedy`; `compiled`: torch.compile's)."""
-        choose = compiled_choose_greedy if compiled else choose_greedy
+        choose = compiled_choose_greedy() if compiled else choose_greedy
         return choose(logits, self.unfinished, self.done, self.pad, self.eos)
 
 
