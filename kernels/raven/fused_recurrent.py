@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ..decode_checks import check_in_place, check_row_views, check_shapes
-from ..rows import rows_rms_norm, softplus, top_indices_by_score
+from ..rows import indices_by_score, rows_rms_norm, softplus, top_indices_by_score
 from ..split import Partials, merge_if_last, row_counters, split_count
 from .utils import check_inputs, slot_indices
 
@@ -27,14 +27,23 @@ def decode_config(M: int, G: int, D: int) -> tuple[int, int]:
 DECODE_WARPS_PER_SM = 8  # warps the one-token programs put on each SM where the heads leave SMs idle
 
 
+TOP_K_BY = ("rounds", "sort")  # how a program finds its head's top-K slots: K rounds of a max, or a sort of all M
+
+
 @dataclass(frozen=True)
 class StepSplit:
-    """How `raven_decode_step` launches, where set: slots a block, warps a program, ranges a head (None: its own
-    choice, `decode_config` and `slot_ranges`). scripts/bench/sweep_raven_decode.py times the choices."""
+    """How `raven_decode_step` launches, where set: slots a block, warps a program, ranges a head, and how each
+    program finds the top-K slots (None: its own choice, `decode_config`, `slot_ranges` and rounds).
+    scripts/bench/sweep_raven_decode.py times the choices."""
 
     block: int | None = None
     warps: int | None = None
     ranges: int | None = None
+    top_k_by: str | None = None
+
+    def __post_init__(self):
+        if self.top_k_by not in (None, *TOP_K_BY):
+            raise ValueError(f"top_k_by={self.top_k_by!r}: expected one of {TOP_K_BY} or None")
 
 
 STEP_SPLIT = StepSplit()
@@ -172,10 +181,12 @@ def raven_fwd_kernel_decode(
     H: tl.constexpr, G: tl.constexpr, M: tl.constexpr, D: tl.constexpr, K: tl.constexpr, BG: tl.constexpr,
     BM: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, BMALL: tl.constexpr, NS: tl.constexpr, MB: tl.constexpr,
     HAS_QK_NORM: tl.constexpr, SILU: tl.constexpr, HAS_MASK: tl.constexpr, BS: tl.constexpr,
+    TOPK_SORT: tl.constexpr,
 ):  # fmt: skip
     """One decode step of a Raven layer from its projections, grid (N * H, NS): the q/k norms and feature map, the
-    router's top-K of the slot logits [M] and their weights, the write decay, then `slot_pass` over this program's
-    range of slots (the state rewritten in place), the ranges merged by the last of each row to finish."""
+    router's top-K of the slot logits [M] (K rounds of a max, or with TOPK_SORT a sort) and their weights, the
+    write decay, then `slot_pass` over this program's range of slots (the state rewritten in place), the ranges
+    merged by the last of each row to finish."""
     i_nh, i_sp = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     o_g, o_d, o_k = tl.arange(0, BG), tl.arange(0, BD), tl.arange(0, BK)
@@ -195,7 +206,11 @@ def raven_fwd_kernel_decode(
     o_all = tl.arange(0, BMALL)
     b_logit = tl.load(logits + i_n * stride_l + i_h * M + o_all[None, :], mask=(o_all < M)[None, :],
                       other=float("-inf")).to(tl.float32)  # fmt: skip
-    b_i = top_indices_by_score(b_logit, M, BMALL, BK)  # [BK] the best slots, best first (each range alike)
+    if TOPK_SORT:  # [BK] the best slots, best first (each range alike)
+        b_sorted = indices_by_score(b_logit, M, BMALL)  # [1, BMALL]
+        b_i = tl.sum(tl.where(o_all[None, :] == o_k[:, None], b_sorted, 0), 1)
+    else:
+        b_i = top_indices_by_score(b_logit, M, BMALL, BK)
     b_top = tl.max(tl.where(o_all[None, :] == b_i[:, None], b_logit, float("-inf")), 1)  # [BK] their logits
     b_sig = tl.where(o_k < K, tl.sigmoid(b_top), 0.0)  # the entries past K write nothing
     b_r = b_sig / (alpha * tl.sum(b_sig, 0))
@@ -422,7 +437,8 @@ def raven_decode_step(
             part and part.l, part and part.o, part and row_counters(B * H, q.device), scale, alpha, H=H, G=G, M=M,
             D=D, K=top_k, BG=BG, BM=BM, BD=BD, BK=triton.next_power_of_2(top_k), BMALL=triton.next_power_of_2(M),
             NS=NS, MB=triton.cdiv(blocks, NS), HAS_QK_NORM=q_norm is not None, SILU=silu, HAS_MASK=mask is not None,
-            BS=part.ranges_per_load(part.BG) if part else 1, num_warps=warps,
+            BS=part.ranges_per_load(part.BG) if part else 1, TOPK_SORT=STEP_SPLIT.top_k_by == "sort",
+            num_warps=warps,
         )  # fmt: skip
     return o
 

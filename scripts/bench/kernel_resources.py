@@ -174,7 +174,7 @@ def step_row(name: str, D: int, M: int) -> tuple:
     elif name == "raven_step":
         (BM, warps), K = fused_recurrent.decode_config(M, G, D), min(32, M)
         constants = dict(H=3, G=G, M=M, D=D, K=K, BG=BG, BM=BM, BD=D, BK=K, BMALL=M, NS=1, MB=-(-M // BM), BS=1)
-        constants.update(flags)
+        constants.update(flags, TOPK_SORT=False)
     else:
         warps, BM, r = sse_recurrent.STEP_WARPS, "-", 64
         constants = dict(H=3, G=G, N=4, C=D, D=D, R=r, RA=16, WK=1, RK=1, SHARED=1, NORM=True, GATED=True)

@@ -1,8 +1,10 @@
 """How Raven's one-kernel decode step should split its slots: every `StepSplit` choice (slots a block, warps a
-program, ranges a head) timed at each batch, as state bytes read per second against the GPU's copy bandwidth.
+program, ranges a head, the top-K by rounds of a max or by a sort) timed at each batch, as state bytes read per
+second against the GPU's copy bandwidth.
 
     python scripts/bench/sweep_raven_decode.py --out OUT --batches 1,32,128
-    python scripts/bench/sweep_raven_decode.py --out OUT --batches 32 --blocks 4,8 --warps 1,2 --ranges 1,4,16
+    python scripts/bench/sweep_raven_decode.py --out OUT --batches 32 --blocks 4,8 --warps 1,2 --ranges 1,4,16 \
+        --top-k-by rounds
 
 SmolLM2-135M's Raven layer (3 key/value heads of 3 query heads, 64 channels) with RavenSettings' defaults, as the
 benchmarks build it (`--slots` M = 256, `--top-k` 32; the SmolLM2 recipe's are 64 and 8), bf16 projections and a
@@ -32,7 +34,13 @@ from common import graphed_us, parse_sizes, shown_rows, sweep_info, timing_field
 
 from raven_convert.evaluate.decode_bench import copy_bandwidth  # noqa: E402
 from raven_kernels.raven import fused_recurrent_raven_decode  # noqa: E402
-from raven_kernels.raven.fused_recurrent import StepSplit, decode_config, slot_ranges, step_split  # noqa: E402
+from raven_kernels.raven.fused_recurrent import (  # noqa: E402
+    TOP_K_BY,
+    StepSplit,
+    decode_config,
+    slot_ranges,
+    step_split,
+)
 from raven_layers import RavenSettings  # noqa: E402
 
 H, G, D = 3, 3, 64
@@ -40,6 +48,15 @@ H, G, D = 3, 3, 64
 
 def numbers(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
+
+
+def methods(text: str) -> list[str]:
+    """'rounds,sort' -> the top-K methods, each one of TOP_K_BY."""
+    chosen = text.split(",")
+    for method in chosen:
+        if method not in TOP_K_BY:
+            raise argparse.ArgumentTypeError(f"{method!r}: expected a comma-separated subset of {TOP_K_BY}")
+    return chosen
 
 
 def inputs(batch: int, M: int) -> dict:
@@ -77,10 +94,11 @@ def main(argv=None) -> None:
     parser.add_argument("--blocks", type=numbers, default=[2, 4, 8], help="slots a block")
     parser.add_argument("--warps", type=numbers, default=[1, 2, 4])
     parser.add_argument("--ranges", type=numbers, default=[1, 2, 4, 8, 16], help="ranges a head")
+    parser.add_argument("--top-k-by", type=methods, default=list(TOP_K_BY), help=f"comma-separated {TOP_K_BY}")
     args = parser.parse_args(argv)
     if not 1 <= args.top_k <= args.slots:
         raise SystemExit(f"--top-k {args.top_k}: expected 1 <= top-k <= --slots ({args.slots})")
-    grid = [StepSplit(b, w, r) for b, w, r in itertools.product(args.blocks, args.warps, args.ranges)]
+    grid = [StepSplit(*split) for split in itertools.product(args.blocks, args.warps, args.ranges, args.top_k_by)]
     bandwidth = copy_bandwidth()
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s; {len(grid)} splits", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -90,7 +108,8 @@ def main(argv=None) -> None:
         x = inputs(batch, args.slots)
         bytes_read = sum(s.numel() * s.element_size() for s in x["state"])  # S^k and S^v
         block, warps = decode_config(args.slots, G, D)
-        default = StepSplit(block, warps, slot_ranges(batch * H, triton.cdiv(args.slots, block), warps, x["q"].device))
+        ranges = slot_ranges(batch * H, triton.cdiv(args.slots, block), warps, x["q"].device)
+        default = StepSplit(block, warps, ranges, TOP_K_BY[0])
         reference = step(x, args.top_k, tuple(s.clone() for s in x["state"])).float()
         scratch = tuple(s.clone() for s in x["state"])  # the timed steps rewrite it; x's state stays the first
         for split in [default, *(s for s in grid if s != default)]:
@@ -107,12 +126,13 @@ def main(argv=None) -> None:
         x = reference = out = scratch = None
         torch.cuda.empty_cache()
     print(f"\n{info}")
-    print("| batch | slots a block | warps | ranges a head | us | TB/s | of copy | max diff |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| batch | slots a block | warps | ranges a head | top-K by | us | TB/s | of copy | max diff |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for batch, group in itertools.groupby(rows, key=lambda r: r["batch"]):
         for r in shown_rows(list(group)):
             print(
                 f"| {batch} | {r['block']} | {r['warps']} | {r['ranges']}{' (default)' if r['default'] else ''} | "
+                f"{r['top_k_by']} | "
                 f"{r['us']:.1f} | {r['tb_per_s']:.2f} | {r['of_copy']:.0%} | {r['max_diff']:.2g} |"
             )
 

@@ -347,7 +347,8 @@ PY
     # the attention's merge at batch 1 (128 ranges a row at 16K), timed inside CUDA graphs
     timeout 180 python3 scripts/bench/sweep_decode_attention.py --out "$out/sweep-b1" --batches 1 --contexts 4k,16k \
       --blocks 64,128 --warps 4 --stages 0,3 --per-sm 2,4 --native 1 --merge 0,1
-    timeout 240 python3 scripts/bench/sweep_raven_decode.py --out "$out/sweep-raven" --batches 1,32,128
+    timeout 240 python3 scripts/bench/sweep_raven_decode.py --out "$out/sweep-raven" --batches 1,32,128 \
+      --blocks 4,8 --warps 1,2 --ranges 1,4,16
     # a batch-1 step with its products as Inductor's reductions (fusable with the work around them) or as GEMVs
     timeout 300 python3 scripts/bench/profile_decode.py --out "$out/reduced" --models teacher-engine,sila \
       --batches 1 --context 16k --variants default "reduced,combo_kernels=True" --steps 16

@@ -325,10 +325,13 @@ def test_mixer_decode_steps_in_one_kernel_rewrite_the_state_in_place(settings, q
         assert a.shape == b.shape and rel_err(a, b) < TOL
 
 
-@pytest.mark.parametrize("split", [StepSplit(2, 1, 8), StepSplit(8, 2, 1), StepSplit(4, 4, 2), StepSplit(ranges=16)])
+@pytest.mark.parametrize(
+    "split",
+    [StepSplit(2, 1, 8), StepSplit(8, 2, 1), StepSplit(4, 4, 2), StepSplit(ranges=16), StepSplit(top_k_by="sort")],
+)
 def test_decode_step_gives_the_same_step_under_every_split(split):
     """However the step splits its slots (blocks, warps, ranges a head: the sweep's choices, up to more ranges than
-    blocks), it writes the same state and output."""
+    blocks) and finds its top-K (rounds of a max or a sort), it writes the same state and output."""
     H, G, d, M, B = 2, 2, 16, 16, 3
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(B, 1, n, generator=g).to(DEVICE) for n in (H * G * d, H * d, H * d))
@@ -396,3 +399,8 @@ def test_decode_at_size():
     live = tuple(s.clone() for s in state)
     o, _ = fused_recurrent_raven(q, k, v, a, idx, r, d**-0.5, M, live)
     assert rel_err(o, o_ref) < 5e-3 and rel_err(live[0], hk_ref) < 1e-5 and rel_err(live[1], hv_ref) < 1e-5
+
+
+def test_a_step_split_names_a_bad_top_k_method():
+    with pytest.raises(ValueError, match="top_k_by='heap'"):
+        StepSplit(top_k_by="heap")

@@ -21,8 +21,8 @@ def test_a_small_sweep_records_every_split(tmp_path):
     sweep_raven_decode.main(["--out", str(tmp_path), "--batches", "2", "--blocks", "4,8", "--warps", "1",
                              "--ranges", "1,4"])  # fmt: skip
     rows = json.loads((tmp_path / "sweep_raven_decode.json").read_text())["rows"]
-    splits = [(r["block"], r["warps"], r["ranges"]) for r in rows]
-    grid = {(b, 1, n) for b in (4, 8) for n in (1, 4)}
+    splits = [(r["block"], r["warps"], r["ranges"], r["top_k_by"]) for r in rows]
+    grid = {(b, 1, n, by) for b in (4, 8) for n in (1, 4) for by in ("rounds", "sort")}
     # the default first, then every split of the grid once (the default among them or not)
     assert rows[0]["default"] and sum(r["default"] for r in rows) == 1
     assert grid <= set(splits) and len(set(splits)) == len(splits) == len(grid | {splits[0]})
