@@ -108,11 +108,11 @@
 #                  1K-8K), then decode-lab alone
 #   decode-bench   times, alone: every mixer at 15 of 30 against both teachers at batch 1 at 4K and 16K and at
 #                  batch 32 and 128 at 16K, with floors (bench_generate.py); SILA at 22 and 26 of 30 at batch 128
-#                  and 16K; where a batch-128 step goes, kernel by kernel (profile_decode.py); the attention's
-#                  tilings at batch 1 and Raven's step splits (sweep_decode_attention.py, sweep_raven_decode.py, in
-#                  CUDA graphs); a batch-1 step with its products as Inductor's reductions (profile_decode.py,
-#                  `reduced`); where a batch-32 step goes; the batch-128 step with autotuned GEMMs, into
-#                  RUNS/decode-bench
+#                  and 16K; where the 26-layer hybrid's batch-128 step goes, kernel by kernel, and with autotuned
+#                  GEMMs (profile_decode.py); the attention's tilings at batch 1 and Raven's step splits and top-K
+#                  methods (sweep_decode_attention.py, sweep_raven_decode.py, in CUDA graphs); a batch-1 step with
+#                  its products as Inductor's reductions (profile_decode.py, `reduced`); where a batch-32 step goes,
+#                  into RUNS/decode-bench
 #   decode-round-2 decode-tests (NEWEST=1: again under the newest transformers) beside sila-deep26-half (evaluated
 #                  at 1K-8K), then decode-bench alone
 #   decode-round-3 the fast path's GPU tests, then decode-bench, all alone (about 25 minutes; what runs past the
@@ -342,8 +342,9 @@ PY
       --contexts 16k --steps 16
     timeout 300 python3 scripts/bench/bench_generate.py --out "$out/depth" --mixers sila --depths 22,26 \
       --batches 128 --contexts 16k --steps 16
-    timeout 300 python3 scripts/bench/profile_decode.py --out "$out/b128" --models teacher-engine,sila \
-      --batches 128 --context 16k --variants default --steps 8
+    # where the 26-layer hybrid's step goes at batch 128, and what Inductor's autotuned GEMMs (epilogues fused) change
+    timeout 420 python3 scripts/bench/profile_decode.py --out "$out/b128-26" --models teacher-engine,sila --layers 26 \
+      --batches 128 --context 16k --variants default "shared,combo_kernels=True,max_autotune_gemm=True" --steps 8
     # the attention's merge at batch 1 (128 ranges a row at 16K), timed inside CUDA graphs
     timeout 180 python3 scripts/bench/sweep_decode_attention.py --out "$out/sweep-b1" --batches 1 --contexts 4k,16k \
       --blocks 64,128 --warps 4 --stages 0,3 --per-sm 2,4 --native 1 --merge 0,1
@@ -354,8 +355,8 @@ PY
       --batches 1 --context 16k --variants default "reduced,combo_kernels=True" --steps 16
     timeout 420 python3 scripts/bench/profile_decode.py --out "$out" --models teacher-engine,raven,sse,sila \
       --batches 32 --context 16k --variants default --steps 8
-    # the shared per-layer work at batch 128 with Triton's GEMM templates (epilogues fused), last: it autotunes
-    timeout 300 python3 scripts/bench/profile_decode.py --out "$out/autotune" --models teacher-engine,sila \
+    # where the 26-layer hybrid's step goes at batch 128, and what Inductor's autotuned GEMMs (epilogues fused) change
+    timeout 420 python3 scripts/bench/profile_decode.py --out "$out/b128-26" --models teacher-engine,sila --layers 26 \
       --batches 128 --context 16k --variants default "shared,combo_kernels=True,max_autotune_gemm=True" --steps 8
     ;;
   decode-round-2)  # one device session: the fast path's tests beside the 26-layer recipe at half its steps, then times
