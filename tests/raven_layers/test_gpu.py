@@ -169,7 +169,8 @@ def test_real_smollm2_fast_path_equals_the_eager_path(smollm2_dir, mixer, dtype)
             # plain greedy decoding (no processor, no EOS stop): each token chosen inside the graphed step
             plain = {key: value for key, value in args.items() if key != "min_new_tokens"} | {"eos_token_id": None}
             in_step = model.generate(**plain)
-            assert model._static_cache.token_graph.graph is not None
+            token_graph = model._static_cache.token_graph
+            assert token_graph is not None and token_graph.graph is not None, "greedy tokens chosen outside the step"
             assert torch.equal(in_step, model.generate(cache_implementation="dynamic", **plain))
             return
         prompt = batch.input_ids.shape[1]
