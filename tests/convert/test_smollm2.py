@@ -60,6 +60,19 @@ def test_every_other_layer_converts_saves_reloads_and_generates(smollm2_dir, tea
     assert isolated.argmax() == logits.argmax()
     assert result["new_tokens"] == 8
     assert result["state_bytes"]["mixer"] == 15 * 2 * 3 * 256 * 64 * 4  # 15 layers x (S^k, S^v) x [3, 256, 64] fp32
+    # plain greedy decoding over the static cache chooses each token in the step (the exported code's decode_loop,
+    # under SmolLM2's own generation config), with the dynamic path's tokens
+    steps, real = [], type(hybrid).next_tokens
+    type(hybrid).next_tokens = lambda *args: steps.append(1) or real(*args)
+    try:
+        with torch.no_grad():
+            plain = dict(**inputs, max_new_tokens=6, do_sample=False)
+            in_step = hybrid.generate(cache_implementation="static", **plain)
+            assert torch.equal(in_step, hybrid.generate(cache_implementation="dynamic", **plain))
+    finally:
+        type(hybrid).next_tokens = real
+    new = in_step.shape[1] - inputs["input_ids"].shape[1]
+    assert len(steps) in (new - 1, new) and len(steps) > 0  # one past the end where EOS stopped it
 
 
 def test_layers_none_is_the_teacher(smollm2_dir, teacher):
