@@ -104,7 +104,8 @@ class DecodeTiles:
     caches multiplied in their own dtype with float32 sums (`native`) or as float32 tiles (tf32 products), and the
     ranges merged by the last program of each row (`merge_in_kernel` True: one launch, counted with an atomic), by a
     second kernel (False), or by the last program where it reads a row's ranges in one load and by a second kernel
-    where a row has more (None: batch 1 splits a long cache into a hundred ranges or so). The Triton interpreter's
+    where a row has more (None: batch 1 splits a long cache into a hundred ranges or so). `max_ranges` caps the
+    ranges a row (fewer, longer programs whose merge may fit one load). The Triton interpreter's
     bf16 products are wrong, so on a CPU bf16 is read as float32 tiles."""
 
     block: int = 128
@@ -113,6 +114,11 @@ class DecodeTiles:
     per_sm: int = 2
     native: bool = True
     merge_in_kernel: bool | None = None
+    max_ranges: int | None = None
+
+    def __post_init__(self):
+        if self.max_ranges is not None and (self.max_ranges < 1 or self.max_ranges & (self.max_ranges - 1)):
+            raise ValueError(f"max_ranges={self.max_ranges}: expected a power of two >= 1, or None (no cap)")
 
     def merges_in_kernel(self, part: Partials) -> bool:
         """Whether the ranges of `part` are merged by the last program of each row."""
@@ -133,9 +139,12 @@ def decode_tiles(tiles: DecodeTiles):
         TILES = before
 
 
-def split_config(rows: int, slots: int, device: torch.device, block: int = 64, per_sm: int = 2) -> tuple[int, int, int]:
-    """(ranges NS, slots per range, slots per block) for `rows` = B * Hkv programs over `slots` slots."""
-    NS = split_count(rows, triton.cdiv(slots, block), device, per_sm)
+def split_config(
+    rows: int, slots: int, device: torch.device, block: int = 64, per_sm: int = 2, max_ranges: int | None = None
+) -> tuple[int, int, int]:
+    """(ranges NS, slots per range, slots per block) for `rows` = B * Hkv programs over `slots` slots, at most
+    `max_ranges` ranges a row where set."""
+    NS = min(split_count(rows, triton.cdiv(slots, block), device, per_sm), max_ranges or slots)
     return NS, triton.cdiv(triton.cdiv(slots, block), NS) * block, block
 
 
@@ -166,7 +175,7 @@ def attention_decode(
     B, Hkv, G, D = q.shape
     S = k.shape[2]
     tiles = TILES
-    NS, CHUNK, BN = split_config(B * Hkv, S, q.device, tiles.block, tiles.per_sm)
+    NS, CHUNK, BN = split_config(B * Hkv, S, q.device, tiles.block, tiles.per_sm, tiles.max_ranges)
     part = Partials(B * Hkv, NS, G, D, q.device, pad=16)  # tl.dot wants 16 rows
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 holds bf16/fp16 inputs exactly
     launch = {"num_warps": tiles.warps} | ({"num_stages": tiles.stages} if tiles.stages else {})

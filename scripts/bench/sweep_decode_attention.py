@@ -64,13 +64,18 @@ def main(argv=None) -> None:
     parser.add_argument("--per-sm", type=numbers, default=[2, 4])
     parser.add_argument("--native", type=numbers, default=[0, 1], help="1: bf16 products, float32 sums")
     parser.add_argument("--merge", type=numbers, default=[0, 1], help="1: ranges merged in the kernel (one launch)")
+    parser.add_argument("--max-ranges", type=numbers, default=[0], help="ranges a row at most (powers of 2; 0: no cap)")
     args = parser.parse_args(argv)
-    grid = [
-        DecodeTiles(block=b, warps=w, stages=s or None, per_sm=p, native=bool(n), merge_in_kernel=bool(m))
-        for b, w, s, p, n, m in itertools.product(
-            args.blocks, args.warps, args.stages, args.per_sm, args.native, args.merge
-        )
-    ]
+    try:
+        grid = [
+            DecodeTiles(block=b, warps=w, stages=s or None, per_sm=p, native=bool(n), merge_in_kernel=bool(m),
+                        max_ranges=r or None)
+            for b, w, s, p, n, m, r in itertools.product(
+                args.blocks, args.warps, args.stages, args.per_sm, args.native, args.merge, args.max_ranges
+            )
+        ]  # fmt: skip
+    except ValueError as error:
+        parser.error(f"--max-ranges: {error}")
     bandwidth = copy_bandwidth()
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s; {len(grid)} tilings", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -95,15 +100,15 @@ def main(argv=None) -> None:
         torch.cuda.empty_cache()
     print(f"\n{info}")
     print(
-        "| batch | context | block | warps | stages | per SM | bf16 products | merged in kernel | us | TB/s | of copy "
-        "| max diff |"
+        "| batch | context | block | warps | stages | per SM | ranges at most | bf16 products | merged in kernel | us "
+        "| TB/s | of copy | max diff |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for (batch, context), group in itertools.groupby(rows, key=lambda r: (r["batch"], r["context"])):
         for r in shown_rows(list(group)):
             print(
                 f"| {batch} | {context} | {r['block']} | {r['warps']} | {r['stages'] or 'default'} | {r['per_sm']} | "
-                f"{'yes' if r['native'] else 'no'} | {MERGES[r['merge_in_kernel']]}"
+                f"{r['max_ranges'] or '-'} | {'yes' if r['native'] else 'no'} | {MERGES[r['merge_in_kernel']]}"
                 f"{' (default)' if r['default'] else ''} | {r['us']:.1f} | "
                 f"{r['tb_per_s']:.2f} | {r['of_copy']:.0%} | {r['max_diff']:.2g} |"
             )

@@ -345,9 +345,10 @@ PY
     # where the 26-layer hybrid's step goes at batch 128, and what Inductor's autotuned GEMMs (epilogues fused) change
     timeout 420 python3 scripts/bench/profile_decode.py --out "$out/b128-26" --models teacher-engine,sila --layers 26 \
       --batches 128 --context 16k --variants default "shared,combo_kernels=True,max_autotune_gemm=True" --steps 8
-    # the attention's merge at batch 1 (128 ranges a row at 16K), timed inside CUDA graphs
+    # the attention at batch 1 (128 ranges a row at 16K, merged by a second kernel), against fewer, longer ranges
+    # whose merge fits the last program, timed inside CUDA graphs
     timeout 180 python3 scripts/bench/sweep_decode_attention.py --out "$out/sweep-b1" --batches 1 --contexts 4k,16k \
-      --blocks 64,128 --warps 4 --stages 0,3 --per-sm 2,4 --native 1 --merge 0,1
+      --blocks 64,128 --warps 4 --stages 3 --per-sm 2 --native 1 --merge 0,1 --max-ranges 0,8,16,32
     timeout 240 python3 scripts/bench/sweep_raven_decode.py --out "$out/sweep-raven" --batches 1,32,128 \
       --blocks 4,8 --warps 1,2 --ranges 1,4,16
     # a batch-1 step with its products as Inductor's reductions (fusable with the work around them) or as GEMVs

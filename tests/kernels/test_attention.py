@@ -42,6 +42,8 @@ def make(B, Hq, Hkv, S, d, dtype=torch.float32, seed=0):
         DecodeTiles(block=32, per_sm=4),
         DecodeTiles(block=128, warps=8, stages=3, per_sm=1),
         DecodeTiles(block=32, per_sm=4, merge_in_kernel=True),  # several ranges a row, merged by the last
+        DecodeTiles(block=16, max_ranges=2),  # fewer, longer ranges than the GPU asks for
+        DecodeTiles(block=16, max_ranges=1),  # one range a row: written directly
     ],
 )
 def test_matches_reference(B, Hq, Hkv, S, d, filled, tiles):
@@ -140,3 +142,9 @@ def test_bad_shapes_are_refused():
         decode_attention(
             q, k, v, torch.ones(1, 16, dtype=torch.bool, device=DEVICE), torch.tensor([15], device=DEVICE), 0.25
         )
+
+
+def test_capped_ranges_are_a_power_of_two():
+    assert split_config(1, 4096, torch.device("cpu"), 16, max_ranges=2)[0] == 2  # uncapped: the programs wanted
+    with pytest.raises(ValueError, match="max_ranges=3"):
+        DecodeTiles(max_ranges=3)

@@ -20,12 +20,12 @@ def test_a_small_sweep_records_every_tiling(tmp_path):
 
     sweep_decode_attention.main(
         ["--out", str(tmp_path), "--batches", "2", "--contexts", "1k", "--blocks", "64", "--warps", "4",
-         "--stages", "0,2", "--per-sm", "2", "--native", "0,1", "--merge", "0,1"]
+         "--stages", "0,2", "--per-sm", "2", "--native", "0,1", "--merge", "0,1", "--max-ranges", "0,2"]
     )  # fmt: skip
     rows = json.loads((tmp_path / "sweep_decode_attention.json").read_text())["rows"]
-    keys = ("block", "warps", "stages", "per_sm", "native", "merge_in_kernel")
+    keys = ("block", "warps", "stages", "per_sm", "native", "merge_in_kernel", "max_ranges")
     tilings = [tuple(r[k] for k in keys) for r in rows]
-    grid = {(64, 4, s, 2, n, m) for s in (None, 2) for n in (False, True) for m in (False, True)}
+    grid = {(64, 4, s, 2, n, m, r) for s in (None, 2) for n in (False, True) for m in (False, True) for r in (None, 2)}
     # the default first, then every tiling of the grid once (the default among them or not)
     assert rows[0]["default"] and sum(r["default"] for r in rows) == 1
     assert grid <= set(tilings) and len(set(tilings)) == len(tilings) == len(grid | {tilings[0]})
