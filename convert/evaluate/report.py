@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 
 from raven_layers.architectures import layer_windows
@@ -129,16 +130,20 @@ def evaluate_model(request: EvalRequest, log=print, resume: bool = False, parall
     earlier = parallel.gather(earlier)[0]  # the main process's reading: every process skips the same parts
     if earlier is not None:
         report |= {
-            k: v for k, v in earlier.items() if k in ("retrieval", "perplexity", "speed", "pictures", "finished")
+            k: v
+            for k, v in earlier.items()
+            if k in ("retrieval", "perplexity", "speed", "pictures", "finished", "seconds")
         }
     failed = {}
 
     def part(name: str, run) -> None:
         if name in report["finished"]:
             return
+        start = time.perf_counter()
         try:
             run()
             report["finished"].append(name)
+            report.setdefault("seconds", {})[name] = round(time.perf_counter() - start, 1)  # where the time goes
         except Exception as err:  # one part failing must not cost the parts that ran, nor hide them
             failed[name] = f"{type(err).__name__}: {err}"
             log(f"{name} failed: {failed[name]}")

@@ -242,6 +242,7 @@ def test_ctrl_c_says_what_finished_and_the_rerun_resumes(tiny_sources, tmp_path,
     assert (
         report["finished"] == ["retrieval passkey (standard)", "speed"] and report["speed"][0]["context_length"] == 16
     )
+    assert report["seconds"].keys() == set(report["finished"])  # each part's time, the resumed one's kept
 
 
 def test_raven_eval_help_gives_each_flag_its_default(capsys):
