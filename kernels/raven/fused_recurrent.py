@@ -68,9 +68,15 @@ def slot_ranges(rows: int, blocks: int, warps: int, device: torch.device) -> int
     return split_count(rows, blocks, device, DECODE_WARPS_PER_SM // warps, whole_from=0.5)
 
 
+def values_shared(BM: int, BD: int, warps: int) -> bool:
+    """Whether a [BM, BD] block of the state has fewer values than the program has threads, so that some values are
+    held by two threads, whose in-place update must not race (`slot_pass`)."""
+    return BM * BD < 32 * warps
+
+
 @triton.jit
 def slot_pass(sk, sv, p_s, b_q, b_k, b_v, b_i, b_lfk, first, MB, M: tl.constexpr, D: tl.constexpr,
-              BG: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+              BG: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, SHARED: tl.constexpr):  # fmt: skip
     """One token over slot blocks [first, first + MB) of one head's state (S^k, S^v at offset p_s, [M, D] each):
     the K routed slots (b_i [BK], log-retention b_lfk) are rewritten in place, and every slot is read by the
     queries b_q [BG, BD] with an online softmax. Returns the running max [BG], sum [BG] and weighted values."""
@@ -91,6 +97,8 @@ def slot_pass(sk, sv, p_s, b_q, b_k, b_v, b_i, b_lfk, first, MB, M: tl.constexpr
         b_sk = b_f * tl.load(sk + p_md, mask=m_md, other=0.0) + b_w * b_k[None, :]  # [BM, BD]
         b_sv = b_f * tl.load(sv + p_md, mask=m_md, other=0.0) + b_w * b_v[None, :]
         m_w = m_md & (b_lf < 0.0)[:, None]  # only the written slots go back
+        if SHARED:  # a block's values held by several threads: every one reads them before any writes them back
+            tl.debug_barrier()
         tl.store(sk + p_md, b_sk, mask=m_w)
         tl.store(sv + p_md, b_sv, mask=m_w)
         b_s = tl.sum(b_q[:, None, :] * b_sk[None, :, :], 2)  # [BG, BM]
@@ -151,6 +159,7 @@ def raven_fwd_kernel_fused_recurrent(
     MB: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     BS: tl.constexpr,
+    SHARED: tl.constexpr,
 ):
     i_nh, i_sp = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -169,7 +178,7 @@ def raven_fwd_kernel_fused_recurrent(
         b_a = tl.load(a + t * H + i_h).to(tl.float32)
         b_i = tl.load(idx + (t * H + i_h) * K + o_k, mask=m_k, other=-1)
         b_lfk = b_a * tl.load(r + (t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
-        b_mx, b_l, b_o = slot_pass(sk, sv, p_s, b_q, b_k, b_v, b_i, b_lfk, i_sp * MB, MB, M, D, BG, BM, BD)
+        b_mx, b_l, b_o = slot_pass(sk, sv, p_s, b_q, b_k, b_v, b_i, b_lfk, i_sp * MB, MB, M, D, BG, BM, BD, SHARED)
         store_read(o, m_part, l_part, o_part, counter, p_gd, b_mx, b_l, b_o, i_nh, i_sp, G, D, NS, BG, BD, BS)
         tl.debug_barrier()  # this step's writes land before the next step reads the slots
 
@@ -181,7 +190,7 @@ def raven_fwd_kernel_decode(
     H: tl.constexpr, G: tl.constexpr, M: tl.constexpr, D: tl.constexpr, K: tl.constexpr, BG: tl.constexpr,
     BM: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, BMALL: tl.constexpr, NS: tl.constexpr, MB: tl.constexpr,
     HAS_QK_NORM: tl.constexpr, SILU: tl.constexpr, HAS_MASK: tl.constexpr, BS: tl.constexpr,
-    TOPK_SORT: tl.constexpr,
+    TOPK_SORT: tl.constexpr, SHARED: tl.constexpr,
 ):  # fmt: skip
     """One decode step of a Raven layer from its projections, grid (N * H, NS): the q/k norms and feature map, the
     router's top-K of the slot logits [M] (K rounds of a max, or with TOPK_SORT a sort) and their weights, the
@@ -220,7 +229,7 @@ def raven_fwd_kernel_decode(
         b_a = tl.where(tl.load(mask + i_n) != 0, b_a, 0.0)  # padding neither writes nor decays
     b_lfk = b_a * b_r
     p_s = (i_n * H + i_h).to(tl.int64) * M * D
-    b_mx, b_l, b_o = slot_pass(sk, sv, p_s, b_q * scale, b_k, b_v, b_i, b_lfk, i_sp * MB, MB, M, D, BG, BM, BD)
+    b_mx, b_l, b_o = slot_pass(sk, sv, p_s, b_q * scale, b_k, b_v, b_i, b_lfk, i_sp * MB, MB, M, D, BG, BM, BD, SHARED)
     p_gd = ((i_n * H + i_h) * G + o_g[:, None]) * D + o_d[None, :]
     store_read(o, m_part, l_part, o_part, counter, p_gd, b_mx, b_l, b_o, i_nh, i_sp, G, D, NS, BG, BD, BS)
 
@@ -320,6 +329,7 @@ def raven_decode(
         triton.cdiv(blocks, NS),
         cu_seqlens is not None,
         part.ranges_per_load(part.BG) if part else 1,
+        values_shared(BM, BD, warps),
         num_warps=warps,
     )
     return o
@@ -438,7 +448,7 @@ def raven_decode_step(
             D=D, K=top_k, BG=BG, BM=BM, BD=BD, BK=triton.next_power_of_2(top_k), BMALL=triton.next_power_of_2(M),
             NS=NS, MB=triton.cdiv(blocks, NS), HAS_QK_NORM=q_norm is not None, SILU=silu, HAS_MASK=mask is not None,
             BS=part.ranges_per_load(part.BG) if part else 1, TOPK_SORT=STEP_SPLIT.top_k_by == "sort",
-            num_warps=warps,
+            SHARED=values_shared(BM, BD, warps), num_warps=warps,
         )  # fmt: skip
     return o
 

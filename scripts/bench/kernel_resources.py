@@ -146,6 +146,7 @@ def kernel_rows(D: int, M: int, names: list[str]) -> list[tuple]:
         constants.update(USE_DHT=True, STORE_DH0=True)
         if name == "decode":
             constants.update(BG=1, IS_VARLEN=False, NS=1, MB=-(-M // BM))  # batch 64 fills the SMs: no slot split
+            constants.update(BS=1, SHARED=fused_recurrent.values_shared(BM, block_d, warps))
         used = resources(KERNELS[name], constants, warps, stages)
         rows.append((name, BM, warps, stages, used["registers"], used["stack"], used["shared"]))
     return rows
@@ -174,7 +175,7 @@ def step_row(name: str, D: int, M: int) -> tuple:
     elif name == "raven_step":
         (BM, warps), K = fused_recurrent.decode_config(M, G, D), min(32, M)
         constants = dict(H=3, G=G, M=M, D=D, K=K, BG=BG, BM=BM, BD=D, BK=K, BMALL=M, NS=1, MB=-(-M // BM), BS=1)
-        constants.update(flags, TOPK_SORT=False)
+        constants.update(flags, TOPK_SORT=False, SHARED=fused_recurrent.values_shared(BM, D, warps))
     else:
         warps, BM, r = sse_recurrent.STEP_WARPS, "-", 64
         constants = dict(H=3, G=G, N=4, C=D, D=D, R=r, RA=16, WK=1, RK=1, SHARED=1, NORM=True, GATED=True)
