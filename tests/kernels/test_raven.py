@@ -404,3 +404,12 @@ def test_decode_at_size():
 def test_a_step_split_names_a_bad_top_k_method():
     with pytest.raises(ValueError, match="top_k_by='heap'"):
         StepSplit(top_k_by="heap")
+
+
+def test_a_block_smaller_than_the_program_shares_its_values():
+    """Where a state block has fewer values than the program has threads, two threads hold each value, and the
+    slot pass puts a barrier between their reads and writes (a split of the test above runs that path)."""
+    from raven_kernels.raven.fused_recurrent import values_shared
+
+    assert not values_shared(8, 64, 1) and not values_shared(2, 64, 4)  # SmolLM2's blocks: a value a thread or more
+    assert values_shared(4, 16, 4) and values_shared(1, 16, 1)
