@@ -442,7 +442,13 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
             eager = self.decode_logits  # another model, or its step recompiled: captured anew
 
             def captured(run, compiled: bool):  # the step, then with `choose` its choice of tokens
-                return run if choose is None else lambda ids: choose(run(ids)[:, -1], compiled)
+                if choose is None:
+                    return run
+
+                def tokens(ids: torch.Tensor) -> torch.Tensor:  # written where the next step reads: no copy between
+                    return ids.copy_(choose(run(ids)[:, -1], compiled)[:, None])[:, 0]  # [B]
+
+                return tokens
 
             fallback = captured(lambda ids: eager(ids, cache), False) if self.compile_decode else None
             graph = DecodeGraph(
@@ -467,7 +473,7 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
     def next_tokens(self, input_ids: torch.Tensor, cache: StaticHybridCache, choose: GreedyTokens) -> torch.Tensor:
         """A decode step that ends in `choose`, for decode_loop's greedy decoding: token ids [B, 1] -> the next
         tokens [B]. Replayed as one CUDA graph with the choice inside where the step is graphed (the result is then
-        the graph's buffer, which the next step overwrites), eager otherwise."""
+        the graph's input buffer, which the next replay reads as it is and overwrites), eager otherwise."""
         if self._graph_step(cache, input_ids, None, {}):
             return self._replay(input_ids, cache, choose)
         return choose(self(input_ids=input_ids, cache=cache, use_cache=True).logits[:, -1])

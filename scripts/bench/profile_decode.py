@@ -9,7 +9,8 @@ converted with no layer, a hybrid converts `--layers`), batch and variant, the s
 warms up (compiles, captures the graph; `compile s`), then
 - `kernels`: GPU kernels per step, from torch.profiler over 8 runs of the step outside the graph (what the graph
   replays);
-- `replay ms`: GPU time of one graph replay (100 replays, CUDA events);
+- `replay ms`: GPU time of one replay of the graph generate() replays (greedy: the step with its choice of token;
+  100 replays, CUDA events);
 - `generate ms`: time per step of generate() over `--steps` tokens (token choice and stopping criteria included),
   marked on the stream as each token is chosen, from the second decode step to the last (`StepClock` of
   raven_convert/evaluate/decode_bench.py), in its own loop (raven_layers/decode_loop.py: greedy, so the step's
@@ -49,7 +50,7 @@ from common import (  # noqa: E402
     spread_layers,
 )
 
-from raven_convert.evaluate.decode_bench import StepClock, replay_ms, timed_generate  # noqa: E402
+from raven_convert.evaluate.decode_bench import StepClock, decode_graph_ms, timed_generate  # noqa: E402
 from raven_layers.decode_attention import decode_attention  # noqa: E402
 
 
@@ -120,7 +121,6 @@ def measure(model, batch: int, context: int, steps: int, options: dict | None) -
         )
         first_step = out.logits[1].float()  # [B, V]: logits[0] is the prefill's
         cache = model._static_cache
-        replay = replay_ms(cache.graph.graph)
         kernels, every = kernels_per_step(model, cache, out.sequences[:, -1:])
         per_step = {}
         for loop in (True, False):
@@ -129,6 +129,7 @@ def measure(model, batch: int, context: int, steps: int, options: dict | None) -
             timed_generate(model, ids, steps + 1, clock=clock)  # as bench_generate times a step
             per_step[loop] = clock.step_s() * 1e3
         model.use_decode_loop = True
+        replay = decode_graph_ms(model)  # the step generate() replays: greedy, with its choice of token
     return {
         "compile_s": compile_s,
         "kernels": kernels,
