@@ -84,11 +84,14 @@ class GreedyTokens:
     EOS_SLOTS = 8  # EOS tokens it holds; -1 fills the rest (no token id is negative)
 
     def __init__(self, batch_size: int, device: torch.device):
-        self.batch_size = batch_size
         self.unfinished = torch.ones(batch_size, dtype=torch.long, device=device)  # [B], 1: still generating
         self.done = torch.zeros((), dtype=torch.bool, device=device)  # every row has finished
         self.pad = torch.zeros((), dtype=torch.long, device=device)
         self.eos = torch.full((self.EOS_SLOTS,), -1, dtype=torch.long, device=device)
+
+    @property
+    def batch_size(self) -> int:
+        return self.unfinished.shape[0]
 
     def start(self, pad: torch.Tensor | None, eos: list[int]) -> None:
         """A new generation: every row unfinished, `pad` (a scalar tensor; None where no row stops on EOS) for
