@@ -107,9 +107,9 @@
 #   decode-round   one device session's worth (about 25 minutes): decode-tests beside sila-deep22-half (evaluated at
 #                  1K-8K), then decode-lab alone
 #   decode-bench   times, alone: every mixer at 15 of 30 against both teachers at batch 1 at 4K and 16K and at
-#                  batch 32 and 128 at 16K, with floors (bench_generate.py); SILA at 22 and 26 of 30 at batch 128
-#                  and 16K; where the 26-layer hybrid's batch-128 step goes, kernel by kernel, and with autotuned
-#                  GEMMs (profile_decode.py); the attention's tilings at batch 1 and Raven's step splits and top-K
+#                  batch 32 and 128 at 16K, with floors (bench_generate.py); where the 26-layer hybrid's batch-128
+#                  step goes, kernel by kernel, and with autotuned GEMMs (profile_decode.py); SILA at 22 and 26 of 30
+#                  at batch 128 and 16K; the attention's tilings at batch 1 and Raven's step splits and top-K
 #                  methods (sweep_decode_attention.py, sweep_raven_decode.py, in CUDA graphs); a batch-1 step with
 #                  its products as Inductor's reductions (profile_decode.py, `reduced`); where a batch-32 step goes,
 #                  into RUNS/decode-bench
@@ -184,9 +184,9 @@ trained() {  # trained MIXER RUN [ARGS...]: train RUN, check that its model load
 fast_path_tests() {  # the fast path's GPU tests, again under the newest transformers where /tmp/site-newest holds it
   timeout 300 python3 -m pytest -o addopts="" -q -rfE tests/kernels/test_sila.py tests/kernels/test_raven.py \
     tests/kernels/test_sse.py tests/kernels/test_rows.py -k "decode or top_indices" 2>&1 | tail -20  # compiled here
-  RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q -rfE tests/raven_layers/test_gpu.py \
-    tests/kernels/test_attention.py tests/scripts/test_sweep_decode_attention.py \
-    tests/scripts/test_sweep_raven_decode.py 2>&1 | tail -40
+  RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q -rfE --durations=12 \
+    tests/raven_layers/test_gpu.py tests/kernels/test_attention.py tests/scripts/test_sweep_decode_attention.py \
+    tests/scripts/test_sweep_raven_decode.py 2>&1 | tail -60
   [ -d /tmp/site-newest ] && [ "${NEWEST:-1}" = 1 ] || return 0
   PYTHONPATH=/tmp/site-newest:$PYTHONPATH python3 -c "import transformers; print('+ transformers', transformers.__version__)"
   PYTHONPATH=/tmp/site-newest:$PYTHONPATH RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q \
@@ -340,11 +340,11 @@ PY
       --contexts 4k,16k --steps 32
     timeout 540 python3 scripts/bench/bench_generate.py --out "$out/large" --mixers raven,sse,sila --batches 128,32 \
       --contexts 16k --steps 16
-    timeout 300 python3 scripts/bench/bench_generate.py --out "$out/depth" --mixers sila --depths 22,26 \
-      --batches 128 --contexts 16k --steps 16
     # where the 26-layer hybrid's step goes at batch 128, and what Inductor's autotuned GEMMs (epilogues fused) change
     timeout 420 python3 scripts/bench/profile_decode.py --out "$out/b128-26" --models teacher-engine,sila --layers 26 \
       --batches 128 --context 16k --variants default "shared,combo_kernels=True,max_autotune_gemm=True" --steps 8
+    timeout 300 python3 scripts/bench/bench_generate.py --out "$out/depth" --mixers sila --depths 22,26 \
+      --batches 128 --contexts 16k --steps 16
     # the attention at batch 1 (128 ranges a row at 16K, merged by a second kernel), against fewer, longer ranges
     # whose merge fits the last program, timed inside CUDA graphs
     timeout 180 python3 scripts/bench/sweep_decode_attention.py --out "$out/sweep-b1" --batches 1 --contexts 4k,16k \
@@ -356,9 +356,6 @@ PY
       --batches 1 --context 16k --variants default "reduced,combo_kernels=True" --steps 16
     timeout 420 python3 scripts/bench/profile_decode.py --out "$out" --models teacher-engine,raven,sse,sila \
       --batches 32 --context 16k --variants default --steps 8
-    # where the 26-layer hybrid's step goes at batch 128, and what Inductor's autotuned GEMMs (epilogues fused) change
-    timeout 420 python3 scripts/bench/profile_decode.py --out "$out/b128-26" --models teacher-engine,sila --layers 26 \
-      --batches 128 --context 16k --variants default "shared,combo_kernels=True,max_autotune_gemm=True" --steps 8
     ;;
   decode-round-2)  # one device session: the fast path's tests beside the 26-layer recipe at half its steps, then times
     (NEWEST=${NEWEST:-0} run decode-tests & WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run sila-deep26-half; wait)
