@@ -286,6 +286,24 @@ def prepare_weights(model: nn.Module, options: dict) -> None:
         share_projection_storage(model)
 
 
+AUTOTUNED_GEMMS = ("max_autotune", "max_autotune_gemm")
+
+
+def check_decode_options(options: dict) -> None:
+    """Refuse options Inductor cannot compile: products read in place (a view of the first weight's storage that
+    reaches past it, over the group's other weights) with autotuned GEMMs, whose benchmarks allocate each input at
+    its own extent only (on the H200: `setStorage: ... out of bounds`)."""
+    compiled_pass = options.get("pre_grad_custom_pass")
+    autotuned = [name for name in AUTOTUNED_GEMMS if options.get(name)]
+    if isinstance(compiled_pass, SharedInputLinears) and not compiled_pass.copy and autotuned:
+        name = autotuned[0]
+        raise ValueError(
+            f"decode options: {name}={options[name]!r} cannot autotune products that read their weights in place "
+            "(SHARED_PROJECTIONS, REDUCED_PRODUCTS, the default); use FUSED_PROJECTIONS with it "
+            f"({{**FUSED_PROJECTIONS, {name!r}: True}}) or leave it out"
+        )
+
+
 # The decode step's Inductor options with the fusion. SHARED_PROJECTIONS reads each group's weights in place, laid
 # out one after another (share_projection_storage, when the step compiles): no copy, and the step sees any later
 # change of the weights. FUSED_PROJECTIONS concatenates them and folds the concatenation into a constant under

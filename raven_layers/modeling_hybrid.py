@@ -505,6 +505,10 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
     @decode_compile_options.setter
     def decode_compile_options(self, options: dict) -> None:
         """New options drop the compiled step: the next decode step compiles with them (and is captured anew)."""
+        if options:
+            from .decode_fusion import check_decode_options  # Inductor's pass API: imported when options are set
+
+            check_decode_options(options)
         self._decode_compile_options = dict(options)
         self._compiled_decode = None
 

@@ -98,6 +98,7 @@ def parse_decode_options(text: str) -> dict | None:
         FUSED_PROJECTIONS,
         REDUCED_PRODUCTS,
         SHARED_PROJECTIONS,
+        check_decode_options,
         default_decode_options,
     )
 
@@ -119,6 +120,10 @@ def parse_decode_options(text: str) -> dict | None:
             options[name.strip()] = ast.literal_eval(value.strip())
         except (ValueError, SyntaxError):
             raise argparse.ArgumentTypeError(f"{value!r} of {name} is not a Python literal (True, 1, 'x')") from None
+    try:
+        check_decode_options(options)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: {error}") from None
     return options
 
 

@@ -113,6 +113,7 @@
 #                  methods (sweep_decode_attention.py, sweep_raven_decode.py, in CUDA graphs); a batch-1 step with
 #                  its products as Inductor's reductions (profile_decode.py, `reduced`); where a batch-32 step goes,
 #                  into RUNS/decode-bench
+#   decode-parts   decode-bench without its first two tables (the 26-layer profile onwards), alone
 #   decode-round-2 decode-tests (NEWEST=1: again under the newest transformers) beside sila-deep26-half (evaluated
 #                  at 1K-8K), then decode-bench alone
 #   decode-round-3 the fast path's GPU tests, then decode-bench, all alone (about 25 minutes; what runs past the
@@ -191,6 +192,34 @@ fast_path_tests() {  # the fast path's GPU tests, again under the newest transfo
   PYTHONPATH=/tmp/site-newest:$PYTHONPATH python3 -c "import transformers; print('+ transformers', transformers.__version__)"
   PYTHONPATH=/tmp/site-newest:$PYTHONPATH RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q \
     -rfE tests/raven_layers/test_gpu.py -k "real_smollm2 or graphed or decode_loop" 2>&1 | tail -20  # the exactness tests
+}
+
+decode_tables() {  # issue 52's table: every mixer at 15 of 30 against both teachers at batch 1, 32 and 128
+  local out="$RUNS/decode-bench" && mkdir -p "$out"
+  timeout 420 python3 scripts/bench/bench_generate.py --out "$out/b1" --mixers raven,sse,sila --batches 1 \
+    --contexts 4k,16k --steps 32
+  timeout 540 python3 scripts/bench/bench_generate.py --out "$out/large" --mixers raven,sse,sila --batches 128,32 \
+    --contexts 16k --steps 16
+}
+
+decode_parts() {  # where the steps go, kernel by kernel, and the sweeps of the tilings and splits
+  local out="$RUNS/decode-bench" && mkdir -p "$out"
+  # where the 26-layer hybrid's step goes at batch 128, and what Inductor's autotuned GEMMs (epilogues fused) change
+  timeout 420 python3 scripts/bench/profile_decode.py --out "$out/b128-26" --models teacher-engine,sila --layers 26 \
+    --batches 128 --context 16k --variants default "fused,combo_kernels=True,max_autotune_gemm=True" --steps 8
+  timeout 300 python3 scripts/bench/bench_generate.py --out "$out/depth" --mixers sila --depths 22,26 \
+    --batches 128 --contexts 16k --steps 16
+  # the attention at batch 1 (128 ranges a row at 16K, merged by a second kernel), against fewer, longer ranges
+  # whose merge fits the last program, timed inside CUDA graphs
+  timeout 180 python3 scripts/bench/sweep_decode_attention.py --out "$out/sweep-b1" --batches 1 --contexts 4k,16k \
+    --blocks 64,128 --warps 4 --stages 3 --per-sm 2 --native 1 --merge 0,1 --max-ranges 0,8,16,32
+  timeout 240 python3 scripts/bench/sweep_raven_decode.py --out "$out/sweep-raven" --batches 1,32,128 \
+    --blocks 4,8 --warps 1,2 --ranges 1,4,16
+  # a batch-1 step with its products as Inductor's reductions (fusable with the work around them) or as GEMVs
+  timeout 300 python3 scripts/bench/profile_decode.py --out "$out/reduced" --models teacher-engine,sila \
+    --batches 1 --context 16k --variants default "reduced,combo_kernels=True" --steps 16
+  timeout 420 python3 scripts/bench/profile_decode.py --out "$out" --models teacher-engine,raven,sse,sila \
+    --batches 32 --context 16k --variants default --steps 8
 }
 
 speed() {  # stage rates of the SSE and SILA recipes (short runs), against BASE's (an older checkout) where set
@@ -335,27 +364,11 @@ PY
     run decode-lab
     ;;
   decode-bench)  # times, so alone on the machine: issue 52's table, the floor targets first
-    local out="$RUNS/decode-bench" && mkdir -p "$out"
-    timeout 420 python3 scripts/bench/bench_generate.py --out "$out/b1" --mixers raven,sse,sila --batches 1 \
-      --contexts 4k,16k --steps 32
-    timeout 540 python3 scripts/bench/bench_generate.py --out "$out/large" --mixers raven,sse,sila --batches 128,32 \
-      --contexts 16k --steps 16
-    # where the 26-layer hybrid's step goes at batch 128, and what Inductor's autotuned GEMMs (epilogues fused) change
-    timeout 420 python3 scripts/bench/profile_decode.py --out "$out/b128-26" --models teacher-engine,sila --layers 26 \
-      --batches 128 --context 16k --variants default "shared,combo_kernels=True,max_autotune_gemm=True" --steps 8
-    timeout 300 python3 scripts/bench/bench_generate.py --out "$out/depth" --mixers sila --depths 22,26 \
-      --batches 128 --contexts 16k --steps 16
-    # the attention at batch 1 (128 ranges a row at 16K, merged by a second kernel), against fewer, longer ranges
-    # whose merge fits the last program, timed inside CUDA graphs
-    timeout 180 python3 scripts/bench/sweep_decode_attention.py --out "$out/sweep-b1" --batches 1 --contexts 4k,16k \
-      --blocks 64,128 --warps 4 --stages 3 --per-sm 2 --native 1 --merge 0,1 --max-ranges 0,8,16,32
-    timeout 240 python3 scripts/bench/sweep_raven_decode.py --out "$out/sweep-raven" --batches 1,32,128 \
-      --blocks 4,8 --warps 1,2 --ranges 1,4,16
-    # a batch-1 step with its products as Inductor's reductions (fusable with the work around them) or as GEMVs
-    timeout 300 python3 scripts/bench/profile_decode.py --out "$out/reduced" --models teacher-engine,sila \
-      --batches 1 --context 16k --variants default "reduced,combo_kernels=True" --steps 16
-    timeout 420 python3 scripts/bench/profile_decode.py --out "$out" --models teacher-engine,raven,sse,sila \
-      --batches 32 --context 16k --variants default --steps 8
+    decode_tables
+    decode_parts
+    ;;
+  decode-parts)  # decode-bench without its tables: where the steps go, and the sweeps
+    decode_parts
     ;;
   decode-round-2)  # one device session: the fast path's tests beside the 26-layer recipe at half its steps, then times
     (NEWEST=${NEWEST:-0} run decode-tests & WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run sila-deep26-half; wait)
@@ -405,7 +418,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;

@@ -289,6 +289,18 @@ def test_a_step_whose_weights_moved_is_made_anew():
         torch.testing.assert_close(step(True), step(False), rtol=1e-5, atol=1e-5)
 
 
+def test_products_read_in_place_refuse_autotuned_gemms_by_name():
+    """Inductor's GEMM autotuning benchmarks each input at its own extent, and the in-place product's view reaches
+    past its first weight: the options are refused when set, naming the option and the way that works."""
+    hybrid = build_hybrid(AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=1)), ["sila"], {})
+    for options in ({**SHARED_PROJECTIONS, "max_autotune": True}, {**REDUCED_PRODUCTS, "max_autotune_gemm": 1}):
+        with pytest.raises(ValueError, match=r"max_autotune(_gemm)?=(True|1) cannot autotune .* FUSED_PROJECTIONS"):
+            hybrid.decode_compile_options = options
+    hybrid.decode_compile_options = {**FUSED_PROJECTIONS, "max_autotune_gemm": True}  # concatenated: allowed
+    hybrid.decode_compile_options = {**SHARED_PROJECTIONS, "max_autotune_gemm": False}
+    assert hybrid.decode_compile_options == {**SHARED_PROJECTIONS, "max_autotune_gemm": False}
+
+
 @pytest.mark.parametrize("mixer", ["raven", "sse", "sila"])
 def test_each_mixers_products_of_its_input_read_their_weights_as_one(mixer):
     """A mixer's q/k/v, its `input_weights` and its output gate, laid out by share_projection_storage, are read by

@@ -128,3 +128,6 @@ def test_decode_options_name_the_models_compilation():
         parse_decode_options("combo_kernels")
     with pytest.raises(argparse.ArgumentTypeError, match="not a Python literal"):
         parse_decode_options("combo_kernels=yes please")
+    with pytest.raises(argparse.ArgumentTypeError, match="max_autotune_gemm=True cannot autotune .* FUSED_PROJ"):
+        parse_decode_options("shared,combo_kernels=True,max_autotune_gemm=True")
+    assert parse_decode_options("fused,max_autotune_gemm=True") == {**FUSED_PROJECTIONS, "max_autotune_gemm": True}
