@@ -26,7 +26,8 @@ from .registry import (
     resolve_mixer,
 )
 from .sila import SILAMixer, SILASettings, sila_chunked, sila_phi, sila_recurrent
-from .sse import SSEMixer, SSESettings, sse_masking, sse_recurrent, sse_varlen
+from .sse import SSEMixer, SSESettings
+from .sse_forms import sse_masking, sse_recurrent, sse_varlen
 from .static_cache import StaticHybridCache
 
 

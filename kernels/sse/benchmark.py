@@ -21,7 +21,7 @@ from raven_kernels.sse import chunk as chunk_module
 from raven_kernels.sse import chunk_gla, fused_recurrent_sse
 from raven_kernels.sse.naive import sse_recurrent
 from raven_kernels.timing import kernel_times, time_call
-from raven_layers.sse import sse_parallel
+from raven_layers.sse_forms import sse_parallel
 
 
 def sse_inputs(B, T, H, c, d, N=4, dtype=torch.bfloat16, seed=0):

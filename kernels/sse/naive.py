@@ -1,6 +1,6 @@
-"""PyTorch references of the SSE kernels (they live with the mixer, in raven_layers/sse.py)."""
+"""PyTorch references of the SSE kernels (they live beside the mixer, in raven_layers/sse_forms.py)."""
 
-from raven_layers.sse import (
+from raven_layers.sse_forms import (
     chunk_gla_entries_reference,
     chunk_gla_reference,
     gla_recurrent,

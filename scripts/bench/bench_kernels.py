@@ -113,7 +113,7 @@ def sse_inputs(B, T, N=4, G=1):
 
 def case_sse_ours(B, T):
     import raven_kernels.sse
-    from raven_layers.sse import sse_parallel
+    from raven_layers.sse_forms import sse_parallel
 
     q, k, v, log_g, idx, P = sse_inputs(B, T)
     varlen = sse_parallel("varlen", raven_kernels.sse)

@@ -205,7 +205,7 @@ decode_tables() {  # issue 52's table: every mixer at 15 of 30 against both teac
 decode_parts() {  # where the steps go, kernel by kernel, and the sweeps of the tilings and splits
   local out="$RUNS/decode-bench" && mkdir -p "$out"
   # where the 26-layer hybrid's step goes at batch 128, and what Inductor's autotuned GEMMs (epilogues fused) change
-  timeout 420 python3 scripts/bench/profile_decode.py --out "$out/b128-26" --models teacher-engine,sila --layers 26 \
+  timeout 600 python3 scripts/bench/profile_decode.py --out "$out/b128-26" --models teacher-engine,sila --layers 26 \
     --batches 128 --context 16k --variants default "fused,combo_kernels=True,max_autotune_gemm=True" --steps 8
   timeout 300 python3 scripts/bench/bench_generate.py --out "$out/depth" --mixers sila --depths 22,26 \
     --batches 128 --contexts 16k --steps 16

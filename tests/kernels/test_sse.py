@@ -18,7 +18,7 @@ from raven_kernels.sse import chunk as chunk_module
 from raven_kernels.sse import chunk_gla, fused_recurrent_sse, fused_recurrent_sse_decode
 from raven_kernels.sse.naive import chunk_gla_reference, gla_recurrent, sse_masking, sse_recurrent, sse_varlen
 from raven_layers.backend import use_backend
-from raven_layers.sse import sse_parallel
+from raven_layers.sse_forms import sse_parallel
 from tests.kernels.decode_steps import steps_on_both_backends
 from tests.raven_layers.test_sse import CONFIG, FakeCache, random_gla, random_sse, tiny_mixer
 

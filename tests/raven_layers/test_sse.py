@@ -5,15 +5,8 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig
 
-from raven_layers.sse import (
-    SSEMixer,
-    SSESettings,
-    chunk_gla_reference,
-    gla_recurrent,
-    sse_masking,
-    sse_recurrent,
-    sse_varlen,
-)
+from raven_layers.sse import SSEMixer, SSESettings
+from raven_layers.sse_forms import chunk_gla_reference, gla_recurrent, sse_masking, sse_recurrent, sse_varlen
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
