@@ -9,7 +9,9 @@ where they lie one after another in one buffer (`share_projection_storage` lays 
 with SHARED_PROJECTIONS), or concatenated (FUSED_PROJECTIONS: under Inductor's `freezing` the concatenation is
 folded into a constant, a second copy of those weights baked into the step). REDUCED_PRODUCTS adds
 `linears_as_reductions`: at a batch of a few rows the products become Inductor's own reductions instead of cuBLAS's
-GEMVs, which Inductor can fuse with the work around them.
+GEMVs, which Inductor can fuse with the work around them. FUSED_PROLOGUES adds `fuse_norms_into_linears` and
+`fuse_activations_into_linears`: each RMSNorm (with the residual add before it) and each MLP's silu(gate) * up are
+computed inside the product that reads them (raven_kernels.linear), not as kernels of their own.
 
     model.decode_compile_options = SHARED_PROJECTIONS   # or with other Inductor options: {**SHARED_PROJECTIONS, ...}
 
@@ -28,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from .backend import kernel_module, preload
 
 LINEAR = (torch._C._nn.linear, F.linear)
 
@@ -213,24 +217,160 @@ def linears_as_reductions(graph: fx.Graph, max_rows: int) -> int:
     return replaced
 
 
+NORM_KERNELS = "raven_kernels.linear"  # norm_linear, add_norm_linear and silu_mul_linear (see backend.py)
+
+
+def _call(node: fx.Node, op: str, target) -> bool:
+    return node.op == op and node.target == target
+
+
+def _rms_norm(normed: fx.Node) -> tuple[fx.Node, fx.Node, float, list[fx.Node]] | None:
+    """(h, norm weight, eps, the norm's nodes from `normed` back to h32) where `normed` is transformers' RMSNorm
+    of h as dynamo traces it (Llama's, Qwen3's, Mistral's): weight * (h32 * rsqrt(h32.pow(2).mean(-1, keepdim=True)
+    + eps)).to(h.dtype), h32 = h.to(float32), every step read by the next alone; else None."""
+    if not _call(normed, "call_function", operator.mul) or len(normed.args) != 2:
+        return None
+    weight, cast = normed.args
+    if not (isinstance(cast, fx.Node) and cast.op == "call_method"):
+        weight, cast = cast, weight
+    if not (isinstance(weight, fx.Node) and _stored(weight) is weight and _call(cast, "call_method", "to")):
+        return None
+    scaled = cast.args[0]
+    if len(cast.users) != 1 or not _call(scaled, "call_function", operator.mul) or len(scaled.users) != 1:
+        return None
+    h32, rsqrt = scaled.args if _call(scaled.args[1], "call_function", torch.rsqrt) else scaled.args[::-1]
+    if not (isinstance(rsqrt, fx.Node) and _call(rsqrt, "call_function", torch.rsqrt) and len(rsqrt.users) == 1):
+        return None
+    shifted = rsqrt.args[0]
+    if not (_call(shifted, "call_function", operator.add) and isinstance(shifted.args[1], float)):
+        return None
+    mean, eps = shifted.args
+    if not (_call(mean, "call_method", "mean") and mean.args[1:] == (-1,) and mean.kwargs == {"keepdim": True}):
+        return None
+    square = mean.args[0]
+    if not (_call(square, "call_method", "pow") and square.args[1:] == (2,) and square.args[0] is h32):
+        return None
+    if not (_call(h32, "call_method", "to") and set(h32.users) == {square, scaled}):
+        return None
+    h = h32.args[0]
+    values = [n.meta.get("example_value") for n in (h, h32, cast, weight)]
+    if any(v is None for v in values) or values[1].dtype != torch.float32 or values[2].dtype != values[0].dtype:
+        return None
+    if values[3].shape != values[0].shape[-1:] or any(len(n.users) != 1 for n in (shifted, mean, square)):
+        return None
+    return h, weight, eps, [normed, cast, scaled, rsqrt, shifted, mean, square, h32]
+
+
+def fuse_norms_into_linears(graph: fx.Graph) -> int:
+    """Replace each linear whose input is transformers' RMSNorm of h (read by that linear alone) by one
+    `norm_linear` of h, or, where h is a sum x + residual, by `add_norm_linear`, whose second output stands for the
+    sum wherever else it is read (the next residual add): the norm, and the add, are then no kernels of their own
+    (raven_kernels.linear). Run after fuse_shared_input_linears, so that the norm's one reader is the fused product.
+    Returns how many linears it replaced; none where the kernels are not at hand for the graph's device."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    replaced = 0
+    for node in list(graph.nodes):
+        if not (node.op == "call_function" and node.target in LINEAR):
+            continue
+        normed, weight, bias = (_argument(node, i, name) for i, name in enumerate(("input", "weight", "bias")))
+        found = _rms_norm(normed) if isinstance(normed, fx.Node) and len(normed.users) == 1 else None
+        product = weight.meta.get("example_value") if isinstance(weight, fx.Node) else None
+        if found is None or product is None or product.dim() != 2 or product.stride(-1) != 1:
+            continue
+        h, norm_weight, eps, chain = found
+        value = h.meta["example_value"]
+        if kernel_module(NORM_KERNELS, value) is None or product.dtype != value.dtype:
+            continue
+        summed = _call(h, "call_function", operator.add) and all(isinstance(a, fx.Node) for a in h.args)
+        others = [user for user in h.users if user is not chain[-1]]
+        if summed:
+            x, residual = h.args
+            summed = all(order[user] > order[node] for user in others) and all(
+                getattr(a.meta.get("example_value"), "shape", None) == value.shape for a in (x, residual)
+            )
+        with graph.inserting_before(node):
+            if summed:
+                fused = _traced(graph, "call_function", torch.ops.raven_hybrid.add_norm_linear.default,
+                                (x, residual, norm_weight, weight, eps))  # fmt: skip
+                out = _traced(graph, "call_function", operator.getitem, (fused, 0))
+                total = _traced(graph, "call_function", operator.getitem, (fused, 1))
+            else:
+                out = _traced(graph, "call_function", torch.ops.raven_hybrid.norm_linear.default,
+                              (h, norm_weight, weight, eps))  # fmt: skip
+            if bias is not None:
+                out = _traced(graph, "call_function", operator.add, (out, bias))
+        out.meta.update(node.meta)
+        node.replace_all_uses_with(out)
+        for dead in [node, *chain]:  # each read by the one before it alone (_rms_norm)
+            graph.erase_node(dead)
+        if summed:
+            h.replace_all_uses_with(total)
+            graph.erase_node(h)
+        replaced += 1
+        order = {n: i for i, n in enumerate(graph.nodes)}
+    return replaced
+
+
+def fuse_activations_into_linears(graph: fx.Graph) -> int:
+    """Replace each linear whose input is silu(gate) * up (an MLP's gated activation, read by that linear alone) by
+    one `silu_mul_linear` of gate and up (raven_kernels.linear): the activation is then no kernel of its own.
+    Returns how many it replaced; none where the kernels are not at hand for the graph's device."""
+    replaced = 0
+    for node in list(graph.nodes):
+        if not (node.op == "call_function" and node.target in LINEAR):
+            continue
+        gated, weight, bias = (_argument(node, i, name) for i, name in enumerate(("input", "weight", "bias")))
+        if not (isinstance(gated, fx.Node) and _call(gated, "call_function", operator.mul) and len(gated.users) == 1):
+            continue
+        silu, up = gated.args if _call(gated.args[0], "call_function", F.silu) else gated.args[::-1]
+        if not (isinstance(silu, fx.Node) and _call(silu, "call_function", F.silu) and len(silu.users) == 1):
+            continue
+        if silu.kwargs.get("inplace") or len(silu.args) > 1 or not isinstance(up, fx.Node):
+            continue
+        gate = silu.args[0]
+        values = [n.meta.get("example_value") if isinstance(n, fx.Node) else None for n in (gate, up, weight)]
+        if any(v is None for v in values) or values[0].shape != values[1].shape or values[2].dim() != 2:
+            continue
+        if len({v.dtype for v in values}) > 1 or values[2].stride(-1) != 1:
+            continue
+        if kernel_module(NORM_KERNELS, values[0]) is None:
+            continue
+        with graph.inserting_before(node):
+            out = _traced(graph, "call_function", torch.ops.raven_hybrid.silu_mul_linear.default, (gate, up, weight))
+            if bias is not None:
+                out = _traced(graph, "call_function", operator.add, (out, bias))
+        out.meta.update(node.meta)
+        node.replace_all_uses_with(out)
+        for dead in (node, gated, silu):
+            graph.erase_node(dead)
+        replaced += 1
+    return replaced
+
+
 class SharedInputLinears(CustomGraphPass):
-    """`fuse_shared_input_linears` as Inductor takes a pre-grad pass (`copy`: its argument), then, with
-    `reduce_rows`, `linears_as_reductions` for inputs of up to that many rows. Its uuid keys Inductor's caches of
+    """`fuse_shared_input_linears` as Inductor takes a pre-grad pass (`copy`: its argument), then, with `prologues`,
+    `fuse_norms_into_linears` and `fuse_activations_into_linears`, and with `reduce_rows`, `linears_as_reductions`
+    for inputs of up to that many rows. Its uuid keys Inductor's caches of
     compiled graphs, which are looked up before the pass runs: it hashes this package's files, where the pass and the
     groups whose layout it reads (share_projection_storage, `Mixer.shared_input_weights`) are defined, so a cached
     step never reads weights laid out as another version of the code laid them out."""
 
-    def __init__(self, copy: bool = True, reduce_rows: int = 0):
-        self.copy, self.reduce_rows = copy, reduce_rows
+    def __init__(self, copy: bool = True, reduce_rows: int = 0, prologues: bool = False):
+        self.copy, self.reduce_rows, self.prologues = copy, reduce_rows, prologues
 
     def __call__(self, graph: fx.Graph) -> None:
         fuse_shared_input_linears(graph, self.copy)
+        if self.prologues:
+            fuse_norms_into_linears(graph)
+            fuse_activations_into_linears(graph)
         if self.reduce_rows:
             linears_as_reductions(graph, self.reduce_rows)
 
     def uuid(self) -> bytes:
         files = tuple(sorted(str(path) for path in Path(__file__).parent.glob("*.py")))
-        return get_hash_for_files(files) + (b"copy" if self.copy else b"in place") + b"%d" % self.reduce_rows
+        flags = (b"copy" if self.copy else b"in place") + b"%d" % self.reduce_rows
+        flags += b"prologues" if self.prologues else b""
+        return get_hash_for_files(files) + flags
 
 
 # Weights of one module whose products read one input, by name: a module's own `shared_input_weights` (a mixer's
@@ -280,10 +420,14 @@ def share_projection_storage(model: nn.Module) -> int:
 
 
 def prepare_weights(model: nn.Module, options: dict) -> None:
-    """Lay out the weights as `options`' pass reads them: in place (SHARED_PROJECTIONS) needs shared storage."""
+    """Lay out the weights as `options`' pass reads them: in place (SHARED_PROJECTIONS) needs shared storage; and
+    import the prologues' kernels where it fuses them, whose ops a step taken from Inductor's cache calls without
+    the pass having run."""
     compiled_pass = options.get("pre_grad_custom_pass")
     if isinstance(compiled_pass, SharedInputLinears) and not compiled_pass.copy:
         share_projection_storage(model)
+    if isinstance(compiled_pass, SharedInputLinears) and compiled_pass.prologues:
+        preload([NORM_KERNELS])
 
 
 AUTOTUNED_GEMMS = ("max_autotune", "max_autotune_gemm")
@@ -312,6 +456,10 @@ SHARED_PROJECTIONS = {"pre_grad_custom_pass": SharedInputLinears(copy=False)}
 # SHARED_PROJECTIONS with the products of a batch of up to 4 rows as Inductor's reductions (linears_as_reductions)
 REDUCED_PRODUCTS = {"pre_grad_custom_pass": SharedInputLinears(copy=False, reduce_rows=4)}
 FUSED_PROJECTIONS = {"freezing": True, "pre_grad_custom_pass": SharedInputLinears()}
+# SHARED_PROJECTIONS with each RMSNorm (and the residual add before it) and each MLP's gated activation inside the
+# product that reads it (fuse_norms_into_linears, fuse_activations_into_linears; raven_kernels.linear): three
+# kernels fewer a decoder layer
+FUSED_PROLOGUES = {"pre_grad_custom_pass": SharedInputLinears(copy=False, prologues=True)}
 
 
 def default_decode_options() -> dict:

@@ -96,6 +96,7 @@ def parse_decode_options(text: str) -> dict | None:
 
     from raven_layers.decode_fusion import (
         FUSED_PROJECTIONS,
+        FUSED_PROLOGUES,
         REDUCED_PRODUCTS,
         SHARED_PROJECTIONS,
         check_decode_options,
@@ -107,14 +108,20 @@ def parse_decode_options(text: str) -> dict | None:
         return named[text]
     options = {}
     for item in text.split(","):
-        passes = {"fused": FUSED_PROJECTIONS, "shared": SHARED_PROJECTIONS, "reduced": REDUCED_PRODUCTS}
+        passes = {
+            "fused": FUSED_PROJECTIONS,
+            "shared": SHARED_PROJECTIONS,
+            "reduced": REDUCED_PRODUCTS,
+            "prologues": FUSED_PROLOGUES,
+        }
         if item in passes:
             options.update(passes[item])
             continue
         name, sep, value = item.partition("=")
         if not sep:
             raise argparse.ArgumentTypeError(
-                f"{item!r} is not name=value; expected default, plain, eager, fused, shared, reduced or name=value,..."
+                f"{item!r} is not name=value; expected default, plain, eager, fused, shared, reduced, prologues or "
+                "name=value,..."
             )
         try:
             options[name.strip()] = ast.literal_eval(value.strip())

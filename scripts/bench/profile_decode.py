@@ -20,12 +20,13 @@ warms up (compiles, captures the graph; `compile s`), then
 
 A variant is `plain` (Inductor's own options), `default` (the model's own: `default_decode_options()` of
 raven_layers/decode_fusion.py), `eager` (the eager step captured: `compile_decode = False`), or
-comma-separated Inductor options `name=value` (Python literals) and `fused`, `shared` or `reduced` (the projection
-fusion of raven_layers/decode_fusion.py over concatenated weights, or over the weights in place, or that with a
-batch of up to 4 rows' products as Inductor's reductions; e.g. `shared,combo_kernels=True`). The table is printed
-last and written to OUT/profile_decode.json with the profiler's top kernels of each row and where its GPU time goes
-(`breakdown`: the attention, the mixers' step kernels, the products, Inductor's fused kernels, the rest; printed as a
-table too).
+comma-separated Inductor options `name=value` (Python literals) and `fused`, `shared`, `reduced` or `prologues` (the
+projection fusion of raven_layers/decode_fusion.py over concatenated weights, or over the weights in place, or that
+with a batch of up to 4 rows' products as Inductor's reductions, or with each RMSNorm, the residual add before it
+and each MLP's gated activation inside the product that reads them; e.g. `shared,combo_kernels=True`). The table is
+printed last and written to OUT/profile_decode.json with the profiler's top kernels of each row and where its GPU
+time goes (`breakdown`: the attention, the mixers' step kernels, the products, Inductor's fused kernels, the rest;
+printed as a table too).
 """
 
 from __future__ import annotations

@@ -113,7 +113,8 @@
 #                  methods (sweep_decode_attention.py, sweep_raven_decode.py, in CUDA graphs); a batch-1 step with
 #                  its products as Inductor's reductions (profile_decode.py, `reduced`); where a batch-32 step goes,
 #                  into RUNS/decode-bench
-#   decode-parts   decode-bench without its first two tables (the 26-layer profile onwards), alone
+#   decode-parts   decode-bench without its first two tables (the 26-layer profile onwards, the norms inside their
+#                  products among the variants, after their GPU tests), alone
 #   decode-round-2 decode-tests (NEWEST=1: again under the newest transformers) beside sila-deep26-half (evaluated
 #                  at 1K-8K), then decode-bench alone
 #   decode-round-3 the fast path's GPU tests, then decode-bench, all alone (about 25 minutes; what runs past the
@@ -186,8 +187,8 @@ fast_path_tests() {  # the fast path's GPU tests, again under the newest transfo
   timeout 300 python3 -m pytest -o addopts="" -q -rfE tests/kernels/test_sila.py tests/kernels/test_raven.py \
     tests/kernels/test_sse.py tests/kernels/test_rows.py -k "decode or top_indices" 2>&1 | tail -20  # compiled here
   RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q -rfE --durations=12 \
-    tests/raven_layers/test_gpu.py tests/kernels/test_attention.py tests/scripts/test_sweep_decode_attention.py \
-    tests/scripts/test_sweep_raven_decode.py 2>&1 | tail -60
+    tests/raven_layers/test_gpu.py tests/kernels/test_attention.py tests/kernels/test_linear.py \
+    tests/scripts/test_sweep_decode_attention.py tests/scripts/test_sweep_raven_decode.py 2>&1 | tail -60
   [ -d /tmp/site-newest ] && [ "${NEWEST:-1}" = 1 ] || return 0
   PYTHONPATH=/tmp/site-newest:$PYTHONPATH python3 -c "import transformers; print('+ transformers', transformers.__version__)"
   PYTHONPATH=/tmp/site-newest:$PYTHONPATH RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q \
@@ -204,9 +205,14 @@ decode_tables() {  # issue 52's table: every mixer at 15 of 30 against both teac
 
 decode_parts() {  # where the steps go, kernel by kernel, and the sweeps of the tilings and splits
   local out="$RUNS/decode-bench" && mkdir -p "$out"
-  # where the 26-layer hybrid's step goes at batch 128, and what Inductor's autotuned GEMMs (epilogues fused) change
+  # the norms inside their products (raven_kernels.linear) on the GPU first: the kernel in bf16, the greedy tokens
+  timeout 240 python3 -m pytest -o addopts="" -q -rfE tests/kernels/test_linear.py tests/raven_layers/test_gpu.py \
+    -k "linear or norms_inside" 2>&1 | tail -15
+  # where the 26-layer hybrid's step goes at batch 128, and what the norms inside their products and Inductor's
+  # autotuned GEMMs (epilogues fused) change
   timeout 600 python3 scripts/bench/profile_decode.py --out "$out/b128-26" --models teacher-engine,sila --layers 26 \
-    --batches 128 --context 16k --variants default "fused,combo_kernels=True,max_autotune_gemm=True" --steps 8
+    --batches 128 --context 16k --variants default "prologues,combo_kernels=True" \
+    "fused,combo_kernels=True,max_autotune_gemm=True" --steps 8
   timeout 300 python3 scripts/bench/bench_generate.py --out "$out/depth" --mixers sila --depths 22,26 \
     --batches 128 --contexts 16k --steps 16
   # the attention at batch 1 (128 ranges a row at 16K, merged by a second kernel), against fewer, longer ranges
@@ -215,9 +221,10 @@ decode_parts() {  # where the steps go, kernel by kernel, and the sweeps of the 
     --blocks 64,128 --warps 4 --stages 3 --per-sm 2 --native 1 --merge 0,1 --max-ranges 0,8,16,32
   timeout 240 python3 scripts/bench/sweep_raven_decode.py --out "$out/sweep-raven" --batches 1,32,128 \
     --blocks 4,8 --warps 1,2 --ranges 1,4,16
-  # a batch-1 step with its products as Inductor's reductions (fusable with the work around them) or as GEMVs
-  timeout 300 python3 scripts/bench/profile_decode.py --out "$out/reduced" --models teacher-engine,sila \
-    --batches 1 --context 16k --variants default "reduced,combo_kernels=True" --steps 16
+  # a batch-1 step with its products as Inductor's reductions (fusable with the work around them), as GEMVs, or
+  # with the norms inside them
+  timeout 360 python3 scripts/bench/profile_decode.py --out "$out/reduced" --models teacher-engine,sila \
+    --batches 1 --context 16k --variants default "reduced,combo_kernels=True" "prologues,combo_kernels=True" --steps 16
   timeout 420 python3 scripts/bench/profile_decode.py --out "$out" --models teacher-engine,raven,sse,sila \
     --batches 32 --context 16k --variants default --steps 8
 }

@@ -20,9 +20,11 @@ from raven_layers.decode_attention import decode_attention
 from raven_layers.decode_fusion import (
     ALIGN_ROWS,
     FUSED_PROJECTIONS,
+    FUSED_PROLOGUES,
     LINEAR,
     REDUCED_PRODUCTS,
     SHARED_PROJECTIONS,
+    fuse_norms_into_linears,
     fuse_shared_input_linears,
     share_projection_storage,
 )
@@ -287,6 +289,68 @@ def test_a_step_whose_weights_moved_is_made_anew():
         hybrid.refresh_decode_step()
         assert hybrid.decode_function() is not first
         torch.testing.assert_close(step(True), step(False), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "model_type, mixers",
+    [("llama", ["attention", "sila"]), ("llama", ["raven", "sse"]), ("qwen3", ["sila", "attention"])],
+)
+def test_norms_fused_into_their_products_give_the_eager_step(model_type, mixers):
+    """FUSED_PROLOGUES (Triton interpreted here): every decoder norm and the final one run inside the product that
+    reads them, the residual adds before them too (add_norm_linear; the first layer's norm reads the embeddings
+    alone), and each MLP's gated activation inside its down projection, with the eager step's logits; Qwen3's q/k
+    norms, read by no product, stay as they are."""
+    torch.manual_seed(0)
+    source = AutoModelForCausalLM.from_config(tiny_config(model_type, num_hidden_layers=2)).eval()
+    hybrid = build_hybrid(source, mixers, {"sse": {"lora_rank": 8}}).eval()
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(2))
+    prefilled = StaticHybridCache(hybrid.config, batch_size=2, max_length=16)
+    logits = {}
+    with use_backend("triton"), torch.no_grad():
+        hybrid(ids[:, :8], cache=prefilled)
+        hybrid.decode_compile_options = FUSED_PROLOGUES
+        for compiled in (False, True):
+            hybrid.compile_decode = compiled
+            cache = copy.deepcopy(prefilled)
+            with cache.decoding_step(), decode_attention(hybrid.config):
+                logits[compiled], code = run_and_get_code(hybrid.decode_function(), ids[:, 8:], cache)
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)
+    calls = re.findall(r"torch\.ops\.raven_hybrid\.(\w*_linear)\.default\(", "".join(code))
+    assert sorted(calls) == ["add_norm_linear"] * 4 + ["norm_linear"] + ["silu_mul_linear"] * 2
+
+
+def test_a_norm_read_by_two_products_or_computed_otherwise_is_left_alone():
+    """Only the RMSNorm that one product reads becomes part of it: a norm read twice (two products that were not
+    fused) and a norm of another form (a sum of squares) keep their own kernels."""
+    norm_weight = torch.nn.Parameter(torch.rand(16) + 0.5)
+    w1, w2, w3 = (torch.nn.Parameter(torch.randn(8, 16)) for _ in range(3))
+
+    def rms(h, mean=True):
+        h32 = h.to(torch.float32)
+        stat = h32.pow(2).mean(-1, keepdim=True) if mean else h32.pow(2).sum(-1, keepdim=True)
+        return norm_weight * (h32 * torch.rsqrt(stat + 1e-6)).to(h.dtype)
+
+    def step(x, r):
+        h = x + r
+        y = rms(h)
+        return F.linear(y, w1) + F.linear(y, w2) + F.linear(rms(h, mean=False), w3) + F.linear(rms(x), w3)
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    x, r = torch.randn(2, 1, 16), torch.randn(2, 1, 16)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(step, backend=capture, fullgraph=True)(x, r)
+    (gm,) = graphs
+    with use_backend("triton"):
+        assert fuse_norms_into_linears(gm.graph) == 1  # only rms(x), read by one product
+    targets = [node.target for node in gm.graph.nodes]
+    assert targets.count(torch.rsqrt) == 2 and targets.count(torch.ops.raven_hybrid.norm_linear.default) == 1
+    assert sum(target in LINEAR for target in targets) == 3
 
 
 def test_products_read_in_place_refuse_autotuned_gemms_by_name():

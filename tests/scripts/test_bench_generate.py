@@ -117,13 +117,14 @@ def test_a_failing_configuration_is_a_row_and_the_others_still_run():
 def test_decode_options_name_the_models_compilation():
     from common import parse_decode_options
 
-    from raven_layers.decode_fusion import FUSED_PROJECTIONS, REDUCED_PRODUCTS, SHARED_PROJECTIONS
+    from raven_layers.decode_fusion import FUSED_PROJECTIONS, FUSED_PROLOGUES, REDUCED_PRODUCTS, SHARED_PROJECTIONS
 
     assert parse_decode_options("default") == {**SHARED_PROJECTIONS, "combo_kernels": True}
     assert parse_decode_options("plain") == {} and parse_decode_options("eager") is None
     assert parse_decode_options("fused,combo_kernels=True") == {**FUSED_PROJECTIONS, "combo_kernels": True}
     assert parse_decode_options("shared") == SHARED_PROJECTIONS
     assert parse_decode_options("reduced,combo_kernels=True") == {**REDUCED_PRODUCTS, "combo_kernels": True}
+    assert parse_decode_options("prologues,combo_kernels=True") == {**FUSED_PROLOGUES, "combo_kernels": True}
     with pytest.raises(argparse.ArgumentTypeError, match="not name=value"):
         parse_decode_options("combo_kernels")
     with pytest.raises(argparse.ArgumentTypeError, match="not a Python literal"):
