@@ -97,8 +97,11 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight, weight,
 
 
 def _blocks(M: int, N: int) -> tuple[int, int]:
-    """Rows and outputs a program takes: tl.dot wants 16 rows at least."""
-    return (16 if M <= 16 else 32 if M <= 32 else 64), (64 if N >= 64 else 32)
+    """Rows and outputs a program takes: tl.dot wants 16 rows at least; at up to 16 rows, 32 outputs a program, so
+    that a product of a few hundred KB of weights spreads over more programs (a row's product is latency-bound)."""
+    if M <= 16:
+        return 16, 32
+    return (32 if M <= 32 else 64), (64 if N >= 64 else 32)
 
 
 def _native(x: torch.Tensor) -> bool:
