@@ -30,6 +30,16 @@ BK = 64  # values of K a step of either pass reads
 
 
 @triton.jit
+def weight_product(b_acc, b_a, w, o_n, o_k, m_n, m_k, stride_w, NATIVE: tl.constexpr, PRECISION: tl.constexpr):
+    """b_acc [BM, BN] plus the rows b_a [BM, BK] times the weight's block [BN, BK] (rows o_n, columns o_k)."""
+    b_w = tl.load(w + o_n[:, None] * stride_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
+    if NATIVE:
+        return b_acc + tl.dot(b_a, tl.trans(b_w), input_precision=PRECISION)
+    # bfloat16 under the CPU interpreter: its dot is float32's
+    return b_acc + tl.dot(b_a.to(tl.float32), tl.trans(b_w.to(tl.float32)), input_precision="ieee")
+
+
+@triton.jit
 def norm_linear_fwd_kernel(
     x, res, g, w, y, h, M, N, K, stride_x, stride_r, stride_w, stride_y, stride_h, eps, HAS_RES: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NATIVE: tl.constexpr, PRECISION: tl.constexpr,
@@ -63,11 +73,7 @@ def norm_linear_fwd_kernel(
         b_a = (b_x.to(tl.float32) * b_rs[:, None]).to(x.dtype.element_ty)  # the normalized rows, in x's dtype
         b_gk = tl.load(g + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_a = (b_gk[None, :] * b_a.to(tl.float32)).to(x.dtype.element_ty)  # times the norm's weight, rounded once
-        b_w = tl.load(w + o_n[:, None] * stride_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
-        if NATIVE:
-            b_acc += tl.dot(b_a, tl.trans(b_w), input_precision=PRECISION)
-        else:  # bfloat16 under the CPU interpreter: its dot is float32's
-            b_acc += tl.dot(b_a.to(tl.float32), tl.trans(b_w.to(tl.float32)), input_precision="ieee")
+        b_acc = weight_product(b_acc, b_a, w, o_n, o_k, m_n, m_k, stride_w, NATIVE, PRECISION)
     tl.store(y + o_m[:, None] * stride_y + o_n[None, :], b_acc.to(y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
@@ -158,11 +164,7 @@ def silu_mul_linear_fwd_kernel(
         b_u = tl.load(up + o_m[:, None] * stride_u + o_k[None, :], mask=m_mk, other=0.0).to(tl.float32)
         b_a = (b_g * tl.sigmoid(b_g)).to(gate.dtype.element_ty)  # silu, rounded as F.silu's result is
         b_a = (b_a.to(tl.float32) * b_u).to(gate.dtype.element_ty)
-        b_w = tl.load(w + o_n[:, None] * stride_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
-        if NATIVE:
-            b_acc += tl.dot(b_a, tl.trans(b_w), input_precision=PRECISION)
-        else:  # bfloat16 under the CPU interpreter: its dot is float32's
-            b_acc += tl.dot(b_a.to(tl.float32), tl.trans(b_w.to(tl.float32)), input_precision="ieee")
+        b_acc = weight_product(b_acc, b_a, w, o_n, o_k, m_n, m_k, stride_w, NATIVE, PRECISION)
     tl.store(y + o_m[:, None] * stride_y + o_n[None, :], b_acc.to(y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
