@@ -22,11 +22,37 @@ activation is then no kernel of its own either.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 BK = 64  # values of K a step of either pass reads
+
+
+@dataclass(frozen=True)
+class ProductTiles:
+    """Outputs a program takes and its warps, where set (None: `_blocks`' choice, 4 warps);
+    scripts/bench/bench_products.py times the choices."""
+
+    outputs: int | None = None
+    warps: int | None = None
+
+
+TILES = ProductTiles()
+
+
+@contextmanager
+def product_tiles(tiles: ProductTiles):
+    """Every product kernel launched within takes `tiles` (the benchmark's way to try them; not thread-safe)."""
+    global TILES
+    before, TILES = TILES, tiles
+    try:
+        yield
+    finally:
+        TILES = before
 
 
 @triton.jit
@@ -97,17 +123,17 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight, weight,
         norm_linear_fwd_kernel[(triton.cdiv(N, BN), triton.cdiv(M, BM))](
             rows, res, norm_weight.contiguous(), weight, out, h if h is not None else out, M, N, K, rows.stride(0),
             res.stride(0), weight.stride(0), N, K, float(eps), HAS_RES=residual is not None, BM=BM, BN=BN, BK=BK,
-            NATIVE=_native(x), PRECISION=_precision(x), num_warps=4,
+            NATIVE=_native(x), PRECISION=_precision(x), num_warps=TILES.warps or 4,
         )  # fmt: skip
     return out, h
 
 
 def _blocks(M: int, N: int) -> tuple[int, int]:
-    """Rows and outputs a program takes: tl.dot wants 16 rows at least; at up to 16 rows, 32 outputs a program, so
-    that a product of a few hundred KB of weights spreads over more programs (a row's product is latency-bound)."""
-    if M <= 16:
-        return 16, 32
-    return (32 if M <= 32 else 64), (64 if N >= 64 else 32)
+    """Rows and outputs a program takes (TILES.outputs where set): tl.dot wants 16 rows at least; at up to 16 rows,
+    32 outputs a program, so that a product of a few hundred KB of weights spreads over more programs (a row's
+    product is latency-bound)."""
+    BM = 16 if M <= 16 else 32 if M <= 32 else 64
+    return BM, TILES.outputs or (32 if M <= 16 or N < 64 else 64)
 
 
 def _native(x: torch.Tensor) -> bool:
@@ -187,7 +213,7 @@ def silu_mul_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) 
     if M:
         silu_mul_linear_fwd_kernel[(triton.cdiv(N, BN), triton.cdiv(M, BM))](
             g, u, weight, out, M, N, K, g.stride(0), u.stride(0), weight.stride(0), N, BM=BM, BN=BN, BK=BK,
-            NATIVE=_native(gate), PRECISION=_precision(gate), num_warps=4,
+            NATIVE=_native(gate), PRECISION=_precision(gate), num_warps=TILES.warps or 4,
         )  # fmt: skip
     return out
 

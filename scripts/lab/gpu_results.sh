@@ -114,7 +114,7 @@
 #                  its products as Inductor's reductions (profile_decode.py, `reduced`); where a batch-32 step goes,
 #                  into RUNS/decode-bench
 #   decode-parts   decode-bench without its first two tables (the 26-layer profile onwards, the norms inside their
-#                  products among the variants, after their GPU tests), alone
+#                  products among the variants, after their GPU tests and bench_products.py), alone
 #   decode-round-2 decode-tests (NEWEST=1: again under the newest transformers) beside sila-deep26-half (evaluated
 #                  at 1K-8K), then decode-bench alone
 #   decode-round-3 the fast path's GPU tests, then decode-bench, all alone (about 25 minutes; what runs past the
@@ -207,7 +207,9 @@ decode_parts() {  # where the steps go, kernel by kernel, and the sweeps of the 
   local out="$RUNS/decode-bench" && mkdir -p "$out"
   # the norms inside their products (raven_kernels.linear) on the GPU first: the kernel in bf16, the greedy tokens
   timeout 240 python3 -m pytest -o addopts="" -q -rfE tests/kernels/test_linear.py tests/raven_layers/test_gpu.py \
-    -k "linear or norms_inside" 2>&1 | tail -15
+    tests/scripts/test_bench_products.py -k "linear or norms_inside or products" 2>&1 | tail -15
+  # each product with its norm or activation as the default step runs them against one fused kernel, by tiling
+  timeout 240 python3 scripts/bench/bench_products.py --out "$out/products" --batches 1,32,128
   # where the 26-layer hybrid's step goes at batch 128, and what the norms inside their products and Inductor's
   # autotuned GEMMs (epilogues fused) change
   timeout 600 python3 scripts/bench/profile_decode.py --out "$out/b128-26" --models teacher-engine,sila --layers 26 \

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from raven_kernels.linear import add_norm_linear, norm_linear, silu_mul_linear
+from raven_kernels.linear.decode import ProductTiles, product_tiles
 from raven_kernels.linear.naive import naive_norm_linear, naive_silu_mul_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -62,6 +63,16 @@ def test_a_weight_read_as_a_view_of_a_larger_buffer():
     weight = torch.as_strided(joint, (72, 96), (96, 1), 96 * 8)  # rows 8-79
     out, _ = add_norm_linear(x, residual, norm_weight, weight, 1e-5)
     torch.testing.assert_close(out, naive_norm_linear(x, residual, norm_weight, weight, 1e-5)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tiles", [ProductTiles(16, 2), ProductTiles(64, 4), ProductTiles(32, None)])
+def test_every_tiling_the_benchmark_tries_gives_the_product(tiles):
+    x, residual, norm_weight, weight = make(20, 100, 90)
+    with product_tiles(tiles):
+        out, _ = add_norm_linear(x, residual, norm_weight, weight, 1e-6)
+        gated = silu_mul_linear(x, residual, weight)
+    torch.testing.assert_close(out, naive_norm_linear(x, residual, norm_weight, weight, 1e-6)[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gated, naive_silu_mul_linear(x, residual, weight), atol=1e-5, rtol=1e-5)
 
 
 def test_bad_shapes_are_named():
