@@ -24,6 +24,7 @@ from raven_layers.decode_fusion import (
     LINEAR,
     REDUCED_PRODUCTS,
     SHARED_PROJECTIONS,
+    fuse_activations_into_linears,
     fuse_norms_into_linears,
     fuse_shared_input_linears,
     share_projection_storage,
@@ -319,9 +320,10 @@ def test_norms_fused_into_their_products_give_the_eager_step(model_type, mixers)
     assert sorted(calls) == ["add_norm_linear"] * 4 + ["norm_linear"] + ["silu_mul_linear"] * 2
 
 
-def test_a_norm_read_by_two_products_or_computed_otherwise_is_left_alone():
-    """Only the RMSNorm that one product reads becomes part of it: a norm read twice (two products that were not
-    fused) and a norm of another form (a sum of squares) keep their own kernels."""
+def test_a_norm_or_activation_read_twice_or_computed_otherwise_is_left_alone():
+    """Only the RMSNorm or gated activation that one product reads becomes part of it: a norm read twice (two
+    products that were not fused), a norm of another form (a sum of squares) and an activation read twice keep
+    their own kernels."""
     norm_weight = torch.nn.Parameter(torch.rand(16) + 0.5)
     w1, w2, w3 = (torch.nn.Parameter(torch.randn(8, 16)) for _ in range(3))
 
@@ -333,7 +335,9 @@ def test_a_norm_read_by_two_products_or_computed_otherwise_is_left_alone():
     def step(x, r):
         h = x + r
         y = rms(h)
-        return F.linear(y, w1) + F.linear(y, w2) + F.linear(rms(h, mean=False), w3) + F.linear(rms(x), w3)
+        gated = F.silu(x) * r
+        products = F.linear(y, w1) + F.linear(y, w2) + F.linear(rms(h, mean=False), w3) + F.linear(rms(x), w3)
+        return products + F.linear(gated, w1) + F.linear(gated, w2) + F.linear(F.silu(r) * x, w3)
 
     graphs = []
 
@@ -348,9 +352,11 @@ def test_a_norm_read_by_two_products_or_computed_otherwise_is_left_alone():
     (gm,) = graphs
     with use_backend("triton"):
         assert fuse_norms_into_linears(gm.graph) == 1  # only rms(x), read by one product
+        assert fuse_activations_into_linears(gm.graph) == 1  # only silu(r) * x
     targets = [node.target for node in gm.graph.nodes]
     assert targets.count(torch.rsqrt) == 2 and targets.count(torch.ops.raven_hybrid.norm_linear.default) == 1
-    assert sum(target in LINEAR for target in targets) == 3
+    assert targets.count(F.silu) == 1 and targets.count(torch.ops.raven_hybrid.silu_mul_linear.default) == 1
+    assert sum(target in LINEAR for target in targets) == 5
 
 
 def test_products_read_in_place_refuse_autotuned_gemms_by_name():
