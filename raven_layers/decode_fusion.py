@@ -350,10 +350,10 @@ def fuse_activations_into_linears(graph: fx.Graph) -> int:
 class SharedInputLinears(CustomGraphPass):
     """`fuse_shared_input_linears` as Inductor takes a pre-grad pass (`copy`: its argument), then, with `prologues`,
     `fuse_norms_into_linears` and `fuse_activations_into_linears`, and with `reduce_rows`, `linears_as_reductions`
-    for inputs of up to that many rows. Its uuid keys Inductor's caches of
-    compiled graphs, which are looked up before the pass runs: it hashes this package's files, where the pass and the
-    groups whose layout it reads (share_projection_storage, `Mixer.shared_input_weights`) are defined, so a cached
-    step never reads weights laid out as another version of the code laid them out."""
+    for inputs of up to that many rows. Its uuid keys Inductor's caches of compiled graphs, which are looked up
+    before the pass runs: it hashes this package's files, where the pass and the groups whose layout it reads
+    (share_projection_storage, `Mixer.shared_input_weights`) are defined, so a cached step never reads weights laid
+    out as another version of the code laid them out."""
 
     def __init__(self, copy: bool = True, reduce_rows: int = 0, prologues: bool = False):
         self.copy, self.reduce_rows, self.prologues = copy, reduce_rows, prologues
