@@ -32,6 +32,7 @@ from common import graphed_us, parse_sizes, sweep_info, timing_fields  # noqa: E
 from raven_convert.evaluate.decode_bench import copy_bandwidth  # noqa: E402
 from raven_kernels.linear import add_norm_linear, silu_mul_linear  # noqa: E402
 from raven_kernels.linear.decode import ProductTiles, product_tiles  # noqa: E402
+from raven_layers.common import recompile_limits  # noqa: E402
 
 # (name, K, N, gated): SmolLM2-135M's products; gated ones read silu(gate) * up, the others RMSNorm(x + residual)
 PRODUCTS = (
@@ -72,6 +73,29 @@ def inputs(batch: int, K: int, N: int, gated: bool) -> tuple:
     return randn(batch, 1, K), randn(batch, 1, K), 1 + 0.1 * randn(K), weight
 
 
+def measure(product: tuple, batch: int, pair, grid: list[ProductTiles], bandwidth: float) -> list[dict]:
+    """The rows of one product at one batch: the default step's pair, then the fused kernel under each tiling."""
+    name, K, N, gated = product
+    x = inputs(batch, K, N, gated)
+    weight_bytes = x[-1].numel() * x[-1].element_size()
+    reference = pair(*x).float()
+    base = {"product": name, "K": K, "N": N, "batch": batch}
+    us = graphed_us(lambda: pair(*x))
+    rows = [base | {"kernel": "Inductor + cuBLAS"} | timing_fields(weight_bytes, us, bandwidth, reference, reference)]
+    fused = (lambda: silu_mul_linear(*x)) if gated else (lambda: add_norm_linear(*x[:3], x[3], EPS)[0])
+    for tiles in grid:
+        row = base | {"kernel": "fused", **asdict(tiles)}
+        try:
+            with product_tiles(tiles):
+                out = fused().float()
+                us = graphed_us(fused)
+        except Exception as error:  # a tiling the GPU cannot hold
+            rows.append(row | {"error": f"{error}"[:200]})
+            continue
+        rows.append(row | timing_fields(weight_bytes, us, bandwidth, out, reference))
+    return rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -86,28 +110,10 @@ def main(argv=None) -> None:
     info = sweep_info(bandwidth, eps=EPS)
     pair = {False: torch.compile(rms_linear, dynamic=False), True: torch.compile(gated_linear, dynamic=False)}
     rows = []
-    for (name, K, N, gated), batch in itertools.product(PRODUCTS, parse_sizes(args.batches)):
-        x = inputs(batch, K, N, gated)
-        weight_bytes = x[-1].numel() * x[-1].element_size()
-        reference = pair[gated](*x).float()
-        us = graphed_us(lambda x=x, run=pair[gated]: run(*x))
-        base = {"product": name, "K": K, "N": N, "batch": batch}
-        rows.append(
-            base | {"kernel": "Inductor + cuBLAS"} | timing_fields(weight_bytes, us, bandwidth, reference, reference)
-        )
-        for tiles in grid:
-            fused = (lambda x=x: silu_mul_linear(*x)) if gated else (lambda x=x: add_norm_linear(*x[:3], x[3], EPS)[0])
-            try:
-                with product_tiles(tiles):
-                    out = fused().float()
-                    us = graphed_us(fused)
-            except Exception as error:  # a tiling the GPU cannot hold
-                rows.append(base | {"kernel": "fused", **asdict(tiles), "error": f"{error}"[:200]})
-                continue
-            rows.append(
-                base | {"kernel": "fused", **asdict(tiles)} | timing_fields(weight_bytes, us, bandwidth, out, reference)
-            )
-        (args.out / "bench_products.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+    with torch._dynamo.config.patch(**recompile_limits(64)):  # a compilation per shape, none run eager
+        for product, batch in itertools.product(PRODUCTS, parse_sizes(args.batches)):
+            rows += measure(product, batch, pair[product[3]], grid, bandwidth)
+            (args.out / "bench_products.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
     print(f"\n{info}")
     print("| product | batch | kernel | outputs a program | warps | us | weight TB/s | vs the pair | max diff |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
