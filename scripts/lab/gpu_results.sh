@@ -114,7 +114,8 @@
 #                  its products as Inductor's reductions (profile_decode.py, `reduced`); where a batch-32 step goes,
 #                  into RUNS/decode-bench
 #   decode-parts   decode-bench without its first two tables (the 26-layer profile onwards, the norms inside their
-#                  products among the variants, after their GPU tests and bench_products.py), alone
+#                  products among the variants, after their GPU tests, bench_products.py and sweep_sila_decode.py),
+#                  alone
 #   decode-round-2 decode-tests (NEWEST=1: again under the newest transformers) beside sila-deep26-half (evaluated
 #                  at 1K-8K), then decode-bench alone
 #   decode-round-3 the fast path's GPU tests, then decode-bench, all alone (about 25 minutes; what runs past the
@@ -188,7 +189,8 @@ fast_path_tests() {  # the fast path's GPU tests, again under the newest transfo
     tests/kernels/test_sse.py tests/kernels/test_rows.py -k "decode or top_indices" 2>&1 | tail -20  # compiled here
   RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q -rfE --durations=12 \
     tests/raven_layers/test_gpu.py tests/kernels/test_attention.py tests/kernels/test_linear.py \
-    tests/scripts/test_sweep_decode_attention.py tests/scripts/test_sweep_raven_decode.py 2>&1 | tail -60
+    tests/scripts/test_sweep_decode_attention.py tests/scripts/test_sweep_raven_decode.py \
+    tests/scripts/test_sweep_sila_decode.py tests/scripts/test_bench_products.py 2>&1 | tail -60
   [ -d /tmp/site-newest ] && [ "${NEWEST:-1}" = 1 ] || return 0
   PYTHONPATH=/tmp/site-newest:$PYTHONPATH python3 -c "import transformers; print('+ transformers', transformers.__version__)"
   PYTHONPATH=/tmp/site-newest:$PYTHONPATH RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q \
@@ -207,9 +209,12 @@ decode_parts() {  # where the steps go, kernel by kernel, and the sweeps of the 
   local out="$RUNS/decode-bench" && mkdir -p "$out"
   # the norms inside their products (raven_kernels.linear) on the GPU first: the kernel in bf16, the greedy tokens
   timeout 240 python3 -m pytest -o addopts="" -q -rfE tests/kernels/test_linear.py tests/raven_layers/test_gpu.py \
-    tests/scripts/test_bench_products.py -k "linear or norms_inside or products" 2>&1 | tail -15
+    tests/scripts/test_bench_products.py tests/scripts/test_sweep_sila_decode.py \
+    -k "linear or norms_inside or products or sweep_sila" 2>&1 | tail -15
   # each product with its norm or activation as the default step runs them against one fused kernel, by tiling
   timeout 240 python3 scripts/bench/bench_products.py --out "$out/products" --batches 1,32,128
+  # SILA's step kernel (its m at depth) under each number of warps
+  timeout 120 python3 scripts/bench/sweep_sila_decode.py --out "$out/sweep-sila" --batches 1,32,128
   # where the 26-layer hybrid's step goes at batch 128, and what the norms inside their products and Inductor's
   # autotuned GEMMs (epilogues fused) change
   timeout 600 python3 scripts/bench/profile_decode.py --out "$out/b128-26" --models teacher-engine,sila --layers 26 \

@@ -253,6 +253,28 @@ def test_bf16_on_gpu(d, G):
         assert rel_err(a, b) < (5e-3 if i < 2 else 1e-2), f"{name}: relative error {rel_err(a, b):.2e}"
 
 
+def test_the_decode_step_under_any_warps_the_sweep_tries_gives_the_same_step():
+    """`decode_warps` sets the program's warps (sweep_sila_decode.py): the step's values do not depend on them."""
+    from raven_kernels.sila.fused_recurrent import decode_warps
+
+    H, G, d, B = 2, 2, 16, 3
+    C = (G + 2) * H * d
+    g = torch.Generator().manual_seed(4)
+    product = torch.randn(B, 1, C + 2 * H + H * G, generator=g).to(DEVICE)
+    q, k, v, bx, gx, ax = product.split([H * G * d, H * d, H * d, H, H, H * G], dim=-1)
+    biases = tuple(torch.randn(n, generator=g).to(DEVICE) for n in (H, H, H * G))
+    conv, tail = torch.randn(C, 4, generator=g).to(DEVICE), torch.randn(B, 3, C, generator=g).to(DEVICE)
+    w_beta, w_gamma = (torch.randn(H, d, generator=g).to(DEVICE) for _ in range(2))
+    state = torch.randn(B, H, d, d, generator=g).to(DEVICE)
+    outs = []
+    for warps in (None, 1, 2, 8):
+        with decode_warps(warps):
+            outs.append(fused_recurrent_sila_decode(q, k, v, bx, gx, ax, biases, conv, tail.clone(), w_beta, w_gamma,
+                                                    state.clone()))  # fmt: skip
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("taps", [2, 4, 5])
 def test_decode_step_is_repeatable_and_moves_the_tail_on_exactly(taps):
     """At SmolLM2's shapes a head's 64 values are held by more threads than there are values: every thread must
