@@ -11,13 +11,13 @@ choices on a GPU, and its fastest at batch 32 and 128 is the default.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from ..launch import LaunchSetting
 from ..split import Partials, merge_if_last, row_counters, split_count
 
 
@@ -125,18 +125,12 @@ class DecodeTiles:
         return part.row_in_one_load() if self.merge_in_kernel is None else self.merge_in_kernel
 
 
-TILES = DecodeTiles()
+TILES = LaunchSetting(DecodeTiles())
 
 
-@contextmanager
 def decode_tiles(tiles: DecodeTiles):
     """Every `attention_decode` call within runs with `tiles` (the sweep's way to try them; not thread-safe)."""
-    global TILES
-    before, TILES = TILES, tiles
-    try:
-        yield
-    finally:
-        TILES = before
+    return TILES.use(tiles)
 
 
 def split_config(
@@ -174,7 +168,7 @@ def attention_decode(
     torch.compile keeps it whole, and Inductor fuses the work around it."""
     B, Hkv, G, D = q.shape
     S = k.shape[2]
-    tiles = TILES
+    tiles = TILES.value
     NS, CHUNK, BN = split_config(B * Hkv, S, q.device, tiles.block, tiles.per_sm, tiles.max_ranges)
     part = Partials(B * Hkv, NS, G, D, q.device, pad=16)  # tl.dot wants 16 rows
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 holds bf16/fp16 inputs exactly

@@ -22,12 +22,13 @@ activation is then no kernel of its own either.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from ..launch import LaunchSetting
 
 BK = 64  # values of K a step of either pass reads
 
@@ -41,18 +42,12 @@ class ProductTiles:
     warps: int | None = None
 
 
-TILES = ProductTiles()
+TILES = LaunchSetting(ProductTiles())
 
 
-@contextmanager
 def product_tiles(tiles: ProductTiles):
     """Every product kernel launched within takes `tiles` (the benchmark's way to try them; not thread-safe)."""
-    global TILES
-    before, TILES = TILES, tiles
-    try:
-        yield
-    finally:
-        TILES = before
+    return TILES.use(tiles)
 
 
 @triton.jit
@@ -123,7 +118,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight, weight,
         norm_linear_fwd_kernel[(triton.cdiv(N, BN), triton.cdiv(M, BM))](
             rows, res, norm_weight.contiguous(), weight, out, h if h is not None else out, M, N, K, rows.stride(0),
             res.stride(0), weight.stride(0), N, K, float(eps), HAS_RES=residual is not None, BM=BM, BN=BN, BK=BK,
-            NATIVE=_native(x), PRECISION=_precision(x), num_warps=TILES.warps or 4,
+            NATIVE=_native(x), PRECISION=_precision(x), num_warps=TILES.value.warps or 4,
         )  # fmt: skip
     return out, h
 
@@ -133,7 +128,7 @@ def _blocks(M: int, N: int) -> tuple[int, int]:
     32 outputs a program, so that a product of a few hundred KB of weights spreads over more programs (a row's
     product is latency-bound)."""
     BM = 16 if M <= 16 else 32 if M <= 32 else 64
-    return BM, TILES.outputs or (32 if M <= 16 or N < 64 else 64)
+    return BM, TILES.value.outputs or (32 if M <= 16 or N < 64 else 64)
 
 
 def _native(x: torch.Tensor) -> bool:
@@ -213,7 +208,7 @@ def silu_mul_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) 
     if M:
         silu_mul_linear_fwd_kernel[(triton.cdiv(N, BN), triton.cdiv(M, BM))](
             g, u, weight, out, M, N, K, g.stride(0), u.stride(0), weight.stride(0), N, BM=BM, BN=BN, BK=BK,
-            NATIVE=_native(gate), PRECISION=_precision(gate), num_warps=TILES.warps or 4,
+            NATIVE=_native(gate), PRECISION=_precision(gate), num_warps=TILES.value.warps or 4,
         )  # fmt: skip
     return out
 

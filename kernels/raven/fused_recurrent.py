@@ -3,7 +3,6 @@ every slot once, the softmax over slots done online while the slots stream by.""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +10,7 @@ import triton
 import triton.language as tl
 
 from ..decode_checks import check_in_place, check_row_views, check_shapes
+from ..launch import LaunchSetting
 from ..rows import indices_by_score, rows_rms_norm, softplus, top_indices_by_score
 from ..split import Partials, merge_if_last, row_counters, split_count
 from .utils import check_inputs, slot_indices
@@ -46,19 +46,13 @@ class StepSplit:
             raise ValueError(f"top_k_by={self.top_k_by!r}: expected one of {TOP_K_BY} or None")
 
 
-STEP_SPLIT = StepSplit()
+STEP_SPLIT = LaunchSetting(StepSplit())
 
 
-@contextmanager
 def step_split(split: StepSplit):
     """Every `raven_decode_step` call within launches as `split` says (the sweep's way to try them; not
     thread-safe)."""
-    global STEP_SPLIT
-    before, STEP_SPLIT = STEP_SPLIT, split
-    try:
-        yield
-    finally:
-        STEP_SPLIT = before
+    return STEP_SPLIT.use(split)
 
 
 def slot_ranges(rows: int, blocks: int, warps: int, device: torch.device) -> int:
@@ -436,9 +430,10 @@ def raven_decode_step(
     o = q.new_empty(B, 1, H, G, D)
     BG, BD = triton.next_power_of_2(G), triton.next_power_of_2(D)
     BM, warps = decode_config(M, G, D)
-    BM, warps = STEP_SPLIT.block or BM, STEP_SPLIT.warps or warps
+    split = STEP_SPLIT.value
+    BM, warps = split.block or BM, split.warps or warps
     blocks = triton.cdiv(M, BM)
-    NS = STEP_SPLIT.ranges or slot_ranges(B * H, blocks, warps, q.device)
+    NS = split.ranges or slot_ranges(B * H, blocks, warps, q.device)
     part = Partials(B * H, NS, G, D, q.device) if NS > 1 else None
     if B * H:
         raven_fwd_kernel_decode[(B * H, NS)](
@@ -447,7 +442,7 @@ def raven_decode_step(
             part and part.l, part and part.o, part and row_counters(B * H, q.device), scale, alpha, H=H, G=G, M=M,
             D=D, K=top_k, BG=BG, BM=BM, BD=BD, BK=triton.next_power_of_2(top_k), BMALL=triton.next_power_of_2(M),
             NS=NS, MB=triton.cdiv(blocks, NS), HAS_QK_NORM=q_norm is not None, SILU=silu, HAS_MASK=mask is not None,
-            BS=part.ranges_per_load(part.BG) if part else 1, TOPK_SORT=STEP_SPLIT.top_k_by == "sort",
+            BS=part.ranges_per_load(part.BG) if part else 1, TOPK_SORT=split.top_k_by == "sort",
             SHARED=values_shared(BM, BD, warps), num_warps=warps,
         )  # fmt: skip
     return o

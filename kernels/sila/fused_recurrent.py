@@ -4,29 +4,22 @@ updated in place."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 
 from ..decode_checks import check_row_views, check_shapes
+from ..launch import LaunchSetting
 from . import utils
 from .fused_recurrent_bwd import fused_recurrent_sila_bwd
 from .fused_recurrent_fwd import fused_recurrent_sila_fwd, sila_fwd_kernel_decode
 
 CHUNK_SIZE = 64  # steps between saved memories; the chunk-parallel kernels work on [CHUNK, d] tiles
-DECODE_WARPS: int | None = None  # where set, the warps of a decode step's program (else the sequential kernels')
+DECODE_WARPS: LaunchSetting[int | None] = LaunchSetting(None)  # a decode step's warps, where set (else the sweeps')
 
 
-@contextmanager
 def decode_warps(warps: int | None):
     """Every `fused_recurrent_sila_decode` launched within takes `warps` a program (scripts/bench/sweep_sila_decode.py
     times the choices; not thread-safe)."""
-    global DECODE_WARPS
-    before, DECODE_WARPS = DECODE_WARPS, warps
-    try:
-        yield
-    finally:
-        DECODE_WARPS = before
+    return DECODE_WARPS.use(warps)
 
 
 class FusedRecurrentSILAFunction(torch.autograd.Function):
@@ -286,7 +279,7 @@ def sila_decode(
             gamma_bias, alpha_bias, conv_weight, tail, q_norm, k_norm, norm_eps, w_beta, w_gamma, state, mask, o,
             H=H, G=G, K=d, KB=utils.sweep_block(d), TAPS=conv_weight.shape[-1], SILU=silu,
             HAS_QK_NORM=q_norm is not None, HAS_MASK=mask is not None, GATED=out_gate is not None,
-            num_warps=DECODE_WARPS or utils.launch_settings(d, d)["sweep"],
+            num_warps=DECODE_WARPS.value or utils.launch_settings(d, d)["sweep"],
         )  # fmt: skip
     return o
 

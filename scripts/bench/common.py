@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import sys
@@ -255,6 +256,19 @@ def shown_rows(rows: list[dict]) -> list[dict]:
     """The rows of one shape a sweep prints: the default's, then the five fastest."""
     timed = [r for r in rows if "us" in r]
     return [r for r in timed if r["default"]] + sorted(timed, key=lambda r: r["us"])[:5]
+
+
+def print_sweep(info: dict, rows: list[dict], columns: dict) -> None:
+    """A sweep's record last: its info, then per batch the default's row and the five fastest, each with `columns`
+    (heading -> the cell of a row) before its timings."""
+    print(f"\n{info}")
+    names = ["batch", *columns, "us", "TB/s", "of copy", "max diff"]
+    print("| " + " | ".join(names) + " |")
+    print("|" + " --- |" * len(names))
+    for batch, group in itertools.groupby(rows, key=lambda r: r["batch"]):
+        for r in shown_rows(list(group)):
+            timings = [f"{r['us']:.1f}", f"{r['tb_per_s']:.2f}", f"{r['of_copy']:.0%}", f"{r['max_diff']:.2g}"]
+            print("| " + " | ".join([str(batch), *(cell(r) for cell in columns.values()), *timings]) + " |")
 
 
 def release() -> None:

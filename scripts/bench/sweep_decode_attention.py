@@ -79,13 +79,13 @@ def main(argv=None) -> None:
     bandwidth = copy_bandwidth()
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s; {len(grid)} tilings", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    info = sweep_info(bandwidth, default=asdict(TILES))
+    info = sweep_info(bandwidth, default=asdict(TILES.value))
     rows = []
     for batch, context in itertools.product(parse_sizes(args.batches), parse_sizes(args.contexts)):
         tensors = inputs(batch, context)
         bytes_read = 2 * tensors[1].numel() * tensors[1].element_size()  # keys and values
         reference = decode_attention(*tensors).float()
-        for tiles in [TILES, *(t for t in grid if t != TILES)]:
+        for tiles in [TILES.value, *(t for t in grid if t != TILES.value)]:
             try:
                 with decode_tiles(tiles):
                     out = decode_attention(*tensors).float()
@@ -93,7 +93,7 @@ def main(argv=None) -> None:
             except Exception as error:  # a tiling the GPU cannot hold (shared memory, registers)
                 rows.append({"batch": batch, "context": context, **asdict(tiles), "error": f"{error}"[:200]})
                 continue
-            row = {"batch": batch, "context": context, **asdict(tiles), "default": tiles == TILES}
+            row = {"batch": batch, "context": context, **asdict(tiles), "default": tiles == TILES.value}
             rows.append(row | timing_fields(bytes_read, us, bandwidth, out, reference))
         (args.out / "sweep_decode_attention.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
         tensors = reference = out = None  # freed before the next shape's inputs

@@ -30,7 +30,7 @@ import triton
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
 
-from common import graphed_us, parse_sizes, shown_rows, sweep_info, timing_fields  # noqa: E402
+from common import graphed_us, parse_sizes, print_sweep, sweep_info, timing_fields  # noqa: E402
 
 from raven_convert.evaluate.decode_bench import copy_bandwidth  # noqa: E402
 from raven_kernels.raven import fused_recurrent_raven_decode  # noqa: E402
@@ -125,16 +125,13 @@ def main(argv=None) -> None:
         (args.out / "sweep_raven_decode.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
         x = reference = out = scratch = None
         torch.cuda.empty_cache()
-    print(f"\n{info}")
-    print("| batch | slots a block | warps | ranges a head | top-K by | us | TB/s | of copy | max diff |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for batch, group in itertools.groupby(rows, key=lambda r: r["batch"]):
-        for r in shown_rows(list(group)):
-            print(
-                f"| {batch} | {r['block']} | {r['warps']} | {r['ranges']}{' (default)' if r['default'] else ''} | "
-                f"{r['top_k_by']} | "
-                f"{r['us']:.1f} | {r['tb_per_s']:.2f} | {r['of_copy']:.0%} | {r['max_diff']:.2g} |"
-            )
+    columns = {
+        "slots a block": lambda r: f"{r['block']}",
+        "warps": lambda r: f"{r['warps']}",
+        "ranges a head": lambda r: f"{r['ranges']}{' (default)' if r['default'] else ''}",
+        "top-K by": lambda r: r["top_k_by"],
+    }
+    print_sweep(info, rows, columns)
 
 
 if __name__ == "__main__":

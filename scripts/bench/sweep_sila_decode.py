@@ -15,7 +15,6 @@ abs difference). Writes OUT/sweep_sila_decode.json and prints, per batch, the de
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
 
-from common import graphed_us, parse_sizes, shown_rows, sweep_info, timing_fields  # noqa: E402
+from common import graphed_us, parse_sizes, print_sweep, sweep_info, timing_fields  # noqa: E402
 
 from raven_convert.evaluate.decode_bench import copy_bandwidth  # noqa: E402
 from raven_kernels.sila import fused_recurrent_sila_decode, utils  # noqa: E402
@@ -90,15 +89,7 @@ def main(argv=None) -> None:
                 continue
             rows.append(row | timing_fields(bytes_moved, us, bandwidth, out, reference))
         (args.out / "sweep_sila_decode.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
-    print(f"\n{info}")
-    print("| batch | warps | us | TB/s | of copy | max diff |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for batch, group in itertools.groupby(rows, key=lambda r: r["batch"]):
-        for r in shown_rows(list(group)):
-            print(
-                f"| {batch} | {r['warps']}{' (default)' if r['default'] else ''} | {r['us']:.1f} | "
-                f"{r['tb_per_s']:.2f} | {r['of_copy']:.0%} | {r['max_diff']:.2g} |"
-            )
+    print_sweep(info, rows, {"warps": lambda r: f"{r['warps']}{' (default)' if r['default'] else ''}"})
 
 
 if __name__ == "__main__":
