@@ -217,7 +217,7 @@ def linears_as_reductions(graph: fx.Graph, max_rows: int) -> int:
     return replaced
 
 
-NORM_KERNELS = "raven_kernels.linear"  # norm_linear, add_norm_linear and silu_mul_linear (see backend.py)
+PROLOGUE_KERNELS = "raven_kernels.linear"  # norm_linear, add_norm_linear and silu_mul_linear (see backend.py)
 
 
 def _call(node: fx.Node, op: str, target) -> bool:
@@ -267,7 +267,7 @@ def fuse_norms_into_linears(graph: fx.Graph) -> int:
     sum wherever else it is read (the next residual add): the norm, and the add, are then no kernels of their own
     (raven_kernels.linear). Run after fuse_shared_input_linears, so that the norm's one reader is the fused product.
     Returns how many linears it replaced; none where the kernels are not at hand for the graph's device."""
-    order = {node: i for i, node in enumerate(graph.nodes)}
+    order = {node: i for i, node in enumerate(graph.nodes)}  # erasing keeps the order; a node made since counts first
     replaced = 0
     for node in list(graph.nodes):
         if not (node.op == "call_function" and node.target in LINEAR):
@@ -279,13 +279,13 @@ def fuse_norms_into_linears(graph: fx.Graph) -> int:
             continue
         h, norm_weight, eps, chain = found
         value = h.meta["example_value"]
-        if kernel_module(NORM_KERNELS, value) is None or product.dtype != value.dtype:
+        if kernel_module(PROLOGUE_KERNELS, value) is None or product.dtype != value.dtype:
             continue
         summed = _call(h, "call_function", operator.add) and all(isinstance(a, fx.Node) for a in h.args)
         others = [user for user in h.users if user is not chain[-1]]
         if summed:
             x, residual = h.args
-            summed = all(order[user] > order[node] for user in others) and all(
+            summed = all(order.get(user, -1) > order[node] for user in others) and all(
                 getattr(a.meta.get("example_value"), "shape", None) == value.shape for a in (x, residual)
             )
         with graph.inserting_before(node):
@@ -307,7 +307,6 @@ def fuse_norms_into_linears(graph: fx.Graph) -> int:
             h.replace_all_uses_with(total)
             graph.erase_node(h)
         replaced += 1
-        order = {n: i for i, n in enumerate(graph.nodes)}
     return replaced
 
 
@@ -333,7 +332,7 @@ def fuse_activations_into_linears(graph: fx.Graph) -> int:
             continue
         if len({v.dtype for v in values}) > 1 or values[2].stride(-1) != 1:
             continue
-        if kernel_module(NORM_KERNELS, values[0]) is None:
+        if kernel_module(PROLOGUE_KERNELS, values[0]) is None:
             continue
         with graph.inserting_before(node):
             out = _traced(graph, "call_function", torch.ops.raven_hybrid.silu_mul_linear.default, (gate, up, weight))
@@ -427,7 +426,7 @@ def prepare_weights(model: nn.Module, options: dict) -> None:
     if isinstance(compiled_pass, SharedInputLinears) and not compiled_pass.copy:
         share_projection_storage(model)
     if isinstance(compiled_pass, SharedInputLinears) and compiled_pass.prologues:
-        preload([NORM_KERNELS])
+        preload([PROLOGUE_KERNELS])
 
 
 AUTOTUNED_GEMMS = ("max_autotune", "max_autotune_gemm")
