@@ -205,7 +205,8 @@ decode_tables() {  # issue 52's table: every mixer at 15 of 30 against both teac
     --contexts 16k --steps 16
 }
 
-decode_parts() {  # where the steps go, kernel by kernel, and the sweeps of the tilings and splits
+decode_parts() {  # where the steps go, kernel by kernel, and the sweeps of the tilings and splits; the runs that
+  # decide a default first (docs/lab/2026-11-29-decode-round-5.md, "What each result decides")
   local out="$RUNS/decode-bench" && mkdir -p "$out"
   # the norms inside their products (raven_kernels.linear) on the GPU first: the kernel in bf16, the greedy tokens
   timeout 240 python3 -m pytest -o addopts="" -q -rfE tests/kernels/test_linear.py tests/raven_layers/test_gpu.py \
@@ -215,23 +216,24 @@ decode_parts() {  # where the steps go, kernel by kernel, and the sweeps of the 
   timeout 240 python3 scripts/bench/bench_products.py --out "$out/products" --batches 1,32,128
   # SILA's step kernel (its m at depth) under each number of warps
   timeout 120 python3 scripts/bench/sweep_sila_decode.py --out "$out/sweep-sila" --batches 1,32,128
-  # where the 26-layer hybrid's step goes at batch 128, and what the norms inside their products and Inductor's
-  # autotuned GEMMs (epilogues fused) change
-  timeout 600 python3 scripts/bench/profile_decode.py --out "$out/b128-26" --models teacher-engine,sila --layers 26 \
-    --batches 128 --context 16k --variants default "prologues,combo_kernels=True" \
-    "fused,combo_kernels=True,max_autotune_gemm=True" --steps 8
-  timeout 300 python3 scripts/bench/bench_generate.py --out "$out/depth" --mixers sila --depths 22,26 \
-    --batches 128 --contexts 16k --steps 16
-  # the attention at batch 1 (128 ranges a row at 16K, merged by a second kernel), against fewer, longer ranges
-  # whose merge fits the last program, timed inside CUDA graphs
-  timeout 180 python3 scripts/bench/sweep_decode_attention.py --out "$out/sweep-b1" --batches 1 --contexts 4k,16k \
-    --blocks 64,128 --warps 4 --stages 3 --per-sm 2 --native 1 --merge 0,1 --max-ranges 0,8,16,32
-  timeout 240 python3 scripts/bench/sweep_raven_decode.py --out "$out/sweep-raven" --batches 1,32,128 \
-    --blocks 4,8 --warps 1,2 --ranges 1,4,16
   # a batch-1 step with its products as Inductor's reductions (fusable with the work around them), as GEMVs, or
   # with the norms inside them
   timeout 360 python3 scripts/bench/profile_decode.py --out "$out/reduced" --models teacher-engine,sila \
     --batches 1 --context 16k --variants default "reduced,combo_kernels=True" "prologues,combo_kernels=True" --steps 16
+  # where the 26-layer hybrid's step goes at batch 128, and what the norms inside their products change
+  timeout 420 python3 scripts/bench/profile_decode.py --out "$out/b128-26" --models teacher-engine,sila --layers 26 \
+    --batches 128 --context 16k --variants default "prologues,combo_kernels=True" --steps 8
+  timeout 240 python3 scripts/bench/sweep_raven_decode.py --out "$out/sweep-raven" --batches 1,32,128 \
+    --blocks 4,8 --warps 1,2 --ranges 1,4,16
+  # the attention at batch 1 (128 ranges a row at 16K, merged by a second kernel), against fewer, longer ranges
+  # whose merge fits the last program, timed inside CUDA graphs
+  timeout 180 python3 scripts/bench/sweep_decode_attention.py --out "$out/sweep-b1" --batches 1 --contexts 4k,16k \
+    --blocks 64,128 --warps 4 --stages 3 --per-sm 2 --native 1 --merge 0,1 --max-ranges 0,8,16,32
+  # Inductor's autotuned GEMMs (epilogues fused) at batch 128
+  timeout 420 python3 scripts/bench/profile_decode.py --out "$out/b128-26-autotune" --models teacher-engine,sila \
+    --layers 26 --batches 128 --context 16k --variants "fused,combo_kernels=True,max_autotune_gemm=True" --steps 8
+  timeout 300 python3 scripts/bench/bench_generate.py --out "$out/depth" --mixers sila --depths 22,26 \
+    --batches 128 --contexts 16k --steps 16
   timeout 420 python3 scripts/bench/profile_decode.py --out "$out" --models teacher-engine,raven,sse,sila \
     --batches 32 --context 16k --variants default --steps 8
 }
