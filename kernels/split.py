@@ -89,12 +89,10 @@ def programs_wanted(device: torch.device, per_sm: int = 2) -> int:
     return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def split_count(rows: int, blocks: int, device: torch.device, per_sm: int = 2, whole_from: float | None = None) -> int:
+def split_count(rows: int, blocks: int, device: torch.device, per_sm: int = 2) -> int:
     """Ranges per row (a power of 2, at most `blocks`) so that rows x ranges covers the GPU with `per_sm` programs
-    per SM; with `whole_from`, rows that alone give that share of those programs stay whole (one range)."""
+    per SM."""
     wanted = programs_wanted(device, per_sm)
-    if whole_from is not None and rows >= whole_from * wanted:
-        return 1
     return min(triton.next_power_of_2(triton.cdiv(wanted, rows)), triton.next_power_of_2(blocks))
 
 

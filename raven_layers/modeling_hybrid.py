@@ -495,7 +495,8 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
     @property
     def decode_compile_options(self) -> dict:
         """torch.compile's Inductor `options` for the decode step: decode_fusion.default_decode_options() (the
-        projections fused in place, combo kernels) until set; {} compiles with Inductor's own defaults."""
+        projections fused in place, a small batch's as reductions, combo kernels) until set; {} compiles with
+        Inductor's own defaults."""
         if self._decode_compile_options is None:
             from .decode_fusion import default_decode_options  # Inductor's pass API: imported when asked for
 

@@ -18,22 +18,23 @@ from .utils import check_inputs, slot_indices
 
 def decode_config(M: int, G: int, D: int) -> tuple[int, int]:
     """Slots per block of the streaming loop ([BM, D] float32 tiles of S^k and S^v) and warps per program: 8-slot
-    blocks at one warp, unsplit, were the fastest of a sweep over block sizes, warps and splits (docs/KERNELS.md,
-    Settings: Raven decode blocks)."""
+    blocks at one warp were the fastest of the sweeps over block sizes and warps, at 1 and at 3 query heads a key
+    head (docs/KERNELS.md, Settings: Raven decode blocks)."""
     BG, BD = triton.next_power_of_2(G), triton.next_power_of_2(D)
-    return max(1, min(8, triton.next_power_of_2(M), 1024 // (BG * BD))), 1
+    return max(1, min(8, triton.next_power_of_2(M), 2048 // (BG * BD))), 1
 
 
-DECODE_WARPS_PER_SM = 8  # warps the one-token programs put on each SM where the heads leave SMs idle
+RANGE_BLOCKS = (2, 8)  # the fewest and most blocks a range of slots streams where they split (`slot_ranges`)
 
 
 TOP_K_BY = ("rounds", "sort")  # how a program finds its head's top-K slots: K rounds of a max, or a sort of all M
+DECODE_TOP_K_BY = "sort"  # the faster at batch 1, 32 and 128 (M = 256, top-32: docs/KERNELS.md)
 
 
 @dataclass(frozen=True)
 class StepSplit:
     """How `raven_decode_step` launches, where set: slots a block, warps a program, ranges a head, and how each
-    program finds the top-K slots (None: its own choice, `decode_config`, `slot_ranges` and rounds).
+    program finds the top-K slots (None: its own choice, `decode_config`, `slot_ranges` and DECODE_TOP_K_BY).
     scripts/bench/sweep_raven_decode.py times the choices."""
 
     block: int | None = None
@@ -56,10 +57,13 @@ def step_split(split: StepSplit):
 
 
 def slot_ranges(rows: int, blocks: int, warps: int, device: torch.device) -> int:
-    """Ranges the slots of each of `rows` heads split into for one token: one-warp programs stream too few bytes
-    each to keep an SM busy alone, so split until DECODE_WARPS_PER_SM warps an SM (the attention's warps an SM),
-    unless the heads alone give half of them (many heads: unsplit, decode_config)."""
-    return split_count(rows, blocks, device, DECODE_WARPS_PER_SM // warps, whole_from=0.5)
+    """Ranges the slots of each of `rows` heads split into for one token: ranges of RANGE_BLOCKS[1] blocks (a
+    longer stream a program outweighs the merge of a few ranges), shorter, down to RANGE_BLOCKS[0], only where
+    rows x ranges would leave an SM fewer than 2 one-warp programs (batch 1's few heads). The fastest of
+    sweep_raven_decode.py's at batch 1, 32 and 128 (docs/KERNELS.md)."""
+    least, most = blocks // RANGE_BLOCKS[1], blocks // RANGE_BLOCKS[0]
+    wanted = split_count(rows, blocks, device, per_sm=max(1, 2 // warps))
+    return max(1, min(max(wanted, triton.next_power_of_2(least)), most))
 
 
 def values_shared(BM: int, BD: int, warps: int) -> bool:
@@ -442,7 +446,7 @@ def raven_decode_step(
             part and part.l, part and part.o, part and row_counters(B * H, q.device), scale, alpha, H=H, G=G, M=M,
             D=D, K=top_k, BG=BG, BM=BM, BD=BD, BK=triton.next_power_of_2(top_k), BMALL=triton.next_power_of_2(M),
             NS=NS, MB=triton.cdiv(blocks, NS), HAS_QK_NORM=q_norm is not None, SILU=silu, HAS_MASK=mask is not None,
-            BS=part.ranges_per_load(part.BG) if part else 1, TOPK_SORT=split.top_k_by == "sort",
+            BS=part.ranges_per_load(part.BG) if part else 1, TOPK_SORT=(split.top_k_by or DECODE_TOP_K_BY) == "sort",
             SHARED=values_shared(BM, BD, warps), num_warps=warps,
         )  # fmt: skip
     return o

@@ -32,6 +32,7 @@ from raven_kernels.sila import fused_recurrent_bwd as sila_bwd_kernels  # noqa: 
 from raven_kernels.sila import fused_recurrent_fwd as sila_fwd_kernels  # noqa: E402
 from raven_kernels.sila import utils as sila_utils  # noqa: E402
 from raven_kernels.sila.fused_recurrent import CHUNK_SIZE as SILA_CHUNK  # noqa: E402
+from raven_kernels.sila.fused_recurrent import DECODE_WARPS as SILA_DECODE_WARPS  # noqa: E402
 from raven_kernels.sse import fused_recurrent as sse_recurrent  # noqa: E402
 
 KERNELS = {
@@ -170,12 +171,13 @@ def step_row(name: str, D: int, M: int) -> tuple:
     G, BG = 3, 4
     flags = dict(HAS_QK_NORM=True, HAS_MASK=True, SILU=True)
     if name == "sila_step":
-        warps, BM = sila_utils.launch_settings(D, D)["sweep"], "-"
+        warps, BM = SILA_DECODE_WARPS.value, "-"
         constants = dict(H=3, G=G, K=D, KB=sila_utils.sweep_block(D), TAPS=4, GATED=True, **flags)
     elif name == "raven_step":
         (BM, warps), K = fused_recurrent.decode_config(M, G, D), min(32, M)
         constants = dict(H=3, G=G, M=M, D=D, K=K, BG=BG, BM=BM, BD=D, BK=K, BMALL=M, NS=1, MB=-(-M // BM), BS=1)
-        constants.update(flags, TOPK_SORT=False, SHARED=fused_recurrent.values_shared(BM, D, warps))
+        sort = fused_recurrent.DECODE_TOP_K_BY == "sort"
+        constants.update(flags, TOPK_SORT=sort, SHARED=fused_recurrent.values_shared(BM, D, warps))
     else:
         warps, BM, r = sse_recurrent.STEP_WARPS, "-", 64
         constants = dict(H=3, G=G, N=4, C=D, D=D, R=r, RA=16, WK=1, RK=1, SHARED=1, NORM=True, GATED=True)

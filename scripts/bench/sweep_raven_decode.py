@@ -35,6 +35,7 @@ from common import graphed_us, parse_sizes, print_sweep, sweep_info, timing_fiel
 from raven_convert.evaluate.decode_bench import copy_bandwidth  # noqa: E402
 from raven_kernels.raven import fused_recurrent_raven_decode  # noqa: E402
 from raven_kernels.raven.fused_recurrent import (  # noqa: E402
+    DECODE_TOP_K_BY,
     TOP_K_BY,
     StepSplit,
     decode_config,
@@ -109,7 +110,7 @@ def main(argv=None) -> None:
         bytes_read = sum(s.numel() * s.element_size() for s in x["state"])  # S^k and S^v
         block, warps = decode_config(args.slots, G, D)
         ranges = slot_ranges(batch * H, triton.cdiv(args.slots, block), warps, x["q"].device)
-        default = StepSplit(block, warps, ranges, TOP_K_BY[0])
+        default = StepSplit(block, warps, ranges, DECODE_TOP_K_BY)
         reference = step(x, args.top_k, tuple(s.clone() for s in x["state"])).float()
         scratch = tuple(s.clone() for s in x["state"])  # the timed steps rewrite it; x's state stays the first
         for split in [default, *(s for s in grid if s != default)]:

@@ -36,17 +36,21 @@ def test_merge_matches_the_softmax_merge(rows, NS, G, D):
     torch.testing.assert_close(out.cpu(), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_split_count_covers_the_gpu_and_keeps_full_rows_whole(monkeypatch):
-    """Rows x ranges reach the wanted programs (a power of 2, at most the blocks); with `whole_from`, rows that alone
-    give that share of them stay one range (Raven's decode: 8 one-warp programs an SM, whole from half)."""
+def test_split_count_covers_the_gpu_and_ravens_ranges_stream_2_to_8_blocks(monkeypatch):
+    """Rows x ranges reach the wanted programs (a power of 2, at most the blocks). Raven's decode splits each head's
+    slots into ranges of 8 blocks, shorter (down to 2) only where the rows would leave an SM fewer than 2 programs:
+    on an H200 the fastest of sweep_raven_decode.py's at 3 heads (16 ranges at batch 1, 4 at 32 and 128)."""
     from raven_kernels import split
     from raven_kernels.raven.fused_recurrent import slot_ranges
 
     monkeypatch.setattr(split, "programs_wanted", lambda device, per_sm=2: 132 * per_sm)  # an H200's SMs
     cuda = torch.device("cuda")
-    assert slot_ranges(3, 64, 1, cuda) == 64  # batch 1 at 3 heads: every block its own range
-    assert split.split_count(96, 64, cuda, per_sm=2) == 4  # batch 32: the old split
-    assert slot_ranges(96, 64, 1, cuda) == 16
-    assert slot_ranges(384, 64, 1, cuda) == 4  # batch 128
-    assert slot_ranges(1024, 32, 1, cuda) == 1  # 16 heads at batch 64: whole
+    assert split.split_count(96, 64, cuda, per_sm=2) == 4
+    assert split.split_count(3, 64, cuda, per_sm=2) == 64  # at most the blocks
     assert split.split_count(1024, 32, cuda, per_sm=8) == 2
+    assert slot_ranges(3, 32, 1, cuda) == 16  # batch 1 at 3 heads (M = 256, 8-slot blocks): 2 blocks a range
+    assert slot_ranges(96, 32, 1, cuda) == 4  # batch 32: 8 blocks a range
+    assert slot_ranges(384, 32, 1, cuda) == 4  # batch 128
+    assert slot_ranges(1024, 32, 1, cuda) == 4  # 16 heads at batch 64: still 8 blocks a range
+    assert slot_ranges(3, 8, 1, cuda) == 4 and slot_ranges(384, 8, 1, cuda) == 1  # M = 64 (the recipe's)
+    assert slot_ranges(3, 3, 1, cuda) == 1 and slot_ranges(3, 1, 1, cuda) == 1  # too few blocks to split

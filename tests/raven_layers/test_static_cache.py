@@ -12,7 +12,7 @@ from raven_convert import build_hybrid, plan_layers
 from raven_layers import HybridCache, StaticHybridCache, output_cache
 from raven_layers.backend import use_backend
 from raven_layers.decode_attention import decode_attention
-from raven_layers.decode_fusion import SHARED_PROJECTIONS
+from raven_layers.decode_fusion import REDUCED_PRODUCTS
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.transformers_api
@@ -205,16 +205,16 @@ def test_compiled_decode_step_is_not_capped_by_dynamos_recompile_limit(monkeypat
 
 
 def test_decode_compile_options_reach_torch_compile_and_recompile_when_changed(monkeypatch):
-    """`model.decode_compile_options` are torch.compile's Inductor options for the decode step, the in-place fusion
-    and combo kernels until set; the step is compiled once per options (none passed when empty: other backends take
-    none), and changed options give a new step."""
+    """`model.decode_compile_options` are torch.compile's Inductor options for the decode step (the in-place fusion,
+    a small batch's products as reductions and combo kernels until set); the step is compiled once per options (none
+    passed when empty: other backends take none), and changed options give a new step."""
     calls = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
     source = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2)).eval()
     hybrid = build_hybrid(source, plan_layers([("sila", "0")], 2), SETTINGS)
     first = hybrid.decode_function()
     assert hybrid.decode_function() is first and len(calls) == 1
-    assert calls[0]["options"] == {**SHARED_PROJECTIONS, "combo_kernels": True} == hybrid.decode_compile_options
+    assert calls[0]["options"] == {**REDUCED_PRODUCTS, "combo_kernels": True} == hybrid.decode_compile_options
     hybrid.decode_compile_options = {"freezing": True}
     second = hybrid.decode_function()
     assert second is not first and calls[1]["options"] == {"freezing": True}

@@ -119,7 +119,7 @@ def test_decode_options_name_the_models_compilation():
 
     from raven_layers.decode_fusion import FUSED_PROJECTIONS, FUSED_PROLOGUES, REDUCED_PRODUCTS, SHARED_PROJECTIONS
 
-    assert parse_decode_options("default") == {**SHARED_PROJECTIONS, "combo_kernels": True}
+    assert parse_decode_options("default") == {**REDUCED_PRODUCTS, "combo_kernels": True}
     assert parse_decode_options("plain") == {} and parse_decode_options("eager") is None
     assert parse_decode_options("fused,combo_kernels=True") == {**FUSED_PROJECTIONS, "combo_kernels": True}
     assert parse_decode_options("shared") == SHARED_PROJECTIONS
