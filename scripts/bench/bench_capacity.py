@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     mixers = checked_mixers(args, "CUDA memory")
     bandwidth = copy_bandwidth()
     results = []
-    for name, model in build_models(mixers, layer_specs(args), args.windows, args.decode_options):
+    for name, model in build_models(mixers, layer_specs(args), args.windows, args.decode_options, args.mixer_settings):
         timed = name.startswith("teacher") or args.time == "all" or "-sw" in name
         entry = largest_batch(name, model, context, args.steps, args.reserve, timed, bandwidth)
         results.append(entry)
@@ -228,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         gpu_gib=gpu_gib,
         copy_tb_per_s=round(bandwidth / 1e12, 3),
         decode_options=args.decode_options,
+        mixer_settings=args.mixer_settings,
     )
     print(table(results))
 

@@ -117,9 +117,10 @@ def main(argv: list[str] | None = None) -> None:
 
     def save(rows):
         extra = dict(copy_tb_per_s=round(bandwidth / 1e12, 3), decode_options=args.decode_options)
+        extra.update(mixer_settings=args.mixer_settings)
         write_record(args.out / "bench_generate.json", rows, **extra)
 
-    models = build_models(mixers, specs, args.windows, args.decode_options)
+    models = build_models(mixers, specs, args.windows, args.decode_options, args.mixer_settings)
     results = measure_grid(models, contexts, batches, measure, save)
     print(table(results))
     failed = [r for r in results if "error" in r]

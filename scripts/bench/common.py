@@ -65,9 +65,37 @@ def parse_sizes(text: str) -> list[int]:
     return sizes
 
 
+SETTINGS_FROM = ("recipe", "defaults")  # where a benchmark's hybrids take their mixers' settings (mixer_settings)
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+
+
+def add_settings_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--mixer-settings",
+        choices=SETTINGS_FROM,
+        default="recipe",
+        help="each mixer's settings: its SmolLM2 recipe's (recipes/smollm2-MIXER.yaml, the hybrid that recipe "
+        "trains), or the mixer's own defaults (Raven: the paper's M = 256, top-32)",
+    )
+
+
+def mixer_settings(mixer: str, settings_from: str) -> dict[str, dict]:
+    """`mixer`'s settings as build_hybrid takes them: from its SmolLM2 recipe's `mixer_settings` ('recipe': the
+    model whose quality the docs report, Raven with M = 64 slots and top-8), or none ('defaults': the mixer's own).
+    A mixer with no SmolLM2 recipe takes its defaults."""
+    if settings_from not in SETTINGS_FROM:
+        raise ValueError(f"mixer settings {settings_from!r}: expected one of {SETTINGS_FROM}")
+    recipe = RECIPES / f"smollm2-{mixer}.yaml"
+    if settings_from == "defaults" or not recipe.is_file():
+        return {}
+    from raven_convert.train.recipe import load_recipe
+
+    return {mixer: dict(load_recipe(recipe).mixer_settings.get(mixer, {}))}
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, mixers: str | None = None) -> None:
-    """--out, --mixers (default: the built-in ones), --layers and --windows: the models every bench script builds
-    (build_models)."""
+    """--out, --mixers (default: the built-in ones), --layers, --windows and --mixer-settings: the models every bench
+    script builds (build_models)."""
     from raven_layers.registry import BUILTIN_MIXERS
 
     parser.add_argument("--out", type=Path, required=True)
@@ -77,6 +105,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, mixers: str | None = No
         "--depths", default=None, help="instead of --layers: numbers of layers converted, each spread evenly (15,22)"
     )
     parser.add_argument("--windows", type=int, default=None, help="also run each hybrid with W-token windows")
+    add_settings_argument(parser)
     parser.add_argument(
         "--decode-options",
         type=checked_decode_options,
@@ -279,10 +308,17 @@ def release() -> None:
     torch.cuda.empty_cache()
 
 
-def build_models(mixers: list[str], specs: list[tuple[str, str]], windows: int | None, decode_options: str = "default"):
+def build_models(
+    mixers: list[str],
+    specs: list[tuple[str, str]],
+    windows: int | None,
+    decode_options: str = "default",
+    settings_from: str = "recipe",
+):
     """(name, model) pairs: the teacher on transformers first, then on this project's engine (`teacher-engine`, no
     layer converted), then one hybrid per mixer and layer spec of `specs` ((name suffix, spec) pairs), and each again
-    with windows; the models on this engine compile their decode step as `decode_options` says (parse_decode_options).
+    with windows; the models on this engine compile their decode step as `decode_options` says (parse_decode_options)
+    and take their mixers' settings as `settings_from` says (mixer_settings).
     Drop `model` before asking for the next: each model's memory (its static cache and compiled step
     too) is freed before the next is built, or the next one's peak memory and batch capacity would include it. The
     teacher's weights stay: every hybrid is built from them."""
@@ -302,11 +338,13 @@ def build_models(mixers: list[str], specs: list[tuple[str, str]], windows: int |
     del engine
     release()
     for mixer in mixers:
+        settings = mixer_settings(mixer, settings_from)
         for suffix, layers in specs:
             kinds = plan_layers([(mixer, layers)], n)
             for window in [None] + ([windows] if windows else []):
                 spans = [window if kind == "attention" else None for kind in kinds] if window else None
-                hybrid = build_hybrid(teacher, kinds, {}, attention_windows=spans).to("cuda", torch.bfloat16).eval()
+                hybrid = build_hybrid(teacher, kinds, settings, attention_windows=spans)
+                hybrid = hybrid.to("cuda", torch.bfloat16).eval()
                 set_decode_options(hybrid, parse_decode_options(decode_options))
                 yield f"{mixer}{suffix}" + (f"-sw{window}" if window else ""), hybrid
                 del hybrid

@@ -43,6 +43,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).res
 
 from common import (  # noqa: E402
     SMOLLM2_135M,
+    add_settings_argument,
     build_models,
     parse_decode_options,
     parse_sizes,
@@ -152,6 +153,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--variants", nargs="+", default=["plain", "default", "eager"])
     parser.add_argument("--out", type=Path, required=True)
+    add_settings_argument(parser)
     args = parser.parse_args(argv)
     if args.steps < 2:
         raise SystemExit(f"--steps {args.steps}: expected an integer >= 2 (a step is timed from the second one)")
@@ -166,12 +168,13 @@ def main(argv=None):
     mixers = [name for name in names if name != "teacher-engine"]
     args.out.mkdir(parents=True, exist_ok=True)
     info = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "layers": layers}
+    info["mixer_settings"] = args.mixer_settings
     rows = []
 
     def save():  # after every row: a run cut short keeps what it measured
         (args.out / "profile_decode.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
 
-    for name, model in build_models(mixers, [("", layers)], None):
+    for name, model in build_models(mixers, [("", layers)], None, settings_from=args.mixer_settings):
         if name not in names:
             continue
         for batch in parse_sizes(args.batches):

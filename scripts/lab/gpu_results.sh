@@ -205,6 +205,23 @@ decode_tables() {  # issue 52's table: every mixer at 15 of 30 against both teac
     --contexts 16k --steps 16
 }
 
+decode_followups() {  # what round 6's defaults leave to check (docs/lab/2026-11-29-decode-round-6.md, "Next")
+  local out="$RUNS/decode-bench" && mkdir -p "$out"
+  # Raven as the paper sets it (M = 256, top-32), beside the recipe's M = 64, top-8 of the tables
+  timeout 300 python3 scripts/bench/bench_generate.py --out "$out/raven-paper" --mixers raven --mixer-settings defaults \
+    --batches 1,128 --contexts 16k --steps 16
+  # SILA's batch-1 step with a small batch's products as reductions (now the default), where it goes
+  timeout 240 python3 scripts/bench/profile_decode.py --out "$out/b1-sila" --models sila --batches 1 --context 16k \
+    --variants default --steps 16
+  # slot_ranges' rule away from the points it was fitted on: 2 and 8 ranges at M = 256, and the recipe's M = 64
+  timeout 120 python3 scripts/bench/sweep_raven_decode.py --out "$out/sweep-raven-256" --batches 1,32,128 \
+    --blocks 8 --warps 1 --ranges 2,4,8,16,32 --top-k-by sort
+  timeout 120 python3 scripts/bench/sweep_raven_decode.py --out "$out/sweep-raven-64" --slots 64 --top-k 8 \
+    --batches 1,32,128 --blocks 4,8 --warps 1 --ranges 1,2,4 --top-k-by rounds,sort
+  timeout 300 python3 scripts/bench/bench_generate.py --out "$out/depth" --mixers sila --depths 22,26 \
+    --batches 128 --contexts 16k --steps 16
+}
+
 decode_parts() {  # where the steps go, kernel by kernel, and the sweeps of the tilings and splits; the runs that
   # decide a default first (docs/lab/2026-11-29-decode-round-5.md, "What each result decides")
   local out="$RUNS/decode-bench" && mkdir -p "$out"
@@ -382,6 +399,11 @@ PY
   decode-bench)  # times, so alone on the machine: issue 52's table, the floor targets first
     decode_tables
     decode_parts
+    ;;
+  decode-round-7)  # one device session, alone: the fast path's tests under round 6's defaults, the tables, the checks
+    NEWEST=${NEWEST:-0} fast_path_tests
+    decode_tables
+    decode_followups
     ;;
   decode-parts)  # decode-bench without its tables: where the steps go, and the sweeps
     decode_parts

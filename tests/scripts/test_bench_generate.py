@@ -13,9 +13,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"
 
 import bench_capacity  # noqa: E402
 from bench_generate import measure_grid, table  # noqa: E402
-from common import layer_specs, spread_layers  # noqa: E402
+from common import SETTINGS_FROM, add_model_arguments, layer_specs, mixer_settings, spread_layers  # noqa: E402
 
 from raven_convert.layer_spec import parse_layer_spec  # noqa: E402
+
+
+def test_hybrids_take_their_smollm2_recipes_mixer_settings_unless_told_otherwise():
+    """The benchmarks time the hybrid each SmolLM2 recipe trains (Raven: M = 64, top-8), or with --mixer-settings
+    defaults the mixer's own (the paper's M = 256, top-32); the settings build a hybrid."""
+    from raven_convert.train.recipe import load_recipe
+    from raven_layers.registry import BUILTIN_MIXERS
+
+    recipes = Path(__file__).resolve().parents[2] / "recipes"
+    assert mixer_settings("raven", "recipe") == {"raven": {"num_slots": 64, "top_k": 8}}
+    for spec in BUILTIN_MIXERS:
+        expected = load_recipe(recipes / f"smollm2-{spec.name}.yaml").mixer_settings[spec.name]
+        assert mixer_settings(spec.name, "recipe") == {spec.name: expected}
+        assert mixer_settings(spec.name, "defaults") == {}
+    assert mixer_settings("mymixer", "recipe") == {}  # no SmolLM2 recipe: the mixer's own
+    from transformers import AutoModelForCausalLM
+
+    from raven_convert import build_hybrid, plan_layers
+    from tests.conftest import tiny_config
+
+    source = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2))
+    hybrid = build_hybrid(source, plan_layers([("raven", "0")], 2), mixer_settings("raven", "recipe"))
+    built = hybrid.model.layers[0].self_attn.settings
+    assert (built.num_slots, built.top_k) == (64, 8)
+    with pytest.raises(ValueError, match="'recipes'.*expected one of"):
+        mixer_settings("raven", "recipes")
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    assert parser.parse_args(["--out", "o"]).mixer_settings == SETTINGS_FROM[0] == "recipe"
+    assert parser.parse_args(["--out", "o", "--mixer-settings", "defaults"]).mixer_settings == "defaults"
 
 
 @pytest.mark.parametrize("n", [0, 1, 15, 22, 26, 29, 30])
