@@ -13,11 +13,10 @@ from .fused_recurrent_bwd import fused_recurrent_sila_bwd
 from .fused_recurrent_fwd import fused_recurrent_sila_fwd, sila_fwd_kernel_decode
 
 CHUNK_SIZE = 64  # steps between saved memories; the chunk-parallel kernels work on [CHUNK, d] tiles
-# a decode step's warps: one, the fastest at batch 1, 32 and 128 of sweep_sila_decode.py's (docs/KERNELS.md)
-DECODE_WARPS: LaunchSetting[int] = LaunchSetting(1)
+DECODE_WARPS: LaunchSetting[int | None] = LaunchSetting(None)  # a decode step's warps where set (else step_warps)
 
 
-def decode_warps(warps: int):
+def decode_warps(warps: int | None):
     """Every `fused_recurrent_sila_decode` launched within takes `warps` a program (scripts/bench/sweep_sila_decode.py
     times the choices; not thread-safe)."""
     return DECODE_WARPS.use(warps)
@@ -280,7 +279,7 @@ def sila_decode(
             gamma_bias, alpha_bias, conv_weight, tail, q_norm, k_norm, norm_eps, w_beta, w_gamma, state, mask, o,
             H=H, G=G, K=d, KB=utils.sweep_block(d), TAPS=conv_weight.shape[-1], SILU=silu,
             HAS_QK_NORM=q_norm is not None, HAS_MASK=mask is not None, GATED=out_gate is not None,
-            num_warps=DECODE_WARPS.value,
+            num_warps=DECODE_WARPS.value or utils.step_warps(d, d),
         )  # fmt: skip
     return o
 

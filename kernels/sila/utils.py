@@ -185,6 +185,13 @@ def launch_settings(K: int, V: int) -> dict:
     return {"sweep": warps, "chunk": warps}
 
 
+def step_warps(K: int, V: int) -> int:
+    """Warps of a decode step's program: one up to a 64 x 64 memory (SmolLM2's heads: the fastest on an H200 at
+    batch 1-128, docs/KERNELS.md), else the sequential kernels' ("sweep"), since a larger memory would spill from
+    one warp's registers."""
+    return 1 if K * V <= 64 * 64 else launch_settings(K, V)["sweep"]
+
+
 def varlen_layout(cu_seqlens: torch.Tensor | None, N: int, T: int, chunk: int):
     """Checkpoint offsets per sequence [N], (sequence, chunk) per chunk program [C, 2] and the counts of checkpoint
     slots and chunk programs. With cu_seqlens both counts are bounds, never a host sync (kernels/varlen.py): the

@@ -32,7 +32,6 @@ from raven_kernels.sila import fused_recurrent_bwd as sila_bwd_kernels  # noqa: 
 from raven_kernels.sila import fused_recurrent_fwd as sila_fwd_kernels  # noqa: E402
 from raven_kernels.sila import utils as sila_utils  # noqa: E402
 from raven_kernels.sila.fused_recurrent import CHUNK_SIZE as SILA_CHUNK  # noqa: E402
-from raven_kernels.sila.fused_recurrent import DECODE_WARPS as SILA_DECODE_WARPS  # noqa: E402
 from raven_kernels.sse import fused_recurrent as sse_recurrent  # noqa: E402
 
 KERNELS = {
@@ -171,7 +170,7 @@ def step_row(name: str, D: int, M: int) -> tuple:
     G, BG = 3, 4
     flags = dict(HAS_QK_NORM=True, HAS_MASK=True, SILU=True)
     if name == "sila_step":
-        warps, BM = SILA_DECODE_WARPS.value, "-"
+        warps, BM = sila_utils.step_warps(D, D), "-"
         constants = dict(H=3, G=G, K=D, KB=sila_utils.sweep_block(D), TAPS=4, GATED=True, **flags)
     elif name == "raven_step":
         (BM, warps), K = fused_recurrent.decode_config(M, G, D), min(32, M)

@@ -26,8 +26,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).res
 from common import graphed_us, parse_sizes, print_sweep, sweep_info, timing_fields  # noqa: E402
 
 from raven_convert.evaluate.decode_bench import copy_bandwidth  # noqa: E402
-from raven_kernels.sila import fused_recurrent_sila_decode  # noqa: E402
-from raven_kernels.sila.fused_recurrent import DECODE_WARPS, decode_warps  # noqa: E402
+from raven_kernels.sila import fused_recurrent_sila_decode, utils  # noqa: E402
+from raven_kernels.sila.fused_recurrent import decode_warps  # noqa: E402
 
 H, G, D, TAPS = 3, 3, 64, 4
 
@@ -68,7 +68,7 @@ def main(argv=None) -> None:
     parser.add_argument("--warps", type=numbers, default=[1, 2, 4, 8])
     args = parser.parse_args(argv)
     bandwidth = copy_bandwidth()
-    default = DECODE_WARPS.value
+    default = utils.step_warps(D, D)
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s; warps {args.warps} (default {default})", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     info = sweep_info(bandwidth, heads=H, group=G, head_dim=D, taps=TAPS)

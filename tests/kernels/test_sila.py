@@ -267,7 +267,7 @@ def test_the_decode_step_under_any_warps_the_sweep_tries_gives_the_same_step():
     w_beta, w_gamma = (torch.randn(H, d, generator=g).to(DEVICE) for _ in range(2))
     state = torch.randn(B, H, d, d, generator=g).to(DEVICE)
     outs = []
-    for warps in (1, 2, 4, 8):
+    for warps in (None, 1, 2, 8):
         with decode_warps(warps):
             outs.append(fused_recurrent_sila_decode(q, k, v, bx, gx, ax, biases, conv, tail.clone(), w_beta, w_gamma,
                                                     state.clone()))  # fmt: skip
