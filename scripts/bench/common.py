@@ -121,7 +121,8 @@ def parse_decode_options(text: str) -> dict | None:
     -> None (not compiled: `compile_decode = False`), 'a=1,b=True' -> {'a': 1, 'b': True} (Inductor options, Python
     literals), 'fused' alone or among them -> FUSED_PROJECTIONS, 'shared' -> SHARED_PROJECTIONS (the fusion reading
     the weights in place), 'reduced' -> REDUCED_PRODUCTS (that, and a small batch's products as Inductor's
-    reductions)."""
+    reductions), 'default' among them -> the model's own, with the options after it
+    ('default,triton.enable_pdl=True')."""
     import ast
 
     from raven_layers.decode_fusion import (
@@ -143,6 +144,7 @@ def parse_decode_options(text: str) -> dict | None:
             "shared": SHARED_PROJECTIONS,
             "reduced": REDUCED_PRODUCTS,
             "prologues": FUSED_PROLOGUES,
+            "default": named["default"],
         }
         if item in passes:
             options.update(passes[item])

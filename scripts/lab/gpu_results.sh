@@ -207,6 +207,9 @@ decode_tables() {  # issue 52's table: every mixer at 15 of 30 against both teac
 
 decode_followups() {  # what round 6's defaults leave to check (docs/lab/2026-11-29-decode-round-6.md, "Next")
   local out="$RUNS/decode-bench" && mkdir -p "$out"
+  # Inductor's kernels launched early, their prologues overlapping the kernel before (programmatic dependent launch)
+  timeout 300 python3 scripts/bench/profile_decode.py --out "$out/pdl" --models teacher-engine,sila --batches 1 \
+    --context 16k --variants default "default,triton.enable_pdl=True" --steps 16
   # Raven as the paper sets it (M = 256, top-32), beside the recipe's M = 64, top-8 of the tables
   timeout 300 python3 scripts/bench/bench_generate.py --out "$out/raven-paper" --mixers raven --mixer-settings defaults \
     --batches 1,128 --contexts 16k --steps 16

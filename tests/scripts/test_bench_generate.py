@@ -155,6 +155,8 @@ def test_decode_options_name_the_models_compilation():
     assert parse_decode_options("shared") == SHARED_PROJECTIONS
     assert parse_decode_options("reduced,combo_kernels=True") == {**REDUCED_PRODUCTS, "combo_kernels": True}
     assert parse_decode_options("prologues,combo_kernels=True") == {**FUSED_PROLOGUES, "combo_kernels": True}
+    pdl = {**REDUCED_PRODUCTS, "combo_kernels": True, "triton.enable_pdl": True}
+    assert parse_decode_options("default,triton.enable_pdl=True") == pdl
     with pytest.raises(argparse.ArgumentTypeError, match="not name=value"):
         parse_decode_options("combo_kernels")
     with pytest.raises(argparse.ArgumentTypeError, match="not a Python literal"):
