@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import dependent_launch, wait_for_inputs
+
 
 @triton.jit
 def merge_ranges(
@@ -76,8 +78,10 @@ def merge_fwd_kernel(
     BG: tl.constexpr,
     BD: tl.constexpr,
     BS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # one program per (row, query head)
+    wait_for_inputs(PDL)
     merge_ranges(m_part, l_part, o_part, o, tl.program_id(0), tl.program_id(1), 1, G, D, NS, BG, BD, BS)
 
 
@@ -134,5 +138,7 @@ class Partials:
     def merge(self, o: torch.Tensor) -> torch.Tensor:
         """Write the merged readout into o (contiguous, rows * G * D elements)."""
         BS = self.ranges_per_load(1)
-        merge_fwd_kernel[(self.rows, self.G)](self.m, self.l, self.o, o, self.G, self.D, self.NS, self.BG, self.BD, BS)
+        merge_fwd_kernel[(self.rows, self.G)](
+            self.m, self.l, self.o, o, self.G, self.D, self.NS, self.BG, self.BD, BS, **dependent_launch(o.device)
+        )
         return o

@@ -23,6 +23,7 @@ Inductor's own `batch_linear_lhs` fusion does the same for 2-D inputs only; a de
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from pathlib import Path
 
@@ -416,6 +417,18 @@ def share_projection_storage(model: nn.Module) -> int:
                 w.data = joint[start : start + n].view(w.shape)
             laid += 1
     return laid
+
+
+LAUNCH_SETTINGS = "raven_kernels.launch"  # DEPENDENT_LAUNCH: the decode kernels' programmatic dependent launch
+
+
+def kernel_launches(options: dict, like: torch.Tensor):
+    """The context each call of a step compiled with `options` runs in (its warm-up and its capture launch the
+    kernels): where the options turn on Inductor's programmatic dependent launch (`triton.enable_pdl`), the
+    toolkit's decode kernels launch that way too (raven_kernels.launch), so no kernel of the step waits for the
+    whole kernel ahead to end before it is scheduled."""
+    module = kernel_module(LAUNCH_SETTINGS, like) if options.get("triton.enable_pdl") else None
+    return module.DEPENDENT_LAUNCH.use(True) if module is not None else contextlib.nullcontext()
 
 
 def prepare_weights(model: nn.Module, options: dict) -> None:

@@ -533,7 +533,7 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         if not self.compile_decode:
             return self.decode_logits
         if self._compiled_decode is None:
-            from .decode_fusion import prepare_weights  # Inductor's pass API: imported when a step compiles
+            from .decode_fusion import kernel_launches, prepare_weights  # Inductor's pass API: imported when compiling
 
             options = self.decode_compile_options
             prepare_weights(self, options)
@@ -549,7 +549,7 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
             def step(input_ids: torch.Tensor, cache: StaticHybridCache) -> torch.Tensor:
                 # each (model, batch, cache length) compiles once and is then replayed as a graph, never traced
                 # again; dynamo's default of 8 compilations per function would run the 9th one eager, silently
-                with config.patch(**patches):
+                with config.patch(**patches), kernel_launches(options, input_ids):
                     return compiled(input_ids, cache)
 
             self._compiled_decode = step

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import LaunchSetting
+from ..launch import LaunchSetting, dependent_launch, wait_for_inputs
 from ..split import Partials, merge_if_last, row_counters, split_count
 
 
@@ -48,7 +48,9 @@ def attention_fwd_kernel_split(
     MERGE: tl.constexpr,
     BH: tl.constexpr,
     BS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     i_bh, i_s = tl.program_id(0), tl.program_id(1)
     i_b = i_bh // HKV
     filled = tl.minimum(tl.load(step) + 1, S)
@@ -203,6 +205,7 @@ def attention_decode(
         part.BH,
         part.ranges_per_load(part.BH),
         **launch,
+        **dependent_launch(q.device),
     )
     return out if merge or NS == 1 else part.merge(out)
 

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ..decode_checks import check_in_place, check_row_views, check_shapes
-from ..launch import LaunchSetting
+from ..launch import LaunchSetting, dependent_launch, wait_for_inputs
 from ..rows import indices_by_score, rows_rms_norm, softplus, top_indices_by_score
 from ..split import Partials, merge_if_last, row_counters, split_count
 from .utils import check_inputs, slot_indices
@@ -188,12 +188,13 @@ def raven_fwd_kernel_decode(
     H: tl.constexpr, G: tl.constexpr, M: tl.constexpr, D: tl.constexpr, K: tl.constexpr, BG: tl.constexpr,
     BM: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, BMALL: tl.constexpr, NS: tl.constexpr, MB: tl.constexpr,
     HAS_QK_NORM: tl.constexpr, SILU: tl.constexpr, HAS_MASK: tl.constexpr, BS: tl.constexpr,
-    TOPK_SORT: tl.constexpr, SHARED: tl.constexpr,
+    TOPK_SORT: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One decode step of a Raven layer from its projections, grid (N * H, NS): the q/k norms and feature map, the
     router's top-K of the slot logits [M] (K rounds of a max, or with TOPK_SORT a sort) and their weights, the
     write decay, then `slot_pass` over this program's range of slots (the state rewritten in place), the ranges
     merged by the last of each row to finish."""
+    wait_for_inputs(PDL)
     i_nh, i_sp = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     o_g, o_d, o_k = tl.arange(0, BG), tl.arange(0, BD), tl.arange(0, BK)
@@ -447,7 +448,7 @@ def raven_decode_step(
             D=D, K=top_k, BG=BG, BM=BM, BD=BD, BK=triton.next_power_of_2(top_k), BMALL=triton.next_power_of_2(M),
             NS=NS, MB=triton.cdiv(blocks, NS), HAS_QK_NORM=q_norm is not None, SILU=silu, HAS_MASK=mask is not None,
             BS=part.ranges_per_load(part.BG) if part else 1, TOPK_SORT=(split.top_k_by or DECODE_TOP_K_BY) == "sort",
-            SHARED=values_shared(BM, BD, warps), num_warps=warps,
+            SHARED=values_shared(BM, BD, warps), num_warps=warps, **dependent_launch(q.device),
         )  # fmt: skip
     return o
 

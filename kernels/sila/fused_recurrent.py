@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..decode_checks import check_row_views, check_shapes
-from ..launch import LaunchSetting
+from ..launch import LaunchSetting, dependent_launch
 from . import utils
 from .fused_recurrent_bwd import fused_recurrent_sila_bwd
 from .fused_recurrent_fwd import fused_recurrent_sila_fwd, sila_fwd_kernel_decode
@@ -279,7 +279,7 @@ def sila_decode(
             gamma_bias, alpha_bias, conv_weight, tail, q_norm, k_norm, norm_eps, w_beta, w_gamma, state, mask, o,
             H=H, G=G, K=d, KB=utils.sweep_block(d), TAPS=conv_weight.shape[-1], SILU=silu,
             HAS_QK_NORM=q_norm is not None, HAS_MASK=mask is not None, GATED=out_gate is not None,
-            num_warps=DECODE_WARPS.value or utils.step_warps(d, d),
+            num_warps=DECODE_WARPS.value or utils.step_warps(d, d), **dependent_launch(q.device),
         )  # fmt: skip
     return o
 

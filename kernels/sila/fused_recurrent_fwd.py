@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import wait_for_inputs
 from . import utils
 from .utils import (
     _add_pair,
@@ -174,11 +175,13 @@ def sila_fwd_kernel_decode(
     stride_og, beta_bias, gamma_bias, alpha_bias, conv_w, tail, q_norm, k_norm, norm_eps, w_beta, w_gamma, state,
     mask, o, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, TAPS: tl.constexpr,
     SILU: tl.constexpr, HAS_QK_NORM: tl.constexpr, HAS_MASK: tl.constexpr, GATED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One decode step of a SILA layer from its projections, one program per (sequence, kv head): the q/k norms,
     the short convolution after the cached tail (updated in place), the feature map, the L2 norms and the gates,
     then the recurrence on the memory `state` [N, H, K, K] (in place) and the G outputs, times the output gate
     2 sigmoid(out_gate) where GATED."""
+    wait_for_inputs(PDL)
     i_n, i_h = tl.program_id(0), tl.program_id(1)
     C: tl.constexpr = (G + 2) * H * K  # channels q, k, v
     o_kb, o_mem = sweep_offsets(K, K, KB)

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from ..decode_checks import check_in_place, check_row_views, check_shapes
+from ..launch import dependent_launch, wait_for_inputs
 from ..rows import indices_by_score, rows_rms_norm, softplus
 from .chunk import _new
 
@@ -142,13 +143,14 @@ def sse_fwd_kernel_step(
     H: tl.constexpr, G: tl.constexpr, N: tl.constexpr, C: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
     RA: tl.constexpr, WK: tl.constexpr, RK: tl.constexpr, SHARED: tl.constexpr, NORM: tl.constexpr,
     GATED: tl.constexpr, HAS_MASK: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
-    BD: tl.constexpr, BR: tl.constexpr, BRA: tl.constexpr,
+    BD: tl.constexpr, BR: tl.constexpr, BRA: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One decode step of an SSE layer from its products, one program per (sequence, kv head): the router's
     partitions best first, their LoRA'd keys (softmax over the C rows) and queries from every partition's first
     LoRA products qa, ka [B, N R], the GLA gate from its low-rank product, the writes and reads of the top
     partitions and the shared one in the state [B, H, P, C, D] (in place), then the read's per-head RMSNorm and
     output gate."""
+    wait_for_inputs(PDL)
     i_b, i_h = tl.program_id(0), tl.program_id(1)
     P: tl.constexpr = N + SHARED
     MM: tl.constexpr = WK if WK > RK else RK  # entries: the top max(k, k') partitions
@@ -332,7 +334,7 @@ def sse_decode_step(
             NORM=out_norm is not None, GATED=out_gate is not None, HAS_MASK=mask is not None,
             BG=triton.next_power_of_2(G), BN=triton.next_power_of_2(N), BC=triton.next_power_of_2(C),
             BD=triton.next_power_of_2(D), BR=triton.next_power_of_2(R), BRA=triton.next_power_of_2(decay_x.shape[-1]),
-            num_warps=STEP_WARPS,
+            num_warps=STEP_WARPS, **dependent_launch(q.device),
         )  # fmt: skip
     return o
 

@@ -80,17 +80,17 @@ CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuob
 
 
 def resources(fn, constants: dict, num_warps: int, num_stages: int, floats=frozenset({"scale"})) -> dict[str, int]:
-    """Compile `fn` for sm_90 with these constexpr values (every other argument a pointer, one of `floats`, or an
-    integer: T, HID and strides).
+    """Compile `fn` for sm_90 with these constexpr values (and the defaults the kernel gives the others; every other
+    argument a pointer, one of `floats`, or an integer: T, HID and strides).
 
     Pointers are marked 16-byte aligned, as the launcher marks torch's allocations: without that Triton cannot
     vectorise the loads and the compiled kernel is not the one that runs.
     """
     signature, constexprs, attrs = {}, {}, {}
-    for i, name in enumerate(inspect.signature(fn.fn).parameters):
-        if name in constants:
+    for i, (name, parameter) in enumerate(inspect.signature(fn.fn).parameters.items()):
+        if name in constants or parameter.default is not inspect.Parameter.empty:  # a constexpr, or its default
             signature[name] = "constexpr"
-            constexprs[(i,)] = constants[name]
+            constexprs[(i,)] = constants.get(name, parameter.default)
         elif name in floats:
             signature[name] = "fp32"
         elif name in ("T", "HID") or name.startswith("stride_"):

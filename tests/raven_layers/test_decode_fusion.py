@@ -465,3 +465,21 @@ def test_a_mixer_layers_decode_step_launches_no_more_than_an_attention_layers(mi
     a product left out of its layer's fused product, or glue left outside the mixer's kernel, shows here before a
     GPU profile."""
     assert step_launches(mixer) <= step_launches("attention")
+
+
+@pytest.mark.parametrize("options", [{"triton.enable_pdl": True, "combo_kernels": True}, {"combo_kernels": True}])
+def test_the_step_launches_the_toolkits_kernels_dependent_where_inductors_are(monkeypatch, options):
+    """With Inductor's programmatic dependent launch (`triton.enable_pdl`) the compiled step's calls, which launch
+    the toolkit's decode kernels (its warm-up and its capture), run under raven_kernels.launch.DEPENDENT_LAUNCH;
+    without it they do not, and the setting is off again after each call."""
+    from raven_kernels.launch import DEPENDENT_LAUNCH
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)  # the step as written: what it runs under
+    source = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2)).eval()
+    hybrid = build_hybrid(source, plan_layers([("sila", "0")], 2), {})
+    seen = []
+    hybrid.decode_logits = lambda ids, cache: seen.append(DEPENDENT_LAUNCH.value) or ids
+    hybrid.decode_compile_options = options
+    with use_backend("triton"):
+        hybrid.decode_function()(torch.zeros(1, 1, dtype=torch.long), None)
+    assert seen == ["triton.enable_pdl" in options] and DEPENDENT_LAUNCH.value is False

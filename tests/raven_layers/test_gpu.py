@@ -98,14 +98,19 @@ def mean_step_error(logits: torch.Tensor, truth: torch.Tensor) -> float:
 @pytest.mark.parametrize("mixer", ["raven", "sila"])
 def test_norms_inside_the_products_decode_as_the_eager_path(mixer):
     """FUSED_PROLOGUES (each RMSNorm and the residual add before it inside the product that reads it,
-    raven_kernels.linear) on CUDA graphs: in float32 the greedy tokens of 64 steps equal the eager dynamic path's,
-    twice over one captured graph."""
+    raven_kernels.linear) on CUDA graphs decodes the eager path's tokens."""
     from raven_layers.decode_fusion import FUSED_PROLOGUES
 
+    assert_graphed_tokens_are_the_eager_paths(mixer, FUSED_PROLOGUES)
+
+
+def assert_graphed_tokens_are_the_eager_paths(mixer: str, options: dict):
+    """A tiny float32 hybrid (`mixer` in layers 0 and 2 of 4) whose step compiles with `options`: the greedy tokens
+    of 64 steps on CUDA graphs (left padding in one row) equal the eager dynamic path's, twice over one graph."""
     torch.manual_seed(0)
     source = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
     model = build_hybrid(source, plan_layers([(mixer, "0,2")], 4), {mixer: SETTINGS[mixer]}).cuda()
-    model.decode_compile_options = FUSED_PROLOGUES
+    model.decode_compile_options = options
     ids = torch.randint(3, 100, (3, 41), device="cuda")
     mask = torch.ones_like(ids)
     mask[1, :7] = 0
@@ -114,6 +119,16 @@ def test_norms_inside_the_products_decode_as_the_eager_path(mixer):
         eager = model.generate(ids, cache_implementation="dynamic", **args)
         for _ in range(2):
             assert torch.equal(model.generate(ids, **args), eager)
+
+
+@pytest.mark.parametrize("mixer", ["raven", "sse", "sila"])
+def test_dependent_launches_decode_as_the_eager_path(mixer):
+    """Programmatic dependent launch (Inductor's `triton.enable_pdl`, and with it the toolkit's decode kernels: each
+    launched before the kernel ahead ends, waiting for it before it touches memory) on CUDA graphs decodes the
+    eager path's tokens."""
+    from raven_layers.decode_fusion import default_decode_options
+
+    assert_graphed_tokens_are_the_eager_paths(mixer, {**default_decode_options(), "triton.enable_pdl": True})
 
 
 @pytest.mark.parametrize("mixer", ["raven", "sse", "sila"])
