@@ -207,15 +207,13 @@ decode_tables() {  # issue 52's table: every mixer at 15 of 30 against both teac
 
 decode_followups() {  # what round 6's defaults leave to check (docs/lab/2026-11-29-decode-round-6.md, "Next")
   local out="$RUNS/decode-bench" && mkdir -p "$out"
-  # Inductor's kernels launched early, their prologues overlapping the kernel before (programmatic dependent launch)
+  # the step's kernels launched early, each overlapping the tail of the kernel before (programmatic dependent
+  # launch), beside the default (SILA's batch-1 step with its products as reductions, where it goes)
   timeout 300 python3 scripts/bench/profile_decode.py --out "$out/pdl" --models teacher-engine,sila --batches 1 \
     --context 16k --variants default "default,triton.enable_pdl=True" --steps 16
   # Raven as the paper sets it (M = 256, top-32), beside the recipe's M = 64, top-8 of the tables
   timeout 300 python3 scripts/bench/bench_generate.py --out "$out/raven-paper" --mixers raven --mixer-settings defaults \
     --batches 1,128 --contexts 16k --steps 16
-  # SILA's batch-1 step with a small batch's products as reductions (now the default), where it goes
-  timeout 240 python3 scripts/bench/profile_decode.py --out "$out/b1-sila" --models sila --batches 1 --context 16k \
-    --variants default --steps 16
   # slot_ranges' rule away from the points it was fitted on: 2 and 8 ranges at M = 256, and the recipe's M = 64
   timeout 120 python3 scripts/bench/sweep_raven_decode.py --out "$out/sweep-raven-256" --batches 1,32,128 \
     --blocks 8 --warps 1 --ranges 2,4,8,16,32 --top-k-by sort
