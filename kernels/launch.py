@@ -38,8 +38,9 @@ class LaunchSetting(Generic[T]):
 
 
 # Whether the decode kernels launch programmatically dependent: each may start before the kernel ahead of it ends
-# (its launch and scheduling hidden behind that kernel's tail) and waits for it before touching memory. None ever
-# lets the kernel after it start early, so a kernel that waits for it also waits for everything before it.
+# (its launch and scheduling hidden behind that kernel's tail) and waits for it before touching memory. None of them
+# lets the kernel after it start early (no gdc_launch_dependents), so a kernel that waits for one of them also
+# waits for everything before it.
 DEPENDENT_LAUNCH = LaunchSetting(False)
 
 

@@ -58,9 +58,9 @@ def step_split(split: StepSplit):
 
 def slot_ranges(rows: int, blocks: int, warps: int, device: torch.device) -> int:
     """Ranges the slots of each of `rows` heads split into for one token: ranges of RANGE_BLOCKS[1] blocks (a
-    longer stream a program outweighs the merge of a few ranges), shorter, down to RANGE_BLOCKS[0], only where
-    rows x ranges would leave an SM fewer than 2 one-warp programs (batch 1's few heads). The fastest of
-    sweep_raven_decode.py's at batch 1, 32 and 128 (docs/KERNELS.md)."""
+    longer stream costs a program more than merging a few ranges costs), shorter, down to RANGE_BLOCKS[0], only
+    where rows x ranges would leave an SM fewer than 2 one-warp programs (batch 1's few heads). The fastest of
+    sweep_raven_decode.py's choices at batch 1, 32 and 128 (docs/KERNELS.md)."""
     least, most = blocks // RANGE_BLOCKS[1], blocks // RANGE_BLOCKS[0]
     wanted = split_count(rows, blocks, device, per_sm=max(1, 2 // warps))
     return max(1, min(max(wanted, triton.next_power_of_2(least)), most))
