@@ -26,7 +26,9 @@ with a batch of up to 4 rows' products as Inductor's reductions, or with each RM
 and each MLP's gated activation inside the product that reads them; e.g. `shared,combo_kernels=True`). The table is
 printed last and written to OUT/profile_decode.json with the profiler's top kernels of each row and where its GPU
 time goes (`breakdown`: the attention, the mixers' step kernels, the products, Inductor's fused kernels, the rest;
-printed as a table too).
+printed as a table too). `--save-code` also writes each row's generated step (the wrapper that launches every
+kernel, and the kernels' source) to OUT/code_MODEL_bBATCH_VARIANT.py, to tell which ops a kernel of the profile
+holds.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch._inductor.utils import run_and_get_code
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
 
@@ -105,7 +108,16 @@ def kernels_per_step(model, cache, token: torch.Tensor, runs: int = 8) -> tuple[
     return sum(e.count for e in events) / runs, every
 
 
-def measure(model, batch: int, context: int, steps: int, options: dict | None) -> dict:
+def code_name(model: str, batch: int, variant: str) -> str:
+    """The file `--save-code` writes a step's generated code to: code_<model>_b<batch>_<variant>.py, the variant's
+    punctuation as dashes."""
+    slug = "".join(c if c.isalnum() else "-" for c in variant).strip("-")
+    return f"code_{model}_b{batch}_{slug}.py"
+
+
+def measure(model, batch: int, context: int, steps: int, options: dict | None, code: Path | None = None) -> dict:
+    """One row (see the module's docstring); with `code`, the source Inductor generated for the step (every graph
+    the warm-up compiled: the wrapper that launches each kernel, and the kernels) is written there."""
     model._static_cache = None  # a fresh cache and graph: the step below is compiled anew
     set_decode_options(model, options)
     release()
@@ -115,7 +127,18 @@ def measure(model, batch: int, context: int, steps: int, options: dict | None) -
     with torch.no_grad():
         torch.cuda.synchronize()
         start = time.perf_counter()
-        model.generate(ids, max_new_tokens=3, min_new_tokens=3, **kwargs)  # compiles, captures
+
+        def warm_up():  # compiles, captures
+            return model.generate(ids, max_new_tokens=3, min_new_tokens=3, **kwargs)
+
+        if code is None:
+            warm_up()
+        else:
+            sources = run_and_get_code(warm_up)[1]
+            text = "\n\n".join(sources) or "# no graph compiled (the eager step, or Inductor's cache served it)\n"
+            tmp = code.with_name(code.name + ".tmp")
+            tmp.write_text(text)
+            tmp.replace(code)
         torch.cuda.synchronize()
         compile_s = time.perf_counter() - start
         out = model.generate(
@@ -151,6 +174,9 @@ def main(argv=None):
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--context", default="16k")
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument(
+        "--save-code", action="store_true", help="write each row's generated step to OUT/code_MODEL_bBATCH_VARIANT.py"
+    )
     parser.add_argument("--variants", nargs="+", default=["plain", "default", "eager"])
     parser.add_argument("--out", type=Path, required=True)
     add_settings_argument(parser)
@@ -181,7 +207,8 @@ def main(argv=None):
             reference = None
             for label, options in variants:
                 try:
-                    row = measure(model, batch, context, args.steps, options)
+                    code = args.out / code_name(name, batch, label) if args.save_code else None
+                    row = measure(model, batch, context, args.steps, options, code)
                 except Exception as error:  # a variant Inductor cannot compile: the others still run
                     print(f"{name} B{batch} {label}: failed ({type(error).__name__}: {error})", flush=True)
                     rows.append({"model": name, "batch": batch, "variant": label, "error": f"{error}"[:500]})

@@ -210,7 +210,7 @@ decode_followups() {  # what round 6's defaults leave to check (docs/lab/2026-11
   # the step's kernels launched early, each overlapping the tail of the kernel before (programmatic dependent
   # launch), beside the default (SILA's batch-1 step with its products as reductions, where it goes)
   timeout 300 python3 scripts/bench/profile_decode.py --out "$out/pdl" --models teacher-engine,sila --batches 1 \
-    --context 16k --variants default "default,triton.enable_pdl=True" --steps 16
+    --context 16k --variants default "default,triton.enable_pdl=True" --steps 16 --save-code
   # Raven as the paper sets it (M = 256, top-32), beside the recipe's M = 64, top-8 of the tables
   timeout 300 python3 scripts/bench/bench_generate.py --out "$out/raven-paper" --mixers raven --mixer-settings defaults \
     --batches 1,128 --contexts 16k --steps 16

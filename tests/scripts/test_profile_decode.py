@@ -31,3 +31,10 @@ def test_every_kernel_of_a_recorded_step_falls_in_its_part():
         sum(k["us_per_step"] for k in sila["top_kernels"])
     )
     assert parts["mixer step"]["per_step"] == 15 and parts["attention"]["per_step"] == 15  # 15 of 30 converted
+
+
+def test_a_rows_generated_code_is_named_by_model_batch_and_variant():
+    from profile_decode import code_name
+
+    assert code_name("sila", 1, "default,triton.enable_pdl=True") == "code_sila_b1_default-triton-enable-pdl-True.py"
+    assert code_name("teacher-engine", 128, "plain") == "code_teacher-engine_b128_plain.py"
