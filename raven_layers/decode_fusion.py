@@ -46,6 +46,14 @@ def _argument(node: fx.Node, index: int, name: str):
     return node.args[index] if len(node.args) > index else node.kwargs.get(name)
 
 
+def _linears(graph: fx.Graph):
+    """Each linear node of `graph` with its input, weight and bias (over a copy of the node list: the passes
+    replace the nodes as they go)."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in LINEAR:
+            yield node, *(_argument(node, i, name) for i, name in enumerate(("input", "weight", "bias")))
+
+
 def _gap_rows(first: torch.Tensor, second: torch.Tensor) -> int | None:
     """The rows between weight `first` [out, in] and `second` [..., in] where `second` follows it in one storage,
     fewer than ALIGN_ROWS rows after it (both contiguous): one view reads both; None where it does not."""
@@ -155,12 +163,10 @@ def fuse_shared_input_linears(graph: fx.Graph, copy: bool = True) -> int:
     first linear (it could not be concatenated before it) or the weights differ in dtype or input width."""
     order = {node: i for i, node in enumerate(graph.nodes)}
     groups: dict[fx.Node, list[fx.Node]] = {}
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target in LINEAR:
-            source, bias = _argument(node, 0, "input"), _argument(node, 2, "bias")
-            stored = isinstance(_argument(node, 1, "weight"), fx.Node) and (bias is None or isinstance(bias, fx.Node))
-            if isinstance(source, fx.Node) and stored:
-                groups.setdefault(source, []).append(node)
+    for node, source, weight, bias in _linears(graph):
+        stored = isinstance(weight, fx.Node) and (bias is None or isinstance(bias, fx.Node))
+        if isinstance(source, fx.Node) and stored:
+            groups.setdefault(source, []).append(node)
     replaced = 0
     for source, nodes in groups.items():
         runs = _adjacent_runs(nodes) if len(nodes) > 1 else []
@@ -189,16 +195,25 @@ def _traced(graph: fx.Graph, op: str, target, args: tuple) -> fx.Node:
     return node
 
 
+def _replace_linear(graph: fx.Graph, node: fx.Node, out: fx.Node, bias, dead: tuple = ()) -> None:
+    """Put `out` (made before `node`), plus `bias` where there is one, in place of the linear `node`, and erase it
+    and the nodes `dead` that only it read, each read by the one before it alone."""
+    if bias is not None:
+        with graph.inserting_before(node):
+            out = _traced(graph, "call_function", operator.add, (out, bias))
+    out.meta.update(node.meta)
+    node.replace_all_uses_with(out)
+    for erased in (node, *dead):
+        graph.erase_node(erased)
+
+
 def linears_as_reductions(graph: fx.Graph, max_rows: int) -> int:
     """Replace each linear node whose input has at most `max_rows` rows (a decode step's batch) by its float32 sum
     of products, (x [rows, 1, in] * weight [out, in]).sum(-1) (bias added after): Inductor writes it as one of its
     own reduction kernels, where a GEMV of cuBLAS is a kernel it cannot fuse with the norm before it or the
     pointwise work after it. Returns how many it replaced."""
     replaced = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in LINEAR:
-            continue
-        x, weight, bias = (_argument(node, i, name) for i, name in enumerate(("input", "weight", "bias")))
+    for node, x, weight, bias in _linears(graph):
         value = x.meta.get("example_value") if isinstance(x, fx.Node) else None
         if value is None or value.dim() < 2 or value.numel() // value.shape[-1] > max_rows:
             continue
@@ -206,14 +221,9 @@ def linears_as_reductions(graph: fx.Graph, max_rows: int) -> int:
             x32 = _traced(graph, "call_method", "float", (_traced(graph, "call_method", "unsqueeze", (x, -2)),))
             w32 = _traced(graph, "call_method", "float", (weight,))
             products = _traced(graph, "call_function", operator.mul, (x32, w32))  # [..., out, in]
-            out = _traced(
-                graph, "call_method", "to", (_traced(graph, "call_method", "sum", (products, -1)), value.dtype)
-            )
-            if bias is not None:
-                out = _traced(graph, "call_function", operator.add, (out, bias))
-        out.meta.update(node.meta)
-        node.replace_all_uses_with(out)
-        graph.erase_node(node)
+            total = _traced(graph, "call_method", "sum", (products, -1))
+            out = _traced(graph, "call_method", "to", (total, value.dtype))
+        _replace_linear(graph, node, out, bias)
         replaced += 1
     return replaced
 
@@ -270,10 +280,7 @@ def fuse_norms_into_linears(graph: fx.Graph) -> int:
     Returns how many linears it replaced; none where the kernels are not at hand for the graph's device."""
     order = {node: i for i, node in enumerate(graph.nodes)}  # erasing keeps the order; a node made since counts first
     replaced = 0
-    for node in list(graph.nodes):
-        if not (node.op == "call_function" and node.target in LINEAR):
-            continue
-        normed, weight, bias = (_argument(node, i, name) for i, name in enumerate(("input", "weight", "bias")))
+    for node, normed, weight, bias in _linears(graph):
         found = _rms_norm(normed) if isinstance(normed, fx.Node) and len(normed.users) == 1 else None
         product = weight.meta.get("example_value") if isinstance(weight, fx.Node) else None
         if found is None or product is None or product.dim() != 2 or product.stride(-1) != 1:
@@ -298,12 +305,7 @@ def fuse_norms_into_linears(graph: fx.Graph) -> int:
             else:
                 out = _traced(graph, "call_function", torch.ops.raven_hybrid.norm_linear.default,
                               (h, norm_weight, weight, eps))  # fmt: skip
-            if bias is not None:
-                out = _traced(graph, "call_function", operator.add, (out, bias))
-        out.meta.update(node.meta)
-        node.replace_all_uses_with(out)
-        for dead in [node, *chain]:  # each read by the one before it alone (_rms_norm)
-            graph.erase_node(dead)
+        _replace_linear(graph, node, out, bias, tuple(chain))  # and the norm's nodes (_rms_norm)
         if summed:
             h.replace_all_uses_with(total)
             graph.erase_node(h)
@@ -316,10 +318,7 @@ def fuse_activations_into_linears(graph: fx.Graph) -> int:
     one `silu_mul_linear` of gate and up (raven_kernels.linear): the activation is then no kernel of its own.
     Returns how many it replaced; none where the kernels are not at hand for the graph's device."""
     replaced = 0
-    for node in list(graph.nodes):
-        if not (node.op == "call_function" and node.target in LINEAR):
-            continue
-        gated, weight, bias = (_argument(node, i, name) for i, name in enumerate(("input", "weight", "bias")))
+    for node, gated, weight, bias in _linears(graph):
         if not (isinstance(gated, fx.Node) and _call(gated, "call_function", operator.mul) and len(gated.users) == 1):
             continue
         silu, up = gated.args if _call(gated.args[0], "call_function", F.silu) else gated.args[::-1]
@@ -337,12 +336,7 @@ def fuse_activations_into_linears(graph: fx.Graph) -> int:
             continue
         with graph.inserting_before(node):
             out = _traced(graph, "call_function", torch.ops.raven_hybrid.silu_mul_linear.default, (gate, up, weight))
-            if bias is not None:
-                out = _traced(graph, "call_function", operator.add, (out, bias))
-        out.meta.update(node.meta)
-        node.replace_all_uses_with(out)
-        for dead in (node, gated, silu):
-            graph.erase_node(dead)
+        _replace_linear(graph, node, out, bias, (gated, silu))
         replaced += 1
     return replaced
 

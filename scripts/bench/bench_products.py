@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
 
-from common import graphed_us, parse_sizes, sweep_info, timing_fields  # noqa: E402
+from common import graphed_us, numbers, parse_sizes, sweep_info, timing_fields  # noqa: E402
 
 from raven_convert.evaluate.decode_bench import copy_bandwidth  # noqa: E402
 from raven_kernels.linear import add_norm_linear, silu_mul_linear  # noqa: E402
@@ -42,10 +42,6 @@ PRODUCTS = (
     ("head", 576, 49152, False),
 )
 EPS = 1e-5
-
-
-def numbers(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")]
 
 
 def rms_linear(x, residual, norm_weight, weight):

@@ -93,6 +93,14 @@ def mixer_settings(mixer: str, settings_from: str) -> dict[str, dict]:
     return {mixer: dict(load_recipe(recipe).mixer_settings.get(mixer, {}))}
 
 
+def numbers(text: str) -> list[int]:
+    """A sweep's comma-separated choices: '1,2,4' -> [1, 2, 4] (argparse's `type`)."""
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers such as 1,2,4") from None
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, mixers: str | None = None) -> None:
     """--out, --mixers (default: the built-in ones), --layers, --windows and --mixer-settings: the models every bench
     script builds (build_models)."""

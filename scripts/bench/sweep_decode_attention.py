@@ -29,7 +29,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
 
-from common import graphed_us, parse_sizes, shown_rows, sweep_info, timing_fields  # noqa: E402
+from common import graphed_us, numbers, parse_sizes, shown_rows, sweep_info, timing_fields  # noqa: E402
 
 from raven_convert.evaluate.decode_bench import copy_bandwidth  # noqa: E402
 from raven_kernels.attention import decode_attention  # noqa: E402
@@ -37,10 +37,6 @@ from raven_kernels.attention.decode import TILES, DecodeTiles, decode_tiles  # n
 
 HQ, HKV, D = 9, 3, 64
 MERGES = {True: "yes", False: "no", None: "where a row fits one load"}  # DecodeTiles.merge_in_kernel
-
-
-def numbers(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")]
 
 
 def inputs(batch: int, context: int) -> tuple:

@@ -30,7 +30,7 @@ import triton
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
 
-from common import graphed_us, parse_sizes, print_sweep, sweep_info, timing_fields  # noqa: E402
+from common import graphed_us, numbers, parse_sizes, print_sweep, sweep_info, timing_fields  # noqa: E402
 
 from raven_convert.evaluate.decode_bench import copy_bandwidth  # noqa: E402
 from raven_kernels.raven import fused_recurrent_raven_decode  # noqa: E402
@@ -45,10 +45,6 @@ from raven_kernels.raven.fused_recurrent import (  # noqa: E402
 from raven_layers import RavenSettings  # noqa: E402
 
 H, G, D = 3, 3, 64
-
-
-def numbers(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")]
 
 
 def methods(text: str) -> list[str]:

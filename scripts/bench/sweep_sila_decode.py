@@ -23,17 +23,13 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
 
-from common import graphed_us, parse_sizes, print_sweep, sweep_info, timing_fields  # noqa: E402
+from common import graphed_us, numbers, parse_sizes, print_sweep, sweep_info, timing_fields  # noqa: E402
 
 from raven_convert.evaluate.decode_bench import copy_bandwidth  # noqa: E402
 from raven_kernels.sila import fused_recurrent_sila_decode, utils  # noqa: E402
 from raven_kernels.sila.fused_recurrent import decode_warps  # noqa: E402
 
 H, G, D, TAPS = 3, 3, 64, 4
-
-
-def numbers(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")]
 
 
 def inputs(batch: int) -> tuple[tuple, dict]:
