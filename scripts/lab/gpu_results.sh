@@ -120,6 +120,11 @@
 #                  at 1K-8K), then decode-bench alone
 #   decode-round-3 the fast path's GPU tests, then decode-bench, all alone (about 25 minutes; what runs past the
 #                  session's device time is lost, so decode-bench runs its parts in the order above)
+#   decode-round-7 the fast path's GPU tests under round 6's defaults, issue 52's tables, the step under programmatic
+#                  dependent launch, Raven at M = 256 and its slot ranges, SILA at 22 and 26 (about 28 minutes alone)
+#   decode-round-7-x2  the same on a 2-GPU host in about half the minutes: the timed tables on GPU 0, the tests and
+#                  the sweeps on GPU 1 (NEWEST=1 with /tmp/site-newest: the exactness tests under the newest
+#                  transformers too)
 #   depth-speed    decode speed at 15, 22, 26 and 30 of 30 layers converted against the teacher on transformers and
 #                  on this engine (bench_generate.py --depths: batch 1, 32, 128 at 4K and 16K, with bandwidth
 #                  floors), and the largest batch at 32K (bench_capacity.py --depths), into RUNS/depth-speed;
@@ -205,22 +210,38 @@ decode_tables() {  # issue 52's table: every mixer at 15 of 30 against both teac
     --contexts 16k --steps 16
 }
 
-decode_followups() {  # what round 6's defaults leave to check (docs/lab/2026-11-29-decode-round-6.md, "Next")
+decode_pdl() {  # the step's kernels launched early, each overlapping the tail of the kernel before (programmatic
+  # dependent launch), beside the default (SILA's batch-1 step with its products as reductions, where it goes)
   local out="$RUNS/decode-bench" && mkdir -p "$out"
-  # the step's kernels launched early, each overlapping the tail of the kernel before (programmatic dependent
-  # launch), beside the default (SILA's batch-1 step with its products as reductions, where it goes)
   timeout 300 python3 scripts/bench/profile_decode.py --out "$out/pdl" --models teacher-engine,sila --batches 1 \
     --context 16k --variants default "default,triton.enable_pdl=True" --steps 16 --save-code
-  # Raven as the paper sets it (M = 256, top-32), beside the recipe's M = 64, top-8 of the tables
+}
+
+decode_raven_paper() {  # Raven as the paper sets it (M = 256, top-32), beside the recipe's M = 64, top-8 of the tables
+  local out="$RUNS/decode-bench" && mkdir -p "$out"
   timeout 300 python3 scripts/bench/bench_generate.py --out "$out/raven-paper" --mixers raven --mixer-settings defaults \
     --batches 1,128 --contexts 16k --steps 16
+}
+
+decode_sweeps() {  # what else round 6's defaults leave to check (docs/lab/2026-11-29-decode-round-6.md, "Next")
+  local out="$RUNS/decode-bench" && mkdir -p "$out"
   # slot_ranges' rule away from the points it was fitted on: 2 and 8 ranges at M = 256, and the recipe's M = 64
   timeout 120 python3 scripts/bench/sweep_raven_decode.py --out "$out/sweep-raven-256" --batches 1,32,128 \
     --blocks 8 --warps 1 --ranges 2,4,8,16,32 --top-k-by sort
   timeout 120 python3 scripts/bench/sweep_raven_decode.py --out "$out/sweep-raven-64" --slots 64 --top-k 8 \
     --batches 1,32,128 --blocks 4,8 --warps 1 --ranges 1,2,4 --top-k-by rounds,sort
+}
+
+decode_depth() {  # SILA at 22 and 26 of 30 against the teacher on both engines, batch 128 at 16K (issue 51's speed)
+  local out="$RUNS/decode-bench" && mkdir -p "$out"
   timeout 300 python3 scripts/bench/bench_generate.py --out "$out/depth" --mixers sila --depths 22,26 \
     --batches 128 --contexts 16k --steps 16
+}
+
+decode_profile_26() {  # where the 26-layer SILA hybrid's batch-128 step goes under the current defaults, kernel by kernel
+  local out="$RUNS/decode-bench" && mkdir -p "$out"
+  timeout 420 python3 scripts/bench/profile_decode.py --out "$out/b128-26" --models teacher-engine,sila --layers 26 \
+    --batches 128 --context 16k --variants default --steps 8
 }
 
 decode_parts() {  # where the steps go, kernel by kernel, and the sweeps of the tilings and splits; the runs that
@@ -404,7 +425,17 @@ PY
   decode-round-7)  # one device session, alone: the fast path's tests under round 6's defaults, the tables, the checks
     NEWEST=${NEWEST:-0} fast_path_tests
     decode_tables
-    decode_followups
+    decode_pdl
+    decode_raven_paper
+    decode_sweeps
+    decode_depth
+    decode_profile_26
+    ;;
+  decode-round-7-x2)  # decode-round-7 on two GPUs in about half the minutes: the times of issue 52's tables on one,
+    # the tests, then the sweeps and the 26-layer profile (timed alone on their GPU), on the other
+    (export CUDA_VISIBLE_DEVICES=0; decode_tables; decode_pdl; decode_depth; decode_raven_paper) &
+    (export CUDA_VISIBLE_DEVICES=1; fast_path_tests; decode_sweeps; decode_profile_26) &
+    wait
     ;;
   decode-parts)  # decode-bench without its tables: where the steps go, and the sweeps
     decode_parts
@@ -457,7 +488,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;
