@@ -25,6 +25,8 @@ def decode_config(M: int, G: int, D: int) -> tuple[int, int]:
 
 
 RANGE_BLOCKS = (2, 8)  # the fewest and most blocks a range of slots streams where they split (`slot_ranges`)
+LEAST_RANGES = 2  # a head's slots split in two at least, where it has the blocks: one program streaming a small state
+# alone is slower than two halves and their merge (M = 64 at batch 128)
 
 
 TOP_K_BY = ("rounds", "sort")  # how a program finds its head's top-K slots: K rounds of a max, or a sort of all M
@@ -58,10 +60,11 @@ def step_split(split: StepSplit):
 
 def slot_ranges(rows: int, blocks: int, warps: int, device: torch.device) -> int:
     """Ranges the slots of each of `rows` heads split into for one token: ranges of RANGE_BLOCKS[1] blocks (a
-    longer stream costs a program more than merging a few ranges costs), shorter, down to RANGE_BLOCKS[0], only
-    where rows x ranges would leave an SM fewer than 2 one-warp programs (batch 1's few heads). The fastest of
-    sweep_raven_decode.py's choices at batch 1, 32 and 128 (docs/KERNELS.md)."""
-    least, most = blocks // RANGE_BLOCKS[1], blocks // RANGE_BLOCKS[0]
+    longer stream costs a program more than merging a few ranges costs) and LEAST_RANGES of them at least, shorter,
+    down to RANGE_BLOCKS[0], only where rows x ranges would leave an SM fewer than 2 one-warp programs (batch 1's
+    few heads). The fastest of sweep_raven_decode.py's choices at batch 1, 32 and 128, at M = 256 and 64
+    (docs/KERNELS.md)."""
+    least, most = max(LEAST_RANGES, blocks // RANGE_BLOCKS[1]), blocks // RANGE_BLOCKS[0]
     wanted = split_count(rows, blocks, device, per_sm=max(1, 2 // warps))
     return max(1, min(max(wanted, triton.next_power_of_2(least)), most))
 

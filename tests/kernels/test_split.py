@@ -38,8 +38,9 @@ def test_merge_matches_the_softmax_merge(rows, NS, G, D):
 
 def test_split_count_covers_the_gpu_and_ravens_ranges_stream_2_to_8_blocks(monkeypatch):
     """Rows x ranges reach the wanted programs (a power of 2, at most the blocks). Raven's decode splits each head's
-    slots into ranges of 8 blocks, shorter (down to 2) only where the rows would leave an SM fewer than 2 programs:
-    on an H200 the fastest of sweep_raven_decode.py's at 3 heads (16 ranges at batch 1, 4 at 32 and 128)."""
+    slots into ranges of 8 blocks and two ranges at least, shorter (down to 2 blocks) only where the rows would leave
+    an SM fewer than 2 programs: on an H200 the fastest of sweep_raven_decode.py's at 3 heads (M = 256: 16 ranges at
+    batch 1, 4 at 32 and 128; M = 64: 4 at batch 1 and 32, 2 at 128)."""
     from raven_kernels import split
     from raven_kernels.raven.fused_recurrent import slot_ranges
 
@@ -52,5 +53,6 @@ def test_split_count_covers_the_gpu_and_ravens_ranges_stream_2_to_8_blocks(monke
     assert slot_ranges(96, 32, 1, cuda) == 4  # batch 32: 8 blocks a range
     assert slot_ranges(384, 32, 1, cuda) == 4  # batch 128
     assert slot_ranges(1024, 32, 1, cuda) == 4  # 16 heads at batch 64: still 8 blocks a range
-    assert slot_ranges(3, 8, 1, cuda) == 4 and slot_ranges(384, 8, 1, cuda) == 1  # M = 64 (the recipe's)
+    assert slot_ranges(3, 8, 1, cuda) == 4 and slot_ranges(96, 8, 1, cuda) == 4  # M = 64 (the recipe's)
+    assert slot_ranges(384, 8, 1, cuda) == 2  # batch 128 at M = 64: two ranges of 4 blocks, not one of 8
     assert slot_ranges(3, 3, 1, cuda) == 1 and slot_ranges(3, 1, 1, cuda) == 1  # too few blocks to split
