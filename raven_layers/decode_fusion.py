@@ -9,7 +9,8 @@ where they lie one after another in one buffer (`share_projection_storage` lays 
 with SHARED_PROJECTIONS), or concatenated (FUSED_PROJECTIONS: under Inductor's `freezing` the concatenation is
 folded into a constant, a second copy of those weights baked into the step). REDUCED_PRODUCTS adds
 `linears_as_reductions`: at a batch of a few rows the products become Inductor's own reductions instead of cuBLAS's
-GEMVs, which Inductor can fuse with the work around them. FUSED_PROLOGUES adds `fuse_norms_into_linears` and
+GEMVs, which Inductor can fuse with the work around them, and `parts_as_views`, so that a mixer's decode op reads
+its layer's product from one buffer. FUSED_PROLOGUES adds `fuse_norms_into_linears` and
 `fuse_activations_into_linears`: each RMSNorm (with the residual add before it) and each MLP's silu(gate) * up are
 computed inside the product that reads them (raven_kernels.linear), not as kernels of their own.
 
@@ -228,6 +229,43 @@ def linears_as_reductions(graph: fx.Graph, max_rows: int) -> int:
     return replaced
 
 
+KERNEL_OPS = "raven_hybrid"  # the namespace of the toolkit's custom ops (the decode steps of the mixers, attention)
+
+
+def _kernel_op(node: fx.Node) -> bool:
+    """Whether `node` calls one of the toolkit's custom ops."""
+    target = node.target
+    return node.op == "call_function" and getattr(target, "namespace", None) == KERNEL_OPS
+
+
+def parts_as_views(graph: fx.Graph) -> int:
+    """Hand the toolkit's ops each part of a split product (dim -1) as a strided view of the whole, not as the split's
+    part: Inductor makes each part of a value it has not stored a buffer of its own (a small batch's products are
+    reductions whose bf16 cast it stores nowhere), a kernel a layer that copies the product into the op's inputs.
+    A view of the whole makes it store the product once, the cast inside the reduction. Returns the parts it
+    replaced."""
+    replaced = 0
+    for op in [node for node in graph.nodes if _kernel_op(node)]:
+        for part in list(op.all_input_nodes):
+            split = part.args[0] if part.target is operator.getitem else None
+            if not isinstance(split, fx.Node) or split.target is not torch.split or split.kwargs.get("dim") != -1:
+                continue
+            whole = split.args[0]
+            value, sizes = whole.meta.get("example_value"), split.args[1]
+            if value is None or not isinstance(sizes, (list, tuple)):
+                continue
+            start = sum(sizes[: part.args[1]])
+            with graph.inserting_before(op):
+                view = _traced(graph, "call_function", torch.as_strided, (
+                    whole, (*value.shape[:-1], sizes[part.args[1]]), value.stride(),
+                    value.storage_offset() + start * value.stride(-1),
+                ))  # fmt: skip
+            view.meta.update(part.meta)
+            op.replace_input_with(part, view)
+            replaced += 1
+    return replaced
+
+
 PROLOGUE_KERNELS = "raven_kernels.linear"  # norm_linear, add_norm_linear and silu_mul_linear (see backend.py)
 
 
@@ -344,10 +382,10 @@ def fuse_activations_into_linears(graph: fx.Graph) -> int:
 class SharedInputLinears(CustomGraphPass):
     """`fuse_shared_input_linears` as Inductor takes a pre-grad pass (`copy`: its argument), then, with `prologues`,
     `fuse_norms_into_linears` and `fuse_activations_into_linears`, and with `reduce_rows`, `linears_as_reductions`
-    for inputs of up to that many rows. Its uuid keys Inductor's caches of compiled graphs, which are looked up
-    before the pass runs: it hashes this package's files, where the pass and the groups whose layout it reads
-    (share_projection_storage, `Mixer.shared_input_weights`) are defined, so a cached step never reads weights laid
-    out as another version of the code laid them out."""
+    for inputs of up to that many rows, then `parts_as_views`. Its uuid keys Inductor's caches of compiled graphs,
+    which are looked up before the pass runs: it hashes this package's files, where the pass and the groups whose
+    layout it reads (share_projection_storage, `Mixer.shared_input_weights`) are defined, so a cached step never
+    reads weights laid out as another version of the code laid them out."""
 
     def __init__(self, copy: bool = True, reduce_rows: int = 0, prologues: bool = False):
         self.copy, self.reduce_rows, self.prologues = copy, reduce_rows, prologues
@@ -359,6 +397,7 @@ class SharedInputLinears(CustomGraphPass):
             fuse_activations_into_linears(graph)
         if self.reduce_rows:
             linears_as_reductions(graph, self.reduce_rows)
+            parts_as_views(graph)
 
     def uuid(self) -> bytes:
         files = tuple(sorted(str(path) for path in Path(__file__).parent.glob("*.py")))

@@ -128,6 +128,9 @@
 #   decode-round-7-x2  the same on a 2-GPU host in about half the minutes: the timed tables on GPU 0, the tests and
 #                  the sweeps on GPU 1 (NEWEST=1 with /tmp/site-newest: the exactness tests under the newest
 #                  transformers too)
+#   decode-round-8-x2  round 7's "Next" on a 2-GPU host (about 15 minutes): the fast path's tests and the 26-layer
+#                  batch-128 profile with its generated code on one GPU; every model's batch-1 step with and
+#                  without dependent launch (code saved), both at batch 128, and the batch-1 table on the other
 #   depth-speed    decode speed at 15, 22, 26 and 30 of 30 layers converted against the teacher on transformers and
 #                  on this engine (bench_generate.py --depths: batch 1, 32, 128 at 4K and 16K, with bandwidth
 #                  floors), and the largest batch at 32K (bench_capacity.py --depths), into RUNS/depth-speed;
@@ -244,7 +247,18 @@ decode_depth() {  # SILA at 22 and 26 of 30 against the teacher on both engines,
 decode_profile_26() {  # where the 26-layer SILA hybrid's batch-128 step goes under the current defaults, kernel by kernel
   local out="$RUNS/decode-bench" && mkdir -p "$out"
   timeout 420 python3 scripts/bench/profile_decode.py --out "$out/b128-26" --models teacher-engine,sila --layers 26 \
-    --batches 128 --context 16k --variants default --steps 8
+    --batches 128 --context 16k --variants default --steps 8 --save-code
+}
+
+decode_round_8_steps() {  # round 8's times (docs/lab/2026-11-29-decode-round-7.md, "Next"): every model's batch-1 step
+  # with its mixer's product read as views (parts_as_views) and under dependent launch, then both at batch 128
+  local out="$RUNS/decode-bench" && mkdir -p "$out"
+  timeout 600 python3 scripts/bench/profile_decode.py --out "$out/pdl-b1" --models teacher-engine,raven,sse,sila \
+    --batches 1 --context 16k --variants default "default,triton.enable_pdl=True" --steps 16 --save-code
+  timeout 420 python3 scripts/bench/profile_decode.py --out "$out/pdl-b128" --models teacher-engine,sila --batches 128 \
+    --context 16k --variants default "default,triton.enable_pdl=True" --steps 8
+  timeout 420 python3 scripts/bench/bench_generate.py --out "$out/b1" --mixers raven,sse,sila --batches 1 \
+    --contexts 4k,16k --steps 32
 }
 
 decode_parts() {  # where the steps go, kernel by kernel, and the sweeps of the tilings and splits; the runs that
@@ -444,6 +458,12 @@ PY
     (export CUDA_VISIBLE_DEVICES=1; fast_path_tests; decode_sweeps; decode_profile_26) &
     wait
     ;;
+  decode-round-8-x2)  # round 7's "Next" on a 2-GPU host (about 15 minutes): the tests and the 26-layer batch-128
+    # profile with its code on one GPU, the batch-1 and dependent-launch profiles and the batch-1 table on the other
+    (export CUDA_VISIBLE_DEVICES=0; decode_round_8_steps) &
+    (export CUDA_VISIBLE_DEVICES=1; NEWEST=${NEWEST:-0} fast_path_tests; decode_profile_26) &
+    wait
+    ;;
   decode-parts)  # decode-bench without its tables: where the steps go, and the sweeps
     decode_parts
     ;;
@@ -495,7 +515,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;

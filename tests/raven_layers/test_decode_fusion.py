@@ -3,8 +3,10 @@ one input become one product whose parts equal the eager step's outputs; groups 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
+from unittest import mock
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from torch._inductor.utils import run_and_get_code
 from transformers import AutoModelForCausalLM
 
 from raven_convert import build_hybrid, plan_layers
-from raven_layers import StaticHybridCache
+from raven_layers import StaticHybridCache, decode_fusion
 from raven_layers.backend import use_backend
 from raven_layers.decode_attention import decode_attention
 from raven_layers.decode_fusion import (
@@ -24,6 +26,7 @@ from raven_layers.decode_fusion import (
     LINEAR,
     REDUCED_PRODUCTS,
     SHARED_PROJECTIONS,
+    default_decode_options,
     fuse_activations_into_linears,
     fuse_norms_into_linears,
     fuse_shared_input_linears,
@@ -457,6 +460,52 @@ def step_launches(mixer: str) -> int:
             _, code = run_and_get_code(hybrid.decode_function(), ids[:, 8:], cache)
     calls = r"^\s*(\w+ = )?(cpp_fused_\w+|extern_kernels\.\w+|torch\.ops\.\w+\.\w+(\.default)?)\("
     return sum(bool(re.match(calls, line)) for line in "\n".join(code).splitlines())
+
+
+def bf16_step(mixer: str, batch: int, parts_as_views: bool = True) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """The logits of a 2-layer bf16 hybrid's decode step (attention, then `mixer` on the kernels, interpreted),
+    eager and compiled under the default options (with `parts_as_views` or without it), and the compiled step's
+    code."""
+    torch.manual_seed(0)
+    source = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2)).eval()
+    settings = {"sse": {"lora_rank": 8, "num_partitions": 4, "top_k": 2}}.get(mixer, {})
+    hybrid = build_hybrid(source, ["attention", mixer], {mixer: settings} if settings else {}).eval()
+    hybrid = hybrid.to(torch.bfloat16)
+    ids = torch.randint(3, 100, (batch, 9), generator=torch.Generator().manual_seed(2))
+    prefilled = StaticHybridCache(hybrid.config, batch_size=batch, max_length=16, dtype=torch.bfloat16)
+    logits, code = {}, []
+    without = mock.patch.object(decode_fusion, "parts_as_views", lambda graph: 0)
+    with torch.no_grad(), use_backend("triton"), torch._inductor.config.patch(force_disable_caches=True):
+        hybrid(ids[:, :8], cache=prefilled)
+        for compiled in (False, True):
+            hybrid.compile_decode, hybrid.decode_compile_options = compiled, default_decode_options()
+            cache = copy.deepcopy(prefilled)
+            with cache.decoding_step(), decode_attention(hybrid.config), contextlib.ExitStack() as stack:
+                if not parts_as_views:
+                    stack.enter_context(without)
+                logits[compiled], code = run_and_get_code(hybrid.decode_function(), ids[:, 8:], cache)
+    return logits[False], logits[True], "\n".join(code)
+
+
+@pytest.mark.parametrize("mixer, op", [("sila", "sila_decode"), ("raven", "raven_decode_step"),
+                                       ("sse", "sse_decode_step")])  # fmt: skip
+def test_a_small_batchs_fused_product_reaches_the_mixers_kernel_as_views_of_one_buffer(mixer, op):
+    """At a batch of a few rows the fused product is a reduction with a bf16 cast after it. Inductor would store
+    each part of the cast in a buffer of its own (a copy kernel a layer on a GPU); with `parts_as_views` the
+    mixer's decode op reads every part as a view of one buffer, and the logits stay the eager step's."""
+    eager, compiled, code = bf16_step(mixer, batch=2)
+    call = next(line for line in code.splitlines() if f"torch.ops.raven_hybrid.{op}.default(" in line)
+    parts = re.findall(r"reinterpret_tensor\((buf\d+), ", call)
+    assert len(parts) >= 5 and len(set(parts)) == 1, call
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-2)
+
+
+def test_views_of_the_product_change_no_logit():
+    """The step with the parts as views of one buffer computes what it computed with a buffer for each part."""
+    _, with_views, _ = bf16_step("sila", batch=2)
+    _, with_copies, code = bf16_step("sila", batch=2, parts_as_views=False)
+    assert "torch.ops.raven_hybrid.sila_decode.default(buf" in code  # without the pass: a buffer of its own
+    assert torch.equal(with_views, with_copies)
 
 
 @pytest.mark.parametrize("mixer", ["sila", "raven", "sse"])
