@@ -253,12 +253,16 @@ decode_profile_26() {  # where the 26-layer SILA hybrid's batch-128 step goes un
 decode_round_8_steps() {  # round 8's times (docs/lab/2026-11-29-decode-round-7.md, "Next"): every model's batch-1 step
   # with its mixer's product read as views (parts_as_views) and under dependent launch, then both at batch 128
   local out="$RUNS/decode-bench" && mkdir -p "$out"
-  timeout 600 python3 scripts/bench/profile_decode.py --out "$out/pdl-b1" --models teacher-engine,raven,sse,sila \
-    --batches 1 --context 16k --variants default "default,triton.enable_pdl=True" --steps 16 --save-code
+  local pdl=(--variants default "default,triton.enable_pdl=True" --context 16k)  # each model's plain step too
+  # what decides dependent launch first (both models at batch 1 and 128), in calls short enough not to be cut
+  timeout 540 python3 scripts/bench/profile_decode.py --out "$out/pdl-b1" --models teacher-engine,sila --batches 1 \
+    "${pdl[@]}" --steps 16 --save-code
   timeout 420 python3 scripts/bench/profile_decode.py --out "$out/pdl-b128" --models teacher-engine,sila --batches 128 \
-    --context 16k --variants default "default,triton.enable_pdl=True" --steps 8
+    "${pdl[@]}" --steps 8
   timeout 420 python3 scripts/bench/bench_generate.py --out "$out/b1" --mixers raven,sse,sila --batches 1 \
     --contexts 4k,16k --steps 32
+  timeout 540 python3 scripts/bench/profile_decode.py --out "$out/pdl-b1-raven-sse" --models raven,sse --batches 1 \
+    "${pdl[@]}" --steps 16 --save-code
 }
 
 decode_parts() {  # where the steps go, kernel by kernel, and the sweeps of the tilings and splits; the runs that
