@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ..decode_checks import check_in_place, check_row_views, check_shapes
-from ..launch import dependent_launch, wait_for_inputs
+from ..launch import LaunchSetting, dependent_launch, wait_for_inputs
 from ..rows import indices_by_score, rows_rms_norm, softplus
 from .chunk import _new
 
@@ -294,6 +294,13 @@ def fused_recurrent_sse_decode(
 
 
 STEP_WARPS = 8  # sse_fwd_kernel_step's warps: at head dim 128, 4 spill (scripts/bench/kernel_resources.py)
+DECODE_WARPS: LaunchSetting[int | None] = LaunchSetting(None)  # a decode step's warps where set (else STEP_WARPS)
+
+
+def decode_warps(warps: int | None):
+    """Every `fused_recurrent_sse_decode` launched within takes `warps` a program (scripts/bench/sweep_sse_decode.py
+    times the choices; not thread-safe)."""
+    return DECODE_WARPS.use(warps)
 
 
 @torch.library.custom_op("raven_hybrid::sse_decode_step", mutates_args=("state",))
@@ -334,7 +341,7 @@ def sse_decode_step(
             NORM=out_norm is not None, GATED=out_gate is not None, HAS_MASK=mask is not None,
             BG=triton.next_power_of_2(G), BN=triton.next_power_of_2(N), BC=triton.next_power_of_2(C),
             BD=triton.next_power_of_2(D), BR=triton.next_power_of_2(R), BRA=triton.next_power_of_2(decay_x.shape[-1]),
-            num_warps=STEP_WARPS, **dependent_launch(q.device),
+            num_warps=DECODE_WARPS.value or STEP_WARPS, **dependent_launch(q.device),
         )  # fmt: skip
     return o
 

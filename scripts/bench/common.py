@@ -291,6 +291,41 @@ def timing_fields(bytes_read: int, us: float, bandwidth: float, out: torch.Tenso
     }
 
 
+def warps_sweep(argv, doc: str, name: str, default: int, use_warps, inputs, step, bytes_moved, **info) -> None:
+    """A decode step's warps swept (sweep_sila_decode.py, sweep_sse_decode.py): for each batch of `--batches`,
+    `inputs(batch)` gives the step's arguments and its state (a dict of tensors the step rewrites in place),
+    `bytes_moved(state)` the bytes a call must move, and each warp count of `--warps` (the `default` first, set
+    through the context `use_warps(warps)`) is timed in a CUDA graph and compared with the default's output.
+    Writes OUT/`name`.json and prints the table."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--batches", default="1,32,128")
+    parser.add_argument("--warps", type=numbers, default=[1, 2, 4, 8])
+    args = parser.parse_args(argv)
+    from raven_convert.evaluate.decode_bench import copy_bandwidth
+
+    bandwidth = copy_bandwidth()
+    print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s; warps {args.warps} (default {default})", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    record, rows = sweep_info(bandwidth, **info), []
+    for batch in parse_sizes(args.batches):
+        x, first = inputs(batch)
+        reference = step(x, {n: t.clone() for n, t in first.items()}).float()
+        scratch = {n: t.clone() for n, t in first.items()}  # the timed steps rewrite it; `first` stays
+        for warps in [default, *(w for w in args.warps if w != default)]:
+            row = {"batch": batch, "warps": warps, "default": warps == default}
+            try:
+                with use_warps(warps):
+                    out = step(x, {n: t.clone() for n, t in first.items()}).float()
+                    us = graphed_us(lambda x=x, scratch=scratch: step(x, scratch))
+            except Exception as error:  # a choice the GPU cannot hold (registers)
+                rows.append(row | {"error": f"{error}"[:200]})
+                continue
+            rows.append(row | timing_fields(bytes_moved(first), us, bandwidth, out, reference))
+        (args.out / f"{name}.json").write_text(json.dumps({"info": record, "rows": rows}, indent=1))
+    print_sweep(record, rows, {"warps": lambda r: f"{r['warps']}{' (default)' if r['default'] else ''}"})
+
+
 def shown_rows(rows: list[dict]) -> list[dict]:
     """The rows of one shape a sweep prints: the default's, then the five fastest."""
     timed = [r for r in rows if "us" in r]

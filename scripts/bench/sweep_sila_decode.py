@@ -14,8 +14,6 @@ abs difference). Writes OUT/sweep_sila_decode.json and prints, per batch, the de
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -23,9 +21,8 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
 
-from common import graphed_us, numbers, parse_sizes, print_sweep, sweep_info, timing_fields  # noqa: E402
+from common import warps_sweep  # noqa: E402
 
-from raven_convert.evaluate.decode_bench import copy_bandwidth  # noqa: E402
 from raven_kernels.sila import fused_recurrent_sila_decode, utils  # noqa: E402
 from raven_kernels.sila.fused_recurrent import decode_warps  # noqa: E402
 
@@ -58,34 +55,11 @@ def step(args: tuple, state: dict) -> torch.Tensor:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--batches", default="1,32,128")
-    parser.add_argument("--warps", type=numbers, default=[1, 2, 4, 8])
-    args = parser.parse_args(argv)
-    bandwidth = copy_bandwidth()
-    default = utils.step_warps(D, D)
-    print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s; warps {args.warps} (default {default})", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    info = sweep_info(bandwidth, heads=H, group=G, head_dim=D, taps=TAPS)
-    rows = []
-    for batch in parse_sizes(args.batches):
-        x, first = inputs(batch)
-        bytes_moved = 2 * first["memory"].numel() * 4  # the memory read and written
-        reference = step(x, {n: t.clone() for n, t in first.items()}).float()
-        scratch = {n: t.clone() for n, t in first.items()}  # the timed steps rewrite it; `first` stays
-        for warps in [default, *(w for w in args.warps if w != default)]:
-            row = {"batch": batch, "warps": warps, "default": warps == default}
-            try:
-                with decode_warps(warps):
-                    out = step(x, {n: t.clone() for n, t in first.items()}).float()
-                    us = graphed_us(lambda x=x, scratch=scratch: step(x, scratch))
-            except Exception as error:  # a choice the GPU cannot hold (registers)
-                rows.append(row | {"error": f"{error}"[:200]})
-                continue
-            rows.append(row | timing_fields(bytes_moved, us, bandwidth, out, reference))
-        (args.out / "sweep_sila_decode.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
-    print_sweep(info, rows, {"warps": lambda r: f"{r['warps']}{' (default)' if r['default'] else ''}"})
+    warps_sweep(
+        argv, __doc__, "sweep_sila_decode", utils.step_warps(D, D), decode_warps, inputs, step,
+        lambda state: 2 * state["memory"].numel() * 4,  # the memory read and written
+        heads=H, group=G, head_dim=D, taps=TAPS,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

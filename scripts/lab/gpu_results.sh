@@ -128,9 +128,10 @@
 #   decode-round-7-x2  the same on a 2-GPU host in about half the minutes: the timed tables on GPU 0, the tests and
 #                  the sweeps on GPU 1 (NEWEST=1 with /tmp/site-newest: the exactness tests under the newest
 #                  transformers too)
-#   decode-round-8-x2  round 7's "Next" on a 2-GPU host (about 15 minutes): the fast path's tests and the 26-layer
-#                  batch-128 profile with its generated code on one GPU; every model's batch-1 step with and
-#                  without dependent launch (code saved), both at batch 128, and the batch-1 table on the other
+#   decode-round-8-x2  round 7's "Next" on a 2-GPU host (about 15 minutes): the fast path's tests, SSE's step under
+#                  1-8 warps and the 26-layer batch-128 profile with its generated code on one GPU; every model's
+#                  batch-1 step with and without dependent launch (code saved), both at batch 128, and the batch-1
+#                  table on the other
 #   depth-speed    decode speed at 15, 22, 26 and 30 of 30 layers converted against the teacher on transformers and
 #                  on this engine (bench_generate.py --depths: batch 1, 32, 128 at 4K and 16K, with bandwidth
 #                  floors), and the largest batch at 32K (bench_capacity.py --depths), into RUNS/depth-speed;
@@ -198,10 +199,11 @@ trained() {  # trained MIXER RUN [ARGS...]: train RUN, check that its model load
 fast_path_tests() {  # the fast path's GPU tests, again under the newest transformers where /tmp/site-newest holds it
   timeout 300 python3 -m pytest -o addopts="" -q -rfE tests/kernels/test_sila.py tests/kernels/test_raven.py \
     tests/kernels/test_sse.py tests/kernels/test_rows.py -k "decode or top_indices" 2>&1 | tail -20  # compiled here
-  RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q -rfE --durations=12 \
+  RAVEN_SMOLLM2_GGUF=$MODEL timeout 840 python3 -m pytest -o addopts="" -q -rfE --durations=12 \
     tests/raven_layers/test_gpu.py tests/kernels/test_attention.py tests/kernels/test_linear.py \
     tests/scripts/test_sweep_decode_attention.py tests/scripts/test_sweep_raven_decode.py \
-    tests/scripts/test_sweep_sila_decode.py tests/scripts/test_bench_products.py 2>&1 | tail -60
+    tests/scripts/test_sweep_sila_decode.py tests/scripts/test_sweep_sse_decode.py tests/scripts/test_bench_products.py \
+    2>&1 | tail -60
   [ -d /tmp/site-newest ] && [ "${NEWEST:-1}" = 1 ] || return 0
   PYTHONPATH=/tmp/site-newest:$PYTHONPATH python3 -c "import transformers; print('+ transformers', transformers.__version__)"
   PYTHONPATH=/tmp/site-newest:$PYTHONPATH RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q \
@@ -248,6 +250,12 @@ decode_profile_26() {  # where the 26-layer SILA hybrid's batch-128 step goes un
   local out="$RUNS/decode-bench" && mkdir -p "$out"
   timeout 420 python3 scripts/bench/profile_decode.py --out "$out/b128-26" --models teacher-engine,sila --layers 26 \
     --batches 128 --context 16k --variants default --steps 8 --save-code
+}
+
+decode_sse_warps() {  # SSE's step kernel under 1-8 warps (8, the default, came from head dim 128's registers):
+  # SSE is 0.58x the teacher at batch 128, the mixer furthest from 0.55x, and SILA's step ran fastest at one warp
+  local out="$RUNS/decode-bench" && mkdir -p "$out"
+  timeout 180 python3 scripts/bench/sweep_sse_decode.py --out "$out/sweep-sse" --batches 1,32,128
 }
 
 decode_round_8_steps() {  # round 8's times (docs/lab/2026-11-29-decode-round-7.md, "Next"): every model's batch-1 step
@@ -462,10 +470,11 @@ PY
     (export CUDA_VISIBLE_DEVICES=1; fast_path_tests; decode_sweeps; decode_profile_26) &
     wait
     ;;
-  decode-round-8-x2)  # round 7's "Next" on a 2-GPU host (about 15 minutes): the tests and the 26-layer batch-128
-    # profile with its code on one GPU, the batch-1 and dependent-launch profiles and the batch-1 table on the other
+  decode-round-8-x2)  # round 7's "Next" on a 2-GPU host (about 15 minutes): the tests, SSE's warps and the 26-layer
+    # batch-128 profile with its code on one GPU, the batch-1 and dependent-launch profiles and the batch-1 table on
+    # the other
     (export CUDA_VISIBLE_DEVICES=0; decode_round_8_steps) &
-    (export CUDA_VISIBLE_DEVICES=1; NEWEST=${NEWEST:-0} fast_path_tests; decode_profile_26) &
+    (export CUDA_VISIBLE_DEVICES=1; NEWEST=${NEWEST:-0} fast_path_tests; decode_sse_warps; decode_profile_26) &
     wait
     ;;
   decode-parts)  # decode-bench without its tables: where the steps go, and the sweeps
