@@ -303,31 +303,12 @@ def test_mixer_decode_steps_in_one_kernel_update_the_state_in_place(settings, pa
         assert a.shape == b.shape and rel_err(a, b) < 1e-5
 
 
-def test_the_decode_step_under_any_warps_the_sweep_tries_gives_the_same_step():
-    """`decode_warps` sets the program's warps (sweep_sse_decode.py): the step's values do not depend on them."""
+def test_decode_step_kernel_reads_row_views_and_names_bad_arguments():
+    """The products may be row views of one fused product (the compiled step's), and the step's values do not
+    depend on its warps (`decode_warps`, which sweep_sse_decode.py sets); wrong shapes, a state that is not
+    contiguous float32, a top-k out of range and gradients are refused by name."""
     from raven_kernels.sse.fused_recurrent import decode_warps
 
-    mixer = tiny_mixer()
-    H, G, c, d, N, r, B = 2, 2, 8, 8, 4, mixer.q_lora_b.shape[-1], 3
-    g = torch.Generator().manual_seed(1)
-    sizes = [H * G * c, H * c, H * d, H * N, 16, N * r, N * r, H * G * d]
-    q, k, v, scores, decay, qa, ka, gate = torch.randn(B, 1, sum(sizes), generator=g).split(sizes, dim=-1)
-    state = torch.randn(B, H, N + 1, c, d, generator=g)
-    outs = []
-    with torch.no_grad():
-        for warps in (None, 1, 2, 4):
-            with decode_warps(warps):
-                outs.append(fused_recurrent_sse_decode(
-                    q, k, v, scores, decay, (qa, ka), (mixer.q_lora_b, mixer.k_lora_b), mixer.decay_up,
-                    mixer.decay_bias, state.clone(), c**-0.5, 1, 1, 16.0, out_norm=mixer.o_norm.weight, out_gate=gate,
-                ))  # fmt: skip
-    for out in outs[1:]:
-        torch.testing.assert_close(out, outs[0], rtol=1e-5, atol=1e-6)
-
-
-def test_decode_step_kernel_reads_row_views_and_names_bad_arguments():
-    """The products may be row views of one fused product (the compiled step's); wrong shapes, a state that is not
-    contiguous float32, a top-k out of range and gradients are refused by name."""
     mixer = tiny_mixer()
     H, G, c, d, N, r, B = 2, 2, 8, 8, 4, mixer.q_lora_b.shape[-1], 3
     g = torch.Generator().manual_seed(0)
@@ -347,6 +328,9 @@ def test_decode_step_kernel_reads_row_views_and_names_bad_arguments():
     assert views.shape == (B, 1, H * G * d)
     contiguous = step(*(t.contiguous() for t in (q, k, v, scores, decay)), lora_x=(qa.contiguous(), ka.contiguous()))
     assert torch.equal(views, contiguous)
+    for warps in (1, 2, 4):
+        with decode_warps(warps):
+            torch.testing.assert_close(step(q, k, v, scores, decay), views, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="scores must have shape"):
         step(q, k, v, scores[..., :3], decay)
     with pytest.raises(ValueError, match="lora_x k must have shape"):
