@@ -137,6 +137,12 @@ class Mixer(nn.Module):
     # a 3-D weight [n, r, in] as its n r rows)
     input_weights: tuple[str, ...] = ()
 
+    def step_state_share(self) -> float:
+        """The share of its cached state one decode step moves: (bytes read + bytes written) / (2 x the state's
+        bytes). All of it both ways unless a mixer touches less; the bandwidth floor of a decode step counts a
+        state's bytes by it (raven_convert.evaluate.decode_bench.step_bytes)."""
+        return 1.0
+
     @property
     def shared_input_weights(self) -> tuple[tuple[str, ...], ...]:
         """The weights whose products read the layer's input: a compiled decode step reads them as one product

@@ -235,6 +235,10 @@ class RavenMixer(Mixer):
         """Elements of the decoding state per sequence (float32): S^k and S^v, [H_kv, M, d] each."""
         return 2 * self.num_kv_heads * self.settings.num_slots * self.head_dim
 
+    def step_state_share(self) -> float:
+        """A step reads every slot and writes the K it routes to."""
+        return (1 + self.settings.top_k / self.settings.num_slots) / 2
+
     def fresh_parameter_names(self) -> set[str]:
         """Parameters a converted layer cannot take from the source attention."""
         names = {"router_weight", "decay_weight", "decay_bias", "decay_log_scale"}

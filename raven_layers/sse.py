@@ -199,6 +199,13 @@ class SSEMixer(Mixer):
         """Elements of the decoding state per sequence: P partitions of [c, d] per key/value head."""
         return self.num_kv_heads * self.num_partitions * self.rows * self.head_dim
 
+    def step_state_share(self) -> float:
+        """A step reads and writes the k partitions it writes (and the shared one), reads the k' - k more it reads,
+        and leaves the others untouched."""
+        shared = int(self.settings.shared_partition)
+        written, read_only = self.settings.top_k + shared, max(0, self.read_top_k - self.settings.top_k)
+        return (2 * written + read_only) / (2 * self.num_partitions)
+
     def fresh_parameter_names(self) -> set[str]:
         """Parameters a converted layer cannot take from the source attention."""
         names = {"partition_weight", "q_lora_a", "q_lora_b", "k_lora_a", "k_lora_b"}

@@ -14,9 +14,10 @@ token's logits are ready, from the second decode step to the last), so neither t
 step's one-time work lands in it; `step_wall_s`, the two calls' difference over `steps`, keeps them.
 
 The floor of a step is the bytes it must move (step_bytes: every weight read once, every attention layer's keys and
-values up to its window, every mixer state read and written) over the device-to-device copy bandwidth; `floor_share`
-is floor / step, how close the step comes to what the memory allows. scripts/bench/bench_generate.py,
-bench_capacity.py, raven_convert.depth and raven-eval's speed part (speed.py) time through here.
+values up to its window, what each mixer reads and writes of its state: `Mixer.step_state_share`) over the
+device-to-device copy bandwidth; `floor_share` is floor / step, how close the step comes to what the memory allows.
+scripts/bench/bench_generate.py, bench_capacity.py, raven_convert.depth and raven-eval's speed part (speed.py) time
+through here.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 import torch
 from transformers import LogitsProcessorList
 
-from raven_layers.common import recompile_limits
+from raven_layers.common import Mixer, recompile_limits
 from raven_layers.decode_loop import ScoreObserver
 
 from .runtime import sync
@@ -54,7 +55,8 @@ def copy_bandwidth(gib: float = 1.0, repeats: int = 20) -> float:
 
 def step_bytes(model, batch: int, context: int) -> int:
     """Bytes one decode step must move at `batch` x `context` in bf16: every weight read once, every attention
-    layer's keys and values read (a windowed layer: at most its window), every mixer state read and written."""
+    layer's keys and values read (a windowed layer: at most its window), and what each mixer reads and writes of
+    its state (`mixer_step_bytes`)."""
     config = model.config
     weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     kinds = getattr(config, "layer_mixers", None) or ["attention"] * config.num_hidden_layers
@@ -62,17 +64,31 @@ def step_bytes(model, batch: int, context: int) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     per_token = 2 * config.num_key_value_heads * head_dim * 2  # keys and values, bf16
     kv = sum(batch * min(context, w or context) * per_token for k, w in zip(kinds, windows) if k == "attention")
-    return weights + kv + 2 * batch * mixer_state_bytes(model)
+    return weights + kv + batch * mixer_step_bytes(model)
 
 
-def mixer_state_bytes(model) -> int:
-    """The bytes of one sequence's mixer states (0 without mixers), from the cache of a 4-token forward."""
+def _mixer_states(model) -> list[tuple[object, int]]:
+    """Each mixer layer's module and the bytes of its state for one sequence (from the cache of a 4-token forward);
+    none without mixers."""
     if not is_hybrid(model) or set(model.config.layer_mixers) == {"attention"}:
-        return 0
+        return []
     ids = torch.full((1, 4), 3, device=next(model.parameters()).device)
     with torch.no_grad():
         cache = model(ids, use_cache=True).past_key_values
-    return int(cache.state_bytes().get("mixer", 0))
+    mixers = {m.layer_idx: m for m in model.modules() if isinstance(m, Mixer)}
+    return [(mixers[i], layer.nbytes()) for i, layer in enumerate(cache.layers) if layer.kind == "mixer"]
+
+
+def mixer_state_bytes(model) -> int:
+    """The bytes of one sequence's mixer states (0 without mixers)."""
+    return sum(nbytes for _, nbytes in _mixer_states(model))
+
+
+def mixer_step_bytes(model) -> int:
+    """The bytes of one sequence's mixer states a decode step reads and writes: each state both ways, times the
+    share of it its mixer touches (`Mixer.step_state_share`: SSE's unrouted partitions are left alone, Raven
+    writes K of its M slots)."""
+    return round(sum(2 * nbytes * mixer.step_state_share() for mixer, nbytes in _mixer_states(model)))
 
 
 def decode_path(model, device: torch.device) -> str:

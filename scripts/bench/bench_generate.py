@@ -16,7 +16,8 @@ as W-token sliding windows. The ratios to both teachers say what converting buys
 engine and the mixers together; over `teacher-engine`, the mixers alone.
 
 Each row also has its bandwidth floor: the bytes a decode step must read (every weight once, every kept attention
-layer's keys and values, every mixer's state read and written) over the device-to-device copy bandwidth measured
+layer's keys and values, what each mixer reads and writes of its state: all of SILA's memory, SSE's routed and shared
+partitions, Raven's slots read and its K written) over the device-to-device copy bandwidth measured
 at the start of the run, and the share of that floor the step reaches (floor / step).
 
 For every (model, batch, context): a prompt of `context` random tokens per row; generate() runs once to warm up

@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from raven_convert import build_hybrid, plan_layers
-from raven_convert.evaluate.decode_bench import decode_path, generate_kwargs, is_hybrid, mixer_state_bytes, step_bytes
+from raven_convert.evaluate.decode_bench import (
+    decode_path,
+    generate_kwargs,
+    is_hybrid,
+    mixer_state_bytes,
+    mixer_step_bytes,
+    step_bytes,
+)
 
 
 def test_step_bytes_counts_weights_kv_and_mixer_states(tiny_sources):
@@ -28,6 +35,33 @@ def test_step_bytes_counts_weights_kv_and_mixer_states(tiny_sources):
     windowed = build_hybrid(teacher, ["attention"] * L, {}, attention_windows=[16] * L).eval()
     assert step_bytes(windowed, 2, 100) == weights + 2 * 16 * per_token * L  # a window reads at most its span
     assert is_hybrid(engine) and not is_hybrid(teacher)
+
+
+@pytest.mark.parametrize(
+    "mixer, settings, share",
+    [
+        ("sila", {}, 1.0),  # the memory and the convolution's tail, read and written
+        ("sse", {"num_partitions": 4, "top_k": 1, "lora_rank": 8}, 0.4),  # routed and shared of 5, both ways
+        ("sse", {"num_partitions": 4, "top_k": 1, "read_top_k": 3, "lora_rank": 8}, 0.6),  # and 2 more read
+        ("sse", {"num_partitions": 4, "top_k": 2, "shared_partition": False, "lora_rank": 8}, 0.5),
+        ("raven", {"num_slots": 64, "top_k": 8}, (1 + 8 / 64) / 2),  # every slot read, K written
+    ],
+)  # fmt: skip
+def test_a_steps_floor_counts_the_state_its_mixer_touches(tiny_sources, mixer, settings, share):
+    """The floor counts what a step moves of each mixer's state: SSE reads and writes only its routed partitions
+    and the shared one (and reads the k' - k more it reads), Raven reads every slot and writes K."""
+    from transformers import AutoModelForCausalLM
+
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_sources["llama"]).eval()
+    L = teacher.config.num_hidden_layers
+    hybrid = build_hybrid(teacher, plan_layers([(mixer, "0")], L), {mixer: settings}).eval()
+    state = mixer_state_bytes(hybrid)
+    assert state > 0 and mixer_step_bytes(hybrid) == round(2 * state * share)
+    assert step_bytes(hybrid, 3, 10) - step_bytes(hybrid, 2, 10) == (
+        step_bytes(hybrid, 3, 0) - step_bytes(hybrid, 2, 0) + 10 * 2 * (L - 1) * hybrid.config.num_key_value_heads
+        * (hybrid.config.hidden_size // hybrid.config.num_attention_heads) * 2
+    )  # one more row: its keys and values and its mixer state's share  # fmt: skip
+    assert step_bytes(hybrid, 3, 0) - step_bytes(hybrid, 2, 0) == mixer_step_bytes(hybrid)
 
 
 def weights_of(model) -> int:
