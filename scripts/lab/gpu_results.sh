@@ -94,11 +94,12 @@
 #                  extend steps: perplexity and retrieval against the tokens read (about 8 and 22 GPU-minutes without
 #                  evaluation; `python -m raven_convert.depth budget` puts them beside the recipe's own run)
 #   sila-deep22-ddp4|sila-deep26-ddp4  the deep recipe on all four GPUs of the host under data parallel (PROCESSES=4:
-#                  each stage through `accelerate launch`, batch_size rows per process), so 4x the tokens in about
-#                  the same minutes; start it alone, with every GPU visible
-#   sila-deep22-ddp2|sila-deep26-ddp2  the deep recipe on a 2-GPU host under data parallel at 1.25x its steps:
-#                  2.5x its tokens (what docs/DEPTH.md's fit says 1.05x perplexity at 22 of 30 takes) in about 16
-#                  minutes of training, evaluated at 1K-8K; start it alone, with both GPUs visible
+#                  each stage through `accelerate launch`, batch_size rows per process), 4x the tokens; the stages
+#                  run without CUDA graphs under several processes, so each process at about half the graphed
+#                  rate (docs/SCALE_OUT.md); start it alone, with every GPU visible
+#   scale-out      the SILA recipe's align and train on one GPU (CUDA graphs) and on all of the host's GPUs under
+#                  ddp and fsdp (weak scaling: the recipe's rows per GPU), tokens/s and memory
+#                  (scripts/bench/bench_scale_out.py): what data parallel gains over one graphed GPU
 #   decode-lab     times, so alone on the machine: the split-K attention's tilings at 16K (sweep_decode_attention.py),
 #                  a batch-1 step's kernels and time under the default options and Inductor's own (profile_decode.py),
 #                  SILA 15/30 at batch 1, 32, 128 and 16K, every mixer at batch 1 at 4K and 16K (bench_generate.py),
@@ -426,9 +427,10 @@ PY
     local recipe=${1%-ddp4}
     PROCESSES=4 trained "$recipe" "$1"
     ;;
-  sila-deep22-ddp2 | sila-deep26-ddp2)  # 2.5x the recipe's tokens: 2 GPUs x 1.25x its steps, evaluated at 1K-8K
-    PROCESSES=2 WINDOWED=0 trained "${1%-ddp2}" "$1" --set align.steps=1500 --set train.steps=375 \
-      --set extend.steps=188 "${QUICK_EVAL[@]}"
+  scale-out)
+    python3 scripts/bench/bench_scale_out.py recipes/smollm2-sila.yaml --src "$TEACHER" --data "$CORPUS" \
+      --gpus "$(nvidia-smi -L | wc -l)" --align-steps 60 --train-steps 40 --max-documents 400 --scaling weak \
+      --out "$RUNS/scale-out"
     ;;
   sila-kd22-e2e | sila-kd26-e2e)
     local n=${1#sila-kd} && n=${n%-e2e}
@@ -531,7 +533,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;
