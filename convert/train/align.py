@@ -48,6 +48,7 @@ from raven_convert.train.flops import align_flops, mfu, mfu_text
 from raven_convert.train.graphs import (
     DOCUMENT_BUCKET,
     CapturedStep,
+    agreed_slots,
     host_documents,
     optimizer_mode,
     read_back,
@@ -89,15 +90,15 @@ def _one_logit(teacher) -> dict:
 
 
 def step_inputs(
-    batch: dict, device, bucket: int | None = None
+    batch: dict, device, bucket: int | None = None, slots: int | None = None
 ) -> tuple[dict, tuple[torch.Tensor, torch.Tensor] | None | str]:
     """(model inputs, `packed` of alignment_losses) of a batch on the host, on `device`: packed documents are found
     in the host's position ids and everything is copied without blocking, so that a step never waits for the GPU.
-    `bucket`: the documents' offsets padded with empty documents to a multiple of it, rows of one document each
-    marked as documents too: one layout for a graph (graphs.host_documents)."""
+    `bucket`: the documents' offsets padded with empty documents to a multiple of it (or to `slots`), rows of one
+    document each marked as documents too: one layout for a graph (graphs.host_documents)."""
     packed = "auto"  # padded rows: nothing to find
     if "position_ids" in batch and batch["position_ids"].device.type == "cpu":
-        found = host_documents(batch, bucket)
+        found = host_documents(batch, bucket, slots)
         layout = {} if found is None else dict(zip(("documents", "cu_seqlens"), found))
         packed = tuple(to_device(layout, device).values()) or None
     return to_device(model_inputs(batch), device), packed
@@ -286,7 +287,8 @@ def align(
     if mixed_precision not in ("no", "bf16"):
         raise ValueError(f"mixed_precision = {mixed_precision!r} is not allowed; expected 'no' or 'bf16'")
     parallel = parallel or Parallel()
-    graphs = resolve_graphs(cuda_graphs, hybrid, parallel.device, parallel.world)
+    # under ddp the step all-reduces the losses and gradients itself: a graph can hold them (cuda_graphs: true)
+    graphs = resolve_graphs(cuda_graphs, hybrid, parallel.device, parallel.world, collectives=not parallel.sharded)
     layers = aligned_layers(teacher, hybrid)
     if not layers:
         raise ValueError("align has no layer to align: the teacher runs none of the hybrid's mixer layers as attention")
@@ -411,7 +413,10 @@ def align(
             for step, batch in zip(range(first, steps), batches):
                 step_lr = lr_at(step, lr, steps, warmup_steps)
                 bucket = DOCUMENT_BUCKET if graphs else None
-                inputs, packed = step_inputs(_share(batch, parallel), parallel.device, bucket)
+                share = _share(batch, parallel)
+                # several processes' graphs hold collectives: every one pads its share to the same layout
+                slots = agreed_slots(batch, parallel.world) if graphs and parallel.world > 1 else None
+                inputs, packed = step_inputs(share, parallel.device, bucket, slots)
                 if per_token is None:
                     per_token = align_flops(teacher, hybrid, inputs["input_ids"].shape[1])
                 set_lr(optimizer, step_lr)  # a graph reads it in place, queued behind the step before

@@ -110,17 +110,18 @@ def graph_inputs(batch: dict, token_weights, device, slots: int | None = None) -
     return tensors, int(batch["attention_mask"].sum())
 
 
-def resolve_graphs(setting: CompileSetting, model, device, world: int = 1) -> bool:
+def resolve_graphs(setting: CompileSetting, model, device, world: int = 1, collectives: bool = False) -> bool:
     """Whether a training stage captures its steps as CUDA graphs: "auto" does where it can (a CUDA device, one
     process, every converted mixer declared `graph_safe`); True demands it and raises ValueError naming what stands
-    in the way."""
+    in the way. `collectives`: the stage's step makes its processes' reductions itself (align under ddp), so True
+    may capture them on several processes too (launch_obstacles)."""
     if setting not in ("auto", True, False):
         raise ValueError(f"cuda_graphs = {setting!r} is not allowed; expected 'auto', true or false")
     if setting is False:
         return False
     converted = mixers(model) if is_hybrid(model) else []
     unsafe = sorted({type(m).__name__ for m in converted if not _spec_of(m).graph_safe})
-    reasons = launch_obstacles(device, world)
+    reasons = launch_obstacles(device, world, collectives and setting is True)
     if unsafe:
         reasons.append(f"the mixers {unsafe} are not declared graph_safe (MixerSpec.graph_safe)")
     if reasons and setting is True:
@@ -128,14 +129,31 @@ def resolve_graphs(setting: CompileSetting, model, device, world: int = 1) -> bo
     return not reasons
 
 
-def launch_obstacles(device, world: int) -> list[str]:
-    """What about the launch stands in the way of CUDA graphs (each a phrase; none: they can run)."""
+def launch_obstacles(device, world: int, collectives: bool = False) -> list[str]:
+    """What about the launch stands in the way of CUDA graphs (each a phrase; none: they can run). Several processes
+    do only with `collectives`: a stage whose step makes its all-reduces itself, each captured in the graph (NCCL
+    collectives), and whose processes capture and replay the same layouts at the same steps (align under ddp,
+    asked for with `cuda_graphs: true`; `agreed_slots`)."""
     reasons = []
     if torch.device(device).type != "cuda":
         reasons.append(f"the device is {torch.device(device).type}, not cuda")
-    if world != 1:
-        reasons.append(f"the run has {world} processes (graphs are captured for one)")
+    if world != 1 and not collectives:
+        reasons.append(
+            f"the run has {world} processes (graphs are captured for one; on several only align under ddp, with "
+            "cuda_graphs: true)"
+        )
     return reasons
+
+
+def agreed_slots(batch: dict, world: int, bucket: int = DOCUMENT_BUCKET) -> int | None:
+    """The document slots every process pads its share of a global host batch to (its `world` equal slices of
+    rows): the most documents one share holds, rounded up to a multiple of `bucket`, the same on every process
+    without a collective, so that all capture and replay one layout at one step, as graphs holding NCCL
+    collectives must. None without position ids (no documents)."""
+    if "position_ids" not in batch:
+        return None
+    held = documents_per_row(batch["position_ids"]).view(world, -1)  # [processes, rows each]
+    return document_slots(held, bucket)
 
 
 def _spec_of(mixer: nn.Module):

@@ -253,7 +253,7 @@ def check_inputs(recipe: Recipe | FinetuneRecipe, stages: list[str]) -> None:
     """Before any of `stages` (those left to run) starts: each input they read is set and exists, else a
     ValueError naming the field and the flag that sets it. The data source is also sampled (check_data_source),
     data.cache_dir must be writable, and a stage demanding CUDA graphs (cuda_graphs: true) must run where they can
-    (one process on a CUDA GPU)."""
+    (one process on a CUDA GPU; align under ddp on several)."""
     import os
 
     from raven_convert.evaluate.needles import HAYSTACK_ENV, haystack_files, split_task
@@ -263,13 +263,16 @@ def check_inputs(recipe: Recipe | FinetuneRecipe, stages: list[str]) -> None:
     from raven_convert.train.distributed import on_cpu, world_size
     from raven_convert.train.graphs import launch_obstacles
 
-    demanded = [s for s in GRAPHED_STAGES if s in stages and graphs_demanded(recipe, s)]
-    found = launch_obstacles("cpu" if on_cpu() else "cuda", world_size()) if demanded else []
-    if found:
-        raise ValueError(
-            f"{demanded[0]}.cuda_graphs = true cannot be honoured: {'; '.join(found)}; use 'auto' (graphs where "
-            f"they can run) or false (--set {demanded[0]}.cuda_graphs=auto)"
-        )
+    device = "cpu" if on_cpu() else "cuda"
+    ddp = getattr(getattr(recipe, "distributed", None), "strategy", "ddp") == "ddp"
+    for stage in (s for s in GRAPHED_STAGES if s in stages and graphs_demanded(recipe, s)):
+        # align under ddp makes its all-reduces in its step, which a graph holds (graphs.launch_obstacles)
+        found = launch_obstacles(device, world_size(), collectives=stage == "align" and ddp)
+        if found:
+            raise ValueError(
+                f"{stage}.cuda_graphs = true cannot be honoured: {'; '.join(found)}; use 'auto' (graphs where "
+                f"they can run) or false (--set {stage}.cuda_graphs=auto)"
+            )
     choosing = "convert" in stages and recipe.auto() is not None  # auto:N measures the layers on the data
     reads_data = choosing or any(uses_data(recipe, s) for s in stages)
     if "convert" in stages or reads_data:  # the stages that load the teacher

@@ -482,10 +482,10 @@ def run_recipe(
         if torch.cuda.is_available():  # what the stage held on this process's GPU at most (nvidia-smi's view)
             summary["peak_gpu_memory_bytes"] = torch.cuda.max_memory_reserved()
         release_memory()
-        summary["disk_bytes"] = disk_use(run_dir, stage, summary)
         summary |= {"fingerprint": prints[stage], "inputs": stage_inputs(recipe, stage, processes[stage])}
         summary["processes"] = processes[stage]
-        if is_main_process():
+        if is_main_process():  # it alone counts the disk: another process's walk would race its checkpoints' removal
+            summary["disk_bytes"] = disk_use(run_dir, stage, summary)
             write_json(summary, run_dir / stage / MARKER)
             drop_checkpoints(run_dir, stage)
         if stage not in MAIN_ONLY:
@@ -495,6 +495,7 @@ def run_recipe(
         else:
             peak = summary.get("peak_gpu_memory_bytes")
             held = f", at most {format_bytes(peak)} of GPU memory" if peak else ""
-            log(f"[{stage}] done in {summary['seconds']:.1f} s, {format_bytes(summary['disk_bytes'])} on disk{held}")
+            disk = f", {format_bytes(summary['disk_bytes'])} on disk" if "disk_bytes" in summary else ""  # main's
+            log(f"[{stage}] done in {summary['seconds']:.1f} s{disk}{held}")
         results[stage] = summary
     return results

@@ -7,11 +7,13 @@ Each run goes through `python -m raven_convert.train` (convert, align, train; to
 off), the N-process ones under `accelerate launch` with the shipped configs (recipes/accelerate/). --scaling strong
 (default) divides batch_size by N, so that every run sees the same global batches (and ends with the same
 parameters); weak keeps the recipe's batch_size per GPU, so the global batch grows N-fold; strong,weak runs both
-(one single-GPU run is the baseline of both). The data is tokenised
-once into OUT/cache. A run that fails is reported in the table and the others still run. Rates
-come from the stages' DONE summaries (counted from the end of the first step); memory is the largest
-`nvidia-smi` reading of each GPU while the run's align and train stages ran (the whole process: CUDA context and
-the allocator's cache included), sampled every 0.2 s. Prints one Markdown table last and writes OUT/scale_out.json.
+(one single-GPU run is the baseline of both). --graphed-align adds a ddp run whose align steps are CUDA graphs holding
+their all-reduces (the single-GPU run's align and train are graphs where the recipe's `cuda_graphs: auto` allows; the
+N-process runs' are not). The data is tokenised once into OUT/cache. A run that fails is reported in the table and
+the others still run. Rates come from the stages' DONE summaries (counted from the end of the first step); memory
+is the largest `nvidia-smi` reading of each GPU while the run's align and train stages ran (the whole process: CUDA
+context and the allocator's cache included), sampled every 0.2 s. Prints one Markdown table last and writes
+OUT/scale_out.json.
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ class GpuMemory:
         self._thread.join()
 
 
-def run(args, name: str, processes: int, strategy: str, scaling: str = "strong") -> dict:
-    """One run of convert, align and train into OUT/name; its stages' summaries and the GPUs' peak memory."""
+def run(args, name: str, processes: int, strategy: str, scaling: str = "strong", extra: dict | None = None) -> dict:
+    """One run of convert, align and train into OUT/name (`extra`: more recipe overrides); its stages' summaries and
+    the GPUs' peak memory."""
     recipe = yaml.safe_load(Path(args.recipe).read_text())
     run_dir = Path(args.out) / name
     share = processes if scaling == "strong" else 1
@@ -68,7 +71,7 @@ def run(args, name: str, processes: int, strategy: str, scaling: str = "strong")
         "evaluate": None,
         "export": None,
         "distributed.strategy": strategy,
-    }
+    } | (extra or {})
     words = [args.recipe, "--run-dir", str(run_dir), "--src", args.src, "--data", args.data]
     for key, value in overrides.items():
         words += ["--set", f"{key}={json.dumps(value)}"]
@@ -107,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-steps", type=int, default=20)
     parser.add_argument("--max-documents", type=int, default=400)
     parser.add_argument("--scaling", default="strong", help="strong, weak or strong,weak: see above")
+    parser.add_argument(
+        "--graphed-align", action="store_true",
+        help="also the ddp runs with align's steps as CUDA graphs holding their all-reduces (align.cuda_graphs: true)",
+    )  # fmt: skip
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if args.gpus < 2:
@@ -119,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     for scaling in scalings:
         for strategy in ("ddp", "fsdp"):
             rows.append(run(args, f"gpu{args.gpus}-{strategy}-{scaling}", args.gpus, strategy, scaling))
+        if args.graphed_align:
+            name, graphed = f"gpu{args.gpus}-ddp-{scaling}-graphed-align", {"align.cuda_graphs": True}
+            rows.append(run(args, name, args.gpus, "ddp", scaling, graphed))
     (Path(args.out) / "scale_out.json").write_text(json.dumps(rows, indent=1))
     base = rows[0]
     columns = ["run", "processes", "rows per GPU", "align tok/s", "vs 1 GPU", "train tok/s", "vs 1 GPU"]

@@ -98,8 +98,9 @@
 #                  run without CUDA graphs under several processes, so each process at about half the graphed
 #                  rate (docs/SCALE_OUT.md); start it alone, with every GPU visible
 #   scale-out      the SILA recipe's align and train on one GPU (CUDA graphs) and on all of the host's GPUs under
-#                  ddp and fsdp (weak scaling: the recipe's rows per GPU), tokens/s and memory
-#                  (scripts/bench/bench_scale_out.py): what data parallel gains over one graphed GPU
+#                  ddp and fsdp (weak scaling: the recipe's rows per GPU), and under ddp with align's steps as graphs
+#                  holding their all-reduces, tokens/s and memory (scripts/bench/bench_scale_out.py): what data
+#                  parallel gains over one graphed GPU; then the GPU test of align's graphs on two GPUs
 #   decode-lab     times, so alone on the machine: the split-K attention's tilings at 16K (sweep_decode_attention.py),
 #                  a batch-1 step's kernels and time under the default options and Inductor's own (profile_decode.py),
 #                  SILA 15/30 at batch 1, 32, 128 and 16K, every mixer at batch 1 at 4K and 16K (bench_generate.py),
@@ -430,7 +431,9 @@ PY
   scale-out)
     python3 scripts/bench/bench_scale_out.py recipes/smollm2-sila.yaml --src "$TEACHER" --data "$CORPUS" \
       --gpus "$(nvidia-smi -L | wc -l)" --align-steps 60 --train-steps 40 --max-documents 400 --scaling weak \
-      --out "$RUNS/scale-out"
+      --graphed-align --out "$RUNS/scale-out"
+    RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q -rfE tests/convert/train/test_distributed.py \
+      -k two_gpus 2>&1 | tail -15  # align's graphs on two GPUs end with the eager launch's model
     ;;
   sila-kd22-e2e | sila-kd26-e2e)
     local n=${1#sila-kd} && n=${n%-e2e}

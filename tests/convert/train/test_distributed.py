@@ -128,6 +128,22 @@ def test_two_processes_align_weight_and_train_as_one(one_process, strategy):
     assert not (run / "train" / "checkpoints").exists()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_two_gpus_align_as_graphs_to_the_model_they_align_eagerly(one_process):
+    """On two GPUs under ddp, align with `cuda_graphs: true` captures its all-reduces in its graphs (NCCL), every
+    process padding its documents to the layout they agree on, and ends with the eager launch's model (float
+    tolerance); each process captured its graphs (the stage's summary counts the layouts)."""
+    runs = {}
+    for graphs in (True, False):
+        sections = {"align": STEPS | {"batch_size": ROWS // 2, "cuda_graphs": graphs}}
+        runs[graphs], done = launch(one_process, "ddp", f"gpus-graphs-{graphs}", "align", sections=sections)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    summary = json.loads((runs[True] / "align" / "DONE").read_text())
+    assert summary.get("graph_layouts", 0) >= 1, summary
+    assert_same_model(runs[True], runs[False], "align")
+
+
 def test_a_two_process_fsdp_checkpoint_resumes_on_one_process(one_process):
     run, done = launch(one_process, "fsdp", "stopped", "align,weights,train", STOP_AFTER_STEP="2")
     assert done.returncode != 0 and (run / "train" / "checkpoints" / "step_2").is_dir(), done.stderr[-5000:]

@@ -19,6 +19,7 @@ from raven_convert.train.data import PackedDataset, batch_iterator
 from raven_convert.train.distributed import Parallel
 from raven_convert.train.graphs import (
     CapturedStep,
+    agreed_slots,
     documents_per_row,
     graph_inputs,
     host_documents,
@@ -155,6 +156,11 @@ def test_graphs_are_used_only_where_they_can_run(monkeypatch):
     assert resolve_graphs("auto", mixed, "cuda") is False
     mixed = build_hybrid(teacher, plan_layers([("sila", "0"), ("sse", "2")], 4), {"sse": {"lora_rank": 8}})
     assert resolve_graphs("auto", mixed, "cuda") is True
+    # several processes: only a step that makes its all-reduces itself (align under ddp), and only when demanded
+    assert resolve_graphs(True, mixed, "cuda", world=2, collectives=True) is True
+    assert resolve_graphs("auto", mixed, "cuda", world=2, collectives=True) is False
+    with pytest.raises(ValueError, match="2 processes"):
+        resolve_graphs(True, mixed, "cuda", world=2)
     with pytest.raises(ValueError, match="expected 'auto', true or false"):
         resolve_graphs("yes", hybrid, "cuda")
 
@@ -243,6 +249,23 @@ def test_graphed_align_matches_eager_on_cuda(mixer, compile, tmp_path, monkeypat
     assert [r["loss"] for r in history] == pytest.approx(eager, rel=2e-3)
     for a, b in zip(eager_weights, mixer_parameters(resumed)):
         torch.testing.assert_close(b.detach(), a, rtol=2e-3, atol=2e-4)
+
+
+def test_the_processes_shares_of_a_batch_agree_on_one_layout():
+    """Under several processes a graphed align pads every process's share of the global batch to the same document
+    slots (`agreed_slots`: the most documents a share holds, to a multiple of the bucket), found on each process
+    alone, so that all capture and replay one layout at one step."""
+    g = torch.Generator().manual_seed(5)
+    batch = {k: torch.cat([a, b]) for (k, a), b in zip(packed_rows(2, 64, 4, g).items(),
+                                                      packed_rows(2, 64, 40, g).values())}  # fmt: skip
+    slots = agreed_slots(batch, world=2, bucket=4)
+    shares = [{k: v[r * 2 : (r + 1) * 2] for k, v in batch.items()} for r in range(2)]
+    found = [find_packed_documents(share["position_ids"])[1].numel() - 1 for share in shares]
+    assert found[0] > found[1] and slots == -(-max(found) // 4) * 4  # the short documents' share decides
+    padded = [host_documents(share, 4, slots)[1] for share in shares]
+    assert padded[0].shape == padded[1].shape == (slots + 1,)
+    assert [p.numel() for p in (host_documents(share, 4)[1] for share in shares)] != [slots + 1] * 2  # alone: apart
+    assert agreed_slots({"input_ids": batch["input_ids"]}, world=2) is None
 
 
 def packed_dataset(generator: torch.Generator, rows: int = 6, length: int = 256) -> PackedDataset:
