@@ -121,6 +121,14 @@ class SSESettings(MixerSettings):
             self.fail("implementation", f"one of {list(self.IMPLEMENTATIONS)}")
 
 
+def step_state_share(top_k: int, read_top_k: int, partitions: int, shared: bool) -> float:
+    """The share of a state of `partitions` one decode step moves, (bytes read + written) / (2 x the state's): the
+    `top_k` partitions it writes (and the shared one) read and written, the `read_top_k` - `top_k` more it reads
+    read, the others untouched."""
+    written, read_only = top_k + int(shared), max(0, read_top_k - top_k)
+    return (2 * written + read_only) / (2 * partitions)
+
+
 class SSEMixer(Mixer):
     """Drop-in replacement for a decoder layer's self-attention, with a sparsely expanded GLA state.
 
@@ -200,11 +208,9 @@ class SSEMixer(Mixer):
         return self.num_kv_heads * self.num_partitions * self.rows * self.head_dim
 
     def step_state_share(self) -> float:
-        """A step reads and writes the k partitions it writes (and the shared one), reads the k' - k more it reads,
-        and leaves the others untouched."""
-        shared = int(self.settings.shared_partition)
-        written, read_only = self.settings.top_k + shared, max(0, self.read_top_k - self.settings.top_k)
-        return (2 * written + read_only) / (2 * self.num_partitions)
+        """A step moves the partitions it writes and reads, not the others (`step_state_share`)."""
+        s = self.settings
+        return step_state_share(s.top_k, self.read_top_k, self.num_partitions, s.shared_partition)
 
     def fresh_parameter_names(self) -> set[str]:
         """Parameters a converted layer cannot take from the source attention."""

@@ -49,6 +49,7 @@ from raven_convert.train.graphs import (
     DOCUMENT_BUCKET,
     CapturedStep,
     agreed_slots,
+    holds_collectives,
     host_documents,
     optimizer_mode,
     read_back,
@@ -287,8 +288,8 @@ def align(
     if mixed_precision not in ("no", "bf16"):
         raise ValueError(f"mixed_precision = {mixed_precision!r} is not allowed; expected 'no' or 'bf16'")
     parallel = parallel or Parallel()
-    # under ddp the step all-reduces the losses and gradients itself: a graph can hold them (cuda_graphs: true)
-    graphs = resolve_graphs(cuda_graphs, hybrid, parallel.device, parallel.world, collectives=not parallel.sharded)
+    collectives = holds_collectives("align", parallel.settings.strategy)
+    graphs = resolve_graphs(cuda_graphs, hybrid, parallel.device, parallel.world, collectives)
     layers = aligned_layers(teacher, hybrid)
     if not layers:
         raise ValueError("align has no layer to align: the teacher runs none of the hybrid's mixer layers as attention")

@@ -145,6 +145,13 @@ def launch_obstacles(device, world: int, collectives: bool = False) -> list[str]
     return reasons
 
 
+def holds_collectives(stage: str, strategy: str) -> bool:
+    """Whether `stage`'s step makes its processes' all-reduces itself under `strategy`, so that its graphs can hold
+    them (`launch_obstacles`): align under ddp, which averages the mixers' gradients without a
+    DistributedDataParallel wrapper (Parallel.average_gradients)."""
+    return stage == "align" and strategy == "ddp"
+
+
 def agreed_slots(batch: dict, world: int, bucket: int = DOCUMENT_BUCKET) -> int | None:
     """The document slots every process pads its share of a global host batch to (its `world` equal slices of
     rows): the most documents one share holds, rounded up to a multiple of `bucket`, the same on every process

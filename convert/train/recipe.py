@@ -261,13 +261,12 @@ def check_inputs(recipe: Recipe | FinetuneRecipe, stages: list[str]) -> None:
     from raven_convert.sources import Source
     from raven_convert.train.data import check_data_source
     from raven_convert.train.distributed import on_cpu, world_size
-    from raven_convert.train.graphs import launch_obstacles
+    from raven_convert.train.graphs import holds_collectives, launch_obstacles
 
     device = "cpu" if on_cpu() else "cuda"
-    ddp = getattr(getattr(recipe, "distributed", None), "strategy", "ddp") == "ddp"
+    strategy = recipe.distributed.strategy if isinstance(recipe, Recipe) else "ddp"  # a fine-tune: one model
     for stage in (s for s in GRAPHED_STAGES if s in stages and graphs_demanded(recipe, s)):
-        # align under ddp makes its all-reduces in its step, which a graph holds (graphs.launch_obstacles)
-        found = launch_obstacles(device, world_size(), collectives=stage == "align" and ddp)
+        found = launch_obstacles(device, world_size(), holds_collectives(stage, strategy))
         if found:
             raise ValueError(
                 f"{stage}.cuda_graphs = true cannot be honoured: {'; '.join(found)}; use 'auto' (graphs where "

@@ -294,13 +294,8 @@ def fused_recurrent_sse_decode(
 
 
 STEP_WARPS = 8  # sse_fwd_kernel_step's warps: at head dim 128, 4 spill (scripts/bench/kernel_resources.py)
-DECODE_WARPS: LaunchSetting[int | None] = LaunchSetting(None)  # a decode step's warps where set (else STEP_WARPS)
-
-
-def decode_warps(warps: int | None):
-    """Every `fused_recurrent_sse_decode` launched within takes `warps` a program (scripts/bench/sweep_sse_decode.py
-    times the choices; not thread-safe)."""
-    return DECODE_WARPS.use(warps)
+# a decode step's warps where set (else STEP_WARPS): `DECODE_WARPS.use(w)`, as scripts/bench/sweep_sse_decode.py times
+DECODE_WARPS: LaunchSetting[int | None] = LaunchSetting(None)
 
 
 @torch.library.custom_op("raven_hybrid::sse_decode_step", mutates_args=("state",))

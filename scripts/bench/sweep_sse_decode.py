@@ -9,9 +9,10 @@ partition, 4 routed partitions and the shared one, top-1, LoRA rank 64, the gate
 output gate), bf16 products as row views of one product, a float32 state, one token a row. Each choice runs the step
 (`fused_recurrent_sse_decode`: the router's top-k, the LoRA's second products, the key softmax and gate, the state's
 update and read, the norm and the output gate) inside a CUDA graph of 20 calls, as a graphed decode step runs it; a
-row's bandwidth is the state read and written over its time: the written partitions read and written, the others
-read. Each choice's output is compared with the default's on the same state (max abs difference). Writes
-OUT/sweep_sse_decode.json and prints, per batch, the default's row and the fastest.
+row's bandwidth is the state's bytes the step moves over its time: the written partition and the shared one read
+and written, the others untouched (`bytes_moved`). Each choice's output is compared with the default's on the same
+state (max abs difference). Writes OUT/sweep_sse_decode.json and prints, per batch, the default's row and the
+fastest.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).res
 from common import warps_sweep  # noqa: E402
 
 from raven_kernels.sse import fused_recurrent_sse_decode  # noqa: E402
-from raven_kernels.sse.fused_recurrent import STEP_WARPS, decode_warps  # noqa: E402
+from raven_kernels.sse.fused_recurrent import DECODE_WARPS, STEP_WARPS  # noqa: E402
+from raven_layers.sse import step_state_share  # noqa: E402
 
 H, G, C, D = 3, 3, 64, 64  # heads, query heads a head, rows and channels a partition
 N, TOP_K, R, RA, TAU = 4, 1, 64, 16, 16.0  # routed partitions (and the shared one), written, LoRA rank, gate rank
@@ -57,15 +59,14 @@ def step(args: tuple, state: dict) -> torch.Tensor:
 
 
 def bytes_moved(state: dict) -> int:
-    """The state's bytes a step moves: the written partitions (and the shared one) read and written, the others
-    read (the router ranks them all)."""
-    partition = state["state"][:, :, 0].numel() * 4  # one partition across the batch
-    return partition * (2 * (TOP_K + 1) + (N - TOP_K))
+    """The state's bytes a step moves: the written partition and the shared one read and written, the others left
+    alone (raven_layers.sse.step_state_share, which the bandwidth floors of bench_generate.py count by)."""
+    return round(2 * state["state"].numel() * 4 * step_state_share(TOP_K, TOP_K, N + 1, shared=True))
 
 
 def main(argv=None) -> None:
     warps_sweep(
-        argv, __doc__, "sweep_sse_decode", STEP_WARPS, decode_warps, inputs, step, bytes_moved,
+        argv, __doc__, "sweep_sse_decode", STEP_WARPS, DECODE_WARPS.use, inputs, step, bytes_moved,
         heads=H, group=G, rows=C, head_dim=D, partitions=N, top_k=TOP_K, lora_rank=R,
     )  # fmt: skip
 

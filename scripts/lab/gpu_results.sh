@@ -212,10 +212,20 @@ fast_path_tests() {  # the fast path's GPU tests, again under the newest transfo
     -rfE tests/raven_layers/test_gpu.py -k "real_smollm2 or graphed or decode_loop" 2>&1 | tail -20  # the exactness tests
 }
 
+decode_b1_table() {  # every mixer at 15 of 30 against both teachers at batch 1, 4K and 16K
+  timeout 420 python3 scripts/bench/bench_generate.py --out "$RUNS/decode-bench/b1" --mixers raven,sse,sila \
+    --batches 1 --contexts 4k,16k --steps 32
+}
+
+pdl_profile() {  # pdl_profile NAME MODELS BATCH STEPS LIMIT [ARGS...]: profile_decode.py's default step beside it
+  # under programmatic dependent launch (each launched before the kernel ahead ends), and each model's plain step
+  timeout "$5" python3 scripts/bench/profile_decode.py --out "$RUNS/decode-bench/$1" --models "$2" --batches "$3" \
+    --context 16k --variants default "default,triton.enable_pdl=True" --steps "$4" "${@:6}"
+}
+
 decode_tables() {  # issue 52's table: every mixer at 15 of 30 against both teachers at batch 1, 32 and 128
   local out="$RUNS/decode-bench" && mkdir -p "$out"
-  timeout 420 python3 scripts/bench/bench_generate.py --out "$out/b1" --mixers raven,sse,sila --batches 1 \
-    --contexts 4k,16k --steps 32
+  decode_b1_table
   local batch  # one call a batch: round 7's single call ran past its limit before SILA's batch-32 row
   for batch in 128 32; do
     timeout 420 python3 scripts/bench/bench_generate.py --out "$out/b$batch" --mixers raven,sse,sila --batches $batch \
@@ -223,11 +233,8 @@ decode_tables() {  # issue 52's table: every mixer at 15 of 30 against both teac
   done
 }
 
-decode_pdl() {  # the step's kernels launched early, each overlapping the tail of the kernel before (programmatic
-  # dependent launch), beside the default (SILA's batch-1 step with its products as reductions, where it goes)
-  local out="$RUNS/decode-bench" && mkdir -p "$out"
-  timeout 300 python3 scripts/bench/profile_decode.py --out "$out/pdl" --models teacher-engine,sila --batches 1 \
-    --context 16k --variants default "default,triton.enable_pdl=True" --steps 16 --save-code
+decode_pdl() {  # the batch-1 step under dependent launch, with its code (SILA's products as reductions: where it goes)
+  mkdir -p "$RUNS/decode-bench" && pdl_profile pdl teacher-engine,sila 1 16 300 --save-code
 }
 
 decode_raven_paper() {  # Raven as the paper sets it (M = 256, top-32), beside the recipe's M = 64, top-8 of the tables
@@ -265,17 +272,12 @@ decode_sse_warps() {  # SSE's step kernel under 1-8 warps (8, the default, came 
 
 decode_round_8_steps() {  # round 8's times (docs/lab/2026-11-29-decode-round-7.md, "Next"): every model's batch-1 step
   # with its mixer's product read as views (parts_as_views) and under dependent launch, then both at batch 128
-  local out="$RUNS/decode-bench" && mkdir -p "$out"
-  local pdl=(--variants default "default,triton.enable_pdl=True" --context 16k)  # each model's plain step too
+  mkdir -p "$RUNS/decode-bench"
   # what decides dependent launch first (both models at batch 1 and 128), in calls short enough not to be cut
-  timeout 540 python3 scripts/bench/profile_decode.py --out "$out/pdl-b1" --models teacher-engine,sila --batches 1 \
-    "${pdl[@]}" --steps 16 --save-code
-  timeout 420 python3 scripts/bench/profile_decode.py --out "$out/pdl-b128" --models teacher-engine,sila --batches 128 \
-    "${pdl[@]}" --steps 8
-  timeout 420 python3 scripts/bench/bench_generate.py --out "$out/b1" --mixers raven,sse,sila --batches 1 \
-    --contexts 4k,16k --steps 32
-  timeout 540 python3 scripts/bench/profile_decode.py --out "$out/pdl-b1-raven-sse" --models raven,sse --batches 1 \
-    "${pdl[@]}" --steps 16 --save-code
+  pdl_profile pdl-b1 teacher-engine,sila 1 16 540 --save-code
+  pdl_profile pdl-b128 teacher-engine,sila 128 8 420
+  decode_b1_table
+  pdl_profile pdl-b1-raven-sse raven,sse 1 16 540 --save-code
 }
 
 decode_parts() {  # where the steps go, kernel by kernel, and the sweeps of the tilings and splits; the runs that

@@ -305,9 +305,9 @@ def test_mixer_decode_steps_in_one_kernel_update_the_state_in_place(settings, pa
 
 def test_decode_step_kernel_reads_row_views_and_names_bad_arguments():
     """The products may be row views of one fused product (the compiled step's), and the step's values do not
-    depend on its warps (`decode_warps`, which sweep_sse_decode.py sets); wrong shapes, a state that is not
+    depend on its warps (`DECODE_WARPS`, which sweep_sse_decode.py sets); wrong shapes, a state that is not
     contiguous float32, a top-k out of range and gradients are refused by name."""
-    from raven_kernels.sse.fused_recurrent import decode_warps
+    from raven_kernels.sse.fused_recurrent import DECODE_WARPS
 
     mixer = tiny_mixer()
     H, G, c, d, N, r, B = 2, 2, 8, 8, 4, mixer.q_lora_b.shape[-1], 3
@@ -329,7 +329,7 @@ def test_decode_step_kernel_reads_row_views_and_names_bad_arguments():
     contiguous = step(*(t.contiguous() for t in (q, k, v, scores, decay)), lora_x=(qa.contiguous(), ka.contiguous()))
     assert torch.equal(views, contiguous)
     for warps in (1, 2, 4):
-        with decode_warps(warps):
+        with DECODE_WARPS.use(warps):
             torch.testing.assert_close(step(q, k, v, scores, decay), views, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="scores must have shape"):
         step(q, k, v, scores[..., :3], decay)
