@@ -101,6 +101,7 @@
 #                  ddp and fsdp (weak scaling: the recipe's rows per GPU), and under ddp with align's steps as graphs
 #                  holding their all-reduces, tokens/s and memory (scripts/bench/bench_scale_out.py): what data
 #                  parallel gains over one graphed GPU; then the GPU test of align's graphs on two GPUs
+#   scale-out-round-8-x2  scale-out, then decode-round-8-x2, on a 2-GPU host (about 25 minutes)
 #   decode-lab     times, so alone on the machine: the split-K attention's tilings at 16K (sweep_decode_attention.py),
 #                  a batch-1 step's kernels and time under the default options and Inductor's own (profile_decode.py),
 #                  SILA 15/30 at batch 1, 32, 128 and 16K, every mixer at batch 1 at 4K and 16K (bench_generate.py),
@@ -487,6 +488,10 @@ PY
     (export CUDA_VISIBLE_DEVICES=1; NEWEST=${NEWEST:-0} fast_path_tests; decode_sse_warps; decode_profile_26) &
     wait
     ;;
+  scale-out-round-8-x2)  # one 2-GPU session: scale-out (both GPUs, so first and alone), then decode-round-8-x2
+    run scale-out
+    run decode-round-8-x2
+    ;;
   decode-parts)  # decode-bench without its tables: where the steps go, and the sweeps
     decode_parts
     ;;
@@ -538,7 +543,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;
