@@ -13,6 +13,7 @@ import triton.language as tl
 from ..decode_checks import check_in_place, check_row_views, check_shapes
 from ..launch import LaunchSetting, dependent_launch, wait_for_inputs
 from ..rows import indices_by_score, rows_rms_norm, softplus
+from ..split import programs_wanted
 from .chunk import _new
 
 
@@ -293,9 +294,17 @@ def fused_recurrent_sse_decode(
     )  # fmt: skip
 
 
-STEP_WARPS = 8  # sse_fwd_kernel_step's warps: at head dim 128, 4 spill (scripts/bench/kernel_resources.py)
-# a decode step's warps where set (else STEP_WARPS): `DECODE_WARPS.use(w)`, as scripts/bench/sweep_sse_decode.py times
+# a decode step's warps where set (else step_warps'): `DECODE_WARPS.use(w)`, as scripts/bench/sweep_sse_decode.py times
 DECODE_WARPS: LaunchSetting[int | None] = LaunchSetting(None)
+
+
+def step_warps(C: int, D: int, programs: int, device: torch.device) -> int:
+    """Warps of sse_fwd_kernel_step's (row, head) programs over [C, D] partitions: 8 past 64 x 64 (at head dim 128
+    fewer spill, scripts/bench/kernel_resources.py); at 64 x 64 and under, 4 while every program has an SM to
+    itself and 2 once they queue (scripts/bench/sweep_sse_decode.py; docs/KERNELS.md)."""
+    if C * D > 64 * 64:
+        return 8
+    return 4 if programs <= programs_wanted(device, per_sm=1) else 2
 
 
 @torch.library.custom_op("raven_hybrid::sse_decode_step", mutates_args=("state",))
@@ -336,7 +345,7 @@ def sse_decode_step(
             NORM=out_norm is not None, GATED=out_gate is not None, HAS_MASK=mask is not None,
             BG=triton.next_power_of_2(G), BN=triton.next_power_of_2(N), BC=triton.next_power_of_2(C),
             BD=triton.next_power_of_2(D), BR=triton.next_power_of_2(R), BRA=triton.next_power_of_2(decay_x.shape[-1]),
-            num_warps=DECODE_WARPS.value or STEP_WARPS, **dependent_launch(q.device),
+            num_warps=DECODE_WARPS.value or step_warps(C, D, B * H, q.device), **dependent_launch(q.device),
         )  # fmt: skip
     return o
 

@@ -291,12 +291,13 @@ def timing_fields(bytes_read: int, us: float, bandwidth: float, out: torch.Tenso
     }
 
 
-def warps_sweep(argv, doc: str, name: str, default: int, use_warps, inputs, step, bytes_moved, **info) -> None:
+def warps_sweep(argv, doc: str, name: str, default, use_warps, inputs, step, bytes_moved, **info) -> None:
     """A decode step's warps swept (sweep_sila_decode.py, sweep_sse_decode.py): for each batch of `--batches`,
     `inputs(batch)` gives the step's arguments and its state (a dict of tensors the step rewrites in place),
-    `bytes_moved(state)` the bytes a call must move, and each warp count of `--warps` (the `default` first, set
-    through the context `use_warps(warps)`) is timed in a CUDA graph and compared with the default's output.
-    Writes OUT/`name`.json and prints the table."""
+    `bytes_moved(state)` the bytes a call must move, and each warp count of `--warps` (the default first, set
+    through the context `use_warps(warps)`; `default`: a count, or the count a batch gets) is timed in a CUDA graph
+    and compared with the default's output. Writes OUT/`name`.json and prints the table."""
+    default_of = default if callable(default) else lambda batch: default
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--batches", default="1,32,128")
@@ -305,13 +306,14 @@ def warps_sweep(argv, doc: str, name: str, default: int, use_warps, inputs, step
     from raven_convert.evaluate.decode_bench import copy_bandwidth
 
     bandwidth = copy_bandwidth()
-    print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s; warps {args.warps} (default {default})", flush=True)
+    print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s; warps {args.warps}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     record, rows = sweep_info(bandwidth, **info), []
     for batch in parse_sizes(args.batches):
         x, first = inputs(batch)
         reference = step(x, {n: t.clone() for n, t in first.items()}).float()
         scratch = {n: t.clone() for n, t in first.items()}  # the timed steps rewrite it; `first` stays
+        default = default_of(batch)
         for warps in [default, *(w for w in args.warps if w != default)]:
             row = {"batch": batch, "warps": warps, "default": warps == default}
             try:

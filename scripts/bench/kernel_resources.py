@@ -20,6 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -178,7 +179,7 @@ def step_row(name: str, D: int, M: int) -> tuple:
         sort = fused_recurrent.DECODE_TOP_K_BY == "sort"
         constants.update(flags, TOPK_SORT=sort, SHARED=fused_recurrent.values_shared(BM, D, warps))
     else:
-        warps, BM, r = sse_recurrent.STEP_WARPS, "-", 64
+        warps, BM, r = sse_recurrent.step_warps(D, D, 1, torch.device("meta")), "-", 64
         constants = dict(H=3, G=G, N=4, C=D, D=D, R=r, RA=16, WK=1, RK=1, SHARED=1, NORM=True, GATED=True)
         constants.update(HAS_MASK=True, BG=BG, BN=4, BC=D, BD=D, BR=r, BRA=16)
     used = resources(KERNELS[name], constants, warps, 1, STEP_FLOATS)

@@ -27,7 +27,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).res
 from common import warps_sweep  # noqa: E402
 
 from raven_kernels.sse import fused_recurrent_sse_decode  # noqa: E402
-from raven_kernels.sse.fused_recurrent import DECODE_WARPS, STEP_WARPS  # noqa: E402
+from raven_kernels.sse.fused_recurrent import DECODE_WARPS, step_warps  # noqa: E402
 from raven_layers.sse import step_state_share  # noqa: E402
 
 H, G, C, D = 3, 3, 64, 64  # heads, query heads a head, rows and channels a partition
@@ -66,7 +66,8 @@ def bytes_moved(state: dict) -> int:
 
 def main(argv=None) -> None:
     warps_sweep(
-        argv, __doc__, "sweep_sse_decode", STEP_WARPS, DECODE_WARPS.use, inputs, step, bytes_moved,
+        argv, __doc__, "sweep_sse_decode", lambda batch: step_warps(C, D, batch * H, torch.device("cuda")),
+        DECODE_WARPS.use, inputs, step, bytes_moved,
         heads=H, group=G, rows=C, head_dim=D, partitions=N, top_k=TOP_K, lora_rank=R,
     )  # fmt: skip
 

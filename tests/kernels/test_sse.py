@@ -303,6 +303,17 @@ def test_mixer_decode_steps_in_one_kernel_update_the_state_in_place(settings, pa
         assert a.shape == b.shape and rel_err(a, b) < 1e-5
 
 
+def test_decode_step_warps_follow_the_partition_and_the_programs():
+    """Past 64 x 64 partitions the step takes 8 warps (fewer spill at head dim 128); at 64 x 64 and under, 4 while
+    its (row, head) programs fit one to an SM and 2 once they queue (the interpreter counts 8 SMs)."""
+    from raven_kernels.sse.fused_recurrent import step_warps
+
+    cpu = torch.device("cpu")
+    assert step_warps(128, 128, 3, cpu) == step_warps(128, 128, 384, cpu) == 8
+    assert step_warps(64, 64, 3, cpu) == step_warps(64, 64, 8, cpu) == step_warps(32, 64, 8, cpu) == 4
+    assert step_warps(64, 64, 9, cpu) == step_warps(64, 64, 384, cpu) == 2
+
+
 def test_decode_step_kernel_reads_row_views_and_names_bad_arguments():
     """The products may be row views of one fused product (the compiled step's), and the step's values do not
     depend on its warps (`DECODE_WARPS`, which sweep_sse_decode.py sets); wrong shapes, a state that is not
