@@ -97,6 +97,12 @@
 #                  each stage through `accelerate launch`, batch_size rows per process), 4x the tokens; the stages
 #                  run without CUDA graphs under several processes, so each process at about half the graphed
 #                  rate (docs/SCALE_OUT.md); start it alone, with every GPU visible
+#   sila-deep22-ddp2|sila-deep26-ddp2  the deep recipe on two GPUs under data parallel at 1.25x its steps: 2.5x its
+#                  tokens (perplexity at 22 of 30 reaches 1.05x at about 2.4x by the budget fit, docs/DEPTH.md) in
+#                  about 16 minutes of training (align 1.95x and train 1.5-1.6x one graphed GPU's tokens/s on two,
+#                  scale-out); start it alone, with both GPUs visible
+#   deep22-ddp2-x2 sila-deep22-ddp2 evaluated at 1K-8K (QUICK_EVAL), with round 8's fixes checked on GPU 1 beside
+#                  it (views_check: about 10 minutes of tests and profiles that share that GPU with the run)
 #   scale-out      the SILA recipe's align and train on one GPU (CUDA graphs) and on all of the host's GPUs under
 #                  ddp and fsdp (weak scaling: the recipe's rows per GPU), and under ddp with align's steps as graphs
 #                  holding their all-reduces, tokens/s and memory (scripts/bench/bench_scale_out.py): what data
@@ -265,6 +271,14 @@ decode_profile_26() {  # where the 26-layer SILA hybrid's batch-128 step goes un
     --batches 128 --context 16k --variants default --steps 8 --save-code
 }
 
+views_check() {  # round 8's fixes on the GPU: the views of a product only at one row (the batch-16 test and the
+  # 26-layer step's logits against Inductor's own), SSE's warps by rule (the sweep's default rows)
+  RAVEN_SMOLLM2_GGUF=$MODEL timeout 420 python3 -m pytest -o addopts="" -q -rfE tests/raven_layers/test_gpu.py \
+    tests/scripts/test_sweep_sse_decode.py -k "wide_products or real_smollm2 or sweep" 2>&1 | tail -8
+  decode_profile_26
+  decode_sse_warps
+}
+
 decode_sse_warps() {  # SSE's step kernel under 1-8 warps (8, the default, came from head dim 128's registers):
   # SSE is 0.58x the teacher at batch 128, the mixer furthest from 0.55x, and SILA's step ran fastest at one warp
   local out="$RUNS/decode-bench" && mkdir -p "$out"
@@ -431,6 +445,14 @@ PY
     local recipe=${1%-ddp4}
     PROCESSES=4 trained "$recipe" "$1"
     ;;
+  sila-deep22-ddp2 | sila-deep26-ddp2)  # 2.5x the recipe's tokens: twice the rows a step, 1.25x the steps
+    PROCESSES=2 trained "${1%-ddp2}" "$1" --set align.steps=1500 --set train.steps=375 --set extend.steps=188
+    ;;
+  deep22-ddp2-x2)  # one 2-GPU session: sila-deep22-ddp2 evaluated at 1K-8K, round 8's fixes checked beside it
+    (export CUDA_VISIBLE_DEVICES=1; views_check) &
+    WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run sila-deep22-ddp2
+    wait
+    ;;
   scale-out)
     python3 scripts/bench/bench_scale_out.py recipes/smollm2-sila.yaml --src "$TEACHER" --data "$CORPUS" \
       --gpus "$(nvidia-smi -L | wc -l)" --align-steps 60 --train-steps 40 --max-documents 400 --scaling weak \
@@ -543,7 +565,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 deep22-ddp2-x2 scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;
