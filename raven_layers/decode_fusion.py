@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from .backend import kernel_module, preload
@@ -41,6 +42,10 @@ LINEAR = (torch._C._nn.linear, F.linear)
 # mixer's q/k/v and gates, 1551 for SILA at SmolLM2's sizes) makes cuBLAS fall back to its unaligned kernels, twice
 # as slow and with a split-K reduction. The product reads the zero rows between the weights too, and drops them.
 ALIGN_ROWS = 8
+# Rows a group's product is a multiple of, where its last weight's rows are a multiple of ALIGN_ROWS (128 bytes of
+# bf16 outputs, the row alignment Inductor pads a GPU buffer's strides to): its last weight placed to end there, the
+# product has the row stride Inductor gives it, so the op reading its parts can read them as views (parts_as_views).
+WIDTH_ROWS = 64
 
 
 def _argument(node: fx.Node, index: int, name: str):
@@ -57,18 +62,19 @@ def _linears(graph: fx.Graph):
 
 def _gap_rows(first: torch.Tensor, second: torch.Tensor) -> int | None:
     """The rows between weight `first` [out, in] and `second` [..., in] where `second` follows it in one storage,
-    fewer than ALIGN_ROWS rows after it (both contiguous): one view reads both; None where it does not."""
+    fewer than WIDTH_ROWS rows after it (both contiguous): one view reads both; None where it does not."""
     same = first.untyped_storage()._cdata == second.untyped_storage()._cdata  # _cdata: the storage itself
     if not (same and first.is_contiguous() and second.is_contiguous()):
         return None
     gap, width = second.storage_offset() - first.storage_offset() - first.numel(), first.shape[-1]
-    return gap // width if 0 <= gap < ALIGN_ROWS * width and gap % width == 0 else None
+    return gap // width if 0 <= gap < WIDTH_ROWS * width and gap % width == 0 else None
 
 
 def _layout(rows: list[int]) -> tuple[list[int], int]:
     """Where share_projection_storage puts the weights of a group ([rows_i, in] each), in rows from its buffer's
     start, and the buffer's rows: each at a multiple of ALIGN_ROWS, the last one whose rows are a multiple too placed
-    last, so the product over the group has an aligned width and every part an aligned start."""
+    last, so every part has an aligned start, and that one moved on to end at a multiple of WIDTH_ROWS: the product
+    over the group reads the zero rows between."""
     order = list(range(len(rows)))
     aligned = [i for i in order if rows[i] % ALIGN_ROWS == 0]
     if aligned:
@@ -77,6 +83,10 @@ def _layout(rows: list[int]) -> tuple[list[int], int]:
     for i in order:
         starts[i] = end
         end += -(-rows[i] // ALIGN_ROWS) * ALIGN_ROWS
+    if aligned:
+        last = order[-1]
+        end = -(-end // WIDTH_ROWS) * WIDTH_ROWS
+        starts[last] = end - rows[last]
     return starts, end
 
 
@@ -238,14 +248,22 @@ def _kernel_op(node: fx.Node) -> bool:
     return node.op == "call_function" and getattr(target, "namespace", None) == KERNEL_OPS
 
 
+def _unpadded(value: torch.Tensor) -> bool:
+    """Whether Inductor lays out a buffer of `value`'s shape with `value`'s strides on any device: every stride of a
+    dimension of more than one element but the last is a multiple of the alignment its comprehensive padding
+    rounds strides up to (one row: nothing to round)."""
+    align = max(1, inductor_config.padding_alignment_bytes // value.element_size())
+    return all(stride % align == 0 for size, stride in zip(value.shape[:-1], value.stride()[:-1]) if size > 1)
+
+
 def parts_as_views(graph: fx.Graph) -> int:
     """Hand the toolkit's ops each part of a split product (dim -1) as a strided view of the whole, not as the split's
     part: Inductor makes each part of a value it has not stored a buffer of its own (a small batch's products are
     reductions whose bf16 cast it stores nowhere), a kernel a layer that copies the product into the op's inputs.
-    A view of the whole makes it store the product once, the cast inside the reduction. Only a product of one row
-    (batch 1): Inductor may pad a buffer's row stride on a GPU (comprehensive padding: 1,551 -> 1,600 for SILA's
-    product at batch 128), which the example value's stride does not show, so a view of several rows would read
-    the wrong rows. Returns the parts it replaced."""
+    A view of the whole makes it store the product once, the cast inside the reduction. Only where Inductor keeps
+    the whole's strides (_unpadded): on a GPU it may round a buffer's row stride up (comprehensive padding, SILA's
+    product of 1,568 columns to 1,600), which the example value's stride does not show, and a view of several
+    rows would then read the wrong rows. Returns the parts it replaced."""
     replaced = 0
     for op in [node for node in graph.nodes if _kernel_op(node)]:
         for part in list(op.all_input_nodes):
@@ -254,7 +272,7 @@ def parts_as_views(graph: fx.Graph) -> int:
                 continue
             whole = split.args[0]
             value, sizes = whole.meta.get("example_value"), split.args[1]
-            if value is None or not isinstance(sizes, (list, tuple)) or value.numel() != value.shape[-1]:
+            if value is None or not isinstance(sizes, (list, tuple)) or not _unpadded(value):
                 continue
             start = sum(sizes[: part.args[1]])
             with graph.inserting_before(op):

@@ -26,6 +26,7 @@ from raven_layers.decode_fusion import (
     LINEAR,
     REDUCED_PRODUCTS,
     SHARED_PROJECTIONS,
+    WIDTH_ROWS,
     default_decode_options,
     fuse_activations_into_linears,
     fuse_norms_into_linears,
@@ -200,10 +201,15 @@ def test_a_group_lays_out_3d_weights_as_their_rows(tmp_path):
     layer = hybrid.model.layers[1].self_attn
     group = [layer.get_parameter(name) for name in layer.shared_input_weights[0]]
     width, offset = group[0].shape[-1], group[0].storage_offset()
-    for weight in group:  # one after another in one buffer, each at a multiple of ALIGN_ROWS rows
+    for weight in group[:-1]:  # one after another in one buffer, each at a multiple of ALIGN_ROWS rows
         assert weight.untyped_storage().data_ptr() == group[0].untyped_storage().data_ptr() and weight.is_contiguous()
         assert weight.storage_offset() == offset
         offset += -(-weight.numel() // (ALIGN_ROWS * width)) * ALIGN_ROWS * width
+    last = group[-1]  # an aligned one (the output gate), moved on to end the buffer at a multiple of WIDTH_ROWS
+    end = last.storage_offset() + last.numel()
+    assert last.shape[0] % ALIGN_ROWS == 0 and offset <= last.storage_offset() and end % (WIDTH_ROWS * width) == 0
+    assert last.untyped_storage().data_ptr() == group[0].untyped_storage().data_ptr()
+    assert end - offset - last.numel() < WIDTH_ROWS * width
     hidden = source.config.hidden_size
     assert layer.q_lora_a.shape == before["model.layers.1.self_attn.q_lora_a"].shape == (4, 8, hidden)
     for name, p in hybrid.named_parameters():
@@ -252,11 +258,11 @@ def test_only_the_adjacent_weights_of_a_group_are_read_as_one_view():
 
 
 def test_weights_a_few_rows_apart_are_read_as_one_view_and_the_rows_between_dropped():
-    """Weights laid out at aligned rows (share_projection_storage) have up to ALIGN_ROWS - 1 rows between them: one
+    """Weights laid out at aligned rows (share_projection_storage) have up to WIDTH_ROWS - 1 rows between them: one
     product reads them and the rows between, whose outputs are dropped; weights further apart are products of their
     own."""
-    joint = torch.randn(40, 8)  # a at rows 0-2, b at 8-15 (5 rows between), c at 30-39 (14 rows between)
-    graph, x, weights = graph_of_weights({"a": joint[:3], "b": joint[8:16], "c": joint[30:]})
+    joint = torch.randn(90, 8)  # a at rows 0-2, b at 8-15 (5 rows between), c at 80-89 (64 rows between)
+    graph, x, weights = graph_of_weights({"a": joint[:3], "b": joint[8:16], "c": joint[80:]})
     graph.output(tuple(graph.call_function(F.linear, (x, w)) for w in weights))
     fuse_in_place_and_compare(graph, weights, replaced=2)
     views = [node for node in graph.nodes if node.target is torch.as_strided]
@@ -392,10 +398,11 @@ def test_each_mixers_products_of_its_input_read_their_weights_as_one(mixer):
     assert replaced == [2 * 3 + 3 * 2 + group]  # two attention layers' q/k/v, three MLPs' gate/up, the mixer's group
     torch.testing.assert_close(steps["fused"], steps["eager"], rtol=1e-5, atol=1e-5)
     # every product's width aligned (cuBLAS's fast kernels) but the LM head's (vocab 100); the mixer's reads its
-    # group's rows and the zeros between them
+    # group's rows and the zeros between them, its last weight ending at a multiple of WIDTH_ROWS
     assert all(width % ALIGN_ROWS == 0 for width in widths[:-1])
     sizes = [layer.get_parameter(name).numel() // layer.q_proj.in_features for name in layer.shared_input_weights[0]]
-    assert sum(-(-n // ALIGN_ROWS) * ALIGN_ROWS for n in sizes) in widths
+    rows = sum(-(-n // ALIGN_ROWS) * ALIGN_ROWS for n in sizes)
+    assert -(-rows // WIDTH_ROWS) * WIDTH_ROWS in widths
 
 
 def test_products_with_biases_join_their_group_and_add_the_biases_after():
@@ -508,13 +515,28 @@ def test_views_of_the_product_change_no_logit():
     assert torch.equal(with_views, with_copies)
 
 
-def test_a_product_of_several_rows_keeps_its_parts():
-    """Several rows: Inductor may pad the product's row stride on a GPU, which the graph's example value does not
-    show (SILA's 1,551 columns at batch 128 went to 1,600), so a strided view of them would read the wrong rows;
-    the op reads Inductor's own parts there."""
-    eager, compiled, code = bf16_step("sila", batch=2)
-    assert "torch.ops.raven_hybrid.sila_decode.default(buf" in code  # a part in a buffer of its own
+@pytest.mark.parametrize("aligned", [True, False])
+def test_a_product_of_several_rows_is_read_as_views_only_at_strides_inductor_keeps(aligned):
+    """Several rows: on a GPU Inductor may round a buffer's row stride up (SILA's 1,568 columns at batch 128 went
+    to 1,600), which the graph's example value does not show, so views of them are taken only where the width is
+    already a multiple of its alignment (share_projection_storage's WIDTH_ROWS); with a narrower layout the op reads
+    Inductor's own parts."""
+    with contextlib.ExitStack() as stack:
+        if not aligned:
+            stack.enter_context(mock.patch.object(decode_fusion, "WIDTH_ROWS", decode_fusion.ALIGN_ROWS))
+        eager, compiled, code = bf16_step("sila", batch=2)
+    call = next(line for line in code.splitlines() if "torch.ops.raven_hybrid.sila_decode.default(" in line)
+    assert len(set(re.findall(r"reinterpret_tensor\((buf\d+), ", call))) == (1 if aligned else 0), call
     torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-2)
+
+
+def test_the_unpadded_rule_follows_inductors_alignment():
+    """A view is safe where every row stride is a multiple of Inductor's padding alignment, or there is one row."""
+    bf16 = torch.bfloat16
+    assert decode_fusion._unpadded(torch.empty(1, 1, 1568, dtype=bf16))
+    assert decode_fusion._unpadded(torch.empty(128, 1, 1600, dtype=bf16))
+    assert not decode_fusion._unpadded(torch.empty(128, 1, 1568, dtype=bf16))
+    assert decode_fusion._unpadded(torch.empty(128, 1, 1568, dtype=torch.float32))  # 32 floats to 128 bytes
 
 
 @pytest.mark.parametrize("mixer", ["sila", "raven", "sse"])
