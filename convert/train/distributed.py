@@ -188,6 +188,26 @@ class Parallel:
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
             p.grad.div_(self.world)
 
+    def sum_(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` summed over the processes, in place (a captured step's reduction: no new tensor); itself on one."""
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        return values
+
+    def broadcast_(self, params: list[nn.Parameter]) -> None:
+        """The main process's values of `params` on every process, in place: what a DistributedDataParallel wrapper
+        does when it is made, for a stage that averages its gradients itself (`average_gradients`), whose processes
+        may have drawn different initial weights (LoRA's, seeded per process)."""
+        if self.world == 1 or self.sharded:
+            return
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            for p in params:
+                dist.broadcast(p.data, src=0)
+
     def share(self, count: torch.Tensor) -> torch.Tensor | float:
         """N * count / (the sum of count over the N processes): the factor that turns this process's mean over its
         `count` tokens into its part of the global mean, when the processes' losses are averaged. 1 on one process."""

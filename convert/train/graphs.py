@@ -81,13 +81,14 @@ def host_documents(batch: dict, bucket: int | None = None, slots: int | None = N
     return found[0], pad_documents(found[1], bucket or DOCUMENT_BUCKET, slots)
 
 
-def run_document_slots(dataset, batch_size: int, seed: int, micro_batches: int) -> int | None:
-    """The document slots every graphed step of a stage 2 run pads its documents to (`document_slots` over the
-    `micro_batches` of `batch_size` rows the run reads with `seed`, on one process as graphs run): one layout, one
-    graph. None for a dataset that is not a PackedDataset, whose steps are padded to buckets (a graph each)."""
+def run_document_slots(dataset, batch_size: int, seed: int, micro_batches: int, processes: int = 1) -> int | None:
+    """The document slots every graphed step of a stage 2 run pads its documents to (`document_slots` over every
+    process's `batch_size` rows of the `micro_batches` global batches the run reads with `seed`): one layout, one
+    graph, the same on every process without a collective, as graphs holding NCCL collectives need. None for a
+    dataset that is not a PackedDataset, whose steps are padded to buckets (a graph each)."""
     if not isinstance(dataset, PackedDataset):
         return None
-    batches = batch_rows(len(dataset), batch_size, seed, micro_batches)  # [micro-batches, B]
+    batches = batch_rows(len(dataset), batch_size * processes, seed, micro_batches).view(-1, batch_size)  # [shares, B]
     read, where = batches.unique(return_inverse=True)  # the rows read, once each
     return document_slots(documents_per_row(dataset.tensors["position_ids"][dataset.rows[read]])[where])
 
@@ -113,7 +114,7 @@ def graph_inputs(batch: dict, token_weights, device, slots: int | None = None) -
 def resolve_graphs(setting: CompileSetting, model, device, world: int = 1, collectives: bool = False) -> bool:
     """Whether a training stage captures its steps as CUDA graphs: "auto" does where it can (a CUDA device, one
     process, every converted mixer declared `graph_safe`); True demands it and raises ValueError naming what stands
-    in the way. `collectives`: the stage's step makes its processes' reductions itself (align under ddp), so True
+    in the way. `collectives`: the stage's step makes its processes' reductions itself (holds_collectives), so True
     may capture them on several processes too (launch_obstacles)."""
     if setting not in ("auto", True, False):
         raise ValueError(f"cuda_graphs = {setting!r} is not allowed; expected 'auto', true or false")
@@ -132,14 +133,14 @@ def resolve_graphs(setting: CompileSetting, model, device, world: int = 1, colle
 def launch_obstacles(device, world: int, collectives: bool = False) -> list[str]:
     """What about the launch stands in the way of CUDA graphs (each a phrase; none: they can run). Several processes
     do only with `collectives`: a stage whose step makes its all-reduces itself, each captured in the graph (NCCL
-    collectives), and whose processes capture and replay the same layouts at the same steps (align under ddp,
-    asked for with `cuda_graphs: true`; `agreed_slots`)."""
+    collectives), and whose processes capture and replay the same layouts at the same steps (align, train and
+    extend under ddp, asked for with `cuda_graphs: true`; `agreed_slots`, `run_document_slots`)."""
     reasons = []
     if torch.device(device).type != "cuda":
         reasons.append(f"the device is {torch.device(device).type}, not cuda")
     if world != 1 and not collectives:
         reasons.append(
-            f"the run has {world} processes (graphs are captured for one; on several only align under ddp, with "
+            f"the run has {world} processes (graphs are captured for one; on several only under ddp, with "
             "cuda_graphs: true)"
         )
     return reasons
@@ -147,9 +148,10 @@ def launch_obstacles(device, world: int, collectives: bool = False) -> list[str]
 
 def holds_collectives(stage: str, strategy: str) -> bool:
     """Whether `stage`'s step makes its processes' all-reduces itself under `strategy`, so that its graphs can hold
-    them (`launch_obstacles`): align under ddp, which averages the mixers' gradients without a
-    DistributedDataParallel wrapper (Parallel.average_gradients)."""
-    return stage == "align" and strategy == "ddp"
+    them (`launch_obstacles`): under ddp, align averages the mixers' gradients without a DistributedDataParallel
+    wrapper (Parallel.average_gradients), and stage 2 (train, extend) does so too when it replays its steps as
+    graphs, training its model unwrapped."""
+    return stage in ("align", "train", "extend") and strategy == "ddp"
 
 
 def agreed_slots(batch: dict, world: int, bucket: int = DOCUMENT_BUCKET) -> int | None:

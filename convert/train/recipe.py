@@ -253,7 +253,7 @@ def check_inputs(recipe: Recipe | FinetuneRecipe, stages: list[str]) -> None:
     """Before any of `stages` (those left to run) starts: each input they read is set and exists, else a
     ValueError naming the field and the flag that sets it. The data source is also sampled (check_data_source),
     data.cache_dir must be writable, and a stage demanding CUDA graphs (cuda_graphs: true) must run where they can
-    (one process on a CUDA GPU; align under ddp on several)."""
+    (one process on a CUDA GPU; under ddp on several, graphs.holds_collectives)."""
     import os
 
     from raven_convert.evaluate.needles import HAYSTACK_ENV, haystack_files, split_task

@@ -38,10 +38,13 @@ Choices:
   of the step alone, so nothing about it needs saving. A resumed run must use the same `steps` for the same curve.
 - A non-finite loss part or gradient raises FloatingPointError naming the step before the optimizer step and before
   any checkpoint of it (the check is reduced over processes, so that every process raises together).
-- `cuda_graphs` replays each step, update included, as a CUDA graph (graphs.py; one GPU, one micro-batch; a
-  distilling teacher's forward inside it, its packed documents' mask built on the device): the batch is laid out
-  on the host, the step's losses are read during the next step, and a non-finite step's update is skipped on the
-  device, its error raised before the next update.
+- `cuda_graphs` replays each step, update included, as a CUDA graph (graphs.py; one micro-batch; a distilling
+  teacher's forward inside it, its packed documents' mask built on the device): the batch is laid out on the host,
+  the step's losses are read during the next step, and a non-finite step's update is skipped on the device, its
+  error raised before the next update. On one GPU where it can (`auto`); on several under ddp when asked for
+  (`true`): the model is then trained without a DistributedDataParallel wrapper, its trainable weights broadcast
+  from the main process at the start and its gradients averaged inside the step (all-reduces the graph holds),
+  and every process pads its rows' documents to one layout (graphs.run_document_slots).
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ from raven_convert.train.flops import mfu, mfu_text, train_flops
 from raven_convert.train.graphs import (
     CapturedStep,
     graph_inputs,
+    holds_collectives,
     host_documents,
     optimizer_mode,
     read_back,
@@ -163,11 +167,14 @@ def _check_weighted(table: torch.Tensor, dataset, config: TrainConfig, processes
         )
 
 
-def step_graphs(config: TrainConfig, student, token_weights, device, processes: int, teacher=None) -> bool:
+def step_graphs(
+    config: TrainConfig, student, token_weights, device, processes: int, teacher=None, collectives: bool = False
+) -> bool:
     """Whether `train` replays its steps as CUDA graphs (`config.cuda_graphs`): where graphs.resolve_graphs allows
-    (a CUDA device, one process, mixers declared graph_safe) for a hybrid whose settings allow it
-    (`TrainConfig.graph_obstacles`) and, distilling, a teacher whose packed documents' mask is built on the device
-    (sdpa: common.teacher_mask). With True, ValueError naming what stands in the way."""
+    (a CUDA device, one process or, with `collectives` and True, several under ddp; mixers declared graph_safe) for
+    a hybrid whose settings allow it (`TrainConfig.graph_obstacles`) and, distilling, a teacher whose packed
+    documents' mask is built on the device (sdpa: common.teacher_mask). With True, ValueError naming what stands
+    in the way."""
     if config.cuda_graphs is False:
         return False
     found = config.graph_obstacles()
@@ -178,7 +185,7 @@ def step_graphs(config: TrainConfig, student, token_weights, device, processes: 
         found.append(f"the distilling teacher's attention is {attention!r} (graphs take sdpa's ready-made mask)")
     if found and config.cuda_graphs is True:
         raise ValueError(f"cuda_graphs = true cannot be honoured: {'; '.join(found)}")
-    return not found and resolve_graphs(config.cuda_graphs, student, device, processes)
+    return not found and resolve_graphs(config.cuda_graphs, student, device, processes, collectives)
 
 
 def _documents(batch: dict, device):
@@ -272,7 +279,11 @@ class Stage2Trainer:
             accelerator.init_trackers("stage2", config={k: str(v) for k, v in config.model_dump().items()})
         self.device = device = accelerator.device
         processes = accelerator.num_processes
-        self.graphs = step_graphs(config, student, self.token_weights, device, processes, self.teacher)
+        collectives = holds_collectives("train", parallel.settings.strategy)
+        self.graphs = step_graphs(config, student, self.token_weights, device, processes, self.teacher, collectives)
+        # graphs on several processes: the step averages its gradients itself (no DistributedDataParallel wrapper),
+        # an all-reduce each graph holds
+        self.own_reduce = self.graphs and processes > 1
         self.hybrid = is_hybrid(student)
 
         resumed = latest_checkpoint(self.out_dir, warn=self.note)
@@ -296,7 +307,10 @@ class Stage2Trainer:
             adamw = torch.optim.AdamW(
                 self.params, lr=config.lr, weight_decay=config.weight_decay, fused=self.graphs or None
             )
-            self.model, self.optimizer = accelerator.prepare(student, adamw)
+            if self.own_reduce:
+                self.model, self.optimizer = student.to(device), accelerator.prepare(adamw)
+            else:
+                self.model, self.optimizer = accelerator.prepare(student, adamw)
         if distilling and not isinstance(self.teacher, FSDPModule):
             self.teacher = parallel.frozen(self.teacher)
 
@@ -311,6 +325,8 @@ class Stage2Trainer:
         if config.answer_weight != 1:
             self.note(f"answer tokens weighted x{config.answer_weight:g}: {_answers(dataset)}")
         self.load_checkpoint(resumed)
+        if self.own_reduce:  # as a DistributedDataParallel wrapper would: one start on every process
+            parallel.broadcast_(self.params)
         optimizer_mode(self.optimizer, self.graphs, device)  # after a resume too: the checkpoint's groups may differ
         if isinstance(self.token_weights, torch.Tensor):
             _check_weighted(self.token_weights, dataset, config, processes)
@@ -319,7 +335,9 @@ class Stage2Trainer:
             data = dataset
         self.batches = _micro_batches(data, config, accelerator, self.start_step)
         micro_batches = config.steps * config.grad_accum
-        self.slots = run_document_slots(dataset, config.batch_size, config.seed, micro_batches) if self.graphs else None
+        self.slots = None
+        if self.graphs:  # every process's share of every step in one layout (the same on all of them)
+            self.slots = run_document_slots(dataset, config.batch_size, config.seed, micro_batches, processes)
         if self.slots is not None:
             self.note(f"CUDA graphs: documents padded to {self.slots} per step, one layout")
 
@@ -434,9 +452,11 @@ class Stage2Trainer:
             batch["packed_documents"] = False
         w = batch.pop("weights", None)
         parts = self.micro_step(batch, w, self.uniform)
+        if self.own_reduce:
+            self.parallel.average_gradients(self.params)
         zero = torch.zeros((), device=self.device)
         stacked = [parts.get(k, zero).detach().float() for k in self.parts_names] + [self.gradient_norm().float()]
-        stacked = torch.stack(stacked)
+        stacked = self.parallel.sum_(torch.stack(stacked))  # as step_totals sums them: every process skips alike
         self.inner.found_inf.copy_(~torch.isfinite(stacked).all())
         self.update()
         return stacked
@@ -446,6 +466,7 @@ class Stage2Trainer:
         back, and stopped on, before this one's update. Returns this step's `pending`, read during the next."""
         host = next(self.batches)
         tensors, step_tokens = graph_inputs(host, self.token_weights, self.device, self.slots)
+        step_tokens *= self.parallel.world if self.own_reduce else 1  # this process's share of packed rows, times N
         if pending is not None:
             self.finish_pending(pending)
         self.uniform.fill_(schedule_uniform(self.tokens_seen, self.tau) if self.token_weights is not None else 0.0)

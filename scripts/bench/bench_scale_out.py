@@ -7,13 +7,13 @@ Each run goes through `python -m raven_convert.train` (convert, align, train; to
 off), the N-process ones under `accelerate launch` with the shipped configs (recipes/accelerate/). --scaling strong
 (default) divides batch_size by N, so that every run sees the same global batches (and ends with the same
 parameters); weak keeps the recipe's batch_size per GPU, so the global batch grows N-fold; strong,weak runs both
-(one single-GPU run is the baseline of both). --graphed-align adds a ddp run whose align steps are CUDA graphs holding
-their all-reduces (the single-GPU run's align and train are graphs where the recipe's `cuda_graphs: auto` allows; the
-N-process runs' are not). The data is tokenised once into OUT/cache. A run that fails is reported in the table and
-the others still run. Rates come from the stages' DONE summaries (counted from the end of the first step); memory
-is the largest `nvidia-smi` reading of each GPU while the run's align and train stages ran (the whole process: CUDA
-context and the allocator's cache included), sampled every 0.2 s. Prints one Markdown table last and writes
-OUT/scale_out.json.
+(one single-GPU run is the baseline of both). --graphed align,train adds a ddp run whose align and train steps are
+CUDA graphs holding their all-reduces (`cuda_graphs: true` for those stages; the single-GPU run's align and train
+are graphs where the recipe's `cuda_graphs: auto` allows; the other N-process runs' are not). The data is tokenised
+once into OUT/cache. A run that fails is reported in the table and the others still run. Rates come from the stages'
+DONE summaries (counted from the end of the first step); memory is the largest `nvidia-smi` reading of each GPU
+while the run's align and train stages ran (the whole process: CUDA context and the allocator's cache included),
+sampled every 0.2 s. Prints one Markdown table last and writes OUT/scale_out.json.
 """
 
 from __future__ import annotations
@@ -111,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-documents", type=int, default=400)
     parser.add_argument("--scaling", default="strong", help="strong, weak or strong,weak: see above")
     parser.add_argument(
-        "--graphed-align", action="store_true",
-        help="also the ddp runs with align's steps as CUDA graphs holding their all-reduces (align.cuda_graphs: true)",
+        "--graphed", default="",
+        help="also a ddp run with these stages' steps (align, train: comma-separated) as CUDA graphs holding their "
+        "all-reduces (STAGE.cuda_graphs: true)",
     )  # fmt: skip
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -121,14 +122,17 @@ def main(argv: list[str] | None = None) -> int:
     scalings = args.scaling.split(",")
     if unknown := [s for s in scalings if s not in ("strong", "weak")]:
         parser.error(f"--scaling {unknown[0]!r}: allowed strong, weak or both, comma-separated")
+    graphed = [stage for stage in args.graphed.split(",") if stage]
+    if unknown := [s for s in graphed if s not in ("align", "train")]:
+        parser.error(f"--graphed {unknown[0]!r}: allowed align, train or both, comma-separated")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     rows = [run(args, "gpu1", 1, "ddp")]
     for scaling in scalings:
         for strategy in ("ddp", "fsdp"):
             rows.append(run(args, f"gpu{args.gpus}-{strategy}-{scaling}", args.gpus, strategy, scaling))
-        if args.graphed_align:
-            name, graphed = f"gpu{args.gpus}-ddp-{scaling}-graphed-align", {"align.cuda_graphs": True}
-            rows.append(run(args, name, args.gpus, "ddp", scaling, graphed))
+        if graphed:
+            name = f"gpu{args.gpus}-ddp-{scaling}-graphed-{'-'.join(graphed)}"
+            rows.append(run(args, name, args.gpus, "ddp", scaling, {f"{stage}.cuda_graphs": True for stage in graphed}))
     (Path(args.out) / "scale_out.json").write_text(json.dumps(rows, indent=1))
     base = rows[0]
     columns = ["run", "processes", "rows per GPU", "align tok/s", "vs 1 GPU", "train tok/s", "vs 1 GPU"]

@@ -102,11 +102,12 @@
 #                  about 16 minutes of training (align 1.95x and train 1.5-1.6x one graphed GPU's tokens/s on two,
 #                  scale-out); start it alone, with both GPUs visible
 #   deep22-ddp2-x2 sila-deep22-ddp2 evaluated at 1K-8K (QUICK_EVAL), with round 8's fixes checked on GPU 1 beside
-#                  it (views_check: about 10 minutes of tests and profiles that share that GPU with the run)
+#                  it (views_check: about 10 minutes of tests and profiles that share that GPU with the run), then
+#                  the 2-GPU tests of align's and train's graphs under ddp (tiny models, beside the run)
 #   scale-out      the SILA recipe's align and train on one GPU (CUDA graphs) and on all of the host's GPUs under
-#                  ddp and fsdp (weak scaling: the recipe's rows per GPU), and under ddp with align's steps as graphs
-#                  holding their all-reduces, tokens/s and memory (scripts/bench/bench_scale_out.py): what data
-#                  parallel gains over one graphed GPU; then the GPU test of align's graphs on two GPUs
+#                  ddp and fsdp (weak scaling: the recipe's rows per GPU), and under ddp with align's and train's
+#                  steps as graphs holding their all-reduces, tokens/s and memory (scripts/bench/bench_scale_out.py):
+#                  what data parallel gains over one graphed GPU; then the GPU tests of those graphs on two GPUs
 #   scale-out-round-8-x2  scale-out, then decode-round-8-x2, on a 2-GPU host (about 25 minutes)
 #   decode-lab     times, so alone on the machine: the split-K attention's tilings at 16K (sweep_decode_attention.py),
 #                  a batch-1 step's kernels and time under the default options and Inductor's own (profile_decode.py),
@@ -269,6 +270,11 @@ decode_profile_26() {  # where the 26-layer SILA hybrid's batch-128 step goes un
   local out="$RUNS/decode-bench" && mkdir -p "$out"
   timeout 420 python3 scripts/bench/profile_decode.py --out "$out/b128-26" --models teacher-engine,sila --layers 26 \
     --batches 128 --context 16k --variants default --steps 8 --save-code
+}
+
+ddp_graph_tests() {  # align's and train's graphs under ddp on two GPUs end with the eager launch's model
+  RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q -rfE tests/convert/train/test_distributed.py \
+    -k two_gpus 2>&1 | tail -15
 }
 
 views_check() {  # round 8's fixes on the GPU: the views of a product only at one row (the batch-16 test and the
@@ -449,16 +455,15 @@ PY
     PROCESSES=2 trained "${1%-ddp2}" "$1" --set align.steps=1500 --set train.steps=375 --set extend.steps=188
     ;;
   deep22-ddp2-x2)  # one 2-GPU session: sila-deep22-ddp2 evaluated at 1K-8K, round 8's fixes checked beside it
-    (export CUDA_VISIBLE_DEVICES=1; views_check) &
+    (export CUDA_VISIBLE_DEVICES=1; views_check; CUDA_VISIBLE_DEVICES=0,1 ddp_graph_tests) &
     WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run sila-deep22-ddp2
     wait
     ;;
   scale-out)
     python3 scripts/bench/bench_scale_out.py recipes/smollm2-sila.yaml --src "$TEACHER" --data "$CORPUS" \
       --gpus "$(nvidia-smi -L | wc -l)" --align-steps 60 --train-steps 40 --max-documents 400 --scaling weak \
-      --graphed-align --out "$RUNS/scale-out"
-    RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q -rfE tests/convert/train/test_distributed.py \
-      -k two_gpus 2>&1 | tail -15  # align's graphs on two GPUs end with the eager launch's model
+      --graphed align,train --out "$RUNS/scale-out"
+    ddp_graph_tests
     ;;
   sila-kd22-e2e | sila-kd26-e2e)
     local n=${1#sila-kd} && n=${n%-e2e}

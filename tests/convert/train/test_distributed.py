@@ -144,6 +144,24 @@ def test_two_gpus_align_as_graphs_to_the_model_they_align_eagerly(one_process):
     assert_same_model(runs[True], runs[False], "align")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_two_gpus_train_as_graphs_to_the_model_they_train_eagerly(one_process):
+    """On two GPUs under ddp, train with `cuda_graphs: true` trains its model without a DistributedDataParallel
+    wrapper: LoRA's weights, drawn per process, broadcast from the main one; the gradients averaged and the losses
+    summed inside the graph (NCCL); every process's share padded to one layout. It ends with the eager launch's
+    model (float tolerance)."""
+    runs = {}
+    for graphs in (True, False):
+        train = STEPS | {"batch_size": ROWS // 2, "schedule": "constant", "trainable": "mixers+lora"}
+        sections = {"train": train | {"cuda_graphs": graphs}}
+        name = f"gpus-train-graphs-{graphs}"
+        runs[graphs], done = launch(one_process, "ddp", name, "align,weights,train", sections=sections)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+        assert ("CUDA graphs: documents padded" in done.stderr) == graphs
+    assert_same_model(runs[True], runs[False], "train")
+
+
 def test_a_two_process_fsdp_checkpoint_resumes_on_one_process(one_process):
     run, done = launch(one_process, "fsdp", "stopped", "align,weights,train", STOP_AFTER_STEP="2")
     assert done.returncode != 0 and (run / "train" / "checkpoints" / "step_2").is_dir(), done.stderr[-5000:]

@@ -156,7 +156,7 @@ def test_graphs_are_used_only_where_they_can_run(monkeypatch):
     assert resolve_graphs("auto", mixed, "cuda") is False
     mixed = build_hybrid(teacher, plan_layers([("sila", "0"), ("sse", "2")], 4), {"sse": {"lora_rank": 8}})
     assert resolve_graphs("auto", mixed, "cuda") is True
-    # several processes: only a step that makes its all-reduces itself (align under ddp), and only when demanded
+    # several processes: only a step that makes its all-reduces itself (under ddp), and only when demanded
     assert resolve_graphs(True, mixed, "cuda", world=2, collectives=True) is True
     assert resolve_graphs("auto", mixed, "cuda", world=2, collectives=True) is False
     with pytest.raises(ValueError, match="2 processes"):
@@ -331,6 +331,21 @@ def test_stage2_pads_every_step_to_the_documents_of_its_fullest_batch():
         tensors, _ = graph_inputs(batch | {"index": torch.arange(3)}, None, "cpu", slots)
         assert tensors["cu_seqlens"].numel() == slots + 1
     assert run_document_slots([data[i] for i in range(len(data))], 3, 2, 9) is None  # not packed: buckets
+
+
+def test_stage2_on_several_processes_pads_every_share_to_one_layout():
+    """Under ddp each process reads its slice of every global batch (stage2._micro_batches): the run's slots cover
+    every process's slice of every step, found alike on each without a collective, as graphs holding NCCL
+    all-reduces need."""
+    data = packed_dataset(torch.Generator().manual_seed(5), rows=24, length=128)
+    slots = run_document_slots(data, batch_size=3, seed=2, micro_batches=6, processes=2)
+    assert slots % 64 == 0
+    for batch in itertools.islice(batch_iterator(data, 6, seed=2), 6):  # global batches of 2 x 3 rows
+        for rank in range(2):
+            share = {k: v[rank * 3 : (rank + 1) * 3] for k, v in batch.items()}
+            tensors, _ = graph_inputs(share | {"index": torch.arange(3)}, None, "cpu", slots)
+            assert tensors["cu_seqlens"].numel() == slots + 1
+    assert run_document_slots(data, 3, 2, 6, processes=1) == run_document_slots(data, 3, 2, 6)
 
 
 def test_rows_of_one_document_each_take_the_run_layout_and_change_nothing():

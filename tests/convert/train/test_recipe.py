@@ -259,17 +259,18 @@ def test_a_multi_process_launch_refuses_redo(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("stage, strategy, refused", [("align", "ddp", False), ("align", "fsdp", True),
-                                                       ("train", "ddp", True)])  # fmt: skip
-def test_graphs_demanded_on_several_processes_are_refused_but_for_align_under_ddp(stage, strategy, refused,
-                                                                                   monkeypatch):  # fmt: skip
-    """Before any stage: `cuda_graphs: true` on several processes holds only for align under ddp, whose step makes
-    its all-reduces itself (graphs.launch_obstacles); the others name the processes (the device here too)."""
+                                                       ("train", "ddp", False), ("extend", "ddp", False),
+                                                       ("train", "fsdp", True)])  # fmt: skip
+def test_graphs_demanded_on_several_processes_are_refused_but_under_ddp(stage, strategy, refused, monkeypatch):
+    """Before any stage: `cuda_graphs: true` on several processes holds only under ddp, whose steps make their
+    all-reduces themselves (graphs.holds_collectives); under fsdp it names the processes."""
     from raven_convert.train import distributed
     from raven_convert.train.recipe import check_inputs
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(distributed, "on_cpu", lambda: False)  # as on a GPU host
-    recipe = parse_recipe(MINIMAL | {"layers": [{"mixer": "sila", "layers": "1"}], stage: {"cuda_graphs": True},
+    section = {"cuda_graphs": True} | ({"steps": 2, "seq_len": 64} if stage == "extend" else {})
+    recipe = parse_recipe(MINIMAL | {"layers": [{"mixer": "sila", "layers": "1"}], stage: section,
                                      "distributed": {"strategy": strategy}})  # fmt: skip
     if refused:
         with pytest.raises(ValueError, match=rf"{stage}.cuda_graphs = true cannot be honoured: the run has 2 proc"):
