@@ -338,6 +338,11 @@ class Stage2Trainer:
         self.slots = None
         if self.graphs:  # every process's share of every step in one layout (the same on all of them)
             self.slots = run_document_slots(dataset, config.batch_size, config.seed, micro_batches, processes)
+        if self.own_reduce and self.slots is None and "position_ids" in dataset[0]:
+            raise ValueError(  # per-step layouts could make one process capture while another replays
+                f"cuda_graphs = true on {processes} processes needs packed rows (a PackedDataset, one document "
+                f"layout for every process and step); got {type(dataset).__name__}: use 'auto' or false"
+            )
         if self.slots is not None:
             self.note(f"CUDA graphs: documents padded to {self.slots} per step, one layout")
 
