@@ -451,8 +451,10 @@ PY
     local recipe=${1%-ddp4}
     PROCESSES=4 trained "$recipe" "$1"
     ;;
-  sila-deep22-ddp2 | sila-deep26-ddp2)  # 2.5x the recipe's tokens: twice the rows a step, 1.25x the steps
-    PROCESSES=2 trained "${1%-ddp2}" "$1" --set align.steps=1500 --set train.steps=375 --set extend.steps=188
+  sila-deep22-ddp2 | sila-deep26-ddp2)  # 2.5x the recipe's tokens: twice the rows a step, 1.25x the steps; the
+    # evaluation again on one process should the 2-process one fail (the trained stages' DONE record their processes)
+    local steps=(--set align.steps=1500 --set train.steps=375 --set extend.steps=188)
+    PROCESSES=2 trained "${1%-ddp2}" "$1" "${steps[@]}" || PROCESSES=1 trained "${1%-ddp2}" "$1" "${steps[@]}"
     ;;
   deep22-ddp2-x2)  # one 2-GPU session: sila-deep22-ddp2 evaluated at 1K-8K, round 8's fixes checked beside it
     (export CUDA_VISIBLE_DEVICES=1; views_check; CUDA_VISIBLE_DEVICES=0,1 ddp_graph_tests) &
