@@ -108,6 +108,38 @@ def assert_same_model(run: Path, reference: Path, stage: str) -> None:
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-3, atol=1e-4, msg=f"{stage}: {name}")
 
 
+def _collectives(rank: int, port: int, out: str) -> None:
+    """One of two gloo processes: Parallel's broadcast, gradient mean and sum, results saved to OUT/RANK.pt."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank)}
+    os.environ.update(env | {"WORLD_SIZE": "2", "ACCELERATE_USE_CPU": "true"})
+    from raven_convert.train.distributed import Parallel
+
+    parallel = Parallel()
+    torch.manual_seed(rank)  # each process draws its own start, as LoRA's seeded per process
+    param = torch.nn.Parameter(torch.randn(3))
+    parallel.broadcast_([param])
+    param.grad = torch.full((3,), float(rank + 1))
+    parallel.average_gradients([param])
+    total = parallel.sum_(torch.tensor([float(rank + 1)]))
+    torch.save({"param": param.detach(), "grad": param.grad, "sum": total}, f"{out}/{rank}.pt")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="gloo on the CPU; the 2-GPU tests cover NCCL")
+def test_two_processes_share_the_main_ones_weights_and_average_their_gradients(tmp_path):
+    """What a stage that averages its gradients itself does in place of a DistributedDataParallel wrapper
+    (stage 2's graphs under ddp): the main process's start on both, the mean of the gradients, the sum of a value."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_collectives, args=(port, str(tmp_path)), nprocs=2)
+    torch.manual_seed(0)
+    main_start = torch.randn(3)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"{rank}.pt")
+        assert torch.equal(got["param"], main_start)
+        assert torch.equal(got["grad"], torch.full((3,), 1.5)) and got["sum"].item() == 3.0
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_processes_align_weight_and_train_as_one(one_process, strategy):
     loads = one_process["root"] / f"loads-{strategy}.log"
