@@ -160,6 +160,19 @@ def test_two_processes_align_weight_and_train_as_one(one_process, strategy):
     assert not (run / "train" / "checkpoints").exists()
 
 
+def test_two_processes_run_a_whole_recipe_from_its_source(one_process):
+    """A recipe launched on two processes from nothing, as the lab's data-parallel runs start: convert on the main
+    process while the other waits for its DONE, then align, weights, train and extend (rows of twice the training
+    length) split, each stage's DONE recording the two processes."""
+    sections = {"extend": STEPS | {"batch_size": 1, "seq_len": 64, "schedule": "constant"}}
+    run, done = launch(one_process, "ddp", "whole", "convert,align,weights,train,extend", base=None, sections=sections)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    for stage in ("convert", "align", "weights", "train", "extend"):
+        assert (run / stage / "DONE").is_file(), stage
+    assert json.loads((run / "extend" / "DONE").read_text())["processes"] == 2
+    assert (run / "extend" / "model" / "config.json").is_file()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_two_gpus_align_as_graphs_to_the_model_they_align_eagerly(one_process):
