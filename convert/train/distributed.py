@@ -125,11 +125,7 @@ class Parallel:
         """The mean of `values` over the processes (itself on one)."""
         if self.world == 1:
             return values
-        import torch.distributed as dist
-
-        values = values.to(self.device).clone()
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
-        return values / self.world
+        return self.sum_(values.to(self.device).clone()) / self.world
 
     def _shard_kwargs(self) -> dict:
         from torch.distributed.device_mesh import init_device_mesh

@@ -471,7 +471,8 @@ class Stage2Trainer:
         back, and stopped on, before this one's update. Returns this step's `pending`, read during the next."""
         host = next(self.batches)
         tensors, step_tokens = graph_inputs(host, self.token_weights, self.device, self.slots)
-        step_tokens *= self.parallel.world if self.own_reduce else 1  # this process's share of packed rows, times N
+        if self.own_reduce:  # this process's share of packed rows, times N (no host sync for the global count)
+            step_tokens *= self.parallel.world
         if pending is not None:
             self.finish_pending(pending)
         self.uniform.fill_(schedule_uniform(self.tokens_seen, self.tau) if self.token_weights is not None else 0.0)

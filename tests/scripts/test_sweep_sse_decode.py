@@ -20,7 +20,8 @@ def test_a_small_sweep_records_every_choice(tmp_path):
 
     sweep_sse_decode.main(["--out", str(tmp_path), "--batches", "2", "--warps", "2,4"])
     rows = json.loads((tmp_path / "sweep_sse_decode.json").read_text())["rows"]
-    default = sweep_sse_decode.step_warps(64, 64, 2 * 3, torch.device("cuda"))  # first, then each other choice
+    m = sweep_sse_decode  # its default at batch 2 first, then each other choice
+    default = m.step_warps(m.C, m.D, 2 * m.H, torch.device("cuda"))
     assert rows[0]["default"] and rows[0]["warps"] == default
     assert [r["warps"] for r in rows[1:]] == [w for w in (2, 4) if w != default]
     assert all(r["us"] > 0 and r["max_diff"] < 1e-3 for r in rows)

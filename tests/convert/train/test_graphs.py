@@ -339,13 +339,14 @@ def test_stage2_on_several_processes_pads_every_share_to_one_layout():
     all-reduces need."""
     data = packed_dataset(torch.Generator().manual_seed(5), rows=24, length=128)
     slots = run_document_slots(data, batch_size=3, seed=2, micro_batches=6, processes=2)
-    assert slots % 64 == 0
+    held = []
     for batch in itertools.islice(batch_iterator(data, 6, seed=2), 6):  # global batches of 2 x 3 rows
         for rank in range(2):
             share = {k: v[rank * 3 : (rank + 1) * 3] for k, v in batch.items()}
+            held.append(int(documents_per_row(share["position_ids"]).sum()))
             tensors, _ = graph_inputs(share | {"index": torch.arange(3)}, None, "cpu", slots)
             assert tensors["cu_seqlens"].numel() == slots + 1
-    assert run_document_slots(data, 3, 2, 6, processes=1) == run_document_slots(data, 3, 2, 6)
+    assert slots == -(-max(held) // 64) * 64  # the fullest share's documents, to the bucket: no more
 
 
 def test_rows_of_one_document_each_take_the_run_layout_and_change_nothing():
