@@ -94,7 +94,7 @@ class TrainingParts:
     word: re.Pattern  # train.retrieval_data.WORD
     pool_size: int  # train.retrieval_data.POOL_SIZE
     value_kinds: tuple[str, ...]  # train.retrieval_data.VALUE_KINDS
-    align: Callable  # train.align.align
+    align: Callable  # train.align.align on this process alone (choice_parts.align_alone)
 
 
 class ChoiceSettings(BaseModel):

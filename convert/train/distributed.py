@@ -98,8 +98,21 @@ class Parallel:
         self.sharded = self.settings.strategy == "fsdp" and self.world > 1
         self._mesh = None
 
+    @classmethod
+    def alone(cls, device: torch.device | str | None = None) -> Parallel:
+        """This process by itself (on `device`, by default its launch's), whatever the launch: its reductions, barriers
+        and gathers wait on no other process. For work one process does while the others wait: convert's layer choice
+        aligns its mixers on the main process, where a collective would wait on processes that never join it until the
+        process group's timeout (NCCL's 10 minutes) ends the launch."""
+        parallel = cls()
+        parallel.rank, parallel.world, parallel.is_main, parallel.sharded = 0, 1, True, False
+        if device is not None:
+            parallel.device = torch.device(device)
+        return parallel
+
     def barrier(self) -> None:
-        self.state.wait_for_everyone()
+        if self.world > 1:
+            self.state.wait_for_everyone()
 
     def print(self, message: str) -> None:
         """A progress line on stderr, from the main process only."""

@@ -21,7 +21,7 @@ import yaml
 from raven_convert.train.recipe import parse_recipe
 from raven_convert.train.stages import run_recipe
 from tests.convert.faults import recipe_data
-from tests.helpers import WORDS, corpus, read_weights
+from tests.helpers import WORDS, corpus, read_weights, words_corpus
 
 pytestmark = [
     pytest.mark.usefixtures("private_datasets_cache"),
@@ -163,10 +163,22 @@ def test_two_processes_align_weight_and_train_as_one(one_process, strategy):
 def test_two_processes_run_a_whole_recipe_from_its_source(one_process):
     """A recipe launched on two processes from nothing, as the lab's data-parallel runs start: convert on the main
     process while the other waits for its DONE, then align, weights, train and extend (rows of twice the training
-    length) split, each stage's DONE recording the two processes."""
-    sections = {"extend": STEPS | {"batch_size": 1, "seq_len": 64, "schedule": "constant"}}
+    length) split, each stage's DONE recording the two processes. Convert chooses its layer by aligning mixers (layer
+    choice's "mixer" ablation) on the main process alone: a collective in those steps would wait on the other process
+    until the launch timed out, as the deep recipe's first 2-GPU run did."""
+    words = words_corpus(one_process["root"] / "words")  # the probes need more distinct words than `corpus` has
+    sections = {
+        "data": {"source": str(words), "seq_len": 32, "validation_fraction": 0.1}
+        | {"cache_dir": str(words.parent / "words-cache")},  # out of the corpus folder: layer choice caches there too
+        "layers": [{"mixer": "raven", "layers": "auto:1"}],
+        "layer_choice": {"window": 8, "samples": 3, "text_rows": 2, "seq_len": 96, "rounds": 1, "batch_size": 4}
+        | {"ablation": "mixer", "fit_steps": 2, "fit_rows": 4, "fit_batch_size": 2},
+        "extend": STEPS | {"batch_size": 1, "seq_len": 64, "schedule": "constant"},
+    }
     run, done = launch(one_process, "ddp", "whole", "convert,align,weights,train,extend", base=None, sections=sections)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert "raven mixers aligned for 2 steps" in done.stderr
+    assert len(json.loads((run / "convert" / "DONE").read_text())["layer_choice"]["chosen"]) == 1
     for stage in ("convert", "align", "weights", "train", "extend"):
         assert (run / stage / "DONE").is_file(), stage
     assert json.loads((run / "extend" / "DONE").read_text())["processes"] == 2
