@@ -1,5 +1,6 @@
-"""Test helpers: the packages the toolkit installs, a tiny text corpus, and code run where transformers is importable
-but this toolkit is not (as on a machine that only downloads a model)."""
+"""Test helpers: the packages the toolkit installs, a tiny text corpus, code run where transformers is importable
+but this toolkit is not (as on a machine that only downloads a model), and the comparison of two training runs that
+differ in rounding (assert_same_updates, assert_same_losses)."""
 
 from __future__ import annotations
 
@@ -103,3 +104,29 @@ def run_without_toolkit(code: str, cwd: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
     env["PYTHONPATH"] = os.pathsep.join(site_packages())
     return run_python(guard + textwrap.dedent(code), cwd, env, flags=("-S",))
+
+
+def assert_same_updates(
+    weights: dict, reference: dict, initial: dict, share: float = 0.02, rounding: dict | None = None
+):
+    """Each trained tensor's update (from `initial`) is the reference run's within `share` of its size, plus twice
+    the gap `rounding` (a run of the same steps that differs from the reference in rounding alone) leaves. Adam
+    moves a tensor whose gradient is rounding noise by about lr whatever its sign, so elementwise tolerances fail on
+    bf16 rounding alone; a missed or doubled update moves a tensor by ~100% of its update."""
+    for name, value in reference.items():
+        update, gap = (value - initial[name]).norm(), (weights[name] - value).norm()
+        floor = 0.0 if rounding is None else float((rounding[name] - value).norm())
+        assert update > 0, f"{name} did not train"
+        assert gap <= share * update + 2 * floor, (
+            f"{name}: {gap:.3g} from the reference run, whose update is {update:.3g}; another rounding: {floor:.3g}"
+        )
+
+
+def assert_same_losses(losses: list, reference: list, rounding: list, rel: float = 2e-3):
+    """Each step's loss is the reference run's within `rel`, plus twice the gap of `rounding` (a run that differs
+    from the reference in rounding alone) at that step."""
+    for step, (value, expected, other) in enumerate(zip(losses, reference, rounding, strict=True)):
+        allowed = rel * abs(expected) + 2 * abs(other - expected)
+        assert abs(value - expected) <= allowed, (
+            f"step {step}: loss {value} against {expected} (another rounding: {other})"
+        )

@@ -2,20 +2,28 @@
 STOP_AFTER_STEP=k every process exits (status 3) right after the train stage's step-k checkpoint: a launch killed
 midway, whose sharded checkpoint a later run resumes on another number of processes. With LOG_LOADS=FILE every
 process appends a line to FILE as it starts and ends reading a model from its source (the teacher), and after each
-stage the number of models still alive (not yet collected)."""
+stage the number of models still alive (not yet collected). With GRAPH_LAYOUT=1 an eager train stage runs on the
+layout its CUDA graphs would replay (documents padded to the run's slots over every process's share, in-chunk forms
+chosen on the device); NUDGE=x scales the model's starting weights by 1 + x: a run that differs in rounding alone."""
 
 import gc
 import os
 import sys
 import time
 
+import torch
+
 import raven_convert.train.stage2 as stage2
 import raven_convert.train.stages as stages
 from raven_convert.sources import Source
 from raven_convert.train.__main__ import main
+from raven_convert.train.graphs import host_documents, run_document_slots
+from raven_kernels import chunked
 
 STOP = int(os.environ.get("STOP_AFTER_STEP", "0"))
 LOG_LOADS = os.environ.get("LOG_LOADS")
+GRAPH_LAYOUT = os.environ.get("GRAPH_LAYOUT") == "1"
+NUDGE = float(os.environ.get("NUDGE", "0"))
 
 if STOP:
     save = stage2._save
@@ -53,6 +61,25 @@ if LOG_LOADS:
                 out.write(f"alive {alive} {message.split(']')[0][1:]}\n")
 
     stages.log = log_models_alive
+
+if GRAPH_LAYOUT or NUDGE:
+    setup = stage2.Stage2Trainer.setup
+
+    def setup_as_asked(self):
+        if NUDGE:
+            with torch.no_grad():
+                for p in self.student.parameters():
+                    p.mul_(1 + NUDGE)
+        setup(self)
+        if GRAPH_LAYOUT and not self.graphs:
+            config, processes = self.config, self.accelerator.num_processes
+            steps = config.steps * config.grad_accum
+            slots = run_document_slots(self.dataset, config.batch_size, config.seed, steps, processes)
+            chunked.FORCE_DEVICE_CHOICE = True
+            stage2._documents = lambda batch, device: tuple(t.to(device) for t in host_documents(batch, slots=slots))
+            self.note(f"eager steps on the graphs' layout: documents padded to {slots} per step")
+
+    stage2.Stage2Trainer.setup = setup_as_asked
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -40,6 +40,7 @@ from raven_layers import registry
 from raven_layers.backend import use_backend
 from raven_layers.modeling_hybrid import find_packed_documents
 from tests.conftest import tiny_config
+from tests.helpers import assert_same_losses, assert_same_updates
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -388,32 +389,6 @@ def test_optimizer_mode_converts_either_way_and_after_a_load():
     optimizer.load_state_dict(saved)  # a graph run's checkpoint, resumed eagerly
     optimizer_mode(optimizer, False, "cpu")
     assert isinstance(optimizer.param_groups[0]["lr"], float) and optimizer.param_groups[0]["capturable"] is False
-
-
-def assert_same_updates(
-    weights: dict, reference: dict, initial: dict, share: float = 0.02, rounding: dict | None = None
-):
-    """Each trained tensor's update (from `initial`) is the reference run's within `share` of its size, plus twice
-    the gap `rounding` (a run of the same steps that differs from the reference in rounding alone) leaves. Adam
-    moves a tensor whose gradient is rounding noise by about lr whatever its sign, so elementwise tolerances fail on
-    bf16 rounding alone; a missed or doubled update moves a tensor by ~100% of its update."""
-    for name, value in reference.items():
-        update, gap = (value - initial[name]).norm(), (weights[name] - value).norm()
-        floor = 0.0 if rounding is None else float((rounding[name] - value).norm())
-        assert update > 0, f"{name} did not train"
-        assert gap <= share * update + 2 * floor, (
-            f"{name}: {gap:.3g} from the reference run, whose update is {update:.3g}; another rounding: {floor:.3g}"
-        )
-
-
-def assert_same_losses(losses: list, reference: list, rounding: list, rel: float = 2e-3):
-    """Each step's loss is the reference run's within `rel`, plus twice the gap of `rounding` (a run that differs
-    from the reference in rounding alone) at that step."""
-    for step, (value, expected, other) in enumerate(zip(losses, reference, rounding, strict=True)):
-        allowed = rel * abs(expected) + 2 * abs(other - expected)
-        assert abs(value - expected) <= allowed, (
-            f"step {step}: loss {value} against {expected} (another rounding: {other})"
-        )
 
 
 @pytest.mark.parametrize("saved_graphed", [True, False])
