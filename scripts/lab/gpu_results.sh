@@ -101,9 +101,11 @@
 #                  tokens (perplexity at 22 of 30 reaches 1.05x at about 2.4x by the budget fit, docs/DEPTH.md) in
 #                  about 16 minutes of training (align 1.95x and train 1.5-1.6x one graphed GPU's tokens/s on two,
 #                  scale-out); start it alone, with both GPUs visible
-#   deep22-ddp2-x2 sila-deep22-ddp2 evaluated at 1K-8K (QUICK_EVAL), with round 8's fixes checked on GPU 1 beside
-#                  it (views_check: about 10 minutes of tests and profiles that share that GPU with the run), then
-#                  the 2-GPU tests of align's and train's graphs under ddp (tiny models, beside the run)
+#   deep22-ddp2-x2 sila-deep22-ddp2 evaluated at 1K-8K (QUICK_EVAL), with the 2-GPU tests of align's and train's
+#                  graphs under ddp beside it (tiny models). Its layer choice (50 s on GPU 0) is round 9's, kept in
+#                  docs/results/layer_choice (every recipe job seeds its run's cache from there)
+#   views-check    round 8's fixes on the GPU: the batch-16 wide-products test, the real-SmolLM2 exactness tests,
+#                  the 26-layer batch-128 profile (logits within a bf16 rounding of Inductor's own) and SSE's sweep
 #   scale-out      the SILA recipe's align and train on one GPU (CUDA graphs) and on all of the host's GPUs under
 #                  ddp and fsdp (weak scaling: the recipe's rows per GPU), and under ddp with align's and train's
 #                  steps as graphs holding their all-reduces, tokens/s and memory (scripts/bench/bench_scale_out.py):
@@ -186,6 +188,9 @@ recipe() {  # recipe MIXER RUN [ARGS...]: the SmolLM2 recipe of MIXER into ~/run
   local launch=(python3)  # PROCESSES=N: every stage on N GPUs under data parallel (N x batch_size rows a step)
   [ "${PROCESSES:-1}" -gt 1 ] && launch=(accelerate launch --config_file recipes/accelerate/ddp.yaml
     --num_processes "$PROCESSES")
+  # layer choice's kept scans (docs/results/layer_choice, each named by its cache key): a run whose scan has one of
+  # those keys reads it instead of scanning; the others lie unused
+  mkdir -p "$RUNS/$2/cache/layer_choice" && cp docs/results/layer_choice/*.json "$RUNS/$2/cache/layer_choice/"
   "${launch[@]}" -m raven_convert.train "recipes/smollm2-$1.yaml" --run-dir "$RUNS/$2" "${LOCAL_PATHS[@]}" \
     "${extra[@]}" "${@:3}"
 }
@@ -456,10 +461,13 @@ PY
     local steps=(--set align.steps=1500 --set train.steps=375 --set extend.steps=188)
     PROCESSES=2 trained "${1%-ddp2}" "$1" "${steps[@]}" || PROCESSES=1 trained "${1%-ddp2}" "$1" "${steps[@]}"
     ;;
-  deep22-ddp2-x2)  # one 2-GPU session: sila-deep22-ddp2 evaluated at 1K-8K, round 8's fixes checked beside it
-    (export CUDA_VISIBLE_DEVICES=1; views_check; CUDA_VISIBLE_DEVICES=0,1 ddp_graph_tests) &
+  deep22-ddp2-x2)  # one 2-GPU session: sila-deep22-ddp2 evaluated at 1K-8K, the 2-GPU graph tests beside it
+    ddp_graph_tests &
     WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run sila-deep22-ddp2
     wait
+    ;;
+  views-check)  # round 8's fixes on the GPU (round 9 ran it beside the deep run, on GPU 1)
+    views_check
     ;;
   scale-out)
     python3 scripts/bench/bench_scale_out.py recipes/smollm2-sila.yaml --src "$TEACHER" --data "$CORPUS" \
@@ -572,7 +580,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 deep22-ddp2-x2 scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 deep22-ddp2-x2 views-check scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;
