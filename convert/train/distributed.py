@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Callable, Literal, TypeVar
 
@@ -132,6 +133,27 @@ class Parallel:
             if turn == self.rank:
                 result = load()
             self.barrier()
+        return result
+
+    def main_first(self, work: Callable[[], T], folder: Path) -> T:
+        """`work()` on the main process, then on the others, which read what it cached (a corpus it tokenised).
+        They poll for a file the main process writes in `folder` once its call returns, where a barrier would time
+        out under a long call (NCCL's 10 minutes: a large corpus, or extend's far facts). Every process must call
+        it; the file goes once all have returned. Should the main process fail, the launcher ends the others."""
+        if self.world == 1:
+            return work()
+        token = self.gather(uuid.uuid4().hex)[0]  # the main's; all processes arrive here together
+        ready = Path(folder) / f".ready-{token}"
+        if self.is_main:
+            result = work()
+            ready.parent.mkdir(parents=True, exist_ok=True)
+            ready.touch()
+        else:
+            wait_for(ready)
+            result = work()
+        self.barrier()  # the others' calls read a cache: short
+        if self.is_main:
+            ready.unlink()
         return result
 
     def mean(self, values: torch.Tensor) -> torch.Tensor:

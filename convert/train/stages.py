@@ -108,19 +108,22 @@ def recipe_dataset(
     if isinstance(tokenizer, (str, Path)):
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
     d = recipe.data
-    with Parallel().state.main_process_first():  # under a launch the main process tokenises, the others read its cache
-        return build_dataset(
+    cache = d.cache_dir or run_dir / "cache"
+    return Parallel().main_first(  # under a launch the main process tokenises, the others read its cache
+        lambda: build_dataset(
             d.source,
             tokenizer,
             seq_len or d.seq_len,
-            d.cache_dir or run_dir / "cache",
+            cache,
             validation_fraction=d.validation_fraction,
             max_documents=d.max_documents,
             seed=d.seed,
             text_field=d.text_field,
             retrieval=retrieval or d.retrieval,
             max_skipped=d.max_skipped,
-        )
+        ),
+        cache,
+    )
 
 
 def _stage_convert(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) -> dict:

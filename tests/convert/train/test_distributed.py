@@ -140,6 +140,39 @@ def test_two_processes_share_the_main_ones_weights_and_average_their_gradients(t
         assert torch.equal(got["grad"], torch.full((3,), 1.5)) and got["sum"].item() == 3.0
 
 
+def _main_first(rank: int, port: int, out: str) -> None:
+    """One of two gloo processes whose collectives time out after 2 s: the main process's work takes 4 s."""
+    import datetime
+    import time
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank)}
+    os.environ.update(env | {"WORLD_SIZE": "2", "ACCELERATE_USE_CPU": "true"})
+    torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=2))
+    from raven_convert.train.distributed import Parallel
+
+    def work():
+        if rank == 0:
+            time.sleep(4)  # a corpus tokenised: longer than a barrier waits
+            Path(out, "cache.txt").write_text("packed")
+        return Path(out, "cache.txt").read_text()
+
+    result = Parallel().main_first(work, Path(out) / "cache")
+    Path(out, f"{rank}.txt").write_text(result)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="gloo on the CPU; the 2-GPU tests cover NCCL")
+def test_the_other_processes_outwait_the_main_ones_long_work(tmp_path):
+    """The main process tokenises a corpus while the others wait to read its cache (recipe_dataset): they poll for
+    its end, so work longer than the process group's timeout (NCCL's 10 minutes; here 2 s) ends no launch, and
+    every process reads what the main one cached; its end-of-work file is gone afterwards."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_main_first, args=(port, str(tmp_path)), nprocs=2)
+    assert [(tmp_path / f"{rank}.txt").read_text() for rank in range(2)] == ["packed", "packed"]
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_processes_align_weight_and_train_as_one(one_process, strategy):
     loads = one_process["root"] / f"loads-{strategy}.log"
