@@ -104,6 +104,8 @@
 #   deep22-ddp2-x2 sila-deep22-ddp2 evaluated at 1K-8K (QUICK_EVAL), with the 2-GPU tests of align's and train's
 #                  graphs under ddp beside it (tiny models). Its layer choice (50 s on GPU 0) is round 9's, kept in
 #                  docs/results/layer_choice (every recipe job seeds its run's cache from there)
+#   decode-b128-twice  issue 52's batch-128 row at 16K (every mixer at 15 of 30, both teachers) in two runs, alone
+#                  on the machine: the ratio's spread within a session
 #   views-check    round 8's fixes on the GPU: the batch-16 wide-products test, the real-SmolLM2 exactness tests,
 #                  the 26-layer batch-128 profile (logits within a bf16 rounding of Inductor's own) and SSE's sweep
 #   scale-out      the SILA recipe's align and train on one GPU (CUDA graphs) and on all of the host's GPUs under
@@ -234,6 +236,15 @@ pdl_profile() {  # pdl_profile NAME MODELS BATCH STEPS LIMIT [ARGS...]: profile_
   # under programmatic dependent launch (each launched before the kernel ahead ends), and each model's plain step
   timeout "$5" python3 scripts/bench/profile_decode.py --out "$RUNS/decode-bench/$1" --models "$2" --batches "$3" \
     --context 16k --variants default "default,triton.enable_pdl=True" --steps "$4" "${@:6}"
+}
+
+decode_b128_twice() {  # issue 52's batch-128 row twice, each run with its own teacher: where the ratio sits within
+  # one session's spread (round 9 measured SILA at 0.551x and Raven at 0.552x, the target 0.55x)
+  local out="$RUNS/decode-bench" run && mkdir -p "$out"
+  for run in 1 2; do
+    timeout 420 python3 scripts/bench/bench_generate.py --out "$out/b128-$run" --mixers raven,sse,sila --batches 128 \
+      --contexts 16k --steps 16
+  done
 }
 
 decode_tables() {  # issue 52's table: every mixer at 15 of 30 against both teachers at batch 1, 32 and 128
@@ -466,6 +477,9 @@ PY
     WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run sila-deep22-ddp2
     wait
     ;;
+  decode-b128-twice)  # times, alone: about 9 minutes
+    decode_b128_twice
+    ;;
   views-check)  # round 8's fixes on the GPU (round 9 ran it beside the deep run, on GPU 1)
     views_check
     ;;
@@ -580,7 +594,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 deep22-ddp2-x2 views-check scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 deep22-ddp2-x2 views-check decode-b128-twice scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;
