@@ -468,9 +468,11 @@ PY
     PROCESSES=4 trained "$recipe" "$1"
     ;;
   sila-deep22-ddp2 | sila-deep26-ddp2)  # 2.5x the recipe's tokens: twice the rows a step, 1.25x the steps; the
-    # evaluation again on one process should the 2-process one fail (the trained stages' DONE record their processes)
+    # evaluation again on one process should the 2-process one fail after training (the trained stages' DONE record
+    # their processes). A failure before that ends the job: training on one process would outlast a session (round 9)
     local steps=(--set align.steps=1500 --set train.steps=375 --set extend.steps=188)
-    PROCESSES=2 trained "${1%-ddp2}" "$1" "${steps[@]}" || PROCESSES=1 trained "${1%-ddp2}" "$1" "${steps[@]}"
+    PROCESSES=2 trained "${1%-ddp2}" "$1" "${steps[@]}" ||
+      { [ -f "$RUNS/$1/extend/DONE" ] && PROCESSES=1 trained "${1%-ddp2}" "$1" "${steps[@]}"; }
     ;;
   deep22-ddp2-x2)  # one 2-GPU session: sila-deep22-ddp2 evaluated at 1K-8K, the 2-GPU graph tests beside it
     ddp_graph_tests &
