@@ -4,21 +4,9 @@
 #
 #   MODEL=~/cache/smollm2.gguf CORPUS=~/cache/corpus ESSAYS=~/cache/essays bash scripts/lab/gpu_results.sh start teacher raven sila
 #
-# after copying the model, corpus and essays in three calls (each carries at most 64 MiB with the checkout, itself
-# about 22 MiB, so the first call carries about 61 of its 64: split the model in four once the checkout grows;
-# the model in thirds, `split -n 3 MODEL .carry/m3/smollm2.gguf.part-`, wheels from
-# ../shared/tools/gpu-prep.sh in .whl with pydantic's, which the image lacks too (its `pip download` line with
-# pydantic pydantic-core annotated-types typing-inspection), the corpus split into .carry/corpus-*: a is the 8.4 MB
-# linux docs, b perl's and postgresql's, c python's; keep results under docs/results with scripts/lab/archive_run.py,
-# whose gzipped scores keep the checkout small enough):
-#   carry .carry/m3/smollm2.gguf.part-aa .carry/corpus-a:
-#     mkdir -p ~/cache/corpus && cp .carry/m3/smollm2.gguf.part-aa ~/cache/ && cp .carry/corpus-a/* ~/cache/corpus/
-#   carry .carry/m3/smollm2.gguf.part-ab .whl .carry/corpus-b .carry/pg_essays:
-#     cp .carry/m3/smollm2.gguf.part-ab ~/cache/ && cp .carry/corpus-b/* ~/cache/corpus/ &&
-#     cp -r .carry/pg_essays ~/cache/essays && source scripts/device_env.sh   # the wheels into /tmp/site, for later
-#   carry .carry/m3/smollm2.gguf.part-ac .carry/corpus-c:
-#     cat ~/cache/smollm2.gguf.part-a? .carry/m3/smollm2.gguf.part-ac > ~/cache/smollm2.gguf &&
-#     cp .carry/corpus-c/* ~/cache/corpus/ && ... start ...
+# after copying the model, corpus and essays over in four calls: `bash scripts/lab/carry.sh JOB` builds what they
+# carry (the model in quarters, the corpus in three parts, the essays, the wheels the image lacks) and prints them;
+# keep results under docs/results with scripts/lab/archive_run.py, whose gzipped scores keep the checkout small
 # (chain the calls: the machine goes back after 30 idle seconds, with the jobs it runs)
 #   bash scripts/lab/gpu_jobs.sh wait 540        # in each later call, until the jobs end
 #   bash scripts/lab/gpu_jobs.sh collect         # $OUT/runs.tar.gz: stage summaries, reports, pictures; logs.tar.gz
