@@ -4,7 +4,9 @@ midway, whose sharded checkpoint a later run resumes on another number of proces
 process appends a line to FILE as it starts and ends reading a model from its source (the teacher), and after each
 stage the number of models still alive (not yet collected). With GRAPH_LAYOUT=1 an eager train stage runs on the
 layout its CUDA graphs would replay (documents padded to the run's slots over every process's share, in-chunk forms
-chosen on the device); NUDGE=x scales the model's starting weights by 1 + x: a run that differs in rounding alone."""
+chosen on the device); NUDGE=x scales the model's starting weights by 1 + x: a run that differs in rounding alone.
+With STEP_AS_GRAPHS=1 the train stage takes its graphed path, each step run eagerly instead of captured (the CPU
+has no CUDA graphs)."""
 
 import gc
 import os
@@ -24,6 +26,7 @@ STOP = int(os.environ.get("STOP_AFTER_STEP", "0"))
 LOG_LOADS = os.environ.get("LOG_LOADS")
 GRAPH_LAYOUT = os.environ.get("GRAPH_LAYOUT") == "1"
 NUDGE = float(os.environ.get("NUDGE", "0"))
+STEP_AS_GRAPHS = os.environ.get("STEP_AS_GRAPHS") == "1"
 
 if STOP:
     save = stage2._save
@@ -80,6 +83,22 @@ if GRAPH_LAYOUT or NUDGE:
             self.note(f"eager steps on the graphs' layout: documents padded to {slots} per step")
 
     stage2.Stage2Trainer.setup = setup_as_asked
+
+if STEP_AS_GRAPHS:
+
+    class EagerCapturedStep:
+        """CapturedStep's calls, each run eagerly (no CUDA graph on the CPU)."""
+
+        warmup = 1
+
+        def __init__(self, step):
+            self.step, self.graphs = step, {}
+
+        def __call__(self, inputs):
+            return self.step(inputs)
+
+    stage2.step_graphs = lambda *args, **kwargs: True
+    stage2.CapturedStep = EagerCapturedStep
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

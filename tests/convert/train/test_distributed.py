@@ -245,6 +245,19 @@ def test_two_processes_train_on_the_graphs_layout_to_the_same_model(one_process)
     assert_same_model(run, one_process["run"], "train")
 
 
+def test_two_processes_train_through_the_graphed_step_to_the_same_model(one_process):
+    """The step a graphed train stage captures on several GPUs, run eagerly on the CPU (launched.py's
+    STEP_AS_GRAPHS): no DistributedDataParallel wrapper, LoRA's weights broadcast from the main process, the
+    gradients averaged and the losses summed by the step itself, every process's share padded to the run's slots,
+    fused AdamW. Two processes train to the one-process model, so what the 2-GPU test adds is the capture."""
+    train = STEPS | {"batch_size": ROWS // 2, "schedule": "constant", "kd_weight": 1.0, "trainable": "mixers+lora"}
+    sections = {"train": train}
+    run, done = launch(one_process, "ddp", "as-graphs", "align,weights,train", sections=sections, STEP_AS_GRAPHS="1")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert "CUDA graphs: documents padded" in done.stderr
+    assert_same_model(run, one_process["run"], "train")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_two_gpus_train_as_graphs_to_the_model_they_train_eagerly(one_process):
