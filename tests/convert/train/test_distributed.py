@@ -266,7 +266,7 @@ def test_two_gpus_train_as_graphs_to_the_model_they_train_eagerly(one_process):
     summed inside the graph (NCCL); every process's share padded to one layout. From one aligned model it ends with
     the eager launch's model on the same layout (GRAPH_LAYOUT), within twice what the same eager steps from starting
     weights 2^-20 apart leave, as test_graphs compares one GPU's runs: Adam carries the GPU's rounding into
-    zero-started weights (elementwise tolerances failed on it: round 9's lab note)."""
+    zero-started weights (an elementwise tolerance failed in round 9: its lab note)."""
     start, done = launch(one_process, "ddp", "gpus-train-start", "align,weights")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     train = STEPS | {"batch_size": ROWS // 2, "schedule": "constant", "trainable": "mixers+lora"}
