@@ -220,11 +220,19 @@ def decode_graph_ms(model) -> float | None:
 
 
 def measure_decode(
-    name: str, model, batch: int, context: int, steps: int, prefill_chunk: int | None = None, bandwidth: float = 0
+    name: str,
+    model,
+    batch: int,
+    context: int,
+    steps: int,
+    prefill_chunk: int | None = None,
+    bandwidth: float = 0,
+    repeats: int = 2,
 ) -> dict:
-    """{model, batch, context, ttft_ms, step_ms, step_wall_ms, first_step_ms, graph_ms, tokens_per_s, peak_gib}
-    (`graph_ms`: `decode_graph_ms`, None off this engine; with `bandwidth`, bytes/s: floor_ms and floor_share too),
-    or {..., oom: True} where the batch does not fit."""
+    """{model, batch, context, ttft_ms, step_ms, step_ms_all, step_wall_ms, first_step_ms, graph_ms, tokens_per_s,
+    peak_gib} (`step_ms`: the best of `repeats` timed calls, each one's in `step_ms_all`; `graph_ms`:
+    `decode_graph_ms`, None off this engine; with `bandwidth`, bytes/s: floor_ms and floor_share too), or {...,
+    oom: True} where the batch does not fit."""
     ids = torch.randint(3, model.config.vocab_size, (batch, context), device="cuda")
     entry = {"model": name, "batch": batch, "context": context}
     if bandwidth:
@@ -232,11 +240,12 @@ def measure_decode(
     try:
         warm_up(model, ids, steps, prefill_chunk)
         torch.cuda.reset_peak_memory_stats()
-        times = generate_times(model, ids, steps, 2, prefill_chunk)
+        times = generate_times(model, ids, steps, repeats, prefill_chunk)
         first, step = times["ttft_s"], times["step_s"]
         entry.update(
             ttft_ms=round(first * 1e3, 2),
             step_ms=round(step * 1e3, 3),
+            step_ms_all=[round(s * 1e3, 3) for s in times["step_all"]],
             step_wall_ms=round(times["step_wall_s"] * 1e3, 3),
             first_step_ms=None if times["first_step_s"] is None else round(times["first_step_s"] * 1e3, 3),
             tokens_per_s=round(batch / step, 1),

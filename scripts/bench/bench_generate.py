@@ -24,7 +24,8 @@ For every (model, batch, context): a prompt of `context` random tokens per row; 
 (compilation, graph capture), then is timed for 1 new token (time to first token: prefill and one step) and for
 `--steps + 1` new tokens; decode ms/step is timed inside the long call from its second step to its last
 (raven_convert.evaluate.decode_bench.StepClock; `step_wall_ms`, the calls' difference over `--steps`, and
-`first_step_ms` are in the JSON). Every generate() is greedy with no processor and no EOS stop (exactly the
+`first_step_ms` are in the JSON; the row's step is the best of `--repeats` long calls, default 2, each one's
+in `step_ms_all`). Every generate() is greedy with no processor and no EOS stop (exactly the
 tokens asked for), so this engine's loop chooses each token inside the replayed step (raven_layers/decode_loop.py).
 On this engine `graph ms` is the GPU time of one replay of that captured step alone: what the step costs the GPU,
 without generate()'s loop. `--prefill-chunk N` prefills every model
@@ -104,7 +105,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--contexts", default="4k,16k")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--prefill-chunk", type=int, default=None, help="prefill_chunk_size for every model")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="timed generate() calls a row: its step is the best, all in the JSON"
+    )
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats {args.repeats}: expected an integer >= 1")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise SystemExit(f"--prefill-chunk {args.prefill_chunk}: expected an integer >= 1")
     batches, contexts = parse_sizes(args.batches), parse_sizes(args.contexts)
@@ -114,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s", flush=True)
 
     def measure(name, model, batch, context):
-        return measure_decode(name, model, batch, context, args.steps, args.prefill_chunk, bandwidth)
+        return measure_decode(name, model, batch, context, args.steps, args.prefill_chunk, bandwidth, args.repeats)
 
     def save(rows):
         extra = dict(copy_tb_per_s=round(bandwidth / 1e12, 3), decode_options=args.decode_options)

@@ -32,7 +32,7 @@ decode_b128_twice() {  # issue 52's batch-128 row twice, each run with its own t
   local out="$RUNS/decode-bench" run && mkdir -p "$out"
   for run in 1 2; do
     timeout 420 python3 scripts/bench/bench_generate.py --out "$out/b128-$run" --mixers raven,sse,sila --batches 128 \
-      --contexts 16k --steps 16
+      --contexts 16k --steps 16 --repeats 3
   done
 }
 

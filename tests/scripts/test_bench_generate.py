@@ -164,3 +164,12 @@ def test_decode_options_name_the_models_compilation():
     with pytest.raises(argparse.ArgumentTypeError, match="max_autotune_gemm=True cannot autotune .* FUSED_PROJ"):
         parse_decode_options("shared,combo_kernels=True,max_autotune_gemm=True")
     assert parse_decode_options("fused,max_autotune_gemm=True") == {**FUSED_PROJECTIONS, "max_autotune_gemm": True}
+
+
+def test_repeats_below_one_are_refused_before_anything_is_built(tmp_path):
+    """--repeats N times each row's generate() N times (the best is the row's step, every one in step_ms_all); 0 is
+    refused by name before a model is built or the GPU asked for."""
+    import bench_generate
+
+    with pytest.raises(SystemExit, match="--repeats 0: expected an integer >= 1"):
+        bench_generate.main(["--out", str(tmp_path), "--repeats", "0"])
