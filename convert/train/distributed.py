@@ -211,13 +211,14 @@ class Parallel:
         process's gradients, in place. fsdp averages its gradients itself, one process has nothing to do."""
         if self.world == 1 or self.sharded:
             return
-        import torch.distributed as dist
-
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)  # a parameter unused on one process still joins the mean
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-            p.grad.div_(self.world)
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():  # one all-reduce a dtype, not one a parameter (hundreds a step)
+            flat = self.sum_(torch.cat([g.reshape(-1) for g in grads])).div_(self.world)
+            torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
     def sum_(self, values: torch.Tensor) -> torch.Tensor:
         """`values` summed over the processes, in place (a captured step's reduction: no new tensor); itself on one."""
