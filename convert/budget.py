@@ -6,8 +6,8 @@ budgets, and the tokens a perplexity target would take at the rate those runs sh
         --lengths 1024,2048,4096,8192 --out docs/results/depth/budget22
 
 Each run is a recipe's run directory or its archive (scripts/lab/archive_run.py: report.json and stages.json). Per
-run: the tokens its align, train and extend stages read (steps x rows x sequence length x processes, from the
-stages' summaries), the GPU-minutes of its stages before the evaluation, and its quality against the teacher as the
+run: the tokens its align, train and extend stages read (steps x the global batch's rows x sequence length, from
+the stages' summaries), the GPU-minutes of its stages before the evaluation, and its quality against the teacher as the
 depth table counts it (perplexity ratio, retrieval cells within `--within` points, passkey). The perplexity's
 excess over the teacher's, ratio - 1, is fitted as a power of the tokens read (a line through log-log points, least
 squares), which gives the tokens at which it would reach `--target-ppl` and, at the largest run's GPU-minutes per
@@ -40,7 +40,8 @@ def stage_summaries(run: str | Path) -> dict[str, dict]:
 
 
 def tokens_read(stages: dict[str, dict]) -> int:
-    """Tokens the training stages read: steps x rows (batch x accumulation x processes) x sequence length."""
+    """Tokens the training stages read: steps x rows x sequence length, the rows those of the global batch (batch x
+    accumulation) that the summaries' inputs record already counted over the processes (run_state.stage_inputs)."""
     total = 0
     for name in TRAINING:
         summary = stages.get(name)
@@ -49,7 +50,7 @@ def tokens_read(stages: dict[str, dict]) -> int:
         inputs = summary["inputs"]
         settings = inputs[name]
         length = summary.get("seq_len") or settings.get("seq_len") or inputs["data"]["seq_len"]
-        rows = settings["batch_size"] * settings.get("grad_accum", 1) * summary.get("processes", 1)
+        rows = settings["batch_size"] * settings.get("grad_accum", 1)
         total += summary["steps"] * rows * length
     return total
 

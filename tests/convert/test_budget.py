@@ -12,21 +12,36 @@ import pytest
 
 from raven_convert.budget import fit_excess, gpu_minutes, tokens_for, tokens_read
 from raven_convert.depth import main
+from raven_convert.train.recipe import parse_recipe
+from raven_convert.train.run_state import stage_inputs
 from tests.convert.test_depth import report, write
 
 
 def summaries(scale: int, processes: int = 1) -> dict[str, dict]:
-    """Stage summaries as the stages write them (DONE): align and train at 2,048 tokens a row, extend at 8,192."""
-    data = {"seq_len": 2048}
+    """Stage summaries as the stages write them (DONE), their inputs from run_state.stage_inputs (which records the
+    global batch of the processes a stage ran on): align and train at 2,048 tokens a row, extend at 8,192."""
+    recipe = parse_recipe(
+        {
+            "source": "teacher",
+            "layers": [{"mixer": "sila", "layers": "1"}],
+            "data": {"source": "x", "seq_len": 2048},
+            "align": {"steps": 100, "batch_size": 16},
+            "train": {"steps": 50, "batch_size": 16, "grad_accum": 2},
+            "extend": {"steps": 10, "batch_size": 2, "seq_len": 8192},
+        }
+    )
+
+    def stage(name: str, steps: int, seconds: float) -> dict:
+        return {
+            "steps": steps * scale,
+            "seconds": seconds * scale,
+            "processes": processes,
+            "inputs": stage_inputs(recipe, name, processes),
+        }
+
     return {
-        "convert": {"seconds": 60.0},
-        "align": {"steps": 100 * scale, "seconds": 120.0 * scale, "processes": processes,
-                  "inputs": {"data": data, "align": {"batch_size": 16}}},
-        "weights": {"seconds": 30.0},
-        "train": {"steps": 50 * scale, "seconds": 60.0 * scale, "processes": processes,
-                  "inputs": {"data": data, "train": {"batch_size": 16, "grad_accum": 2}}},
-        "extend": {"steps": 10 * scale, "seq_len": 8192, "seconds": 30.0 * scale, "processes": processes,
-                   "inputs": {"data": data, "extend": {"batch_size": 2, "seq_len": 8192}}},
+        "convert": {"seconds": 60.0}, "align": stage("align", 100, 120.0), "weights": {"seconds": 30.0},
+        "train": stage("train", 50, 60.0), "extend": stage("extend", 10, 30.0) | {"seq_len": 8192},
         "evaluate": {"seconds": 999.0},
     }  # fmt: skip
 
@@ -34,7 +49,7 @@ def summaries(scale: int, processes: int = 1) -> dict[str, dict]:
 def test_tokens_and_gpu_minutes_from_the_stage_summaries():
     one = 100 * 16 * 2048 + 50 * 16 * 2 * 2048 + 10 * 2 * 8192
     assert tokens_read(summaries(1)) == one
-    assert tokens_read(summaries(2, processes=4)) == 2 * 4 * one  # rows per process, every process reads
+    assert tokens_read(summaries(2, processes=4)) == 2 * 4 * one  # rows per process, every process reads: 4x the rows
     assert gpu_minutes(summaries(1)) == (60 + 120 + 30 + 60 + 30) / 60  # evaluation left out
     assert gpu_minutes(summaries(1, processes=4)) == (60 + 4 * 120 + 30 + 4 * 60 + 4 * 30) / 60
 
