@@ -172,12 +172,14 @@ def _spec_of(mixer: nn.Module):
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Every group's learning rate to `lr`: in place where it is a tensor (a graph reads it there), else assigned."""
+    """Every group's learning rate to `lr` times its `lr_scale` (1 where it has none; lora.lr_groups): in place where
+    it is a tensor (a graph reads it there), else assigned."""
     for group in optimizer.param_groups:
+        rate = lr * group.get("lr_scale", 1.0)
         if torch.is_tensor(group["lr"]):
-            group["lr"].fill_(lr)
+            group["lr"].fill_(rate)
         else:
-            group["lr"] = lr
+            group["lr"] = rate
 
 
 def optimizer_mode(optimizer: torch.optim.Optimizer, graphs: bool, device) -> None:

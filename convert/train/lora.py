@@ -3,6 +3,7 @@ injected in place on the layers that kept attention (of every layer in a plain m
 base weights for export.
 
     params = select_trainable(hybrid, config)   # sets requires_grad; injects LoRA for "mixers+lora" and "lora"
+    groups = lr_groups(hybrid, config)          # AdamW's groups: the new weights at lr, the pretrained ones scaled
     merge_lora(hybrid); hybrid.save_pretrained(out)
 """
 
@@ -13,7 +14,7 @@ import re
 import torch
 from torch import nn
 
-from raven_convert.train.common import attention_layers, is_hybrid, mixer_parameters
+from raven_convert.train.common import attention_layers, is_hybrid, mixer_parameters, mixer_prefixes
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -98,3 +99,17 @@ def select_trainable(model, config) -> list[nn.Parameter]:
     for p in model.parameters():
         p.requires_grad_(id(p) in chosen)
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def lr_groups(model, config) -> list[dict]:
+    """AdamW's parameter groups of `model`'s trainable parameters (after select_trainable, and after sharding, which
+    keeps the names): the new weights (a hybrid's mixers, LoRA's adapters) at `config.lr`, the pretrained ones (every
+    other: kept attention, MLPs, norms, embeddings) at `config.pretrained_lr_scale` of it. Each group carries its
+    `lr_scale`, which graphs.set_lr applies to the schedule's rate; groups without parameters are left out."""
+    prefixes = mixer_prefixes(model) if is_hybrid(model) else ()
+    new, pretrained = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (new if is_lora(name) or name.startswith(prefixes) else pretrained).append(p)
+    scales = [(new, 1.0), (pretrained, config.pretrained_lr_scale)]
+    return [{"params": ps, "lr": config.lr * scale, "lr_scale": scale} for ps, scale in scales if ps]

@@ -81,7 +81,7 @@ from raven_convert.train.graphs import (
     set_lr,
     untimed_steps,
 )
-from raven_convert.train.lora import select_trainable
+from raven_convert.train.lora import lr_groups, select_trainable
 from raven_convert.train.losses import answer_weighted, aux_loss, ce_loss, kd_loss, prediction_mask, training_loss
 from raven_convert.train.precision import frozen_linears_in
 from raven_convert.train.stage2_config import TrainConfig
@@ -301,11 +301,11 @@ class Stage2Trainer:
         if parallel.sharded:  # FSDP2 replaces the parameters by their shards: the optimizer holds the shards
             self.model = parallel.shard(student)
             self.params = [p for p in self.model.parameters() if p.requires_grad]
-            adamw = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
+            adamw = torch.optim.AdamW(lr_groups(self.model, config), lr=config.lr, weight_decay=config.weight_decay)
             self.optimizer = accelerator.prepare(adamw)
         else:  # a graph holds a fused AdamW's update
             adamw = torch.optim.AdamW(
-                self.params, lr=config.lr, weight_decay=config.weight_decay, fused=self.graphs or None
+                lr_groups(student, config), lr=config.lr, weight_decay=config.weight_decay, fused=self.graphs or None
             )
             if self.own_reduce:
                 self.model, self.optimizer = student.to(device), accelerator.prepare(adamw)

@@ -37,6 +37,13 @@ class TrainConfig(BaseModel):
     trainable_patterns: list[str] = Field(
         default_factory=list, description="with trainable 'patterns': regular expressions of parameter names"
     )
+    pretrained_lr_scale: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="the learning rate of the pretrained weights `trainable` trains ('all', 'patterns': kept "
+        "attention, MLPs, norms, embeddings) as a share of lr; the new ones (mixers, LoRA's adapters) train at lr",
+    )
     lora_rank: int = Field(16, ge=1)
     lora_alpha: float = Field(32.0, gt=0)
     lora_targets: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
@@ -70,7 +77,9 @@ class TrainConfig(BaseModel):
     seed: int = Field(0, description="data order, and the random numbers of a fresh run (Raven's router noise)")
     log_every: int = Field(10, ge=0, description="steps between progress lines; 0: none")
 
-    _dump = omit_at_default("answer_weight")  # the stages' fingerprints from before it stay valid
+    _dump = omit_at_default(
+        "answer_weight", "pretrained_lr_scale"
+    )  # the stages' fingerprints from before it stay valid
 
     @model_validator(mode="after")
     def _one_tau(self):
@@ -103,6 +112,11 @@ class TrainConfig(BaseModel):
             )
         if self.trainable_patterns and self.trainable != "patterns":
             raise ValueError(f"trainable_patterns only apply with trainable = 'patterns', not {self.trainable!r}")
+        if self.pretrained_lr_scale != 1 and self.trainable not in ("all", "patterns"):
+            raise ValueError(
+                f"pretrained_lr_scale = {self.pretrained_lr_scale:g} applies where trainable trains pretrained "
+                f"weights ('all' or 'patterns'), and trainable = {self.trainable!r} trains none of them"
+            )
         return self
 
     @property

@@ -92,6 +92,12 @@
 #   deep22-ddp2-x2 sila-deep22-ddp2 evaluated at 1K-8K (QUICK_EVAL), with the 2-GPU tests of align's and train's
 #                  graphs under ddp beside it (tiny models). Its layer choice (50 s on GPU 0) is round 9's, kept in
 #                  docs/results/layer_choice (every recipe job seeds its run's cache from there)
+#   sila-deep22-all  smollm2-sila-deep22.yaml whose train stage trains every weight (trainable all), the teacher's
+#                  own at a tenth of the mixers' rate (pretrained_lr_scale 0.1): the perplexity LoRA leaves at 22 of 30
+#   raven-silarecipe|sse-silarecipe  smollm2-sila.yaml with the mixer swapped (its layer choice by fitted mixers, as
+#                  the mixer's own recipe scores them): SILA's data, token weights and 16-row steps for Raven and SSE
+#                  at 15 of 30, against their own recipes' NIAH-Word
+#   all-raven-x2   one 2-GPU session: sila-deep22-all on GPU 0, raven-silarecipe on GPU 1, both evaluated at 1K-8K
 #   decode-b128-twice  issue 52's batch-128 row at 16K (every mixer at 15 of 30, both teachers) in two runs, alone
 #                  on the machine: the ratio's spread within a session
 #   views-check    round 8's fixes on the GPU: the batch-16 wide-products test, the real-SmolLM2 exactness tests,
@@ -332,6 +338,20 @@ PY
     WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run sila-deep22-ddp2
     wait
     ;;
+  sila-deep22-all)
+    trained sila-deep22 "$1" --set train.trainable=all --set train.pretrained_lr_scale=0.1
+    ;;
+  raven-silarecipe | sse-silarecipe)
+    local mixer=${1%-silarecipe} settings="{raven: {num_slots: 64, top_k: 8}}"  # the mixers' own recipes' settings
+    [ "$mixer" = sse ] && settings="{sse: {num_partitions: 4, top_k: 1, lora_rank: 64, balance_coef: 0.01}}"
+    trained sila "$1" --set "layers=[{mixer: $mixer, layers: \"auto:15\"}]" --set "mixer_settings=$settings" \
+      --set "layer_choice={ablation: mixer}"
+    ;;
+  all-raven-x2)  # one GPU each, about 18 minutes
+    (export CUDA_VISIBLE_DEVICES=0; WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run sila-deep22-all) &
+    (export CUDA_VISIBLE_DEVICES=1; WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run raven-silarecipe) &
+    wait
+    ;;
   decode-b128-twice)  # times, alone: about 9 minutes
     decode_b128_twice
     ;;
@@ -449,7 +469,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 deep22-ddp2-x2 views-check decode-b128-twice scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 deep22-ddp2-x2 sila-deep22-all raven-silarecipe sse-silarecipe all-raven-x2 views-check decode-b128-twice scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;

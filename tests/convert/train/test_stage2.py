@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM
 from raven_convert import build_hybrid, plan_layers
 from raven_convert.train.common import converted_layers
 from raven_convert.train.data import PackedDataset, batch_iterator, rows_visited
-from raven_convert.train.lora import is_lora, merge_lora
+from raven_convert.train.graphs import optimizer_mode, set_lr
+from raven_convert.train.lora import is_lora, lr_groups, merge_lora, select_trainable
 from raven_convert.train.losses import answer_weighted, ce_loss
 from raven_convert.train.stage2 import latest_checkpoint, train
 from raven_convert.train.stage2_config import TrainConfig
@@ -145,6 +146,39 @@ def test_only_the_chosen_parameters_change(teacher, tmp_path, trainable):
         assert changed == (n in mixers), n
     if lora:  # lora_B starts at 0, so it moving means the adapters learnt
         assert any(p.abs().sum() > 0 for n, p in names.items() if "lora_B" in n)
+
+
+def test_pretrained_weights_train_at_their_share_of_the_rate(teacher, tmp_path):
+    """pretrained_lr_scale: at step 1 (same gradients, Adam's first step moves each weight by about the rate) the
+    mixers move as at the full rate and every pretrained weight by that share of it; set_lr keeps the shares, in
+    place where a graph reads the rate as a tensor."""
+    config = dict(schedule="constant", trainable="all", **{**FAST, "warmup_steps": 0})
+    moved = {}
+    for scale in (1.0, 0.1):
+        student = hybrid(teacher)
+        before = {n: p.detach().clone() for n, p in student.named_parameters()}
+        train(
+            student, teacher, rows(), TrainConfig(steps=1, pretrained_lr_scale=scale, **config), tmp_path / f"{scale}"
+        )
+        moved[scale] = {n: p.detach() - before[n] for n, p in student.named_parameters()}
+    mixers = mixer_names(hybrid(teacher))
+    assert mixers and len(mixers) < len(moved[1.0])
+    for n, full in moved[1.0].items():
+        expected = full if n in mixers else 0.1 * full
+        torch.testing.assert_close(moved[0.1][n], expected, rtol=1e-3, atol=2e-7, msg=n)  # fp32 steps of weights near 1
+    assert any(moved[1.0][n].abs().max() > 0 for n in mixers)
+
+    student = hybrid(teacher)
+    settings = TrainConfig(steps=1, pretrained_lr_scale=0.1, **config)
+    select_trainable(student, settings)
+    optimizer = torch.optim.AdamW(lr_groups(student, settings), lr=settings.lr)
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([3e-3, 3e-4])
+    assert {id(p) for p in optimizer.param_groups[0]["params"]} == {
+        id(p) for n, p in student.named_parameters() if n in mixers
+    }
+    optimizer_mode(optimizer, graphs=True, device="cpu")
+    set_lr(optimizer, 0.5)
+    assert [g["lr"].item() for g in optimizer.param_groups] == pytest.approx([0.5, 0.05])
 
 
 def test_resume_continues_exactly(teacher, tmp_path):

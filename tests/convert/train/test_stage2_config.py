@@ -1,5 +1,7 @@
 """Stage 2's settings: bad values are refused naming the field; tau follows the run unless fixed; patterns need their
-mode (graphs' obstacles: test_graphs.py)."""
+mode, and a rate for the pretrained weights needs them to train (graphs' obstacles: test_graphs.py)."""
+
+import re
 
 import pytest
 from pydantic import ValidationError
@@ -21,6 +23,8 @@ from raven_convert.train.stage2_config import TrainConfig
         ({"kd_weight": -1}, "kd_weight"),
         ({"kd_temperature": 0}, "kd_temperature"),
         ({"answer_weight": 0.5}, "answer_weight"),
+        ({"trainable": "all", "pretrained_lr_scale": 0}, "pretrained_lr_scale"),
+        ({"trainable": "all", "pretrained_lr_scale": 2}, "pretrained_lr_scale"),
         ({"mixed_precision": "fp16"}, "mixed_precision"),
         ({"save_every": 0}, "save_every"),
         ({"lora_targets": ["q proj"]}, "lora_targets"),
@@ -46,3 +50,11 @@ def test_patterns_need_their_mode():
     with pytest.raises(ValidationError, match="only apply with trainable = 'patterns'"):
         TrainConfig(steps=1, trainable="all", trainable_patterns=["mlp"])
     assert TrainConfig(steps=1, trainable="lora").uses_lora and not TrainConfig(steps=1).uses_lora
+
+
+def test_a_pretrained_rate_needs_pretrained_weights_to_train():
+    for trainable in ("mixers", "mixers+lora", "lora"):
+        with pytest.raises(ValidationError, match=re.escape(f"trainable = '{trainable}' trains none of them")):
+            TrainConfig(steps=1, trainable=trainable, pretrained_lr_scale=0.1)
+    assert TrainConfig(steps=1, trainable="all", pretrained_lr_scale=0.1).pretrained_lr_scale == 0.1
+    assert "pretrained_lr_scale" not in TrainConfig(steps=1).model_dump()  # older runs' fingerprints stand
