@@ -94,6 +94,9 @@
 #                  docs/results/layer_choice (every recipe job seeds its run's cache from there)
 #   sila-deep22-all  smollm2-sila-deep22.yaml whose train stage trains every weight (trainable all), the teacher's
 #                  own at a tenth of the mixers' rate (pretrained_lr_scale 0.1): the perplexity LoRA leaves at 22 of 30
+#   sila-deep22-all-ddp2  sila-deep22-all at sila-deep22-ddp2's 2.5x tokens on two GPUs, train's and extend's steps
+#                  as CUDA graphs under ddp (their 2-GPU test passed in round 10; eager, extend gained 1.03x from
+#                  the second GPU); start it alone, with both GPUs visible
 #   raven-silarecipe|sse-silarecipe  smollm2-sila.yaml with the mixer swapped (its layer choice by fitted mixers, as
 #                  the mixer's own recipe scores them): SILA's data, token weights and 16-row steps for Raven and SSE
 #                  at 15 of 30, against their own recipes' NIAH-Word
@@ -170,6 +173,12 @@ ANSWERS=(--set "extend.answer_weight=${ANSWER_WEIGHT:-100}" --set extend.steps=6
 
 # sila-kd*: distillation from the teacher in the train and extend stages
 KD=(--set train.kd_weight=1.0 --set extend.kd_weight=1.0)
+
+# the deep recipes' steps under two processes: 2.5x their tokens (twice the rows a step, 1.25x the steps)
+DDP2_STEPS=(--set align.steps=1500 --set train.steps=375 --set extend.steps=188)
+
+# stage 2 trains the teacher's own weights too, at a tenth of the mixers' rate (train.pretrained_lr_scale)
+ALL=(--set train.trainable=all --set train.pretrained_lr_scale=0.1)
 
 # MIXER-seed1's settings: every training seed 1 (layer fit, data order, retrieval samples, align, train, extend)
 SEED1=(--set data.seed=1 --set data.retrieval.seed=1 --set layer_choice.seed=1 --set align.seed=1 --set train.seed=1
@@ -329,9 +338,8 @@ PY
   sila-deep22-ddp2 | sila-deep26-ddp2)  # 2.5x the recipe's tokens: twice the rows a step, 1.25x the steps; the
     # evaluation again on one process should the 2-process one fail after training (the trained stages' DONE record
     # their processes). A failure before that ends the job: training on one process would outlast a session (round 9)
-    local steps=(--set align.steps=1500 --set train.steps=375 --set extend.steps=188)
-    PROCESSES=2 trained "${1%-ddp2}" "$1" "${steps[@]}" ||
-      { [ -f "$RUNS/$1/extend/DONE" ] && PROCESSES=1 trained "${1%-ddp2}" "$1" "${steps[@]}"; }
+    PROCESSES=2 trained "${1%-ddp2}" "$1" "${DDP2_STEPS[@]}" ||
+      { [ -f "$RUNS/$1/extend/DONE" ] && PROCESSES=1 trained "${1%-ddp2}" "$1" "${DDP2_STEPS[@]}"; }
     ;;
   deep22-ddp2-x2)  # one 2-GPU session: sila-deep22-ddp2 evaluated at 1K-8K, the 2-GPU graph tests beside it
     ddp_graph_tests &
@@ -339,7 +347,11 @@ PY
     wait
     ;;
   sila-deep22-all)
-    trained sila-deep22 "$1" --set train.trainable=all --set train.pretrained_lr_scale=0.1
+    trained sila-deep22 "$1" "${ALL[@]}"
+    ;;
+  sila-deep22-all-ddp2)
+    PROCESSES=2 trained sila-deep22 "$1" "${ALL[@]}" "${DDP2_STEPS[@]}" --set train.cuda_graphs=true \
+      --set extend.cuda_graphs=true
     ;;
   raven-silarecipe | sse-silarecipe)
     local mixer=${1%-silarecipe} settings="{raven: {num_slots: 64, top_k: 8}}"  # the mixers' own recipes' settings
@@ -469,7 +481,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 deep22-ddp2-x2 sila-deep22-all raven-silarecipe sse-silarecipe all-raven-x2 views-check decode-b128-twice scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 deep22-ddp2-x2 sila-deep22-all sila-deep22-all-ddp2 raven-silarecipe sse-silarecipe all-raven-x2 views-check decode-b128-twice scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;
