@@ -7,8 +7,8 @@ budgets, and the tokens a perplexity target would take at the rate those runs sh
 
 Each run is a recipe's run directory or its archive (scripts/lab/archive_run.py: report.json and stages.json). Per
 run: the tokens its align, train and extend stages read (steps x the global batch's rows x sequence length, from
-the stages' summaries), the GPU-minutes of its stages before the evaluation, and its quality against the teacher as the
-depth table counts it (perplexity ratio, retrieval cells within `--within` points, passkey). The perplexity's
+the stages' summaries), the GPU-minutes of its stages before the evaluation, and its quality against the teacher as
+the depth table counts it (perplexity ratio, retrieval cells within `--within` points, passkey). The perplexity's
 excess over the teacher's, ratio - 1, is fitted as a power of the tokens read (a line through log-log points, least
 squares), which gives the tokens at which it would reach `--target-ppl` and, at the largest run's GPU-minutes per
 token, the time. Writes OUT/budget.json, budget.md and budget.png atomically.

@@ -105,11 +105,13 @@ def lr_groups(model, config) -> list[dict]:
     """AdamW's parameter groups of `model`'s trainable parameters (after select_trainable, and after sharding, which
     keeps the names): the new weights (a hybrid's mixers, LoRA's adapters) at `config.lr`, the pretrained ones (every
     other: kept attention, MLPs, norms, embeddings) at `config.pretrained_lr_scale` of it. Each group carries its
-    `lr_scale`, which graphs.set_lr applies to the schedule's rate; groups without parameters are left out."""
+    `lr_scale`, which graphs.set_lr applies to the schedule's rate; groups without parameters are left out. At a
+    scale of 1 all are one group, as before the setting existed, so that older checkpoints resume."""
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if config.pretrained_lr_scale == 1:
+        return [{"params": [p for _, p in trainable], "lr": config.lr, "lr_scale": 1.0}]
     prefixes = mixer_prefixes(model) if is_hybrid(model) else ()
-    new, pretrained = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (new if is_lora(name) or name.startswith(prefixes) else pretrained).append(p)
+    new = [p for name, p in trainable if is_lora(name) or name.startswith(prefixes)]
+    pretrained = [p for name, p in trainable if not (is_lora(name) or name.startswith(prefixes))]
     scales = [(new, 1.0), (pretrained, config.pretrained_lr_scale)]
     return [{"params": ps, "lr": config.lr * scale, "lr_scale": scale} for ps, scale in scales if ps]

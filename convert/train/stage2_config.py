@@ -77,9 +77,8 @@ class TrainConfig(BaseModel):
     seed: int = Field(0, description="data order, and the random numbers of a fresh run (Raven's router noise)")
     log_every: int = Field(10, ge=0, description="steps between progress lines; 0: none")
 
-    _dump = omit_at_default(
-        "answer_weight", "pretrained_lr_scale"
-    )  # the stages' fingerprints from before it stay valid
+    # the stages' fingerprints from before these fields stay valid
+    _dump = omit_at_default("answer_weight", "pretrained_lr_scale")
 
     @model_validator(mode="after")
     def _one_tau(self):

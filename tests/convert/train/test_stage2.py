@@ -176,6 +176,8 @@ def test_pretrained_weights_train_at_their_share_of_the_rate(teacher, tmp_path):
     assert {id(p) for p in optimizer.param_groups[0]["params"]} == {
         id(p) for n, p in student.named_parameters() if n in mixers
     }
+    one = lr_groups(student, TrainConfig(steps=1, trainable="all"))  # at scale 1 one group, as older checkpoints hold
+    assert len(one) == 1 and len(one[0]["params"]) == len(list(student.parameters()))
     optimizer_mode(optimizer, graphs=True, device="cpu")
     set_lr(optimizer, 0.5)
     assert [g["lr"].item() for g in optimizer.param_groups] == pytest.approx([0.5, 0.05])
