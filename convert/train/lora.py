@@ -111,7 +111,8 @@ def lr_groups(model, config) -> list[dict]:
     if config.pretrained_lr_scale == 1:
         return [{"params": [p for _, p in trainable], "lr": config.lr, "lr_scale": 1.0}]
     prefixes = mixer_prefixes(model) if is_hybrid(model) else ()
-    new = [p for name, p in trainable if is_lora(name) or name.startswith(prefixes)]
-    pretrained = [p for name, p in trainable if not (is_lora(name) or name.startswith(prefixes))]
+    new, pretrained = [], []
+    for name, p in trainable:
+        (new if is_lora(name) or name.startswith(prefixes) else pretrained).append(p)
     scales = [(new, 1.0), (pretrained, config.pretrained_lr_scale)]
     return [{"params": ps, "lr": config.lr * scale, "lr_scale": scale} for ps, scale in scales if ps]

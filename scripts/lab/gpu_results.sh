@@ -354,10 +354,13 @@ PY
       --set extend.cuda_graphs=true
     ;;
   raven-silarecipe | sse-silarecipe)
-    local mixer=${1%-silarecipe} settings="{raven: {num_slots: 64, top_k: 8}}"  # the mixers' own recipes' settings
-    [ "$mixer" = sse ] && settings="{sse: {num_partitions: 4, top_k: 1, lora_rank: 64, balance_coef: 0.01}}"
-    trained sila "$1" --set "layers=[{mixer: $mixer, layers: \"auto:15\"}]" --set "mixer_settings=$settings" \
-      --set "layer_choice={ablation: mixer}"
+    local mixer=${1%-silarecipe}
+    own() {  # FIELD of the mixer's own recipe, as JSON (which --set reads as YAML)
+      python3 -c "import json, sys, yaml; print(json.dumps(yaml.safe_load(open(sys.argv[1]))[sys.argv[2]]))" \
+        "recipes/smollm2-$mixer.yaml" "$1"
+    }
+    trained sila "$1" --set "layers=[{mixer: $mixer, layers: \"auto:15\"}]" \
+      --set "mixer_settings=$(own mixer_settings)" --set "layer_choice=$(own layer_choice)"
     ;;
   all-raven-x2)  # one GPU each, about 18 minutes
     (export CUDA_VISIBLE_DEVICES=0; WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run sila-deep22-all) &
