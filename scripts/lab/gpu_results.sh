@@ -100,6 +100,8 @@
 #   raven-silarecipe|sse-silarecipe  smollm2-sila.yaml with the mixer swapped (its layer choice by fitted mixers, as
 #                  the mixer's own recipe scores them): SILA's data, token weights and 16-row steps for Raven and SSE
 #                  at 15 of 30, against their own recipes' NIAH-Word
+#   MIXER-silarecipe-seed1  that job with every training seed 1 (SEED1 below)
+#   sse-raven-x2   one 2-GPU session: sse-silarecipe on GPU 0, raven-silarecipe-seed1 on GPU 1, both at 1K-8K
 #   all-raven-x2   one 2-GPU session: sila-deep22-all on GPU 0, raven-silarecipe on GPU 1, both evaluated at 1K-8K
 #   decode-b128-twice  issue 52's batch-128 row at 16K (every mixer at 15 of 30, both teachers) in two runs, alone
 #                  on the machine: the ratio's spread within a session
@@ -353,14 +355,20 @@ PY
     PROCESSES=2 trained sila-deep22 "$1" "${ALL[@]}" "${DDP2_STEPS[@]}" --set train.cuda_graphs=true \
       --set extend.cuda_graphs=true
     ;;
-  raven-silarecipe | sse-silarecipe)
-    local mixer=${1%-silarecipe}
+  raven-silarecipe | sse-silarecipe | raven-silarecipe-seed1 | sse-silarecipe-seed1)
+    local mixer=${1%%-silarecipe*} seeds=()
+    [ "${1%-seed1}" != "$1" ] && seeds=("${SEED1[@]}")
     own() {  # FIELD of the mixer's own recipe, as JSON (which --set reads as YAML)
       python3 -c "import json, sys, yaml; print(json.dumps(yaml.safe_load(open(sys.argv[1]))[sys.argv[2]]))" \
         "recipes/smollm2-$mixer.yaml" "$1"
     }
     trained sila "$1" --set "layers=[{mixer: $mixer, layers: \"auto:15\"}]" \
-      --set "mixer_settings=$(own mixer_settings)" --set "layer_choice=$(own layer_choice)"
+      --set "mixer_settings=$(own mixer_settings)" --set "layer_choice=$(own layer_choice)" "${seeds[@]}"
+    ;;
+  sse-raven-x2)  # one GPU each, about 12 minutes
+    (export CUDA_VISIBLE_DEVICES=0; WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run sse-silarecipe) &
+    (export CUDA_VISIBLE_DEVICES=1; WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run raven-silarecipe-seed1) &
+    wait
     ;;
   all-raven-x2)  # one GPU each, about 18 minutes
     (export CUDA_VISIBLE_DEVICES=0; WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run sila-deep22-all) &
@@ -484,7 +492,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 deep22-ddp2-x2 sila-deep22-all sila-deep22-all-ddp2 raven-silarecipe sse-silarecipe all-raven-x2 views-check decode-b128-twice scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 deep22-ddp2-x2 sila-deep22-all sila-deep22-all-ddp2 raven-silarecipe sse-silarecipe MIXER-silarecipe-seed1 sse-raven-x2 all-raven-x2 views-check decode-b128-twice scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;
