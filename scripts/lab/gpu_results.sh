@@ -365,7 +365,7 @@ PY
     trained sila "$1" --set "layers=[{mixer: $mixer, layers: \"auto:15\"}]" \
       --set "mixer_settings=$(own mixer_settings)" --set "layer_choice=$(own layer_choice)" "${seeds[@]}"
     ;;
-  sse-raven-x2)  # one GPU each, about 12 minutes
+  sse-raven-x2)  # one GPU each, about 13 minutes with the evaluation
     (export CUDA_VISIBLE_DEVICES=0; WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run sse-silarecipe) &
     (export CUDA_VISIBLE_DEVICES=1; WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run raven-silarecipe-seed1) &
     wait

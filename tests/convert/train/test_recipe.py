@@ -27,6 +27,16 @@ def test_the_shipped_recipes_are_there():
         assert {f"smollm2-{mixer}.yaml", f"qwen3-0.6b-{mixer}.yaml"} <= names
 
 
+def test_the_smollm2_raven_recipe_trains_as_the_sila_one():
+    """smollm2-raven.yaml is smollm2-sila.yaml with Raven's layers, settings and layer choice: the same data, token
+    weights, stages and evaluation (its header says so, with the measurement)."""
+    raven, sila = (load_recipe(p) for p in SHIPPED if p.name in ("smollm2-raven.yaml", "smollm2-sila.yaml"))
+    own = {"layers", "layer_choice", "mixer_settings"}
+    assert raven.model_dump(exclude=own) == sila.model_dump(exclude=own)
+    assert raven.auto() == ("raven", 15) and raven.layer_choice.ablation == "mixer"
+    assert raven.token_weights.enabled and raven.mixer_settings["raven"] == {"num_slots": 64, "top_k": 8}
+
+
 def header_commands(path: Path) -> list[list[str]]:
     """The commands in a recipe's first comment lines (each continued with backslashes), as words."""
     commands, text = [], ""
