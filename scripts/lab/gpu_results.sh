@@ -92,6 +92,8 @@
 #   deep22-ddp2-x2 sila-deep22-ddp2 evaluated at 1K-8K (QUICK_EVAL), with the 2-GPU tests of align's and train's
 #                  graphs under ddp beside it (tiny models). Its layer choice (50 s on GPU 0) is round 9's, kept in
 #                  docs/results/layer_choice (every recipe job seeds its run's cache from there)
+#   sila-deep22-ddp2-long  sila-deep22-ddp2 at 1.8x its steps (232M tokens; align reads the 20M-token corpus about
+#                  9 times over), evaluated at 1K-8K: the 22-layer perplexity target, where the budget fits put it
 #   sila-deep22-all  smollm2-sila-deep22.yaml whose train stage trains every weight (trainable all), the teacher's
 #                  own at a tenth of the mixers' rate (pretrained_lr_scale 0.1): the perplexity LoRA leaves at 22 of 30
 #   sila-deep22-all-ddp2  sila-deep22-all at sila-deep22-ddp2's 2.5x tokens on two GPUs, train's and extend's steps
@@ -181,6 +183,8 @@ KD=(--set train.kd_weight=1.0 --set extend.kd_weight=1.0)
 
 # the deep recipes' steps under two processes: 2.5x their tokens (twice the rows a step, 1.25x the steps)
 DDP2_STEPS=(--set align.steps=1500 --set train.steps=375 --set extend.steps=188)
+# 1.8x those steps (232M tokens): where round 10's fits put 1.05x at 22 of 30 (208-275M)
+DDP2_LONG_STEPS=(--set align.steps=2700 --set train.steps=675 --set extend.steps=338)
 
 # stage 2 trains the teacher's own weights too, at a tenth of the mixers' rate (train.pretrained_lr_scale)
 ALL=(--set train.trainable=all --set train.pretrained_lr_scale=0.1)
@@ -348,6 +352,11 @@ PY
     PROCESSES=2 trained "${1%-ddp2}" "$1" "${DDP2_STEPS[@]}" ||
       { [ -f "$RUNS/$1/extend/DONE" ] && PROCESSES=1 trained "${1%-ddp2}" "$1" "${DDP2_STEPS[@]}"; }
     ;;
+  sila-deep22-ddp2-long)  # about 23 minutes with the evaluation at 1K-8K: start it alone, first in a session
+    PROCESSES=2 WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" trained sila-deep22 "$1" "${DDP2_LONG_STEPS[@]}" ||
+      { [ -f "$RUNS/$1/extend/DONE" ] && PROCESSES=1 WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" trained sila-deep22 \
+        "$1" "${DDP2_LONG_STEPS[@]}"; }
+    ;;
   deep22-ddp2-x2)  # one 2-GPU session: sila-deep22-ddp2 evaluated at 1K-8K, the 2-GPU graph tests beside it
     ddp_graph_tests &
     WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run sila-deep22-ddp2
@@ -508,7 +517,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 deep22-ddp2-x2 sila-deep22-all sila-deep22-all-ddp2 raven-silarecipe sse-silarecipe MIXER-silarecipe-seed1 raven-m128 raven-m256 mixers15-x2 sse-raven-x2 all-raven-x2 views-check decode-b128-twice scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 sila-deep22-ddp2-long deep22-ddp2-x2 sila-deep22-all sila-deep22-all-ddp2 raven-silarecipe sse-silarecipe MIXER-silarecipe-seed1 raven-m128 raven-m256 mixers15-x2 sse-raven-x2 all-raven-x2 views-check decode-b128-twice scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;
