@@ -1,5 +1,7 @@
 """raven-convert (also installed as `convert`, not ImageMagick's), of the raven-hybrid toolkit: turn a pretrained
 Hugging Face decoder into a hybrid with linear-time mixers (Raven, SSE, SILA, or your own) in chosen layers.
+Installed as `convert`, it hands a command line that is not its own (`convert in.png -resize 50% out.jpg`) to the
+next `convert` on PATH, so that ImageMagick's keeps working where this one stands before it.
 
     convert --src Qwen/Qwen3-0.6B --mixer raven --layers 0-23:5 --out qwen3-raven
     convert --src model.gguf --mixer raven --layers 0-3 --mixer raven --layers -2,-1 \\
@@ -15,6 +17,7 @@ import argparse
 import dataclasses
 import inspect
 import math
+import os
 import re
 import sys
 import typing
@@ -233,6 +236,45 @@ def main(argv: list[str] | None = None) -> int:
             saved = f"the model was written to {args.out}" + (", not pushed" if args.push_to_hub else "")
             return interrupted(saved, command_line(parser.prog, again))
     return 0
+
+
+# the `convert` programs a hand-off has tried, as real paths joined by os.pathsep: one that brings the command
+# back here (a pyenv shim, a wrapper script) is passed over the next time
+TRIED = "RAVEN_CONVERT_TRIED"
+
+
+def is_foreign(argv: list[str]) -> bool:
+    """Whether a command line is not this program's: every option here is `--NAME` (or -h), and none takes a word
+    before it, while ImageMagick's start with a file or a one-dash option (`convert in.png ...`, `convert -version`)."""
+    return bool(argv) and not argv[0].startswith("--") and argv[0] != "-h"
+
+
+def other_convert(own: str) -> str | None:
+    """The first `convert` on PATH that is neither this script (`own`) nor one a hand-off already tried."""
+    skip = {os.path.realpath(own), *filter(None, os.environ.get(TRIED, "").split(os.pathsep))}
+    for folder in os.get_exec_path():
+        path = os.path.join(folder, "convert")
+        if os.path.isfile(path) and os.access(path, os.X_OK) and os.path.realpath(path) not in skip:
+            return path
+    return None
+
+
+def convert_main() -> int:
+    """The `convert` console script: this program's command lines run here, any other goes to the next `convert` on
+    PATH (ImageMagick's, where installed)."""
+    argv = sys.argv[1:]
+    if not is_foreign(argv):
+        return main(argv)
+    other = other_convert(sys.argv[0])
+    if other is None:
+        sys.exit(
+            f"convert: {argv[0]!r} is not an option of raven-convert (which this `convert` is: its options are --src, "
+            "--mixer, --layers, --out, ...: see convert --help), and there is no other `convert` on PATH, such as "
+            "ImageMagick's, to hand the command line to"
+        )
+    tried = os.environ.get(TRIED, "")
+    os.environ[TRIED] = os.pathsep.join(filter(None, [tried, os.path.realpath(other)]))
+    os.execv(other, [other, *argv])
 
 
 if __name__ == "__main__":

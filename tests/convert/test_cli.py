@@ -1,13 +1,16 @@
 """`convert` rejects every bad input with a message naming the value and what is allowed, before heavy work."""
 
 import dataclasses
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 from transformers import GPT2Config
 
 from raven_convert import Source
-from raven_convert.cli import main
+from raven_convert.cli import TRIED, is_foreign, main
 
 
 @pytest.fixture
@@ -156,3 +159,39 @@ def test_every_mixer_flag_says_what_it_sets(capsys):
     assert "--raven-num-slots VALUE M, paper default (default: 256)" in text
     assert '--sse-implementation VALUE parallel form: "masking", "varlen", or "auto"' in text
     assert "--sila-conv-size VALUE kernel of the short causal depthwise convolution" in text
+
+
+CONVERT = "import sys; from raven_convert.cli import convert_main; sys.exit(convert_main())"
+
+
+def write_program(folder, text: str):
+    """An executable `convert` in `folder`, a shell script of `text`."""
+    folder.mkdir()
+    path = folder / "convert"
+    path.write_text("#!/bin/sh\n" + text)
+    path.chmod(0o755)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="shell scripts stand in for the programs")
+def test_convert_hands_imagemagicks_command_lines_to_the_next_convert_on_path(tmp_path):
+    """Installed as `convert`, the toolkit stands before ImageMagick's on PATH: a command line that is not its own
+    goes on to the next `convert`, past a wrapper (a pyenv shim) that brings it back here."""
+    write_program(tmp_path / "shim", f'exec "{sys.executable}" -c "{CONVERT}" "$@"\n')
+    write_program(tmp_path / "magick", 'echo "imagemagick $*" > "$OUT_FILE"\n')
+    out = tmp_path / "called"
+    env = {**os.environ, "PATH": f"{tmp_path / 'shim'}{os.pathsep}{tmp_path / 'magick'}", "OUT_FILE": str(out)}
+    env.pop(TRIED, None)
+    done = subprocess.run([sys.executable, "-c", CONVERT, "in.png", "-resize", "50%", "out.jpg"], env=env, timeout=120)
+    assert done.returncode == 0 and out.read_text() == "imagemagick in.png -resize 50% out.jpg\n"
+
+
+def test_convert_keeps_its_own_command_lines_and_names_what_it_cannot_hand_on(tmp_path):
+    assert not is_foreign([]) and not is_foreign(["-h"]) and not is_foreign(["--src", "x", "--layers", "0"])
+    assert is_foreign(["in.png", "out.jpg"]) and is_foreign(["-version"])
+    env = {**os.environ, "PATH": str(tmp_path)}  # no other convert there
+    env.pop(TRIED, None)
+    done = subprocess.run(
+        [sys.executable, "-c", CONVERT, "in.png", "out.jpg"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1
+    assert "'in.png' is not an option of raven-convert" in done.stderr and "no other `convert` on PATH" in done.stderr
