@@ -104,8 +104,11 @@
 #                  at 15 of 30, against their own recipes' NIAH-Word
 #   MIXER-silarecipe-seed1  that job with every training seed 1 (SEED1 below)
 #   raven-m128|raven-m256  smollm2-raven.yaml with 128 or 256 slots (top-8): NIAH-Word's far words against the state
+#   raven-nogumbel smollm2-raven.yaml without Gumbel noise on the router in training (at the start the noise's spread
+#                  is 18x the scores' across tokens: training routes at random, evaluation by the scores)
+#                  (each Raven job above also prints its routers' occupancy: scripts/tools/raven_router_occupancy.py)
 #   mixers15-x2    one 2-GPU session of about 26 minutes: sse-raven-x2's two runs, then raven-m128 after SSE on GPU 0
-#                  and raven-m256 after Raven's second seed on GPU 1; no deltas saved
+#                  and raven-nogumbel after Raven's second seed on GPU 1; no deltas saved
 #   sse-raven-x2   one 2-GPU session: sse-silarecipe on GPU 0, raven-silarecipe-seed1 on GPU 1, both at 1K-8K
 #   all-raven-x2   one 2-GPU session: sila-deep22-all on GPU 0, raven-silarecipe on GPU 1, both evaluated at 1K-8K
 #   decode-b128-twice  issue 52's batch-128 row at 16K (every mixer at 15 of 30, both teachers) in two runs, alone
@@ -207,6 +210,11 @@ recipe() {  # recipe MIXER RUN [ARGS...]: the SmolLM2 recipe of MIXER into ~/run
   mkdir -p "$RUNS/$2/cache/layer_choice" && cp docs/results/layer_choice/*.json "$RUNS/$2/cache/layer_choice/"
   "${launch[@]}" -m raven_convert.train "recipes/smollm2-$1.yaml" --run-dir "$RUNS/$2" "${LOCAL_PATHS[@]}" \
     "${extra[@]}" "${@:3}"
+}
+
+occupancy() {  # occupancy RUN: how many slots the trained Raven hybrid's routers write (into the job's log)
+  echo "router occupancy of $1 (scripts/tools/raven_router_occupancy.py):"
+  python3 scripts/tools/raven_router_occupancy.py --src "$RUNS/$1/extend/model" --text "$ESSAYS/addiction.txt"
 }
 
 trained() {  # trained MIXER RUN [ARGS...]: train RUN, check that its model loads without the toolkit, evaluate it
@@ -386,13 +394,16 @@ PY
     ;;
   raven-m128 | raven-m256)  # Raven's recipe with 128 or 256 slots (top-8 still): each slot written half or a quarter
     # as often
-    trained raven "$1" --set "mixer_settings.raven.num_slots=${1#raven-m}"
+    trained raven "$1" --set "mixer_settings.raven.num_slots=${1#raven-m}" && occupancy "$1"
+    ;;
+  raven-nogumbel)  # Raven's recipe without the router's Gumbel noise in training: training routes as evaluation does
+    trained raven "$1" --set mixer_settings.raven.gumbel=false && occupancy "$1"
     ;;
   mixers15-x2)  # two recipes a GPU, about 26 minutes: the first pair is sse-raven-x2
     (export CUDA_VISIBLE_DEVICES=0 DELTA=0 WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}"
       run sse-silarecipe; run raven-m128) &
     (export CUDA_VISIBLE_DEVICES=1 DELTA=0 WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}"
-      run raven-silarecipe-seed1; run raven-m256) &
+      run raven-silarecipe-seed1 && occupancy raven-silarecipe-seed1; run raven-nogumbel) &
     wait
     ;;
   sse-raven-x2)  # one GPU each, about 13 minutes with the evaluation
@@ -522,7 +533,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 sila-deep22-ddp2-long deep22-ddp2-x2 sila-deep22-all sila-deep22-all-ddp2 raven-silarecipe sse-silarecipe MIXER-silarecipe-seed1 raven-m128 raven-m256 mixers15-x2 sse-raven-x2 all-raven-x2 views-check decode-b128-twice scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 sila-deep22-ddp2-long deep22-ddp2-x2 sila-deep22-all sila-deep22-all-ddp2 raven-silarecipe sse-silarecipe MIXER-silarecipe-seed1 raven-m128 raven-m256 raven-nogumbel mixers15-x2 sse-raven-x2 all-raven-x2 views-check decode-b128-twice scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;
