@@ -103,6 +103,8 @@
 #                  the mixer's own recipe scores them): SILA's data, token weights and 16-row steps for Raven and SSE
 #                  at 15 of 30, against their own recipes' NIAH-Word
 #   MIXER-silarecipe-seed1  that job with every training seed 1 (SEED1 below)
+#   raven-deep22|sse-deep22  smollm2-sila-deep22.yaml with the mixer swapped (its settings and layer choice from its
+#                  own recipe): the other mixers at 22 of 30
 #   raven-m128|raven-m256  smollm2-raven.yaml with 128 or 256 slots (top-8): NIAH-Word's far words against the state
 #   raven-nogumbel smollm2-raven.yaml without Gumbel noise on the router in training (at the start the noise's spread
 #                  is 18x the scores' across tokens: training routes at random, evaluation by the scores)
@@ -215,6 +217,17 @@ recipe() {  # recipe MIXER RUN [ARGS...]: the SmolLM2 recipe of MIXER into ~/run
 occupancy() {  # occupancy RUN: how many slots the trained Raven hybrid's routers write (into the job's log)
   echo "router occupancy of $1 (scripts/tools/raven_router_occupancy.py):"
   python3 scripts/tools/raven_router_occupancy.py --src "$RUNS/$1/extend/model" --text "$ESSAYS/addiction.txt"
+}
+
+as_mixer() {  # as_mixer RECIPE MIXER N RUN [ARGS...]: smollm2-RECIPE.yaml converting auto:N to MIXER, with the
+  # mixer's settings and layer choice read from its own recipe (smollm2-MIXER.yaml)
+  local mixer=$2
+  own() {  # FIELD of the mixer's own recipe, as JSON (which --set reads as YAML)
+    python3 -c "import json, sys, yaml; print(json.dumps(yaml.safe_load(open(sys.argv[1]))[sys.argv[2]]))" \
+      "recipes/smollm2-$mixer.yaml" "$1"
+  }
+  trained "$1" "$4" --set "layers=[{mixer: $2, layers: \"auto:$3\"}]" \
+    --set "mixer_settings=$(own mixer_settings)" --set "layer_choice=$(own layer_choice)" "${@:5}"
 }
 
 trained() {  # trained MIXER RUN [ARGS...]: train RUN, check that its model loads without the toolkit, evaluate it
@@ -383,14 +396,12 @@ PY
       --set extend.cuda_graphs=true
     ;;
   raven-silarecipe | sse-silarecipe | raven-silarecipe-seed1 | sse-silarecipe-seed1)
-    local mixer=${1%%-silarecipe*} seeds=()
+    local seeds=()
     [ "${1%-seed1}" != "$1" ] && seeds=("${SEED1[@]}")
-    own() {  # FIELD of the mixer's own recipe, as JSON (which --set reads as YAML)
-      python3 -c "import json, sys, yaml; print(json.dumps(yaml.safe_load(open(sys.argv[1]))[sys.argv[2]]))" \
-        "recipes/smollm2-$mixer.yaml" "$1"
-    }
-    trained sila "$1" --set "layers=[{mixer: $mixer, layers: \"auto:15\"}]" \
-      --set "mixer_settings=$(own mixer_settings)" --set "layer_choice=$(own layer_choice)" "${seeds[@]}"
+    as_mixer sila "${1%%-silarecipe*}" 15 "$1" "${seeds[@]}"
+    ;;
+  raven-deep22 | sse-deep22)  # smollm2-sila-deep22.yaml with the mixer swapped: the other mixers at 22 of 30
+    as_mixer sila-deep22 "${1%-deep22}" 22 "$1"
     ;;
   raven-m128 | raven-m256)  # Raven's recipe with 128 or 256 slots (top-8 still): each slot written half or a quarter
     # as often
@@ -533,7 +544,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 sila-deep22-ddp2-long deep22-ddp2-x2 sila-deep22-all sila-deep22-all-ddp2 raven-silarecipe sse-silarecipe MIXER-silarecipe-seed1 raven-m128 raven-m256 raven-nogumbel mixers15-x2 sse-raven-x2 all-raven-x2 views-check decode-b128-twice scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 sila-deep22-ddp2-long deep22-ddp2-x2 sila-deep22-all sila-deep22-all-ddp2 raven-silarecipe sse-silarecipe MIXER-silarecipe-seed1 raven-deep22 sse-deep22 raven-m128 raven-m256 raven-nogumbel mixers15-x2 sse-raven-x2 all-raven-x2 views-check decode-b128-twice scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;
