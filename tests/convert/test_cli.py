@@ -1,4 +1,5 @@
-"""`convert` rejects every bad input with a message naming the value and what is allowed, before heavy work."""
+"""`convert` rejects every bad input with a message naming the value and what is allowed, before heavy work, and
+hands a command line that is not its own (ImageMagick's) to the next `convert` on PATH."""
 
 import dataclasses
 import os
