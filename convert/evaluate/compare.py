@@ -33,13 +33,15 @@ def perplexity_at(report: dict, length: int) -> float | None:
     return None
 
 
-def retrieval_cells(report: dict, variant: str, lengths: list[int] | None) -> dict[tuple[str, int], float]:
-    """{(task, length): accuracy in points} of one report's retrieval results of `variant` (at `lengths` only,
-    unless None)."""
+def retrieval_cells(
+    report: dict, variant: str, lengths: list[int] | None, tasks: list[str] | None = None
+) -> dict[tuple[str, int], float]:
+    """{(task, length): accuracy in points} of one report's retrieval results of `variant` (at `lengths` and of
+    `tasks` only, unless None)."""
     cells = {}
     for label, summary in report.get("retrieval", {}).items():
         task, _, var = label.partition("/")
-        if (var or "standard") != variant:
+        if (var or "standard") != variant or (tasks is not None and task not in tasks):
             continue
         for n, value in summary["by_length"].items():
             if lengths is None or int(n) in lengths:

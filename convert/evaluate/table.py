@@ -10,9 +10,11 @@ variant unless --variant; a task on a named haystack, TASK@NAME, beside TASK), a
 (the speed row's generate() path) with the per-sequence cache or state at one context length.
 
 The issue's retrieval targets, checked on the same reports (cells: every task and length of the standard variant,
---lengths to keep some):
+--lengths and --tasks to keep some):
     raven-eval table teacher=... sila=... sila-seed1=... --reference teacher \
         --within 10 --lengths 1024 2048 4096 8192 --agree sila:sila-seed1
+    raven-eval table teacher=... raven=... --reference teacher --within 10 --lengths 1024 2048 4096 8192 \
+        --tasks passkey niah_single_2 niah_word       # the core cells: passkey, the essay needle, NIAH-Word
 --within P adds, for each model against --reference, how many cells are at most P points under it (or above it)
 and which are not; --agree A:B (repeatable) how many cells two models (two seeds) score within P points of each
 other (P of --within, 10 without it), their mean absolute difference, and the cells further apart. Where both
@@ -35,6 +37,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+
+from raven_layers.common import did_you_mean
 
 from .compare import cells_under, load_report, perplexity_at, report_path, retrieval_cells
 from .retrieval import load_results, past_window
@@ -133,15 +137,15 @@ def cell_name(cell: tuple[str, int]) -> str:
     return f"{cell[0]} {short(cell[1])}"
 
 
-def within_reference(reports: dict[str, dict], reference: str, points: float, variant: str, lengths) -> str:
+def within_reference(reports: dict[str, dict], reference: str, points: float, variant: str, lengths, tasks=None) -> str:
     """Per model: the cells at most `points` under the reference's (or above it), and the misses."""
-    ref = retrieval_cells(reports[reference], variant, lengths)
+    ref = retrieval_cells(reports[reference], variant, lengths, tasks)
     rows = [f"| model | cells within {points:g} points of {reference} (or above) | cells under |"]
     rows.append("| --- | --- | --- |")
     for name, report in reports.items():
         if name == reference:
             continue
-        cells = retrieval_cells(report, variant, lengths)
+        cells = retrieval_cells(report, variant, lengths, tasks)
         shared, under = cells_under(cells, ref, points)
         misses = ", ".join(f"{cell_name(c)} {cells[c]:.0f} vs {ref[c]:.0f}" for c in under) or "none"
         rows.append(f"| {name} | {len(shared) - len(under)} of {len(shared)} | {misses} |")
@@ -149,15 +153,21 @@ def within_reference(reports: dict[str, dict], reference: str, points: float, va
 
 
 def agreement(
-    reports: dict[str, dict], pairs: list[tuple[str, str]], points: float, variant: str, lengths, paths=None
+    reports: dict[str, dict],
+    pairs: list[tuple[str, str]],
+    points: float,
+    variant: str,
+    lengths,
+    paths=None,
+    tasks=None,
 ) -> str:
     """Per pair of models (two seeds of a recipe): the cells within `points` of each other and the mean distance;
     with `paths` ({name: report path}), the cells further apart that differ beyond chance marked * (McNemar)."""
     rows = [f"| pair | cells within {points:g} points | mean difference | cells further apart (* beyond chance) |"]
     rows.append("| --- | --- | --- | --- |")
     for a, b in pairs:
-        cells_a = retrieval_cells(reports[a], variant, lengths)
-        cells_b = retrieval_cells(reports[b], variant, lengths)
+        cells_a = retrieval_cells(reports[a], variant, lengths, tasks)
+        cells_b = retrieval_cells(reports[b], variant, lengths, tasks)
         scores = [prompt_scores(paths[n], variant) if paths else {} for n in (a, b)]
         shared = [c for c in cells_a if c in cells_b]
         diffs = {c: abs(cells_a[c] - cells_b[c]) for c in shared}
@@ -171,11 +181,12 @@ def agreement(
     return "\n".join(rows)
 
 
-def beyond_window(paths: dict[str, str], window: int, variant: str, lengths) -> str:
+def beyond_window(paths: dict[str, str], window: int, variant: str, lengths, tasks=None) -> str:
     """Per model and task: the prompts answered right (score >= 0.5) among those whose answers all lie more than
     `window` tokens back, and among the others (retrieval.past_window)."""
     results = {name: prompt_results(path, variant) for name, path in paths.items()}
-    results = {n: [r for r in rs if lengths is None or r["length"] in lengths] for n, rs in results.items()}
+    kept = {n: [r for r in rs if lengths is None or r["length"] in lengths] for n, rs in results.items()}
+    results = {n: [r for r in rs if tasks is None or r["task"] in tasks] for n, rs in kept.items()}
     tasks = list(dict.fromkeys(r["task"] for rs in results.values() for r in rs))
     header = ["model", *(f"{task} past / inside" for task in tasks), "all past / inside"]
     rows = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
@@ -211,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--within", type=float, default=None, metavar="P", help="check cells against --reference")
     parser.add_argument("--agree", action="append", default=[], metavar="A:B", help="compare two models' cells")
     parser.add_argument("--lengths", type=int, nargs="+", default=None, help="the lengths --within/--agree check")
+    parser.add_argument("--tasks", nargs="+", default=None, help="the tasks --within/--agree/--beyond check")
     parser.add_argument(
         "--beyond", type=int, default=None, metavar="W", help="count the prompts answered past a W-token window"
     )
@@ -229,21 +241,28 @@ def main(argv: list[str] | None = None) -> int:
         if not sep or a not in paths or b not in paths:
             parser.error(f"--agree {item!r} is not A:B with A and B among {list(paths)}")
         pairs.append((a, b))
-    if args.lengths and args.within is None and not pairs and args.beyond is None:
-        parser.error("--lengths applies to --within, --agree and --beyond only")
+    for flag, value in (("--lengths", args.lengths), ("--tasks", args.tasks)):
+        if value and args.within is None and not pairs and args.beyond is None:
+            parser.error(f"{flag} applies to --within, --agree and --beyond only")
     if args.beyond is not None and args.beyond < 1:
         parser.error(f"--beyond {args.beyond}: a window is a number of tokens >= 1")
     if args.within is not None and args.reference is None:
         parser.error("--within needs --reference, the model the cells are checked against")
     reports = {name: load_report(path) for name, path in paths.items()}
+    if args.tasks:
+        found = sorted({t for r in reports.values() for t, _ in retrieval_cells(r, args.variant, None)})
+        for task in args.tasks:
+            if task not in found:
+                hint = did_you_mean(task, found)
+                parser.error(f"--tasks {task!r} is in none of the reports; {hint}found ({args.variant}): {found}")
     print(table(reports, args.reference, args.ppl_length, args.speed_length, args.variant))
     points = 10.0 if args.within is None else args.within
     if args.within is not None:
-        print("\n" + within_reference(reports, args.reference, points, args.variant, args.lengths))
+        print("\n" + within_reference(reports, args.reference, points, args.variant, args.lengths, args.tasks))
     if pairs:
-        print("\n" + agreement(reports, pairs, points, args.variant, args.lengths, paths))
+        print("\n" + agreement(reports, pairs, points, args.variant, args.lengths, paths, args.tasks))
     if args.beyond is not None:
-        print("\n" + beyond_window(paths, args.beyond, args.variant, args.lengths))
+        print("\n" + beyond_window(paths, args.beyond, args.variant, args.lengths, args.tasks))
     return 0
 
 

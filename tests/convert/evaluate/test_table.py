@@ -132,3 +132,31 @@ def test_the_speed_columns_read_the_batch_1_row(tmp_path, capsys):
         "cache/state per sequence @16K",
     ]
     assert [c.strip() for c in row.split("|")[3:5]] == ["100", "attention 3.0 MiB, mixer 512 KiB, total 3.5 MiB"]
+
+
+def test_tasks_keep_the_cells_a_target_names_and_a_typo_is_named(tmp_path, capsys):
+    """--tasks counts the core cells only (passkey, the essay needle, NIAH-Word), and a task no report has is
+    refused with the tasks found."""
+
+    def report(name, word):
+        (tmp_path / name).mkdir()
+        retrieval = {
+            "passkey/standard": {"by_length": {"4096": 1.0}},
+            "niah_word/standard": {"by_length": {"4096": word}},
+            "niah_multivalue/standard": {"by_length": {"4096": 0.0 if name == "raven" else 0.6}},
+        }
+        (tmp_path / name / "report.json").write_text(json.dumps({"retrieval": retrieval}))
+        return f"{name}={tmp_path / name}"
+
+    args = [report("teacher", 0.55), report("raven", 0.3), "--reference", "teacher", "--within", "10"]
+    assert main(args) == 0
+    assert "| raven | 1 of 3 | niah_word 4K 30 vs 55, niah_multivalue 4K 0 vs 60 |" in capsys.readouterr().out
+    assert main([*args, "--tasks", "passkey", "niah_word"]) == 0
+    assert "| raven | 1 of 2 | niah_word 4K 30 vs 55 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([*args, "--tasks", "niah_wrod"])
+    err = capsys.readouterr().err
+    assert "--tasks 'niah_wrod' is in none of the reports; did you mean 'niah_word'?" in err
+    with pytest.raises(SystemExit):
+        main([args[0], "--tasks", "passkey"])
+    assert "--tasks applies to --within, --agree and --beyond only" in capsys.readouterr().err
