@@ -184,18 +184,20 @@ def agreement(
 def beyond_window(paths: dict[str, str], window: int, variant: str, lengths, tasks=None) -> str:
     """Per model and task: the prompts answered right (score >= 0.5) among those whose answers all lie more than
     `window` tokens back, and among the others (retrieval.past_window)."""
-    results = {name: prompt_results(path, variant) for name, path in paths.items()}
-    kept = {n: [r for r in rs if lengths is None or r["length"] in lengths] for n, rs in results.items()}
-    results = {n: [r for r in rs if tasks is None or r["task"] in tasks] for n, rs in kept.items()}
-    tasks = list(dict.fromkeys(r["task"] for rs in results.values() for r in rs))
-    header = ["model", *(f"{task} past / inside" for task in tasks), "all past / inside"]
+
+    def kept(r: dict) -> bool:
+        return (lengths is None or r["length"] in lengths) and (tasks is None or r["task"] in tasks)
+
+    results = {name: [r for r in prompt_results(path, variant) if kept(r)] for name, path in paths.items()}
+    shown = list(dict.fromkeys(r["task"] for rs in results.values() for r in rs))
+    header = ["model", *(f"{task} past / inside" for task in shown), "all past / inside"]
     rows = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for name, rs in results.items():
         if not rs:
             raise SystemExit(f"{name}: no per-prompt scores beside {report_path(paths[name])} (retrieval_*.json)")
         right = [r | {"score": float(r["score"] >= 0.5)} for r in rs]
         cells = [name]
-        for task in [*tasks, None]:
+        for task in [*shown, None]:
             mine = [r for r in right if task is None or r["task"] == task]
             try:
                 split = past_window(mine, window)

@@ -108,7 +108,8 @@
 #   raven-m128|raven-m256  smollm2-raven.yaml with 128 or 256 slots (top-8): NIAH-Word's far words against the state
 #   raven-nogumbel smollm2-raven.yaml without Gumbel noise on the router in training (at the start the noise's spread
 #                  is 18x the scores' across tokens: training routes at random, evaluation by the scores)
-#                  (each Raven job above also prints its routers' occupancy: scripts/tools/raven_router_occupancy.py)
+#                  (run by quick_on, as the 2-GPU sessions below run theirs, a Raven job also prints its routers'
+#                  occupancy: scripts/tools/raven_router_occupancy.py)
 #   mixers15-x2    one 2-GPU session of about 26 minutes: sse-raven-x2's two runs, then raven-m128 after SSE on GPU 0
 #                  and raven-nogumbel after Raven's second seed on GPU 1; no deltas saved
 #   sse-raven-x2   one 2-GPU session: sse-silarecipe on GPU 0, raven-silarecipe-seed1 on GPU 1, both at 1K-8K
@@ -217,6 +218,21 @@ recipe() {  # recipe MIXER RUN [ARGS...]: the SmolLM2 recipe of MIXER into ~/run
 occupancy() {  # occupancy RUN: how many slots the trained Raven hybrid's routers write (into the job's log)
   echo "router occupancy of $1 (scripts/tools/raven_router_occupancy.py):"
   python3 scripts/tools/raven_router_occupancy.py --src "$RUNS/$1/extend/model" --text "$ESSAYS/addiction.txt"
+}
+
+two_processes() {  # two_processes RECIPE RUN [ARGS...]: RUN trained on two processes, its evaluation again on one
+  # should the 2-process one fail after training (the trained stages' DONE record their processes). A failure before
+  # that ends it: training on one process would outlast a session (round 9)
+  PROCESSES=2 trained "$@" || { [ -f "$RUNS/$2/extend/DONE" ] && PROCESSES=1 trained "$@"; }
+}
+
+quick_on() {  # quick_on GPU RUN...: the runs in turn on one GPU, evaluated at 1K-8K without the windowed pass; after
+  # each Raven run, its routers' occupancy
+  local job
+  for job in "${@:2}"; do
+    CUDA_VISIBLE_DEVICES=$1 WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run "$job" && [[ $job == raven-* ]] &&
+      CUDA_VISIBLE_DEVICES=$1 occupancy "$job"
+  done
 }
 
 as_mixer() {  # as_mixer RECIPE MIXER N RUN [ARGS...]: smollm2-RECIPE.yaml converting auto:N to MIXER, with the
@@ -367,21 +383,15 @@ PY
     local recipe=${1%-ddp4}
     PROCESSES=4 trained "$recipe" "$1"
     ;;
-  sila-deep22-ddp2 | sila-deep26-ddp2)  # 2.5x the recipe's tokens: twice the rows a step, 1.25x the steps; the
-    # evaluation again on one process should the 2-process one fail after training (the trained stages' DONE record
-    # their processes). A failure before that ends the job: training on one process would outlast a session (round 9)
-    PROCESSES=2 trained "${1%-ddp2}" "$1" "${DDP2_STEPS[@]}" ||
-      { [ -f "$RUNS/$1/extend/DONE" ] && PROCESSES=1 trained "${1%-ddp2}" "$1" "${DDP2_STEPS[@]}"; }
+  sila-deep22-ddp2 | sila-deep26-ddp2)  # 2.5x the recipe's tokens: twice the rows a step, 1.25x the steps
+    two_processes "${1%-ddp2}" "$1" "${DDP2_STEPS[@]}"
     ;;
   sila-deep22-ddp2-long)  # about 21 minutes with the evaluation at 1K-8K: start it alone, first in a session.
     # Train and extend as CUDA graphs under ddp (eager, extend gained 1.03x from the second GPU); should they fail,
-    # the same run eagerly (cuda_graphs is bookkeeping: the stages already done stand), and the evaluation on one
-    # process should the 2-process one fail after training
-    local long=("$1" "${DDP2_LONG_STEPS[@]}")
+    # the same run as two_processes runs it, eagerly (cuda_graphs is bookkeeping: the stages already done stand)
     export WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}"
-    PROCESSES=2 trained sila-deep22 "${long[@]}" --set train.cuda_graphs=true --set extend.cuda_graphs=true ||
-      { [ ! -f "$RUNS/$1/extend/DONE" ] && PROCESSES=2 trained sila-deep22 "${long[@]}"; } ||
-      { [ -f "$RUNS/$1/extend/DONE" ] && PROCESSES=1 trained sila-deep22 "${long[@]}"; }
+    PROCESSES=2 trained sila-deep22 "$1" "${DDP2_LONG_STEPS[@]}" --set train.cuda_graphs=true \
+      --set extend.cuda_graphs=true || two_processes sila-deep22 "$1" "${DDP2_LONG_STEPS[@]}"
     ;;
   deep22-ddp2-x2)  # one 2-GPU session: sila-deep22-ddp2 evaluated at 1K-8K, the 2-GPU graph tests beside it
     ddp_graph_tests &
@@ -405,26 +415,22 @@ PY
     ;;
   raven-m128 | raven-m256)  # Raven's recipe with 128 or 256 slots (top-8 still): each slot written half or a quarter
     # as often
-    trained raven "$1" --set "mixer_settings.raven.num_slots=${1#raven-m}" && occupancy "$1"
+    trained raven "$1" --set "mixer_settings.raven.num_slots=${1#raven-m}"
     ;;
   raven-nogumbel)  # Raven's recipe without the router's Gumbel noise in training: training routes as evaluation does
-    trained raven "$1" --set mixer_settings.raven.gumbel=false && occupancy "$1"
+    trained raven "$1" --set mixer_settings.raven.gumbel=false
     ;;
   mixers15-x2)  # two recipes a GPU, about 26 minutes: the first pair is sse-raven-x2
-    (export CUDA_VISIBLE_DEVICES=0 DELTA=0 WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}"
-      run sse-silarecipe; run raven-m128) &
-    (export CUDA_VISIBLE_DEVICES=1 DELTA=0 WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}"
-      run raven-silarecipe-seed1 && occupancy raven-silarecipe-seed1; run raven-nogumbel) &
+    DELTA=0 quick_on 0 sse-silarecipe raven-m128 &
+    DELTA=0 quick_on 1 raven-silarecipe-seed1 raven-nogumbel &
     wait
     ;;
   sse-raven-x2)  # one GPU each, about 13 minutes with the evaluation
-    (export CUDA_VISIBLE_DEVICES=0; WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run sse-silarecipe) &
-    (export CUDA_VISIBLE_DEVICES=1; WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run raven-silarecipe-seed1) &
+    quick_on 0 sse-silarecipe & quick_on 1 raven-silarecipe-seed1 &
     wait
     ;;
   all-raven-x2)  # one GPU each, about 18 minutes
-    (export CUDA_VISIBLE_DEVICES=0; WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run sila-deep22-all) &
-    (export CUDA_VISIBLE_DEVICES=1; WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run raven-silarecipe) &
+    quick_on 0 sila-deep22-all & quick_on 1 raven-silarecipe &
     wait
     ;;
   decode-b128-twice)  # times, alone: about 9 minutes
