@@ -137,6 +137,16 @@ class Mixer(nn.Module):
     # a 3-D weight [n, r, in] as its n r rows)
     input_weights: tuple[str, ...] = ()
 
+    @property
+    def calibrates(self) -> bool:
+        """Whether `calibrate` fits anything: align then runs the teacher on its first batch to call it."""
+        return False
+
+    def calibrate(self, x: torch.Tensor, mean: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Fit the layer's data-dependent initial parameters to x [N, hidden], the teacher's inputs to this layer at
+        N real tokens of align's first batch; `mean` averages a statistic over the processes of a launch (so that
+        every process fits the same values). Nothing by default."""
+
     def step_state_share(self) -> float:
         """The share of its cached state one decode step moves: (bytes read + bytes written) / (2 x the state's
         bytes). All of it both ways unless a mixer touches less; the bandwidth floor of a decode step counts a

@@ -33,6 +33,7 @@ from .common import (
     MixerSettings,
     MixerSpec,
     RMSNorm,
+    did_you_mean,
     init_fresh_parameters,
     input_product,
     one_kernel_step,
@@ -51,6 +52,7 @@ class RavenSettings(MixerSettings):
     top_k: int = 32  # K slots written per token, paper default
     alpha: float = 1.0  # router normaliser: r_t sums to 1 / alpha (paper: 1 at 400M, 4 at 800M)
     gumbel: bool = True  # Gumbel noise on router logits during training (paper Section 6.2.2)
+    router_init: str = "random"  # "centred": rows fitted to the layer's inputs at align's start (`calibrate`)
     qk_norm: bool | None = None  # RMSNorm on q and k; None follows the source attention (kept where it has them)
     feature_map: str = "identity"  # "identity" keeps the teacher's q/k geometry; "silu" is the paper's block
     output_gate: bool = True  # o * 2 sigmoid(W_g x); W_g starts at zero so the gate starts as the identity
@@ -58,6 +60,7 @@ class RavenSettings(MixerSettings):
     checkpoint_level: int = 2  # Triton backward: 2 recomputes gates and chunk states, 1 keeps the states, 0 both
 
     FEATURE_MAPS = ("identity", "silu")
+    ROUTER_INITS = ("random", "centred")
 
     def __post_init__(self):
         self.check_positive_ints("num_slots", "top_k", "chunk_size")
@@ -70,6 +73,9 @@ class RavenSettings(MixerSettings):
             self.fail("qk_norm", "true, false or null (follow the source attention)")
         if self.feature_map not in self.FEATURE_MAPS:
             self.fail("feature_map", f"one of {list(self.FEATURE_MAPS)}")
+        if self.router_init not in self.ROUTER_INITS:
+            hint = did_you_mean(self.router_init, self.ROUTER_INITS, {"centered": "centred"}).rstrip()
+            self.fail("router_init", f"one of {list(self.ROUTER_INITS)}" + (f"; {hint}" if hint else ""))
         if not self.is_int(self.checkpoint_level) or self.checkpoint_level not in (0, 1, 2):
             self.fail("checkpoint_level", "0 (fastest backward, most memory), 1 or 2 (least memory)")
 
@@ -230,6 +236,27 @@ class RavenMixer(Mixer):
             "gate_weight": lambda p: p.zero_(),
         }
         init_fresh_parameters(self, inits)
+
+    @property
+    def calibrates(self) -> bool:
+        return self.settings.router_init == "centred"
+
+    @torch.no_grad()
+    def calibrate(self, x: torch.Tensor, mean) -> None:
+        """router_init "centred": every router row W_i made orthogonal to the inputs' mean mu, then scaled so that
+        its score W_i x_t spreads over the tokens with a standard deviation of 1 (Gumbel(0, 1) noise: 1.28).
+
+        A decoder layer's inputs share most of their direction (mu): random rows then give every token the same
+        per-slot offsets W mu, larger than the scores' spread across tokens, and top-K sends every token to the
+        same few slots. Without mu in W, which slots a token takes depends on what is its own.
+        """
+        x = x.float()  # [N, hidden]
+        mu = mean(x.mean(0))  # [hidden], over every process's tokens
+        unit = mu / mu.norm().clamp_min(1e-12)
+        w = self.router_weight.detach().float().to(x.device)  # [H_kv * M, hidden]
+        w = w - (w @ unit)[:, None] * unit[None, :]
+        spread = mean(((x - mu) @ w.T).pow(2).mean(0)).sqrt()  # [H_kv * M]: each score's spread over tokens
+        self.router_weight.copy_(w / spread.clamp_min(1e-12)[:, None])
 
     def state_numel(self) -> int:
         """Elements of the decoding state per sequence (float32): S^k and S^v, [H_kv, M, d] each."""

@@ -83,6 +83,43 @@ def attention_taps(teacher, layers: list[int]) -> Iterator[dict[int, tuple[torch
             handle.remove()
 
 
+@torch.no_grad()
+def teacher_taps(
+    teacher, layers: list[int], input_ids, attention_mask=None, position_ids=None, packed=None
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """{layer: (attention input [B, T, hidden], attention output [B, T, hidden])} of one teacher forward; `packed`
+    as alignment_losses takes it, found already."""
+    with attention_taps(teacher, layers) as captured:
+        teacher(
+            input_ids=input_ids,
+            **teacher_inputs(teacher, packed, attention_mask),  # [B, 1, T, T] for packed documents (sdpa)
+            position_ids=position_ids,
+            use_cache=False,
+            **_one_logit(teacher),
+        )
+    return captured
+
+
+def calibrate_mixers(teacher, hybrid, layers: list[int], batch: dict, parallel: Parallel) -> None:
+    """Give the mixers of `layers` that fit initial parameters to their inputs (Mixer.calibrates) the teacher's
+    inputs to their layers on this process's rows of `batch` (align's first), padding left out. Statistics are
+    averaged over the processes, so every process fits the same values."""
+    mixers = {i: hybrid.model.layers[i].self_attn for i in layers}
+    wanting = [i for i, mixer in mixers.items() if mixer.calibrates]
+    if not wanting:
+        return
+    inputs, packed = step_inputs(_share(batch, parallel), parallel.device)
+    if packed == "auto":
+        packed = None
+    mask = inputs.get("attention_mask")
+    captured = teacher_taps(teacher, wanting, inputs["input_ids"], mask, inputs.get("position_ids"), packed)
+    for i in wanting:
+        x = captured[i][0]  # [B, T, hidden]
+        x = x.flatten(0, 1) if mask is None else x[mask.bool()]  # [N, hidden], real tokens only
+        mixers[i].calibrate(x, parallel.mean)
+    parallel.print(f"[align] fitted the initial parameters of layers {wanting} to the teacher's inputs")
+
+
 def _one_logit(teacher) -> dict:
     """The keyword that has a causal LM compute its head for the last position only (transformers'
     `logits_to_keep`), where its forward takes it: the taps need the layers, not the [B, T, vocab] logits."""
@@ -127,14 +164,8 @@ def alignment_losses(
     if packed == "auto":
         packed = None if position_ids is None else find_packed_documents(position_ids)
     layers = aligned_layers(teacher, hybrid)
-    with torch.no_grad(), attention_taps(teacher, layers) as captured, record_function("align.teacher"):
-        teacher(
-            input_ids=input_ids,
-            **teacher_inputs(teacher, packed, attention_mask),  # [B, 1, T, T] for packed documents (sdpa)
-            position_ids=position_ids,
-            use_cache=False,
-            **_one_logit(teacher),
-        )
+    with record_function("align.teacher"):
+        captured = teacher_taps(teacher, layers, input_ids, attention_mask, position_ids, packed)
     real = None if attention_mask is None else attention_mask.bool()  # [B, T]
     extra = {"padding_mask": real} if packed is None else {"cu_seqlens": packed[1]}
     losses = {}
@@ -293,12 +324,22 @@ def align(
     layers = aligned_layers(teacher, hybrid)
     if not layers:
         raise ValueError("align has no layer to align: the teacher runs none of the hybrid's mixer layers as attention")
+    teacher.eval()
+    resumed = None if out_dir is None else latest_checkpoint(out_dir, warn=lambda m: parallel.print(f"[align] {m}"))
+    first = 0 if resumed is None else resumed[1]["step"]
+    if resumed is None and seed is not None:
+        torch.manual_seed(seed)
+    batches = iter(batches(first) if callable(batches) else itertools.islice(batches, first, None))
+    if resumed is None:  # a fresh run fits its mixers' data-dependent initial values, before they are placed
+        head = next(batches, None)
+        if head is not None:
+            calibrate_mixers(teacher, hybrid, layers, head, parallel)
+            batches = itertools.chain([head], batches)
     place_mixers(hybrid, parallel, layers)
     # no cache of cast weights: each is cast once per step anyway, and a graph cannot keep the cache's tensors
     autocast = torch.autocast(
         parallel.device.type, dtype=torch.bfloat16, enabled=mixed_precision == "bf16", cache_enabled=False
     )
-    teacher.eval()
     was_training = hybrid.training
     hybrid.train()
     trainable = {id(p) for p in mixer_parameters(hybrid, layers)}
@@ -315,18 +356,13 @@ def align(
     if lagged:
         optimizer.found_inf = torch.zeros((), device=parallel.device)
 
-    history, first = [], 0
-    resumed = None if out_dir is None else latest_checkpoint(out_dir, warn=lambda m: parallel.print(f"[align] {m}"))
+    history = []
     if resumed is not None:
         path, meta = resumed
         _load(path, named, optimizer)
         optimizer_mode(optimizer, graphs, parallel.device)
-        first = meta["step"]
         history = [r | {"layers": {int(i): v for i, v in r["layers"].items()}} for r in meta["history"]][:first]
         parallel.print(f"[align] resumed from {path} (step {first})")
-    elif seed is not None:
-        torch.manual_seed(seed)
-    batches = batches(first) if callable(batches) else itertools.islice(batches, first, None)
     clock = {"start": time.perf_counter(), "tokens": 0, "first_step_seconds": 0.0}
     per_token = None  # model FLOPs per token, once the rows' length is seen
     pending = None  # the latest step whose losses are not read back yet

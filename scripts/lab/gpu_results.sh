@@ -110,6 +110,11 @@
 #                  is 18x the scores' across tokens: training routes at random, evaluation by the scores)
 #                  (run by quick_on, as the 2-GPU sessions below run theirs, a Raven job also prints its routers'
 #                  occupancy: scripts/tools/raven_router_occupancy.py)
+#   raven-centred|raven-centred-nogumbel  smollm2-raven.yaml with router_init centred (routers fitted to the layers'
+#                  inputs at align's start: no offset shared by every token, unit spread), with and without the noise
+#   routers15-x2   one 2-GPU session of about 26 minutes: raven-centred then sse-silarecipe on GPU 0,
+#                  raven-centred-nogumbel then raven-nogumbel on GPU 1; the Raven variants keep raven-silarecipe's
+#                  15 layers (RAVEN15)
 #   mixers15-x2    one 2-GPU session of about 26 minutes: sse-raven-x2's two runs, then raven-m128 after SSE on GPU 0
 #                  and raven-nogumbel after Raven's second seed on GPU 1; no deltas saved
 #   sse-raven-x2   one 2-GPU session: sse-silarecipe on GPU 0, raven-silarecipe-seed1 on GPU 1, both at 1K-8K
@@ -198,6 +203,10 @@ ALL=(--set train.trainable=all --set train.pretrained_lr_scale=0.1)
 # MIXER-seed1's settings: every training seed 1 (layer fit, data order, retrieval samples, align, train, extend)
 SEED1=(--set data.seed=1 --set data.retrieval.seed=1 --set layer_choice.seed=1 --set align.seed=1 --set train.seed=1
   --set extend.seed=1)
+
+# the 15 layers smollm2-raven.yaml's layer choice picks (the run raven-silarecipe): Raven variants whose settings
+# change keep them, rather than scanning again and comparing other layers
+RAVEN15=(--set 'layers=[{mixer: raven, layers: "2,3,4,6,7,12,13,21,22,24,25,26,27,28,29"}]')
 
 # MIXER-far-windows' extend data: every fact past a 4K window from its question (retrieval_data.py)
 FAR_FACTS=(--set "extend.retrieval={ratio: 0.5, length: [0.7, 0.95], depth: [0.0, 0.25]}")
@@ -415,14 +424,25 @@ PY
     ;;
   raven-m128 | raven-m256)  # Raven's recipe with 128 or 256 slots (top-8 still): each slot written half or a quarter
     # as often
-    trained raven "$1" --set "mixer_settings.raven.num_slots=${1#raven-m}"
+    trained raven "$1" "${RAVEN15[@]}" --set "mixer_settings.raven.num_slots=${1#raven-m}"
     ;;
   raven-nogumbel)  # Raven's recipe without the router's Gumbel noise in training: training routes as evaluation does
-    trained raven "$1" --set mixer_settings.raven.gumbel=false
+    trained raven "$1" "${RAVEN15[@]}" --set mixer_settings.raven.gumbel=false
+    ;;
+  raven-centred | raven-centred-nogumbel)  # Raven's recipe with routers fitted to the layers' inputs at align's start
+    # (router_init centred: no shared offset, unit spread over tokens), with and without the noise
+    local noise=()
+    [ "$1" = raven-centred-nogumbel ] && noise=(--set mixer_settings.raven.gumbel=false)
+    trained raven "$1" "${RAVEN15[@]}" --set mixer_settings.raven.router_init=centred "${noise[@]}"
     ;;
   mixers15-x2)  # two recipes a GPU, about 26 minutes: the first pair is sse-raven-x2
     DELTA=0 quick_on 0 sse-silarecipe raven-m128 &
     DELTA=0 quick_on 1 raven-silarecipe-seed1 raven-nogumbel &
+    wait
+    ;;
+  routers15-x2)  # two recipes a GPU, about 26 minutes: the centred routers first, then SSE and Raven without noise
+    DELTA=0 quick_on 0 raven-centred sse-silarecipe &
+    DELTA=0 quick_on 1 raven-centred-nogumbel raven-nogumbel &
     wait
     ;;
   sse-raven-x2)  # one GPU each, about 13 minutes with the evaluation
@@ -550,7 +570,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 sila-deep22-ddp2-long deep22-ddp2-x2 sila-deep22-all sila-deep22-all-ddp2 raven-silarecipe sse-silarecipe MIXER-silarecipe-seed1 raven-deep22 sse-deep22 raven-m128 raven-m256 raven-nogumbel mixers15-x2 sse-raven-x2 all-raven-x2 views-check decode-b128-twice scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 sila-deep22-ddp2-long deep22-ddp2-x2 sila-deep22-all sila-deep22-all-ddp2 raven-silarecipe sse-silarecipe MIXER-silarecipe-seed1 raven-deep22 sse-deep22 raven-m128 raven-m256 raven-nogumbel raven-centred raven-centred-nogumbel mixers15-x2 routers15-x2 sse-raven-x2 all-raven-x2 views-check decode-b128-twice scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;

@@ -108,6 +108,29 @@ def test_left_padding_does_not_touch_the_state():
     torch.testing.assert_close(out[:, 3:], alone, rtol=1e-5, atol=1e-6)
 
 
+def slots_taken(mixer, x: torch.Tensor) -> int:
+    """How many of a head's M slots the tokens x [1, T, hidden] route to (evaluation: no noise)."""
+    _, idx, _ = mixer.route(x, None)  # [1, T, H_kv, K]
+    return min(idx[0, :, h].unique().numel() for h in range(idx.shape[2]))
+
+
+def test_a_centred_router_spreads_tokens_whose_inputs_share_a_direction():
+    # a decoder layer's inputs are mostly one shared direction: random rows send every token to the same slots
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    mixer = RavenMixer(config, 0, RavenSettings(num_slots=32, top_k=4, router_init="centred")).eval()
+    assert mixer.calibrates and not tiny_mixer().calibrates
+    g = torch.Generator().manual_seed(0)
+    shared = 10 * torch.randn(64, generator=g)
+    x = shared + torch.randn(1, 400, 64, generator=g)  # [1, T, hidden]
+    random_rows = slots_taken(mixer, x)
+    mixer.calibrate(x[0], mean=lambda t: t)
+    w = mixer.router_weight.detach()
+    torch.testing.assert_close(w @ x[0].mean(0), torch.zeros(w.shape[0]), atol=1e-4, rtol=0)  # no offset left
+    torch.testing.assert_close((x[0] @ w.T).std(0), torch.ones(w.shape[0]), atol=1e-2, rtol=0)  # unit spread
+    assert random_rows <= 16 and slots_taken(mixer, x) == 32, (random_rows, slots_taken(mixer, x))
+
+
 def test_initial_gate_is_identity():
     config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     mixer = RavenMixer(config, 0, RavenSettings(num_slots=16, top_k=4))
@@ -124,6 +147,11 @@ def test_initial_gate_is_identity():
         ({"feature_map": "relu"}, "raven.feature_map = 'relu' is not allowed; expected one of ['identity', 'silu']"),
         ({"chunk_size": 2.5}, "raven.chunk_size = 2.5 is not allowed; expected an integer >= 1"),
         ({"gumbel": "yes"}, "raven.gumbel = 'yes' is not allowed; expected true or false"),
+        (
+            {"router_init": "centered"},
+            "raven.router_init = 'centered' is not allowed; expected one of ['random', 'centred']; "
+            "did you mean 'centred'?",
+        ),
         (
             {"checkpoint_level": 3},
             "raven.checkpoint_level = 3 is not allowed; "

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from raven_convert import build_hybrid, plan_layers
 from raven_convert.train.align import align, alignment_losses, attention_taps
+from raven_layers import RavenMixer
 from raven_convert.train.common import mixer_parameters
 
 SETTINGS = {"raven": {"num_slots": 16, "top_k": 4}, "sse": {"lora_rank": 8}, "sila": {}}
@@ -64,6 +65,33 @@ def test_taps_record_the_teachers_attention_input_and_output(models):
         expected_next = out.hidden_states[i + 1] if i + 1 < len(teacher.model.layers) else None
         if expected_next is not None:
             torch.testing.assert_close(residual + mlp_out, expected_next)
+
+
+def test_a_fresh_run_fits_centred_routers_to_the_teachers_inputs_and_a_resumed_one_does_not(
+    tiny_sources, tmp_path, monkeypatch
+):
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_sources["llama"]).eval()
+    settings = SETTINGS | {"raven": SETTINGS["raven"] | {"router_init": "centred"}}
+    hybrid = build_hybrid(teacher, plan_layers([("raven", "0,2"), ("sila", "1")], 4), settings)
+    first = next(batches(seed=0, n=1))
+    calls = []
+    fit = RavenMixer.calibrate
+    monkeypatch.setattr(
+        RavenMixer, "calibrate", lambda self, x, mean: calls.append((self.layer_idx, x)) or fit(self, x, mean)
+    )
+    align(teacher, hybrid, batches(seed=0, n=2), steps=2, lr=1e-6, log_every=0, out_dir=tmp_path, save_every=1)
+    assert [layer for layer, _ in calls] == [0, 2]  # the Raven layers, once each
+    with torch.no_grad(), attention_taps(teacher, [0, 2]) as captured:
+        teacher(**first)
+    real = first["attention_mask"].bool()
+    for layer, x in calls:
+        torch.testing.assert_close(x, captured[layer][0][real])  # the first batch's real tokens
+        w = hybrid.model.layers[layer].self_attn.router_weight.detach()
+        offsets = w @ x.mean(0)  # what every token would share: about nothing after 2 tiny steps
+        assert offsets.abs().max() < 0.05 * (x @ w.T).std(0).min(), layer
+    calls.clear()
+    align(teacher, hybrid, batches(seed=0, n=3), steps=3, lr=1e-6, log_every=0, out_dir=tmp_path, save_every=1)
+    assert calls == []  # resumed after step 2: the checkpoint holds the fitted and trained routers
 
 
 def test_non_finite_loss_stops_with_a_clear_error(models):
