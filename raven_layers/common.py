@@ -27,6 +27,10 @@ def did_you_mean(value: str, allowed, aliases: dict[str, str] | None = None) -> 
     return f"did you mean {names[close[0]]!r}? " if close else ""
 
 
+# a router's initial rows: "random" (small random scores), "centred" (fitted to the layer's inputs: Mixer.calibrate)
+ROUTER_INITS = ("random", "centred")
+
+
 class MixerSettings:
     """Base of the mixers' frozen settings dataclasses. Subclasses set NAME ("raven") and LABEL ("Raven")."""
 
@@ -60,6 +64,12 @@ class MixerSettings:
         for name in names:
             if not isinstance(getattr(self, name), bool):
                 self.fail(name, "true or false")
+
+    def check_choice(self, name: str, allowed: tuple[str, ...], aliases: dict[str, str] | None = None):
+        value = getattr(self, name)
+        if value not in allowed:
+            hint = did_you_mean(value, allowed, aliases).rstrip()
+            self.fail(name, f"one of {list(allowed)}" + (f"; {hint}" if hint else ""))
 
     @classmethod
     def from_dict(cls, values: dict):
@@ -137,15 +147,37 @@ class Mixer(nn.Module):
     # a 3-D weight [n, r, in] as its n r rows)
     input_weights: tuple[str, ...] = ()
 
+    # a subclass's weight whose rows score the routes of the layer's input ([routes, hidden]): the one its setting
+    # `router_init` "centred" fits to the teacher's inputs (`calibrate`)
+    router_weight_name: str | None = None
+
     @property
     def calibrates(self) -> bool:
         """Whether `calibrate` fits anything: align then runs the teacher on its first batch to call it."""
-        return False
+        return self.router_weight_name is not None and self.settings.router_init == "centred"
 
+    @torch.no_grad()
     def calibrate(self, x: torch.Tensor, mean: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Fit the layer's data-dependent initial parameters to x [N, hidden], the teacher's inputs to this layer at
         N real tokens of align's first batch; `mean` averages a statistic over the processes of a launch (so that
-        every process fits the same values). Nothing by default."""
+        every process fits the same values).
+
+        router_init "centred": every router row W_i made orthogonal to the inputs' mean mu, then scaled so that its
+        score W_i x_t spreads over the tokens with a standard deviation of 1 (Gumbel(0, 1) noise: 1.28). A decoder
+        layer's inputs share most of their direction (mu): random rows then give every token the same per-route
+        offsets W mu, larger than the scores' spread across tokens, and top-k sends every token the same few ways.
+        Without mu in W, where a token goes depends on what is its own.
+        """
+        if not self.calibrates:
+            return
+        weight = getattr(self, self.router_weight_name)
+        x = x.float()  # [N, hidden]
+        mu = mean(x.mean(0))  # [hidden], over every process's tokens
+        unit = mu / mu.norm().clamp_min(1e-12)
+        w = weight.detach().float().to(x.device)  # [routes, hidden]
+        w = w - (w @ unit)[:, None] * unit[None, :]
+        spread = mean(((x - mu) @ w.T).pow(2).mean(0)).sqrt()  # [routes]: each score's spread over the tokens
+        weight.copy_(w / spread.clamp_min(1e-12)[:, None])
 
     def step_state_share(self) -> float:
         """The share of its cached state one decode step moves: (bytes read + bytes written) / (2 x the state's

@@ -29,11 +29,11 @@ from torch import nn
 
 from .backend import kernel_module
 from .common import (
+    ROUTER_INITS,
     Mixer,
     MixerSettings,
     MixerSpec,
     RMSNorm,
-    did_you_mean,
     init_fresh_parameters,
     input_product,
     one_kernel_step,
@@ -60,7 +60,6 @@ class RavenSettings(MixerSettings):
     checkpoint_level: int = 2  # Triton backward: 2 recomputes gates and chunk states, 1 keeps the states, 0 both
 
     FEATURE_MAPS = ("identity", "silu")
-    ROUTER_INITS = ("random", "centred")
 
     def __post_init__(self):
         self.check_positive_ints("num_slots", "top_k", "chunk_size")
@@ -73,9 +72,7 @@ class RavenSettings(MixerSettings):
             self.fail("qk_norm", "true, false or null (follow the source attention)")
         if self.feature_map not in self.FEATURE_MAPS:
             self.fail("feature_map", f"one of {list(self.FEATURE_MAPS)}")
-        if self.router_init not in self.ROUTER_INITS:
-            hint = did_you_mean(self.router_init, self.ROUTER_INITS, {"centered": "centred"}).rstrip()
-            self.fail("router_init", f"one of {list(self.ROUTER_INITS)}" + (f"; {hint}" if hint else ""))
+        self.check_choice("router_init", ROUTER_INITS, {"centered": "centred"})
         if not self.is_int(self.checkpoint_level) or self.checkpoint_level not in (0, 1, 2):
             self.fail("checkpoint_level", "0 (fastest backward, most memory), 1 or 2 (least memory)")
 
@@ -198,6 +195,7 @@ class RavenMixer(Mixer):
     """
 
     input_weights = ("router_weight", "decay_weight")  # the router's slot scores and the write decay
+    router_weight_name = "router_weight"
 
     def __init__(self, config, layer_idx: int, settings: RavenSettings, source_has_qk_norm: bool = False):
         super().__init__(config, layer_idx, settings)
@@ -221,6 +219,8 @@ class RavenMixer(Mixer):
 
         - Router: small random logits, so sigmoid scores start near 0.5 and no slot is favoured; which K slots a
           token picks is then decided by content and, in training, by the Gumbel noise (avoids early collapse).
+          Scores of real inputs share an offset (their common direction): router_init "centred" refits the rows
+          at align's start.
         - Decay: w = 0 and softplus(b) = 1, so a_t = -exp(Delta) per head. Delta spreads the heads over time
           scales: a slot written with an average weight r = 1 / (alpha K) keeps between 95% and 50% of its
           content per write, from the slowest head to the fastest (a Mamba-2-like range of memories).
@@ -236,27 +236,6 @@ class RavenMixer(Mixer):
             "gate_weight": lambda p: p.zero_(),
         }
         init_fresh_parameters(self, inits)
-
-    @property
-    def calibrates(self) -> bool:
-        return self.settings.router_init == "centred"
-
-    @torch.no_grad()
-    def calibrate(self, x: torch.Tensor, mean) -> None:
-        """router_init "centred": every router row W_i made orthogonal to the inputs' mean mu, then scaled so that
-        its score W_i x_t spreads over the tokens with a standard deviation of 1 (Gumbel(0, 1) noise: 1.28).
-
-        A decoder layer's inputs share most of their direction (mu): random rows then give every token the same
-        per-slot offsets W mu, larger than the scores' spread across tokens, and top-K sends every token to the
-        same few slots. Without mu in W, which slots a token takes depends on what is its own.
-        """
-        x = x.float()  # [N, hidden]
-        mu = mean(x.mean(0))  # [hidden], over every process's tokens
-        unit = mu / mu.norm().clamp_min(1e-12)
-        w = self.router_weight.detach().float().to(x.device)  # [H_kv * M, hidden]
-        w = w - (w @ unit)[:, None] * unit[None, :]
-        spread = mean(((x - mu) @ w.T).pow(2).mean(0)).sqrt()  # [H_kv * M]: each score's spread over tokens
-        self.router_weight.copy_(w / spread.clamp_min(1e-12)[:, None])
 
     def state_numel(self) -> int:
         """Elements of the decoding state per sequence (float32): S^k and S^v, [H_kv, M, d] each."""

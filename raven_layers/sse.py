@@ -49,6 +49,7 @@ from torch import nn
 
 from .backend import kernel_module
 from .common import (
+    ROUTER_INITS,
     Mixer,
     MixerSettings,
     MixerSpec,
@@ -89,6 +90,7 @@ class SSESettings(MixerSettings):
     lora_rank: int = 64  # r of the per-partition LoRA on q and k (paper: 64)
     balance_coef: float = 0.01  # alpha of the balance loss (paper: 0.01); 0 turns it off
     router_gradient: bool = True  # the language-model loss trains W_e too, not only the balance loss (partition_inputs)
+    router_init: str = "random"  # "centred": W_e fitted to the layer's inputs at align's start (Mixer.calibrate)
     shared_partition: bool = True  # one always-selected partition on the base projections (paper)
     read_top_k: int | None = None  # k' partitions read per token; None: top_k (paper default)
     gate_low_rank: int = 16  # rank of the GLA gate projection W_a1 W_a2 (GLA: 16)
@@ -117,6 +119,7 @@ class SSESettings(MixerSettings):
         if not self.is_number(self.gate_normalizer) or not self.gate_normalizer > 0:
             self.fail("gate_normalizer", "a number > 0")
         self.check_bools("shared_partition", "output_gate", "output_norm", "router_gradient")
+        self.check_choice("router_init", ROUTER_INITS, {"centered": "centred"})
         if self.implementation not in self.IMPLEMENTATIONS:
             self.fail("implementation", f"one of {list(self.IMPLEMENTATIONS)}")
 
@@ -139,6 +142,7 @@ class SSEMixer(Mixer):
 
     # the partition scores, the decay's first product and every partition's first LoRA factors (read as [N r, hidden])
     input_weights = ("partition_weight", "decay_down", "q_lora_a", "k_lora_a")
+    router_weight_name = "partition_weight"
 
     def __init__(self, config, layer_idx: int, settings: SSESettings, source_has_qk_norm: bool = False):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -178,7 +182,8 @@ class SSEMixer(Mixer):
           only decides where a token is stored, not how it is projected, and no partition starts worse than the
           others. A being random, B gets a gradient at once and the partitions specialise gradually.
         - Scorer W_e ~ N(0, 0.02^2): near-equal scores, near-uniform softmax(e_t) (balance loss ~ alpha) and a
-          content-dependent, roughly balanced top-k from the first step, without early collapse.
+          content-dependent, roughly balanced top-k from the first step, without early collapse. Scores of real
+          inputs share an offset (their common direction): router_init "centred" refits W_e at align's start.
         - GLA gate: W_a2 = 0 and W_a1 ~ N(0, 1/hidden) (LoRA-like), so the gate starts input-independent and still
           learns; b is set so the retention per write a = exp(logsigmoid(b) / tau) is spread log-uniformly in
           1 - a over the c rows from 0.97 to 0.999 (half-lives of 23 to 693 writes, N/k times more tokens), the

@@ -1,6 +1,7 @@
 """Keep a trained run's results in docs/results: its evaluation's report and pictures, its per-prompt scores
 gzipped (a sixth of their size: the checkout travels to the GPU machine with every call; `raven-eval table` reads
-them either way), the clean-load check, the memory trace, and every stage's summary (DONE) in one stages.json.
+them either way), the clean-load check, a Raven run's router occupancy, the memory trace, and every stage's summary
+(DONE) in one stages.json.
 
     tar xzf runs.tar.gz -C /tmp/runs     # what `bash scripts/lab/gpu_jobs.sh collect` brought back
     python scripts/lab/archive_run.py /tmp/runs/raven-answers-windows docs/results/ablations/raven-answers-windows
@@ -33,6 +34,7 @@ def archive_run(run: Path, out: Path) -> list[str]:
         written.append(f"{scores.name}.gz")
     for extra in (
         run / "load_check.json",
+        run / "router_occupancy.json",
         run / "memory-reach" / "memory_reach.json",
         run / "memory-reach" / "memory_reach.png",
     ):

@@ -224,9 +224,12 @@ recipe() {  # recipe MIXER RUN [ARGS...]: the SmolLM2 recipe of MIXER into ~/run
     "${extra[@]}" "${@:3}"
 }
 
-occupancy() {  # occupancy RUN: how many slots the trained Raven hybrid's routers write (into the job's log)
-  echo "router occupancy of $1 (scripts/tools/raven_router_occupancy.py):"
-  python3 scripts/tools/raven_router_occupancy.py --src "$RUNS/$1/extend/model" --text "$ESSAYS/addiction.txt"
+occupancy() {  # occupancy RUN: how many slots the trained Raven hybrid's routers write, into RUN/router_occupancy.json
+  # (archive_run.py keeps it) and the job's log, the table printed whole under the run's name (two GPUs share a log)
+  local table
+  table=$(python3 scripts/tools/raven_router_occupancy.py --src "$RUNS/$1/extend/model" --text "$ESSAYS/addiction.txt" \
+    --json "$RUNS/$1/router_occupancy.json") || return 1
+  printf 'router occupancy of %s (scripts/tools/raven_router_occupancy.py):\n%s\n' "$1" "$table"
 }
 
 two_processes() {  # two_processes RECIPE RUN [ARGS...]: RUN trained on two processes, its evaluation again on one

@@ -3,7 +3,8 @@ hybrid's.
 
     python scripts/tools/raven_router_occupancy.py --src ../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf \
         --layers 2,12,25 --raven-num-slots 64 --raven-top-k 8
-    python scripts/tools/raven_router_occupancy.py --src runs/smollm2-raven/model     # a trained hybrid: its layers
+    python scripts/tools/raven_router_occupancy.py --src runs/smollm2-raven/model \
+        --json runs/smollm2-raven/router_occupancy.json                               # a trained hybrid: its layers
 
 Runs `--text` through the hybrid (a Transformer `--src` is converted first, its `--layers` to Raven) and hands each
 Raven layer's input to its router, as evaluation routes (no noise) and as training does (Gumbel noise). Per layer
@@ -23,6 +24,7 @@ import argparse
 import torch
 
 from raven_convert import Source, build_hybrid, plan_layers
+from raven_convert.files import write_json
 from raven_convert.train.common import converted_layers, is_hybrid
 
 
@@ -99,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--text", default="../shared/data/pg_essays/apple.txt", help="a text file for the inputs")
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0, help="the conversion's and the noise's seed")
+    p.add_argument("--json", help="also write the rows to this file, with --src and --text")
     args = p.parse_args(argv)
 
     source = Source.resolve(args.src)
@@ -114,7 +117,11 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"{ids.shape[1]} tokens of {args.text}; slots written / effective slots, per key/value head")
     print(f"{'layer':>5} {'common':>6} {'tokens':>6} {'slots':>6}  {'routing':<18} {'used':<18} effective")
-    for row in report(hybrid.eval(), ids, args.seed):
+    rows = report(hybrid.eval(), ids, args.seed)
+    if args.json:
+        record = {"src": args.src, "text": args.text, "tokens": ids.shape[1], "rows": rows}
+        write_json(record, args.json)
+    for row in rows:
         effective = ", ".join(f"{e:.1f}" for e in row["effective"])
         used = ", ".join(map(str, row["used"]))
         spread = f"{row['common']:>6.2f} {row['tokens']:>6.2f} {row['slots']:>6.2f}"

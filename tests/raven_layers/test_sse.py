@@ -289,6 +289,10 @@ def test_balance_loss_is_lower_for_balanced_routing():
             "sse.implementation = 'loop' is not allowed; expected one of ['auto', 'masking', 'varlen']",
         ),
         ({"chunk_size": 2.5}, "sse.chunk_size = 2.5 is not allowed; expected an integer >= 1"),
+        (
+            {"router_init": "fitted"},
+            "sse.router_init = 'fitted' is not allowed; expected one of ['random', 'centred']",
+        ),
     ],
 )
 def test_bad_settings_are_named(settings, message):
@@ -345,3 +349,20 @@ def test_router_gradient_trains_the_scorer_without_changing_outputs():
     assert grads[1].abs().max() < 1e-4 * grads[0].abs().max()
     with torch.no_grad():  # inference skips the factor altogether
         assert torch.equal(tiny_mixer(router_gradient=True)(x)[0], outs[1])
+
+
+def test_a_centred_scorer_balances_tokens_whose_inputs_share_a_direction():
+    # random rows give every token the same offsets W_e mu: top-1 sends nearly all of them to one partition
+    torch.manual_seed(0)
+    mixer = SSEMixer(CONFIG, 0, SSESettings(lora_rank=4, router_init="centred")).eval()
+    g = torch.Generator().manual_seed(0)
+    x = 10 * torch.randn(CONFIG.hidden_size, generator=g) + torch.randn(1, 400, CONFIG.hidden_size, generator=g)
+
+    def busiest_share() -> float:  # the largest share of the tokens one partition takes, over the heads
+        top = mixer.partition_scores(x).argmax(-1)[0]  # [T, H_kv]
+        counts = torch.stack([torch.bincount(top[:, h], minlength=4) for h in range(top.shape[1])])
+        return (counts.max() / top.shape[0]).item()
+
+    before = busiest_share()
+    mixer.calibrate(x[0], mean=lambda t: t)
+    assert before > 0.9 and busiest_share() < 0.5, (before, busiest_share())

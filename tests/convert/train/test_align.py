@@ -8,8 +8,8 @@ from transformers import AutoModelForCausalLM
 
 from raven_convert import build_hybrid, plan_layers
 from raven_convert.train.align import align, alignment_losses, attention_taps
-from raven_layers import RavenMixer
 from raven_convert.train.common import mixer_parameters
+from raven_layers.common import Mixer
 
 SETTINGS = {"raven": {"num_slots": 16, "top_k": 4}, "sse": {"lora_rank": 8}, "sila": {}}
 
@@ -71,22 +71,27 @@ def test_a_fresh_run_fits_centred_routers_to_the_teachers_inputs_and_a_resumed_o
     tiny_sources, tmp_path, monkeypatch
 ):
     teacher = AutoModelForCausalLM.from_pretrained(tiny_sources["llama"]).eval()
-    settings = SETTINGS | {"raven": SETTINGS["raven"] | {"router_init": "centred"}}
-    hybrid = build_hybrid(teacher, plan_layers([("raven", "0,2"), ("sila", "1")], 4), settings)
+    settings = {name: values | {"router_init": "centred"} for name, values in SETTINGS.items() if name != "sila"}
+    hybrid = build_hybrid(teacher, plan_layers([("raven", "0"), ("sila", "1"), ("sse", "2")], 4), settings)
     first = next(batches(seed=0, n=1))
     calls = []
-    fit = RavenMixer.calibrate
-    monkeypatch.setattr(
-        RavenMixer, "calibrate", lambda self, x, mean: calls.append((self.layer_idx, x)) or fit(self, x, mean)
-    )
+    fit = Mixer.calibrate
+
+    def recorded(self, x, mean):
+        if self.calibrates:
+            calls.append((self.layer_idx, x))
+        fit(self, x, mean)
+
+    monkeypatch.setattr(Mixer, "calibrate", recorded)
     align(teacher, hybrid, batches(seed=0, n=2), steps=2, lr=1e-6, log_every=0, out_dir=tmp_path, save_every=1)
-    assert [layer for layer, _ in calls] == [0, 2]  # the Raven layers, once each
+    assert [layer for layer, _ in calls] == [0, 2]  # the Raven and SSE layers, once each
     with torch.no_grad(), attention_taps(teacher, [0, 2]) as captured:
         teacher(**first)
     real = first["attention_mask"].bool()
     for layer, x in calls:
         torch.testing.assert_close(x, captured[layer][0][real])  # the first batch's real tokens
-        w = hybrid.model.layers[layer].self_attn.router_weight.detach()
+        mixer = hybrid.model.layers[layer].self_attn
+        w = getattr(mixer, mixer.router_weight_name).detach()
         offsets = w @ x.mean(0)  # what every token would share: about nothing after 2 tiny steps
         assert offsets.abs().max() < 0.05 * (x @ w.T).std(0).min(), layer
     calls.clear()

@@ -10,6 +10,7 @@ import pytest
 import yaml
 from transformers import AutoModelForCausalLM
 
+from raven_convert.layer_spec import parse_layer_spec
 from raven_convert.train.__main__ import build_parser, main, resume_command
 from raven_convert.train.recipe import INPUT_FLAGS, STAGES, FinetuneRecipe, input_overrides, load_recipe, parse_recipe
 from raven_convert.train.stages import run_recipe
@@ -28,13 +29,16 @@ def test_the_shipped_recipes_are_there():
 
 
 def test_the_smollm2_raven_recipe_trains_as_the_sila_one():
-    """smollm2-raven.yaml is smollm2-sila.yaml with Raven's layers, settings and layer choice: the same data, token
-    weights, stages and evaluation (its header says so, with the measurement)."""
+    """smollm2-raven.yaml is smollm2-sila.yaml with Raven's layers (15, as its layer choice picks them) and settings,
+    its routers centred: the same data, token weights, stages and evaluation (its header says so, with the
+    measurement)."""
     raven, sila = (load_recipe(p) for p in SHIPPED if p.name in ("smollm2-raven.yaml", "smollm2-sila.yaml"))
     own = {"layers", "layer_choice", "mixer_settings"}
     assert raven.model_dump(exclude=own) == sila.model_dump(exclude=own)
-    assert raven.auto() == ("raven", 15) and raven.layer_choice.ablation == "mixer"
-    assert raven.token_weights.enabled and raven.mixer_settings["raven"] == {"num_slots": 64, "top_k": 8}
+    (assignment,) = raven.layers
+    assert assignment.mixer == "raven" and len(parse_layer_spec(assignment.layers, 30)) == 15
+    settings = {"num_slots": 64, "top_k": 8, "router_init": "centred"}
+    assert raven.token_weights.enabled and raven.mixer_settings["raven"] == settings
 
 
 def header_commands(path: Path) -> list[list[str]]:
