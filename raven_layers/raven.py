@@ -52,7 +52,7 @@ class RavenSettings(MixerSettings):
     top_k: int = 32  # K slots written per token, paper default
     alpha: float = 1.0  # router normaliser: r_t sums to 1 / alpha (paper: 1 at 400M, 4 at 800M)
     gumbel: bool = True  # Gumbel noise on router logits during training (paper Section 6.2.2)
-    router_init: str = "random"  # "centred": rows fitted to the layer's inputs at align's start (`calibrate`)
+    router_init: str = "random"  # or "centred": rows fitted to the layer's inputs before align (Mixer.calibrate)
     qk_norm: bool | None = None  # RMSNorm on q and k; None follows the source attention (kept where it has them)
     feature_map: str = "identity"  # "identity" keeps the teacher's q/k geometry; "silu" is the paper's block
     output_gate: bool = True  # o * 2 sigmoid(W_g x); W_g starts at zero so the gate starts as the identity

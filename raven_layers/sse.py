@@ -90,7 +90,7 @@ class SSESettings(MixerSettings):
     lora_rank: int = 64  # r of the per-partition LoRA on q and k (paper: 64)
     balance_coef: float = 0.01  # alpha of the balance loss (paper: 0.01); 0 turns it off
     router_gradient: bool = True  # the language-model loss trains W_e too, not only the balance loss (partition_inputs)
-    router_init: str = "random"  # "centred": W_e fitted to the layer's inputs at align's start (Mixer.calibrate)
+    router_init: str = "random"  # or "centred": W_e fitted to the layer's inputs before align (Mixer.calibrate)
     shared_partition: bool = True  # one always-selected partition on the base projections (paper)
     read_top_k: int | None = None  # k' partitions read per token; None: top_k (paper default)
     gate_low_rank: int = 16  # rank of the GLA gate projection W_a1 W_a2 (GLA: 16)

@@ -25,7 +25,7 @@ def test_hybrids_take_their_smollm2_recipes_mixer_settings_unless_told_otherwise
     from raven_layers.registry import BUILTIN_MIXERS
 
     recipes = Path(__file__).resolve().parents[2] / "recipes"
-    assert mixer_settings("raven", "recipe") == {"raven": {"num_slots": 64, "top_k": 8}}
+    assert mixer_settings("raven", "recipe") == {"raven": {"num_slots": 64, "top_k": 8, "router_init": "centred"}}
     for spec in BUILTIN_MIXERS:
         expected = load_recipe(recipes / f"smollm2-{spec.name}.yaml").mixer_settings[spec.name]
         assert mixer_settings(spec.name, "recipe") == {spec.name: expected}

@@ -37,6 +37,7 @@ def test_the_smollm2_raven_recipe_trains_as_the_sila_one():
     assert raven.model_dump(exclude=own) == sila.model_dump(exclude=own)
     (assignment,) = raven.layers
     assert assignment.mixer == "raven" and len(parse_layer_spec(assignment.layers, 30)) == 15
+    assert raven.layer_choice.ablation == "mixer"  # what picked them, for auto:N on another model
     settings = {"num_slots": 64, "top_k": 8, "router_init": "centred"}
     assert raven.token_weights.enabled and raven.mixer_settings["raven"] == settings
 
