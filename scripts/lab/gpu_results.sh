@@ -117,8 +117,9 @@
 #                  15 layers (RAVEN15)
 #   sse-centred    sse-silarecipe on its 15 layers (SSE15) with router_init centred
 #   raven-centred-seed1  smollm2-raven.yaml (centred since round 12) with every training seed 1
-#   sse-centred-x2 one 2-GPU session of about 27 minutes: sse-silarecipe on GPU 0; sse-centred, then
-#                  raven-centred-seed1 on GPU 1
+#   raven-deep22-centred  smollm2-sila-deep22.yaml with Raven (centred routers) on SILA's 22 layers (SILA22)
+#   centred-x2     one 2-GPU session of about 26 minutes: raven-deep22-centred, then raven-centred-seed1 on GPU 0;
+#                  sse-silarecipe, then sse-centred on GPU 1
 #   mixers15-x2    one 2-GPU session of about 26 minutes: sse-raven-x2's two runs, then raven-m128 after SSE on GPU 0
 #                  and raven-nogumbel after Raven's second seed on GPU 1; no deltas saved
 #   sse-raven-x2   one 2-GPU session: sse-silarecipe on GPU 0, raven-silarecipe-seed1 on GPU 1, both at 1K-8K
@@ -214,6 +215,10 @@ RAVEN15=(--set 'layers=[{mixer: raven, layers: "2,3,4,6,7,12,13,21,22,24,25,26,2
 
 # the 15 layers sse-silarecipe's layer choice picks (round 12): SSE variants whose settings change keep them
 SSE15=(--set 'layers=[{mixer: sse, layers: "4,6,7,9,13,14,15,21,22,24,25,26,27,28,29"}]')
+
+# the 22 layers smollm2-sila-deep22.yaml's layer choice picks (the runs sila-auto22, sila-deep22-all and
+# sila-deep22-ddp2): other mixers on the same layers
+SILA22=(--set 'layers=[{mixer: raven, layers: "0,2,3,4,5,6,9,10,11,12,13,14,15,19,21,22,24,25,26,27,28,29"}]')
 
 # MIXER-far-windows' extend data: every fact past a 4K window from its question (retrieval_data.py)
 FAR_FACTS=(--set "extend.retrieval={ratio: 0.5, length: [0.7, 0.95], depth: [0.0, 0.25]}")
@@ -451,8 +456,13 @@ PY
   raven-centred-seed1)  # smollm2-raven.yaml (centred routers since round 12) with every training seed 1
     trained raven "$1" "${SEED1[@]}"
     ;;
-  sse-centred-x2)  # two recipes a GPU, about 27 minutes: SSE's core cells, then Raven's second seed
-    DELTA=0 quick_on 0 sse-silarecipe & DELTA=0 quick_on 1 sse-centred raven-centred-seed1 &
+  raven-deep22-centred)  # smollm2-sila-deep22.yaml with Raven (its recipe's settings: centred routers) on the 22
+    # layers SILA's deep recipe converts (SILA22): the two mixers at 22 of 30 on the same layers
+    as_mixer sila-deep22 raven 22 "$1" "${SILA22[@]}"
+    ;;
+  centred-x2)  # two recipes a GPU, about 26 minutes: Raven at 22 then its second seed at 15; SSE on SILA's recipe
+    # evaluated to the end, then with its scorer centred
+    DELTA=0 quick_on 0 raven-deep22-centred raven-centred-seed1 & DELTA=0 quick_on 1 sse-silarecipe sse-centred &
     wait
     ;;
   mixers15-x2)  # two recipes a GPU, about 26 minutes: the first pair is sse-raven-x2
@@ -590,7 +600,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 sila-deep22-ddp2-long deep22-ddp2-x2 sila-deep22-all sila-deep22-all-ddp2 raven-silarecipe sse-silarecipe MIXER-silarecipe-seed1 raven-deep22 sse-deep22 raven-m128 raven-m256 raven-nogumbel raven-centred raven-centred-nogumbel raven-centred-seed1 sse-centred sse-centred-x2 mixers15-x2 routers15-x2 sse-raven-x2 all-raven-x2 views-check decode-b128-twice scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 sila-deep22-ddp2-long deep22-ddp2-x2 sila-deep22-all sila-deep22-all-ddp2 raven-silarecipe sse-silarecipe MIXER-silarecipe-seed1 raven-deep22 sse-deep22 raven-m128 raven-m256 raven-nogumbel raven-centred raven-centred-nogumbel raven-centred-seed1 sse-centred raven-deep22-centred centred-x2 mixers15-x2 routers15-x2 sse-raven-x2 all-raven-x2 views-check decode-b128-twice scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;
