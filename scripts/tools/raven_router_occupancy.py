@@ -14,7 +14,8 @@ token's input that every token shares (|mean over tokens| / mean |x|): that part
 per-slot scores W mu. `centred` routes the inputs without it (x - mu), which a per-slot router bias of -W mu would
 give. `tokens` and `slots` are the spread of the router's scores Wx (their standard deviation across the tokens for
 one slot, and across the slots for one token, averaged); training's Gumbel noise has a spread of pi / sqrt(6) = 1.28,
-so scores that vary less than that route training's tokens almost at random.
+so scores that vary less than that route training's tokens almost at random. `margin` is the median gap between a
+token's K-th and (K+1)-th best score: where it is several times 1.28, the noise seldom changes which slots are taken.
 """
 
 from __future__ import annotations
@@ -79,7 +80,12 @@ def report(hybrid, ids: torch.Tensor, seed: int = 0) -> list[dict]:
             common = (mean.norm() / x[0].norm(dim=-1).mean()).item()
             m = mixer.settings.num_slots
             scores = (x[0] @ mixer.router_weight.float().T).view(x.shape[1], -1, m)  # [T, H_kv, M]
-            spread = {"tokens": scores.std(0).mean().item(), "slots": scores.std(-1).mean().item()}
+            top = scores.topk(mixer.settings.top_k + 1, dim=-1).values  # [T, H_kv, K + 1]
+            spread = {
+                "tokens": scores.std(0).mean().item(),
+                "slots": scores.std(-1).mean().item(),
+                "margin": (top[..., -2] - top[..., -1]).median().item(),  # K-th best score - (K+1)-th
+            }
             for name, xx, noise in (
                 ("evaluation", x, False),
                 ("training (Gumbel)", x, True),
@@ -116,7 +122,9 @@ def main(argv: list[str] | None = None) -> None:
         ids = tokenizer(f.read(), return_tensors="pt").input_ids[:, : args.tokens]
 
     print(f"{ids.shape[1]} tokens of {args.text}; slots written / effective slots, per key/value head")
-    print(f"{'layer':>5} {'common':>6} {'tokens':>6} {'slots':>6}  {'routing':<18} {'used':<18} effective")
+    print(
+        f"{'layer':>5} {'common':>6} {'tokens':>6} {'slots':>6} {'margin':>6}  {'routing':<18} {'used':<18} effective"
+    )
     rows = report(hybrid.eval(), ids, args.seed)
     if args.json:
         record = {"src": args.src, "text": args.text, "tokens": ids.shape[1], "rows": rows}
@@ -124,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     for row in rows:
         effective = ", ".join(f"{e:.1f}" for e in row["effective"])
         used = ", ".join(map(str, row["used"]))
-        spread = f"{row['common']:>6.2f} {row['tokens']:>6.2f} {row['slots']:>6.2f}"
+        spread = f"{row['common']:>6.2f} {row['tokens']:>6.2f} {row['slots']:>6.2f} {row['margin']:>6.2f}"
         print(f"{row['layer']:>5} {spread}  {row['routing']:<18} {used:<18} {effective}")
 
 

@@ -1,6 +1,8 @@
 """raven_router_occupancy.py: slots written and effective slots per key/value head, counted exactly; a Transformer
 is converted first, a trained hybrid read as it is, and a hybrid without Raven layers refused."""
 
+import json
+
 import pytest
 import torch
 
@@ -53,7 +55,7 @@ def test_each_row_counts_what_the_router_writes(teacher, tmp_path):
     for row in found:
         assert len(row["used"]) == 2 and all(4 <= u <= 16 for u in row["used"])  # 2 kv heads; top-4 of 16
         assert all(1 <= e <= u + 1e-9 for e, u in zip(row["effective"], row["used"]))
-        assert 0 <= row["common"] and row["tokens"] > 0 and row["slots"] > 0
+        assert 0 <= row["common"] and row["tokens"] > 0 and row["slots"] > 0 and row["margin"] >= 0
 
 
 def test_a_trained_hybrid_is_read_as_it_is_and_one_without_raven_refused(teacher, tmp_path, capsys):
@@ -61,8 +63,13 @@ def test_a_trained_hybrid_is_read_as_it_is_and_one_without_raven_refused(teacher
     hybrid = tmp_path / "hybrid"
     assert convert(["--src", str(src), "--mixer", "raven", "--layers", "2", "--out", str(hybrid)]) == 0
     capsys.readouterr()
-    main(["--src", str(hybrid), "--text", str(text)])  # its own layers: --layers is a Transformer's
+    table = tmp_path / "occupancy.json"
+    main(
+        ["--src", str(hybrid), "--text", str(text), "--json", str(table)]
+    )  # its own layers: --layers is a Transformer's
     assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[2:]] == ["2", "2", "2"]
+    record = json.loads(table.read_text())
+    assert record["src"] == str(hybrid) and [r["layer"] for r in record["rows"]] == [2, 2, 2]
     sila = tmp_path / "sila"
     assert convert(["--src", str(src), "--mixer", "sila", "--layers", "2", "--out", str(sila)]) == 0
     with pytest.raises(SystemExit, match="no Raven layer in the model"):
