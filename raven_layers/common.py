@@ -66,6 +66,7 @@ class MixerSettings:
                 self.fail(name, "true or false")
 
     def check_choice(self, name: str, allowed: tuple[str, ...], aliases: dict[str, str] | None = None):
+        """`name` one of `allowed`, else an error listing them, with a suggestion for a typo (or an alias's name)."""
         value = getattr(self, name)
         if value not in allowed:
             hint = did_you_mean(value, allowed, aliases).rstrip()

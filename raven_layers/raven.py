@@ -70,8 +70,7 @@ class RavenSettings(MixerSettings):
         self.check_bools("gumbel", "output_gate")
         if self.qk_norm is not None and not isinstance(self.qk_norm, bool):
             self.fail("qk_norm", "true, false or null (follow the source attention)")
-        if self.feature_map not in self.FEATURE_MAPS:
-            self.fail("feature_map", f"one of {list(self.FEATURE_MAPS)}")
+        self.check_choice("feature_map", self.FEATURE_MAPS)
         self.check_choice("router_init", ROUTER_INITS, {"centered": "centred"})
         if not self.is_int(self.checkpoint_level) or self.checkpoint_level not in (0, 1, 2):
             self.fail("checkpoint_level", "0 (fastest backward, most memory), 1 or 2 (least memory)")

@@ -65,8 +65,7 @@ class SILASettings(MixerSettings):
         self.check_positive_ints("conv_size", "chunk_size")
         if not self.is_int(self.no_decay_heads) or self.no_decay_heads < 0:
             self.fail("no_decay_heads", "an integer >= 0 (at most the source's num_key_value_heads)")
-        if self.feature_map not in self.FEATURE_MAPS:
-            self.fail("feature_map", f"one of {list(self.FEATURE_MAPS)}")
+        self.check_choice("feature_map", self.FEATURE_MAPS)
         self.check_bools("output_gate")
 
 

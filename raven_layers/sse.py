@@ -120,8 +120,7 @@ class SSESettings(MixerSettings):
             self.fail("gate_normalizer", "a number > 0")
         self.check_bools("shared_partition", "output_gate", "output_norm", "router_gradient")
         self.check_choice("router_init", ROUTER_INITS, {"centered": "centred"})
-        if self.implementation not in self.IMPLEMENTATIONS:
-            self.fail("implementation", f"one of {list(self.IMPLEMENTATIONS)}")
+        self.check_choice("implementation", self.IMPLEMENTATIONS)
 
 
 def step_state_share(top_k: int, read_top_k: int, partitions: int, shared: bool) -> float:

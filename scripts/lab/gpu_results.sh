@@ -106,15 +106,18 @@
 #   raven-deep22|sse-deep22  smollm2-sila-deep22.yaml with the mixer swapped (its settings and layer choice from its
 #                  own recipe): the other mixers at 22 of 30
 #   raven-m128|raven-m256  smollm2-raven.yaml with 128 or 256 slots (top-8): NIAH-Word's far words against the state
-#   raven-nogumbel smollm2-raven.yaml without Gumbel noise on the router in training (at the start the noise's spread
-#                  is 18x the scores' across tokens: training routes at random, evaluation by the scores)
+#                  (the Raven variants run on the recipe's 15 layers, written out in it since round 12: a change
+#                  of mixer settings does not score the layers again)
+#   raven-nogumbel smollm2-raven.yaml with random routers (round 11's) and without Gumbel noise on the router in
+#                  training (at the start the noise's spread is 18x the scores' across tokens: training routes at
+#                  random, evaluation by the scores)
 #                  (run by quick_on, as the 2-GPU sessions below run theirs, a Raven job also prints its routers'
 #                  occupancy: scripts/tools/raven_router_occupancy.py)
-#   raven-centred|raven-centred-nogumbel  smollm2-raven.yaml with router_init centred (routers fitted to the layers'
-#                  inputs at align's start: no offset shared by every token, unit spread), with and without the noise
+#   raven-centred|raven-centred-nogumbel  smollm2-raven.yaml, whose routers start centred since round 12 (fitted to
+#                  the layers' inputs at align's start: no offset shared by every token, unit spread), with and
+#                  without the noise
 #   routers15-x2   one 2-GPU session of about 26 minutes: raven-centred then sse-silarecipe on GPU 0,
-#                  raven-centred-nogumbel then raven-nogumbel on GPU 1; the Raven variants keep raven-silarecipe's
-#                  15 layers (RAVEN15)
+#                  raven-centred-nogumbel then raven-nogumbel on GPU 1
 #   sse-centred    sse-silarecipe on its 15 layers (SSE15) with router_init centred
 #   raven-centred-seed1  smollm2-raven.yaml (centred since round 12) with every training seed 1
 #   raven-deep22-centred  smollm2-sila-deep22.yaml with Raven (centred routers) on SILA's 22 layers (SILA22)
@@ -208,10 +211,6 @@ ALL=(--set train.trainable=all --set train.pretrained_lr_scale=0.1)
 # MIXER-seed1's settings: every training seed 1 (layer fit, data order, retrieval samples, align, train, extend)
 SEED1=(--set data.seed=1 --set data.retrieval.seed=1 --set layer_choice.seed=1 --set align.seed=1 --set train.seed=1
   --set extend.seed=1)
-
-# the 15 layers smollm2-raven.yaml's layer choice picks (the run raven-silarecipe): Raven variants whose settings
-# change keep them, rather than scanning again and comparing other layers
-RAVEN15=(--set 'layers=[{mixer: raven, layers: "2,3,4,6,7,12,13,21,22,24,25,26,27,28,29"}]')
 
 # the 15 layers sse-silarecipe's layer choice picks (round 12): SSE variants whose settings change keep them
 SSE15=(--set 'layers=[{mixer: sse, layers: "4,6,7,9,13,14,15,21,22,24,25,26,27,28,29"}]')
@@ -439,16 +438,17 @@ PY
     ;;
   raven-m128 | raven-m256)  # Raven's recipe with 128 or 256 slots (top-8 still): each slot written half or a quarter
     # as often
-    trained raven "$1" "${RAVEN15[@]}" --set "mixer_settings.raven.num_slots=${1#raven-m}"
+    trained raven "$1" --set "mixer_settings.raven.num_slots=${1#raven-m}"
     ;;
-  raven-nogumbel)  # Raven's recipe without the router's Gumbel noise in training: training routes as evaluation does
-    trained raven "$1" "${RAVEN15[@]}" --set mixer_settings.raven.gumbel=false
+  raven-nogumbel)  # Raven's recipe with round 11's random routers and without the router's Gumbel noise in
+    # training: training routes as evaluation does
+    trained raven "$1" --set mixer_settings.raven.router_init=random --set mixer_settings.raven.gumbel=false
     ;;
-  raven-centred | raven-centred-nogumbel)  # Raven's recipe with routers fitted to the layers' inputs at align's start
-    # (router_init centred: no shared offset, unit spread over tokens), with and without the noise
+  raven-centred | raven-centred-nogumbel)  # Raven's recipe (routers fitted to the layers' inputs at align's start,
+    # router_init centred, since round 12), with and without the noise
     local noise=()
     [ "$1" = raven-centred-nogumbel ] && noise=(--set mixer_settings.raven.gumbel=false)
-    trained raven "$1" "${RAVEN15[@]}" --set mixer_settings.raven.router_init=centred "${noise[@]}"
+    trained raven "$1" "${noise[@]}"
     ;;
   sse-centred)  # sse-silarecipe on its 15 layers with its scorer fitted to the layers' inputs (router_init centred)
     as_mixer sila sse 15 "$1" "${SSE15[@]}" --set mixer_settings.sse.router_init=centred
