@@ -122,7 +122,7 @@
 #   raven-centred-seed1  smollm2-raven.yaml (centred since round 12) with every training seed 1
 #   raven-deep22-centred  smollm2-sila-deep22.yaml with Raven (centred routers) on SILA's 22 layers (SILA22)
 #   centred-x2     one 2-GPU session of about 26 minutes: raven-deep22-centred, then raven-centred-seed1 on GPU 0;
-#                  sse-silarecipe, then sse-centred on GPU 1
+#                  sse-centred, then sse-silarecipe on GPU 1
 #   mixers15-x2    one 2-GPU session of about 26 minutes: sse-raven-x2's two runs, then raven-m128 after SSE on GPU 0
 #                  and raven-nogumbel after Raven's second seed on GPU 1; no deltas saved
 #   sse-raven-x2   one 2-GPU session: sse-silarecipe on GPU 0, raven-silarecipe-seed1 on GPU 1, both at 1K-8K
@@ -460,9 +460,9 @@ PY
     # layers SILA's deep recipe converts (SILA22): the two mixers at 22 of 30 on the same layers
     as_mixer sila-deep22 raven 22 "$1" "${SILA22[@]}"
     ;;
-  centred-x2)  # two recipes a GPU, about 26 minutes: Raven at 22 then its second seed at 15; SSE on SILA's recipe
-    # evaluated to the end, then with its scorer centred
-    DELTA=0 quick_on 0 raven-deep22-centred raven-centred-seed1 & DELTA=0 quick_on 1 sse-silarecipe sse-centred &
+  centred-x2)  # two recipes a GPU, about 26 minutes: Raven at 22 then its second seed at 15; SSE with its scorer
+    # centred, then on SILA's recipe evaluated to the end (round 12 cut it during evaluation)
+    DELTA=0 quick_on 0 raven-deep22-centred raven-centred-seed1 & DELTA=0 quick_on 1 sse-centred sse-silarecipe &
     wait
     ;;
   mixers15-x2)  # two recipes a GPU, about 26 minutes: the first pair is sse-raven-x2

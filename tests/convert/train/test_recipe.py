@@ -28,18 +28,24 @@ def test_the_shipped_recipes_are_there():
         assert {f"smollm2-{mixer}.yaml", f"qwen3-0.6b-{mixer}.yaml"} <= names
 
 
-def test_the_smollm2_raven_recipe_trains_as_the_sila_one():
-    """smollm2-raven.yaml is smollm2-sila.yaml with Raven's layers (15, as its layer choice picks them) and settings,
-    its routers centred: the same data, token weights, stages and evaluation (its header says so, with the
+@pytest.mark.parametrize(
+    "mixer, settings",
+    [
+        ("raven", {"num_slots": 64, "top_k": 8, "router_init": "centred"}),
+        ("sse", {"num_partitions": 4, "top_k": 1, "lora_rank": 64, "balance_coef": 0.01}),
+    ],
+)
+def test_the_smollm2_raven_and_sse_recipes_train_as_the_sila_one(mixer, settings):
+    """smollm2-raven.yaml and smollm2-sse.yaml are smollm2-sila.yaml with the mixer's layers (15, as its layer choice
+    picks them) and settings: the same data, token weights, stages and evaluation (their headers say so, with the
     measurement)."""
-    raven, sila = (load_recipe(p) for p in SHIPPED if p.name in ("smollm2-raven.yaml", "smollm2-sila.yaml"))
+    recipe, sila = (load_recipe(RECIPES[0].parent / f"smollm2-{name}.yaml") for name in (mixer, "sila"))
     own = {"layers", "layer_choice", "mixer_settings"}
-    assert raven.model_dump(exclude=own) == sila.model_dump(exclude=own)
-    (assignment,) = raven.layers
-    assert assignment.mixer == "raven" and len(parse_layer_spec(assignment.layers, 30)) == 15
-    assert raven.layer_choice.ablation == "mixer"  # what picked them, for auto:N on another model
-    settings = {"num_slots": 64, "top_k": 8, "router_init": "centred"}
-    assert raven.token_weights.enabled and raven.mixer_settings["raven"] == settings
+    assert recipe.model_dump(exclude=own) == sila.model_dump(exclude=own)
+    (assignment,) = recipe.layers
+    assert assignment.mixer == mixer and len(parse_layer_spec(assignment.layers, 30)) == 15
+    assert recipe.layer_choice.ablation == "mixer"  # what picked them, for auto:N on another model
+    assert recipe.token_weights.enabled and recipe.mixer_settings[mixer] == settings
 
 
 def header_commands(path: Path) -> list[list[str]]:
