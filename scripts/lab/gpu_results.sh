@@ -92,8 +92,9 @@
 #   deep22-ddp2-x2 sila-deep22-ddp2 evaluated at 1K-8K (QUICK_EVAL), with the 2-GPU tests of align's and train's
 #                  graphs under ddp beside it (tiny models). Its layer choice (50 s on GPU 0) is round 9's, kept in
 #                  docs/results/layer_choice (every recipe job seeds its run's cache from there)
-#   sila-deep22-ddp2-long  sila-deep22-ddp2 at 1.8x its steps (232M tokens; align reads the 20M-token corpus about
-#                  9 times over), evaluated at 1K-8K: the 22-layer perplexity target, where the budget fits put it
+#   sila-deep22-ddp2-long  sila-deep22-ddp2 at 1.8x its align and train steps (227M tokens; align reads the
+#                  20M-token corpus about 9 times over), evaluated at 1K-8K: the 22-layer perplexity target, where the
+#                  budget fits put it
 #   sila-deep22-all  smollm2-sila-deep22.yaml whose train stage trains every weight (trainable all), the teacher's
 #                  own at a tenth of the mixers' rate (pretrained_lr_scale 0.1): the perplexity LoRA leaves at 22 of 30
 #   sila-deep22-all-ddp2  sila-deep22-all at sila-deep22-ddp2's 2.5x tokens on two GPUs, train's and extend's steps
@@ -202,8 +203,9 @@ KD=(--set train.kd_weight=1.0 --set extend.kd_weight=1.0)
 
 # the deep recipes' steps under two processes: 2.5x their tokens (twice the rows a step, 1.25x the steps)
 DDP2_STEPS=(--set align.steps=1500 --set train.steps=375 --set extend.steps=188)
-# 1.8x those steps (232M tokens): where round 10's fits put 1.05x at 22 of 30 (208-275M)
-DDP2_LONG_STEPS=(--set align.steps=2700 --set train.steps=675 --set extend.steps=338)
+# 1.8x align's and train's steps, extend's as DDP2_STEPS' (227M tokens): where round 10's fits put 1.05x at 22 of 30
+# (208-275M); extend reads 3% of them and took 249 s of round 10's 14.7 minutes, so it stays, for the run to fit a session
+DDP2_LONG_STEPS=(--set align.steps=2700 --set train.steps=675 --set extend.steps=188)
 
 # stage 2 trains the teacher's own weights too, at a tenth of the mixers' rate (train.pretrained_lr_scale)
 ALL=(--set train.trainable=all --set train.pretrained_lr_scale=0.1)
@@ -409,10 +411,10 @@ PY
   sila-deep22-ddp2 | sila-deep26-ddp2)  # 2.5x the recipe's tokens: twice the rows a step, 1.25x the steps
     two_processes "${1%-ddp2}" "$1" "${DDP2_STEPS[@]}"
     ;;
-  sila-deep22-ddp2-long)  # about 21 minutes with the evaluation at 1K-8K: start it alone, first in a session.
+  sila-deep22-ddp2-long)  # about 24 minutes with the evaluation at 1K-8K: start it alone, first in a session.
     # Train and extend as CUDA graphs under ddp (eager, extend gained 1.03x from the second GPU); should they fail,
     # the same run as two_processes runs it, eagerly (cuda_graphs is bookkeeping: the stages already done stand)
-    export WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}"
+    export WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0  # no delta: the session's minutes go to the run
     PROCESSES=2 trained sila-deep22 "$1" "${DDP2_LONG_STEPS[@]}" --set train.cuda_graphs=true \
       --set extend.cuda_graphs=true || two_processes sila-deep22 "$1" "${DDP2_LONG_STEPS[@]}"
     ;;
