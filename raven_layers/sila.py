@@ -57,16 +57,26 @@ class SILASettings(MixerSettings):
     feature_map: str = "silu"  # after the convolution, on q, k and v: "silu" (Gated DeltaNet) or "identity"
     output_gate: bool = True  # o * 2 sigmoid(W_g x); W_g starts at zero so the gate starts as the identity
     chunk_size: int = 16  # chunk length of `sila_chunked`, the training path; results do not depend on it
-    no_decay_heads: int = 0  # kv heads per layer whose forget gate is held at 1: only new writes overwrite them
+    no_decay_heads: int = 0  # memories per layer whose forget gate is held at 1: only new writes overwrite them
+    # one memory per kv head, shared by its query heads (the source's layout), or one per query head: k, v and the
+    # write gates widened from the source's, each kv head's copied to its query heads, then trained apart
+    state_heads: str = "kv"
 
     FEATURE_MAPS = ("silu", "identity")
+    STATE_HEADS = ("kv", "query")
 
     def __post_init__(self):
         self.check_positive_ints("conv_size", "chunk_size")
         if not self.is_int(self.no_decay_heads) or self.no_decay_heads < 0:
-            self.fail("no_decay_heads", "an integer >= 0 (at most the source's num_key_value_heads)")
+            self.fail("no_decay_heads", "an integer >= 0 (at most the layer's memories: state_heads)")
         self.check_choice("feature_map", self.FEATURE_MAPS)
         self.check_bools("output_gate")
+        self.check_choice("state_heads", self.STATE_HEADS)
+
+
+def repeat_heads(w: torch.Tensor, heads: int, copies: int) -> torch.Tensor:
+    """w [heads * n, ...] with each head's n rows repeated `copies` times in place: [heads * copies * n, ...]."""
+    return w.unflatten(0, (heads, -1)).repeat_interleave(copies, dim=0).flatten(0, 1)
 
 
 def sila_phi(x: torch.Tensor) -> torch.Tensor:
@@ -260,12 +270,19 @@ class SILAMixer(Mixer):
     def __init__(self, config, layer_idx: int, settings: SILASettings, source_has_qk_norm: bool = False):
         super().__init__(config, layer_idx, settings)
         hidden = config.hidden_size
+        self.source_kv_heads = self.num_kv_heads
+        if settings.state_heads == "query":  # a memory per query head: k and v as wide as q
+            self.num_kv_heads = self.num_heads
+            self.k_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=self.k_proj.bias is not None)
+            self.v_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=self.v_proj.bias is not None)
+            self.register_load_state_dict_pre_hook(SILAMixer.widen_source_weights)
         H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         self.use_qk_norm = self.source_has_qk_norm = source_has_qk_norm
         if settings.no_decay_heads > Hkv:
             raise ValueError(
                 f"sila.no_decay_heads = {settings.no_decay_heads!r} is not allowed; expected an integer in [0, {Hkv}] "
-                f"(the source attention has num_key_value_heads={Hkv})"
+                f"(the layer's memories: num_key_value_heads={self.source_kv_heads} of the source, "
+                f"state_heads={settings.state_heads!r})"
             )
         if self.use_qk_norm:  # the teacher's norms; before the L2 normalisation they act as per-dim key/query scales
             self.q_norm = RMSNorm(d, eps=config.rms_norm_eps)
@@ -328,6 +345,30 @@ class SILAMixer(Mixer):
             "gate_weight": lambda p: p.zero_(),
         }
         init_fresh_parameters(self, inits)
+
+    # the parameters with a row (or a block of head_dim rows) per memory, widened by `widen_source_weights`
+    PER_MEMORY = ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias", "beta_state_weight",
+                  "beta_weight", "beta_bias", "gamma_state_weight", "gamma_weight", "gamma_bias")  # fmt: skip
+
+    def widen_source_weights(self, state_dict, prefix, *args):
+        """Before loading (state_heads "query"): the tensors of a layer with a memory per kv head (the source
+        attention's k/v projections, or a SILA layer's with state_heads "kv") widened to a memory per query head,
+        each kv head's rows copied to the query heads that read it (query head h reads kv head h // G, as GQA's
+        repeat_kv). The widened layer then computes what the narrow one does until training sets the copies apart.
+        Tensors already as wide as this layer's are left alone."""
+        H, Hs, d = self.num_heads, self.source_kv_heads, self.head_dim
+        G = H // Hs
+        if G == 1:
+            return
+        for name in self.PER_MEMORY:
+            module, _, attr = name.rpartition(".")
+            own = getattr(self.get_submodule(module), attr)  # this layer's parameter (None: a bias it has not)
+            if own is not None and prefix + name in state_dict and state_dict[prefix + name].shape[0] * G == len(own):
+                state_dict[prefix + name] = repeat_heads(state_dict[prefix + name], Hs, G)
+        key = prefix + "conv_weight"  # channels q [H d], k [H_kv d], v [H_kv d]
+        if key in state_dict and state_dict[key].shape[0] == (H + 2 * Hs) * d != self.conv_weight.shape[0]:
+            q, k, v = state_dict[key].split([H * d, Hs * d, Hs * d])
+            state_dict[key] = torch.cat([q, repeat_heads(k, Hs, G), repeat_heads(v, Hs, G)])
 
     def state_numel(self) -> int:
         """Elements of the decoding state per sequence: the memory [H_kv, d, d] and the convolution tail."""

@@ -2,7 +2,7 @@
 # What a lab session carries to the GPU machine, built in git-ignored folders of the checkout from ../shared (run
 # it from the repository root, once per fresh checkout), then the calls that copy it over and start a job:
 #
-#   bash scripts/lab/carry.sh [JOB...]          # JOB: gpu_results.sh's jobs to start (default sila-deep22-ddp2-long)
+#   bash scripts/lab/carry.sh [JOB...]          # JOB: gpu_results.sh's jobs to start (default qheads-x2)
 #
 #   .carry/m4/smollm2.gguf.part-00..03   SmolLM2-135M-Instruct's GGUF in quarters (23.5 MiB each): a call carries
 #                                        at most 64 MiB with the checkout, itself about 28 MiB
@@ -18,7 +18,7 @@ set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
 shared=${SHARED:-$root/../shared}
-jobs=${*:-sila-deep22-ddp2-long}
+jobs=${*:-qheads-x2}
 
 bash "$shared/tools/gpu-prep.sh" >/dev/null  # .whl, and .carry/ in .git/info/exclude
 rm -f .carry/smollm2.gguf.part-a?             # its halves: a session carries quarters

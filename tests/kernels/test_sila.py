@@ -171,13 +171,13 @@ def test_mixer_triton_matches_torch():
     "settings, qk_norm, padded",
     [({}, False, False), ({}, True, True), ({"conv_size": 1, "feature_map": "identity"}, False, True),
      ({"conv_size": 2, "output_gate": False}, False, False), ({"conv_size": 3}, False, True),
-     ({"conv_size": 5}, True, False)],
+     ({"conv_size": 5}, True, False), ({"state_heads": "query"}, True, True)],
 )  # fmt: skip
 def test_mixer_decode_steps_in_one_kernel_update_the_state_in_place(settings, qk_norm, padded):
     """The mixer's decode steps on the Triton kernels run in one kernel that writes the cache's memory and
     convolution tail where they lie (the same tensors after each step), and give the PyTorch path's outputs and
     state: qk norms, padding (a padded token changes neither), a convolution of 1 and 2 taps, no feature map, no
-    output gate."""
+    output gate, a memory per query head."""
     config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                          intermediate_size=64, vocab_size=32, rms_norm_eps=1e-5)  # fmt: skip
     torch.manual_seed(0)

@@ -299,13 +299,17 @@ def test_settings_round_trip():
         ({"output_gate": "yes"}, "sila.output_gate = 'yes' is not allowed; expected true or false"),
         (
             {"no_decay_heads": -1},
-            "sila.no_decay_heads = -1 is not allowed; expected an integer >= 0 (at most the source's "
-            "num_key_value_heads)",
+            "sila.no_decay_heads = -1 is not allowed; expected an integer >= 0 (at most the layer's memories: "
+            "state_heads)",
         ),
         (
             {"no_decay_heads": True},
-            "sila.no_decay_heads = True is not allowed; expected an integer >= 0 (at most the source's "
-            "num_key_value_heads)",
+            "sila.no_decay_heads = True is not allowed; expected an integer >= 0 (at most the layer's memories: "
+            "state_heads)",
+        ),
+        (
+            {"state_heads": "q"},
+            "sila.state_heads = 'q' is not allowed; expected one of ['kv', 'query']",
         ),
     ],
 )
@@ -318,7 +322,7 @@ def test_bad_settings_are_named(settings, message):
 def test_unknown_setting_lists_the_allowed_ones_and_suggests_the_closest():
     with pytest.raises(ValueError) as err:
         SILASettings.from_dict({"qk_norm": True, "conv": 3})
-    allowed = "['conv_size', 'feature_map', 'output_gate', 'chunk_size', 'no_decay_heads']"
+    allowed = "['conv_size', 'feature_map', 'output_gate', 'chunk_size', 'no_decay_heads', 'state_heads']"
     hint = "'conv': did you mean 'conv_size'?"  # qk_norm is near no SILA setting: no guess for it
     assert str(err.value) == f"unknown SILA setting(s) ['conv', 'qk_norm']; {hint} allowed: {allowed}"
 
@@ -327,9 +331,38 @@ def test_more_no_decay_heads_than_the_source_has_is_named():
     with pytest.raises(ValueError) as err:
         SILAMixer(config(), 0, SILASettings(no_decay_heads=3))
     assert str(err.value) == (
-        "sila.no_decay_heads = 3 is not allowed; expected an integer in [0, 2] (the source attention has "
-        "num_key_value_heads=2)"
+        "sila.no_decay_heads = 3 is not allowed; expected an integer in [0, 2] (the layer's memories: "
+        "num_key_value_heads=2 of the source, state_heads='kv')"
     )
+    SILAMixer(config(), 0, SILASettings(no_decay_heads=3, state_heads="query"))  # 4 memories, one per query head
+
+
+def test_a_memory_per_query_head_starts_as_the_kv_heads_memories_and_trains_apart():
+    """A layer with state_heads "query" loaded from one with a memory per kv head (or from the source attention,
+    whose k/v projections it widens the same way) computes the same outputs, prefill and decode steps alike, with
+    4 memories where the narrow layer has 2; the copies of a kv head then get different gradients."""
+    narrow = tiny_mixer(conv_size=4)
+    wide = SILAMixer(config(), 0, SILASettings(chunk_size=4, state_heads="query")).eval()
+    wide.load_state_dict(narrow.state_dict())
+    assert wide.k_proj.weight.shape == (4 * 8, 32) and wide.beta_state_weight.shape == (4, 8)
+    torch.testing.assert_close(wide.k_proj.weight[8:16], narrow.k_proj.weight[:8])  # query head 1 reads kv head 0
+    torch.testing.assert_close(wide.k_proj.weight[16:24], narrow.k_proj.weight[8:16])
+    x = torch.randn(2, 9, 32)
+    with torch.no_grad():
+        expected, _ = narrow(x)
+        full, _ = wide(x)
+        cache = FakeCache()
+        steps = [wide(x[:, :5], cache=cache)[0]] + [wide(x[:, t : t + 1], cache=cache)[0] for t in range(5, 9)]
+    torch.testing.assert_close(full, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.cat(steps, dim=1), expected, rtol=1e-5, atol=1e-6)
+    assert cache.state[0].shape == (2, 4, 8, 8) and wide.state_numel() == 4 * 64 + 3 * (4 + 2 * 4) * 8
+    wide.train()
+    wide(x)[0].square().mean().backward()
+    grad = wide.k_proj.weight.grad.view(4, 8, 32)
+    assert not torch.allclose(grad[0], grad[1])  # two query heads of kv head 0: their keys are trained apart
+    again = SILAMixer(config(), 0, SILASettings(state_heads="query"))
+    again.load_state_dict(wide.state_dict())  # as wide already: loaded as it is
+    assert torch.equal(again.k_proj.weight, wide.k_proj.weight)
 
 
 def forget_gates(mixer, x):

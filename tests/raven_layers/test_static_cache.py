@@ -69,6 +69,31 @@ def test_static_generate_equals_dynamic_with_left_padding_and_wrapping_windows(h
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("model_type", sorted(LAYERS))
+def test_a_memory_per_query_head_converts_as_the_kv_heads_layout_and_generates_on_the_static_cache(model_type):
+    """SILA with state_heads "query" built from a GQA teacher (qwen3: with q/k norms) widens the attention's k/v
+    projections: the hybrid's logits are the kv-head layout's, and its static generation is its dynamic one."""
+    torch.manual_seed(0)
+    source = AutoModelForCausalLM.from_config(tiny_config(model_type, num_hidden_layers=3)).eval()
+    kinds = plan_layers([("sila", "0,2")], 3)
+    narrow, wide = (
+        build_hybrid(source, kinds, {"sila": {"chunk_size": 4, "state_heads": heads}}).eval()
+        for heads in ("kv", "query")
+    )
+    layer = wide.model.layers[2].self_attn
+    assert layer.num_kv_heads == 4 and layer.k_proj.weight.shape[0] == 4 * 16
+    torch.testing.assert_close(layer.v_proj.weight[16:32], source.model.layers[2].self_attn.v_proj.weight[:16])
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        torch.testing.assert_close(wide(ids, attention_mask=mask).logits, narrow(ids, attention_mask=mask).logits)
+    dynamic, static = (generate(wide, ids, mask, implementation) for implementation in ("dynamic", "static"))
+    assert torch.equal(static.sequences, dynamic.sequences)
+    for a, b in zip(static.logits, dynamic.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
 def test_static_beam_search_equals_dynamic(hybrid):
     ids = torch.randint(3, 100, (2, 7), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
