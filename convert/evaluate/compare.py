@@ -33,6 +33,14 @@ def perplexity_at(report: dict, length: int) -> float | None:
     return None
 
 
+def loss_curve_at(report: dict, length: int) -> tuple[list[int], list[float]] | None:
+    """The report's mean loss by position at `length` tokens (positions, nats), or None where it was not measured."""
+    for entry in report.get("perplexity", {}).get("results", []):
+        if entry.get("context_length") == length and not entry.get("skipped") and "curve" in entry:
+            return entry["curve"]["positions"], entry["curve"]["loss"]
+    return None
+
+
 def retrieval_cells(
     report: dict, variant: str, lengths: list[int] | None, tasks: list[str] | None = None
 ) -> dict[tuple[str, int], float]:

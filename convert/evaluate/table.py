@@ -27,6 +27,9 @@ there a star says the models answer differently, not how sure that is.
 
 How much a hybrid whose kept attention is windowed answers through its mixers alone:
     raven-eval table teacher=... raven-windows=... --beyond 4096 --lengths 8192 16384
+Where a hybrid's perplexity loses, by position in the window (each model's mean loss over a span of positions,
+minus --reference's, in nats per token: a rise with position is far context the mixers miss):
+    raven-eval table teacher=... sila-22=... --reference teacher --positions 1,16,64,128,512,1024,2048
 --beyond W counts, per model and task, the prompts answered among those whose answers all lie more than W tokens
 before the prompt's end (each prompt's `needle_distance`; scripts/lab/needle_distances.py adds it to scores from before
 the evaluation recorded it) and among the others.
@@ -40,7 +43,7 @@ import sys
 
 from raven_layers.common import did_you_mean
 
-from .compare import cells_under, load_report, perplexity_at, report_path, retrieval_cells
+from .compare import cells_under, load_report, loss_curve_at, perplexity_at, report_path, retrieval_cells
 from .retrieval import load_results, past_window
 
 
@@ -208,6 +211,27 @@ def beyond_window(paths: dict[str, str], window: int, variant: str, lengths, tas
     return "\n".join(rows)
 
 
+def loss_by_position(reports: dict[str, dict], reference: str, length: int, edges: list[int]) -> str:
+    """A table of each model's mean loss minus the reference's over the positions [edges[i], edges[i + 1]) of the
+    perplexity windows of `length` tokens (nats per token; a bucketed curve is read at its buckets' positions)."""
+    curves = {name: loss_curve_at(report, length) for name, report in reports.items()}
+    if curves[reference] is None:
+        raise SystemExit(f"--positions: {reference} has no loss curve at {length} tokens (--ppl-length)")
+    base = dict(zip(*curves[reference]))
+    spans = list(zip(edges, edges[1:]))
+    header = ["model", f"ppl @{short(length)}", *(f"positions {a}-{b - 1}" for a, b in spans)]
+    rows = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for name, curve in curves.items():
+        if name == reference:
+            continue
+        cells = [name, "-" if curve is None else f"{perplexity_at(reports[name], length):.2f}"]
+        for a, b in spans:
+            excess = [loss - base[p] for p, loss in zip(*curve) if a <= p < b and p in base] if curve else []
+            cells.append(f"{sum(excess) / len(excess):+.3f}" if excess else "-")
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def answered(part: dict) -> str:
     return f"{round(part['accuracy'] * part['n'])} of {part['n']}" if part["n"] else "none"
 
@@ -228,7 +252,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--beyond", type=int, default=None, metavar="W", help="count the prompts answered past a W-token window"
     )
+    parser.add_argument(
+        "--positions",
+        default=None,
+        metavar="EDGES",
+        help="the loss against --reference by span of positions, e.g. 1,64,512,2048 (spans 1-63, 64-511, 512-2047)",
+    )
     args = parser.parse_args(argv)
+    edges = None
+    if args.positions is not None:
+        try:
+            edges = [int(p) for p in args.positions.split(",")]
+        except ValueError:
+            edges = []
+        if len(edges) < 2 or edges != sorted(set(edges)) or edges[0] < 1:
+            parser.error(f"--positions {args.positions!r}: at least two increasing positions >= 1, e.g. 1,64,512,2048")
+        if args.reference is None:
+            parser.error("--positions needs --reference, the model whose loss the others' is compared with")
     paths = {}
     for item in args.reports:
         name, sep, path = item.partition("=")
@@ -265,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + agreement(reports, pairs, points, args.variant, args.lengths, paths, args.tasks))
     if args.beyond is not None:
         print("\n" + beyond_window(paths, args.beyond, args.variant, args.lengths, args.tasks))
+    if edges is not None:
+        print("\n" + loss_by_position(reports, args.reference, args.ppl_length, edges))
     return 0
 
 

@@ -160,3 +160,30 @@ def test_tasks_keep_the_cells_a_target_names_and_a_typo_is_named(tmp_path, capsy
     with pytest.raises(SystemExit):
         main([args[0], "--tasks", "passkey"])
     assert "--tasks applies to --within, --agree and --beyond only" in capsys.readouterr().err
+
+
+def test_positions_give_each_models_loss_over_the_reference_by_span(tmp_path, capsys):
+    """--positions averages each model's loss minus the reference's over spans of positions of the perplexity
+    windows; a model without the curve gets dashes, bad edges and a missing reference are named."""
+
+    def report(name, losses):
+        (tmp_path / name).mkdir()
+        curve = {"bucketed": False, "positions": [1, 2, 3, 4, 5, 6, 7], "loss": losses}
+        entry = {"context_length": 8, "skipped": False, "perplexity": 10.0, "curve": curve}
+        (tmp_path / name / "report.json").write_text(json.dumps({"perplexity": {"results": [entry]}}))
+        return f"{name}={tmp_path / name}"
+
+    (tmp_path / "none").mkdir()
+    (tmp_path / "none" / "report.json").write_text(json.dumps({}))
+    args = [report("teacher", [3.0] * 7), report("far", [3.0, 3.0, 3.1, 3.2, 3.3, 3.4, 3.5]), f"none={tmp_path}/none"]
+    assert main([*args, "--reference", "teacher", "--ppl-length", "8", "--positions", "1,3,8"]) == 0
+    out = capsys.readouterr().out
+    assert "| model | ppl @8 | positions 1-2 | positions 3-7 |" in out
+    assert "| far | 10.00 | +0.000 | +0.300 |" in out and "| none | - | - | - |" in out
+    for bad in ("8,3", "1", "0,4", "a,b"):
+        with pytest.raises(SystemExit):
+            main([*args, "--reference", "teacher", "--positions", bad])
+        assert "at least two increasing positions" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(args[:2] + ["--positions", "1,4"])
+    assert "--positions needs --reference" in capsys.readouterr().err
