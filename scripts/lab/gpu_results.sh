@@ -123,11 +123,12 @@
 #   raven-centred-seed1  smollm2-raven.yaml (centred since round 12) with every training seed 1
 #   sse-seed1      smollm2-sse.yaml (SILA's recipe on its 15 layers since round 13) with every training seed 1
 #   raven-deep22-centred  smollm2-sila-deep22.yaml with Raven (centred routers) on SILA's 22 layers (SILA22)
-#   sila-deep22-qheads|sila-deep26-qheads  the deep recipe on its layers (SILA22, SILA26: no new layer scan) with a
-#                  memory per query head (sila.state_heads query: 3x the memories, k/v widened from the teacher's):
-#                  round 13 found the deep hybrids' excess loss past position 64, growing to 512 and beyond
+#   sila-deep22-qheads|sila-deep26-qheads|sila-qheads  the deep recipe on its layers (SILA22, SILA26), or
+#                  smollm2-sila.yaml on its own (SILA15: no new layer scan), with a memory per query head
+#                  (sila.state_heads query: 3x the memories, k/v widened from the teacher's): round 13 found the deep
+#                  hybrids' excess loss past position 64, growing to 512 and beyond
 #   qheads-x2      one 2-GPU session of about 25 minutes: sila-deep22-qheads then sse-seed1 on GPU 0,
-#                  sila-deep26-qheads then raven-m128 on GPU 1
+#                  sila-deep26-qheads then sila-qheads on GPU 1
 #   centred-x2     one 2-GPU session of about 26 minutes: raven-deep22-centred, then raven-centred-seed1 on GPU 0;
 #                  sse-centred, then sse-silarecipe on GPU 1
 #   mixers15-x2    one 2-GPU session of about 26 minutes: sse-raven-x2's two runs, then raven-m128 after SSE on GPU 0
@@ -226,6 +227,9 @@ SSE15=(--set 'layers=[{mixer: sse, layers: "4,6,7,9,13,14,15,21,22,24,25,26,27,2
 # the 22 layers smollm2-sila-deep22.yaml's layer choice picks (the runs sila-auto22, sila-deep22-all and
 # sila-deep22-ddp2): other mixers on the same layers
 SILA22=(--set 'layers=[{mixer: raven, layers: "0,2,3,4,5,6,9,10,11,12,13,14,15,19,21,22,24,25,26,27,28,29"}]')
+
+# the 15 layers smollm2-sila.yaml's layer choice picks (the run sila-rows16)
+SILA15=(--set 'layers=[{mixer: sila, layers: "0,2,6,10-13,15,21,22,25-29"}]')
 
 # the 26 layers smollm2-sila-deep26.yaml's layer choice picks (the run sila-restore26)
 SILA26=(--set 'layers=[{mixer: sila, layers: "0,2-16,19,21-29"}]')
@@ -413,9 +417,10 @@ PY
     [ "${1##*-}" = double ] && a=2400 t=600 e=300
     trained "${1%-*}" "$1" --set align.steps=$a --set train.steps=$t --set extend.steps=$e
     ;;
-  sila-deep22-qheads | sila-deep26-qheads)  # a memory per query head, on the recipe's layers
+  sila-deep22-qheads | sila-deep26-qheads | sila-qheads)  # a memory per query head, on the recipe's layers
     local layers=("${SILA22[@]/raven/sila}")
     [ "$1" = sila-deep26-qheads ] && layers=("${SILA26[@]}")
+    [ "$1" = sila-qheads ] && layers=("${SILA15[@]}")
     trained "${1%-qheads}" "$1" "${layers[@]}" --set mixer_settings.sila.state_heads=query
     ;;
   sila-deep22-ddp4 | sila-deep26-ddp4)
@@ -478,7 +483,7 @@ PY
     as_mixer sila-deep22 raven 22 "$1" "${SILA22[@]}"
     ;;
   qheads-x2)  # two recipes a GPU, about 25 minutes: the deep ones with a memory per query head first
-    DELTA=0 quick_on 0 sila-deep22-qheads sse-seed1 & DELTA=0 quick_on 1 sila-deep26-qheads raven-m128 &
+    DELTA=0 quick_on 0 sila-deep22-qheads sse-seed1 & DELTA=0 quick_on 1 sila-deep26-qheads sila-qheads &
     wait
     ;;
   centred-x2)  # two recipes a GPU, about 26 minutes: Raven at 22 then its second seed at 15; SSE with its scorer
