@@ -40,9 +40,11 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from pathlib import Path
 
 from raven_layers.common import did_you_mean
 
+from ..files import write_png
 from .compare import cells_under, load_report, loss_curve_at, perplexity_at, report_path, retrieval_cells
 from .retrieval import load_results, past_window
 
@@ -211,25 +213,58 @@ def beyond_window(paths: dict[str, str], window: int, variant: str, lengths, tas
     return "\n".join(rows)
 
 
-def loss_by_position(reports: dict[str, dict], reference: str, length: int, edges: list[int]) -> str:
-    """A table of each model's mean loss minus the reference's over the positions [edges[i], edges[i + 1]) of the
-    perplexity windows of `length` tokens (nats per token; a bucketed curve is read at its buckets' positions)."""
+def position_excess(
+    reports: dict[str, dict], reference: str, length: int, edges: list[int]
+) -> dict[str, list[float | None]]:
+    """{model: its mean loss minus the reference's over each span of positions [edges[i], edges[i + 1]) of the
+    perplexity windows of `length` tokens} (nats per token; None where the model has no curve there; a bucketed
+    curve is read at its buckets' positions). The reference itself is left out."""
     curves = {name: loss_curve_at(report, length) for name, report in reports.items()}
     if curves[reference] is None:
         raise SystemExit(f"--positions: {reference} has no loss curve at {length} tokens (--ppl-length)")
     base = dict(zip(*curves[reference]))
-    spans = list(zip(edges, edges[1:]))
-    header = ["model", f"ppl @{short(length)}", *(f"positions {a}-{b - 1}" for a, b in spans)]
-    rows = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    out = {}
     for name, curve in curves.items():
         if name == reference:
             continue
-        cells = [name, "-" if curve is None else f"{perplexity_at(reports[name], length):.2f}"]
-        for a, b in spans:
-            excess = [loss - base[p] for p, loss in zip(*curve) if a <= p < b and p in base] if curve else []
-            cells.append(f"{sum(excess) / len(excess):+.3f}" if excess else "-")
+        points = list(zip(*curve)) if curve else []  # (position, loss)
+        spans = [[loss - base[p] for p, loss in points if a <= p < b and p in base] for a, b in zip(edges, edges[1:])]
+        out[name] = [sum(span) / len(span) if span else None for span in spans]
+    return out
+
+
+def loss_by_position(reports: dict[str, dict], reference: str, length: int, edges: list[int]) -> str:
+    """`position_excess` as a table, with each model's perplexity."""
+    header = ["model", f"ppl @{short(length)}", *(f"positions {a}-{b - 1}" for a, b in zip(edges, edges[1:]))]
+    rows = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for name, excess in position_excess(reports, reference, length, edges).items():
+        ppl = perplexity_at(reports[name], length)
+        cells = [name, "-" if ppl is None else f"{ppl:.2f}", *("-" if e is None else f"{e:+.3f}" for e in excess)]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def plot_position_excess(reports: dict[str, dict], reference: str, length: int, edges: list[int], path) -> Path:
+    """PNG of `position_excess`: each model's excess loss per span of positions (log scale), a step per span."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    for name, excess in position_excess(reports, reference, length, edges).items():
+        ppl = perplexity_at(reports[name], length)
+        label = name if ppl is None else f"{name} (ppl {ppl:.2f})"
+        ax.stairs([math.nan if e is None else e for e in excess], edges, label=label, linewidth=1.6)
+    ax.axhline(0, color="grey", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"position in a {length}-token window (tokens of context)")
+    ax.set_ylabel(f"mean loss - {reference}'s (nats per token)")
+    ax.set_title(f"Where the loss goes, against {reference}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return write_png(fig, path, dpi=120)
 
 
 def answered(part: dict) -> str:
@@ -258,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="EDGES",
         help="the loss against --reference by span of positions, e.g. 1,64,512,2048 (spans 1-63, 64-511, 512-2047)",
     )
+    parser.add_argument("--positions-plot", default=None, metavar="PNG", help="--positions as a picture, into PNG")
     args = parser.parse_args(argv)
     edges = None
     if args.positions is not None:
@@ -269,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--positions {args.positions!r}: at least two increasing positions >= 1, e.g. 1,64,512,2048")
         if args.reference is None:
             parser.error("--positions needs --reference, the model whose loss the others' is compared with")
+    if args.positions_plot is not None and edges is None:
+        parser.error("--positions-plot draws --positions: give both")
     paths = {}
     for item in args.reports:
         name, sep, path = item.partition("=")
@@ -307,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + beyond_window(paths, args.beyond, args.variant, args.lengths, args.tasks))
     if edges is not None:
         print("\n" + loss_by_position(reports, args.reference, args.ppl_length, edges))
+        if args.positions_plot is not None:
+            plot_position_excess(reports, args.reference, args.ppl_length, edges, args.positions_plot)
     return 0
 
 

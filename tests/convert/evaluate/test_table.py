@@ -164,7 +164,8 @@ def test_tasks_keep_the_cells_a_target_names_and_a_typo_is_named(tmp_path, capsy
 
 def test_positions_give_each_models_loss_over_the_reference_by_span(tmp_path, capsys):
     """--positions averages each model's loss minus the reference's over spans of positions of the perplexity
-    windows; a model without the curve gets dashes, bad edges and a missing reference are named."""
+    windows (--positions-plot draws it); a model without the curve gets dashes, bad edges and a missing reference
+    are named."""
 
     def report(name, losses):
         (tmp_path / name).mkdir()
@@ -180,6 +181,13 @@ def test_positions_give_each_models_loss_over_the_reference_by_span(tmp_path, ca
     out = capsys.readouterr().out
     assert "| model | ppl @8 | positions 1-2 | positions 3-7 |" in out
     assert "| far | 10.00 | +0.000 | +0.300 |" in out and "| none | - | - | - |" in out
+    picture = tmp_path / "positions.png"
+    assert main([*args, "--reference", "teacher", "--ppl-length", "8", "--positions", "1,3,8", "--positions-plot",
+                 str(picture)]) == 0  # fmt: skip
+    assert picture.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(SystemExit):
+        main([*args, "--reference", "teacher", "--positions-plot", str(picture)])
+    assert "--positions-plot draws --positions" in capsys.readouterr().err
     for bad in ("8,3", "1", "0,4", "a,b"):
         with pytest.raises(SystemExit):
             main([*args, "--reference", "teacher", "--positions", bad])
