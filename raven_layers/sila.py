@@ -257,7 +257,8 @@ class SILAMixer(Mixer):
 
     q/k/v/o (and q_norm/k_norm where the source has them) keep the attention's names and shapes, so the converted
     layer starts from the teacher's weights. Called like the attention it replaces; returns (output [B, T, hidden],
-    None). The decode state is (M [B, H_kv, d_v, d_k] float32, conv tail [B, conv_size - 1, (H + 2 H_kv) d]).
+    None). The decode state is (M [B, H_kv, d_v, d_k] float32, conv tail [B, conv_size - 1, (H + 2 H_kv) d]), where
+    H_kv counts the layer's memories: the source's kv heads, or its H query heads with `state_heads: query`.
     """
 
     input_weights = ("beta_weight", "gamma_weight", "alpha_weight")  # the gates' input parts (gate_inputs)
