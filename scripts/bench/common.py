@@ -72,25 +72,55 @@ RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 def add_settings_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mixer-settings",
-        choices=SETTINGS_FROM,
+        type=checked_settings_from,
         default="recipe",
         help="each mixer's settings: its SmolLM2 recipe's (recipes/smollm2-MIXER.yaml, the hybrid that recipe "
-        "trains), or the mixer's own defaults (Raven: the paper's M = 256, top-32)",
+        "trains), or the mixer's own defaults (Raven: the paper's M = 256, top-32); either with settings changed "
+        "after it, e.g. recipe,sila.state_heads=query",
     )
+
+
+def parse_settings_from(text: str) -> tuple[str, dict[str, dict]]:
+    """'recipe' or 'defaults', then any MIXER.SETTING=VALUE changes (values read as YAML):
+    'recipe,sila.state_heads=query' -> ('recipe', {'sila': {'state_heads': 'query'}})."""
+    import yaml
+
+    base, *changes = text.split(",")
+    if base not in SETTINGS_FROM:
+        raise ValueError(f"mixer settings {text!r}: expected one of {SETTINGS_FROM}, then MIXER.SETTING=VALUE changes")
+    overrides: dict[str, dict] = {}
+    for change in changes:
+        key, sep, value = change.partition("=")
+        mixer, dot, name = key.partition(".")
+        if not (sep and dot and mixer and name):
+            raise ValueError(f"mixer settings {text!r}: {change!r} is not MIXER.SETTING=VALUE (sila.state_heads=query)")
+        overrides.setdefault(mixer, {})[name] = yaml.safe_load(value)
+    return base, overrides
+
+
+def checked_settings_from(text: str) -> str:
+    """--mixer-settings as given, once `parse_settings_from` reads it (argparse's `type`)."""
+    try:
+        parse_settings_from(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
 
 
 def mixer_settings(mixer: str, settings_from: str) -> dict[str, dict]:
     """`mixer`'s settings as build_hybrid takes them: from its SmolLM2 recipe's `mixer_settings` ('recipe': the
-    model whose quality the docs report, Raven with M = 64 slots and top-8), or none ('defaults': the mixer's own).
-    A mixer with no SmolLM2 recipe takes its defaults."""
-    if settings_from not in SETTINGS_FROM:
-        raise ValueError(f"mixer settings {settings_from!r}: expected one of {SETTINGS_FROM}")
+    model whose quality the docs report, Raven with M = 64 slots and top-8), or none ('defaults': the mixer's own),
+    with the changes `settings_from` names after them (parse_settings_from). A mixer with no SmolLM2 recipe takes
+    its defaults."""
+    base, overrides = parse_settings_from(settings_from)
     recipe = RECIPES / f"smollm2-{mixer}.yaml"
-    if settings_from == "defaults" or not recipe.is_file():
-        return {}
-    from raven_convert.train.recipe import load_recipe
+    settings = {}
+    if base == "recipe" and recipe.is_file():
+        from raven_convert.train.recipe import load_recipe
 
-    return {mixer: dict(load_recipe(recipe).mixer_settings.get(mixer, {}))}
+        settings = dict(load_recipe(recipe).mixer_settings.get(mixer, {}))
+    settings.update(overrides.get(mixer, {}))
+    return {mixer: settings} if settings else {}
 
 
 def numbers(text: str) -> list[int]:

@@ -71,6 +71,15 @@ decode_depth() {  # SILA at 22 and 26 of 30 against the teacher on both engines,
     --batches 128 --contexts 16k --steps 16
 }
 
+decode_qheads() {  # SILA at 15, 22 and 26 of 30 with a memory per kv head (the recipes') and per query head
+  # (state_heads query, 3x the memories), at batch 1 and 128 at 16K, each run against both teachers
+  local out="$RUNS/decode-bench" && mkdir -p "$out"
+  timeout 420 python3 scripts/bench/bench_generate.py --out "$out/depth-kv" --mixers sila --depths 15,22,26 \
+    --batches 1,128 --contexts 16k --steps 16
+  timeout 420 python3 scripts/bench/bench_generate.py --out "$out/depth-qheads" --mixers sila --depths 15,22,26 \
+    --batches 1,128 --contexts 16k --steps 16 --mixer-settings recipe,sila.state_heads=query
+}
+
 decode_profile_26() {  # where the 26-layer SILA hybrid's batch-128 step goes under the current defaults, kernel by kernel
   local out="$RUNS/decode-bench" && mkdir -p "$out"
   timeout 420 python3 scripts/bench/profile_decode.py --out "$out/b128-26" --models teacher-engine,sila --layers 26 \

@@ -127,6 +127,9 @@
 #                  smollm2-sila.yaml on its own (SILA15: no new layer scan), with a memory per query head
 #                  (sila.state_heads query: 3x the memories, k/v widened from the teacher's): round 13 found the deep
 #                  hybrids' excess loss past position 64, growing to 512 and beyond
+#   qheads-speed   times, alone (about 12 minutes): SILA at 15, 22 and 26 of 30 at batch 1 and 128 at 16K with a
+#                  memory per kv head, then per query head (bench_generate.py --mixer-settings
+#                  recipe,sila.state_heads=query), each against both teachers
 #   qheads-x2      one 2-GPU session of about 25 minutes: sila-deep22-qheads then sse-seed1 on GPU 0,
 #                  sila-deep26-qheads then sila-qheads on GPU 1
 #   centred-x2     one 2-GPU session of about 26 minutes: raven-deep22-centred, then raven-centred-seed1 on GPU 0;
@@ -544,6 +547,9 @@ PY
   decode-round)  # one device session: what needs no quiet machine side by side, then what times
     (run decode-tests & WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run sila-deep22-half; wait)
     run decode-lab
+    ;;
+  qheads-speed)  # times, alone: what a memory per query head costs SILA's decode step at 15, 22 and 26 of 30
+    decode_qheads
     ;;
   decode-bench)  # times, so alone on the machine: issue 52's table, the floor targets first
     decode_tables

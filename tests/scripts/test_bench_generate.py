@@ -46,6 +46,12 @@ def test_hybrids_take_their_smollm2_recipes_mixer_settings_unless_told_otherwise
     add_model_arguments(parser)
     assert parser.parse_args(["--out", "o"]).mixer_settings == SETTINGS_FROM[0] == "recipe"
     assert parser.parse_args(["--out", "o", "--mixer-settings", "defaults"]).mixer_settings == "defaults"
+    # changes after the base: a recipe's settings with one changed, or a default changed
+    sila = load_recipe(recipes / "smollm2-sila.yaml").mixer_settings["sila"]
+    assert mixer_settings("sila", "recipe,sila.state_heads=query") == {"sila": {**sila, "state_heads": "query"}}
+    assert mixer_settings("raven", "defaults,raven.top_k=4,sila.conv_size=2") == {"raven": {"top_k": 4}}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--out", "o", "--mixer-settings", "recipe,state_heads=query"])
 
 
 @pytest.mark.parametrize("n", [0, 1, 15, 22, 26, 29, 30])
