@@ -193,13 +193,16 @@ class Mixer(nn.Module):
         gate = ("gate_weight",) if self.settings.output_gate else ()
         return (("q_proj.weight", "k_proj.weight", "v_proj.weight", *self.input_weights, *gate),)
 
-    def __init__(self, config, layer_idx: int, settings, qk_head_dim: int | None = None):
+    def __init__(self, config, layer_idx: int, settings, qk_head_dim: int | None = None, kv_heads: int | None = None):
+        """`kv_heads`: the layer's key/value heads where they are not the source's (a memory per query head: SILA's
+        state_heads), k and v then as many heads wide."""
         super().__init__()
         hidden = config.hidden_size
         self.layer_idx = layer_idx
         self.settings = settings
         self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.source_kv_heads = config.num_key_value_heads
+        self.num_kv_heads = kv_heads or self.source_kv_heads
         self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
         if self.num_heads % self.num_kv_heads:
             raise ValueError(

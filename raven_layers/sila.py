@@ -269,13 +269,10 @@ class SILAMixer(Mixer):
     NO_DECAY_BIAS = 1.0  # the forget-gate bias of a no-decay head: any value >= 0 holds phi at exactly 1
 
     def __init__(self, config, layer_idx: int, settings: SILASettings, source_has_qk_norm: bool = False):
-        super().__init__(config, layer_idx, settings)
+        per_query_head = settings.state_heads == "query"  # k and v then as wide as q
+        super().__init__(config, layer_idx, settings, kv_heads=config.num_attention_heads if per_query_head else None)
         hidden = config.hidden_size
-        self.source_kv_heads = self.num_kv_heads
-        if settings.state_heads == "query":  # a memory per query head: k and v as wide as q
-            self.num_kv_heads = self.num_heads
-            self.k_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=self.k_proj.bias is not None)
-            self.v_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=self.v_proj.bias is not None)
+        if per_query_head:
             self.register_load_state_dict_pre_hook(SILAMixer.widen_source_weights)
         H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         self.use_qk_norm = self.source_has_qk_norm = source_has_qk_norm

@@ -233,26 +233,29 @@ def position_excess(
     return out
 
 
-def loss_by_position(reports: dict[str, dict], reference: str, length: int, edges: list[int]) -> str:
-    """`position_excess` as a table, with each model's perplexity."""
+def loss_by_position(reports: dict[str, dict], excess_by_model: dict, length: int, edges: list[int]) -> str:
+    """`position_excess`'s result as a table, with each model's perplexity."""
     header = ["model", f"ppl @{short(length)}", *(f"positions {a}-{b - 1}" for a, b in zip(edges, edges[1:]))]
     rows = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    for name, excess in position_excess(reports, reference, length, edges).items():
+    for name, excess in excess_by_model.items():
         ppl = perplexity_at(reports[name], length)
         cells = [name, "-" if ppl is None else f"{ppl:.2f}", *("-" if e is None else f"{e:+.3f}" for e in excess)]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
-def plot_position_excess(reports: dict[str, dict], reference: str, length: int, edges: list[int], path) -> Path:
-    """PNG of `position_excess`: each model's excess loss per span of positions (log scale), a step per span."""
+def plot_position_excess(
+    reports: dict[str, dict], excess_by_model: dict, reference: str, length: int, edges: list[int], path
+) -> Path:
+    """PNG of `position_excess`'s result: each model's excess loss per span of positions (log scale), a step per
+    span."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(8, 4.5))
     FigureCanvasAgg(fig)
     ax = fig.subplots()
-    for name, excess in position_excess(reports, reference, length, edges).items():
+    for name, excess in excess_by_model.items():
         ppl = perplexity_at(reports[name], length)
         label = name if ppl is None else f"{name} (ppl {ppl:.2f})"
         ax.stairs([math.nan if e is None else e for e in excess], edges, label=label, linewidth=1.6)
@@ -344,9 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.beyond is not None:
         print("\n" + beyond_window(paths, args.beyond, args.variant, args.lengths, args.tasks))
     if edges is not None:
-        print("\n" + loss_by_position(reports, args.reference, args.ppl_length, edges))
+        excess = position_excess(reports, args.reference, args.ppl_length, edges)
+        print("\n" + loss_by_position(reports, excess, args.ppl_length, edges))
         if args.positions_plot is not None:
-            plot_position_excess(reports, args.reference, args.ppl_length, edges, args.positions_plot)
+            plot_position_excess(reports, excess, args.reference, args.ppl_length, edges, args.positions_plot)
     return 0
 
 

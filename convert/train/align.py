@@ -100,6 +100,14 @@ def teacher_taps(
     return captured
 
 
+def resolved_packed(packed, position_ids):
+    """`packed` as alignment_losses takes it, with "auto" resolved: the documents found in `position_ids` (None
+    without them, or with one document per row)."""
+    if packed == "auto":
+        return None if position_ids is None else find_packed_documents(position_ids)
+    return packed
+
+
 def calibrate_mixers(teacher, hybrid, layers: list[int], batch: dict, parallel: Parallel) -> None:
     """Give the mixers of `layers` that fit initial parameters to their inputs (Mixer.calibrates) the teacher's
     inputs to their layers on this process's rows of `batch` (align's first), padding left out. Statistics are
@@ -109,10 +117,8 @@ def calibrate_mixers(teacher, hybrid, layers: list[int], batch: dict, parallel: 
     if not wanting:
         return
     inputs, packed = step_inputs(_share(batch, parallel), parallel.device)
-    if packed == "auto":
-        packed = None
-    mask = inputs.get("attention_mask")
-    captured = teacher_taps(teacher, wanting, inputs["input_ids"], mask, inputs.get("position_ids"), packed)
+    mask, positions = inputs.get("attention_mask"), inputs.get("position_ids")
+    captured = teacher_taps(teacher, wanting, inputs["input_ids"], mask, positions, resolved_packed(packed, positions))
     for i in wanting:
         x = captured[i][0]  # [B, T, hidden]
         x = x.flatten(0, 1) if mask is None else x[mask.bool()]  # [N, hidden], real tokens only
@@ -161,8 +167,7 @@ def alignment_losses(
     """
     if attention_mask is not None and position_ids is not None:
         raise ValueError("pass attention_mask (padded rows) or position_ids (packed documents), not both")
-    if packed == "auto":
-        packed = None if position_ids is None else find_packed_documents(position_ids)
+    packed = resolved_packed(packed, position_ids)
     layers = aligned_layers(teacher, hybrid)
     with record_function("align.teacher"):
         captured = teacher_taps(teacher, layers, input_ids, attention_mask, position_ids, packed)

@@ -119,7 +119,7 @@
 #                  without the noise
 #   routers15-x2   one 2-GPU session of about 26 minutes: raven-centred then sse-silarecipe on GPU 0,
 #                  raven-centred-nogumbel then raven-nogumbel on GPU 1
-#   sse-centred    sse-silarecipe on its 15 layers (SSE15) with router_init centred
+#   sse-centred    smollm2-sse.yaml (sse-silarecipe on its 15 layers since round 13) with router_init centred
 #   raven-centred-seed1  smollm2-raven.yaml (centred since round 12) with every training seed 1
 #   sse-seed1      smollm2-sse.yaml (SILA's recipe on its 15 layers since round 13) with every training seed 1
 #   raven-deep22-centred  smollm2-sila-deep22.yaml with Raven (centred routers) on SILA's 22 layers (SILA22)
@@ -224,18 +224,16 @@ ALL=(--set train.trainable=all --set train.pretrained_lr_scale=0.1)
 SEED1=(--set data.seed=1 --set data.retrieval.seed=1 --set layer_choice.seed=1 --set align.seed=1 --set train.seed=1
   --set extend.seed=1)
 
-# the 15 layers sse-silarecipe's layer choice picks (round 12): SSE variants whose settings change keep them
-SSE15=(--set 'layers=[{mixer: sse, layers: "4,6,7,9,13,14,15,21,22,24,25,26,27,28,29"}]')
+# layers the recipes' layer choices picked, for runs that keep them while settings change (a change of mixer settings
+# would score the layers again): smollm2-sila.yaml's 15 (the run sila-rows16), smollm2-sila-deep22.yaml's 22
+# (sila-auto22, sila-deep22-all, sila-deep22-ddp2) and smollm2-sila-deep26.yaml's 26 (sila-restore26)
+SILA15="0,2,6,10-13,15,21,22,25-29"
+SILA22="0,2-6,9-15,19,21,22,24-29"
+SILA26="0,2-16,19,21-29"
 
-# the 22 layers smollm2-sila-deep22.yaml's layer choice picks (the runs sila-auto22, sila-deep22-all and
-# sila-deep22-ddp2): other mixers on the same layers
-SILA22=(--set 'layers=[{mixer: raven, layers: "0,2,3,4,5,6,9,10,11,12,13,14,15,19,21,22,24,25,26,27,28,29"}]')
-
-# the 15 layers smollm2-sila.yaml's layer choice picks (the run sila-rows16)
-SILA15=(--set 'layers=[{mixer: sila, layers: "0,2,6,10-13,15,21,22,25-29"}]')
-
-# the 26 layers smollm2-sila-deep26.yaml's layer choice picks (the run sila-restore26)
-SILA26=(--set 'layers=[{mixer: sila, layers: "0,2-16,19,21-29"}]')
+on_layers() {  # on_layers MIXER LAYERS: the --set value that converts LAYERS to MIXER
+  printf 'layers=[{mixer: %s, layers: "%s"}]' "$1" "$2"
+}
 
 # MIXER-far-windows' extend data: every fact past a 4K window from its question (retrieval_data.py)
 FAR_FACTS=(--set "extend.retrieval={ratio: 0.5, length: [0.7, 0.95], depth: [0.0, 0.25]}")
@@ -421,10 +419,10 @@ PY
     trained "${1%-*}" "$1" --set align.steps=$a --set train.steps=$t --set extend.steps=$e
     ;;
   sila-deep22-qheads | sila-deep26-qheads | sila-qheads)  # a memory per query head, on the recipe's layers
-    local layers=("${SILA22[@]/raven/sila}")
-    [ "$1" = sila-deep26-qheads ] && layers=("${SILA26[@]}")
-    [ "$1" = sila-qheads ] && layers=("${SILA15[@]}")
-    trained "${1%-qheads}" "$1" "${layers[@]}" --set mixer_settings.sila.state_heads=query
+    local layers=$SILA22
+    [ "$1" = sila-deep26-qheads ] && layers=$SILA26
+    [ "$1" = sila-qheads ] && layers=$SILA15
+    trained "${1%-qheads}" "$1" --set "$(on_layers sila "$layers")" --set mixer_settings.sila.state_heads=query
     ;;
   sila-deep22-ddp4 | sila-deep26-ddp4)
     local recipe=${1%-ddp4}
@@ -474,8 +472,8 @@ PY
     [ "$1" = raven-centred-nogumbel ] && noise=(--set mixer_settings.raven.gumbel=false)
     trained raven "$1" "${noise[@]}"
     ;;
-  sse-centred)  # sse-silarecipe on its 15 layers with its scorer fitted to the layers' inputs (router_init centred)
-    as_mixer sila sse 15 "$1" "${SSE15[@]}" --set mixer_settings.sse.router_init=centred
+  sse-centred)  # smollm2-sse.yaml with its scorer fitted to the layers' inputs (router_init centred)
+    trained sse "$1" --set mixer_settings.sse.router_init=centred
     ;;
   raven-centred-seed1 | sse-seed1)  # smollm2-raven.yaml (centred routers since round 12) or smollm2-sse.yaml
     # (SILA's recipe since round 13) with every training seed 1
@@ -483,7 +481,7 @@ PY
     ;;
   raven-deep22-centred)  # smollm2-sila-deep22.yaml with Raven (its recipe's settings: centred routers) on the 22
     # layers SILA's deep recipe converts (SILA22): the two mixers at 22 of 30 on the same layers
-    as_mixer sila-deep22 raven 22 "$1" "${SILA22[@]}"
+    as_mixer sila-deep22 raven 22 "$1" --set "$(on_layers raven "$SILA22")"
     ;;
   qheads-x2)  # two recipes a GPU, about 25 minutes: the deep ones with a memory per query head first
     DELTA=0 quick_on 0 sila-deep22-qheads sse-seed1 & DELTA=0 quick_on 1 sila-deep26-qheads sila-qheads &
