@@ -4,8 +4,8 @@
 #
 #   MODEL=~/cache/smollm2.gguf CORPUS=~/cache/corpus ESSAYS=~/cache/essays bash scripts/lab/gpu_results.sh start teacher raven sila
 #
-# after copying the model, corpus and essays over in four calls: `bash scripts/lab/carry.sh JOB` builds what they
-# carry (the model in quarters, the corpus in three parts, the essays, the wheels the image lacks) and prints them;
+# after copying the model, corpus and essays over in a few calls: `bash scripts/lab/carry.sh JOB` builds what they
+# carry (one tar of the three in parts sized to fit beside the checkout, the wheels the image lacks) and prints them;
 # keep results under docs/results with scripts/lab/archive_run.py, whose gzipped scores keep the checkout small
 # (chain the calls: the machine goes back after 30 idle seconds, with the jobs it runs)
 #   bash scripts/lab/gpu_jobs.sh wait 540        # in each later call, until the jobs end
