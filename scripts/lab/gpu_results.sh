@@ -132,6 +132,12 @@
 #                  recipe,sila.state_heads=query), each against both teachers
 #   qheads-x2      one 2-GPU session of about 25 minutes: sila-deep22-qheads then sse-seed1 on GPU 0,
 #                  sila-deep26-qheads then sila-qheads on GPU 1
+#   sila-deep22-seed1  smollm2-sila-deep22.yaml (a memory per query head since round 14) with every training seed 1
+#   sila-deep26-qheads-keep23  sila-deep26-qheads keeping layers 1, 17, 18 and 23 (SILA26_KEEP23): the restore
+#                  choice's 1, 17 and 18 with the cut choice's 23, the layer word and code answers need (round 11)
+#   qheads-next-x2 one 2-GPU session of about 26 minutes: qheads-speed then sila-deep22-seed1 on GPU 0 (the speed
+#                  ratios are each against the teachers timed in the same process), sila-deep26-qheads-keep23 then
+#                  sila-qheads on GPU 1
 #   centred-x2     one 2-GPU session of about 26 minutes: raven-deep22-centred, then raven-centred-seed1 on GPU 0;
 #                  sse-centred, then sse-silarecipe on GPU 1
 #   mixers15-x2    one 2-GPU session of about 26 minutes: sse-raven-x2's two runs, then raven-m128 after SSE on GPU 0
@@ -230,6 +236,7 @@ SEED1=(--set data.seed=1 --set data.retrieval.seed=1 --set layer_choice.seed=1 -
 SILA15="0,2,6,10-13,15,21,22,25-29"
 SILA22="0,2-6,9-15,19,21,22,24-29"
 SILA26="0,2-16,19,21-29"
+SILA26_KEEP23="0,2-16,19-22,24-29"
 
 on_layers() {  # on_layers MIXER LAYERS: the --set value that converts LAYERS to MIXER
   printf 'layers=[{mixer: %s, layers: "%s"}]' "$1" "$2"
@@ -424,6 +431,12 @@ PY
     [ "$1" = sila-qheads ] && layers=$SILA15
     trained "${1%-qheads}" "$1" --set "$(on_layers sila "$layers")" --set mixer_settings.sila.state_heads=query
     ;;
+  sila-deep26-qheads-keep23)
+    trained sila-deep26 "$1" --set "$(on_layers sila "$SILA26_KEEP23")" --set mixer_settings.sila.state_heads=query
+    ;;
+  sila-deep22-seed1)
+    trained sila-deep22 "$1" "${SEED1[@]}"
+    ;;
   sila-deep22-ddp4 | sila-deep26-ddp4)
     local recipe=${1%-ddp4}
     PROCESSES=4 trained "$recipe" "$1"
@@ -485,6 +498,11 @@ PY
     ;;
   qheads-x2)  # two recipes a GPU, about 25 minutes: the deep ones with a memory per query head first
     DELTA=0 quick_on 0 sila-deep22-qheads sse-seed1 & DELTA=0 quick_on 1 sila-deep26-qheads sila-qheads &
+    wait
+    ;;
+  qheads-next-x2)  # about 26 minutes: the decode cost of a memory per query head, then the 22-layer recipe's second
+    # seed on GPU 0; 26 layers keeping layer 23, then the 15-layer recipe with it, on GPU 1
+    DELTA=0 quick_on 0 qheads-speed sila-deep22-seed1 & DELTA=0 quick_on 1 sila-deep26-qheads-keep23 sila-qheads &
     wait
     ;;
   centred-x2)  # two recipes a GPU, about 26 minutes: Raven at 22 then its second seed at 15; SSE with its scorer

@@ -1,7 +1,7 @@
-"""The deep SILA recipes (smollm2-sila-deep22/26.yaml) convert 22 and 26 of 30 layers: 22 chosen as the half-depth
-recipe chooses (each layer cut in turn), 26 by restoring attention into the model with every layer ablated; the
-progressive one converts the half-depth recipe's hybrid further to 22. Their convert stage, on a 30-layer tiny Llama
-at CPU size."""
+"""The deep SILA recipes (smollm2-sila-deep22/26.yaml) convert 22 and 26 of 30 layers: 22 as the half-depth recipe's
+layer choice picked them for SmolLM2 (each layer cut in turn), with a memory per query head, 26 chosen by restoring
+attention into the model with every layer ablated; the progressive one converts the half-depth recipe's hybrid
+further to 22. Their convert stage, on a 30-layer tiny Llama at CPU size."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
+from transformers import AutoModelForCausalLM
 
+from raven_convert.layer_spec import parse_layer_spec
 from raven_convert.train.recipe import load_recipe
 from raven_convert.train.stages import run_recipe
 from tests.conftest import make_tiny_source
@@ -26,34 +28,54 @@ def inputs(tmp_path_factory) -> list[str]:
     return [f"source={teacher}", f"data.source={corpus}"]
 
 
-@pytest.mark.parametrize("depth, direction", [(22, "cut"), (26, "restore")])
-def test_the_deep_recipes_convert_their_depth(depth, direction, inputs, tmp_path):
-    budget = [o for o in CPU_BUDGET if not o.startswith("layer_choice.rounds")]  # the recipes' own rounds kept
-    recipe = load_recipe(RECIPES / f"smollm2-sila-deep{depth}.yaml", inputs + budget)
-    assert recipe.auto() == ("sila", depth) and recipe.layer_choice.direction == direction
+def test_the_deep22_recipe_converts_its_22_layers_with_a_memory_per_query_head(inputs, tmp_path):
+    """smollm2-sila-deep22.yaml writes out the 22 layers auto:22 picked for SmolLM2 (its header says so) and gives
+    each query head its own memory; the rest is the half-depth recipe. Converted, each of its layers keeps as many
+    memories as the teacher has query heads (the tiny Llama: 4, over 2 kv heads)."""
+    recipe = load_recipe(RECIPES / "smollm2-sila-deep22.yaml", inputs + CPU_BUDGET)
+    (assignment,) = recipe.layers
+    layers = parse_layer_spec(assignment.layers, 30)
+    assert assignment.mixer == "sila" and len(layers) == 22 and recipe.auto() is None
+    assert recipe.layer_choice.ablation == "both" and recipe.layer_choice.direction == "cut"  # for auto:N elsewhere
+    assert recipe.mixer_settings["sila"] == {"conv_size": 4, "state_heads": "query"}
+    half = load_recipe(RECIPES / "smollm2-sila.yaml", inputs + CPU_BUDGET)
+    own = {"layers", "layer_choice", "mixer_settings"}
+    assert recipe.model_dump(exclude=own) == half.model_dump(exclude=own)
+    done = run_recipe(recipe, tmp_path / "run", stages=["convert"])
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / done["convert"]["model"], trust_remote_code=True)
+    mixers = {i: layer.self_attn for i, layer in enumerate(model.model.layers) if i in layers}
+    assert len(mixers) == 22 and {m.num_kv_heads for m in mixers.values()} == {4}
+    assert all(m.source_kv_heads == 2 for m in mixers.values())
+
+
+def test_the_deep26_recipe_converts_26_layers_chosen_by_restoring(inputs, tmp_path):
+    budget = [o for o in CPU_BUDGET if not o.startswith("layer_choice.rounds")]  # the recipe's own rounds kept
+    recipe = load_recipe(RECIPES / "smollm2-sila-deep26.yaml", inputs + budget)
+    assert recipe.auto() == ("sila", 26) and recipe.layer_choice.direction == "restore"
     half = load_recipe(RECIPES / "smollm2-sila.yaml", inputs + budget)
     assert recipe.model_dump(exclude={"layers", "layer_choice"}) == half.model_dump(exclude={"layers", "layer_choice"})
     done = run_recipe(recipe, tmp_path / "run", stages=["convert"])
     choice = done["convert"]["layer_choice"]
-    assert len(choice["chosen"]) == depth and choice["chosen"] == sorted(choice["order"][:depth])
+    assert len(choice["chosen"]) == 26 and choice["chosen"] == sorted(choice["order"][:26])
     record = json.loads((tmp_path / "run" / done["convert"]["model"] / "config.json").read_text())["layer_choice"]
-    assert record["direction"] == direction
-    if direction == "restore":  # eight rounds of four: the 4 kept come from the first
-        assert max(record["round"]) == 8
-        assert {record["round"][i] for i in range(30) if i not in choice["chosen"]} == {1}
+    assert record["direction"] == "restore"
+    assert max(record["round"]) == 8  # eight rounds of four: the 4 kept come from the first
+    assert {record["round"][i] for i in range(30) if i not in choice["chosen"]} == {1}
 
 
 def test_the_progressive_recipe_converts_the_half_depth_hybrid_further(inputs, tmp_path):
     """smollm2-sila-deep22-progressive.yaml: its header runs smollm2-sila.yaml first and then itself, starting from
-    the model the first exports; it is deep22's recipe but for start_from and half its align and train steps; its
-    convert stage keeps the 15 layers the first step converted and converts 7 more."""
+    the model the first exports; it is deep22's recipe but for start_from, half its align and train steps, and its
+    layers (auto:22, the 15 of the first step kept) with their memory per kv head, as measured; its convert stage
+    keeps the 15 layers the first step converted and converts 7 more."""
     path = RECIPES / "smollm2-sila-deep22-progressive.yaml"
     first, second = header_commands(path)
     assert first == header_command(RECIPES / "smollm2-sila.yaml") and second == header_command(path)
     bare, deep = load_recipe(path), load_recipe(RECIPES / "smollm2-sila-deep22.yaml")
     assert bare.start_from == str(Path.cwd() / first[first.index("--run-dir") + 1] / "model")
     assert (bare.align.steps, bare.train.steps) == (deep.align.steps // 2, deep.train.steps // 2)
-    differ = {"start_from", "align", "train"}
+    differ = {"start_from", "align", "train", "layers", "mixer_settings"}
+    assert bare.auto() == ("sila", 22) and bare.mixer_settings["sila"] == {"conv_size": 4}
     assert bare.model_dump(exclude=differ) == deep.model_dump(exclude=differ)
     assert bare.align.model_dump(exclude={"steps"}) == deep.align.model_dump(exclude={"steps"})
     assert bare.train.model_dump(exclude={"steps", "warmup_steps"}) == deep.train.model_dump(
