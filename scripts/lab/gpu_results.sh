@@ -95,6 +95,9 @@
 #   sila-deep22-ddp2-long  sila-deep22-ddp2 at 1.8x its align and train steps (227M tokens; align reads the
 #                  20M-token corpus about 9 times over), evaluated at 1K-8K: the 22-layer perplexity target, where the
 #                  budget fits put it
+#   sila-deep22-qheads-ddp2  smollm2-sila-deep22.yaml (a memory per query head since round 14) as sila-deep22-ddp2
+#                  ran it with a memory per kv head (2.5x the tokens, two GPUs), evaluated at 1K-8K: passkey at 8K,
+#                  which that run found 4-6K tokens back and the recipe's budget does not; start it alone
 #   sila-deep22-all  smollm2-sila-deep22.yaml whose train stage trains every weight (trainable all), the teacher's
 #                  own at a tenth of the mixers' rate (pretrained_lr_scale 0.1): the perplexity LoRA leaves at 22 of 30
 #   sila-deep22-all-ddp2  sila-deep22-all at sila-deep22-ddp2's 2.5x tokens on two GPUs, train's and extend's steps
@@ -451,6 +454,10 @@ PY
     PROCESSES=2 trained sila-deep22 "$1" "${DDP2_LONG_STEPS[@]}" --set train.cuda_graphs=true \
       --set extend.cuda_graphs=true || two_processes sila-deep22 "$1" "${DDP2_LONG_STEPS[@]}"
     ;;
+  sila-deep22-qheads-ddp2)  # about 20 minutes with the evaluation: start it alone, first in a session
+    export WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0
+    two_processes sila-deep22 "$1" "${DDP2_STEPS[@]}"
+    ;;
   deep22-ddp2-x2)  # one 2-GPU session: sila-deep22-ddp2 evaluated at 1K-8K, the 2-GPU graph tests beside it
     ddp_graph_tests &
     WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run sila-deep22-ddp2
@@ -648,7 +655,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 sila-deep22-ddp2-long deep22-ddp2-x2 sila-deep22-all sila-deep22-all-ddp2 raven-silarecipe sse-silarecipe MIXER-silarecipe-seed1 raven-deep22 sse-deep22 raven-m128 raven-m256 raven-nogumbel raven-centred raven-centred-nogumbel raven-centred-seed1 sse-centred raven-deep22-centred centred-x2 mixers15-x2 routers15-x2 sse-raven-x2 all-raven-x2 views-check decode-b128-twice scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 sila-deep22-ddp2-long sila-deep22-qheads-ddp2 deep22-ddp2-x2 sila-deep22-all sila-deep22-all-ddp2 raven-silarecipe sse-silarecipe MIXER-silarecipe-seed1 raven-deep22 sse-deep22 raven-m128 raven-m256 raven-nogumbel raven-centred raven-centred-nogumbel raven-centred-seed1 sse-centred raven-deep22-centred centred-x2 sila-deep22-qheads sila-deep26-qheads sila-qheads qheads-speed qheads-x2 sila-deep22-seed1 sila-deep26-qheads-keep23 qheads-next-x2 mixers15-x2 routers15-x2 sse-raven-x2 all-raven-x2 views-check decode-b128-twice scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;
