@@ -41,7 +41,7 @@ ln -s "$shared/models/SmolLM2-135M-Instruct.Q4_1.gguf" "$stage/smollm2.gguf"
 ln -s "$shared"/data/corpus/* "$stage/corpus/"
 ln -s "$shared/data/pg_essays" "$stage/essays"
 rm -rf .carry/bundle && mkdir -p .carry/bundle
-tar -chf - -C "$stage" smollm2.gguf corpus essays | split -b "${part_kib}K" -d - .carry/bundle/part-
+tar -chf - --mode=u+w -C "$stage" smollm2.gguf corpus essays | split -b "${part_kib}K" -d - .carry/bundle/part-
 chmod -R u+w .carry .whl
 parts=(.carry/bundle/part-*)
 echo "checkout ${checkout_kib} KiB, wheels ${whl_kib} KiB: ${#parts[@]} parts of at most ${part_kib} KiB"
