@@ -27,6 +27,8 @@ there a star says the models answer differently, not how sure that is.
 
 How much a hybrid whose kept attention is windowed answers through its mixers alone:
     raven-eval table teacher=... raven-windows=... --beyond 4096 --lengths 8192 16384
+Where in a prompt a task's answers are lost, by the needle's depth (0: at the prompt's start, the farthest back):
+    raven-eval table teacher=... sila-22=... --by-depth passkey --lengths 4096 8192
 Where a hybrid's perplexity loses, by position in the window (each model's mean loss over a span of positions,
 minus --reference's, in nats per token: a rise with position is far context the mixers miss):
     raven-eval table teacher=... sila-22=... --reference teacher --positions 1,16,64,128,512,1024,2048
@@ -213,6 +215,27 @@ def beyond_window(paths: dict[str, str], window: int, variant: str, lengths, tas
     return "\n".join(rows)
 
 
+def by_depth(reports: dict[str, dict], task: str, variant: str, lengths=None) -> str:
+    """Markdown: `task`'s accuracy by the needle's depth in the prompt (0: its start), a row per model and length
+    (`lengths`, or every length a report has); a model without the task is left out."""
+    key = f"{task}/{variant}"
+    parts = {name: r["retrieval"][key] for name, r in reports.items() if key in r.get("retrieval", {})}
+    depths = sorted(
+        {float(d) for p in parts.values() for cells in p.get("by_length_depth", {}).values() for d in cells}
+    )
+    if not depths:
+        raise SystemExit(f"--by-depth {task}: no report has its accuracy by depth ({variant} variant)")
+    header = ["model", "length", *(f"depth {d:g}" for d in depths)]
+    rows = [header, ["---"] * len(header)]
+    for name, part in parts.items():
+        for n, cells in sorted(part.get("by_length_depth", {}).items(), key=lambda item: int(item[0])):
+            if lengths and int(n) not in lengths:
+                continue
+            at = {float(d): value for d, value in cells.items()}
+            rows.append([name, short(int(n)), *(f"{100 * at[d]:.0f}%" if d in at else "-" for d in depths)])
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
+
+
 def position_excess(
     reports: dict[str, dict], reference: str, length: int, edges: list[int]
 ) -> dict[str, list[float | None]]:
@@ -297,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
         help="the loss against --reference by span of positions, e.g. 1,64,512,2048 (spans 1-63, 64-511, 512-2047)",
     )
     parser.add_argument("--positions-plot", default=None, metavar="PNG", help="--positions as a picture, into PNG")
+    parser.add_argument(
+        "--by-depth", default=None, metavar="TASK", help="TASK's accuracy by the needle's depth, per model and length"
+    )
     args = parser.parse_args(argv)
     edges = None
     if args.positions is not None:
@@ -324,20 +350,21 @@ def main(argv: list[str] | None = None) -> int:
         if not sep or a not in paths or b not in paths:
             parser.error(f"--agree {item!r} is not A:B with A and B among {list(paths)}")
         pairs.append((a, b))
-    for flag, value in (("--lengths", args.lengths), ("--tasks", args.tasks)):
-        if value and args.within is None and not pairs and args.beyond is None:
-            parser.error(f"{flag} applies to --within, --agree and --beyond only")
+    counted = args.within is not None or pairs or args.beyond is not None
+    if args.tasks and not counted:
+        parser.error("--tasks applies to --within, --agree and --beyond only")
+    if args.lengths and not counted and args.by_depth is None:
+        parser.error("--lengths applies to --within, --agree, --beyond and --by-depth only")
     if args.beyond is not None and args.beyond < 1:
         parser.error(f"--beyond {args.beyond}: a window is a number of tokens >= 1")
     if args.within is not None and args.reference is None:
         parser.error("--within needs --reference, the model the cells are checked against")
     reports = {name: load_report(path) for name, path in paths.items()}
-    if args.tasks:
-        found = sorted({t for r in reports.values() for t, _ in retrieval_cells(r, args.variant, None)})
-        for task in args.tasks:
-            if task not in found:
-                hint = did_you_mean(task, found)
-                parser.error(f"--tasks {task!r} is in none of the reports; {hint}found ({args.variant}): {found}")
+    found = sorted({t for r in reports.values() for t, _ in retrieval_cells(r, args.variant, None)})
+    for flag, task in [*(("--tasks", t) for t in args.tasks or ()), ("--by-depth", args.by_depth)]:
+        if task is not None and task not in found:
+            hint = did_you_mean(task, found)
+            parser.error(f"{flag} {task!r} is in none of the reports; {hint}found ({args.variant}): {found}")
     print(table(reports, args.reference, args.ppl_length, args.speed_length, args.variant))
     points = 10.0 if args.within is None else args.within
     if args.within is not None:
@@ -346,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + agreement(reports, pairs, points, args.variant, args.lengths, paths, args.tasks))
     if args.beyond is not None:
         print("\n" + beyond_window(paths, args.beyond, args.variant, args.lengths, args.tasks))
+    if args.by_depth is not None:
+        print("\n" + by_depth(reports, args.by_depth, args.variant, args.lengths))
     if edges is not None:
         excess = position_excess(reports, args.reference, args.ppl_length, edges)
         print("\n" + loss_by_position(reports, excess, args.ppl_length, edges))

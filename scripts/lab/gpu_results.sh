@@ -140,7 +140,7 @@
 #                  choice's 1, 17 and 18 with the cut choice's 23, the layer word and code answers need (round 11)
 #   sila-deep22-far-facts  smollm2-sila-deep22.yaml whose extend stage's retrieval samples are half its text, each
 #                  0.7-0.95 of an 8K row with its facts in the first quarter (FAR_FACTS_RECIPE): passkey at 8K, which
-#                  the recipe finds only 2K back (round 14)
+#                  the recipe loses 4-6K tokens back (round 14)
 #   qheads-next-x2 one 2-GPU session of about 26 minutes: qheads-speed then sila-deep22-seed1 on GPU 0 (the speed
 #                  ratios are each against the teachers timed in the same process), sila-deep26-qheads-keep23 then
 #                  sila-deep22-far-facts on GPU 1
@@ -251,7 +251,7 @@ on_layers() {  # on_layers MIXER LAYERS: the --set value that converts LAYERS to
 # MIXER-far-windows' extend data: every fact past a 4K window from its question (retrieval_data.py)
 FAR_FACTS=(--set "extend.retrieval={ratio: 0.5, length: [0.7, 0.95], depth: [0.0, 0.25]}")
 # the same far facts with the SmolLM2 recipes' own values and restated questions (data.retrieval's), for a recipe
-# whose kept layers are whole: its extend stage then practises answers 5.5-7.8K tokens back in its 8K rows
+# whose kept layers are whole: its extend stage then practises answers 4.3-7.8K tokens back in its 8K rows
 far_mix="{ratio: 0.5, length: [0.7, 0.95], depth: [0.0, 0.25], values: [digits, word, code, code, code, phrase]"
 FAR_FACTS_RECIPE=(--set "extend.retrieval=$far_mix, restated: 0.5}")
 

@@ -195,3 +195,36 @@ def test_positions_give_each_models_loss_over_the_reference_by_span(tmp_path, ca
     with pytest.raises(SystemExit):
         main(args[:2] + ["--positions", "1,4"])
     assert "--positions needs --reference" in capsys.readouterr().err
+
+
+def test_by_depth_gives_a_tasks_accuracy_by_the_needles_depth(tmp_path, capsys):
+    """--by-depth TASK: a row per model and length (--lengths keeps some), a column per depth any report has; a
+    model without the task is left out, and a task no report has is refused with the ones found."""
+
+    def report(name, retrieval):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "report.json").write_text(json.dumps({"retrieval": retrieval}))
+        return f"{name}={tmp_path / name}"
+
+    teacher = {
+        "passkey/standard": {
+            "by_length": {"4096": 0.8, "8192": 0.4},
+            "by_length_depth": {"4096": {"0": 1.0, "1": 0.6}, "8192": {"0": 0.0, "1": 0.8}},
+        }
+    }
+    hybrid = {"passkey/standard": {"by_length": {"8192": 0.5}, "by_length_depth": {"8192": {"0.5": 0.5}}}}
+    other = {"niah_word/standard": {"by_length": {"8192": 0.3}}}
+    args = [report("teacher", teacher), report("hybrid", hybrid), report("other", other)]
+    assert main([*args, "--by-depth", "passkey", "--lengths", "8192"]) == 0
+    out = capsys.readouterr().out.split("\n\n")[-1].splitlines()
+    assert out == [
+        "| model | length | depth 0 | depth 0.5 | depth 1 |",
+        "| --- | --- | --- | --- | --- |",
+        "| teacher | 8K | 0% | - | 80% |",
+        "| hybrid | 8K | - | 50% | - |",
+    ]
+    assert main([*args, "--by-depth", "passkey"]) == 0
+    assert "| teacher | 4K | 100% | - | 60% |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([*args, "--by-depth", "passkeys"])
+    assert "did you mean 'passkey'" in capsys.readouterr().err
