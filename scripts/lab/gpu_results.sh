@@ -136,13 +136,14 @@
 #   qheads-x2      one 2-GPU session of about 25 minutes: sila-deep22-qheads then sse-seed1 on GPU 0,
 #                  sila-deep26-qheads then sila-qheads on GPU 1
 #   sila-deep22-seed1  smollm2-sila-deep22.yaml (a memory per query head since round 14) with every training seed 1
-#   sila-deep26-qheads-keep23  sila-deep26-qheads keeping layers 1, 17, 18 and 23 (SILA26_KEEP23): the restore
-#                  choice's 1, 17 and 18 with the cut choice's 23, the layer word and code answers need (round 11)
+#   sila-deep26-qheads-induction  sila-deep26-qheads keeping layers 17, 18, 20 and 23 (SILA26_INDUCTION): the
+#                  layers with induction heads (scripts/tools/induction_scores.py, docs/LAYER_CHOICE.md), where the
+#                  restore choice keeps 1 instead of 23, the layer word and code answers need (round 11)
 #   sila-deep22-far-facts  smollm2-sila-deep22.yaml whose extend stage's retrieval samples are half its text, each
 #                  0.7-0.95 of an 8K row with its facts in the first quarter (FAR_FACTS_RECIPE): passkey at 8K, which
 #                  the recipe loses 4-6K tokens back (round 14)
 #   qheads-next-x2 one 2-GPU session of about 26 minutes: qheads-speed then sila-deep22-seed1 on GPU 0 (the speed
-#                  ratios are each against the teachers timed in the same process), sila-deep26-qheads-keep23 then
+#                  ratios are each against the teachers timed in the same process), sila-deep26-qheads-induction then
 #                  sila-deep22-far-facts on GPU 1
 #   centred-x2     one 2-GPU session of about 26 minutes: raven-deep22-centred, then raven-centred-seed1 on GPU 0;
 #                  sse-centred, then sse-silarecipe on GPU 1
@@ -242,7 +243,7 @@ SEED1=(--set data.seed=1 --set data.retrieval.seed=1 --set layer_choice.seed=1 -
 SILA15="0,2,6,10-13,15,21,22,25-29"
 SILA22="0,2-6,9-15,19,21,22,24-29"
 SILA26="0,2-16,19,21-29"
-SILA26_KEEP23="0,2-16,19-22,24-29"
+SILA26_INDUCTION="0-16,19,21,22,24-29"
 
 on_layers() {  # on_layers MIXER LAYERS: the --set value that converts LAYERS to MIXER
   printf 'layers=[{mixer: %s, layers: "%s"}]' "$1" "$2"
@@ -441,8 +442,8 @@ PY
     [ "$1" = sila-qheads ] && layers=$SILA15
     trained "${1%-qheads}" "$1" --set "$(on_layers sila "$layers")" --set mixer_settings.sila.state_heads=query
     ;;
-  sila-deep26-qheads-keep23)
-    trained sila-deep26 "$1" --set "$(on_layers sila "$SILA26_KEEP23")" --set mixer_settings.sila.state_heads=query
+  sila-deep26-qheads-induction)
+    trained sila-deep26 "$1" --set "$(on_layers sila "$SILA26_INDUCTION")" --set mixer_settings.sila.state_heads=query
     ;;
   sila-deep22-seed1)
     trained sila-deep22 "$1" "${SEED1[@]}"
@@ -518,9 +519,10 @@ PY
     wait
     ;;
   qheads-next-x2)  # about 26 minutes: the decode cost of a memory per query head, then the 22-layer recipe's second
-    # seed on GPU 0; 26 layers keeping layer 23, then the 22-layer recipe with far facts in extend, on GPU 1
+    # seed on GPU 0; 26 layers keeping the 4 with induction heads, then the 22-layer recipe with far facts in
+    # extend, on GPU 1
     DELTA=0 quick_on 0 qheads-speed sila-deep22-seed1 &
-    DELTA=0 quick_on 1 sila-deep26-qheads-keep23 sila-deep22-far-facts &
+    DELTA=0 quick_on 1 sila-deep26-qheads-induction sila-deep22-far-facts &
     wait
     ;;
   centred-x2)  # two recipes a GPU, about 26 minutes: Raven at 22 then its second seed at 15; SSE with its scorer
@@ -666,7 +668,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 sila-deep22-ddp2-long sila-deep22-qheads-ddp2 deep22-ddp2-x2 sila-deep22-all sila-deep22-all-ddp2 raven-silarecipe sse-silarecipe MIXER-silarecipe-seed1 raven-deep22 sse-deep22 raven-m128 raven-m256 raven-nogumbel raven-centred raven-centred-nogumbel raven-centred-seed1 sse-centred raven-deep22-centred centred-x2 sila-deep22-qheads sila-deep26-qheads sila-qheads qheads-speed qheads-x2 sila-deep22-seed1 sila-deep26-qheads-keep23 sila-deep22-far-facts qheads-next-x2 mixers15-x2 routers15-x2 sse-raven-x2 all-raven-x2 views-check decode-b128-twice scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 sila-deep22-ddp2-long sila-deep22-qheads-ddp2 deep22-ddp2-x2 sila-deep22-all sila-deep22-all-ddp2 raven-silarecipe sse-silarecipe MIXER-silarecipe-seed1 raven-deep22 sse-deep22 raven-m128 raven-m256 raven-nogumbel raven-centred raven-centred-nogumbel raven-centred-seed1 sse-centred raven-deep22-centred centred-x2 sila-deep22-qheads sila-deep26-qheads sila-qheads qheads-speed qheads-x2 sila-deep22-seed1 sila-deep26-qheads-induction sila-deep22-far-facts qheads-next-x2 mixers15-x2 routers15-x2 sse-raven-x2 all-raven-x2 views-check decode-b128-twice scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;
