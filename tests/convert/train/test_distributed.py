@@ -1,7 +1,8 @@
 """Two gloo processes on the CPU (torchrun), as `accelerate launch` runs them on GPUs: align, token weights and train
 under ddp and under fsdp (FSDP2) end with the parameters and the table of one process on the same global batch;
 a sharded 2-process train checkpoint resumes on one process to the same model, and a 2-process evaluation (also
-resumed) writes one process's retrieval answers and perplexities.
+resumed) writes one process's retrieval answers and perplexities. Four processes, as the 4-GPU machine launches
+them, do the same under fsdp and in evaluation.
 
 One process aligns and trains with batch_size 4; the launches with batch_size 2 per process. Raven's Gumbel noise
 is off, so that the runs differ only in how the sums are split (float tolerance)."""
@@ -67,17 +68,18 @@ def launch(
     stages: str,
     base: str | None = "converted",
     sections: dict | None = None,
+    processes: int = 2,
     **env,
 ) -> tuple[Path, subprocess.CompletedProcess]:
-    """Run `stages` on 2 processes under torchrun in a copy of the run `base` (default: the converted one; None: in
-    the run `name` as it is), the recipe's sections updated with `sections`; (run dir, finished process)."""
+    """Run `stages` on `processes` processes under torchrun in a copy of the run `base` (default: the converted one;
+    None: in the run `name` as it is), the recipe's sections updated with `sections`; (run dir, finished process)."""
     root = setup["root"]
     run = root / name
     if base is not None:
         shutil.copytree(root / base, run)
     path = root / f"{name}.yaml"
     path.write_text(
-        yaml.safe_dump(recipe(setup["source"], setup["data"], setup["cache"], 2, strategy) | (sections or {}))
+        yaml.safe_dump(recipe(setup["source"], setup["data"], setup["cache"], processes, strategy) | (sections or {}))
     )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -92,7 +94,7 @@ def launch(
             "OMP_NUM_THREADS": "1",
         }
     )
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", f"--master_port={port}"]
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}", f"--master_port={port}"]
     command += ["-m", "tests.convert.train.launched", str(path), "--run-dir", str(run), "--stages", stages]
     done = subprocess.run(command, env=environment, cwd=repo, capture_output=True, text=True, timeout=600)
     return run, done
@@ -191,6 +193,21 @@ def test_two_processes_align_weight_and_train_as_one(one_process, strategy):
     torch.testing.assert_close(*tables, rtol=0, atol=0, equal_nan=True)  # NaN: the rows train never reads
     assert not tables[0].isnan().all()
     assert not (run / "train" / "checkpoints").exists()
+
+
+def test_four_processes_align_weight_and_train_as_one(one_process):
+    """Four processes under fsdp (one row each, every weight sharded four ways), as the 4-GPU machine runs the 8B
+    plan: align, token weights and train end with one process's models and table, the teacher read in rank order."""
+    loads = one_process["root"] / "loads-four.log"
+    run, done = launch(one_process, "fsdp", "four", "align,weights,train", processes=4, LOG_LOADS=str(loads))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    events = [line.split()[:2] for line in loads.read_text().splitlines() if not line.startswith("alive")]
+    assert events == [[edge, str(rank)] for rank in range(4) for edge in ("start", "end")] * 3, events
+    for stage in ("align", "train"):
+        assert_same_model(run, one_process["run"], stage)
+        assert json.loads((run / stage / "DONE").read_text())["processes"] == 4
+    tables = [torch.load(r / "weights" / "weights.pt", weights_only=True) for r in (run, one_process["run"])]
+    torch.testing.assert_close(*tables, rtol=0, atol=0, equal_nan=True)
 
 
 def test_two_processes_run_a_whole_recipe_from_its_source(one_process):
@@ -329,37 +346,54 @@ def evaluation(root: Path, data: Path) -> dict:
     }
 
 
-def test_two_processes_evaluate_as_one(one_process):
-    """Retrieval answers and perplexities of a 2-process evaluation are one process's (one thread each: the same
-    float sums); speed and pictures come from the main process. A resumed 2-process evaluation runs only the part
-    report.json has not finished, on both processes."""
+@pytest.fixture(scope="module")
+def one_evaluation(one_process) -> Path:
+    """The reference run extended and evaluated (`evaluation`'s section) in this process, on one thread as each
+    launched process runs (OMP_NUM_THREADS=1): the same float sums."""
     setup, root = one_process, one_process["root"]
-    sections = {"evaluate": evaluation(root, setup["data"])}
     shutil.copytree(setup["run"], root / "eval_one")
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each launched process runs (OMP_NUM_THREADS=1)
+    torch.set_num_threads(1)
     try:
-        single = recipe(setup["source"], setup["data"], setup["cache"], 1) | sections
+        single = recipe(setup["source"], setup["data"], setup["cache"], 1)
+        single |= {"evaluate": evaluation(root, setup["data"])}
         run_recipe(parse_recipe(single), root / "eval_one", stages=["extend", "evaluate"])
     finally:
         torch.set_num_threads(threads)
-    run, done = launch(setup, "ddp", "eval_two", "extend,evaluate", base="one", sections=sections)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    ours, theirs = (json.loads((r / "evaluate" / "report.json").read_text()) for r in (run, root / "eval_one"))
+    return root / "eval_one"
+
+
+def assert_evaluated_as_one(run: Path, reference: Path) -> dict:
+    """`run`'s evaluation has the reference's retrieval answers and perplexities, with speed and pictures; its
+    report."""
+    ours, theirs = (json.loads((r / "evaluate" / "report.json").read_text()) for r in (run, reference))
     assert ours["finished"] == theirs["finished"] and "failed" not in ours and set(ours["pictures"])
     assert ours["retrieval"] == theirs["retrieval"] and set(ours["retrieval"]) == {
         "passkey/standard",
         "niah_single_2/standard",
     }
     for name in ("retrieval_passkey_standard.json", "retrieval_niah_single_2_standard.json"):
-        answers = [json.loads((r / "evaluate" / name).read_text())["results"] for r in (run, root / "eval_one")]
+        answers = [json.loads((r / "evaluate" / name).read_text())["results"] for r in (run, reference)]
         assert answers[0] == answers[1] and len(answers[0]) == 8
-    timing = ("seconds", "tokens_per_second")
-    lengths = [
-        [{k: v for k, v in e.items() if k not in timing} for e in r["perplexity"]["results"]] for r in (ours, theirs)
-    ]
+    lengths = [without_timing(r["perplexity"]["results"]) for r in (ours, theirs)]
     assert lengths[0] == lengths[1] and [e["windows"] for e in lengths[0]] == [3, 3]
     assert [e["context_length"] for e in ours["speed"]] == [16]
+    return ours
+
+
+def without_timing(results: list[dict]) -> list[dict]:
+    return [{k: v for k, v in e.items() if k not in ("seconds", "tokens_per_second")} for e in results]
+
+
+def test_two_processes_evaluate_as_one(one_process, one_evaluation):
+    """Retrieval answers and perplexities of a 2-process evaluation are one process's; speed and pictures come from
+    the main process. A resumed 2-process evaluation runs only the part report.json has not finished, on both
+    processes."""
+    setup, root = one_process, one_process["root"]
+    sections = {"evaluate": evaluation(root, setup["data"])}
+    run, done = launch(setup, "ddp", "eval_two", "extend,evaluate", base="one", sections=sections)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    ours = assert_evaluated_as_one(run, one_evaluation)
     (run / "evaluate" / "DONE").unlink()
     ours["finished"].remove("perplexity")
     (run / "evaluate" / "report.json").write_text(json.dumps(ours))
@@ -368,4 +402,14 @@ def test_two_processes_evaluate_as_one(one_process):
     assert done.stderr.count("resuming: retrieval passkey (standard), ") == 1 and "8 prompts" not in done.stderr
     resumed = json.loads((run / "evaluate" / "report.json").read_text())
     assert resumed["finished"][-1] == "perplexity" and (run / "evaluate" / "DONE").is_file()
-    assert [{k: v for k, v in e.items() if k not in timing} for e in resumed["perplexity"]["results"]] == lengths[1]
+    assert without_timing(resumed["perplexity"]["results"]) == without_timing(ours["perplexity"]["results"])
+
+
+def test_four_processes_evaluate_as_one(one_process, one_evaluation):
+    """Split four ways, the shares are uneven (retrieval batches of up to 3 prompts, 3 perplexity windows a length,
+    fewer than the processes): the answers and perplexities are still one process's."""
+    setup = one_process
+    sections = {"evaluate": evaluation(setup["root"], setup["data"])}
+    run, done = launch(setup, "ddp", "eval_four", "extend,evaluate", base="one", sections=sections, processes=4)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert_evaluated_as_one(run, one_evaluation)
