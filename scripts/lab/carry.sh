@@ -26,7 +26,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d .whl pydantic pydantic-core annotated-types typing-inspection 2>&1 | grep -v "is ignored" || true
 
-checkout_kib=$(git ls-files -z | xargs -0 du -ck 2>/dev/null | tail -1 | cut -f1)
+checkout_kib=$(git ls-files -z | du -ck --files0-from=- 2>/dev/null | tail -1 | cut -f1)
 whl_kib=$(du -sk .whl | cut -f1)
 part_kib=$((limit_kib - margin_kib - checkout_kib - whl_kib)) # every part leaves room for the wheels
 if [ "$part_kib" -lt 4096 ]; then
