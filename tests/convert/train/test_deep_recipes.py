@@ -1,7 +1,7 @@
 """The deep SILA recipes (smollm2-sila-deep22/26.yaml) convert 22 and 26 of 30 layers: 22 as the half-depth recipe's
 layer choice picked them for SmolLM2 (each layer cut in turn), with a memory per query head, 26 chosen by restoring
 attention into the model with every layer ablated; the progressive one converts the half-depth recipe's hybrid
-further to 22. Their convert stage, on a 30-layer tiny Llama at CPU size."""
+further to 22. Their convert stage (and the 22-layer one's training stages), on a 30-layer tiny Llama at CPU size."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM
 
 from raven_convert.layer_spec import parse_layer_spec
@@ -28,10 +29,11 @@ def inputs(tmp_path_factory) -> list[str]:
     return [f"source={teacher}", f"data.source={corpus}"]
 
 
-def test_the_deep22_recipe_converts_its_22_layers_with_a_memory_per_query_head(inputs, tmp_path):
+def test_the_deep22_recipe_trains_its_22_layers_with_a_memory_per_query_head(inputs, tmp_path):
     """smollm2-sila-deep22.yaml writes out the 22 layers auto:22 picked for SmolLM2 (its header says so) and gives
     each query head its own memory; the rest is the half-depth recipe. Converted, each of its layers keeps as many
-    memories as the teacher has query heads (the tiny Llama: 4, over 2 kv heads)."""
+    memories as the teacher has query heads (the tiny Llama: 4, over 2 kv heads), whose k/v rows start as copies of
+    their kv head's; every training stage runs on them, and training sets the copies apart."""
     recipe = load_recipe(RECIPES / "smollm2-sila-deep22.yaml", inputs + CPU_BUDGET)
     (assignment,) = recipe.layers
     layers = parse_layer_spec(assignment.layers, 30)
@@ -41,11 +43,19 @@ def test_the_deep22_recipe_converts_its_22_layers_with_a_memory_per_query_head(i
     half = load_recipe(RECIPES / "smollm2-sila.yaml", inputs + CPU_BUDGET)
     own = {"layers", "layer_choice", "mixer_settings"}
     assert recipe.model_dump(exclude=own) == half.model_dump(exclude=own)
-    done = run_recipe(recipe, tmp_path / "run", stages=["convert"])
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / done["convert"]["model"], trust_remote_code=True)
-    mixers = {i: layer.self_attn for i, layer in enumerate(model.model.layers) if i in layers}
-    assert len(mixers) == 22 and {m.num_kv_heads for m in mixers.values()} == {4}
-    assert all(m.source_kv_heads == 2 for m in mixers.values())
+    done = run_recipe(recipe, tmp_path / "run", stages=["convert", "align", "weights", "train", "extend"])
+
+    def k_copies(stage: str) -> list[torch.Tensor]:
+        """Per converted layer, the k projection's rows as [kv head, its 2 query heads' copies, rows a head]."""
+        path = tmp_path / "run" / done[stage]["model"]
+        model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+        mixers = [layer.self_attn for i, layer in enumerate(model.model.layers) if i in layers]
+        assert len(mixers) == 22 and {(m.num_kv_heads, m.source_kv_heads) for m in mixers} == {(4, 2)}
+        return [m.k_proj.weight.detach().unflatten(0, (2, 2, -1)) for m in mixers]
+
+    assert all(torch.equal(k[:, 0], k[:, 1]) for k in k_copies("convert"))
+    assert done["extend"]["steps_this_run"] == 1
+    assert all(not torch.equal(k[:, 0], k[:, 1]) for k in k_copies("extend"))
 
 
 def test_the_deep26_recipe_converts_26_layers_chosen_by_restoring(inputs, tmp_path):
