@@ -52,6 +52,7 @@ KERNELS = {
     "sila_bwd": sila_bwd_kernels.sila_bwd_kernel_recurrent,
     "sila_dkv": sila_bwd_kernels.sila_bwd_kernel_dkv,
     "sila_step": sila_fwd_kernels.sila_fwd_kernel_decode,  # the one-kernel decode steps, from a layer's products
+    "sila_step_query": sila_fwd_kernels.sila_fwd_kernel_decode,  # SILA's step with a memory per query head
     "raven_step": fused_recurrent.raven_fwd_kernel_decode,
     "sse_step": sse_recurrent.sse_fwd_kernel_step,
 }
@@ -125,7 +126,7 @@ def kernel_rows(D: int, M: int, names: list[str]) -> list[tuple]:
             raise ValueError(f"--kernels: unknown kernel {name!r}; allowed: {', '.join(KERNELS)}")
     rows = []
     for name in names:
-        if name.endswith("_step"):
+        if name in STEPS:
             rows.append(step_row(name, D, M))
             continue
         if name.startswith("sila_"):
@@ -163,16 +164,21 @@ def sila_row(name: str, D: int) -> tuple:
     return (name, "-", warps, 1, used["registers"], used["stack"], used["shared"])
 
 
+STEPS = ("sila_step", "sila_step_query", "raven_step", "sse_step")
+
+
 def step_row(name: str, D: int, M: int) -> tuple:
     """(name, slots per block or "-", warps, stages, registers, stack, shared) of a one-kernel decode step as its
     mixer launches it at batch 1 (one program per key/value head): SmolLM2's 3 key/value heads of 3 query heads,
     head dim D, every option on (q/k norms, output gate and norm, padding mask); Raven with M slots and top-32, SSE
-    with its recipe's n4k1, LoRA rank 64 and the shared partition, SILA with a 4-tap convolution."""
+    with its recipe's n4k1, LoRA rank 64 and the shared partition, SILA with a 4-tap convolution (sila_step_query:
+    with a memory per query head, `state_heads: query`, so 9 memories of one query head each)."""
     G, BG = 3, 4
     flags = dict(HAS_QK_NORM=True, HAS_MASK=True, SILU=True)
-    if name == "sila_step":
+    if name in ("sila_step", "sila_step_query"):
         warps, BM = sila_utils.step_warps(D, D), "-"
-        constants = dict(H=3, G=G, K=D, KB=sila_utils.sweep_block(D), TAPS=4, GATED=True, **flags)
+        H, G = (9, 1) if name == "sila_step_query" else (3, G)
+        constants = dict(H=H, G=G, K=D, KB=sila_utils.sweep_block(D), TAPS=4, GATED=True, **flags)
     elif name == "raven_step":
         (BM, warps), K = fused_recurrent.decode_config(M, G, D), min(32, M)
         constants = dict(H=3, G=G, M=M, D=D, K=K, BG=BG, BM=BM, BD=D, BK=K, BMALL=M, NS=1, MB=-(-M // BM), BS=1)

@@ -3,8 +3,10 @@ read and written per second against the GPU's copy bandwidth.
 
     python scripts/bench/sweep_sila_decode.py --out OUT --batches 1,32,128
     python scripts/bench/sweep_sila_decode.py --out OUT --batches 128 --warps 2,4,8
+    python scripts/bench/sweep_sila_decode.py --out OUT --batches 1,32,128 --state-heads query
 
-SmolLM2-135M's SILA layer (3 key/value heads of 3 query heads, 64 channels, a 4-tap convolution, the output gate),
+SmolLM2-135M's SILA layer (3 key/value heads of 3 query heads, 64 channels, a 4-tap convolution, the output gate;
+with `--state-heads query` a memory per query head, `state_heads: query`: 9 memories of one query head each),
 bf16 projections as row views of one product, a float32 memory, one token a row. Each choice runs the step
 (`fused_recurrent_sila_decode`: the q/k norms, the convolution and its tail, the gates, the memory's update and the
 reads, the output gate) inside a CUDA graph of 20 calls, as a graphed decode step runs it; a row's bandwidth is the
@@ -14,6 +16,7 @@ abs difference). Writes OUT/sweep_sila_decode.json and prints, per batch, the de
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -26,11 +29,13 @@ from common import warps_sweep  # noqa: E402
 from raven_kernels.sila import fused_recurrent_sila_decode, utils  # noqa: E402
 from raven_kernels.sila.fused_recurrent import decode_warps  # noqa: E402
 
-H, G, D, TAPS = 3, 3, 64, 4
+D, TAPS = 64, 4
+LAYOUTS = {"kv": (3, 3), "query": (9, 1)}  # state_heads -> (memories H, query heads a memory reads G)
+H, G = LAYOUTS["kv"]
 
 
 def inputs(batch: int) -> tuple[tuple, dict]:
-    """The step's arguments but the memory and the tail, and those two."""
+    """The step's arguments but the memory and the tail, and those two, for the layout in H and G."""
     g = torch.Generator(device="cuda").manual_seed(batch)
 
     def randn(*shape, dtype=torch.bfloat16):
@@ -55,10 +60,15 @@ def step(args: tuple, state: dict) -> torch.Tensor:
 
 
 def main(argv=None) -> None:
+    global H, G
+    layout = argparse.ArgumentParser(add_help=False)
+    layout.add_argument("--state-heads", choices=sorted(LAYOUTS), default="kv")
+    known, rest = layout.parse_known_args(argv)
+    H, G = LAYOUTS[known.state_heads]
     warps_sweep(
-        argv, __doc__, "sweep_sila_decode", utils.step_warps(D, D), decode_warps, inputs, step,
+        rest, __doc__, "sweep_sila_decode", utils.step_warps(D, D), decode_warps, inputs, step,
         lambda state: 2 * state["memory"].numel() * 4,  # the memory read and written
-        heads=H, group=G, head_dim=D, taps=TAPS,
+        heads=H, group=G, head_dim=D, taps=TAPS, state_heads=known.state_heads,
     )  # fmt: skip
 
 

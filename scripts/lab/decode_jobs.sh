@@ -71,13 +71,18 @@ decode_depth() {  # SILA at 22 and 26 of 30 against the teacher on both engines,
     --batches 128 --contexts 16k --steps 16
 }
 
-decode_qheads() {  # SILA at 15, 22 and 26 of 30 with a memory per kv head (the recipes') and per query head
-  # (state_heads query, 3x the memories), at batch 1 and 128 at 16K, each run against both teachers
+decode_qheads() {  # SILA at 22 and 26 of 30 with a memory per kv head and per query head (state_heads query, 3x
+  # the memories; the 22-layer recipe's since round 14), at batch 1 and 128 at 16K, each run against both teachers
   local out="$RUNS/decode-bench" && mkdir -p "$out"
-  timeout 420 python3 scripts/bench/bench_generate.py --out "$out/depth-kv" --mixers sila --depths 15,22,26 \
+  timeout 420 python3 scripts/bench/bench_generate.py --out "$out/depth-kv" --mixers sila --depths 22,26 \
     --batches 1,128 --contexts 16k --steps 16
-  timeout 420 python3 scripts/bench/bench_generate.py --out "$out/depth-qheads" --mixers sila --depths 15,22,26 \
+  timeout 420 python3 scripts/bench/bench_generate.py --out "$out/depth-qheads" --mixers sila --depths 22,26 \
     --batches 1,128 --contexts 16k --steps 16 --mixer-settings recipe,sila.state_heads=query
+  # the step kernel alone in each layout, every warp count (3x the programs at one warp each: about two waves of
+  # 8 one-warp programs an SM at batch 128, by kernel_resources.py's 255 registers)
+  timeout 90 python3 scripts/bench/sweep_sila_decode.py --out "$out/sweep-kv" --batches 1,32,128
+  timeout 90 python3 scripts/bench/sweep_sila_decode.py --out "$out/sweep-qheads" --batches 1,32,128 \
+    --state-heads query
 }
 
 decode_profile_26() {  # where the 26-layer SILA hybrid's batch-128 step goes under the current defaults, kernel by kernel

@@ -130,9 +130,10 @@
 #                  smollm2-sila.yaml on its own (SILA15: no new layer scan), with a memory per query head
 #                  (sila.state_heads query: 3x the memories, k/v widened from the teacher's): round 13 found the deep
 #                  hybrids' excess loss past position 64, growing to 512 and beyond
-#   qheads-speed   times, alone (about 12 minutes): SILA at 15, 22 and 26 of 30 at batch 1 and 128 at 16K with a
-#                  memory per kv head, then per query head (bench_generate.py --mixer-settings
-#                  recipe,sila.state_heads=query), each against both teachers
+#   qheads-speed   times (about 10 minutes): SILA at 22 and 26 of 30 at batch 1 and 128 at 16K with a memory per
+#                  kv head, then per query head (bench_generate.py --mixer-settings recipe,sila.state_heads=query),
+#                  each against both teachers in its process; then SILA's step kernel alone in each layout, every
+#                  warp count (sweep_sila_decode.py [--state-heads query])
 #   qheads-x2      one 2-GPU session of about 25 minutes: sila-deep22-qheads then sse-seed1 on GPU 0,
 #                  sila-deep26-qheads then sila-qheads on GPU 1
 #   sila-deep22-seed1  smollm2-sila-deep22.yaml (a memory per query head since round 14) with every training seed 1

@@ -26,3 +26,15 @@ def test_a_small_sweep_records_every_choice(tmp_path):
     assert rows[0]["default"] and rows[0]["warps"] == default
     assert [r["warps"] for r in rows[1:]] == [w for w in (2, 4) if w != default]
     assert all(r["us"] > 0 and r["max_diff"] < 1e-3 for r in rows)
+
+
+def test_a_memory_per_query_head_is_swept_in_its_own_layout(tmp_path):
+    """--state-heads query: 9 memories of one query head each, recorded as such, every choice the default's output."""
+    import sweep_sila_decode
+
+    sweep_sila_decode.main(["--out", str(tmp_path), "--batches", "2", "--warps", "2", "--state-heads", "query"])
+    record = json.loads((tmp_path / "sweep_sila_decode.json").read_text())
+    assert (record["info"]["heads"], record["info"]["group"], record["info"]["state_heads"]) == (9, 1, "query")
+    assert all(r["us"] > 0 and r["max_diff"] < 1e-3 for r in record["rows"])
+    sweep_sila_decode.main(["--out", str(tmp_path), "--batches", "2", "--warps", "2"])
+    assert json.loads((tmp_path / "sweep_sila_decode.json").read_text())["info"]["heads"] == 3
