@@ -161,6 +161,11 @@
 #                  steps as graphs holding their all-reduces, tokens/s and memory (scripts/bench/bench_scale_out.py):
 #                  what data parallel gains over one graphed GPU; then the GPU tests of those graphs on two GPUs
 #   scale-out-round-8-x2  scale-out, then decode-round-8-x2, on a 2-GPU host (about 25 minutes)
+#   memory-plan    the 8B-shaped conversion's memory per GPU and per process, stage by stage, and align's and train's
+#                  tokens/s on 1, 2, ... up to all of the host's GPUs, under ddp and fsdp (scripts/bench/memory_plan.py:
+#                  docs/SCALE_OUT.md's table, measured again where a fix came after it, and at N = 4 on a 4-GPU host)
+#   scale-x4       issue 53 on a 4-GPU host: scale-out's runs at N = 4 under strong and weak scaling, then
+#                  memory-plan (both take every GPU; start it alone)
 #   decode-lab     times, so alone on the machine: the split-K attention's tilings at 16K (sweep_decode_attention.py),
 #                  a batch-1 step's kernels and time under the default options and Inductor's own (profile_decode.py),
 #                  SILA 15/30 at batch 1, 32, 128 and 16K, every mixer at batch 1 at 4K and 16K (bench_generate.py),
@@ -555,6 +560,17 @@ PY
   views-check)  # round 8's fixes on the GPU (round 9 ran it beside the deep run, on GPU 1)
     views_check
     ;;
+  memory-plan)
+    local n gpus=1
+    for ((n = 2; n <= $(nvidia-smi -L | wc -l); n *= 2)); do gpus+=",$n"; done
+    python3 scripts/bench/memory_plan.py --processes "$gpus" --strategy ddp,fsdp --out "$RUNS/memory-plan"
+    ;;
+  scale-x4)  # both scalings at N = 4 (the 2-GPU rows are docs/SCALE_OUT.md's), then the 8B plan at 1, 2 and 4
+    python3 scripts/bench/bench_scale_out.py recipes/smollm2-sila.yaml --src "$TEACHER" --data "$CORPUS" --gpus 4 \
+      --align-steps 60 --train-steps 40 --max-documents 400 --scaling strong,weak --graphed align,train \
+      --out "$RUNS/scale-out-x4"
+    run memory-plan
+    ;;
   scale-out)
     python3 scripts/bench/bench_scale_out.py recipes/smollm2-sila.yaml --src "$TEACHER" --data "$CORPUS" \
       --gpus "$(nvidia-smi -L | wc -l)" --align-steps 60 --train-steps 40 --max-documents 400 --scaling weak \
@@ -669,7 +685,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 sila-deep22-ddp2-long sila-deep22-qheads-ddp2 deep22-ddp2-x2 sila-deep22-all sila-deep22-all-ddp2 raven-silarecipe sse-silarecipe MIXER-silarecipe-seed1 raven-deep22 sse-deep22 raven-m128 raven-m256 raven-nogumbel raven-centred raven-centred-nogumbel raven-centred-seed1 sse-centred raven-deep22-centred centred-x2 sila-deep22-qheads sila-deep26-qheads sila-qheads qheads-speed qheads-x2 sila-deep22-seed1 sila-deep26-qheads-induction sila-deep22-far-facts qheads-next-x2 mixers15-x2 routers15-x2 sse-raven-x2 all-raven-x2 views-check decode-b128-twice scale-out decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 sila-deep22-ddp2-long sila-deep22-qheads-ddp2 deep22-ddp2-x2 sila-deep22-all sila-deep22-all-ddp2 raven-silarecipe sse-silarecipe MIXER-silarecipe-seed1 raven-deep22 sse-deep22 raven-m128 raven-m256 raven-nogumbel raven-centred raven-centred-nogumbel raven-centred-seed1 sse-centred raven-deep22-centred centred-x2 sila-deep22-qheads sila-deep26-qheads sila-qheads qheads-speed qheads-x2 sila-deep22-seed1 sila-deep26-qheads-induction sila-deep22-far-facts qheads-next-x2 mixers15-x2 routers15-x2 sse-raven-x2 all-raven-x2 views-check decode-b128-twice scale-out memory-plan scale-x4 decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;
