@@ -15,7 +15,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "kernel_res
 SHARED_LIMIT = 227 * 1024  # bytes of shared memory per block on sm_90
 KERNELS = ["o", "dq", "dkv", "dlf", "h", "dh", "gate", "dhc", "scan", "decode"]
 SILA = ["sila_fwd", "sila_o", "sila_dq", "sila_bwd", "sila_dkv"]
-STEPS = ["sila_step", "raven_step", "sse_step"]
+STEPS = ["sila_step", "sila_step_query", "raven_step", "sse_step"]  # sila_step_query: a memory per query head
 SWEEPS = {"sila_fwd", "sila_bwd", *STEPS}  # one step's latency is the whole kernel's: a spill there costs every step
 
 
