@@ -20,7 +20,7 @@ import json
 import math
 from pathlib import Path
 
-from raven_convert.evaluate.compare import load_report, quality, report_path
+from raven_convert.evaluate.compare import length_label, load_report, quality, report_path
 from raven_convert.files import atomic_file, write_json, write_png
 from raven_convert.train.recipe_schema import STAGES
 from raven_convert.train.run_state import MARKER
@@ -98,7 +98,7 @@ def budget_table(points: list[dict], within: float, target: float, fit: dict | N
     """Markdown: a row per run, then what the fit says of the target."""
     lengths = sorted({n for p in points for n in p["passkey"]})
     header = ["run", "tokens read", "GPU-min (training)", "ppl (x teacher)", f"cells within {within:g}"]
-    header += [f"passkey {n // 1024}K" for n in lengths]
+    header += [f"passkey {length_label(n)}" for n in lengths]
     rows = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for p in points:
         ppl = "-" if p["perplexity"] is None else f"{p['perplexity']:.2f}"

@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 from raven_convert.budget import budget
-from raven_convert.evaluate.compare import load_report, quality, report_path
+from raven_convert.evaluate.compare import length_label, load_report, quality, report_path
 from raven_convert.files import atomic_file, write_json, write_png
 
 DEFAULT_BATCHES = (32, 128)
@@ -66,8 +66,8 @@ def sweep_table(points: list[dict], within: float) -> str:
     speeds = sorted({key for p in points for key in p.get("speed", {})}, key=lambda k: [int(x) for x in k.split("x")])
     lengths = sorted({n for p in points for n in p["passkey"]})
     header = ["converted", "kept attention", "ppl (x teacher)", f"cells within {within:g}"]
-    header += [f"passkey {n // 1024}K" for n in lengths] + ["KV bytes/token (x teacher)"]
-    header += [f"throughput B{k.split('x')[0]} @{int(k.split('x')[1]) // 1024}K" for k in speeds]
+    header += [f"passkey {length_label(n)}" for n in lengths] + ["KV bytes/token (x teacher)"]
+    header += [f"throughput B{k.split('x')[0]} @{length_label(int(k.split('x')[1]))}" for k in speeds]
     rows = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     teacher_kv = points[0]["kv_bytes_per_token"]
     for p in points:

@@ -90,3 +90,8 @@ def kv_per_token(report: dict) -> float | None:
         if cache and entry.get("context_length") and not entry.get("skipped"):
             return cache.get("attention", 0) / entry["context_length"]
     return None
+
+
+def length_label(n: int) -> str:
+    """A length in tokens as the tables write it: 2K for 2,048, the number itself where it is not a whole K."""
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)

@@ -47,7 +47,15 @@ from pathlib import Path
 from raven_layers.common import did_you_mean
 
 from ..files import write_png
-from .compare import cells_under, load_report, loss_curve_at, perplexity_at, report_path, retrieval_cells
+from .compare import (
+    cells_under,
+    length_label,
+    load_report,
+    loss_curve_at,
+    perplexity_at,
+    report_path,
+    retrieval_cells,
+)
 from .retrieval import load_results, past_window
 
 
@@ -95,10 +103,6 @@ def speed_at(report: dict, length: int) -> dict | None:
     return None
 
 
-def short(n: int) -> str:
-    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
-
-
 def mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.0f} KiB"
 
@@ -113,9 +117,12 @@ def table(reports: dict[str, dict], reference: str | None, ppl_length: int, spee
                 lengths += [int(n) for n in summary["by_length"] if int(n) not in lengths]
     bases = list(dict.fromkeys(task.partition("@")[0] for task in tasks))
     tasks = {t: tasks[t] for t in sorted(tasks, key=lambda t: bases.index(t.partition("@")[0]))}  # TASK@NAME by TASK
-    header = ["model", f"ppl @{short(ppl_length)}"]
-    header += [f"{task} {short(n)}" for task, lengths in tasks.items() for n in sorted(lengths)]
-    header += [f"decode tok/s @{short(speed_length)}, batch 1", f"cache/state per sequence @{short(speed_length)}"]
+    header = ["model", f"ppl @{length_label(ppl_length)}"]
+    header += [f"{task} {length_label(n)}" for task, lengths in tasks.items() for n in sorted(lengths)]
+    header += [
+        f"decode tok/s @{length_label(speed_length)}, batch 1",
+        f"cache/state per sequence @{length_label(speed_length)}",
+    ]
     rows = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     base = perplexity_at(reports[reference], ppl_length) if reference else None
     for name, report in reports.items():
@@ -141,7 +148,7 @@ def table(reports: dict[str, dict], reference: str | None, ppl_length: int, spee
 
 
 def cell_name(cell: tuple[str, int]) -> str:
-    return f"{cell[0]} {short(cell[1])}"
+    return f"{cell[0]} {length_label(cell[1])}"
 
 
 def within_reference(reports: dict[str, dict], reference: str, points: float, variant: str, lengths, tasks=None) -> str:
@@ -232,7 +239,7 @@ def by_depth(reports: dict[str, dict], task: str, variant: str, lengths=None) ->
             if lengths and int(n) not in lengths:
                 continue
             at = {float(d): value for d, value in cells.items()}
-            rows.append([name, short(int(n)), *(f"{100 * at[d]:.0f}%" if d in at else "-" for d in depths)])
+            rows.append([name, length_label(int(n)), *(f"{100 * at[d]:.0f}%" if d in at else "-" for d in depths)])
     return "\n".join("| " + " | ".join(row) + " |" for row in rows)
 
 
@@ -258,7 +265,7 @@ def position_excess(
 
 def loss_by_position(reports: dict[str, dict], excess_by_model: dict, length: int, edges: list[int]) -> str:
     """`position_excess`'s result as a table, with each model's perplexity."""
-    header = ["model", f"ppl @{short(length)}", *(f"positions {a}-{b - 1}" for a, b in zip(edges, edges[1:]))]
+    header = ["model", f"ppl @{length_label(length)}", *(f"positions {a}-{b - 1}" for a, b in zip(edges, edges[1:]))]
     rows = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for name, excess in excess_by_model.items():
         ppl = perplexity_at(reports[name], length)

@@ -78,6 +78,10 @@ def test_quality_and_throughput_parts():
     assert throughput(SPEED, "sila-2of4") == {"128x16384": 2.0} and throughput(SPEED, "sila-3of4") == {}
     point = {"depth": 0, "layers": 4, **q, "speed": {}}
     assert "| 0 of 4 | 4 | 11.00 (1.10x) | 1 of 1 | 85% | 50% | 25 (1.00x) |" in sweep_table([point], 10)
+    short = {**point, "passkey": {512: 100.0, 1024: 85.0}}  # a CPU-size run's lengths: 512 is not "0K"
+    assert (
+        sweep_table([short], 10).splitlines()[0].endswith("| passkey 512 | passkey 1K | KV bytes/token (x teacher) |")
+    )
     for bad in ("0,2", "x", ""):
         with pytest.raises(ValueError, match="--depths"):
             parse_depths(bad)
