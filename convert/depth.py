@@ -220,6 +220,8 @@ def run(args) -> str:
         raise ValueError(f"layers: the sweep converts auto:N of one mixer; {args.recipe} assigns {len(base.layers)}")
     if base.evaluate is None:
         raise ValueError(f"evaluate: {args.recipe} does not evaluate; the sweep compares evaluations (set evaluate)")
+    if args.ppl_length is None:  # the length the recipe's evaluation measures, not one it skips
+        args.ppl_length = base.evaluate.ppl_lengths[0] if base.evaluate.ppl_lengths else 2048
     root, mixer = Path(args.run_root), base.layers[0].mixer
     recipes = {
         d: load_recipe(args.recipe, inputs + args.overrides + [f'layers=[{{mixer: {mixer}, layers: "auto:{d}"}}]'])
@@ -298,13 +300,20 @@ def build_parser() -> argparse.ArgumentParser:
             "--lengths", type=parse_lengths, default=None, help="the retrieval lengths compared (default: all)"
         )
         p.add_argument("--within", type=float, default=10.0, help="points under the teacher a cell may be (10)")
-        p.add_argument("--ppl-length", type=int, default=2048, help="the perplexity compared (2048)")
+        p.add_argument(
+            "--ppl-length",
+            type=int,
+            default=None,
+            help="the perplexity compared (run: the recipe's first evaluate.ppl_lengths; else 2048)",
+        )
         p.add_argument("--title", default=None)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command != "run" and args.ppl_length is None:
+        args.ppl_length = 2048
     try:
         if args.command == "run":
             print(run(args))

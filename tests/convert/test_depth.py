@@ -5,6 +5,7 @@ bench_generate.py's rows."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,8 @@ def test_run_converts_at_each_depth_once_and_resumes(tmp_path, capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "| 1 of 4 | 3 |" in out and "| 3 of 4 | 1 |" in out and "no CUDA device" in out
+    # perplexity at the recipe's own length (64), with no --ppl-length given
+    assert re.search(r"\| 3 of 4 \| 1 \| [0-9.]+ \([0-9.]+x\) \|", out), out
     for depth in (1, 3):
         config = json.loads((root / f"auto{depth}" / "convert" / "model" / "config.json").read_text())
         assert sum(kind == "sila" for kind in config["layer_mixers"]) == depth
