@@ -143,9 +143,12 @@
 #   sila-deep22-far-facts  smollm2-sila-deep22.yaml whose extend stage's retrieval samples are half its text, each
 #                  0.7-0.95 of an 8K row with its facts in the first quarter (FAR_FACTS_RECIPE): passkey at 8K, which
 #                  the recipe loses 4-6K tokens back (round 14)
-#   qheads-next-x2 one 2-GPU session of about 26 minutes: qheads-speed then sila-deep22-seed1 on GPU 0 (the speed
+#   sila-deep22-seed1-far-facts  sila-deep22-far-facts from sila-deep22-seed1's trained model: it waits for that
+#                  run's train stage, copies the run without extend and evaluation, and extends it with far facts (the
+#                  stages before are done already), so the two runs differ in their extend data alone
+#   qheads-next-x2 one 2-GPU session of about 25 minutes: qheads-speed then sila-deep22-seed1 on GPU 0 (the speed
 #                  ratios are each against the teachers timed in the same process), sila-deep26-qheads-induction then
-#                  sila-deep22-far-facts on GPU 1
+#                  sila-deep22-seed1-far-facts on GPU 1
 #   centred-x2     one 2-GPU session of about 26 minutes: raven-deep22-centred, then raven-centred-seed1 on GPU 0;
 #                  sse-centred, then sse-silarecipe on GPU 1
 #   mixers15-x2    one 2-GPU session of about 26 minutes: sse-raven-x2's two runs, then raven-m128 after SSE on GPU 0
@@ -457,6 +460,16 @@ PY
   sila-deep22-far-facts)
     trained sila-deep22 "$1" "${FAR_FACTS_RECIPE[@]}"
     ;;
+  sila-deep22-seed1-far-facts)  # sila-deep22-seed1's trained model (waited for, up to 30 minutes, and copied
+    # without its extend and evaluation) extended with FAR_FACTS_RECIPE: the same hybrid both ways, 5 minutes
+    local from="$RUNS/sila-deep22-seed1" waited=0
+    until [ -f "$from/train/DONE" ]; do
+      ((waited += 10)) && ((waited <= 1800)) || { echo "$1: no $from/train/DONE after 30 minutes"; return 1; }
+      sleep 10
+    done
+    rm -rf "${RUNS:?}/$1" && cp -a "$from" "$RUNS/$1" && rm -rf "$RUNS/$1/extend" "$RUNS/$1/evaluate"
+    trained sila-deep22 "$1" "${SEED1[@]}" "${FAR_FACTS_RECIPE[@]}"
+    ;;
   sila-deep22-ddp4 | sila-deep26-ddp4)
     local recipe=${1%-ddp4}
     PROCESSES=4 trained "$recipe" "$1"
@@ -525,10 +538,10 @@ PY
     wait
     ;;
   qheads-next-x2)  # about 26 minutes: the decode cost of a memory per query head, then the 22-layer recipe's second
-    # seed on GPU 0; 26 layers keeping the 4 with induction heads, then the 22-layer recipe with far facts in
-    # extend, on GPU 1
+    # seed on GPU 0; 26 layers keeping the 4 with induction heads, then that second seed's model extended with far
+    # facts, on GPU 1
     DELTA=0 quick_on 0 qheads-speed sila-deep22-seed1 &
-    DELTA=0 quick_on 1 sila-deep26-qheads-induction sila-deep22-far-facts &
+    DELTA=0 quick_on 1 sila-deep26-qheads-induction sila-deep22-seed1-far-facts &
     wait
     ;;
   centred-x2)  # two recipes a GPU, about 26 minutes: Raven at 22 then its second seed at 15; SSE with its scorer
@@ -685,7 +698,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 sila-deep22-ddp2-long sila-deep22-qheads-ddp2 deep22-ddp2-x2 sila-deep22-all sila-deep22-all-ddp2 raven-silarecipe sse-silarecipe MIXER-silarecipe-seed1 raven-deep22 sse-deep22 raven-m128 raven-m256 raven-nogumbel raven-centred raven-centred-nogumbel raven-centred-seed1 sse-centred raven-deep22-centred centred-x2 sila-deep22-qheads sila-deep26-qheads sila-qheads qheads-speed qheads-x2 sila-deep22-seed1 sila-deep26-qheads-induction sila-deep22-far-facts qheads-next-x2 mixers15-x2 routers15-x2 sse-raven-x2 all-raven-x2 views-check decode-b128-twice scale-out memory-plan scale-x4 decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 sila-deep22-ddp2-long sila-deep22-qheads-ddp2 deep22-ddp2-x2 sila-deep22-all sila-deep22-all-ddp2 raven-silarecipe sse-silarecipe MIXER-silarecipe-seed1 raven-deep22 sse-deep22 raven-m128 raven-m256 raven-nogumbel raven-centred raven-centred-nogumbel raven-centred-seed1 sse-centred raven-deep22-centred centred-x2 sila-deep22-qheads sila-deep26-qheads sila-qheads qheads-speed qheads-x2 sila-deep22-seed1 sila-deep26-qheads-induction sila-deep22-far-facts sila-deep22-seed1-far-facts qheads-next-x2 mixers15-x2 routers15-x2 sse-raven-x2 all-raven-x2 views-check decode-b128-twice scale-out memory-plan scale-x4 decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;
