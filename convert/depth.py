@@ -221,7 +221,7 @@ def run(args) -> str:
     if base.evaluate is None:
         raise ValueError(f"evaluate: {args.recipe} does not evaluate; the sweep compares evaluations (set evaluate)")
     if args.ppl_length is None:  # the length the recipe's evaluation measures, not one it skips
-        args.ppl_length = base.evaluate.ppl_lengths[0] if base.evaluate.ppl_lengths else 2048
+        args.ppl_length = (base.evaluate.ppl_lengths or [2048])[0]
     root, mixer = Path(args.run_root), base.layers[0].mixer
     recipes = {
         d: load_recipe(args.recipe, inputs + args.overrides + [f'layers=[{{mixer: {mixer}, layers: "auto:{d}"}}]'])
@@ -300,11 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
             "--lengths", type=parse_lengths, default=None, help="the retrieval lengths compared (default: all)"
         )
         p.add_argument("--within", type=float, default=10.0, help="points under the teacher a cell may be (10)")
+        run_default = "the recipe's first evaluate.ppl_lengths" if p is go else "2048"
         p.add_argument(
-            "--ppl-length",
-            type=int,
-            default=None,
-            help="the perplexity compared (run: the recipe's first evaluate.ppl_lengths; else 2048)",
+            "--ppl-length", type=int, default=None if p is go else 2048, help=f"the perplexity compared ({run_default})"
         )
         p.add_argument("--title", default=None)
     return parser
@@ -312,8 +310,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command != "run" and args.ppl_length is None:
-        args.ppl_length = 2048
     try:
         if args.command == "run":
             print(run(args))

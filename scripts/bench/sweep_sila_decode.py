@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -31,11 +32,10 @@ from raven_kernels.sila.fused_recurrent import decode_warps  # noqa: E402
 
 D, TAPS = 64, 4
 LAYOUTS = {"kv": (3, 3), "query": (9, 1)}  # state_heads -> (memories H, query heads a memory reads G)
-H, G = LAYOUTS["kv"]
 
 
-def inputs(batch: int) -> tuple[tuple, dict]:
-    """The step's arguments but the memory and the tail, and those two, for the layout in H and G."""
+def inputs(batch: int, H: int = 3, G: int = 3) -> tuple[tuple, dict]:
+    """The step's arguments but the memory and the tail, and those two: H memories of G query heads each."""
     g = torch.Generator(device="cuda").manual_seed(batch)
 
     def randn(*shape, dtype=torch.bfloat16):
@@ -60,13 +60,12 @@ def step(args: tuple, state: dict) -> torch.Tensor:
 
 
 def main(argv=None) -> None:
-    global H, G
     layout = argparse.ArgumentParser(add_help=False)
     layout.add_argument("--state-heads", choices=sorted(LAYOUTS), default="kv")
     known, rest = layout.parse_known_args(argv)
     H, G = LAYOUTS[known.state_heads]
     warps_sweep(
-        rest, __doc__, "sweep_sila_decode", utils.step_warps(D, D), decode_warps, inputs, step,
+        rest, __doc__, "sweep_sila_decode", utils.step_warps(D, D), decode_warps, partial(inputs, H=H, G=G), step,
         lambda state: 2 * state["memory"].numel() * 4,  # the memory read and written
         heads=H, group=G, head_dim=D, taps=TAPS, state_heads=known.state_heads,
     )  # fmt: skip

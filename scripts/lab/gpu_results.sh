@@ -614,7 +614,7 @@ PY
     (run decode-tests & WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run sila-deep22-half; wait)
     run decode-lab
     ;;
-  qheads-speed)  # times, alone: what a memory per query head costs SILA's decode step at 15, 22 and 26 of 30
+  qheads-speed)  # times: what a memory per query head costs SILA's decode step at 22 and 26 of 30
     decode_qheads
     ;;
   decode-bench)  # times, so alone on the machine: issue 52's table, the floor targets first

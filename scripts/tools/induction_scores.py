@@ -22,7 +22,6 @@ import torch
 
 from raven_convert import Source
 from raven_convert.files import write_json
-from raven_convert.train.common import is_hybrid
 
 
 def head_scores(attentions: tuple[torch.Tensor, ...], length: int) -> list[dict]:
@@ -74,13 +73,13 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("length", "rows"):
         if getattr(args, name) < 2:
             p.error(f"--{name} {getattr(args, name)}: at least 2")
-    model = Source.resolve(args.src).load_model("float32")
-    if is_hybrid(model):
+    source = Source.resolve(args.src)
+    config = source.load_config()  # checked before the weights load
+    if getattr(config, "layer_mixers", None) is not None:
         p.error(f"--src {args.src!r} is a converted hybrid: give the Transformer it was converted from")
-    if 2 * args.length > model.config.max_position_embeddings:
-        p.error(
-            f"--length {args.length}: twice it must fit the model's {model.config.max_position_embeddings} positions"
-        )
+    if 2 * args.length > config.max_position_embeddings:
+        p.error(f"--length {args.length}: twice it must fit the model's {config.max_position_embeddings} positions")
+    model = source.load_model("float32")
     model.set_attn_implementation("eager")  # the fused kernels return no weights
     ids = repeated_tokens(model.config.vocab_size, args.rows, args.length, args.seed)
     with torch.no_grad():
