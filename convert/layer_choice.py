@@ -41,8 +41,14 @@ A source that is a hybrid, converted further, is scanned as it is: its mixers st
 layers are ranked (every ablation and direction works so), and `auto:N` converts the first N - k of them beside its
 k converted layers (`fixed` in the record).
 
+With `keep_copying: K` the K attention layers whose strongest head copies most (induction on random tokens
+repeated: copying.py) move to the end of the ranking, so `auto:N` keeps them whatever their scores and the scan's
+ranking chooses the rest. A deep hybrid loses the exact answers (words, codes, several values) that induction heads
+copy, and a scan whose probes are answered by a single value can miss the layers that do it (docs/LAYER_CHOICE.md).
+
 The ranking is cached as JSON in `cache_dir` under a key hashing the teacher's config and weights, the probe
-tokens and the settings: the same teacher, corpus and settings never scan twice.
+tokens and the settings: the same teacher, corpus and settings never scan twice (keep_copying reorders the ranking
+after the scan and is not in the key).
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ from typing import Annotated, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from raven_convert.copying import copying_scores, most_copying
 from raven_convert.files import write_json
 from raven_convert.layer_choice_report import format_table
 from raven_convert.layer_scan import KINDS, score_layers
@@ -129,6 +136,12 @@ class ChoiceSettings(BaseModel):
     fit_rows: int = Field(64, ge=1, description="with ablation mixer or both: corpus rows of seq_len tokens")
     fit_batch_size: int = Field(8, ge=1, description="with ablation mixer or both: rows per align step")
     fit_lr: float = Field(1e-3, gt=0, description="with ablation mixer or both: align's learning rate")
+    keep_copying: int = Field(
+        0,
+        ge=0,
+        description="the attention layers of the strongest induction heads (copying.py) kept as attention whatever "
+        "their scores; the scan's ranking fills the rest",
+    )
 
     @property
     def fits(self) -> bool:
@@ -137,8 +150,8 @@ class ChoiceSettings(BaseModel):
 
     def key_fields(self) -> dict:
         """The settings as the cache key hashes them (the default direction and round sizes left out: older caches
-        stay valid)."""
-        defaults = {"direction"} if self.direction == "cut" else set()
+        stay valid; keep_copying too, which reorders a scan's ranking after it and never changes the scan)."""
+        defaults = {"keep_copying"} | ({"direction"} if self.direction == "cut" else set())
         return self.model_dump(exclude=defaults | ({"round_sizes"} if self.round_sizes is None else set()))
 
     def schedule(self, layers: int) -> list[int]:
@@ -287,11 +300,35 @@ def first_kinds(start: list[str], auto: tuple[str, int]) -> list[str]:
     return plan_layers([(mixer, ",".join(map(str, chosen)))], len(start))
 
 
+def check_keep_copying(start: list[str], auto: tuple[str, int], keep: int) -> None:
+    """`keep` (layer_choice.keep_copying) fits beside `auto` = (mixer, N): auto:N leaves at least `keep` attention
+    layers (`start`: the source's kinds, a hybrid's converted layers counted in N); ValueError naming the field."""
+    n, attention = auto[1], start.count("attention")
+    left = attention - (n - (len(start) - attention))
+    if keep > left:
+        raise ValueError(
+            f"layer_choice.keep_copying (--choice-keep-copying) {keep}: auto:{n} keeps {left} of the {len(start)} "
+            f"layers as attention, so at most {left} can be kept for copying"
+        )
+
+
+def keep_copying_layers(result: dict, scores: list[float | None], keep: int) -> dict:
+    """`result` (rank_layers') with the `keep` layers of the highest copying scores (copying.copying_scores, per
+    layer) moved to the end of its ranking, so that auto:N converts them last, and the scores and those layers
+    recorded ("copying", "kept_copying")."""
+    kept = most_copying(scores, keep)
+    ranking = [row for row in result["ranking"] if row["layer"] not in kept]
+    ranking += [row for row in result["ranking"] if row["layer"] in kept]
+    copying = [None if score is None else round(score, 6) for score in scores]
+    return {**result, "ranking": ranking, "copying": copying, "kept_copying": kept}
+
+
 def choose_kinds(
     model, tokenizer, auto: tuple[str, int], request, parts: TrainingParts, log=print
 ) -> tuple[list[str], dict]:
     """Per-layer kinds with `auto` = (mixer, N) on the N layers that matter least (a hybrid's converted layers among
-    them, where `model` is one, converted further), and the record of the choice (see choice_record). `request` is
+    them, where `model` is one, converted further; never the choice settings' keep_copying layers that copy most),
+    and the record of the choice (see choice_record). `request` is
     the ConvertRequest (choice_data, choice_text_field, choice_settings, choice_cache, and mixer_settings, which the
     fitted mixers are built with); the table goes to `log`."""
     from raven_convert.surgery import start_kinds
@@ -299,7 +336,12 @@ def choose_kinds(
     documents = parts.load_documents(request.choice_data, request.choice_text_field)
     cache = request.choice_cache or default_cache_dir()
     mixer = (auto[0], request.mixer_settings.get(auto[0], {}))
-    result = rank_layers(model, tokenizer, documents, request.choice_settings, cache, log, mixer, parts=parts)
+    settings = request.choice_settings
+    result = rank_layers(model, tokenizer, documents, settings, cache, log, mixer, parts=parts)
+    if settings.keep_copying:
+        result = keep_copying_layers(result, copying_scores(model, device=_device()), settings.keep_copying)
+        strongest = ", ".join(f"{i} ({result['copying'][i]:.2f})" for i in result["kept_copying"])
+        log(f"layer choice: kept as attention for copying, by their strongest induction head: {strongest}")
     record = choice_record(result, auto[1])
     log(format_table(record))
     kinds = start_kinds(model.config)
@@ -442,6 +484,7 @@ def choice_record(result: dict, n: int) -> dict:
             else {}
         ),
         "round": per_layer(lambda row: row["round"]),
+        **({"copying": result["copying"], "kept_copying": result["kept_copying"]} if "copying" in result else {}),
         "seed": result["settings"]["seed"],
         "probes": result["settings"],
         "cache_key": result["key"],

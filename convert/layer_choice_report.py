@@ -35,20 +35,30 @@ def format_table(record: dict) -> str:
     """The per-layer score table: layer, round, retrieval and KL rise, score (and its parts under ablation
     "both"), rank, whether it is converted ("before": by the source hybrid, not scored)."""
     order, parts = record["order"], record.get("parts", {})
+    copying = record.get("copying")
     lines = [
         f"layer choice ({record['method']}; score = {_score_text(record)}, nats/token):",
-        "  layer  round  retrieval        kl  " + "".join(f"{k:>8}  " for k in parts) + "   score  rank  converted",
+        "  layer  round  retrieval        kl  "
+        + "".join(f"{k:>8}  " for k in parts)
+        + "   score  "
+        + ("copying  " if copying else "")
+        + "rank  converted",
     ]
     for i, score in enumerate(record["score"]):
+        copied = "" if not copying else f"{'-':>7}  " if copying[i] is None else f"{copying[i]:>7.3f}  "
         if score is None:
             lines.append(
-                f"  {i:>5}  {'-':>5}  {'-':>9}  {'-':>8}  " + f"{'-':>8}  " * (len(parts) + 1) + "   -  before"
+                f"  {i:>5}  {'-':>5}  {'-':>9}  {'-':>8}  " + f"{'-':>8}  " * (len(parts) + 1) + copied + "   -  before"
             )
             continue
         lines.append(
             f"  {i:>5}  {record['round'][i]:>5}  {record['retrieval'][i]:>9.4f}  {record['kl'][i]:>8.4f}  "
             + "".join(f"{parts[kind][i]:>8.4f}  " for kind in parts)
-            + f"{score:>8.4f}  {order.index(i) + 1:>4}  {_converted(record, i)}"
+            + f"{score:>8.4f}  {copied}{order.index(i) + 1:>4}  {_converted(record, i)}"
+        )
+    if copying:
+        lines.append(
+            f"  kept for copying (the strongest induction heads): {', '.join(map(str, record['kept_copying']))}"
         )
     return "\n".join(lines)
 
@@ -99,6 +109,12 @@ def card_section(record: dict) -> str:
     before = f"\n- converted before, by the source: {', '.join(map(str, sorted(fixed)))}" if fixed else ""
     kept = ", ".join(str(i) for i in range(len(record["score"])) if i not in set(record["chosen"]))
     p, parts = record["probes"], record.get("parts", {})
+    copying = (
+        f"\n- kept whatever their scores, as the {len(record['kept_copying'])} layers of the strongest induction heads "
+        f"(copying earlier tokens, on random tokens repeated): {', '.join(map(str, record['kept_copying']))}"
+        if "kept_copying" in record
+        else ""
+    )
     if _restores(record):
         scan = (
             f"with every layer but the kept ones ablated ({_ablation_text(record)}), each layer's attention was "
@@ -130,7 +146,7 @@ on {p["samples"]} synthetic retrieval probes and {p["text_rows"]} corpus rows of
         }.
 
 - converted: {chosen}{before}
-- kept attention: {kept}
+- kept attention: {kept}{copying}
 
 ![per-layer scores](layer_choice.png)
 

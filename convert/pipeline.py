@@ -11,7 +11,14 @@ from raven_layers import get_architecture, get_mixer
 
 from .bundle import check_bundle
 from .export import check_out_dir, check_shard_size, push_to_hub, save_hybrid
-from .layer_choice import ChoiceSettings, auto_assignment, check_choice_data, choose_kinds, first_kinds
+from .layer_choice import (
+    ChoiceSettings,
+    auto_assignment,
+    check_choice_data,
+    check_keep_copying,
+    choose_kinds,
+    first_kinds,
+)
 from .sources import DEFAULT_SRC, Source
 from .surgery import (
     build_hybrid,
@@ -84,6 +91,8 @@ def convert_model(request: ConvertRequest, log=print) -> Path:
         parts = training_parts()
         check_choice_data(request.choice_data, request.choice_text_field, parts)
     kinds = first_kinds(before, auto) if auto else plan_layers(request.assignments, L)  # registers import paths
+    if auto:
+        check_keep_copying(before, auto, request.choice_settings.keep_copying)
     check_kept(before, kinds, source.name)
     for mixer, values in request.mixer_settings.items():
         try:

@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from raven_convert.layer_choice import auto_assignment
+from raven_convert.layer_choice import auto_assignment, check_keep_copying
 from raven_convert.train.recipe_schema import (  # noqa: F401
     FINETUNE_STAGES,
     GRAPHED_STAGES,
@@ -288,8 +288,13 @@ def check_inputs(recipe: Recipe | FinetuneRecipe, stages: list[str]) -> None:
     if start and ("convert" in stages or ("align" in stages and uses_data(recipe, "align"))):
         check_start(start, source)
     if choosing:  # N against the model's layers, from its config (no weights loaded)
-        layers = source.load_config().num_hidden_layers
-        auto_assignment([(a.mixer, a.layers) for a in recipe.layers], layers, recipe.window_layers, NAMES)
+        from raven_convert.surgery import start_kinds
+
+        config = source.load_config()
+        assignments = [(a.mixer, a.layers) for a in recipe.layers]
+        auto = auto_assignment(assignments, config.num_hidden_layers, recipe.window_layers, NAMES)
+        converted = Source.resolve(start).load_config() if start else config  # what convert starts from
+        check_keep_copying(start_kinds(converted), auto, recipe.layer_choice.keep_copying)
     if reads_data:
         if recipe.data.source is None:
             raise ValueError(f"data.source is not set: {how_to_set('data.source')}")

@@ -1,39 +1,16 @@
-"""induction_scores.py: each head's induction, duplicate-token and previous-token weights, read exactly from the
-attention weights; run on a Transformer, with a converted hybrid refused."""
+"""induction_scores.py: the table and JSON of each head's induction, duplicate-token and previous-token weights
+(raven_convert.copying, tested in tests/convert/test_copying.py), on a Transformer and on a hybrid's kept layers."""
 
 import json
 
 import pytest
-import torch
 
 from raven_convert.cli import main as convert
-from scripts.tools.induction_scores import head_scores, main, repeated_tokens
+from scripts.tools.induction_scores import main
 from tests.conftest import make_tiny_source
 
 
-def test_head_scores_read_the_weights_each_pattern_puts_where_it_looks():
-    L = 4
-    induction = torch.zeros(1, 1, 2 * L, 2 * L)
-    previous = torch.zeros(1, 1, 2 * L, 2 * L)
-    for t in range(L, 2 * L - 1):
-        induction[0, 0, t, t - L + 1] = 1.0  # to the token after the earlier occurrence
-    for t in range(1, 2 * L):
-        previous[0, 0, t, t - 1] = 0.5
-    (a,) = head_scores((torch.cat([induction, previous], dim=1),), L)
-    assert a["layer"] == 0
-    assert a["induction"] == pytest.approx([1.0, 0.0])
-    assert a["duplicate"] == pytest.approx([0.0, 0.0])
-    assert a["previous"] == pytest.approx([0.0, 0.5])
-
-
-def test_repeated_tokens_repeat_each_row_past_the_vocabularys_first_eighth():
-    ids = repeated_tokens(vocab_size=128, rows=3, length=10, seed=0)
-    assert ids.shape == (3, 20) and torch.equal(ids[:, :10], ids[:, 10:])
-    assert int(ids.min()) >= 16 and int(ids.max()) < 128
-    assert torch.equal(ids, repeated_tokens(128, 3, 10, 0))
-
-
-def test_a_transformer_is_scored_layer_by_layer_and_a_hybrid_refused(tmp_path, capsys):
+def test_a_transformer_is_scored_layer_by_layer_and_a_hybrid_on_its_kept_layers(tmp_path, capsys):
     src = make_tiny_source("llama", tmp_path / "llama")
     main(["--src", str(src), "--length", "16", "--rows", "2", "--json", str(tmp_path / "scores.json")])
     out = capsys.readouterr().out.splitlines()
@@ -44,9 +21,10 @@ def test_a_transformer_is_scored_layer_by_layer_and_a_hybrid_refused(tmp_path, c
     assert all(len(r["induction"]) == 4 and all(0 <= w <= 1 for w in r["previous"]) for r in record["layers"])
 
     convert(["--src", str(src), "--mixer", "sila", "--layers", "1", "--out", str(tmp_path / "hybrid")])
-    with pytest.raises(SystemExit):
-        main(["--src", str(tmp_path / "hybrid")])
-    assert "is a converted hybrid" in capsys.readouterr().err
+    capsys.readouterr()
+    main(["--src", str(tmp_path / "hybrid"), "--length", "16", "--rows", "2"])
+    rows = capsys.readouterr().out.splitlines()[1:-1]
+    assert [int(row.split()[0]) for row in rows] == [0, 2, 3]
     with pytest.raises(SystemExit):
         main(["--src", str(src), "--length", "400"])
     assert "must fit the model's 512 positions" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """The deep SILA recipes (smollm2-sila-deep22/26.yaml) convert 22 and 26 of 30 layers: 22 as the half-depth recipe's
-layer choice picked them for SmolLM2 (each layer cut in turn), with a memory per query head, 26 chosen by restoring
-attention into the model with every layer ablated; the progressive one converts the half-depth recipe's hybrid
+layer choice picked them for SmolLM2 (each layer cut in turn), 26 around the 4 layers that copy most, both with a
+memory per query head; the progressive one converts the half-depth recipe's hybrid
 further to 22. Their convert stage (and the 22-layer one's training stages), on a 30-layer tiny Llama at CPU size."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from raven_convert.copying import copying_scores, most_copying
 from raven_convert.layer_spec import parse_layer_spec
 from raven_convert.train.recipe import load_recipe
 from raven_convert.train.stages import run_recipe
@@ -58,19 +59,35 @@ def test_the_deep22_recipe_trains_its_22_layers_with_a_memory_per_query_head(inp
     assert all(not torch.equal(k[:, 0], k[:, 1]) for k in k_copies("extend"))
 
 
-def test_the_deep26_recipe_converts_26_layers_chosen_by_restoring(inputs, tmp_path):
-    budget = [o for o in CPU_BUDGET if not o.startswith("layer_choice.rounds")]  # the recipe's own rounds kept
-    recipe = load_recipe(RECIPES / "smollm2-sila-deep26.yaml", inputs + budget)
-    assert recipe.auto() == ("sila", 26) and recipe.layer_choice.direction == "restore"
-    half = load_recipe(RECIPES / "smollm2-sila.yaml", inputs + budget)
-    assert recipe.model_dump(exclude={"layers", "layer_choice"}) == half.model_dump(exclude={"layers", "layer_choice"})
-    done = run_recipe(recipe, tmp_path / "run", stages=["convert"])
-    choice = done["convert"]["layer_choice"]
-    assert len(choice["chosen"]) == 26 and choice["chosen"] == sorted(choice["order"][:26])
+def test_the_deep26_recipe_keeps_the_four_layers_that_copy_most(inputs, tmp_path):
+    """smollm2-sila-deep26.yaml writes out the 26 layers around the 4 that copy most in SmolLM2 (the induction
+    scores in docs/results/depth/induction_scores.json), with a memory per query head; the rest is the half-depth
+    recipe. Its layer choice, for auto:N, keeps the 4 layers of the strongest induction heads whatever the restoring
+    scan says: on the tiny Llama auto:26 converts all but those 4."""
+    recipe = load_recipe(RECIPES / "smollm2-sila-deep26.yaml", inputs + CPU_BUDGET)
+    (assignment,) = recipe.layers
+    layers = parse_layer_spec(assignment.layers, 30)
+    measured = json.loads((RECIPES.parent / "docs/results/depth/induction_scores.json").read_text())["layers"]
+    kept = most_copying([max(row["induction"]) for row in measured], 4)
+    assert len(layers) == 26 and sorted(set(range(30)) - set(layers)) == kept == [17, 18, 20, 23]
+    assert recipe.mixer_settings["sila"] == {"conv_size": 4, "state_heads": "query"}
+    choice = recipe.layer_choice
+    assert (choice.ablation, choice.direction, choice.keep_copying) == ("both", "restore", 4)
+    half = load_recipe(RECIPES / "smollm2-sila.yaml", inputs + CPU_BUDGET)
+    own = {"layers", "layer_choice", "mixer_settings"}
+    assert recipe.model_dump(exclude=own) == half.model_dump(exclude=own)
+
+    auto = load_recipe(
+        RECIPES / "smollm2-sila-deep26.yaml", inputs + CPU_BUDGET + ['layers=[{mixer: sila, layers: "auto:26"}]']
+    )
+    done = run_recipe(auto, tmp_path / "run", stages=["convert"])
     record = json.loads((tmp_path / "run" / done["convert"]["model"] / "config.json").read_text())["layer_choice"]
-    assert record["direction"] == "restore"
-    assert max(record["round"]) == 8  # eight rounds of four: the 4 kept come from the first
-    assert {record["round"][i] for i in range(30) if i not in choice["chosen"]} == {1}
+    teacher = AutoModelForCausalLM.from_pretrained(inputs[0].split("=", 1)[1])
+    assert (
+        record["kept_copying"]
+        == most_copying(copying_scores(teacher), 4)
+        == sorted(set(range(30)) - set(record["chosen"]))
+    )
 
 
 def test_the_progressive_recipe_converts_the_half_depth_hybrid_further(inputs, tmp_path):
