@@ -91,6 +91,13 @@ decode_profile_26() {  # where the 26-layer SILA hybrid's batch-128 step goes un
     --batches 128 --context 16k --variants default --steps 8 --save-code
 }
 
+decode_profile_22q() {  # where the 22-layer recipe's batch-128 step goes (a memory per query head), kernel by kernel:
+  # the 0.18 ms that 3x at 22 of 30 needs (round 15)
+  local out="$RUNS/decode-bench" && mkdir -p "$out"
+  timeout 420 python3 scripts/bench/profile_decode.py --out "$out/b128-22q" --models teacher-engine,sila --layers 22 \
+    --batches 128 --context 16k --variants default --steps 8 --save-code --mixer-settings recipe,sila.state_heads=query
+}
+
 ddp_graph_tests() {  # align's and train's graphs under ddp on two GPUs end with the eager launch's model
   RAVEN_SMOLLM2_GGUF=$MODEL timeout 600 python3 -m pytest -o addopts="" -q -rfE tests/convert/train/test_distributed.py \
     -k two_gpus 2>&1 | tail -15

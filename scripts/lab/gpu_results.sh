@@ -149,6 +149,10 @@
 #   qheads-next-x2 one 2-GPU session of about 25 minutes: qheads-speed then sila-deep22-seed1 on GPU 0 (the speed
 #                  ratios are each against the teachers timed in the same process), sila-deep26-qheads-induction then
 #                  sila-deep22-seed1-far-facts on GPU 1
+#   deep26-ddp2-profile  one 2-GPU session of about 27 minutes: sila-deep26-ddp2 (smollm2-sila-deep26.yaml, the
+#                  copying layers with a memory per query head since round 15, at 2.5x its tokens on both GPUs),
+#                  evaluated at 1K-8K: whether the word and code cells at 26 come with tokens; then the 22-layer
+#                  recipe's batch-128 decode step profiled kernel by kernel on GPU 0 (decode_profile_22q)
 #   centred-x2     one 2-GPU session of about 26 minutes: raven-deep22-centred, then raven-centred-seed1 on GPU 0;
 #                  sse-centred, then sse-silarecipe on GPU 1
 #   mixers15-x2    one 2-GPU session of about 26 minutes: sse-raven-x2's two runs, then raven-m128 after SSE on GPU 0
@@ -544,6 +548,10 @@ PY
     DELTA=0 quick_on 1 sila-deep26-qheads-induction sila-deep22-seed1-far-facts &
     wait
     ;;
+  deep26-ddp2-profile)  # about 27 minutes: start it alone, first in a session
+    WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 run sila-deep26-ddp2
+    CUDA_VISIBLE_DEVICES=0 decode_profile_22q
+    ;;
   centred-x2)  # two recipes a GPU, about 26 minutes: Raven at 22 then its second seed at 15; SSE with its scorer
     # centred, then on SILA's recipe evaluated to the end (round 12 cut it during evaluation)
     DELTA=0 quick_on 0 raven-deep22-centred raven-centred-seed1 & DELTA=0 quick_on 1 sse-centred sse-silarecipe &
@@ -698,7 +706,7 @@ PY
   *)
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 sila-deep22-ddp2-long sila-deep22-qheads-ddp2 deep22-ddp2-x2 sila-deep22-all sila-deep22-all-ddp2 raven-silarecipe sse-silarecipe MIXER-silarecipe-seed1 raven-deep22 sse-deep22 raven-m128 raven-m256 raven-nogumbel raven-centred raven-centred-nogumbel raven-centred-seed1 sse-centred raven-deep22-centred centred-x2 sila-deep22-qheads sila-deep26-qheads sila-qheads qheads-speed qheads-x2 sila-deep22-seed1 sila-deep26-qheads-induction sila-deep22-far-facts sila-deep22-seed1-far-facts qheads-next-x2 mixers15-x2 routers15-x2 sse-raven-x2 all-raven-x2 views-check decode-b128-twice scale-out memory-plan scale-x4 decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 sila-deep22-ddp2-long sila-deep22-qheads-ddp2 deep22-ddp2-x2 sila-deep22-all sila-deep22-all-ddp2 raven-silarecipe sse-silarecipe MIXER-silarecipe-seed1 raven-deep22 sse-deep22 raven-m128 raven-m256 raven-nogumbel raven-centred raven-centred-nogumbel raven-centred-seed1 sse-centred raven-deep22-centred centred-x2 sila-deep22-qheads sila-deep26-qheads sila-qheads qheads-speed qheads-x2 sila-deep22-seed1 sila-deep26-qheads-induction sila-deep22-far-facts sila-deep22-seed1-far-facts qheads-next-x2 deep26-ddp2-profile mixers15-x2 routers15-x2 sse-raven-x2 all-raven-x2 views-check decode-b128-twice scale-out memory-plan scale-x4 decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
     return 2
     ;;
