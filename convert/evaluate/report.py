@@ -106,8 +106,9 @@ def evaluate_model(request: EvalRequest, log=print, resume: bool = False, parall
 
     With `parallel` (rank, world, is_main, device, gather: shares.py) every process of a launch calls this; each
     loads the model on its own device (`parallel.device` unless `request.device`) and the main process logs and
-    writes. The others return after perplexity, without speed and pictures: their caller waits for the main
-    process's result (the recipe stage polls for its DONE, which no collective's timeout cuts short)."""
+    writes. Perplexity runs first, then retrieval; the others return after retrieval, without speed and pictures:
+    their caller waits for the main process's result (the recipe stage polls for its DONE, which no collective's
+    timeout cuts short)."""
     parallel = parallel or OneProcess()
     log = log if parallel.is_main else lambda message: None
     Source.resolve(request.model, "model")  # before anything is written or loaded
@@ -179,11 +180,11 @@ def evaluate_model(request: EvalRequest, log=print, resume: bool = False, parall
         report["speed"] = result
         log(format_speed_table({name: result}))
 
+    if request.ppl_data:  # first: seconds of work, and the number an evaluation cut short should still give
+        part("perplexity", ppl)
     for task in request.tasks:
         for variant in request.variants:
             part(f"retrieval {task} ({variant})", lambda t=task, v=variant: retrieval(t, v))
-    if request.ppl_data:
-        part("perplexity", ppl)
     if not parallel.is_main:  # speed and pictures: the main process alone
         return report | ({"failed": failed} if failed else {})
     if request.speed_lengths:
