@@ -288,12 +288,13 @@ def check_inputs(recipe: Recipe | FinetuneRecipe, stages: list[str]) -> None:
     if start and ("convert" in stages or ("align" in stages and uses_data(recipe, "align"))):
         check_start(start, source)
     if choosing:  # N against the model's layers, from its config (no weights loaded)
+        from raven_convert.sources import hybrid_config
         from raven_convert.surgery import start_kinds
 
         config = source.load_config()
         assignments = [(a.mixer, a.layers) for a in recipe.layers]
         auto = auto_assignment(assignments, config.num_hidden_layers, recipe.window_layers, NAMES)
-        converted = Source.resolve(start).load_config() if start else config  # what convert starts from
+        converted = hybrid_config(start, "start_from") if start else config  # what convert starts from
         check_keep_copying(start_kinds(converted), auto, recipe.layer_choice.keep_copying)
     if reads_data:
         if recipe.data.source is None:

@@ -15,8 +15,11 @@ from raven_convert.copying import attention_weights, copying_scores, head_scores
 from raven_convert.layer_choice import ChoiceSettings
 from raven_convert.sources import Source
 from raven_convert.surgery import build_hybrid
+from raven_convert.train.recipe import load_recipe
+from raven_convert.train.stages import run_recipe
 from tests.conftest import make_tiny_source
 from tests.convert.test_layer_choice import SMALL_FLAGS
+from tests.convert.train.test_recipes_on_qwen3 import RECIPES
 from tests.helpers import words_corpus as make_words_corpus
 
 
@@ -117,10 +120,6 @@ def test_keep_copying_refuses_more_layers_than_auto_n_keeps_before_loading(teach
 
 
 def test_a_recipe_asking_more_copying_layers_than_auto_n_keeps_is_refused_before_any_stage(teacher, tmp_path):
-    from raven_convert.train.recipe import load_recipe
-    from raven_convert.train.stages import run_recipe
-    from tests.convert.train.test_recipes_on_qwen3 import RECIPES
-
     corpus = make_words_corpus(tmp_path / "corpus")
     overrides = [f"source={teacher}", f"data.source={corpus}", 'layers=[{mixer: sila, layers: "auto:5"}]']
     recipe = load_recipe(RECIPES / "smollm2-sila-deep26.yaml", overrides)  # keep_copying: 4
