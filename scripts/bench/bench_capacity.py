@@ -215,7 +215,9 @@ def main(argv: list[str] | None = None) -> None:
     mixers = checked_mixers(args, "CUDA memory")
     bandwidth = copy_bandwidth()
     results = []
-    for name, model in build_models(mixers, layer_specs(args), args.windows, args.decode_options, args.mixer_settings):
+    for name, model in build_models(
+        mixers, layer_specs(args), args.windows, args.decode_options, args.mixer_settings, args.windowed_layers
+    ):
         timed = name.startswith("teacher") or args.time == "all" or "-sw" in name
         entry = largest_batch(name, model, context, args.steps, args.reserve, timed, bandwidth)
         results.append(entry)

@@ -12,8 +12,9 @@ bfloat16 with random weights (speed does not depend on the values): the teacher 
 engine (static hybrid cache, split-K attention, CUDA-graphed steps); each hybrid converts `--layers` (default
 `0-29:2`, 15 of 30 layers), or with `--depths N,...` N layers spread evenly over the stack for each N, and runs
 its default `generate()` on the same engine. `--windows W` adds every hybrid again with its kept attention layers
-as W-token sliding windows. The ratios to both teachers say what converting buys over each: over transformers, the
-engine and the mixers together; over `teacher-engine`, the mixers alone.
+as W-token sliding windows (`--windowed-layers 2,4`: only 2, then 4 of them, the rest full attention). The ratios
+to both teachers say what converting buys over each: over transformers, the engine and the mixers together; over
+`teacher-engine`, the mixers alone.
 
 Each row also has its bandwidth floor: the bytes a decode step must read (every weight once, every kept attention
 layer's keys and values, what each mixer reads and writes of its state: all of SILA's memory, SSE's routed and shared
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         extra.update(mixer_settings=args.mixer_settings)
         write_record(args.out / "bench_generate.json", rows, **extra)
 
-    models = build_models(mixers, specs, args.windows, args.decode_options, args.mixer_settings)
+    models = build_models(mixers, specs, args.windows, args.decode_options, args.mixer_settings, args.windowed_layers)
     results = measure_grid(models, contexts, batches, measure, save)
     print(table(results))
     failed = [r for r in results if "error" in r]

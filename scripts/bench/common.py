@@ -143,6 +143,13 @@ def add_model_arguments(parser: argparse.ArgumentParser, mixers: str | None = No
         "--depths", default=None, help="instead of --layers: numbers of layers converted, each spread evenly (15,22)"
     )
     parser.add_argument("--windows", type=int, default=None, help="also run each hybrid with W-token windows")
+    parser.add_argument(
+        "--windowed-layers",
+        type=numbers,
+        default=None,
+        help="with --windows: window only K of each hybrid's kept attention layers (the first K; speed does not "
+        "depend on which), once per K (2,4); the others stay full attention. Default: every kept layer",
+    )
     add_settings_argument(parser)
     parser.add_argument(
         "--decode-options",
@@ -219,7 +226,7 @@ def spread_layers(n: int, num_layers: int) -> str:
     """A layer spec converting n of num_layers layers, the kept ones spread evenly (the last layer kept first).
 
     >>> spread_layers(26, 30)
-    '0-2,4-9,11-16,18-23,25-28'
+    '0-6,8-13,15-21,23-28'
     """
     if not 0 <= n <= num_layers:
         raise ValueError(f"--depths: {n} layers converted; expected 0 to {num_layers}")
@@ -257,6 +264,9 @@ def checked_mixers(args: argparse.Namespace, what: str) -> list[str]:
         raise SystemExit(f"--mixers: {err}") from None
     if args.windows is not None and args.windows < 1:
         raise SystemExit(f"--windows {args.windows}: expected an integer >= 1")
+    counts = getattr(args, "windowed_layers", None)
+    if counts is not None and (args.windows is None or min(counts) < 1):
+        raise SystemExit(f"--windowed-layers {counts}: expected counts >= 1, beside --windows W")
     if not torch.cuda.is_available():
         raise SystemExit(f"{Path(sys.argv[0]).stem} measures {what}: no CUDA device here")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -385,17 +395,43 @@ def release() -> None:
     torch.cuda.empty_cache()
 
 
+def window_plans(
+    kinds: list[str], window: int | None, counts: list[int] | None = None
+) -> list[tuple[str, list[int | None] | None]]:
+    """(name suffix, attention_windows) of each model a layer plan is benchmarked as: full attention first, then with
+    `window` on every kept attention layer, or on the first K of them for each K of `counts` (more than it keeps:
+    all of them, once).
+
+    >>> window_plans(["attention", "sila", "attention"], 4096, [1, 2])
+    [('', None), ('-sw4096x1', [4096, None, None]), ('-sw4096', [4096, None, 4096])]
+    """
+    if window is None:
+        return [("", None)]
+    kept = [i for i, kind in enumerate(kinds) if kind == "attention"]
+    plans, seen = [("", None)], set()
+    for count in counts or [len(kept)]:
+        chosen = set(kept[:count])
+        if frozenset(chosen) in seen or not chosen:
+            continue
+        seen.add(frozenset(chosen))
+        label = f"-sw{window}" + ("" if len(chosen) == len(kept) else f"x{len(chosen)}")
+        plans.append((label, [window if i in chosen else None for i in range(len(kinds))]))
+    return plans
+
+
 def build_models(
     mixers: list[str],
     specs: list[tuple[str, str]],
     windows: int | None,
     decode_options: str = "default",
     settings_from: str = "recipe",
+    windowed_layers: list[int] | None = None,
 ):
     """(name, model) pairs: the teacher on transformers first, then on this project's engine (`teacher-engine`, no
     layer converted), then one hybrid per mixer and layer spec of `specs` ((name suffix, spec) pairs), and each again
-    with windows; the models on this engine compile their decode step as `decode_options` says (parse_decode_options)
-    and take their mixers' settings as `settings_from` says (mixer_settings).
+    with windows on its kept layers, all or the first K for each K of `windowed_layers` (window_plans); the models
+    on this engine compile their decode step as `decode_options` says (parse_decode_options) and take their mixers'
+    settings as `settings_from` says (mixer_settings).
     Drop `model` before asking for the next: each model's memory (its static cache and compiled step
     too) is freed before the next is built, or the next one's peak memory and batch capacity would include it. The
     teacher's weights stay: every hybrid is built from them."""
@@ -418,11 +454,10 @@ def build_models(
         settings = mixer_settings(mixer, settings_from)
         for suffix, layers in specs:
             kinds = plan_layers([(mixer, layers)], n)
-            for window in [None] + ([windows] if windows else []):
-                spans = [window if kind == "attention" else None for kind in kinds] if window else None
+            for label, spans in window_plans(kinds, windows, windowed_layers):
                 hybrid = build_hybrid(teacher, kinds, settings, attention_windows=spans)
                 hybrid = hybrid.to("cuda", torch.bfloat16).eval()
                 set_decode_options(hybrid, parse_decode_options(decode_options))
-                yield f"{mixer}{suffix}" + (f"-sw{window}" if window else ""), hybrid
+                yield f"{mixer}{suffix}{label}", hybrid
                 del hybrid
                 release()

@@ -77,7 +77,9 @@ def main(argv=None):
     contexts = parse_sizes(args.contexts)
     mixers = checked_mixers(args, "CUDA prefill")
     rows = []
-    for name, model in build_models(mixers, layer_specs(args), args.windows, args.decode_options, args.mixer_settings):
+    for name, model in build_models(
+        mixers, layer_specs(args), args.windows, args.decode_options, args.mixer_settings, args.windowed_layers
+    ):
         for context in contexts:
             rows.append((name, context, *profile(name, model, context, args.out)))
             torch.cuda.empty_cache()

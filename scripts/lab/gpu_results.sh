@@ -153,6 +153,14 @@
 #                  copying layers with a memory per query head since round 15, at 2.5x its tokens on both GPUs),
 #                  evaluated at 1K-8K: whether the word and code cells at 26 come with tokens; then the 22-layer
 #                  recipe's batch-128 decode step profiled kernel by kernel on GPU 0 (decode_profile_22q)
+#   sila-deep22-w4k  smollm2-sila-deep22.yaml with 4K sliding windows on the four kept layers without induction heads
+#                  (1, 7, 8, 16: previous- and duplicate-token heads, docs/results/depth/induction_scores.json) from
+#                  conversion on (W22_WINDOWS); the copying layers 17, 18, 20, 23 stay full attention
+#   sila-deep22-w4k-seed1  the same with every training seed 1
+#   windows22-speed|windows26-speed  times: SILA at 22 (26) of 30 with a memory per query head, with 4 (1 and 2) of its
+#                  kept layers as 4K windows, against both teachers in the same process (decode_windows)
+#   windows22-x2   one 2-GPU session of about 25 minutes: sila-deep22-w4k then windows26-speed on GPU 0,
+#                  windows22-speed then sila-deep22-w4k-seed1 on GPU 1
 #   centred-x2     one 2-GPU session of about 26 minutes: raven-deep22-centred, then raven-centred-seed1 on GPU 0;
 #                  sse-centred, then sse-silarecipe on GPU 1
 #   mixers15-x2    one 2-GPU session of about 26 minutes: sse-raven-x2's two runs, then raven-m128 after SSE on GPU 0
@@ -257,6 +265,8 @@ SILA15="0,2,6,10-13,15,21,22,25-29"
 SILA22="0,2-6,9-15,19,21,22,24-29"
 SILA26="0,2-16,19,21-29"
 SILA26_INDUCTION="0-16,19,21,22,24-29"
+# smollm2-sila-deep22.yaml's kept layers without induction heads as 4K windows (sila-deep22-w4k)
+W22_WINDOWS=(--set sliding_window=4096 --set window_layers=1,7,8,16)
 
 on_layers() {  # on_layers MIXER LAYERS: the --set value that converts LAYERS to MIXER
   printf 'layers=[{mixer: %s, layers: "%s"}]' "$1" "$2"
@@ -461,6 +471,12 @@ PY
   sila-deep22-seed1)
     trained sila-deep22 "$1" "${SEED1[@]}"
     ;;
+  sila-deep22-w4k)
+    trained sila-deep22 "$1" "${W22_WINDOWS[@]}"
+    ;;
+  sila-deep22-w4k-seed1)
+    trained sila-deep22 "$1" "${W22_WINDOWS[@]}" "${SEED1[@]}"
+    ;;
   sila-deep22-far-facts)
     trained sila-deep22 "$1" "${FAR_FACTS_RECIPE[@]}"
     ;;
@@ -548,6 +564,12 @@ PY
     DELTA=0 quick_on 1 sila-deep26-qheads-induction sila-deep22-seed1-far-facts &
     wait
     ;;
+  windows22-x2)  # about 25 minutes: two seeds of the 22-layer recipe with 4K windows on its non-copying kept layers,
+    # and the decode speed windows buy at 22 and 26 (each ratio against the teachers timed in the same process)
+    DELTA=0 quick_on 0 sila-deep22-w4k windows26-speed &
+    DELTA=0 quick_on 1 windows22-speed sila-deep22-w4k-seed1 &
+    wait
+    ;;
   deep26-ddp2-profile)  # about 27 minutes: start it alone, first in a session
     WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 run sila-deep26-ddp2
     CUDA_VISIBLE_DEVICES=0 decode_profile_22q
@@ -624,6 +646,12 @@ PY
     ;;
   qheads-speed)  # times: what a memory per query head costs SILA's decode step at 22 and 26 of 30
     decode_qheads
+    ;;
+  windows22-speed)  # times: the 22-layer recipe's step with 4 of its 8 kept layers as 4K windows, batch 1 and 128
+    decode_windows 22 1,128 4
+    ;;
+  windows26-speed)  # times: 26 of 30 with 1 or 2 of its 4 kept layers as 4K windows, batch 128
+    decode_windows 26 128 1,2
     ;;
   decode-bench)  # times, so alone on the machine: issue 52's table, the floor targets first
     decode_tables

@@ -13,8 +13,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"
 
 import bench_capacity  # noqa: E402
 from bench_generate import measure_grid, table  # noqa: E402
-from common import SETTINGS_FROM, add_model_arguments, layer_specs, mixer_settings, spread_layers  # noqa: E402
+from common import (  # noqa: E402
+    SETTINGS_FROM,
+    add_model_arguments,
+    checked_mixers,
+    layer_specs,
+    mixer_settings,
+    spread_layers,
+    window_plans,
+)
 
+from raven_convert import plan_layers  # noqa: E402
 from raven_convert.layer_spec import parse_layer_spec  # noqa: E402
 
 
@@ -33,7 +42,7 @@ def test_hybrids_take_their_smollm2_recipes_mixer_settings_unless_told_otherwise
     assert mixer_settings("mymixer", "recipe") == {}  # no SmolLM2 recipe: the mixer's own
     from transformers import AutoModelForCausalLM
 
-    from raven_convert import build_hybrid, plan_layers
+    from raven_convert import build_hybrid
     from tests.conftest import tiny_config
 
     source = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2))
@@ -75,6 +84,26 @@ def test_layer_specs_name_each_depth_and_refuse_bad_ones():
         args.depths = bad
         with pytest.raises(SystemExit, match=f"--depths '{bad}'"):
             layer_specs(args)
+
+
+def test_window_plans_window_all_or_the_first_k_kept_layers():
+    """--windows W adds each hybrid with every kept layer windowed; --windowed-layers K,... adds one model per K
+    instead, with only the first K windowed (the rest full attention, as a recipe's window_layers leaves them)."""
+    kinds = plan_layers([("sila", spread_layers(22, 30))], 30)
+    kept = [i for i, kind in enumerate(kinds) if kind == "attention"]
+    assert window_plans(kinds, None, [2]) == [("", None)]
+    plans = dict(window_plans(kinds, 4096, [2, 4, 8, 9]))
+    assert list(plans) == ["", "-sw4096x2", "-sw4096x4", "-sw4096"]  # 8 and 9 of 8 kept layers: all, once
+    assert [i for i, w in enumerate(plans["-sw4096x2"]) if w] == kept[:2]
+    assert [i for i, w in enumerate(plans["-sw4096"]) if w] == kept
+    assert all(plans["-sw4096x4"][i] is None for i, kind in enumerate(kinds) if kind != "attention")
+
+
+@pytest.mark.parametrize("windows, counts", [(None, [2]), (4096, [0, 2])])
+def test_windowed_layers_need_windows_and_counts_of_one_or_more(tmp_path, windows, counts):
+    args = argparse.Namespace(mixers="sila", windows=windows, windowed_layers=counts, out=tmp_path)
+    with pytest.raises(SystemExit, match="--windowed-layers .* expected counts >= 1, beside --windows W"):
+        checked_mixers(args, "speed")
 
 
 def test_tables_compare_with_both_teachers():
