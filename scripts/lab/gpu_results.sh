@@ -161,6 +161,8 @@
 #                  kept layers as 4K windows, against both teachers in the same process (decode_windows)
 #   windows22-x2   one 2-GPU session of about 25 minutes: sila-deep22-w4k then windows26-speed on GPU 0,
 #                  windows22-speed then sila-deep22-w4k-seed1 on GPU 1
+#   windows22-x1   the same on one GPU, about 25 minutes: windows22-speed at batch 128 alone, sila-deep22-w4k, then
+#                  windows26-speed as time allows
 #   centred-x2     one 2-GPU session of about 26 minutes: raven-deep22-centred, then raven-centred-seed1 on GPU 0;
 #                  sse-centred, then sse-silarecipe on GPU 1
 #   mixers15-x2    one 2-GPU session of about 26 minutes: sse-raven-x2's two runs, then raven-m128 after SSE on GPU 0
@@ -570,6 +572,9 @@ PY
     DELTA=0 quick_on 1 windows22-speed sila-deep22-w4k-seed1 &
     wait
     ;;
+  windows22-x1)  # about 25 minutes on one GPU: windows22-x2's speed at batch 128, its first seed, then 26's speed
+    DELTA=0 WINDOW_BATCHES=128 quick_on 0 windows22-speed sila-deep22-w4k windows26-speed
+    ;;
   deep26-ddp2-profile)  # about 27 minutes: start it alone, first in a session
     WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 run sila-deep26-ddp2
     CUDA_VISIBLE_DEVICES=0 decode_profile_22q
@@ -648,7 +653,7 @@ PY
     decode_qheads
     ;;
   windows22-speed)  # times: the 22-layer recipe's step with 4 of its 8 kept layers as 4K windows, batch 1 and 128
-    decode_windows 22 1,128 4
+    decode_windows 22 "${WINDOW_BATCHES:-1,128}" 4
     ;;
   windows26-speed)  # times: 26 of 30 with 1 or 2 of its 4 kept layers as 4K windows, batch 128
     decode_windows 26 128 1,2
