@@ -161,6 +161,13 @@
 #                  kept layers as 4K windows, against both teachers in the same process (decode_windows)
 #   windows22-x2   one 2-GPU session of about 25 minutes: sila-deep22-w4k then windows26-speed on GPU 0,
 #                  windows22-speed then sila-deep22-w4k-seed1 on GPU 1
+#   sila-deep22-w4k-local|sila-deep22-w4k-local-seed1  as sila-deep22-w4k(-seed1) with only layers 1 and 16 windowed
+#                  (W22_LOCAL): the two kept layers that look least far back (scripts/tools/attention_reach.py; 7 and 8
+#                  look farthest of all 30)
+#   windows22-local-speed  times: SILA at 22 of 30, a memory per query head, with 1 and 2 kept layers as 4K windows
+#   windows22-local-x1  one GPU, about 22 minutes: windows22-local-speed, then sila-deep22-w4k-local
+#   windows22-local-x2  two GPUs, about 20 minutes: sila-deep22-w4k-local then windows22-local-speed on GPU 0,
+#                  sila-deep22-w4k-local-seed1 on GPU 1
 #   windows22-x1   the same on one GPU, about 25 minutes: windows22-speed at batch 128 alone, sila-deep22-w4k, then
 #                  windows26-speed as time allows
 #   centred-x2     one 2-GPU session of about 26 minutes: raven-deep22-centred, then raven-centred-seed1 on GPU 0;
@@ -269,6 +276,8 @@ SILA26="0,2-16,19,21-29"
 SILA26_INDUCTION="0-16,19,21,22,24-29"
 # smollm2-sila-deep22.yaml's kept layers without induction heads as 4K windows (sila-deep22-w4k)
 W22_WINDOWS=(--set sliding_window=4096 --set window_layers=1,7,8,16)
+# ... and only the two of them that look least far back (round 16: 7 and 8 spread half their weight 512+ tokens back)
+W22_LOCAL=(--set sliding_window=4096 --set window_layers=1,16)
 
 on_layers() {  # on_layers MIXER LAYERS: the --set value that converts LAYERS to MIXER
   printf 'layers=[{mixer: %s, layers: "%s"}]' "$1" "$2"
@@ -479,6 +488,12 @@ PY
   sila-deep22-w4k-seed1)
     trained sila-deep22 "$1" "${W22_WINDOWS[@]}" "${SEED1[@]}"
     ;;
+  sila-deep22-w4k-local)
+    trained sila-deep22 "$1" "${W22_LOCAL[@]}"
+    ;;
+  sila-deep22-w4k-local-seed1)
+    trained sila-deep22 "$1" "${W22_LOCAL[@]}" "${SEED1[@]}"
+    ;;
   sila-deep22-far-facts)
     trained sila-deep22 "$1" "${FAR_FACTS_RECIPE[@]}"
     ;;
@@ -572,6 +587,14 @@ PY
     DELTA=0 quick_on 1 windows22-speed sila-deep22-w4k-seed1 &
     wait
     ;;
+  windows22-local-x1)  # about 22 minutes on one GPU
+    DELTA=0 quick_on 0 windows22-local-speed sila-deep22-w4k-local
+    ;;
+  windows22-local-x2)  # about 20 minutes: both seeds at once, the speed after the first
+    DELTA=0 quick_on 0 sila-deep22-w4k-local windows22-local-speed &
+    DELTA=0 quick_on 1 sila-deep22-w4k-local-seed1 &
+    wait
+    ;;
   windows22-x1)  # about 25 minutes on one GPU: windows22-x2's speed at batch 128, its first seed, then 26's speed
     DELTA=0 WINDOW_BATCHES=128 quick_on 0 windows22-speed sila-deep22-w4k windows26-speed
     ;;
@@ -654,6 +677,9 @@ PY
     ;;
   windows22-speed)  # times: the 22-layer recipe's step with 4 of its 8 kept layers as 4K windows, batch 1 and 128
     decode_windows 22 "${WINDOW_BATCHES:-1,128}" 4
+    ;;
+  windows22-local-speed)  # times: the 22-layer recipe's step with 1 and 2 of its kept layers as 4K windows
+    decode_windows 22 128 1,2
     ;;
   windows26-speed)  # times: 26 of 30 with 1 or 2 of its 4 kept layers as 4K windows, batch 128
     decode_windows 26 128 1,2
