@@ -7,9 +7,10 @@ Tokenizes the `--text` documents (a .txt/.jsonl file or a folder of them) into `
 reads every head's attention weights (eager attention, on the CPU unless --device says otherwise;
 raven_convert.reach) and prints per attention layer, over its heads, the weight on the first token (`sink`), on
 keys at least `--far` tokens back (`far`: what a window of that many tokens cuts) and on the last 64 tokens (`near`),
-averaged over the queries past `--skip` tokens. A hybrid is measured on the attention layers it kept. The layers of
-least far weight are listed last, the copying layers (`--leave-out`, e.g. from induction_scores.py) left out:
-candidates for `sliding_window` and `window_layers` in a recipe (docs/DEPTH.md).
+averaged over the queries past `--skip` tokens. A hybrid is measured on the attention layers it kept. The last
+line orders the layers by far weight, least first, the copying layers (`--leave-out`, e.g. from
+induction_scores.py) left out: the first are the candidates for `sliding_window` and `window_layers` in a recipe
+(docs/DEPTH.md).
 """
 
 from __future__ import annotations
