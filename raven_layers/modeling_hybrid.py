@@ -11,6 +11,7 @@ This file and its siblings are copied next to every exported model, so that
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -381,8 +382,9 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
             kwargs["custom_generate"] = decode_loop
         return super().generate(inputs, generation_config, **{OUTPUT_CACHE_FIELD: cache}, **kwargs)
 
-    def set_attention_window(self, window: int | None) -> None:
-        """Make every kept attention layer attend within the last `window` tokens (None: full causal attention).
+    def set_attention_window(self, window: int | None, layers: Collection[int] | None = None) -> None:
+        """Make every kept attention layer (or those of `layers`, the other kept ones then full causal attention)
+        attend within the last `window` tokens (None: full causal attention).
 
         Mixer layers are unchanged. With a window at most the source's trained context, the kept layers never see
         a RoPE distance they were not trained on, the configuration the Raven paper found to generalise in length.
@@ -390,7 +392,15 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         """
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"attention window {window!r} not allowed; expected an integer >= 1 or None")
-        self.config.attention_windows = [window if kind == "attention" else None for kind in self.config.layer_mixers]
+        kinds = self.config.layer_mixers
+        kept = [i for i, kind in enumerate(kinds) if kind == "attention"]
+        chosen = set(kept if layers is None else layers)
+        if chosen - set(kept):
+            raise ValueError(
+                f"attention window on layers {sorted(chosen - set(kept))}: only kept attention layers take one "
+                f"(this model keeps {kept})"
+            )
+        self.config.attention_windows = [window if i in chosen else None for i in range(len(kinds))]
         self.model.windows = layer_windows(self.config)
 
     def forward(

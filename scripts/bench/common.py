@@ -264,9 +264,8 @@ def checked_mixers(args: argparse.Namespace, what: str) -> list[str]:
         raise SystemExit(f"--mixers: {err}") from None
     if args.windows is not None and args.windows < 1:
         raise SystemExit(f"--windows {args.windows}: expected an integer >= 1")
-    counts = getattr(args, "windowed_layers", None)
-    if counts is not None and (args.windows is None or min(counts) < 1):
-        raise SystemExit(f"--windowed-layers {counts}: expected counts >= 1, beside --windows W")
+    if args.windowed_layers is not None and (args.windows is None or min(args.windowed_layers) < 1):
+        raise SystemExit(f"--windowed-layers {args.windowed_layers}: expected counts >= 1, beside --windows W")
     if not torch.cuda.is_available():
         raise SystemExit(f"{Path(sys.argv[0]).stem} measures {what}: no CUDA device here")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -408,14 +407,11 @@ def window_plans(
     if window is None:
         return [("", None)]
     kept = [i for i, kind in enumerate(kinds) if kind == "attention"]
-    plans, seen = [("", None)], set()
-    for count in counts or [len(kept)]:
-        chosen = set(kept[:count])
-        if frozenset(chosen) in seen or not chosen:
-            continue
-        seen.add(frozenset(chosen))
-        label = f"-sw{window}" + ("" if len(chosen) == len(kept) else f"x{len(chosen)}")
-        plans.append((label, [window if i in chosen else None for i in range(len(kinds))]))
+    plans = [("", None)]
+    for count in dict.fromkeys(min(c, len(kept)) for c in counts or [len(kept)]):  # each count once, in order
+        if count:
+            label = f"-sw{window}" + ("" if count == len(kept) else f"x{count}")
+            plans.append((label, [window if i in kept[:count] else None for i in range(len(kinds))]))
     return plans
 
 

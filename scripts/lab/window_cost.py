@@ -28,7 +28,6 @@ from raven_convert.layer_spec import parse_layer_spec
 from raven_convert.reach import text_rows
 from raven_convert.surgery import build_hybrid
 from raven_layers import modeling_hybrid
-from raven_layers.architectures import layer_windows
 
 
 @contextmanager
@@ -55,9 +54,7 @@ def sink_masks(sinks: int):
 @torch.no_grad()
 def row_losses(hybrid, ids: torch.Tensor, window: int, layers: set[int], sinks: int) -> torch.Tensor:
     """[rows, T - 1]: each next token's loss with `layers` as `window`-token windows (and `sinks` sinks)."""
-    config = hybrid.config
-    config.attention_windows = [window if i in layers else None for i in range(config.num_hidden_layers)]
-    hybrid.model.windows = layer_windows(config)
+    hybrid.set_attention_window(window, layers)
     losses = []
     with sink_masks(sinks):
         for row in ids:

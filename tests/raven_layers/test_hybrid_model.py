@@ -307,6 +307,15 @@ def test_set_attention_window_equals_converting_with_it(tiny_sources):
     for bad in (0, 2.5, True):
         with pytest.raises(ValueError, match="attention window"):
             later.set_attention_window(bad)
+    first = kinds.index("attention")
+    later.set_attention_window(5, layers=[first])  # one kept layer windowed, the others full again
+    assert later.config.attention_windows == [5 if i == first else None for i in range(len(kinds))]
+    one = build_hybrid(source, kinds, settings, attention_windows=later.config.attention_windows)
+    one.load_state_dict(converted.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(later(ids).logits, one(ids).logits)
+    with pytest.raises(ValueError, match=r"attention window on layers \[\d+\]: only kept attention layers"):
+        later.set_attention_window(5, layers=[next(i for i, k in enumerate(kinds) if k != "attention")])
 
 
 def test_a_mixer_setting_edited_after_saving_is_named_not_a_transformers_refusal(tiny_sources, tmp_path):
