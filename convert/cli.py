@@ -125,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="output directory (exactly what --push-to-hub uploads)")
     p.add_argument("--sliding-window", type=int, metavar="W", help="kept attention layers attend to the last W tokens")
     p.add_argument("--window-layers", metavar="SPEC", help="which kept attention layers get --sliding-window (all)")
+    p.add_argument(
+        "--attention-sinks",
+        type=int,
+        metavar="S",
+        help="windowed attention layers also attend to each sequence's first S tokens (default: the source's, 0)",
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="weights dtype (default: the source's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the mixers' new parameters")
     p.add_argument("--max-shard-size", default="2GB", help="safetensors shard size")

@@ -24,6 +24,7 @@ from .surgery import (
     build_hybrid,
     check_kept,
     check_mixers_fit,
+    check_sinks,
     conversion_chain,
     format_layer_map,
     is_hybrid_config,
@@ -49,6 +50,7 @@ class ConvertRequest:
     mixer_settings: dict[str, dict] = field(default_factory=dict)
     sliding_window: int | None = None  # kept attention layers named by window_layers (all by default) use it
     window_layers: str | None = None
+    attention_sinks: int | None = None  # windowed layers also see each sequence's first S tokens; None: the source's
     dtype: str = "auto"
     seed: int = 0
     max_shard_size: str = "2GB"
@@ -101,8 +103,9 @@ def convert_model(request: ConvertRequest, log=print) -> Path:
             raise ValueError(f"settings given for {err}") from None
         spec.settings.from_dict(values)
     windows = plan_windows(kinds, source_windows(config), request.sliding_window, request.window_layers)
+    check_sinks(request.attention_sinks, kinds, windows or source_windows(config))  # auto:N windows all it keeps
     used = {k: request.mixer_settings.get(k, {}) for k in set(kinds) - {"attention"}}
-    check_bundle(check_mixers_fit(config, kinds, used, windows))
+    check_bundle(check_mixers_fit(config, kinds, used, windows, request.attention_sinks))
     converted = f"; a hybrid that converted layers {listed_layers(before)}" if further else ""
     log(f"source: {source.name} ({arch.model_type}, {L} layers{converted})")
     if not auto:
@@ -118,7 +121,9 @@ def convert_model(request: ConvertRequest, log=print) -> Path:
         windows = plan_windows(kinds, source_windows(config), request.sliding_window, request.window_layers)
         log(format_layer_map(kinds, windows or source_windows(config)))
 
-    hybrid = build_hybrid(model, kinds, used, seed=request.seed, attention_windows=windows)
+    hybrid = build_hybrid(
+        model, kinds, used, seed=request.seed, attention_windows=windows, attention_sinks=request.attention_sinks
+    )
     del model
     if record is not None:
         hybrid.config.layer_choice = record  # saved in config.json, drawn and described by save_hybrid

@@ -118,6 +118,20 @@ def plan_windows(
     return [window if i in chosen else w for i, w in enumerate(source_windows)]
 
 
+def check_sinks(sinks: int | None, kinds: list[str], windows: list[int | None]) -> None:
+    """`sinks` (--attention-sinks; None: the source's) must be a count, and a count > 0 needs a sliding window on some
+    kept attention layer (`windows`: the planned per-layer windows, or the source's)."""
+    if sinks is None:
+        return
+    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+        raise ValueError(f"--attention-sinks {sinks!r} is not allowed; expected an integer >= 0 (tokens)")
+    if sinks and not any(w is not None and k == "attention" for k, w in zip(kinds, windows)):
+        raise ValueError(
+            f"--attention-sinks {sinks} keeps the first tokens visible to sliding-window layers, and this plan keeps "
+            "no windowed attention layer: add --sliding-window (and --window-layers)"
+        )
+
+
 def format_layer_map(kinds: list[str], windows: list[int | None] | None = None) -> str:
     """One line per layer kind with its layers, then one line per layer."""
     windows = windows or [None] * len(kinds)
@@ -137,11 +151,15 @@ def format_layer_map(kinds: list[str], windows: list[int | None] | None = None) 
     return "\n".join(["layer map:", *summary, *rows])
 
 
-def check_mixers_fit(source_config, layer_kinds, mixer_settings, attention_windows=None) -> HybridConfig:
+def check_mixers_fit(
+    source_config, layer_kinds, mixer_settings, attention_windows=None, attention_sinks=None
+) -> HybridConfig:
     """Raise the error a mixer would raise for this model (e.g. a LoRA rank above a projection's size) before any
     weight is loaded: one mixer of each kind is built on the meta device, which allocates nothing. Returns the
     hybrid's config."""
-    config = HybridConfig.from_source(source_config, layer_kinds, mixer_settings, attention_windows)
+    config = HybridConfig.from_source(
+        source_config, layer_kinds, mixer_settings, attention_windows, attention_sinks=attention_sinks
+    )
     arch = get_architecture(config.base_model_type)
     for kind in set(layer_kinds) - {"attention"}:
         with torch.device("meta"):
@@ -155,6 +173,7 @@ def build_hybrid(
     mixer_settings: dict[str, dict],
     seed: int = 0,
     attention_windows: list[int | None] | None = None,
+    attention_sinks: int | None = None,
 ) -> HybridForCausalLM:
     """A hybrid of `source` (a transformers causal LM, or a hybrid converted further) with `layer_kinds[i]` in layer i.
 
@@ -163,9 +182,12 @@ def build_hybrid(
     mixer-specific parameters are new; they get the mixer's own initialisation (seeded by `seed`). The mixers a
     hybrid source has already load whole, trained weights included (check_kept: they stay where they are, the same
     mixer, with its settings: HybridConfig.from_source). `attention_windows` (see `plan_windows`) turns kept
-    attention layers into sliding-window attention; their weights and RoPE are unchanged.
+    attention layers into sliding-window attention; their weights and RoPE are unchanged, and `attention_sinks` S
+    keeps the first S tokens of a sequence visible to them (None: the source's, 0 for a Transformer).
     """
-    config = HybridConfig.from_source(source.config, layer_kinds, mixer_settings, attention_windows)
+    config = HybridConfig.from_source(
+        source.config, layer_kinds, mixer_settings, attention_windows, attention_sinks=attention_sinks
+    )
     torch.manual_seed(seed)
     hybrid = HybridForCausalLM(config).to(source.dtype)
     start = start_kinds(source.config)

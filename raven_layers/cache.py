@@ -21,6 +21,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from .architectures import layer_windows
+from .sinks import SinkWrites, write_sinks
 
 
 def cache_argument(forward) -> str:
@@ -77,23 +78,43 @@ class _LayerCache(ABC):
 
 
 class AttentionLayerCache(_LayerCache):
-    """Keys and values of one attention layer, [B, H_kv, T, d] each; a windowed layer keeps only its last W - 1."""
+    """Keys and values of one attention layer, [B, H_kv, T, d] each; a windowed layer keeps only its last W - 1,
+    and with `sinks` S also each row's first S tokens in S slots of their own (see sinks.py)."""
 
-    def __init__(self, window: int | None = None):
+    def __init__(self, window: int | None = None, sinks: int = 0):
         self.window = window
+        self.sinks = sinks if window is not None else 0
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
+        self.sink_keys: torch.Tensor | None = None  # [B, H_kv, S, d], slot s: the row's token at position s
+        self.sink_values: torch.Tensor | None = None
         self.num_tokens = 0  # seen, not stored: a windowed layer drops the oldest
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append the new tokens; return every key and value the new queries may attend to."""
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, sinks: SinkWrites | None = None):
+        """Append the new tokens; return every key and value the new queries may attend to: the sink slots first
+        once earlier tokens are cached (`sinks` says which new tokens are sinks)."""
+        new_keys, new_values = key_states, value_states
         if self.keys is not None:
             key_states = torch.cat([self.keys, key_states], dim=-2)
             value_states = torch.cat([self.values, value_states], dim=-2)
+        past = self.num_tokens
         self.num_tokens += key_states.shape[-2] - self.stored_length()
         keep = key_states.shape[-2] if self.window is None else min(key_states.shape[-2], self.window - 1)
         self.keys = key_states[..., key_states.shape[-2] - keep :, :]
         self.values = value_states[..., value_states.shape[-2] - keep :, :]
+        if not self.sinks:
+            return key_states, value_states
+        if sinks is None:
+            raise ValueError("a windowed layer with attention sinks needs the sinks of its new tokens")
+        if self.sink_keys is None:
+            B, H, _, d = new_keys.shape
+            self.sink_keys = new_keys.new_zeros(B, H, self.sinks, d)
+            self.sink_values = new_values.new_zeros(B, H, self.sinks, d)
+        if past > 0:  # the slots as they were, before this forward's sinks are written
+            key_states = torch.cat([self.sink_keys, key_states], dim=-2)
+            value_states = torch.cat([self.sink_values, value_states], dim=-2)
+        write_sinks(self.sink_keys, new_keys, sinks)
+        write_sinks(self.sink_values, new_values, sinks)
         return key_states, value_states
 
     def stored_length(self) -> int:
@@ -103,22 +124,26 @@ class AttentionLayerCache(_LayerCache):
         return self.num_tokens
 
     def tensors(self):
-        return () if self.keys is None else (self.keys, self.values)
+        return tuple(t for t in (self.keys, self.values, self.sink_keys, self.sink_values) if t is not None)
 
     def _apply(self, fn):
         if self.keys is not None:
             self.keys, self.values = fn(self.keys), fn(self.values)
+        if self.sink_keys is not None:
+            self.sink_keys, self.sink_values = fn(self.sink_keys), fn(self.sink_values)
 
     def crop(self, max_length: int):
         if max_length < 0:
             max_length = self.num_tokens + max_length
-        if self.stored_length() < self.num_tokens and max_length != self.num_tokens:
-            raise ValueError("a sliding-window cache has dropped the tokens it would need to be cropped")
+        if max_length != self.num_tokens and (self.stored_length() < self.num_tokens or self.sink_keys is not None):
+            raise ValueError(
+                "a sliding-window cache has dropped the tokens it would need to be cropped (or holds sinks)"
+            )
         self._apply(lambda x: x[..., :max_length, :])
         self.num_tokens = min(self.num_tokens, max_length)
 
     def reset(self):
-        self.keys = self.values = None
+        self.keys = self.values = self.sink_keys = self.sink_values = None
         self.num_tokens = 0
 
 
@@ -152,14 +177,16 @@ class HybridCache(Cache):
     """One `AttentionLayerCache` or `MixerLayerCache` per decoder layer, following `config.layer_mixers`."""
 
     def __init__(self, config):
+        sinks = getattr(config, "attention_sinks", 0)
         layers = [
-            AttentionLayerCache(window) if kind == "attention" else MixerLayerCache()
+            AttentionLayerCache(window, sinks) if kind == "attention" else MixerLayerCache()
             for kind, window in zip(config.layer_mixers, layer_windows(config))
         ]
         super().__init__(layers=layers)
+        self.sink_writes: SinkWrites | None = None  # the current forward's, set by the model (see sinks.py)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        return self.layers[layer_idx].update(key_states, value_states)
+        return self.layers[layer_idx].update(key_states, value_states, self.sink_writes)
 
     def get_mixer_state(self, layer_idx: int):
         return self.layers[layer_idx].state

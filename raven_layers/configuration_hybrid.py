@@ -24,6 +24,7 @@ _HYBRID_FIELDS = (
     "mixer_settings",
     "mixer_sources",
     "attention_windows",
+    "attention_sinks",
     "layer_choice",
     "converted_from",
 )
@@ -45,6 +46,8 @@ class HybridConfig(PretrainedConfig):
             code (trust_remote_code=True) runs the copy it carries (see registry.py).
         attention_windows: one entry per layer, the sliding window of a kept attention layer (None: full causal
             attention); None altogether keeps the source architecture's own windows.
+        attention_sinks: S >= 0: every sliding-window layer also attends to the first S tokens of each sequence
+            (StreamingLLM's attention sinks: heads park weight on the first tokens, which a bare window drops).
     """
 
     model_type = "raven_hybrid"
@@ -57,6 +60,7 @@ class HybridConfig(PretrainedConfig):
         mixer_settings=None,
         attention_windows=None,
         mixer_sources=None,
+        attention_sinks: int = 0,
         **kwargs,
     ):
         self.base_model_type = base_model_type
@@ -64,7 +68,10 @@ class HybridConfig(PretrainedConfig):
         self.mixer_settings = dict(mixer_settings or {})
         self.mixer_sources = dict(mixer_sources or {})
         self.attention_windows = list(attention_windows) if attention_windows is not None else None
+        self.attention_sinks = attention_sinks
         super().__init__(**kwargs)
+        if isinstance(attention_sinks, bool) or not isinstance(attention_sinks, int) or attention_sinks < 0:
+            raise HybridConfigError(f"attention_sinks = {attention_sinks!r}; expected an integer >= 0 (tokens)")
         num_layers = getattr(self, "num_hidden_layers", None)
         if num_layers is None:  # transformers builds a bare instance to diff defaults against
             return
@@ -126,14 +133,23 @@ class HybridConfig(PretrainedConfig):
 
     @classmethod
     def from_source(
-        cls, source_config, layer_mixers, mixer_settings, attention_windows=None, mixer_sources=None
+        cls,
+        source_config,
+        layer_mixers,
+        mixer_settings,
+        attention_windows=None,
+        mixer_sources=None,
+        attention_sinks: int | None = None,
     ) -> "HybridConfig":
         """The config of a hybrid of `source_config` with `layer_mixers`. The source may be a hybrid itself, converted
-        further: its architecture, its mixers' settings and import paths, and its attention windows (unless
-        `attention_windows` is given) carry over, and settings given for one of its mixers must be the ones it has
-        (every layer of a mixer shares them, its trained layers included); HybridConfigError otherwise."""
+        further: its architecture, its mixers' settings and import paths, and its attention windows and sinks (unless
+        `attention_windows`, `attention_sinks` are given) carry over, and settings given for one of its mixers must be
+        the ones it has (every layer of a mixer shares them, its trained layers included); HybridConfigError
+        otherwise."""
         fields = {k: v for k, v in source_config.to_dict().items() if k not in _SOURCE_ONLY_FIELDS + _HYBRID_FIELDS}
         base_model_type = source_config.model_type
+        if attention_sinks is None:
+            attention_sinks = getattr(source_config, "attention_sinks", 0) or 0
         if base_model_type == cls.model_type:
             base_model_type = source_config.base_model_type
             mixer_settings = _carried_settings(source_config.mixer_settings, mixer_settings)
@@ -148,6 +164,7 @@ class HybridConfig(PretrainedConfig):
             mixer_settings=mixer_settings,
             attention_windows=attention_windows,
             mixer_sources=mixer_sources,
+            attention_sinks=attention_sinks,
             **fields,
         )
 

@@ -28,6 +28,7 @@ from .configuration_hybrid import HybridConfig, HybridConfigError
 from .decode_attention import KERNELS, decode_attention
 from .decode_graph import DecodeGraph
 from .decode_loop import GreedyTokens, applies, decode_loop
+from .sinks import sink_writes, visible_sinks
 from .static_cache import StaticHybridCache
 
 
@@ -215,12 +216,14 @@ class HybridModel(HybridPreTrainedModel):
             else:  # left padding: count positions from each sequence's first real token
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
         padding_mask = attention_mask[:, -T:].bool() if attention_mask is not None else None
+        if cache is not None and self.sinks():
+            cache.sink_writes = sink_writes(position_ids, padding_mask, self.sinks())
         if static:
-            cache.record_prefill(attention_mask, T)
+            cache.record_prefill(attention_mask, T, position_ids)
 
         documents = packed[0] if packed is not None else None
         masks = {
-            window: self._attention_mask(attention_mask, B, T, past, window, inputs_embeds, documents)
+            window: self._attention_mask(attention_mask, B, T, past, window, inputs_embeds, documents, position_ids)
             for window in self.attention_windows()
         }
         mixer_kwargs = {"padding_mask": padding_mask}
@@ -243,6 +246,11 @@ class HybridModel(HybridPreTrainedModel):
     def attention_windows(self) -> set[int | None]:
         """The windows of the kept attention layers (None: full attention): one mask is built per window."""
         return {window for kind, window in zip(self.config.layer_mixers, self.windows) if kind == "attention"}
+
+    def sinks(self) -> int:
+        """The attention sinks of the windowed kept layers (sinks.py); 0 where no kept layer is windowed."""
+        windowed = any(window is not None for window in self.attention_windows())
+        return getattr(self.config, "attention_sinks", 0) if windowed else 0
 
     def run_layers(self, hidden_states, position_ids, masks, cache, use_cache, mixer_kwargs, **kwargs):
         """The decoder layers and the final norm: [B, T, hidden] -> [B, T, hidden]."""
@@ -275,23 +283,37 @@ class HybridModel(HybridPreTrainedModel):
         cache.end_step()
         return hidden_states
 
-    def _attention_mask(self, padding, B: int, T: int, past: int, window: int | None, like: torch.Tensor, documents):
+    def _attention_mask(
+        self, padding, B: int, T: int, past: int, window: int | None, like: torch.Tensor, documents, positions
+    ):
         """The mask the attention layers expect, or None where transformers would take the causal fast path.
 
         Keys are the cached ones plus the new ones: all `past + T` of them, or for a sliding-window layer only the
-        last `window - 1` cached ones (see AttentionLayerCache). SDPA takes a boolean mask, eager attention an
-        additive float one; flash-attention kernels take the 2D padding mask and apply causality (and the window,
-        passed by the layer) themselves, and find packed documents in the position ids as transformers does.
-        documents [B, T] (packed input, no cache) restricts every query to the keys of its own document.
+        last `window - 1` cached ones (see AttentionLayerCache), after its S sink slots where it keeps attention sinks
+        and has cached tokens (sinks.py): a sink slot is visible while the window no longer holds its token, and a
+        key in the window at a position < S (positions [B, T] of the new tokens, or counted from the padding) always.
+        SDPA takes a boolean mask, eager attention an additive float one; flash-attention kernels take the 2D padding
+        mask and apply causality (and the window, passed by the layer) themselves, and find packed documents in the
+        position ids as transformers does. documents [B, T] (packed input, no cache) restricts every query to the
+        keys of its own document.
         """
         impl = self.config._attn_implementation
+        sinks = self.sinks() if window is not None else 0
+        if sinks and impl not in ("sdpa", "eager"):
+            raise ValueError(
+                f"attention_sinks = {sinks} needs the 'sdpa' or 'eager' attention implementation (a window's sinks are "
+                f"written into its mask); this model runs {impl!r}"
+            )
         kv_start = 0 if window is None else max(0, past - (window - 1))
+        full_padding = padding
         if padding is not None:
             padding = padding[:, kv_start:]
         if impl not in ("sdpa", "eager"):
             return padding
         simple = padding is None and documents is None
-        if simple and (T == 1 or (past == 0 and impl == "sdpa" and (window is None or T <= window))):
+        if simple and (
+            (T == 1 and not (sinks and past)) or (past == 0 and impl == "sdpa" and (window is None or T <= window))
+        ):
             return None  # every stored key is visible (T == 1), or SDPA's own causal mask is the right one
         q_pos = torch.arange(past, past + T, device=like.device)[:, None]
         k_pos = torch.arange(kv_start, past + T, device=like.device)[None, :]
@@ -299,11 +321,25 @@ class HybridModel(HybridPreTrainedModel):
         if window is not None:
             allowed &= k_pos > q_pos - window
         allowed = allowed[None, None]  # [1, 1, T, kv]
+        if sinks:  # keys at positions < S stay visible past the window
+            if full_padding is not None:
+                key_positions = (full_padding.long().cumsum(-1) - 1)[:, kv_start:]  # [B, kv]
+            elif documents is not None:
+                key_positions = positions  # [B, T]: no cache, each document counted from its start
+            else:
+                key_positions = k_pos  # [1, kv]
+            allowed = allowed | ((key_positions < sinks)[:, None, None, :] & (k_pos <= q_pos))
         if documents is not None:  # no cache here, so keys and queries are the same T tokens
             allowed = allowed & (documents[:, None, :, None] == documents[:, None, None, :])  # [B, 1, T, T]
         if padding is not None:
             allowed = allowed & padding.bool()[:, None, None, :]
             allowed = allowed | (k_pos == q_pos)  # a padded query sees itself, so no row is empty (no NaN)
+        if sinks and past:  # the sink slots before the keys
+            slots = visible_sinks(full_padding, kv_start, sinks, like.device)[:, None, None, :]  # [B or 1, 1, 1, S]
+            rows = max(allowed.shape[0], slots.shape[0])
+            allowed = torch.cat(
+                [slots.expand(rows, 1, T, sinks), allowed.expand(rows, 1, T, allowed.shape[-1])], dim=-1
+            )
         if impl == "eager":
             return torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill(
                 ~allowed, torch.finfo(like.dtype).min
@@ -382,9 +418,12 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
             kwargs["custom_generate"] = decode_loop
         return super().generate(inputs, generation_config, **{OUTPUT_CACHE_FIELD: cache}, **kwargs)
 
-    def set_attention_window(self, window: int | None, layers: Collection[int] | None = None) -> None:
+    def set_attention_window(
+        self, window: int | None, layers: Collection[int] | None = None, sinks: int | None = None
+    ) -> None:
         """Make every kept attention layer (or those of `layers`, the other kept ones then full causal attention)
-        attend within the last `window` tokens (None: full causal attention).
+        attend within the last `window` tokens (None: full causal attention), and to the first `sinks` tokens of each
+        sequence besides (attention sinks, sinks.py; None keeps the model's count).
 
         Mixer layers are unchanged. With a window at most the source's trained context, the kept layers never see
         a RoPE distance they were not trained on, the configuration the Raven paper found to generalise in length.
@@ -392,6 +431,8 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         """
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"attention window {window!r} not allowed; expected an integer >= 1 or None")
+        if sinks is not None and (isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0):
+            raise ValueError(f"attention sinks {sinks!r} not allowed; expected an integer >= 0 or None")
         kinds = self.config.layer_mixers
         kept = [i for i, kind in enumerate(kinds) if kind == "attention"]
         chosen = set(kept if layers is None else layers)
@@ -401,6 +442,8 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
                 f"(this model keeps {kept})"
             )
         self.config.attention_windows = [window if i in chosen else None for i in range(len(kinds))]
+        if sinks is not None:
+            self.config.attention_sinks = sinks
         self.model.windows = layer_windows(self.config)
 
     def forward(

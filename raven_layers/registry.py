@@ -45,6 +45,7 @@ MODEL_FILES = (
     "extra_mixers.py",
     "modeling_hybrid.py",
     "registry.py",
+    "sinks.py",
     "sse_forms.py",
     "static_cache.py",
 )

@@ -3,10 +3,12 @@
 `StaticHybridCache` holds, for a batch of B sequences of at most `max_length` tokens:
 - per full-attention layer, keys and values [B, H_kv, max_length, d], token t in slot t;
 - per sliding-window layer, a ring of `window` slots [B, H_kv, window, d], token t in slot t % window (attention
-  does not depend on the order of its keys, so the ring is never rolled);
+  does not depend on the order of its keys, so the ring is never rolled); with attention sinks (sinks.py), S slots
+  before the ring, slot s holding the row's token at position s, and the ring's slots shifted by S;
 - per mixer layer, the recurrent state, updated in place by the decode kernels (or copied into its buffer);
 - the decode bookkeeping as device tensors: how many tokens were written (`step`), the next position id of every
-  row (`positions`, left padding counted out), and which slots of each buffer size hold real tokens (`valid`).
+  row (`positions`, left padding counted out), and which slots of each layer window's buffers hold real tokens
+  (`valid`; with sinks, a ring slot whose token is also in a sink slot is not, so that no key counts twice).
 
 A decode step (one token per row) reads and writes only these tensors, with no host synchronisation and no
 allocation that outlives it, so `DecodeGraph` can capture it once as a CUDA graph and replay it for every token.
@@ -23,23 +25,31 @@ import torch
 from .architectures import layer_windows
 from .cache import HybridCache, _LayerCache, refuse_rollback
 from .decode_attention import DecodeSlots
+from .sinks import write_sinks
 
 
 class StaticAttentionLayerCache(_LayerCache):
-    """Keys and values of one attention layer in a buffer of `size` slots: max_length, or the window for a ring."""
+    """Keys and values of one attention layer in a buffer of max_length slots, or for a windowed layer its `sinks`
+    slots and a ring of `ring` (the window, at most max_length)."""
 
-    def __init__(self, owner: "StaticHybridCache", window: int | None, keys: torch.Tensor, values: torch.Tensor):
-        self.owner, self.window = owner, window
-        self.keys, self.values = keys, values  # [B, H_kv, size, d]
-        self.size = keys.shape[2]
+    def __init__(
+        self, owner: "StaticHybridCache", window: int | None, sinks: int, keys: torch.Tensor, values: torch.Tensor
+    ):
+        self.owner, self.window, self.sinks = owner, window, sinks
+        self.keys, self.values = keys, values  # [B, H_kv, sinks + ring, d]
+        self.ring = keys.shape[2] - sinks
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Write the new tokens [B, H_kv, T, d]; return every key and value the new queries may attend to."""
-        owner = self.owner
-        if owner.decoding:  # one token, at slot step % size: device indices only
-            slot = owner.step % self.size
+        owner, S = self.owner, self.sinks
+        if owner.decoding:  # one token, at slot step % ring after the sinks: device indices only
+            slot = owner.step % self.ring + S
             self.keys.index_copy_(2, slot, key_states)
             self.values.index_copy_(2, slot, value_states)
+            if S:  # and a row's token at a position < S in its sink slot too
+                sink = torch.where(owner.positions < S, owner.positions, slot)  # [B]
+                self.keys[owner.row_index, :, sink] = key_states[:, :, 0]
+                self.values[owner.row_index, :, sink] = value_states[:, :, 0]
             return self.keys, self.values
         past, T = owner.num_tokens, key_states.shape[2]
         if self.window is None:
@@ -47,12 +57,17 @@ class StaticAttentionLayerCache(_LayerCache):
             self.values[:, :, past : past + T] = value_states
             return self.keys[:, :, : past + T], self.values[:, :, : past + T]
         # a ring: the cached part the new queries see, oldest first (as AttentionLayerCache returns it)
-        kept = torch.arange(max(0, past - (self.window - 1)), past, device=self.keys.device) % self.size
-        keys = torch.cat([self.keys.index_select(2, kept), key_states], dim=2)
-        values = torch.cat([self.values.index_select(2, kept), value_states], dim=2)
-        last = torch.arange(past + max(0, T - self.size), past + T, device=self.keys.device)  # the newest that fit
-        self.keys.index_copy_(2, last % self.size, key_states[:, :, last - past])
-        self.values.index_copy_(2, last % self.size, value_states[:, :, last - past])
+        kept = torch.arange(max(0, past - (self.window - 1)), past, device=self.keys.device) % self.ring + S
+        keys = torch.cat([self.keys[:, :, : S if past else 0], self.keys.index_select(2, kept), key_states], dim=2)
+        values = torch.cat(
+            [self.values[:, :, : S if past else 0], self.values.index_select(2, kept), value_states], dim=2
+        )
+        last = torch.arange(past + max(0, T - self.ring), past + T, device=self.keys.device)  # the newest that fit
+        self.keys.index_copy_(2, last % self.ring + S, key_states[:, :, last - past])
+        self.values.index_copy_(2, last % self.ring + S, value_states[:, :, last - past])
+        if S:
+            write_sinks(self.keys[:, :, :S], key_states, owner.sink_writes)
+            write_sinks(self.values[:, :, :S], value_states, owner.sink_writes)
         return keys, values
 
     def get_seq_length(self) -> int:
@@ -120,16 +135,20 @@ class StaticHybridCache(HybridCache):
         self.drop_graphs()
         self.step = torch.zeros(1, dtype=torch.long, device=device)  # tokens written, the same for every row
         self.positions = torch.zeros(batch_size, dtype=torch.long, device=device)  # next position id per row
-        self.valid: dict[int, torch.Tensor] = {}  # slots per buffer -> [B, slots] bool: holds a real token
+        self.row_index = torch.arange(batch_size, device=device)  # [B]: a row's own slot in per-row writes
+        self.sinks = getattr(config, "attention_sinks", 0)
+        self.sink_writes = None  # a prefill's SinkWrites (sinks.py), set by the model
+        self.valid: dict[int | None, torch.Tensor] = {}  # layer window -> [B, slots] bool: holds a real token
         layers = []
         for kind, window in zip(config.layer_mixers, layer_windows(config)):
             if kind != "attention":
                 layers.append(StaticMixerLayerCache(self))
                 continue
-            size = max_length if window is None else min(window, max_length)
-            self.valid.setdefault(size, torch.zeros(batch_size, size, dtype=torch.bool, device=device))
+            sinks = self.sinks if window is not None else 0
+            size = max_length if window is None else sinks + min(window, max_length)
+            self.valid.setdefault(window, torch.zeros(batch_size, size, dtype=torch.bool, device=device))
             keys = torch.zeros(batch_size, Hkv, size, d, dtype=dtype, device=device)
-            layers.append(StaticAttentionLayerCache(self, window, keys, torch.zeros_like(keys)))
+            layers.append(StaticAttentionLayerCache(self, window, sinks, keys, torch.zeros_like(keys)))
         super(HybridCache, self).__init__(layers=layers)
 
     @property
@@ -164,8 +183,9 @@ class StaticHybridCache(HybridCache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.num_tokens
 
-    def record_prefill(self, padding: torch.Tensor | None, new_tokens: int):
-        """Before a prefill of `new_tokens` per row: mark their slots (padding [B, past + T] bool, or all real)."""
+    def record_prefill(self, padding: torch.Tensor | None, new_tokens: int, positions: torch.Tensor):
+        """Before a prefill of `new_tokens` per row: mark their slots (padding [B, past + T] bool, or all real;
+        positions [B, T] their position ids, which say the sinks)."""
         past = self.num_tokens
         new = torch.arange(past, past + new_tokens, device=self.device)
         real = (
@@ -177,9 +197,14 @@ class StaticHybridCache(HybridCache):
             for valid in self.valid.values():
                 valid.zero_()
             self.positions.zero_()
-        for size, valid in self.valid.items():
-            keep = slice(max(0, new_tokens - size), None)  # a ring keeps only the newest
-            valid.index_copy_(1, new[keep] % size, real[:, keep])
+        for window, valid in self.valid.items():
+            S = self.sinks if window is not None else 0
+            ring = valid.shape[1] - S
+            keep = slice(max(0, new_tokens - ring), None)  # a ring keeps only the newest
+            marks = real[:, keep] & (positions[:, keep] >= S) if S else real[:, keep]  # a sink's slot, not the ring's
+            valid.index_copy_(1, new[keep] % ring + S, marks)
+            if S:
+                valid[:, :S] |= self.sink_writes.present
         self.positions.add_(real.sum(-1))
         self.step.fill_(past + new_tokens)
 
@@ -194,8 +219,15 @@ class StaticHybridCache(HybridCache):
 
     def begin_step(self) -> torch.Tensor:
         """Start a decode step of one real token per row; returns its position ids [B, 1]. Device ops only."""
-        for size, valid in self.valid.items():
-            valid.index_fill_(1, self.step % size, True)
+        for window, valid in self.valid.items():
+            S = self.sinks if window is not None else 0
+            slot = self.step % (valid.shape[1] - S) + S
+            if not S:
+                valid.index_fill_(1, slot, True)
+                continue
+            sink = self.positions < S  # [B]: the token is a sink, kept in its sink slot rather than the ring
+            valid.index_copy_(1, slot, ~sink[:, None])
+            valid[self.row_index, torch.where(sink, self.positions, slot)] = True
         return self.positions.unsqueeze(1)
 
     def end_step(self):
@@ -208,7 +240,8 @@ class StaticHybridCache(HybridCache):
 
     def decode_slots(self, window: int | None) -> DecodeSlots:
         """The attention mask of a decode step over the buffers of this window (see decode_attention.py)."""
-        return DecodeSlots(self.valid[self.max_length if window is None else min(window, self.max_length)], self.step)
+        S = self.sinks if window is not None else 0
+        return DecodeSlots(self.valid[window], self.step + S if S else self.step)  # the ring's slots start at S
 
     def reset(self):
         self.num_tokens = 0  # buffers, and a graph captured over them, serve the next generation as they are
@@ -226,8 +259,9 @@ class StaticHybridCache(HybridCache):
             elif layer.state is not None:
                 layer.state = tuple(fn(s).contiguous() for s in layer.state)
         self.positions = fn(self.positions)
-        self.valid = {size: fn(valid) for size, valid in self.valid.items()}
+        self.valid = {window: fn(valid) for window, valid in self.valid.items()}
         self.rows = self.positions.shape[0]
+        self.row_index = torch.arange(self.rows, device=self.device)
         self.drop_graphs()
 
     def drop_graphs(self) -> None:

@@ -174,6 +174,9 @@ class Recipe(_Strict):
     mixer_settings: dict[str, dict] = Field(default_factory=dict)
     sliding_window: int | None = Field(None, ge=1)
     window_layers: str | None = None
+    attention_sinks: int | None = Field(
+        None, ge=0, description="windowed kept layers also attend to each sequence's first S tokens (None: 0)"
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     seed: int = 0
     layer_choice: ChoiceSettings | None = Field(None, description="how layers: auto:N scores them (None: defaults)")

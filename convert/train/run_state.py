@@ -32,6 +32,7 @@ PER_PROCESS = ("align", "train", "extend")  # the sections whose batch_size coun
 CHOICE_FIELDS = ("layer_choice", "data.source", "data.text_field")  # what convert also reads under layers: auto:N
 # what convert and align also read in a further conversion (left out without one: older runs' fingerprints stand)
 START_FIELDS = ("start_from",)
+SINK_FIELDS = ("attention_sinks",)  # read by convert where set: runs made before the field keep their fingerprints
 
 
 def read_done(run_dir: Path, stage: str, damaged_ok: bool = False) -> dict | None:
@@ -66,6 +67,7 @@ def stage_inputs(recipe: Recipe | FinetuneRecipe, stage: str, processes: int = 1
     inputs, fields = {}, recipe.stage_fields[stage]
     fields += CHOICE_FIELDS if stage == "convert" and recipe.auto() else ()
     fields += START_FIELDS if stage in ("convert", "align") and getattr(recipe, "start_from", None) else ()
+    fields += SINK_FIELDS if stage == "convert" and getattr(recipe, "attention_sinks", None) is not None else ()
     for path in fields:
         value = data
         for key in path.split("."):

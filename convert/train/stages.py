@@ -132,7 +132,7 @@ def _stage_convert(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel
 
     out = run_dir / "convert" / "model"
     request = ConvertRequest.of(
-        dict(recipe),  # mixer_settings, sliding_window, window_layers, dtype, seed
+        dict(recipe),  # mixer_settings, sliding_window, window_layers, attention_sinks, dtype, seed
         out=out,
         assignments=[(a.mixer, a.layers) for a in recipe.layers],
         src=recipe.start_from or recipe.source,  # a further conversion builds on the hybrid it starts from

@@ -5,19 +5,15 @@
 
 Reads `--rows` rows of `--length` tokens of the `--text` documents, and for each layer set of `--layers` (and the
 model as it is first) runs the model with those attention layers as `--window`-token windows, each with every
-count of `--sinks`: the first S tokens of the row stay visible to a windowed layer beside its window (StreamingLLM's
-attention sinks; heads park weight there, scripts/tools/attention_reach.py's `sink`). Prints the mean loss of the
-tokens inside the window and past it (from `--window` + 100 on), and the change against the model as it is.
-
-A lab measurement: the hybrid models do not keep sinks (their caches hold a window's last W tokens), so this runs
-the whole rows at once, without a cache, with the sinks written into the attention mask here. On the CPU; 8K rows
-of SmolLM2-135M take about 2 minutes a configuration.
+count of `--sinks`: the first S tokens of the row stay visible to a windowed layer beside its window (attention
+sinks, `convert --attention-sinks`; heads park weight there, scripts/tools/attention_reach.py's `sink`). Prints the
+mean loss of the tokens inside the window and past it (from `--window` + 100 on), and the change against the model
+as it is. On the CPU; 8K rows of SmolLM2-135M take about 2 minutes a configuration.
 """
 
 from __future__ import annotations
 
 import argparse
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -27,39 +23,16 @@ from raven_convert.evaluate.perplexity import load_texts
 from raven_convert.layer_spec import parse_layer_spec
 from raven_convert.reach import text_rows
 from raven_convert.surgery import build_hybrid
-from raven_layers import modeling_hybrid
-
-
-@contextmanager
-def sink_masks(sinks: int):
-    """Within the block, a windowed layer's mask (no cache, no padding) also lets every query see the first `sinks`
-    keys of its row."""
-    plain = modeling_hybrid.HybridModel._attention_mask
-
-    def with_sinks(self, padding, B, T, past, window, like, documents):
-        if window is None or not sinks:
-            return plain(self, padding, B, T, past, window, like, documents)
-        if past or padding is not None or documents is not None:
-            raise ValueError("window_cost's sinks apply to whole rows without a cache, padding or packing")
-        q, k = torch.arange(T, device=like.device)[:, None], torch.arange(T, device=like.device)[None, :]
-        return ((k <= q) & ((k > q - window) | (k < sinks)))[None, None]  # [1, 1, T, T] for SDPA
-
-    modeling_hybrid.HybridModel._attention_mask = with_sinks
-    try:
-        yield
-    finally:
-        modeling_hybrid.HybridModel._attention_mask = plain
 
 
 @torch.no_grad()
 def row_losses(hybrid, ids: torch.Tensor, window: int, layers: set[int], sinks: int) -> torch.Tensor:
     """[rows, T - 1]: each next token's loss with `layers` as `window`-token windows (and `sinks` sinks)."""
-    hybrid.set_attention_window(window, layers)
+    hybrid.set_attention_window(window, layers, sinks=sinks)
     losses = []
-    with sink_masks(sinks):
-        for row in ids:
-            logits = hybrid(row[None], use_cache=False).logits[0, :-1].float()
-            losses.append(F.cross_entropy(logits, row[1:], reduction="none"))
+    for row in ids:
+        logits = hybrid(row[None], use_cache=False).logits[0, :-1].float()
+        losses.append(F.cross_entropy(logits, row[1:], reduction="none"))
     return torch.stack(losses)
 
 

@@ -93,6 +93,14 @@ def test_directory_without_config(tmp_path, capsys):
         (["--layers", "0", "--sliding-window", "0"], "--sliding-window 0 is not allowed; expected an integer >= 1"),
         (["--layers", "0", "--window-layers", "1"], "--window-layers '1' needs --sliding-window"),
         (
+            ["--layers", "0", "--attention-sinks", "4"],
+            "--attention-sinks 4 keeps the first tokens visible to sliding-window layers, and this plan keeps no",
+        ),
+        (
+            ["--layers", "0", "--sliding-window", "8", "--attention-sinks", "-1"],
+            "--attention-sinks -1 is not allowed; expected an integer >= 0",
+        ),
+        (
             ["--layers", "0", "--sliding-window", "8", "--window-layers", "0-1"],
             "--window-layers '0-1' names layer(s) [0], which become mixers; only kept attention layers",
         ),

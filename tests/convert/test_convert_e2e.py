@@ -244,6 +244,28 @@ def test_window_layers_choose_which_attention_layers(tiny_sources, tmp_path):
     assert config["attention_windows"] == [None, None, 5, 5]
 
 
+@pytest.mark.transformers_api
+def test_attention_sinks_are_converted_and_saved(tiny_sources, tmp_path):
+    """`--attention-sinks` is recorded in config.json, and the loaded model keeps the sinks: its decode steps past
+    the window equal its full forward, which differs from the bare window's (the model's own code carries sinks.py:
+    test_standalone_load_without_the_toolkit)."""
+    args = ("0", *RAVEN, "--sliding-window", "3", "--window-layers", "2", "--attention-sinks", "2")
+    out = convert_tiny(tiny_sources, tmp_path, "llama", *args)
+    assert json.loads((out / "config.json").read_text())["attention_sinks"] == 2
+    saved = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    ids = torch.tensor(IDS)
+    with torch.no_grad():
+        full = saved(ids).logits
+        out = saved(ids[:, :2], use_cache=True)
+        steps, cache = [out.logits], output_cache(out)
+        for t in range(2, ids.shape[1]):
+            steps.append(saved(ids[:, t : t + 1], cache=cache, use_cache=True).logits)
+        saved.set_attention_window(3, [2], sinks=0)
+        bare = saved(ids).logits
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-5)
+    assert (full[:, 4:] - bare[:, 4:]).abs().max() > 1e-4
+
+
 def test_sse_with_its_own_row_count_gets_fresh_query_and_key_projections(tiny_sources, tmp_path):
     out = convert_tiny(
         tiny_sources,

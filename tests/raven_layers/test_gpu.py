@@ -131,18 +131,21 @@ def test_dependent_launches_decode_as_the_eager_path(mixer):
     assert_graphed_tokens_are_the_eager_paths(mixer, {**default_decode_options(), "triton.enable_pdl": True})
 
 
-@pytest.mark.parametrize("mixer", ["raven", "sse", "sila"])
+@pytest.mark.parametrize(("mixer", "sinks"), [("raven", 0), ("sse", 0), ("sila", 0), ("sila", 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_graphed_static_decoding_equals_the_eager_path(mixer, dtype):
+def test_graphed_static_decoding_equals_the_eager_path(mixer, sinks, dtype):
     """generate() on CUDA replays a compiled step in a CUDA graph over a static cache, with left padding and a
-    sliding window that wraps. float32: the greedy tokens of 64 steps equal the eager dynamic path's. bfloat16:
-    Inductor rounds differently from eager, and a near tie of random weights (or of a top-k routing choice) can
-    fork the greedy path; so along the tokens the fast path chose, its logits must be as close to the float32
-    model's as the eager bfloat16 forward's are."""
+    sliding window that wraps (with attention sinks too). float32: the greedy tokens of 64 steps equal the eager
+    dynamic path's. bfloat16: Inductor rounds differently from eager, and a near tie of random weights (or of a top-k
+    routing choice) can fork the greedy path; so along the tokens the fast path chose, its logits must be as close to
+    the float32 model's as the eager bfloat16 forward's are."""
     torch.manual_seed(0)
     source = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
     windows = [None, 24, None, None]  # layer 1 a 24-token ring (it wraps), layer 3 full attention
-    model = build_hybrid(source, plan_layers([(mixer, "0,2")], 4), {mixer: SETTINGS[mixer]}, attention_windows=windows)
+    model = build_hybrid(
+        source, plan_layers([(mixer, "0,2")], 4), {mixer: SETTINGS[mixer]}, attention_windows=windows,
+        attention_sinks=sinks,
+    )  # fmt: skip
     exact = copy.deepcopy(model).cuda()
     model = model.cuda().to(dtype)
     ids = torch.randint(3, 100, (3, 41), device="cuda")

@@ -178,11 +178,11 @@ def test_batch_changes_and_crop_follow_the_dynamic_cache(hybrid):
         static.crop(5)
 
 
-@pytest.mark.parametrize("sila", [{}, {"state_heads": "query"}])
-def test_compiled_decode_step_equals_eager(monkeypatch, sila):
+@pytest.mark.parametrize(("sila", "sinks"), [({}, 0), ({"state_heads": "query"}, 0), ({}, 2)])
+def test_compiled_decode_step_equals_eager(monkeypatch, sila, sinks):
     """The step the CUDA graphs capture, compiled whole by torch.compile (the kernels are custom ops; interpreted
     on CPU), equals the eager step: every mixer (SILA also with a memory per query head), a full and a wrapping
-    windowed attention layer, left padding. On
+    windowed attention layer (also with attention sinks, a row's second one written by a step), left padding. On
     the CPU with dynamo's aot_eager backend (the whole-graph trace, guards and functionalisation; Inductor's code is
     test_gpu.py's, whose graphed steps are compiled), which takes a tenth of Inductor's C++ builds' time here."""
     if not torch.cuda.is_available():
@@ -191,12 +191,13 @@ def test_compiled_decode_step_equals_eager(monkeypatch, sila):
     source = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=5)).eval()
     kinds = plan_layers([("raven", "0"), ("sila", "2"), ("sse", "4")], 5)
     settings = {**SETTINGS, "sila": {**SETTINGS["sila"], **sila}}
-    hybrid = build_hybrid(source, kinds, settings, attention_windows=[None, 5, None, None, None]).eval()
+    windows = [None, 5, None, None, None]
+    hybrid = build_hybrid(source, kinds, settings, attention_windows=windows, attention_sinks=sinks).eval()
     if not torch.cuda.is_available():
         hybrid.decode_compile_options = {}  # aot_eager takes no Inductor options (test_decode_fusion.py runs them)
     ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(3))  # 6 steps: the 5-token ring wraps
     mask = torch.ones(2, 6, dtype=torch.long)
-    mask[1, :2] = 0
+    mask[1, : 5 if sinks else 2] = 0
 
     prefilled = StaticHybridCache(hybrid.config, batch_size=2, max_length=12)
     with torch.no_grad(), use_backend("torch"):  # the prefill is not under test: the PyTorch forms fill the cache

@@ -312,6 +312,18 @@ def test_the_distributed_section_is_checked_and_changes_no_fingerprint():
     assert fingerprints(fsdp) == fingerprints(parse_recipe(MINIMAL))  # same global batch, same results
 
 
+def test_attention_sinks_are_checked_and_fingerprinted_only_where_set():
+    from raven_convert.train.run_state import fingerprints, stage_inputs
+
+    with pytest.raises(ValueError, match="attention_sinks: Input should be greater than or equal to 0"):
+        parse_recipe(MINIMAL | {"attention_sinks": -1})
+    window = parse_recipe(MINIMAL | {"sliding_window": 512})
+    sinks = parse_recipe(MINIMAL | {"sliding_window": 512, "attention_sinks": 4})
+    assert stage_inputs(sinks, "convert")["attention_sinks"] == 4
+    assert fingerprints(sinks)["convert"] != fingerprints(window)["convert"]
+    assert "attention_sinks" not in stage_inputs(window, "convert")  # runs made before the field resume as they were
+
+
 def test_the_token_weights_kernel_is_checked_and_changes_no_fingerprint():
     from raven_convert.train.run_state import fingerprints
 
