@@ -216,7 +216,13 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth = copy_bandwidth()
     results = []
     for name, model in build_models(
-        mixers, layer_specs(args), args.windows, args.decode_options, args.mixer_settings, args.windowed_layers
+        mixers,
+        layer_specs(args),
+        args.windows,
+        args.decode_options,
+        args.mixer_settings,
+        args.windowed_layers,
+        sinks=args.attention_sinks,
     ):
         timed = name.startswith("teacher") or args.time == "all" or "-sw" in name
         entry = largest_batch(name, model, context, args.steps, args.reserve, timed, bandwidth)

@@ -128,7 +128,15 @@ def main(argv: list[str] | None = None) -> None:
         extra.update(mixer_settings=args.mixer_settings)
         write_record(args.out / "bench_generate.json", rows, **extra)
 
-    models = build_models(mixers, specs, args.windows, args.decode_options, args.mixer_settings, args.windowed_layers)
+    models = build_models(
+        mixers,
+        specs,
+        args.windows,
+        args.decode_options,
+        args.mixer_settings,
+        args.windowed_layers,
+        sinks=args.attention_sinks,
+    )
     results = measure_grid(models, contexts, batches, measure, save)
     print(table(results))
     failed = [r for r in results if "error" in r]

@@ -150,6 +150,13 @@ def add_model_arguments(parser: argparse.ArgumentParser, mixers: str | None = No
         help="with --windows: window only K of each hybrid's kept attention layers (the first K; speed does not "
         "depend on which), once per K (2,4); the others stay full attention. Default: every kept layer",
     )
+    parser.add_argument(
+        "--attention-sinks",
+        type=int,
+        default=0,
+        metavar="S",
+        help="with --windows: the windowed layers also attend to each row's first S tokens (default 0)",
+    )
     add_settings_argument(parser)
     parser.add_argument(
         "--decode-options",
@@ -266,6 +273,8 @@ def checked_mixers(args: argparse.Namespace, what: str) -> list[str]:
         raise SystemExit(f"--windows {args.windows}: expected an integer >= 1")
     if args.windowed_layers is not None and (args.windows is None or min(args.windowed_layers) < 1):
         raise SystemExit(f"--windowed-layers {args.windowed_layers}: expected counts >= 1, beside --windows W")
+    if args.attention_sinks < 0 or (args.attention_sinks and args.windows is None):
+        raise SystemExit(f"--attention-sinks {args.attention_sinks}: expected a count >= 0, beside --windows W")
     if not torch.cuda.is_available():
         raise SystemExit(f"{Path(sys.argv[0]).stem} measures {what}: no CUDA device here")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -422,10 +431,12 @@ def build_models(
     decode_options: str = "default",
     settings_from: str = "recipe",
     windowed_layers: list[int] | None = None,
+    sinks: int = 0,
 ):
     """(name, model) pairs: the teacher on transformers first, then on this project's engine (`teacher-engine`, no
     layer converted), then one hybrid per mixer and layer spec of `specs` ((name suffix, spec) pairs), and each again
-    with windows on its kept layers, all or the first K for each K of `windowed_layers` (window_plans); the models
+    with windows on its kept layers, all or the first K for each K of `windowed_layers` (window_plans), with `sinks`
+    attention sinks (its name then ends in -sinksS); the models
     on this engine compile their decode step as `decode_options` says (parse_decode_options) and take their mixers'
     settings as `settings_from` says (mixer_settings).
     Drop `model` before asking for the next: each model's memory (its static cache and compiled step
@@ -451,9 +462,10 @@ def build_models(
         for suffix, layers in specs:
             kinds = plan_layers([(mixer, layers)], n)
             for label, spans in window_plans(kinds, windows, windowed_layers):
-                hybrid = build_hybrid(teacher, kinds, settings, attention_windows=spans)
+                sunk = sinks if spans is not None else 0
+                hybrid = build_hybrid(teacher, kinds, settings, attention_windows=spans, attention_sinks=sunk)
                 hybrid = hybrid.to("cuda", torch.bfloat16).eval()
                 set_decode_options(hybrid, parse_decode_options(decode_options))
-                yield f"{mixer}{suffix}{label}", hybrid
+                yield f"{mixer}{suffix}{label}" + (f"-sinks{sunk}" if sunk else ""), hybrid
                 del hybrid
                 release()

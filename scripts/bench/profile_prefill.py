@@ -78,7 +78,13 @@ def main(argv=None):
     mixers = checked_mixers(args, "CUDA prefill")
     rows = []
     for name, model in build_models(
-        mixers, layer_specs(args), args.windows, args.decode_options, args.mixer_settings, args.windowed_layers
+        mixers,
+        layer_specs(args),
+        args.windows,
+        args.decode_options,
+        args.mixer_settings,
+        args.windowed_layers,
+        sinks=args.attention_sinks,
     ):
         for context in contexts:
             rows.append((name, context, *profile(name, model, context, args.out)))

@@ -98,12 +98,13 @@ decode_profile_22q() {  # where the 22-layer recipe's batch-128 step goes (a mem
     --batches 128 --context 16k --variants default --steps 8 --save-code --mixer-settings recipe,sila.state_heads=query
 }
 
-decode_windows() {  # decode_windows DEPTH BATCHES COUNTS: SILA at DEPTH of 30 with a memory per query head, as is and
-  # with COUNTS of its kept layers as 4K windows, at 16K against both teachers (issue 51's speed)
+decode_windows() {  # decode_windows DEPTH BATCHES COUNTS [SINKS]: SILA at DEPTH of 30 with a memory per query head,
+  # as is and with COUNTS of its kept layers as 4K windows (with SINKS attention sinks), at 16K against both teachers
+  # (issue 51's speed)
   local out="$RUNS/decode-bench" && mkdir -p "$out"
-  timeout 420 python3 scripts/bench/bench_generate.py --out "$out/windows$1" --mixers sila --depths "$1" \
-    --batches "$2" --contexts 16k --steps 16 --mixer-settings recipe,sila.state_heads=query --windows 4096 \
-    --windowed-layers "$3"
+  timeout 420 python3 scripts/bench/bench_generate.py --out "$out/windows$1${4:+-sinks$4}" --mixers sila \
+    --depths "$1" --batches "$2" --contexts 16k --steps 16 --mixer-settings recipe,sila.state_heads=query \
+    --windows 4096 --windowed-layers "$3" --attention-sinks "${4:-0}"
 }
 
 ddp_graph_tests() {  # align's and train's graphs under ddp on two GPUs end with the eager launch's model

@@ -168,6 +168,13 @@
 #   windows22-local-x1  one GPU, about 22 minutes: windows22-local-speed, then sila-deep22-w4k-local
 #   windows22-local-x2  two GPUs, about 20 minutes: sila-deep22-w4k-local then windows22-local-speed on GPU 0,
 #                  sila-deep22-w4k-local-seed1 on GPU 1
+#   sila-deep22-w4k-sinks|sila-deep22-w4k-sinks-seed1  as sila-deep22-w4k-local(-seed1) with 4 attention sinks on the
+#                  two windows (W22_SINKS; scripts/lab/window_cost.py: layer 16's window costs nothing with them)
+#   windows22-sinks-speed  times: windows22-local-speed's models with 4 attention sinks on each window
+#   sinks-gpu-check  the graphed decode with attention sinks against the eager path (tests/raven_layers/test_gpu.py)
+#   windows22-sinks-x1  one GPU, about 24 minutes: sinks-gpu-check, windows22-sinks-speed, sila-deep22-w4k-sinks
+#   windows22-sinks-x2  two GPUs, about 22 minutes: sila-deep22-w4k-sinks then windows22-sinks-speed on GPU 0,
+#                  sila-deep22-w4k-sinks-seed1 then sinks-gpu-check on GPU 1
 #   windows22-x1   the same on one GPU, about 25 minutes: windows22-speed at batch 128 alone, sila-deep22-w4k, then
 #                  windows26-speed as time allows
 #   centred-x2     one 2-GPU session of about 26 minutes: raven-deep22-centred, then raven-centred-seed1 on GPU 0;
@@ -278,6 +285,9 @@ SILA26_INDUCTION="0-16,19,21,22,24-29"
 W22_WINDOWS=(--set sliding_window=4096 --set window_layers=1,7,8,16)
 # ... and only the two of them that look least far back (round 16: 7 and 8 spread half their weight 512+ tokens back)
 W22_LOCAL=(--set sliding_window=4096 --set window_layers=1,16)
+# ... with the first 4 tokens of a row visible to both windows (attention sinks: layer 16 parks 27% of its weight on
+# the first token)
+W22_SINKS=("${W22_LOCAL[@]}" --set attention_sinks=4)
 
 on_layers() {  # on_layers MIXER LAYERS: the --set value that converts LAYERS to MIXER
   printf 'layers=[{mixer: %s, layers: "%s"}]' "$1" "$2"
@@ -494,6 +504,12 @@ PY
   sila-deep22-w4k-local-seed1)
     trained sila-deep22 "$1" "${W22_LOCAL[@]}" "${SEED1[@]}"
     ;;
+  sila-deep22-w4k-sinks)
+    trained sila-deep22 "$1" "${W22_SINKS[@]}"
+    ;;
+  sila-deep22-w4k-sinks-seed1)
+    trained sila-deep22 "$1" "${W22_SINKS[@]}" "${SEED1[@]}"
+    ;;
   sila-deep22-far-facts)
     trained sila-deep22 "$1" "${FAR_FACTS_RECIPE[@]}"
     ;;
@@ -595,6 +611,14 @@ PY
     DELTA=0 quick_on 1 sila-deep22-w4k-local-seed1 &
     wait
     ;;
+  windows22-sinks-x1)  # about 24 minutes on one GPU
+    DELTA=0 quick_on 0 sinks-gpu-check windows22-sinks-speed sila-deep22-w4k-sinks
+    ;;
+  windows22-sinks-x2)  # about 22 minutes: both seeds at once, the speed and the GPU check after them
+    DELTA=0 quick_on 0 sila-deep22-w4k-sinks windows22-sinks-speed &
+    DELTA=0 quick_on 1 sila-deep22-w4k-sinks-seed1 sinks-gpu-check &
+    wait
+    ;;
   windows22-x1)  # about 25 minutes on one GPU: windows22-x2's speed at batch 128, its first seed, then 26's speed
     DELTA=0 WINDOW_BATCHES=128 quick_on 0 windows22-speed sila-deep22-w4k windows26-speed
     ;;
@@ -680,6 +704,13 @@ PY
     ;;
   windows22-local-speed)  # times: the 22-layer recipe's step with 1 and 2 of its kept layers as 4K windows
     decode_windows 22 128 1,2
+    ;;
+  windows22-sinks-speed)  # times: windows22-local-speed with 4 attention sinks on each window
+    decode_windows 22 128 1,2 4
+    ;;
+  sinks-gpu-check)  # the graphed, compiled decode with attention sinks equals the eager path (float32 and bf16)
+    timeout 420 python3 -m pytest -o addopts="" -q -rfE tests/raven_layers/test_gpu.py -k "graphed_static and sila" \
+      2>&1 | tail -8
     ;;
   windows26-speed)  # times: 26 of 30 with 1 or 2 of its 4 kept layers as 4K windows, batch 128
     decode_windows 26 128 1,2

@@ -101,8 +101,15 @@ def test_window_plans_window_all_or_the_first_k_kept_layers():
 
 @pytest.mark.parametrize("windows, counts", [(None, [2]), (4096, [0, 2])])
 def test_windowed_layers_need_windows_and_counts_of_one_or_more(tmp_path, windows, counts):
-    args = argparse.Namespace(mixers="sila", windows=windows, windowed_layers=counts, out=tmp_path)
+    args = argparse.Namespace(mixers="sila", windows=windows, windowed_layers=counts, out=tmp_path, attention_sinks=0)
     with pytest.raises(SystemExit, match="--windowed-layers .* expected counts >= 1, beside --windows W"):
+        checked_mixers(args, "speed")
+
+
+@pytest.mark.parametrize("windows, sinks", [(None, 4), (4096, -1)])
+def test_attention_sinks_need_windows_and_a_count(tmp_path, windows, sinks):
+    args = argparse.Namespace(mixers="sila", windows=windows, windowed_layers=None, out=tmp_path, attention_sinks=sinks)
+    with pytest.raises(SystemExit, match=rf"--attention-sinks {sinks}: expected a count >= 0, beside --windows W"):
         checked_mixers(args, "speed")
 
 
