@@ -90,7 +90,9 @@ class AttentionLayerCache(_LayerCache):
         self.sink_values: torch.Tensor | None = None
         self.num_tokens = 0  # seen, not stored: a windowed layer drops the oldest
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, sinks: SinkWrites | None = None):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, sinks: SinkWrites | None = None, **kwargs
+    ):
         """Append the new tokens; return every key and value the new queries may attend to: the sink slots first
         once earlier tokens are cached (`sinks` says which new tokens are sinks)."""
         new_keys, new_values = key_states, value_states
@@ -186,7 +188,7 @@ class HybridCache(Cache):
         self.sink_writes: SinkWrites | None = None  # the current forward's, set by the model (see sinks.py)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        return self.layers[layer_idx].update(key_states, value_states, self.sink_writes)
+        return self.layers[layer_idx].update(key_states, value_states, sinks=self.sink_writes)
 
     def get_mixer_state(self, layer_idx: int):
         return self.layers[layer_idx].state
