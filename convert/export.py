@@ -106,7 +106,13 @@ def model_card(model: HybridForCausalLM, base_model: str) -> str:
     kinds = config.layer_mixers
     counts = {k: kinds.count(k) for k in dict.fromkeys(kinds)}
     sizes = state_sizes(model)
-    table = "\n".join(f"| {i} | {k} |" for i, k in enumerate(kinds))
+    sinks = getattr(config, "attention_sinks", 0)
+    table = "\n".join(
+        f"| {i} | {k} |"
+        if w is None
+        else f"| {i} | {k} (sliding window {w}" + (f", {sinks} sinks) |" if sinks else ") |")
+        for i, (k, w) in enumerate(zip(kinds, model.model.windows))
+    )
     settings = json.dumps(config.mixer_settings, indent=2, sort_keys=True)
     lines = [f"- Attention layer: KV cache of {sizes.pop('attention_kv_per_1k_tokens') / 1024:.0f} KiB per 1K tokens"]
     for key, size in sizes.items():

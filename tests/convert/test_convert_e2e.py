@@ -252,6 +252,8 @@ def test_attention_sinks_are_converted_and_saved(tiny_sources, tmp_path):
     args = ("0", *RAVEN, "--sliding-window", "3", "--window-layers", "2", "--attention-sinks", "2")
     out = convert_tiny(tiny_sources, tmp_path, "llama", *args)
     assert json.loads((out / "config.json").read_text())["attention_sinks"] == 2
+    card = (out / "README.md").read_text()
+    assert "| 2 | attention (sliding window 3, 2 sinks) |" in card and "| 3 | attention |" in card
     saved = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
     ids = torch.tensor(IDS)
     with torch.no_grad():
