@@ -175,6 +175,11 @@
 #   windows22-sinks-x1  one GPU, about 24 minutes: sinks-gpu-check, windows22-sinks-speed, sila-deep22-w4k-sinks
 #   windows22-sinks-x2  two GPUs, about 22 minutes: sila-deep22-w4k-sinks then windows22-sinks-speed on GPU 0,
 #                  sila-deep22-w4k-sinks-seed1 then sinks-gpu-check on GPU 1
+#   sila-deep26-w4k-sinks|sila-deep26-w4k-sinks-seed1  smollm2-sila-deep26.yaml with two of its four copying layers
+#                  (17 and 20) as 4K windows with 4 attention sinks (W26_SINKS: the pair whose windows cost the
+#                  teacher least past 4K, scripts/lab/window_cost.py, round 17); 5.39x the teacher at batch 128, 16K
+#   windows26-sinks-x2  two GPUs, about 20 minutes: sila-deep26-w4k-sinks on GPU 0, its seed 1 on GPU 1
+#   windows26-sinks-x1  one GPU, about 20 minutes: sila-deep26-w4k-sinks
 #   windows22-x1   the same on one GPU, about 25 minutes: windows22-speed at batch 128 alone, sila-deep22-w4k, then
 #                  windows26-speed as time allows
 #   centred-x2     one 2-GPU session of about 26 minutes: raven-deep22-centred, then raven-centred-seed1 on GPU 0;
@@ -288,6 +293,8 @@ W22_LOCAL=(--set sliding_window=4096 --set window_layers=1,16)
 # ... with the first 4 tokens of a row visible to both windows (attention sinks: layer 16 parks 27% of its weight on
 # the first token)
 W22_SINKS=("${W22_LOCAL[@]}" --set attention_sinks=4)
+# smollm2-sila-deep26.yaml's copying layers 17 and 20 as 4K windows with 4 sinks (round 17's window_cost.py)
+W26_SINKS=(--set sliding_window=4096 --set window_layers=17,20 --set attention_sinks=4)
 
 on_layers() {  # on_layers MIXER LAYERS: the --set value that converts LAYERS to MIXER
   printf 'layers=[{mixer: %s, layers: "%s"}]' "$1" "$2"
@@ -510,6 +517,12 @@ PY
   sila-deep22-w4k-sinks-seed1)
     trained sila-deep22 "$1" "${W22_SINKS[@]}" "${SEED1[@]}"
     ;;
+  sila-deep26-w4k-sinks)
+    trained sila-deep26 "$1" "${W26_SINKS[@]}"
+    ;;
+  sila-deep26-w4k-sinks-seed1)
+    trained sila-deep26 "$1" "${W26_SINKS[@]}" "${SEED1[@]}"
+    ;;
   sila-deep22-far-facts)
     trained sila-deep22 "$1" "${FAR_FACTS_RECIPE[@]}"
     ;;
@@ -617,6 +630,14 @@ PY
   windows22-sinks-x2)  # about 22 minutes: both seeds at once, the speed and the GPU check after them
     DELTA=0 quick_on 0 sila-deep22-w4k-sinks windows22-sinks-speed &
     DELTA=0 quick_on 1 sila-deep22-w4k-sinks-seed1 sinks-gpu-check &
+    wait
+    ;;
+  windows26-sinks-x1)  # about 20 minutes on one GPU
+    DELTA=0 quick_on 0 sila-deep26-w4k-sinks
+    ;;
+  windows26-sinks-x2)  # about 20 minutes: both seeds at once
+    DELTA=0 quick_on 0 sila-deep26-w4k-sinks &
+    DELTA=0 quick_on 1 sila-deep26-w4k-sinks-seed1 &
     wait
     ;;
   windows22-x1)  # about 25 minutes on one GPU: windows22-x2's speed at batch 128, its first seed, then 26's speed
