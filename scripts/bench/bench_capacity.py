@@ -42,9 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     SMOLLM2_135M,
     add_model_arguments,
-    build_models,
     checked_mixers,
     layer_specs,
+    models_of,
     parse_sizes,
     write_record,
 )
@@ -215,15 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     mixers = checked_mixers(args, "CUDA memory")
     bandwidth = copy_bandwidth()
     results = []
-    for name, model in build_models(
-        mixers,
-        layer_specs(args),
-        args.windows,
-        args.decode_options,
-        args.mixer_settings,
-        args.windowed_layers,
-        sinks=args.attention_sinks,
-    ):
+    for name, model in models_of(args, mixers, layer_specs(args)):
         timed = name.startswith("teacher") or args.time == "all" or "-sw" in name
         entry = largest_batch(name, model, context, args.steps, args.reserve, timed, bandwidth)
         results.append(entry)

@@ -46,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from common import add_model_arguments, build_models, checked_mixers, layer_specs, parse_sizes, write_record  # noqa: E402
+from common import add_model_arguments, checked_mixers, layer_specs, models_of, parse_sizes, write_record  # noqa: E402
 
 from raven_convert.evaluate.decode_bench import copy_bandwidth, measure_decode  # noqa: E402
 
@@ -128,15 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         extra.update(mixer_settings=args.mixer_settings)
         write_record(args.out / "bench_generate.json", rows, **extra)
 
-    models = build_models(
-        mixers,
-        specs,
-        args.windows,
-        args.decode_options,
-        args.mixer_settings,
-        args.windowed_layers,
-        sinks=args.attention_sinks,
-    )
+    models = models_of(args, mixers, specs)
     results = measure_grid(models, contexts, batches, measure, save)
     print(table(results))
     failed = [r for r in results if "error" in r]

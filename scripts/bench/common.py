@@ -424,6 +424,19 @@ def window_plans(
     return plans
 
 
+def models_of(args: argparse.Namespace, mixers: list[str], specs: list[tuple[str, str]]):
+    """build_models with the model arguments (add_model_arguments) a bench script parsed."""
+    return build_models(
+        mixers,
+        specs,
+        args.windows,
+        args.decode_options,
+        args.mixer_settings,
+        args.windowed_layers,
+        sinks=args.attention_sinks,
+    )
+
+
 def build_models(
     mixers: list[str],
     specs: list[tuple[str, str]],

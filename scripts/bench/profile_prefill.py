@@ -23,9 +23,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).res
 from common import (  # noqa: E402
     SMOLLM2_135M,
     add_model_arguments,
-    build_models,
     checked_mixers,
     layer_specs,
+    models_of,
     parse_sizes,
 )
 
@@ -77,15 +77,7 @@ def main(argv=None):
     contexts = parse_sizes(args.contexts)
     mixers = checked_mixers(args, "CUDA prefill")
     rows = []
-    for name, model in build_models(
-        mixers,
-        layer_specs(args),
-        args.windows,
-        args.decode_options,
-        args.mixer_settings,
-        args.windowed_layers,
-        sinks=args.attention_sinks,
-    ):
+    for name, model in models_of(args, mixers, layer_specs(args)):
         for context in contexts:
             rows.append((name, context, *profile(name, model, context, args.out)))
             torch.cuda.empty_cache()
