@@ -175,7 +175,9 @@ class Recipe(_Strict):
     sliding_window: int | None = Field(None, ge=1)
     window_layers: str | None = None
     attention_sinks: int | None = Field(
-        None, ge=0, description="windowed kept layers also attend to each sequence's first S tokens (None: 0)"
+        None,
+        ge=0,
+        description="windowed kept layers also attend to each sequence's first S tokens (None: start_from's, or 0)",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     seed: int = 0
