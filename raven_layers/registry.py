@@ -43,6 +43,7 @@ MODEL_FILES = (
     "decode_graph.py",
     "decode_loop.py",
     "extra_mixers.py",
+    "masks.py",
     "modeling_hybrid.py",
     "registry.py",
     "sinks.py",

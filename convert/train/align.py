@@ -60,7 +60,7 @@ from raven_convert.train.graphs import (
 )
 from raven_convert.train.losses import alignment_mse, mixers_aux_loss
 from raven_convert.train.precision import frozen_linears_in
-from raven_layers.modeling_hybrid import find_packed_documents
+from raven_layers.masks import find_packed_documents
 
 
 @contextmanager

@@ -34,7 +34,7 @@ from raven_convert.train.common import is_hybrid, mixers, to_device
 from raven_convert.train.compiling import CompileSetting
 from raven_convert.train.data import PackedDataset, batch_rows
 from raven_kernels.chunked import choosing_on_device
-from raven_layers.modeling_hybrid import document_starts, find_packed_documents
+from raven_layers.masks import document_starts, find_packed_documents
 
 DOCUMENT_BUCKET = 64  # documents per row layout are padded up to a multiple of this: a new graph every 64 documents
 

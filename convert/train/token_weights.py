@@ -49,7 +49,7 @@ from raven_convert.files import write_png
 from raven_convert.train.checkpoint import latest_checkpoint, save_checkpoint
 from raven_kernels.attention import attention_distance, attention_distance_torch, first_keys
 from raven_layers.architectures import get_architecture
-from raven_layers.modeling_hybrid import find_packed_documents
+from raven_layers.masks import find_packed_documents
 
 
 def _real_tokens(attention_mask: Tensor | None, batch: int, length: int, device) -> Tensor:

@@ -230,7 +230,7 @@ def test_packed_documents_equal_separate_forwards(hybrid):
 def test_packed_documents_found_ahead_give_the_same_logits(hybrid):
     """`packed_documents` (found on a training loop's host, padded with empty documents for a CUDA graph, or False
     for rows of one document each) stands for the forward's own search."""
-    from raven_layers.modeling_hybrid import find_packed_documents
+    from raven_layers.masks import find_packed_documents
 
     _, ids, positions = packed_documents([[5, 9, 4], [18]], seed=7)
     documents, cu = find_packed_documents(positions)
@@ -247,7 +247,7 @@ def test_packed_documents_found_ahead_give_the_same_logits(hybrid):
 
 
 def test_packing_is_found_the_way_transformers_finds_it():
-    from raven_layers.modeling_hybrid import find_packed_documents
+    from raven_layers.masks import find_packed_documents
 
     assert find_packed_documents(torch.arange(6).expand(2, -1)) is None
     documents, cu = find_packed_documents(torch.tensor([[0, 1, 0, 0, 1, 2], [0, 1, 2, 3, 0, 1]]))

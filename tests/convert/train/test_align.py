@@ -148,7 +148,7 @@ def test_document_mask_is_the_one_transformers_builds(models):
     """The packed documents' mask align hands an sdpa teacher: the same outputs as transformers' own, which it
     finds by reading the position ids back."""
     from raven_convert.train.common import document_mask
-    from raven_layers.modeling_hybrid import find_packed_documents
+    from raven_layers.masks import find_packed_documents
 
     teacher, hybrid = models
     ids = torch.randint(3, 100, (2, 24), generator=torch.Generator().manual_seed(5))

@@ -16,7 +16,7 @@ from raven_convert.train.common import (
     model_inputs,
     teacher_mask,
 )
-from raven_layers.modeling_hybrid import find_packed_documents
+from raven_layers.masks import find_packed_documents
 from tests.conftest import tiny_config
 
 

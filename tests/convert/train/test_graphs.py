@@ -38,7 +38,7 @@ from raven_kernels.raven import chunk as raven_chunk
 from raven_kernels.sse import chunk as sse_chunk
 from raven_layers import registry
 from raven_layers.backend import use_backend
-from raven_layers.modeling_hybrid import find_packed_documents
+from raven_layers.masks import find_packed_documents
 from tests.conftest import tiny_config
 from tests.helpers import assert_same_losses, assert_same_updates
 

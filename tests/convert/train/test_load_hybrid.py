@@ -24,7 +24,7 @@ ORDERS = {
     # one module of the model package, then a plain Auto load (no trust_remote_code): the package's import registered
     # the hybrid, so the load finds the toolkit's classes
     "a module of raven_layers first": """
-        from raven_layers.modeling_hybrid import find_packed_documents
+        from raven_layers.masks import find_packed_documents
         from transformers import AutoModelForCausalLM
         first = AutoModelForCausalLM.from_pretrained(OUT)
         from raven_convert.train.models import load_hybrid
