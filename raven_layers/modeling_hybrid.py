@@ -190,8 +190,9 @@ class HybridModel(HybridPreTrainedModel):
             else:  # left padding: count positions from each sequence's first real token
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
         padding_mask = attention_mask[:, -T:].bool() if attention_mask is not None else None
-        if cache is not None and self.sinks():
-            cache.sink_writes = sink_writes(position_ids, padding_mask, self.sinks())
+        sinks = self.sinks()
+        if cache is not None and sinks:
+            cache.sink_writes = sink_writes(position_ids, padding_mask, sinks)
         if static:
             cache.record_prefill(attention_mask, T, position_ids)
 

@@ -43,13 +43,12 @@ class StaticAttentionLayerCache(_LayerCache):
         """Write the new tokens [B, H_kv, T, d]; return every key and value the new queries may attend to."""
         owner, S = self.owner, self.sinks
         if owner.decoding:  # one token, at slot step % ring after the sinks: device indices only
-            slot = owner.step % self.ring + S
+            slot, own = owner.step_slots(self.ring, S)
             self.keys.index_copy_(2, slot, key_states)
             self.values.index_copy_(2, slot, value_states)
             if S:  # and a row's token at a position < S in its sink slot too
-                sink = torch.where(owner.positions < S, owner.positions, slot)  # [B]
-                self.keys[owner.row_index, :, sink] = key_states[:, :, 0]
-                self.values[owner.row_index, :, sink] = value_states[:, :, 0]
+                self.keys[owner.row_index, :, own] = key_states[:, :, 0]
+                self.values[owner.row_index, :, own] = value_states[:, :, 0]
             return self.keys, self.values
         past, T = owner.num_tokens, key_states.shape[2]
         if self.window is None:
@@ -221,14 +220,20 @@ class StaticHybridCache(HybridCache):
         """Start a decode step of one real token per row; returns its position ids [B, 1]. Device ops only."""
         for window, valid in self.valid.items():
             S = self.sinks if window is not None else 0
-            slot = self.step % (valid.shape[1] - S) + S
+            slot, own = self.step_slots(valid.shape[1] - S, S)
             if not S:
                 valid.index_fill_(1, slot, True)
                 continue
-            sink = self.positions < S  # [B]: the token is a sink, kept in its sink slot rather than the ring
-            valid.index_copy_(1, slot, ~sink[:, None])
-            valid[self.row_index, torch.where(sink, self.positions, slot)] = True
+            valid.index_copy_(1, slot, (self.positions >= S)[:, None])  # a sink's token counts in its own slot
+            valid[self.row_index, own] = True
         return self.positions.unsqueeze(1)
+
+    def step_slots(self, ring: int, sinks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Where a decode step writes in a buffer of `sinks` slots and a ring of `ring`: the ring's slot [1], and
+        with sinks each row's own [B] (its sink slot while its position is < sinks, else the ring's again)."""
+        slot = self.step % ring + sinks
+        own = torch.where(self.positions < sinks, self.positions, slot) if sinks else None
+        return slot, own
 
     def end_step(self):
         self.step.add_(1)

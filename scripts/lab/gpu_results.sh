@@ -295,6 +295,13 @@ W22_LOCAL=(--set sliding_window=4096 --set window_layers=1,16)
 W22_SINKS=("${W22_LOCAL[@]}" --set attention_sinks=4)
 # smollm2-sila-deep26.yaml's copying layers 17 and 20 as 4K windows with 4 sinks (round 17's window_cost.py)
 W26_SINKS=(--set sliding_window=4096 --set window_layers=17,20 --set attention_sinks=4)
+# the windowed runs: each NAME (and NAME-seed1) is its recipe (the name up to -w4k) with these windows
+declare -A WINDOWED=(
+  [sila-deep22-w4k]="${W22_WINDOWS[*]}"
+  [sila-deep22-w4k-local]="${W22_LOCAL[*]}"
+  [sila-deep22-w4k-sinks]="${W22_SINKS[*]}"
+  [sila-deep26-w4k-sinks]="${W26_SINKS[*]}"
+)
 
 on_layers() {  # on_layers MIXER LAYERS: the --set value that converts LAYERS to MIXER
   printf 'layers=[{mixer: %s, layers: "%s"}]' "$1" "$2"
@@ -499,29 +506,12 @@ PY
   sila-deep22-seed1)
     trained sila-deep22 "$1" "${SEED1[@]}"
     ;;
-  sila-deep22-w4k)
-    trained sila-deep22 "$1" "${W22_WINDOWS[@]}"
-    ;;
-  sila-deep22-w4k-seed1)
-    trained sila-deep22 "$1" "${W22_WINDOWS[@]}" "${SEED1[@]}"
-    ;;
-  sila-deep22-w4k-local)
-    trained sila-deep22 "$1" "${W22_LOCAL[@]}"
-    ;;
-  sila-deep22-w4k-local-seed1)
-    trained sila-deep22 "$1" "${W22_LOCAL[@]}" "${SEED1[@]}"
-    ;;
-  sila-deep22-w4k-sinks)
-    trained sila-deep22 "$1" "${W22_SINKS[@]}"
-    ;;
-  sila-deep22-w4k-sinks-seed1)
-    trained sila-deep22 "$1" "${W22_SINKS[@]}" "${SEED1[@]}"
-    ;;
-  sila-deep26-w4k-sinks)
-    trained sila-deep26 "$1" "${W26_SINKS[@]}"
-    ;;
-  sila-deep26-w4k-sinks-seed1)
-    trained sila-deep26 "$1" "${W26_SINKS[@]}" "${SEED1[@]}"
+  sila-deep22-w4k* | sila-deep26-w4k*)  # a run of WINDOWED, with every training seed 1 after -seed1
+    local windows="WINDOWED[${1%-seed1}]"
+    [ -n "${!windows:-}" ] || { echo "no windowed run named $1" >&2; return 1; }
+    read -ra windows <<<"${!windows}"
+    [[ $1 == *-seed1 ]] && windows+=("${SEED1[@]}")
+    trained "${1%%-w4k*}" "$1" "${windows[@]}"
     ;;
   sila-deep22-far-facts)
     trained sila-deep22 "$1" "${FAR_FACTS_RECIPE[@]}"
