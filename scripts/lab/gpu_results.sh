@@ -180,6 +180,9 @@
 #                  teacher least past 4K, scripts/lab/window_cost.py, round 17); 5.39x the teacher at batch 128, 16K
 #   windows26-sinks-x2  two GPUs, about 20 minutes: sila-deep26-w4k-sinks on GPU 0, its seed 1 on GPU 1
 #   windows26-sinks-x1  one GPU, about 20 minutes: sila-deep26-w4k-sinks
+#   sila-deep26-w4k-sinks-ddp2  sila-deep26-w4k-sinks at 2.5x its tokens on two GPUs (DDP2_STEPS, as sila-deep26-ddp2):
+#                  whether 26's word and code cells come with tokens while two of its copying layers are windows
+#   windows26-sinks-ddp2  one 2-GPU session of about 25 minutes: sila-deep26-w4k-sinks-ddp2 evaluated at 1K-8K
 #   windows22-x1   the same on one GPU, about 25 minutes: windows22-speed at batch 128 alone, sila-deep22-w4k, then
 #                  windows26-speed as time allows
 #   centred-x2     one 2-GPU session of about 26 minutes: raven-deep22-centred, then raven-centred-seed1 on GPU 0;
@@ -296,7 +299,7 @@ W22_SINKS=("${W22_LOCAL[@]}" --set attention_sinks=4)
 # smollm2-sila-deep26.yaml's copying layers 17 and 20 as 4K windows with 4 sinks (round 17's window_cost.py)
 W26_SINKS=(--set sliding_window=4096 --set window_layers=17,20 --set attention_sinks=4)
 # the windowed runs: each NAME (and NAME-seed1) is its recipe (the name up to -w4k) with these windows
-declare -A WINDOWED=(
+declare -A WINDOWS_OF=(
   [sila-deep22-w4k]="${W22_WINDOWS[*]}"
   [sila-deep22-w4k-local]="${W22_LOCAL[*]}"
   [sila-deep22-w4k-sinks]="${W22_SINKS[*]}"
@@ -506,12 +509,18 @@ PY
   sila-deep22-seed1)
     trained sila-deep22 "$1" "${SEED1[@]}"
     ;;
-  sila-deep22-w4k* | sila-deep26-w4k*)  # a run of WINDOWED, with every training seed 1 after -seed1
-    local windows="WINDOWED[${1%-seed1}]"
+  sila-deep22-w4k* | sila-deep26-w4k*)  # a run of WINDOWS_OF; after it, -seed1: every training seed 1, -ddp2: 2.5x
+    # the recipe's tokens on two GPUs (as sila-deepN-ddp2)
+    local name=${1%-ddp2}
+    local windows="WINDOWS_OF[${name%-seed1}]"
     [ -n "${!windows:-}" ] || { echo "no windowed run named $1" >&2; return 1; }
     read -ra windows <<<"${!windows}"
-    [[ $1 == *-seed1 ]] && windows+=("${SEED1[@]}")
-    trained "${1%%-w4k*}" "$1" "${windows[@]}"
+    [[ $name == *-seed1 ]] && windows+=("${SEED1[@]}")
+    if [[ $1 == *-ddp2 ]]; then
+      two_processes "${1%%-w4k*}" "$1" "${windows[@]}" "${DDP2_STEPS[@]}"
+    else
+      trained "${1%%-w4k*}" "$1" "${windows[@]}"
+    fi
     ;;
   sila-deep22-far-facts)
     trained sila-deep22 "$1" "${FAR_FACTS_RECIPE[@]}"
@@ -629,6 +638,9 @@ PY
     DELTA=0 quick_on 0 sila-deep26-w4k-sinks &
     DELTA=0 quick_on 1 sila-deep26-w4k-sinks-seed1 &
     wait
+    ;;
+  windows26-sinks-ddp2)  # about 25 minutes on two GPUs: start it alone, first in a session
+    WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 run sila-deep26-w4k-sinks-ddp2
     ;;
   windows22-x1)  # about 25 minutes on one GPU: windows22-x2's speed at batch 128, its first seed, then 26's speed
     DELTA=0 WINDOW_BATCHES=128 quick_on 0 windows22-speed sila-deep22-w4k windows26-speed
