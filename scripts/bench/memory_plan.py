@@ -8,8 +8,10 @@ stage, and align's and train's tokens/s read from their DONE summaries.
 
 Every pair of --processes and --strategy is one run (a single process is run once: both strategies are the same
 there). The teacher is made once and converted once; each run starts from that conversion. Prints one Markdown
-table last (the largest value over a run's processes) and writes OUT/memory_plan.json. Each process trains on one row
-of 2,048 tokens per step (the global batch grows with N).
+table last (the largest value over a run's processes) and writes OUT/memory_plan.json after every run, so a job cut
+short keeps the runs it finished: run again with the same --out, --steps and --tiny, it measures only the runs the
+report lacks (or that failed) and keeps the others (delete the report to measure everything again). Each process
+trains on one row of 2,048 tokens per step (the global batch grows with N).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import sys
 from pathlib import Path
 
 from common import QWEN3_8B  # scripts/bench/: the model shapes the benchmarks share
+
+from raven_convert.files import atomic_file
 
 TINY = QWEN3_8B | {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
 TINY |= {"head_dim": 16, "intermediate_size": 128, "vocab_size": 256}
@@ -141,6 +145,23 @@ def rate(run_dir: Path, stage: str) -> float | None:
     return json.loads(done.read_text()).get("tokens_per_second") if done.is_file() else None
 
 
+def earlier_runs(report: Path, meta: dict) -> list[dict]:
+    """The runs an earlier invocation measured into `report` with the same model and steps: [] when there is none (or
+    it measured something else)."""
+    if not report.is_file():
+        return []
+    earlier = json.loads(report.read_text())
+    if {k: earlier.get(k) for k in meta} != meta:
+        print(f"{report} measured another model or step count: measuring every run again", flush=True)
+        return []
+    return earlier["runs"]
+
+
+def save(report: Path, meta: dict, runs: list[dict]) -> None:
+    with atomic_file(report) as f:
+        f.write(json.dumps(meta | {"runs": runs}, indent=1))
+
+
 def parse_list(text: str, kind, allowed=None) -> list:
     values = [kind(v) for v in text.split(",")]
     bad = [v for v in values if (allowed is not None and v not in allowed) or (kind is int and v < 1)]
@@ -169,30 +190,37 @@ def main() -> int:
     args.steps = args.steps or (3 if args.tiny else 6)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    meta = {"tiny": args.tiny, "steps": args.steps, "shape": TINY if args.tiny else QWEN3_8B}
+    report_path = out / "memory_plan.json"
+    done = {(r["strategy"], r["processes"]): r for r in earlier_runs(report_path, meta) if "failed" not in r}
     teacher, data = make_inputs(out, args.tiny)
-    runs = [{"strategy": "-", "processes": 1, "stages": {"convert": convert_once(args, out, teacher, data)}}]
+    convert = done.get(("-", 1)) if (out / "converted" / "convert" / "DONE").is_file() else None
+    runs = [convert or {"strategy": "-", "processes": 1, "stages": {"convert": convert_once(args, out, teacher, data)}}]
     configs = [(n, s) for n in counts for s in (strategies if n > 1 else strategies[:1])]
     for processes, strategy in configs:
         name = f"{strategy}-{processes}"
+        row = {"strategy": strategy if processes > 1 else "one process", "processes": processes}
+        if (row["strategy"], processes) in done:
+            print(f"{name}: measured before ({report_path}), kept", flush=True)
+            runs.append(done[row["strategy"], processes])
+            continue
         path = out / f"recipe-{name}.json"
         path.write_text(json.dumps(recipe(teacher, data, args.tiny, strategy, args.steps)))
         run_dir, report = out / f"run-{name}", out / f"memory-{name}"
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
         subprocess.run(["cp", "-al", str(out / "converted"), str(run_dir)], check=True)
-        row = {"strategy": strategy if processes > 1 else "one process", "processes": processes}
         try:
             launch(args, processes, path, run_dir, report)
         except subprocess.CalledProcessError as error:
             runs.append(row | {"failed": str(error)})
-            shutil.rmtree(run_dir)
-            continue
-        ranks = [json.loads(report.with_suffix(f".rank{r}.json").read_text()) for r in range(processes)]
-        stages = {s: {k: max(r[s][k] or 0 for r in ranks) for k in ("gpu", "host")} for s in STAGES[1:]}
-        rates = {s: rate(run_dir, s) for s in ("align", "train")}
-        runs.append(row | {"stages": stages, "ranks": ranks, "tokens_per_second": rates})
+        else:
+            ranks = [json.loads(report.with_suffix(f".rank{r}.json").read_text()) for r in range(processes)]
+            stages = {s: {k: max(r[s][k] or 0 for r in ranks) for k in ("gpu", "host")} for s in STAGES[1:]}
+            rates = {s: rate(run_dir, s) for s in ("align", "train")}
+            runs.append(row | {"stages": stages, "ranks": ranks, "tokens_per_second": rates})
         shutil.rmtree(run_dir)  # an 8B run leaves tens of GB of model files; its numbers are in the report
-    meta = {"tiny": args.tiny, "steps": args.steps, "shape": TINY if args.tiny else QWEN3_8B}
-    (out / "memory_plan.json").write_text(json.dumps(meta | {"runs": runs}, indent=1))
+        save(report_path, meta, runs)
+    save(report_path, meta, runs)
     print_table(runs, args.tiny)
     return 0
 

@@ -202,7 +202,9 @@
 #   scale-out-round-8-x2  scale-out, then decode-round-8-x2, on a 2-GPU host (about 25 minutes)
 #   memory-plan    the 8B-shaped conversion's memory per GPU and per process, stage by stage, and align's and train's
 #                  tokens/s on 1, 2, ... up to all of the host's GPUs, under ddp and fsdp (scripts/bench/memory_plan.py:
-#                  docs/SCALE_OUT.md's table, measured again where a fix came after it, and at N = 4 on a 4-GPU host)
+#                  docs/SCALE_OUT.md's table, measured again where a fix came after it, and at N = 4 on a 4-GPU host);
+#                  fsdp before ddp at each N (ddp's 1- and 2-GPU rows were measured again in round 18);
+#                  PLAN_STRATEGY and PLAN_PROCESSES narrow it
 #   scale-x4       issue 53 on a 4-GPU host: scale-out's runs at N = 4 under strong and weak scaling, then
 #                  memory-plan (both take every GPU; start it alone)
 #   decode-lab     times, so alone on the machine: the split-K attention's tilings at 16K (sweep_decode_attention.py),
@@ -681,7 +683,8 @@ PY
   memory-plan)
     local n gpus=1
     for ((n = 2; n <= $(nvidia-smi -L | wc -l); n *= 2)); do gpus+=",$n"; done
-    python3 scripts/bench/memory_plan.py --processes "$gpus" --strategy ddp,fsdp --out "$RUNS/memory-plan"
+    python3 scripts/bench/memory_plan.py --processes "${PLAN_PROCESSES:-$gpus}" \
+      --strategy "${PLAN_STRATEGY:-fsdp,ddp}" --out "$RUNS/memory-plan"
     ;;
   scale-x4)  # both scalings at N = 4 (the 2-GPU rows are docs/SCALE_OUT.md's), then the 8B plan at 1, 2 and 4
     python3 scripts/bench/bench_scale_out.py recipes/smollm2-sila.yaml --src "$TEACHER" --data "$CORPUS" --gpus 4 \

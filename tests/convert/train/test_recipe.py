@@ -48,15 +48,17 @@ def test_the_smollm2_raven_and_sse_recipes_train_as_the_sila_one(mixer, settings
     assert recipe.token_weights.enabled and recipe.mixer_settings[mixer] == settings
 
 
-def test_the_windows_recipe_is_the_deep22_one_with_two_windows_and_sinks():
-    """smollm2-sila-deep22-windows.yaml trains as smollm2-sila-deep22.yaml (its header says so, with the
-    measurement), with 4K windows and 4 sinks on the kept layers 1 and 16."""
-    windows, deep22 = (load_recipe(RECIPES[0].parent / f"smollm2-sila-{n}.yaml") for n in ("deep22-windows", "deep22"))
+@pytest.mark.parametrize("depth, windowed, kept", [(22, {1, 16}, 8), (26, {17, 20}, 4)])
+def test_the_windows_recipes_are_the_deep_ones_with_two_windows_and_sinks(depth, windowed, kept):
+    """smollm2-sila-deepN-windows.yaml trains as smollm2-sila-deepN.yaml (its header says so, with the measurement),
+    with 4K windows and 4 sinks on two of its kept layers."""
+    windows, deep = (load_recipe(RECIPES[0].parent / f"smollm2-sila-deep{depth}{n}.yaml") for n in ("-windows", ""))
     own = {"sliding_window", "window_layers", "attention_sinks"}
-    assert windows.model_dump(exclude=own) == deep22.model_dump(exclude=own)
-    assert (windows.sliding_window, windows.window_layers, windows.attention_sinks) == (4096, "1,16", 4)
-    kept = set(range(30)) - set(parse_layer_spec(windows.layers[0].layers, 30))
-    assert {1, 16} < kept and len(kept) == 8
+    assert windows.model_dump(exclude=own) == deep.model_dump(exclude=own)
+    layers = ",".join(map(str, sorted(windowed)))
+    assert (windows.sliding_window, windows.window_layers, windows.attention_sinks) == (4096, layers, 4)
+    converted = set(parse_layer_spec(windows.layers[0].layers, 30))
+    assert len(converted) == depth and windowed < set(range(30)) - converted and 30 - depth == kept
 
 
 def header_commands(path: Path) -> list[list[str]]:

@@ -1,0 +1,47 @@
+"""memory_plan.py: its report is written after every run, and a second invocation keeps the runs already measured
+(a device job cut short loses only the run it was in)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
+
+from memory_plan import earlier_runs, save  # noqa: E402
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "memory_plan.py"
+
+
+def plan(out: Path, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny", "--out", str(out), *args], capture_output=True, text=True, check=True
+    )
+    return done.stdout
+
+
+def test_a_second_invocation_measures_only_the_runs_the_report_lacks(tmp_path):
+    plan(tmp_path, "--processes", "1", "--strategy", "ddp")
+    first = json.loads((tmp_path / "memory_plan.json").read_text())
+    assert [(r["strategy"], r["processes"]) for r in first["runs"]] == [("-", 1), ("one process", 1)]
+
+    out = plan(tmp_path, "--processes", "1,2", "--strategy", "ddp")
+    assert "ddp-1: measured before" in out and "--nproc_per_node 1 " not in out and "--nproc_per_node 2 " in out
+    second = json.loads((tmp_path / "memory_plan.json").read_text())
+    assert second["runs"][:2] == first["runs"]  # kept as measured, the conversion's row too
+    two = second["runs"][2]
+    assert (two["strategy"], two["processes"], len(two["ranks"])) == ("ddp", 2, 2) and "failed" not in two
+    assert two["tokens_per_second"]["align"] > 0 and "| 2 x ddp |" in out
+
+
+def test_a_report_of_another_model_or_step_count_is_measured_again(tmp_path, capsys):
+    report = tmp_path / "memory_plan.json"
+    assert earlier_runs(report, {"tiny": True, "steps": 3}) == []
+    runs = [{"strategy": "-", "processes": 1, "stages": {}}]
+    save(report, {"tiny": True, "steps": 3}, runs)
+    assert earlier_runs(report, {"tiny": True, "steps": 3}) == runs
+    assert earlier_runs(report, {"tiny": True, "steps": 6}) == []
+    assert "measuring every run again" in capsys.readouterr().out
+    assert [p.name for p in tmp_path.iterdir()] == ["memory_plan.json"]  # no temporary file left beside it
