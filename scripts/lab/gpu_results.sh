@@ -183,6 +183,10 @@
 #   sila-deep26-w4k-sinks-ddp2  sila-deep26-w4k-sinks at 2.5x its tokens on two GPUs (DDP2_STEPS, as sila-deep26-ddp2):
 #                  whether 26's word and code cells come with tokens while two of its copying layers are windows
 #   windows26-sinks-ddp2  one 2-GPU session of about 25 minutes: sila-deep26-w4k-sinks-ddp2 evaluated at 1K-8K
+#   sila-deep22-answers|sila-deep26-answers  the deep recipe with extend's retrieval answers counted 100 times in its
+#                  cross-entropy and extend at 600 steps (ANSWERS: round 15 of the ablations lifted NIAH-Word at 1K-4K
+#                  with it); sila-deep26-w4k-sinks-answers: the same with sila-deep26-w4k-sinks' windows
+#   answers26-x2   two GPUs, about 22 minutes: sila-deep26-answers on GPU 0, sila-deep26-w4k-sinks-answers on GPU 1
 #   windows22-x1   the same on one GPU, about 25 minutes: windows22-speed at batch 128 alone, sila-deep22-w4k, then
 #                  windows26-speed as time allows
 #   centred-x2     one 2-GPU session of about 26 minutes: raven-deep22-centred, then raven-centred-seed1 on GPU 0;
@@ -511,17 +515,21 @@ PY
   sila-deep22-seed1)
     trained sila-deep22 "$1" "${SEED1[@]}"
     ;;
-  sila-deep22-w4k* | sila-deep26-w4k*)  # a run of WINDOWS_OF; after it, -seed1: every training seed 1, -ddp2: 2.5x
-    # the recipe's tokens on two GPUs (as sila-deepN-ddp2)
-    local name=${1%-ddp2}
-    local windows="WINDOWS_OF[${name%-seed1}]"
+  sila-deep22-answers | sila-deep26-answers)  # the deep recipe with its extend's answers weighted (ANSWERS)
+    trained "${1%-answers}" "$1" "${ANSWERS[@]}"
+    ;;
+  sila-deep22-w4k* | sila-deep26-w4k*)  # a run of WINDOWS_OF; after its name, in this order, -answers: ANSWERS,
+    # -seed1: every training seed 1, -ddp2: 2.5x the recipe's tokens on two GPUs (as sila-deepN-ddp2)
+    local name=${1%-ddp2} extra=()
+    [[ $name == *-seed1 ]] && extra+=("${SEED1[@]}") && name=${name%-seed1}
+    [[ $name == *-answers ]] && extra+=("${ANSWERS[@]}") && name=${name%-answers}
+    local windows="WINDOWS_OF[$name]"
     [ -n "${!windows:-}" ] || { echo "no windowed run named $1" >&2; return 1; }
     read -ra windows <<<"${!windows}"
-    [[ $name == *-seed1 ]] && windows+=("${SEED1[@]}")
     if [[ $1 == *-ddp2 ]]; then
-      two_processes "${1%%-w4k*}" "$1" "${windows[@]}" "${DDP2_STEPS[@]}"
+      two_processes "${1%%-w4k*}" "$1" "${windows[@]}" "${extra[@]}" "${DDP2_STEPS[@]}"
     else
-      trained "${1%%-w4k*}" "$1" "${windows[@]}"
+      trained "${1%%-w4k*}" "$1" "${windows[@]}" "${extra[@]}"
     fi
     ;;
   sila-deep22-far-facts)
@@ -643,6 +651,11 @@ PY
     ;;
   windows26-sinks-ddp2)  # about 25 minutes on two GPUs: start it alone, first in a session
     WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 run sila-deep26-w4k-sinks-ddp2
+    ;;
+  answers26-x2)  # about 22 minutes: both at once
+    DELTA=0 quick_on 0 sila-deep26-answers &
+    DELTA=0 quick_on 1 sila-deep26-w4k-sinks-answers &
+    wait
     ;;
   windows22-x1)  # about 25 minutes on one GPU: windows22-x2's speed at batch 128, its first seed, then 26's speed
     DELTA=0 WINDOW_BATCHES=128 quick_on 0 windows22-speed sila-deep22-w4k windows26-speed
