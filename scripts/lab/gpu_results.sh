@@ -187,6 +187,11 @@
 #                  cross-entropy and extend at 600 steps (ANSWERS: round 15 of the ablations lifted NIAH-Word at 1K-4K
 #                  with it); sila-deep26-w4k-sinks-answers: the same with sila-deep26-w4k-sinks' windows
 #   answers26-x2   two GPUs, about 22 minutes: sila-deep26-answers on GPU 0, sila-deep26-w4k-sinks-answers on GPU 1
+#   sila-deep22-w4k-sinks-far  smollm2-sila-deep22-windows.yaml with half of extend's rows carrying facts 4.3-7.8K
+#                  tokens back from their questions (FAR_FACTS_RECIPE): seed 0's passkey at 8K fails 4-6K back,
+#                  where it answers with the filler (round 18)
+#   targets-x2     two GPUs, about 22 minutes: the two windowed recipes' open targets, sila-deep22-w4k-sinks-far on
+#                  GPU 0 (passkey at 8K) and sila-deep26-w4k-sinks-answers on GPU 1 (cells at 1K-4K)
 #   windows22-x1   the same on one GPU, about 25 minutes: windows22-speed at batch 128 alone, sila-deep22-w4k, then
 #                  windows26-speed as time allows
 #   centred-x2     one 2-GPU session of about 26 minutes: raven-deep22-centred, then raven-centred-seed1 on GPU 0;
@@ -518,11 +523,13 @@ PY
   sila-deep22-answers | sila-deep26-answers)  # the deep recipe with its extend's answers weighted (ANSWERS)
     trained "${1%-answers}" "$1" "${ANSWERS[@]}"
     ;;
-  sila-deep22-w4k* | sila-deep26-w4k*)  # a run of WINDOWS_OF; after its name, in this order, -answers: ANSWERS,
-    # -seed1: every training seed 1, -ddp2: 2.5x the recipe's tokens on two GPUs (as sila-deepN-ddp2)
+  sila-deep22-w4k* | sila-deep26-w4k*)  # a run of WINDOWS_OF; after its name, in this order, -far:
+    # FAR_FACTS_RECIPE, -answers: ANSWERS, -seed1: every training seed 1, -ddp2: 2.5x the recipe's tokens on two GPUs
+    # (as sila-deepN-ddp2)
     local name=${1%-ddp2} extra=()
     [[ $name == *-seed1 ]] && extra+=("${SEED1[@]}") && name=${name%-seed1}
     [[ $name == *-answers ]] && extra+=("${ANSWERS[@]}") && name=${name%-answers}
+    [[ $name == *-far ]] && extra+=("${FAR_FACTS_RECIPE[@]}") && name=${name%-far}
     local windows="WINDOWS_OF[$name]"
     [ -n "${!windows:-}" ] || { echo "no windowed run named $1" >&2; return 1; }
     read -ra windows <<<"${!windows}"
@@ -651,6 +658,11 @@ PY
     ;;
   windows26-sinks-ddp2)  # about 25 minutes on two GPUs: start it alone, first in a session
     WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 run sila-deep26-w4k-sinks-ddp2
+    ;;
+  targets-x2)  # about 22 minutes: both at once
+    DELTA=0 quick_on 0 sila-deep22-w4k-sinks-far &
+    DELTA=0 quick_on 1 sila-deep26-w4k-sinks-answers &
+    wait
     ;;
   answers26-x2)  # about 22 minutes: both at once
     DELTA=0 quick_on 0 sila-deep26-answers &
