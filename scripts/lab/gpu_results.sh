@@ -417,8 +417,9 @@ PY
   windows26-sinks-ddp2)  # about 25 minutes on two GPUs: start it alone, first in a session
     WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 run sila-deep26-w4k-sinks-ddp2
     ;;
-  targets-x2)  # about 22 minutes: both at once
-    DELTA=0 quick_on 0 sila-deep22-w4k-sinks-far &
+  targets-x2)  # about 24 minutes: both recipes at once; once GPU 0's ends, the 8B plan's 2-process fsdp row on both
+    # GPUs beside GPU 1's recipe (memory is per process, so it holds; its tokens/s share a GPU and measure nothing)
+    (DELTA=0 quick_on 0 sila-deep22-w4k-sinks-far; PLAN_PROCESSES=2 PLAN_STRATEGY=fsdp run memory-plan) &
     DELTA=0 quick_on 1 sila-deep26-w4k-sinks-answers &
     wait
     ;;
