@@ -6,7 +6,7 @@ import torch
 
 from raven_convert.sources import Source
 from raven_convert.surgery import build_hybrid
-from scripts.lab.window_cost import main, row_losses
+from scripts.tools.window_cost import main, row_losses
 from tests.conftest import make_tiny_source
 
 

@@ -1,6 +1,6 @@
 """What a sliding window on chosen attention layers costs a model before any training: its loss past the window.
 
-    python scripts/lab/window_cost.py --src ../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf \
+    python scripts/tools/window_cost.py --src ../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf \
         --text ../shared/data/pg_essays --window 4096 --layers 16 1,16 7,8 1,7,8,16 --sinks 0,4
 
 Reads `--rows` rows of `--length` tokens of the `--text` documents, and for each layer set of `--layers` (and the
