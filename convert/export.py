@@ -106,11 +106,9 @@ def model_card(model: HybridForCausalLM, base_model: str) -> str:
     kinds = config.layer_mixers
     counts = {k: kinds.count(k) for k in dict.fromkeys(kinds)}
     sizes = state_sizes(model)
-    sinks = getattr(config, "attention_sinks", 0)
+    sinks = f", {model.model.sinks()} sinks" if model.model.sinks() else ""  # only where a kept layer is windowed
     table = "\n".join(
-        f"| {i} | {k} |"
-        if w is None
-        else f"| {i} | {k} (sliding window {w}" + (f", {sinks} sinks) |" if sinks else ") |")
+        f"| {i} | {k} |" if w is None else f"| {i} | {k} (sliding window {w}{sinks}) |"
         for i, (k, w) in enumerate(zip(kinds, model.model.windows))
     )
     settings = json.dumps(config.mixer_settings, indent=2, sort_keys=True)

@@ -39,7 +39,7 @@ class _Stack:
         B, T = ids.shape
         positions = torch.arange(T, device=ids.device).expand(B, -1)
         windows = {*inner.windows, self.window}
-        masks = {w: inner._attention_mask(None, B, T, 0, w, h, None, positions) for w in windows}
+        masks = {w: inner._attention_mask(None, T, 0, w, h, None, positions) for w in windows}
         return h, {"positions": positions, "rotary": inner.rotary_emb(h, positions), "masks": masks}
 
     def layer(self, i: int, h: torch.Tensor, context: dict, ablation: str | None) -> torch.Tensor:

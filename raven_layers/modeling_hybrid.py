@@ -198,7 +198,7 @@ class HybridModel(HybridPreTrainedModel):
 
         documents = packed[0] if packed is not None else None
         masks = {
-            window: self._attention_mask(attention_mask, B, T, past, window, inputs_embeds, documents, position_ids)
+            window: self._attention_mask(attention_mask, T, past, window, inputs_embeds, documents, position_ids)
             for window in self.attention_windows()
         }
         mixer_kwargs = {"padding_mask": padding_mask}
@@ -258,10 +258,8 @@ class HybridModel(HybridPreTrainedModel):
         cache.end_step()
         return hidden_states
 
-    def _attention_mask(
-        self, padding, B: int, T: int, past: int, window: int | None, like: torch.Tensor, documents, positions
-    ):
-        """masks.attention_mask for this model's attention implementation and sinks (B: the batch, unused there)."""
+    def _attention_mask(self, padding, T: int, past: int, window: int | None, like: torch.Tensor, documents, positions):
+        """masks.attention_mask for this model's attention implementation and sinks."""
         impl = self.config._attn_implementation
         sinks = self.sinks() if window is not None else 0
         return attention_mask(impl, padding, T, past, window, sinks, like, documents, positions)

@@ -62,7 +62,7 @@ def test_the_mask_is_the_window_and_each_rows_first_positions(hybrid, impl):
     _, ids, mask = padded_batch([13, 9], seed=1)
     hybrid.config._attn_implementation = impl
     try:
-        got = hybrid.model._attention_mask(mask, 2, 13, 0, WINDOW, torch.zeros(1), None, None)
+        got = hybrid.model._attention_mask(mask, 13, 0, WINDOW, torch.zeros(1), None, None)
     finally:
         hybrid.config._attn_implementation = "sdpa"
     got = got if impl == "sdpa" else got == 0
@@ -153,4 +153,4 @@ def test_set_attention_window_sets_the_sinks_and_flash_attention_is_refused():
         torch.testing.assert_close(model(ids).logits, make(SINKS)(ids).logits)
         model.config._attn_implementation = "flash_attention_2"
         with pytest.raises(ValueError, match="attention_sinks = 2 needs the 'sdpa' or 'eager' attention"):
-            model.model._attention_mask(None, 1, 12, 0, WINDOW, torch.zeros(1), None, None)
+            model.model._attention_mask(None, 12, 0, WINDOW, torch.zeros(1), None, None)
