@@ -34,6 +34,9 @@ QUICK_EVAL=(--set "evaluate.lengths=[1024,2048,4096,8192]" --set "evaluate.speed
 TARGET_EVAL=(--set "evaluate.tasks=[passkey, niah_single_2, niah_word]" --set "evaluate.task_lengths={}"
   --set "evaluate.speed_lengths=[]")
 ANSWERS=(--set "extend.answer_weight=${ANSWER_WEIGHT:-100}" --set extend.steps=600)
+answers() {  # answers WEIGHT: ANSWERS with extend's answers weighted xWEIGHT (a windowed run's -answersWEIGHT)
+  printf '%s\n' --set "extend.answer_weight=$1" --set extend.steps=600
+}
 
 # sila-kd*: distillation from the teacher in the train and extend stages
 KD=(--set train.kd_weight=1.0 --set extend.kd_weight=1.0)
@@ -67,11 +70,15 @@ W22_LOCAL=(--set sliding_window=4096 --set window_layers=1,16)
 W22_SINKS=("${W22_LOCAL[@]}" --set attention_sinks=4)
 # smollm2-sila-deep26.yaml's copying layers 17 and 20 as 4K windows with 4 sinks (round 17's window_cost.py)
 W26_SINKS=(--set sliding_window=4096 --set window_layers=17,20 --set attention_sinks=4)
+# the 22-layer recipe with all four kept layers that 26 converts (1, 7, 8, 16) as 4K windows with 4 sinks: at 8K its
+# full attention is then 26's four layers, which find the passkey 4-6K back in every 26-layer run (round 19)
+W22_FOUR_SINKS=("${W22_WINDOWS[@]}" --set attention_sinks=4)
 # the windowed runs: each NAME (and NAME-seed1) is its recipe (the name up to -w4k) with these windows
 declare -A WINDOWS_OF=(
   [sila-deep22-w4k]="${W22_WINDOWS[*]}"
   [sila-deep22-w4k-local]="${W22_LOCAL[*]}"
   [sila-deep22-w4k-sinks]="${W22_SINKS[*]}"
+  [sila-deep22-w4k-four-sinks]="${W22_FOUR_SINKS[*]}"
   [sila-deep26-w4k-sinks]="${W26_SINKS[*]}"
 )
 
@@ -282,11 +289,14 @@ PY
     trained "${1%-answers}" "$1" "${ANSWERS[@]}"
     ;;
   sila-deep22-w4k* | sila-deep26-w4k*)  # a run of WINDOWS_OF; after its name, in this order, -far:
-    # FAR_FACTS_RECIPE, -answers: ANSWERS, -seed1: every training seed 1, -ddp2: 2.5x the recipe's tokens on two GPUs
-    # (as sila-deepN-ddp2)
+    # FAR_FACTS_RECIPE, -answers: ANSWERS (-answersN: weighted xN), -seed1: every training seed 1, -ddp2: 2.5x the
+    # recipe's tokens on two GPUs (as sila-deepN-ddp2)
     local name=${1%-ddp2} extra=()
     [[ $name == *-seed1 ]] && extra+=("${SEED1[@]}") && name=${name%-seed1}
     [[ $name == *-answers ]] && extra+=("${ANSWERS[@]}") && name=${name%-answers}
+    if [[ $name =~ ^(.*)-answers([0-9]+)$ ]]; then
+      name=${BASH_REMATCH[1]} && mapfile -t -O "${#extra[@]}" extra < <(answers "${BASH_REMATCH[2]}")
+    fi
     [[ $name == *-far ]] && extra+=("${FAR_FACTS_RECIPE[@]}") && name=${name%-far}
     local windows="WINDOWS_OF[$name]"
     [ -n "${!windows:-}" ] || { echo "no windowed run named $1" >&2; return 1; }
@@ -423,6 +433,12 @@ PY
     DELTA=0 quick_on 1 sila-deep26-w4k-sinks-answers &
     wait
     ;;
+  targets2-x2)  # about 25 minutes: GPU 0 the 22-layer recipe with four windows and sinks, both seeds (passkey 8K);
+    # GPU 1 the windowed 26 with extend's answers x30 (cells at <= 1.10x the perplexity), then the four windows' speed
+    DELTA=0 quick_on 0 sila-deep22-w4k-four-sinks sila-deep22-w4k-four-sinks-seed1 &
+    DELTA=0 quick_on 1 sila-deep26-w4k-sinks-answers30 windows22-four-sinks-speed &
+    wait
+    ;;
   answers26-x2)  # about 22 minutes: both at once
     DELTA=0 quick_on 0 sila-deep26-answers &
     DELTA=0 quick_on 1 sila-deep26-w4k-sinks-answers &
@@ -517,6 +533,9 @@ PY
     ;;
   windows22-sinks-speed)  # times: windows22-local-speed with 4 attention sinks on each window
     decode_windows 22 128 1,2 4
+    ;;
+  windows22-four-sinks-speed)  # times: the 22-layer recipe with 2 and 4 of its kept layers as 4K windows with 4 sinks
+    decode_windows 22 128 2,4 4
     ;;
   sinks-gpu-check)  # the graphed, compiled decode with attention sinks equals the eager path (float32 and bf16)
     timeout 420 python3 -m pytest -o addopts="" -q -rfE tests/raven_layers/test_gpu.py -k "graphed_static and sila" \
