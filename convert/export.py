@@ -10,7 +10,7 @@ from pathlib import Path
 from raven_convert.bundle import write_code
 from raven_convert.files import check_writable, normal_modes, replace_dir, room_for
 from raven_convert.layer_choice_report import card_section, plot_choice
-from raven_convert.weights import shard_bytes, unchanged_shards, weight_shards, write_weights
+from raven_convert.weights import ShardWriter, linkable, own_tensors, saved_names, shard_files
 from raven_layers import HybridForCausalLM
 
 AUTO_MAP = {
@@ -52,19 +52,24 @@ def save_hybrid(
     max_shard_size: str = "2GB",
     overwrite: bool = False,
     link_from: str | Path | None = None,
+    tensors=None,
 ) -> Path:
     """Write `out_dir` atomically: config.json (with auto_map), safetensors shards (mixers and the rest apart, see
     weights.py), the modeling code (see bundle.py), tokenizer files, generation_config.json and a README.md model
     card. Exactly what `--push-to-hub` uploads. `link_from`: the model directory `model` was trained from; its
-    weight files that hold the same tensors are hard-linked, not written again."""
+    weight files that hold the same tensors are hard-linked, not written again. `tensors`: (saved name, tensor on
+    the CPU) pairs in any order, for a model whose weights are not whole in this process (sharded, or with LoRA
+    adapters to merge: raven_convert.train.models.save_trained); default: the model's own, copied to the CPU one at
+    a time. Each weight file is written as soon as its tensors came."""
     out = Path(out_dir)
     check_out_dir(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
-    shards = weight_shards(model, max_shard_size)
-    linked = unchanged_shards(shards, link_from, out.parent)
-    written = sum(shard_bytes(tensors) for file, tensors in shards.items() if file not in linked)
+    names = saved_names(model)
+    files = shard_files(model, names, max_shard_size)
+    links = linkable(files, link_from, out.parent)  # linked where their tensors turn out unchanged
+    written = sum(sum(sizes.values()) for file, sizes in files.items() if file not in links)
     with room_for(out.parent, written + (64 << 20), f"the model {out.name}"):  # a margin for tokenizer, code, card
         try:
             tmp.mkdir()
@@ -73,7 +78,10 @@ def save_hybrid(
             model.config.architectures = [type(model).__name__]
             model.config.save_pretrained(tmp)
             model.generation_config.save_pretrained(tmp)
-            write_weights(shards, tmp, linked, link_from)
+            writer = ShardWriter(tmp, files, links, link_from)
+            for name, tensor in own_tensors(model, names) if tensors is None else tensors:
+                writer.add(name, tensor)
+            writer.close()
             write_code(model.config, tmp)
             tokenizer.save_pretrained(tmp)
             (tmp / "README.md").write_text(model_card(model, base_model))

@@ -3,70 +3,102 @@ in another (model-base.safetensors), both listed by a standard model.safetensors
 loader reads the directory as usual. A stage that changed only the mixers (align; train with trainable: mixers)
 hard-links the other file from the model directory it started from instead of writing a second copy of it.
 
-    shards = weight_shards(model, "2GB")                  # {file name: {tensor name: tensor}}, a group over
-                                                          # max_shard_size split into model-base-00001-of-00002...
-    linked = unchanged_shards(shards, earlier, folder)    # the files `earlier` holds with the same tensors
-    write_weights(shards, folder, linked, earlier)        # the index, the links and the new files
+The files are written as their tensors come, so that a model held in shards (fsdp) is saved while it is gathered,
+never whole in one process's memory:
+
+    names = saved_names(model)                            # {state-dict name: the name it is saved under}
+    files = shard_files(model, names, "2GB")              # {file: [saved names]}, a group over max_shard_size
+                                                          # split into model-base-00001-of-00002...
+    writer = ShardWriter(folder, files, sizes, earlier)   # `earlier`: the model directory to link unchanged files of
+    for name, tensor in tensors:                          # any order: a file is written once its last tensor came
+        writer.add(name, tensor)
+    writer.close()                                        # the index
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
-from huggingface_hub import split_torch_state_dict_into_shards
+from huggingface_hub.serialization import split_state_dict_into_shards_factory
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from raven_convert.files import link_or_copy, write_json
 from raven_convert.train.common import mixer_prefixes
+from raven_convert.train.lora import is_lora
 
 INDEX = "model.safetensors.index.json"
 
 
-def weight_shards(model, max_shard_size: int | str = "2GB") -> dict[str, dict[str, torch.Tensor]]:
-    """The tensors `model` saves, by file: the mixers' in model-mixers*.safetensors, the others in
-    model-base*.safetensors, each group split at `max_shard_size`. A tied weight (lm_head tied to the embeddings) is
-    saved once, under the name loading expects, as save_pretrained does."""
-    state = model.state_dict()
+def tied_copies(model) -> set[str]:
+    """The state-dict names of weights tied to another one (lm_head to the embeddings): the same parameter under a
+    second name, saved once under the first (loading ties it back, as save_pretrained does)."""
+    tied = set()
     for target, source in (getattr(model, "_tied_weights_keys", None) or {}).items():
-        if target in state and source in state and _storage(state[target]) == _storage(state[source]):
-            del state[target]  # safetensors refuses aliased tensors; loading ties it back
+        try:
+            if model.get_parameter(target) is model.get_parameter(source):
+                tied.add(target)
+        except AttributeError:  # a name this model does not have
+            continue
+    return tied
+
+
+def saved_names(model) -> dict[str, str]:
+    """{state-dict name: the name it is saved under} of the tensors a model directory holds, in state-dict order: a
+    LoRA-wrapped linear's base weights under the plain linear's names (what merging the adapters leaves), the
+    adapters' own weights and tied copies left out."""
+    skip = tied_copies(model)
+    return {
+        name: name.replace(".base_layer.", ".")
+        for name in model.state_dict(keep_vars=True)
+        if name not in skip and not is_lora(name)
+    }
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    """The bytes `tensor` takes in a file: a sharded one (DTensor) counted whole."""
+    return tensor.numel() * tensor.element_size()
+
+
+def shard_files(model, names: dict[str, str], max_shard_size: int | str = "2GB") -> dict[str, dict[str, int]]:
+    """{file: {saved name: bytes}} for the tensors `names` saves: the mixers' in model-mixers*.safetensors, the others
+    in model-base*.safetensors, each group split at `max_shard_size` in state-dict order (as huggingface_hub splits
+    a state dict; a tensor over the size gets a file of its own)."""
     prefixes = mixer_prefixes(model)
+    state = model.state_dict(keep_vars=True)
     groups = {"mixers": {}, "base": {}}
-    for name, tensor in state.items():
-        groups["mixers" if name.startswith(prefixes) else "base"][name] = tensor.detach().cpu().contiguous()
-    shards = {}
+    for name, saved in names.items():
+        groups["mixers" if saved.startswith(prefixes) else "base"][saved] = state[name]
+    files = {}
     for group, tensors in groups.items():
         if tensors:
-            pattern = f"model-{group}{{suffix}}.safetensors"
-            split = split_torch_state_dict_into_shards(tensors, filename_pattern=pattern, max_shard_size=max_shard_size)
-            shards |= {file: {n: tensors[n] for n in names} for file, names in split.filename_to_tensors.items()}
-    return shards
+            split = split_state_dict_into_shards_factory(
+                tensors, get_storage_size=nbytes, filename_pattern=f"model-{group}{{suffix}}.safetensors",
+                max_shard_size=max_shard_size,
+            )  # fmt: skip
+            files |= {file: {n: nbytes(tensors[n]) for n in keys} for file, keys in split.filename_to_tensors.items()}
+    return files
 
 
-def _storage(tensor: torch.Tensor) -> tuple[torch.device, int]:
-    return tensor.device, tensor.untyped_storage().data_ptr()
-
-
-def shard_bytes(tensors: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def unchanged_shards(shards: dict, earlier: str | Path | None, folder: str | Path) -> set[str]:
-    """The files of `shards` that the model directory `earlier` (None: none) holds with the same tensors (names,
-    dtypes, shapes, bytes), when it lies on the file system of `folder` (where a link can point to it). A read of
-    those files, never a write."""
-    if earlier is None or os.stat(earlier).st_dev != os.stat(folder).st_dev:
+def linkable(files: dict[str, dict[str, int]], earlier: str | Path | None, folder: str | Path) -> set[str]:
+    """The files that the model directory `earlier` (None: none) holds under the same name with the same tensor
+    names, when it lies on the file system of `folder` (where a link can point to it): the files that may be linked
+    rather than written, once their tensors are found unchanged. Reads the files' headers only."""
+    if earlier is None or Path(earlier).stat().st_dev != Path(folder).stat().st_dev:
         return set()
-    return {file for file, tensors in shards.items() if _holds(Path(earlier) / file, tensors)}
+    found = set()
+    for file, sizes in files.items():
+        path = Path(earlier) / file
+        if path.is_file():
+            with safe_open(path, "pt") as f:
+                if set(f.keys()) == set(sizes):
+                    found.add(file)
+    return found
 
 
 def _holds(path: Path, tensors: dict[str, torch.Tensor]) -> bool:
     """Whether the safetensors file `path` holds exactly `tensors`, byte for byte (so -0.0 is not 0.0, NaN is NaN)."""
-    if not path.is_file():
-        return False
     with safe_open(path, "pt") as f:
         if set(f.keys()) != set(tensors):
             return False
@@ -79,16 +111,57 @@ def _holds(path: Path, tensors: dict[str, torch.Tensor]) -> bool:
     return True
 
 
-def write_weights(shards: dict, folder: str | Path, linked: set[str] = frozenset(), earlier=None) -> None:
-    """Write `shards` and their index into the new folder `folder`: the files in `linked` as hard links to those of
-    `earlier` (a copy where links are not allowed), the others afresh."""
-    folder = Path(folder)
-    for file, tensors in shards.items():
-        (folder / file).unlink(missing_ok=True)  # a new file: never write through a link into another model's file
-        if file in linked:
-            link_or_copy(str(Path(earlier) / file), str(folder / file))
+def own_tensors(model, names: dict[str, str]):
+    """(saved name, tensor on the CPU) of a model held whole in this process, one tensor at a time (a model on a GPU
+    is not copied to the host whole). ValueError for a model with LoRA adapters, whose base weights alone are not
+    what it computes: merge them first (raven_convert.train.lora.merge_lora)."""
+    state = model.state_dict()
+    if any(is_lora(name) for name in state):
+        raise ValueError(f"{type(model).__name__} has LoRA adapters: merge them into its weights before saving it")
+    for name, saved in names.items():
+        yield saved, state[name].detach().cpu()
+
+
+class ShardWriter:
+    """The weight files `files` ({file: {saved name: bytes}}, shard_files) written into the new folder `folder` as
+    their tensors come: a file as soon as its last tensor came, as a hard link to `earlier`'s file of that name
+    when it is one of `links` (linkable) and holds the same bytes, afresh otherwise. Only the tensors of files not
+    yet complete wait in memory: one file a group for tensors that come in state-dict order."""
+
+    def __init__(self, folder: str | Path, files: dict, links: set[str] = frozenset(), earlier=None):
+        self.folder, self.files, self.links, self.earlier = Path(folder), files, links, earlier
+        self.file_of = {name: file for file, sizes in files.items() for name in sizes}
+        self.waiting: dict[str, dict[str, torch.Tensor]] = {}
+        self.done: set[str] = set()
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Take the tensor saved as `name` (on the CPU); write its file if it was the last one missing."""
+        file = self.file_of.get(name)
+        if file is None or name in self.waiting.get(file, {}) or file in self.done:
+            raise ValueError(f"tensor {name!r} is not one this model saves, or came twice")
+        if nbytes(tensor) != self.files[file][name]:
+            expected = self.files[file][name]
+            raise ValueError(f"tensor {name!r} has {nbytes(tensor):,} bytes; the model's own has {expected:,}")
+        tensors = self.waiting.setdefault(file, {})
+        tensors[name] = tensor.detach().contiguous()
+        if len(tensors) == len(self.files[file]):
+            self._write(file, self.waiting.pop(file))
+
+    def _write(self, file: str, tensors: dict[str, torch.Tensor]) -> None:
+        path = self.folder / file
+        path.unlink(missing_ok=True)  # a new file: never write through a link into another model's file
+        if file in self.links and _holds(Path(self.earlier) / file, tensors):
+            link_or_copy(str(Path(self.earlier) / file), str(path))
         else:
-            save_file(tensors, folder / file, metadata={"format": "pt"})
-    weight_map = {name: file for file, tensors in shards.items() for name in sorted(tensors)}
-    total = sum(shard_bytes(tensors) for tensors in shards.values())
-    write_json({"metadata": {"total_size": total}, "weight_map": weight_map}, folder / INDEX)
+            save_file(tensors, path, metadata={"format": "pt"})
+        self.done.add(file)
+
+    def close(self) -> None:
+        """Write the index; ValueError naming a tensor that never came."""
+        waiting = {name for tensors in self.waiting.values() for name in tensors}
+        missing = [name for name in self.file_of if self.file_of[name] not in self.done and name not in waiting]
+        if missing:
+            raise ValueError(f"{len(missing)} of the model's tensors never came to be saved, among them {missing[0]!r}")
+        weight_map = {name: file for file, sizes in self.files.items() for name in sorted(sizes)}
+        total = sum(sum(sizes.values()) for sizes in self.files.values())
+        write_json({"metadata": {"total_size": total}, "weight_map": weight_map}, self.folder / INDEX)

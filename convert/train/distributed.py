@@ -1,11 +1,11 @@
 """Several processes under `accelerate launch` (or torchrun): the recipe's `distributed` section, the process group,
-sharding of the student and the frozen teacher, checkpoints that resume on any number of processes, and the full
-state dict the main process exports.
+sharding of the student and the frozen teacher, checkpoints that resume on any number of processes, and the
+gathers of the tensors the main process saves (raven_convert.train.models.save_trained).
 
     parallel = Parallel(recipe.distributed)        # the process group: gloo on CPU, nccl on GPUs
     teacher = parallel.frozen(teacher)             # fsdp: sharded per decoder layer; ddp: a full copy per process
     parallel.save(folder, model, optimizer)        # torch.distributed.checkpoint: resumable on another process count
-    state = parallel.full_state_dict(model)        # the whole model on the main process ({} on the others)
+    whole = full_tensor(tensor)                    # a shard gathered whole (every process calls it)
 
 Strategies (recipe `distributed.strategy`):
 
@@ -304,16 +304,6 @@ class Parallel:
             torch.set_rng_state(saved["cpu"])
             if saved["cuda"] and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(saved["cuda"])
-
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Every parameter and buffer of `model`, whole and on the CPU, on the main process ({} on the others); every
-        process must call it (fsdp gathers the shards)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        if not self.sharded:
-            return {k: v.detach().cpu() for k, v in model.state_dict().items()} if self.is_main else {}
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(model, options=options)
 
 
 def _plain(optimizer):

@@ -55,14 +55,23 @@ def add_lora(model, config) -> None:
         inject_adapter_in_model(lora, model)
 
 
+def lora_modules(model) -> dict[str, nn.Module]:
+    """{name: module} of the modules of `model` that LoRA wrapped (peft's LoraLayer)."""
+    lora_type = _lora_layer_type()
+    return {name: module for name, module in model.named_modules() if isinstance(module, lora_type)}
+
+
+def merged(module: nn.Module) -> nn.Module:
+    """The base module of a LoRA-wrapped one with its adapters folded into its weights."""
+    module.merge()
+    return module.get_base_layer()
+
+
 def merge_lora(model) -> nn.Module:
     """Fold every LoRA adapter into its base weight and put the plain base module back (for save_pretrained)."""
-    lora_type = _lora_layer_type()
-    for name, module in list(model.named_modules()):
-        if isinstance(module, lora_type):
-            module.merge()
-            parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, module.get_base_layer())
+    for name, module in lora_modules(model).items():
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, merged(module))
     return model
 
 

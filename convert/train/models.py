@@ -1,11 +1,10 @@
-"""The models of the recipe's stages: the frozen teacher and the hybrid, loaded and placed for this launch, the
-trained model gathered whole, and saved as a model directory.
+"""The models of the recipe's stages: the frozen teacher and the hybrid, loaded and placed for this launch, and the
+trained model saved as a model directory, gathered a tensor at a time.
 
     teacher = load_teacher(recipe, parallel)            # sharded under fsdp, a full copy per process else
     start = load_teacher(recipe, parallel, recipe.start_from)   # align's teacher in a further conversion
     student = load_hybrid(model_dir, "cpu")             # the toolkit's own HybridForCausalLM
-    whole = whole_model(parallel, student, model_dir)   # on the main process, None on the others
-    save_model(whole, model_dir, out, base_model)       # atomic: weights (unchanged files linked), code, tokenizer
+    save_trained(parallel, student, model_dir, out, base_model)   # every process; the main one writes, atomically
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from raven_convert.train.distributed import Parallel
+from raven_convert.train.distributed import Parallel, full_tensor
 from raven_convert.train.recipe import Recipe
 
 
@@ -38,34 +37,90 @@ def load_hybrid(model_dir: Path, device: torch.device | str | None = None):
     return HybridForCausalLM.from_pretrained(str(model_dir)).to(device or Parallel().device)
 
 
-def whole_model(parallel: Parallel, model, model_dir: Path, lora=None):
-    """The trained `model` whole on the main process, None on the others. Under fsdp its shards are gathered into a
-    copy of `model_dir`'s model built on the meta device (with LoRA adapters added as `lora`, a TrainConfig, says)
-    that takes the gathered tensors as they are: the host holds the model once, not the gathered state and a
-    second copy read from disk. Every process must call it."""
-    if not parallel.sharded:
-        return model if parallel.is_main else None
-    state = parallel.full_state_dict(model)
-    if not parallel.is_main:
-        return None
-    from raven_layers import HybridConfig
+def save_trained(parallel: Parallel, model, model_dir: Path, out: Path, base_model: str, lora=None) -> None:
+    """The trained `model` saved by the main process as a model directory at `out` (atomic), with the code and
+    tokenizer of `model_dir`, the directory it was trained from, whose weight files it left unchanged are
+    hard-linked. A tensor at a time: under fsdp each is gathered as it comes, else copied from its device, and a
+    LoRA-wrapped linear (adapters added as `lora`, a TrainConfig, says) is merged once its tensors came; the host
+    holds about a weight file of each group (mixers, the rest) at a time, never the model whole. Every process must
+    call it (the gathers are collective)."""
+    from transformers import AutoTokenizer
 
-    return hybrid_from_state(HybridConfig.from_pretrained(str(model_dir)), state, model, lora)
+    from raven_convert.export import save_hybrid
+
+    tensors = _whole_tensors(parallel, model)
+    try:
+        if parallel.is_main:
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+            saved = _merged(tensors, model, lora)
+            save_hybrid(
+                model, tokenizer, out, base_model=base_model, overwrite=True, link_from=model_dir, tensors=saved
+            )
+    finally:
+        for _ in tensors:  # the rest of the gathers, which the other processes wait in (after a failed save too)
+            pass
 
 
-def hybrid_from_state(config, state: dict, buffers_from, lora=None):
+def _whole_tensors(parallel: Parallel, model):
+    """(state-dict name, tensor) of every tensor of `model` but tied copies, one at a time: whole and on the CPU on the
+    main process, None on the others."""
+    from raven_convert.weights import tied_copies
+
+    tied = tied_copies(model)
+    for name, tensor in model.state_dict().items():
+        if name not in tied:
+            whole = full_tensor(tensor)  # a shard's gather: every process
+            yield name, whole.detach().cpu() if parallel.is_main else None
+
+
+def _merged(tensors, model, lora):
+    """_whole_tensors' pairs under the names they are saved under: a LoRA-wrapped linear's tensors folded into its
+    base weights as soon as they all came, in that module's copy in a model built on the meta device (peft's own
+    merge, as merge_lora does); the others as they come."""
+    from raven_convert.train.lora import add_lora, lora_modules, merged
+    from raven_layers import HybridForCausalLM
+
+    wrapped = lora_modules(model)
+    if not wrapped:
+        yield from tensors
+        return
+    if lora is None:
+        raise ValueError(f"{type(model).__name__} has LoRA adapters: pass the TrainConfig that added them (lora)")
+    with torch.device("meta"):
+        fresh = HybridForCausalLM(model.config)
+    add_lora(fresh, lora)
+    copies = lora_modules(fresh)
+    held: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors:
+        owner = next((p for p in _prefixes(name) if p in wrapped), None)
+        if owner is None:
+            yield name, tensor
+            continue
+        parts = held.setdefault(owner, {})
+        parts[name[len(owner) + 1 :]] = tensor
+        module = copies[owner]
+        if len(parts) == len(module.state_dict(keep_vars=True)):
+            # copies: the merge adds to the base weight in place, which a model on the CPU would share
+            module.load_state_dict({k: v.clone() for k, v in held.pop(owner).items()}, assign=True)
+            for local, value in merged(module).state_dict().items():
+                yield f"{owner}.{local}", value
+            module.to("meta")  # the module's copy lets its tensors go once the writer has them
+
+
+def _prefixes(name: str) -> list[str]:
+    """The module names a parameter name lies under, nearest first ("a.b.w" -> ["a.b", "a"])."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
+
+
+def hybrid_from_state(config, state: dict, buffers_from):
     """A HybridForCausalLM of `config` built on the meta device that takes the tensors of `state` as they are (so
-    the host holds them once), with LoRA adapters added first as `lora` (a TrainConfig) says, the buffers no state
-    dict holds (RoPE's inverse frequencies) copied from the model `buffers_from`; in eval mode, as from_pretrained
-    gives a model."""
+    the host holds them once), the buffers no state dict holds (RoPE's inverse frequencies) copied from the model
+    `buffers_from`; in eval mode, as from_pretrained gives a model."""
     from raven_layers import HybridForCausalLM
 
     with torch.device("meta"):
         fresh = HybridForCausalLM(config)
-    if lora is not None and lora.uses_lora:
-        from raven_convert.train.lora import add_lora
-
-        add_lora(fresh, lora)
     fresh.load_state_dict(state, assign=True)
     for name, buffer in list(fresh.named_buffers()):
         if buffer.is_meta:
@@ -73,14 +128,3 @@ def hybrid_from_state(config, state: dict, buffers_from, lora=None):
             fresh.get_submodule(owner)._buffers[leaf] = buffers_from.get_buffer(name).detach().cpu()
     fresh.tie_weights()  # assign=True gave tied weights (embeddings and head) tensors of their own
     return fresh.eval()
-
-
-def save_model(model, model_dir_from: Path, out: Path, base_model: str) -> None:
-    """A complete model dir at `out` (atomic): weights of `model`, code and tokenizer of `model_dir_from`, whose
-    weight files `model` left unchanged (the non-mixer one after align or trainable: mixers) are hard-linked."""
-    from transformers import AutoTokenizer
-
-    from raven_convert.export import save_hybrid
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir_from))
-    save_hybrid(model.cpu(), tokenizer, out, base_model=base_model, overwrite=True, link_from=model_dir_from)

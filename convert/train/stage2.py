@@ -593,7 +593,7 @@ def train(
 
     Under a launch of N processes (see distributed.py; `parallel` says how, default ddp) each process trains on its
     slice of every global micro-batch; under fsdp `student` and `teacher` are sharded in place, and the trained
-    student is read back whole with `parallel.full_state_dict(student)`.
+    student is saved a gathered tensor at a time (`models.save_trained`).
     """
     trainer = Stage2Trainer(student, teacher, dataset, config, out_dir, token_weights, validation, parallel)
     trainer.setup()

@@ -49,7 +49,7 @@ import torch
 from raven_convert.console import is_main_process
 from raven_convert.files import check_writable, copy_dir, format_bytes, write_json
 from raven_convert.train.distributed import Parallel, wait_for, world_size
-from raven_convert.train.models import load_hybrid, load_teacher, save_model, whole_model
+from raven_convert.train.models import load_hybrid, load_teacher, save_trained
 from raven_convert.train.recipe import STAGES, FinetuneRecipe, Recipe, check_inputs
 from raven_convert.train.run_state import (
     MARKER,
@@ -174,10 +174,9 @@ def _stage_align(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) 
         **settings.model_dump(exclude={"batch_size"}),  # the recipe's align fields are align()'s arguments
     )
     after = validation_losses(teacher, hybrid, held_out) if held_out else None
-    whole = whole_model(parallel, hybrid, model_dir)
+    save_trained(parallel, hybrid, model_dir, run_dir / "align" / "model", recipe.source)
     final = history[-1]
     if parallel.is_main:
-        save_model(whole, model_dir, run_dir / "align" / "model", recipe.source)
         write_json({"history": history}, run_dir / "align" / "history.json")
     if after is not None and parallel.is_main:
         worst = sorted(after["layers"], key=lambda i: -after["layers"][i])[:3]
@@ -256,8 +255,7 @@ def _stage_train(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel) 
 
 def _train_hybrid(recipe, run_dir: Path, stage: str, model_dir: Path, config, teacher, rows, weights, parallel) -> dict:
     """Stage 2's loop (train and extend) on the hybrid in `model_dir` over rows = (train, validation): the model
-    gathered (fsdp), LoRA merged, saved under RUN_DIR/stage/model (main process only), and the run summarised."""
-    from raven_convert.train.lora import merge_lora
+    saved under RUN_DIR/stage/model (LoRA merged; by the main process, a tensor at a time), and the run summarised."""
     from raven_convert.train.stage2 import train
 
     student = load_hybrid(model_dir, "cpu" if parallel.sharded else None)  # fsdp moves each shard to its device
@@ -267,11 +265,7 @@ def _train_hybrid(recipe, run_dir: Path, stage: str, model_dir: Path, config, te
     history = train(
         student, teacher, train_rows, config, out, token_weights=weights, validation=validation, parallel=parallel
     )
-    whole = whole_model(parallel, student, model_dir, lora=config)
-    if whole is not None:
-        if config.uses_lora:
-            merge_lora(whole)
-        save_model(whole, model_dir, run_dir / stage / "model", recipe.source)
+    save_trained(parallel, student, model_dir, run_dir / stage / "model", recipe.source, lora=config)
     return training_summary(config, history, run_dir, stage)
 
 

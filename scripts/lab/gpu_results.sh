@@ -433,10 +433,16 @@ PY
     DELTA=0 quick_on 1 sila-deep26-w4k-sinks-answers &
     wait
     ;;
-  targets2-x2)  # about 25 minutes: GPU 0 the 22-layer recipe with four windows and sinks, both seeds (passkey 8K);
-    # GPU 1 the windowed 26 with extend's answers x30 (cells at <= 1.10x the perplexity), then the four windows' speed
-    DELTA=0 quick_on 0 sila-deep22-w4k-four-sinks sila-deep22-w4k-four-sinks-seed1 &
-    DELTA=0 quick_on 1 sila-deep26-w4k-sinks-answers30 windows22-four-sinks-speed &
+  targets2-x2)  # about 24 minutes: GPU 0 the 22-layer recipe with four windows and sinks (passkey 8K), then the 8B
+    # plan's 1-process and 2-process fsdp rows on both GPUs beside GPU 1's recipe (the host memory of the save a tensor
+    # at a time); GPU 1 the windowed 26 with extend's answers x30 (cells at <= 1.10x the perplexity)
+    (DELTA=0 quick_on 0 sila-deep22-w4k-four-sinks; PLAN_PROCESSES=1,2 PLAN_STRATEGY=fsdp run memory-plan) &
+    DELTA=0 quick_on 1 sila-deep26-w4k-sinks-answers30 &
+    wait
+    ;;
+  targets3-x2)  # about 25 minutes, after targets2-x2: the four windows' second seed and their decode speed
+    DELTA=0 quick_on 0 sila-deep22-w4k-four-sinks-seed1 &
+    DELTA=0 quick_on 1 windows22-four-sinks-speed &
     wait
     ;;
   answers26-x2)  # about 22 minutes: both at once
