@@ -302,7 +302,9 @@ PY
     [ -n "${!windows:-}" ] || { echo "no windowed run named $1" >&2; return 1; }
     read -ra windows <<<"${!windows}"
     if [[ $1 == *-ddp2 ]]; then
-      two_processes "${1%%-w4k*}" "$1" "${windows[@]}" "${extra[@]}" "${DDP2_STEPS[@]}"
+      # weighted answers keep their extend tokens (300 steps of twice the rows): 2.5x would add 8 minutes
+      [[ " ${extra[*]} " == *extend.answer_weight=* ]] && extra+=(--set extend.steps=300)
+      two_processes "${1%%-w4k*}" "$1" "${windows[@]}" "${DDP2_STEPS[@]}" "${extra[@]}"
     else
       trained "${1%%-w4k*}" "$1" "${windows[@]}" "${extra[@]}"
     fi
@@ -439,6 +441,10 @@ PY
     (DELTA=0 quick_on 0 sila-deep22-w4k-four-sinks; PLAN_PROCESSES=1,2 PLAN_STRATEGY=fsdp run memory-plan) &
     DELTA=0 quick_on 1 sila-deep26-w4k-sinks-answers30 &
     wait
+    ;;
+  answers26-ddp2)  # about 22 minutes on both GPUs: the windowed 26 at 2.5x align's and train's tokens (1.07x the
+    # perplexity before weighting answers) with extend's answers x100 over 300 steps of twice the rows
+    WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 run sila-deep26-w4k-sinks-answers-ddp2
     ;;
   targets3-x2)  # about 25 minutes, after targets2-x2: the four windows' second seed and their decode speed
     DELTA=0 quick_on 0 sila-deep22-w4k-four-sinks-seed1 &
