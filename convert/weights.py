@@ -6,13 +6,14 @@ hard-links the other file from the model directory it started from instead of wr
 The files are written as their tensors come, so that a model held in shards (fsdp) is saved while it is gathered,
 never whole in one process's memory:
 
-    names = saved_names(model)                            # {state-dict name: the name it is saved under}
-    files = shard_files(model, names, "2GB")              # {file: [saved names]}, a group over max_shard_size
-                                                          # split into model-base-00001-of-00002...
-    writer = ShardWriter(folder, files, sizes, earlier)   # `earlier`: the model directory to link unchanged files of
-    for name, tensor in tensors:                          # any order: a file is written once its last tensor came
+    names = saved_names(model)                    # {state-dict name: the name it is saved under}
+    files = shard_files(model, names, "2GB")      # {file: {saved name: bytes}}, a group over max_shard_size split
+                                                  # into model-base-00001-of-00002...
+    links = linkable(files, earlier, folder)      # the files the model directory `earlier` may lend unchanged
+    writer = ShardWriter(folder, files, links, earlier)
+    for name, tensor in tensors:                  # any order: a file is written (or linked) once its last tensor came
         writer.add(name, tensor)
-    writer.close()                                        # the index
+    writer.close()                                # the index
 """
 
 from __future__ import annotations
@@ -73,10 +74,10 @@ def shard_files(model, names: dict[str, str], max_shard_size: int | str = "2GB")
     files = {}
     for group, tensors in groups.items():
         if tensors:
+            pattern = f"model-{group}{{suffix}}.safetensors"
             split = split_state_dict_into_shards_factory(
-                tensors, get_storage_size=nbytes, filename_pattern=f"model-{group}{{suffix}}.safetensors",
-                max_shard_size=max_shard_size,
-            )  # fmt: skip
+                tensors, get_storage_size=nbytes, filename_pattern=pattern, max_shard_size=max_shard_size
+            )
             files |= {file: {n: nbytes(tensors[n]) for n in keys} for file, keys in split.filename_to_tensors.items()}
     return files
 
