@@ -1,7 +1,9 @@
 """Per-GPU memory and speed of each stage of an 8B conversion: a Qwen3-8B-shaped teacher with random weights (the
 real shapes), every stage run through the recipe pipeline (the same code path as a real run) for a few steps under
 `accelerate launch`, torch.cuda.max_memory_allocated and the process's peak host memory recorded per process and
-stage, and align's and train's tokens/s read from their DONE summaries.
+stage, and align's and train's tokens/s read from their DONE summaries. Host memory is the peak resident set
+(VmHWM) and, sampled every 20 ms, the peak of its anonymous part (RssAnon): what the process itself holds, where
+the rest is files mapped from disk (safetensors read in place), which the kernel can drop and read again.
 
     python scripts/bench/memory_plan.py --processes 1,2 --strategy ddp,fsdp --out runs/memory-plan   # on 2 GPUs
     python scripts/bench/memory_plan.py --tiny --processes 2 --strategy fsdp --out /tmp/plan         # a CPU smoke test
@@ -31,6 +33,7 @@ from raven_convert.files import atomic_file
 
 TINY = QWEN3_8B | {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
 TINY |= {"head_dim": 16, "intermediate_size": 128, "vocab_size": 256}
+HOST_KEYS = ("gpu", "host", "host_anon")  # a stage's numbers: the largest over a run's processes
 STAGES = ["convert", "align", "weights", "train", "extend", "evaluate", "export"]  # extend and evaluate: off (skipped)
 
 
@@ -81,13 +84,43 @@ def make_inputs(out: Path, tiny: bool) -> tuple[Path, Path]:
     return teacher, data
 
 
+def status_gib(field: str) -> float:
+    """A memory field of /proc/self/status (VmHWM, RssAnon, ...) in GiB."""
+    status = Path("/proc/self/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith(f"{field}:")).split()[1]) / 2**20
+
+
 def host_peak_gib(reset: bool = False) -> float:
     """This process's peak resident memory (VmHWM) in GiB since the last reset; reset=True starts a new peak."""
-    status = Path("/proc/self/status").read_text()
-    peak = int(next(line for line in status.splitlines() if line.startswith("VmHWM")).split()[1]) / 2**20
+    peak = status_gib("VmHWM")
     if reset:
         Path("/proc/self/clear_refs").write_text("5")
     return peak
+
+
+class AnonPeak:
+    """The peak of this process's anonymous resident memory (RssAnon, GiB) while the block runs, sampled by a thread
+    every `interval` seconds (the kernel keeps no peak of it)."""
+
+    def __init__(self, interval: float = 0.02):
+        self.interval, self.peak = interval, 0.0
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, status_gib("RssAnon"))
+
+    def __enter__(self) -> AnonPeak:
+        import threading
+
+        self.peak, self._stop = status_gib("RssAnon"), threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, status_gib("RssAnon"))
 
 
 def worker(args) -> None:
@@ -103,9 +136,10 @@ def worker(args) -> None:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         host_peak_gib(reset=True)
-        run_recipe(plan, args.run_dir, stages=[stage])
+        with AnonPeak() as anon:
+            run_recipe(plan, args.run_dir, stages=[stage])
         gpu = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
-        peaks[stage] = {"gpu": gpu, "host": host_peak_gib()}
+        peaks[stage] = {"gpu": gpu, "host": host_peak_gib(), "host_anon": anon.peak}
     rank = int(os.environ.get("RANK", "0"))
     Path(args.report).with_suffix(f".rank{rank}.json").write_text(json.dumps(peaks))
 
@@ -134,10 +168,11 @@ def convert_once(args, out: Path, teacher: Path, data: Path) -> dict:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     host_peak_gib(reset=True)
-    run_recipe(parse_recipe(recipe(teacher, data, args.tiny, "ddp")), converted, stages=["convert"])
+    with AnonPeak() as anon:
+        run_recipe(parse_recipe(recipe(teacher, data, args.tiny, "ddp")), converted, stages=["convert"])
     gpu = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     torch.cuda.empty_cache()
-    return {"gpu": gpu, "host": host_peak_gib()}
+    return {"gpu": gpu, "host": host_peak_gib(), "host_anon": anon.peak}
 
 
 def rate(run_dir: Path, stage: str) -> float | None:
@@ -215,7 +250,7 @@ def main() -> int:
             runs.append(row | {"failed": str(error)})
         else:
             ranks = [json.loads(report.with_suffix(f".rank{r}.json").read_text()) for r in range(processes)]
-            stages = {s: {k: max(r[s][k] or 0 for r in ranks) for k in ("gpu", "host")} for s in STAGES[1:]}
+            stages = {s: {k: max(r[s][k] or 0 for r in ranks) for k in HOST_KEYS} for s in STAGES[1:]}
             rates = {s: rate(run_dir, s) for s in ("align", "train")}
             runs.append(row | {"stages": stages, "ranks": ranks, "tokens_per_second": rates})
         shutil.rmtree(run_dir)  # an 8B run leaves tens of GB of model files; its numbers are in the report
@@ -226,10 +261,12 @@ def main() -> int:
 
 
 def print_table(runs: list[dict], tiny: bool) -> None:
-    """One row per stage, one column per run: peak GPU memory (GiB, largest process) / peak host memory (GiB)."""
+    """One row per stage, one column per run: peak GPU memory (GiB, largest process) / peak host memory (GiB), its
+    anonymous part in parentheses (runs measured before it was recorded have none)."""
     shown = [STAGES[0]] + [s for s in STAGES[1:] if s not in ("extend", "evaluate")]
     heads = [f"{r['processes']} x {r['strategy']}" if r["processes"] > 1 else r["strategy"] for r in runs[1:]]
     unit = "peak host GiB per process (CPU run)" if tiny else "GiB per GPU (max allocated) / host GiB per process"
+    unit += ", (anonymous: what the process itself holds, not files mapped from disk)"
     print(f"\n{unit}\n")
     print("| stage | " + " | ".join(heads) + " |")
     print("| --- " * (len(heads) + 1) + "|")
@@ -239,10 +276,9 @@ def print_table(runs: list[dict], tiny: bool) -> None:
             got = runs[0]["stages"]["convert"] if stage == "convert" else r.get("stages", {}).get(stage)
             if got is None:
                 cells.append("failed")
-            elif tiny:
-                cells.append(f"{got['host']:.2f}")
             else:
-                cells.append(f"{got['gpu']:.1f} / {got['host']:.1f}")
+                anon = f" ({got['host_anon']:.{2 if tiny else 1}f})" if got.get("host_anon") is not None else ""
+                cells.append(f"{got['host']:.2f}{anon}" if tiny else f"{got['gpu']:.1f} / {got['host']:.1f}{anon}")
         print(f"| {stage} | " + " | ".join(cells) + " |")
     for stage in ("align", "train"):
         cells = [

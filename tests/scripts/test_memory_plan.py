@@ -1,5 +1,5 @@
-"""memory_plan.py: its report is written after every run, and a second invocation keeps the runs already measured
-(a device job cut short loses only the run it was in)."""
+"""memory_plan.py: its report is written after every run, with each stage's host peak and its anonymous part, and a
+second invocation keeps the runs already measured (a device job cut short loses only the run it was in)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ def test_a_second_invocation_measures_only_the_runs_the_report_lacks(tmp_path):
     two = second["runs"][2]
     assert (two["strategy"], two["processes"], len(two["ranks"])) == ("ddp", 2, 2) and "failed" not in two
     assert two["tokens_per_second"]["align"] > 0 and "| 2 x ddp |" in out
+    for stage in ("align", "weights", "train"):  # the anonymous part of the peak, sampled, is a part of it
+        assert 0 < two["stages"][stage]["host_anon"] <= two["stages"][stage]["host"], stage
 
 
 def test_a_report_of_another_model_or_step_count_is_measured_again(tmp_path, capsys):
