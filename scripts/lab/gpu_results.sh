@@ -159,6 +159,7 @@ trained() {  # trained MIXER RUN [ARGS...]: train RUN, check that its model load
 }
 
 source scripts/lab/decode_jobs.sh  # the decode rounds' measurements and the GPU tests
+source scripts/lab/sessions.sh  # the device sessions: which runs go on which GPU
 
 speed() {  # stage rates of the SSE and SILA recipes (short runs), against BASE's (an older checkout) where set
   local recipes=(recipes/smollm2-sse.yaml recipes/smollm2-sila.yaml)
@@ -385,107 +386,6 @@ PY
     # layers SILA's deep recipe converts (SILA22): the two mixers at 22 of 30 on the same layers
     as_mixer sila-deep22 raven 22 "$1" --set "$(on_layers raven "$SILA22")"
     ;;
-  qheads-x2)  # two recipes a GPU, about 25 minutes: the deep ones with a memory per query head first
-    DELTA=0 quick_on 0 sila-deep22-qheads sse-seed1 & DELTA=0 quick_on 1 sila-deep26-qheads sila-qheads &
-    wait
-    ;;
-  qheads-next-x2)  # about 26 minutes: the decode cost of a memory per query head, then the 22-layer recipe's second
-    # seed on GPU 0; 26 layers keeping the 4 with induction heads, then that second seed's model extended with far
-    # facts, on GPU 1
-    DELTA=0 quick_on 0 qheads-speed sila-deep22-seed1 &
-    DELTA=0 quick_on 1 sila-deep26-qheads-induction sila-deep22-seed1-far-facts &
-    wait
-    ;;
-  windows22-x2)  # about 25 minutes: two seeds of the 22-layer recipe with 4K windows on its non-copying kept layers,
-    # and the decode speed windows buy at 22 and 26 (each ratio against the teachers timed in the same process)
-    DELTA=0 quick_on 0 sila-deep22-w4k windows26-speed &
-    DELTA=0 quick_on 1 windows22-speed sila-deep22-w4k-seed1 &
-    wait
-    ;;
-  windows22-local-x1)  # about 22 minutes on one GPU
-    DELTA=0 quick_on 0 windows22-local-speed sila-deep22-w4k-local
-    ;;
-  windows22-local-x2)  # about 20 minutes: both seeds at once, the speed after the first
-    DELTA=0 quick_on 0 sila-deep22-w4k-local windows22-local-speed &
-    DELTA=0 quick_on 1 sila-deep22-w4k-local-seed1 &
-    wait
-    ;;
-  windows22-sinks-x1)  # about 24 minutes on one GPU
-    DELTA=0 quick_on 0 sinks-gpu-check windows22-sinks-speed sila-deep22-w4k-sinks
-    ;;
-  windows22-sinks-x2)  # about 22 minutes: both seeds at once, the speed and the GPU check after them
-    DELTA=0 quick_on 0 sila-deep22-w4k-sinks windows22-sinks-speed &
-    DELTA=0 quick_on 1 sila-deep22-w4k-sinks-seed1 sinks-gpu-check &
-    wait
-    ;;
-  windows26-sinks-x1)  # about 20 minutes on one GPU
-    DELTA=0 quick_on 0 sila-deep26-w4k-sinks
-    ;;
-  windows26-sinks-x2)  # about 20 minutes: both seeds at once
-    DELTA=0 quick_on 0 sila-deep26-w4k-sinks &
-    DELTA=0 quick_on 1 sila-deep26-w4k-sinks-seed1 &
-    wait
-    ;;
-  windows26-sinks-ddp2)  # about 25 minutes on two GPUs: start it alone, first in a session
-    WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 run sila-deep26-w4k-sinks-ddp2
-    ;;
-  targets-x2)  # about 24 minutes: both recipes at once; once GPU 0's ends, the 8B plan's 2-process fsdp row on both
-    # GPUs beside GPU 1's recipe (memory is per process, so it holds; its tokens/s share a GPU and measure nothing)
-    (DELTA=0 quick_on 0 sila-deep22-w4k-sinks-far; PLAN_PROCESSES=2 PLAN_STRATEGY=fsdp run memory-plan) &
-    DELTA=0 quick_on 1 sila-deep26-w4k-sinks-answers &
-    wait
-    ;;
-  targets2-x2)  # about 24 minutes: GPU 0 the 22-layer recipe with four windows and sinks (passkey 8K), then the 8B
-    # plan's 1-process and 2-process fsdp rows on both GPUs beside GPU 1's recipe (the host memory of the save a tensor
-    # at a time); GPU 1 the windowed 26 with extend's answers x30 (cells at <= 1.10x the perplexity)
-    (DELTA=0 quick_on 0 sila-deep22-w4k-four-sinks; PLAN_PROCESSES=1,2 PLAN_STRATEGY=fsdp run memory-plan) &
-    DELTA=0 quick_on 1 sila-deep26-w4k-sinks-answers30 &
-    wait
-    ;;
-  answers26-ddp2)  # about 22 minutes on both GPUs: the windowed 26 at 2.5x align's and train's tokens (1.07x the
-    # perplexity before weighting answers) with extend's answers x100 over 300 steps of twice the rows
-    WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 run sila-deep26-w4k-sinks-answers-ddp2
-    ;;
-  targets3-x2)  # about 25 minutes, after targets2-x2: the four windows' second seed and their decode speed
-    DELTA=0 quick_on 0 sila-deep22-w4k-four-sinks-seed1 &
-    DELTA=0 quick_on 1 windows22-four-sinks-speed &
-    wait
-    ;;
-  answers26-x2)  # about 22 minutes: both at once
-    DELTA=0 quick_on 0 sila-deep26-answers &
-    DELTA=0 quick_on 1 sila-deep26-w4k-sinks-answers &
-    wait
-    ;;
-  windows22-x1)  # about 25 minutes on one GPU: windows22-x2's speed at batch 128, its first seed, then 26's speed
-    DELTA=0 WINDOW_BATCHES=128 quick_on 0 windows22-speed sila-deep22-w4k windows26-speed
-    ;;
-  deep26-ddp2-profile)  # about 27 minutes: start it alone, first in a session
-    WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 run sila-deep26-ddp2
-    CUDA_VISIBLE_DEVICES=0 decode_profile_22q
-    ;;
-  centred-x2)  # two recipes a GPU, about 26 minutes: Raven at 22 then its second seed at 15; SSE with its scorer
-    # centred, then on SILA's recipe evaluated to the end (round 12 cut it during evaluation)
-    DELTA=0 quick_on 0 raven-deep22-centred raven-centred-seed1 & DELTA=0 quick_on 1 sse-centred sse-silarecipe &
-    wait
-    ;;
-  mixers15-x2)  # two recipes a GPU, about 26 minutes: the first pair is sse-raven-x2
-    DELTA=0 quick_on 0 sse-silarecipe raven-m128 &
-    DELTA=0 quick_on 1 raven-silarecipe-seed1 raven-nogumbel &
-    wait
-    ;;
-  routers15-x2)  # two recipes a GPU, about 26 minutes: the centred routers first, then SSE and Raven without noise
-    DELTA=0 quick_on 0 raven-centred sse-silarecipe &
-    DELTA=0 quick_on 1 raven-centred-nogumbel raven-nogumbel &
-    wait
-    ;;
-  sse-raven-x2)  # one GPU each, about 13 minutes with the evaluation
-    quick_on 0 sse-silarecipe & quick_on 1 raven-silarecipe-seed1 &
-    wait
-    ;;
-  all-raven-x2)  # one GPU each, about 18 minutes
-    quick_on 0 sila-deep22-all & quick_on 1 raven-silarecipe &
-    wait
-    ;;
   decode-b128-twice)  # times, alone: about 9 minutes
     decode_b128_twice
     ;;
@@ -635,10 +535,14 @@ PY
     speed
     ;;
   *)
+    session "$1"
+    local status=$?
+    [ "$status" -ne 127 ] && return "$status"
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
       "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 sila-deep22-ddp2-long sila-deep22-qheads-ddp2 deep22-ddp2-x2 sila-deep22-all sila-deep22-all-ddp2 raven-silarecipe sse-silarecipe MIXER-silarecipe-seed1 raven-deep22 sse-deep22 raven-m128 raven-m256 raven-nogumbel raven-centred raven-centred-nogumbel raven-centred-seed1 sse-centred raven-deep22-centred centred-x2 sila-deep22-qheads sila-deep26-qheads sila-qheads qheads-speed qheads-x2 sila-deep22-seed1 sila-deep26-qheads-induction sila-deep22-far-facts sila-deep22-seed1-far-facts qheads-next-x2 deep26-ddp2-profile mixers15-x2 routers15-x2 sse-raven-x2 all-raven-x2 views-check decode-b128-twice scale-out memory-plan scale-x4 decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
-      "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed" >&2
+      "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed;" \
+      "sessions (scripts/lab/sessions.sh): $(sessions)" >&2
     return 2
     ;;
   esac
