@@ -76,3 +76,13 @@ def test_each_adapter_is_merged_as_soon_as_its_module_came(trained):
         out.append(saved)
         assert pulled[-1] == last[saved], saved  # emitted before the stream went further than it needed
     assert out == [s for s in saved_names(model).values()]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_model_on_a_gpu_saves_as_it_does_from_the_cpu(trained, tmp_path):
+    converted, model = trained
+    save_trained(Parallel(), model, converted, tmp_path / "cpu", "tiny", lora=LORA)
+    save_trained(Parallel(), model.cuda(), converted, tmp_path / "gpu", "tiny", lora=LORA)
+    for file in ["model-base.safetensors", "model-mixers.safetensors", INDEX]:
+        assert (tmp_path / "gpu" / file).read_bytes() == (tmp_path / "cpu" / file).read_bytes(), file
