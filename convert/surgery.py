@@ -7,6 +7,8 @@ attention layers it kept.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from raven_layers import HybridConfig, HybridForCausalLM, get_architecture, mixer_names, resolve_mixer
@@ -167,6 +169,17 @@ def check_mixers_fit(
     return config
 
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """torch's default floating dtype set to `dtype` inside the block (what new parameters are made in)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 def build_hybrid(
     source,
     layer_kinds: list[str],
@@ -189,7 +202,8 @@ def build_hybrid(
         source.config, layer_kinds, mixer_settings, attention_windows, attention_sinks=attention_sinks
     )
     torch.manual_seed(seed)
-    hybrid = HybridForCausalLM(config).to(source.dtype)
+    with default_dtype(source.dtype):  # built in the source's dtype: a float32 build of a bf16 model is twice its size
+        hybrid = HybridForCausalLM(config)
     start = start_kinds(source.config)
     new = [i for i, kind in enumerate(layer_kinds) if kind != "attention" and start[i] == "attention"]
     fresh = {

@@ -226,7 +226,9 @@ class RavenMixer(Mixer):
         - Output gate: W_g = 0, and the gate is 2 sigmoid(W_g x), so it starts as the identity.
         """
         s = self.settings
-        per_write = torch.logspace(math.log10(-math.log(0.95)), math.log10(-math.log(0.5)), self.num_kv_heads)
+        per_write = torch.logspace(  # in float32 whatever the model is built in: its cast is the value
+            math.log10(-math.log(0.95)), math.log10(-math.log(0.5)), self.num_kv_heads, dtype=torch.float32
+        )
         inits = {
             "router_weight": lambda p: p.normal_(std=0.02),
             "decay_weight": lambda p: p.zero_(),

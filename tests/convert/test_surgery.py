@@ -129,3 +129,21 @@ def test_a_further_conversion_keeps_the_sources_sliding_windows_on_the_attention
     assert convert(*argv, "--out", windowed) == 0
     assert convert("--src", windowed, "--mixer", "sila", "--layers", "1,2", "--out", tmp_path / "further") == 0
     assert json.loads((tmp_path / "further" / "config.json").read_text())["attention_windows"] == [4, None, None, 4]
+
+
+def test_a_bf16_source_converts_in_bf16_to_what_a_float32_build_cast_gives(tiny_sources):
+    """The hybrid is built in its source's dtype (a float32 build of a bf16 model took twice its size on the host):
+    every weight, fresh mixer parameters included, is the float32 build's cast, and RoPE's frequencies stay in
+    float32, as the source keeps them."""
+    from transformers import AutoModelForCausalLM
+
+    source = AutoModelForCausalLM.from_pretrained(tiny_sources["llama"], dtype=torch.bfloat16)
+    kinds = plan_layers([("sila", "0"), ("raven", "1"), ("sse", "2")], 4)
+    settings = {"sse": {"lora_rank": 8}}  # the tiny model's q/k are narrower than SSE's default rank
+    built = build_hybrid(source, kinds, settings)
+    cast = build_hybrid(source.float(), kinds, settings).to(torch.bfloat16)
+    ours, theirs = built.state_dict(), cast.state_dict()
+    assert set(ours) == set(theirs) and {t.dtype for t in ours.values()} == {torch.bfloat16}
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, theirs[name]), name
+    assert {b.dtype for b in built.buffers()} == {b.dtype for b in source.buffers()} == {torch.float32}
