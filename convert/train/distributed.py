@@ -313,7 +313,11 @@ def _plain(optimizer):
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor (an FSDP2 shard) gathered whole, any other tensor itself; every process must call it for a DTensor."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    if not hasattr(tensor, "full_tensor"):
+        return tensor
+    if tensor.device.type != tensor.device_mesh.device_type:  # a shard kept on the CPU (cpu_offload): NCCL gathers
+        tensor = tensor.to(tensor.device_mesh.device_type)  # on the GPU, as torch's own state-dict gather does
+    return tensor.full_tensor()
 
 
 def shard_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
