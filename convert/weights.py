@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 
 from raven_convert.files import link_or_copy, write_json
 from raven_convert.train.common import mixer_prefixes
+from raven_convert.train.distributed import full_tensor
 from raven_convert.train.lora import is_lora
 
 INDEX = "model.safetensors.index.json"
@@ -112,15 +113,24 @@ def _holds(path: Path, tensors: dict[str, torch.Tensor]) -> bool:
     return True
 
 
+def whole_tensors(model, here: bool = True):
+    """(state-dict name, tensor) of every tensor of `model` but tied copies, one at a time, so that the host never
+    holds the model whole: a shard (fsdp) gathered whole as it comes (every process of the launch must run this to
+    the end), on the CPU where `here`, None elsewhere (the processes that only take part in the gathers)."""
+    tied = tied_copies(model)
+    for name, tensor in model.state_dict().items():
+        if name not in tied:
+            whole = full_tensor(tensor)
+            yield name, whole.detach().cpu() if here else None
+
+
 def own_tensors(model, names: dict[str, str]):
-    """(saved name, tensor on the CPU) of a model held whole in this process, one tensor at a time (a model on a GPU
-    is not copied to the host whole). ValueError for a model with LoRA adapters, whose base weights alone are not
-    what it computes: merge them first (raven_convert.train.lora.merge_lora)."""
-    state = model.state_dict()
-    if any(is_lora(name) for name in state):
+    """(saved name, tensor on the CPU) of a model held whole in this process, one tensor at a time (whole_tensors).
+    ValueError for a model with LoRA adapters, whose base weights alone are not what it computes: merge them first
+    (raven_convert.train.lora.merge_lora)."""
+    if any(is_lora(name) for name in model.state_dict(keep_vars=True)):
         raise ValueError(f"{type(model).__name__} has LoRA adapters: merge them into its weights before saving it")
-    for name, saved in names.items():
-        yield saved, state[name].detach().cpu()
+    return ((names[name], tensor) for name, tensor in whole_tensors(model) if name in names)
 
 
 class ShardWriter:

@@ -82,6 +82,15 @@ def cache_bytes(cache) -> dict[str, int]:
     return sizes
 
 
+def status_kib(field: str) -> int | None:
+    """A memory field of this process's /proc/self/status (VmRSS, VmHWM, RssAnon, ...) in KiB; None off Linux."""
+    try:
+        m = re.search(rf"^{field}:\s+(\d+)\s+kB", Path("/proc/self/status").read_text(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(m.group(1)) if m else None
+
+
 class _PeakMemory:
     """Peak memory over a stretch of work: CUDA allocator statistics, or the Linux process high-water mark."""
 
@@ -90,24 +99,16 @@ class _PeakMemory:
         self.method: str | None = None
         self.start = 0
 
-    @staticmethod
-    def _status_kib(field: str) -> int | None:
-        try:
-            m = re.search(rf"^{field}:\s+(\d+)\s+kB", Path("/proc/self/status").read_text(), re.MULTILINE)
-        except OSError:
-            return None
-        return int(m.group(1)) if m else None
-
     def reset(self) -> None:
         if self.device.type == "cuda":
             sync(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self.method, self.start = "cuda_max_memory_allocated", torch.cuda.memory_allocated(self.device)
             return
-        rss = self._status_kib("VmRSS")
+        rss = status_kib("VmRSS")
         try:
             Path("/proc/self/clear_refs").write_text("5")  # Linux >= 4.0: VmHWM := current RSS
-            hwm = self._status_kib("VmHWM")
+            hwm = status_kib("VmHWM")
             if rss is not None and hwm is not None and hwm <= rss * 1.05 + 1024:
                 self.method, self.start = "linux_vmhwm", rss * 1024
                 return
@@ -138,7 +139,7 @@ class _PeakMemory:
             peak = torch.cuda.max_memory_allocated(self.device)
             return int(peak), int(max(0, peak - self.start))
         if self.method == "linux_vmhwm":
-            hwm = self._status_kib("VmHWM")
+            hwm = status_kib("VmHWM")
             return (None, None) if hwm is None else (hwm * 1024, max(0, hwm * 1024 - self.start))
         if self.method == "ru_maxrss_growth":
             import resource

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from raven_convert.train.distributed import Parallel, full_tensor
+from raven_convert.train.distributed import Parallel
 from raven_convert.train.recipe import Recipe
 
 
@@ -47,8 +47,9 @@ def save_trained(parallel: Parallel, model, model_dir: Path, out: Path, base_mod
     from transformers import AutoTokenizer
 
     from raven_convert.export import save_hybrid
+    from raven_convert.weights import whole_tensors
 
-    tensors = _whole_tensors(parallel, model)
+    tensors = whole_tensors(model, here=parallel.is_main)
     try:
         if parallel.is_main:
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -61,21 +62,9 @@ def save_trained(parallel: Parallel, model, model_dir: Path, out: Path, base_mod
             pass
 
 
-def _whole_tensors(parallel: Parallel, model):
-    """(state-dict name, tensor) of every tensor of `model` but tied copies, one at a time: whole and on the CPU on the
-    main process, None on the others."""
-    from raven_convert.weights import tied_copies
-
-    tied = tied_copies(model)
-    for name, tensor in model.state_dict().items():
-        if name not in tied:
-            whole = full_tensor(tensor)  # a shard's gather: every process
-            yield name, whole.detach().cpu() if parallel.is_main else None
-
-
 def _merged(tensors, model, lora):
-    """_whole_tensors' pairs under the names they are saved under: a LoRA-wrapped linear's tensors folded into its
-    base weights as soon as they all came, in that module's copy in a model built on the meta device (peft's own
+    """weights.whole_tensors' pairs under the names they are saved under: a LoRA-wrapped linear's tensors folded into
+    its base weights as soon as they all came, in that module's copy in a model built on the meta device (peft's own
     merge, as merge_lora does); the others as they come."""
     from raven_convert.train.lora import add_lora, lora_modules, merged
     from raven_layers import HybridForCausalLM
@@ -90,6 +79,7 @@ def _merged(tensors, model, lora):
         fresh = HybridForCausalLM(model.config)
     add_lora(fresh, lora)
     copies = lora_modules(fresh)
+    counts = {owner: len(module.state_dict(keep_vars=True)) for owner, module in copies.items()}
     held: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors:
         owner = next((p for p in _prefixes(name) if p in wrapped), None)
@@ -98,8 +88,8 @@ def _merged(tensors, model, lora):
             continue
         parts = held.setdefault(owner, {})
         parts[name[len(owner) + 1 :]] = tensor
-        module = copies[owner]
-        if len(parts) == len(module.state_dict(keep_vars=True)):
+        if len(parts) == counts[owner]:
+            module = copies[owner]
             # copies: the merge adds to the base weight in place, which a model on the CPU would share
             module.load_state_dict({k: v.clone() for k, v in held.pop(owner).items()}, assign=True)
             for local, value in merged(module).state_dict().items():

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from common import QWEN3_8B  # scripts/bench/: the model shapes the benchmarks share
 
+from raven_convert.evaluate.speed import status_kib
 from raven_convert.files import atomic_file
 
 TINY = QWEN3_8B | {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -86,8 +87,7 @@ def make_inputs(out: Path, tiny: bool) -> tuple[Path, Path]:
 
 def status_gib(field: str) -> float:
     """A memory field of /proc/self/status (VmHWM, RssAnon, ...) in GiB."""
-    status = Path("/proc/self/status").read_text()
-    return int(next(line for line in status.splitlines() if line.startswith(f"{field}:")).split()[1]) / 2**20
+    return status_kib(field) / 2**20
 
 
 def host_peak_gib(reset: bool = False) -> float:

@@ -11,9 +11,9 @@ from raven_convert import build_hybrid, plan_layers
 from raven_convert.export import save_hybrid
 from raven_convert.train.distributed import Parallel
 from raven_convert.train.lora import lora_modules, merge_lora, select_trainable
-from raven_convert.train.models import _merged, _whole_tensors, load_hybrid, save_trained
+from raven_convert.train.models import _merged, load_hybrid, save_trained
 from raven_convert.train.stage2_config import TrainConfig
-from raven_convert.weights import INDEX, saved_names, tied_copies
+from raven_convert.weights import INDEX, saved_names, tied_copies, whole_tensors
 
 LORA = TrainConfig(steps=1, trainable="mixers+lora", lora_rank=4)
 
@@ -62,11 +62,11 @@ def test_each_adapter_is_merged_as_soon_as_its_module_came(trained):
     pulled = []
 
     def counted():
-        for i, pair in enumerate(_whole_tensors(Parallel(), model)):
+        for i, pair in enumerate(whole_tensors(model)):
             pulled.append(i)
             yield pair
 
-    names = [name for name in model.state_dict() if name not in tied_copies(model)]  # _whole_tensors' order
+    names = [name for name in model.state_dict() if name not in tied_copies(model)]  # whole_tensors' order
     owner = {name: next((m for m in lora_modules(model) if name.startswith(f"{m}.")), None) for name in names}
     end = {owner[name]: i for i, name in enumerate(names) if owner[name]}  # an adapted module's last tensor
     # saved name -> the index of the last tensor it needs: its own, or its module's last for an adapted linear
