@@ -1,25 +1,27 @@
 """Align and train of a recipe on one GPU and on N under ddp and fsdp, at one global batch: tokens/s and memory per GPU.
 
     python scripts/bench/bench_scale_out.py recipes/smollm2-raven.yaml --src /tmp/smollm2 --data ../shared/data/corpus \
-        --gpus 2 --align-steps 20 --train-steps 20 --max-documents 400 --out runs/scale-out [--scaling strong,weak]
+        --gpus 2,4 --align-steps 20 --train-steps 20 --max-documents 400 --out runs/scale-out [--scaling strong,weak]
 
 Each run goes through `python -m raven_convert.train` (convert, align, train; token weights, evaluate and export
 off), the N-process ones under `accelerate launch` with the shipped configs (recipes/accelerate/). --scaling strong
 (default) divides batch_size by N, so that every run sees the same global batches (and ends with the same
 parameters); weak keeps the recipe's batch_size per GPU, so the global batch grows N-fold; strong,weak runs both
-(one single-GPU run is the baseline of both). --graphed align,train adds a ddp run whose align and train steps are
+(one single-GPU run is the baseline of both); --gpus 2,4 runs them at each N, --strategy ddp (default ddp,fsdp) narrows
+them. --graphed align,train adds a ddp run whose align and train steps are
 CUDA graphs holding their all-reduces (`cuda_graphs: true` for those stages; the single-GPU run's align and train
 are graphs where the recipe's `cuda_graphs: auto` allows; the other N-process runs' are not). The data is tokenised
 once into OUT/cache. A run that fails is reported in the table and the others still run. Rates come from the stages'
 DONE summaries (counted from the end of the first step); memory is the largest `nvidia-smi` reading of each GPU
 while the run's align and train stages ran (the whole process: CUDA context and the allocator's cache included),
-sampled every 0.2 s. Prints one Markdown table last and writes OUT/scale_out.json.
+sampled every 0.2 s, of the GPUs CUDA_VISIBLE_DEVICES names (all by default). Prints one Markdown table last and writes OUT/scale_out.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -27,6 +29,15 @@ import time
 from pathlib import Path
 
 import yaml
+
+
+def visible_gpus() -> list[int]:
+    """nvidia-smi's indices of the GPUs the runs see, in CUDA's order (CUDA_VISIBLE_DEVICES as indices; all of them
+    when unset)."""
+    names = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if names is None:
+        return list(range(64))
+    return [int(n) for n in names.split(",") if n.strip().isdigit()]
 
 
 class GpuMemory:
@@ -96,7 +107,7 @@ def run(args, name: str, processes: int, strategy: str, scaling: str = "strong",
         "rows_per_gpu": recipe["train"]["batch_size"] // share,
         "align_tokens_per_second": done["align"].get("tokens_per_second"),
         "train_tokens_per_second": done["train"].get("tokens_per_second"),
-        "gpu_memory_mib": [memory.peak.get(i, 0) for i in range(processes)],
+        "gpu_memory_mib": [memory.peak.get(i, 0) for i in visible_gpus()[:processes]],
     }
 
 
@@ -105,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("recipe")
     parser.add_argument("--src", required=True, help="the teacher (a model directory or GGUF)")
     parser.add_argument("--data", required=True, help="the training text")
-    parser.add_argument("--gpus", type=int, default=2, help="N of the multi-GPU runs")
+    parser.add_argument("--gpus", default="2", help="N of the multi-GPU runs, comma-separated: 2,4")
+    parser.add_argument("--strategy", default="ddp,fsdp", help="the multi-GPU runs' strategies: ddp, fsdp or both")
     parser.add_argument("--align-steps", type=int, default=20)
     parser.add_argument("--train-steps", type=int, default=20)
     parser.add_argument("--max-documents", type=int, default=400)
@@ -117,22 +129,27 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    if args.gpus < 2:
-        parser.error(f"--gpus {args.gpus}: the multi-GPU runs need at least 2")
+    counts = [int(n) if n.isdigit() else 0 for n in args.gpus.split(",")]
+    if bad := [n for n, c in zip(args.gpus.split(","), counts) if c < 2]:
+        parser.error(f"--gpus {bad[0]!r}: the multi-GPU runs need a whole number of at least 2 GPUs")
     scalings = args.scaling.split(",")
     if unknown := [s for s in scalings if s not in ("strong", "weak")]:
         parser.error(f"--scaling {unknown[0]!r}: allowed strong, weak or both, comma-separated")
+    strategies = args.strategy.split(",")
+    if unknown := [s for s in strategies if s not in ("ddp", "fsdp")]:
+        parser.error(f"--strategy {unknown[0]!r}: allowed ddp, fsdp or both, comma-separated")
     graphed = [stage for stage in args.graphed.split(",") if stage]
     if unknown := [s for s in graphed if s not in ("align", "train")]:
         parser.error(f"--graphed {unknown[0]!r}: allowed align, train or both, comma-separated")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     rows = [run(args, "gpu1", 1, "ddp")]
-    for scaling in scalings:
-        for strategy in ("ddp", "fsdp"):
-            rows.append(run(args, f"gpu{args.gpus}-{strategy}-{scaling}", args.gpus, strategy, scaling))
-        if graphed:
-            name = f"gpu{args.gpus}-ddp-{scaling}-graphed-{'-'.join(graphed)}"
-            rows.append(run(args, name, args.gpus, "ddp", scaling, {f"{stage}.cuda_graphs": True for stage in graphed}))
+    for n in counts:
+        for scaling in scalings:
+            for strategy in strategies:
+                rows.append(run(args, f"gpu{n}-{strategy}-{scaling}", n, strategy, scaling))
+            if graphed:
+                name = f"gpu{n}-ddp-{scaling}-graphed-{'-'.join(graphed)}"
+                rows.append(run(args, name, n, "ddp", scaling, {f"{stage}.cuda_graphs": True for stage in graphed}))
     (Path(args.out) / "scale_out.json").write_text(json.dumps(rows, indent=1))
     base = rows[0]
     columns = ["run", "processes", "rows per GPU", "align tok/s", "vs 1 GPU", "train tok/s", "vs 1 GPU"]

@@ -12,7 +12,7 @@ Every pair of --processes and --strategy is one run (a single process is run onc
 there). The teacher is made once and converted once; each run starts from that conversion. Prints one Markdown
 table last (the largest value over a run's processes) and writes OUT/memory_plan.json after every run, so a job cut
 short keeps the runs it finished: run again with the same --out, --steps and --tiny, it measures only the runs the
-report lacks (or that failed) and keeps the others (delete the report to measure everything again). Each process
+report lacks (or that failed) and keeps the others, named or not (delete the report to measure everything again). Each process
 trains on one row of 2,048 tokens per step (the global batch grows with N).
 """
 
@@ -192,6 +192,14 @@ def earlier_runs(report: Path, meta: dict) -> list[dict]:
     return earlier["runs"]
 
 
+def with_earlier(done: dict, runs: list[dict]) -> list[dict]:
+    """`runs` (the conversion's row first) with the runs measured before that this invocation did not name, in order
+    of process count."""
+    named = {(r["strategy"], r["processes"]) for r in runs}
+    rest = runs[1:] + [r for key, r in done.items() if key not in named]
+    return runs[:1] + sorted(rest, key=lambda r: (r["processes"], r["strategy"]))
+
+
 def save(report: Path, meta: dict, runs: list[dict]) -> None:
     with atomic_file(report) as f:
         f.write(json.dumps(meta | {"runs": runs}, indent=1))
@@ -254,7 +262,8 @@ def main() -> int:
             rates = {s: rate(run_dir, s) for s in ("align", "train")}
             runs.append(row | {"stages": stages, "ranks": ranks, "tokens_per_second": rates})
         shutil.rmtree(run_dir)  # an 8B run leaves tens of GB of model files; its numbers are in the report
-        save(report_path, meta, runs)
+        save(report_path, meta, with_earlier(done, runs))
+    runs = with_earlier(done, runs)
     save(report_path, meta, runs)
     print_table(runs, args.tiny)
     return 0

@@ -61,6 +61,17 @@ session() {  # session JOB: the session JOB, run; 127 when JOB names no session
     DELTA=0 quick_on 1 sila-deep26-w4k-sinks-answers30 &
     wait
     ;;
+  x4-round)  # about 25 minutes on a 4-GPU host: the 22-layer recipe with four windows and sinks, both seeds, on GPUs 0
+    # and 1 beside the 8B plan's 1- and 2-process fsdp rows on GPUs 2 and 3; then, every GPU free, the plan's 4-process
+    # fsdp row, the SILA recipe's weak scaling to 4 GPUs under ddp (eager and graphed), and the plan's 4-process ddp row
+    DELTA=0 quick_on 0 sila-deep22-w4k-four-sinks &
+    DELTA=0 quick_on 1 sila-deep22-w4k-four-sinks-seed1 &
+    (CUDA_VISIBLE_DEVICES=2,3 PLAN_PROCESSES=1,2 PLAN_STRATEGY=fsdp run memory-plan) &
+    wait
+    PLAN_PROCESSES=4 PLAN_STRATEGY=fsdp run memory-plan
+    run scale-weak
+    PLAN_PROCESSES=4 PLAN_STRATEGY=ddp run memory-plan
+    ;;
   answers26-ddp2)  # about 22 minutes on both GPUs: the windowed 26 at 2.5x align's and train's tokens (1.07x the
     # perplexity before weighting answers) with extend's answers x100 over 300 steps of twice the rows
     WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 run sila-deep26-w4k-sinks-answers-ddp2

@@ -37,6 +37,10 @@ def test_a_second_invocation_measures_only_the_runs_the_report_lacks(tmp_path):
     for stage in ("align", "weights", "train"):  # the anonymous part of the peak, sampled, is a part of it
         assert 0 < two["stages"][stage]["host_anon"] <= two["stages"][stage]["host"], stage
 
+    out = plan(tmp_path, "--processes", "1", "--strategy", "ddp")  # a run not named this time stays in the report
+    assert "--nproc_per_node" not in out and "| 2 x ddp |" in out
+    assert json.loads((tmp_path / "memory_plan.json").read_text())["runs"] == second["runs"]
+
 
 def test_a_report_of_another_model_or_step_count_is_measured_again(tmp_path, capsys):
     report = tmp_path / "memory_plan.json"
