@@ -3,18 +3,18 @@
     python scripts/bench/bench_scale_out.py recipes/smollm2-raven.yaml --src /tmp/smollm2 --data ../shared/data/corpus \
         --gpus 2,4 --align-steps 20 --train-steps 20 --max-documents 400 --out runs/scale-out [--scaling strong,weak]
 
-Each run goes through `python -m raven_convert.train` (convert, align, train; token weights, evaluate and export
-off), the N-process ones under `accelerate launch` with the shipped configs (recipes/accelerate/). --scaling strong
-(default) divides batch_size by N, so that every run sees the same global batches (and ends with the same
-parameters); weak keeps the recipe's batch_size per GPU, so the global batch grows N-fold; strong,weak runs both
-(one single-GPU run is the baseline of both); --gpus 2,4 runs them at each N, --strategy ddp (default ddp,fsdp) narrows
-them. --graphed align,train adds a ddp run whose align and train steps are
-CUDA graphs holding their all-reduces (`cuda_graphs: true` for those stages; the single-GPU run's align and train
-are graphs where the recipe's `cuda_graphs: auto` allows; the other N-process runs' are not). The data is tokenised
-once into OUT/cache. A run that fails is reported in the table and the others still run. Rates come from the stages'
-DONE summaries (counted from the end of the first step); memory is the largest `nvidia-smi` reading of each GPU
-while the run's align and train stages ran (the whole process: CUDA context and the allocator's cache included),
-sampled every 0.2 s, of the GPUs CUDA_VISIBLE_DEVICES names (all by default). Prints one Markdown table last and writes OUT/scale_out.json.
+Each run goes through `python -m raven_convert.train` (convert, align, train; token weights, evaluate and export off),
+the N-process ones under `accelerate launch` with the shipped configs (recipes/accelerate/). --scaling strong (default)
+divides batch_size by N, so that every run sees the same global batches (and ends with the same parameters); weak keeps
+the recipe's batch_size per GPU, so the global batch grows N-fold; strong,weak runs both (one single-GPU run is the
+baseline of both); --gpus 2,4 runs them at each N, --strategy ddp (default ddp,fsdp) narrows them. --graphed
+align,train adds a ddp run whose align and train steps are CUDA graphs holding their all-reduces (`cuda_graphs: true`
+for those stages; the single-GPU run's align and train are graphs where the recipe's `cuda_graphs: auto` allows; the
+other N-process runs' are not). The data is tokenised once into OUT/cache. A run that fails is reported in the table
+and the others still run. Rates come from the stages' DONE summaries (counted from the end of the first step); memory
+is the largest `nvidia-smi` reading of each GPU while the run's align and train stages ran (the whole process: CUDA
+context and the allocator's cache included), sampled every 0.2 s, of the GPUs CUDA_VISIBLE_DEVICES names (all by
+default). Prints one Markdown table last and writes OUT/scale_out.json.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ Every pair of --processes and --strategy is one run (a single process is run onc
 there). The teacher is made once and converted once; each run starts from that conversion. Prints one Markdown
 table last (the largest value over a run's processes) and writes OUT/memory_plan.json after every run, so a job cut
 short keeps the runs it finished: run again with the same --out, --steps and --tiny, it measures only the runs the
-report lacks (or that failed) and keeps the others, named or not (delete the report to measure everything again). Each process
-trains on one row of 2,048 tokens per step (the global batch grows with N).
+report lacks (or that failed) and keeps the others, named or not (delete the report to measure everything again).
+Each process trains on one row of 2,048 tokens per step (the global batch grows with N).
 """
 
 from __future__ import annotations
