@@ -111,18 +111,21 @@ def graph_inputs(batch: dict, token_weights, device, slots: int | None = None) -
     return tensors, int(batch["attention_mask"].sum())
 
 
-def resolve_graphs(setting: CompileSetting, model, device, world: int = 1, collectives: bool = False) -> bool:
+def resolve_graphs(
+    setting: CompileSetting, model, device, world: int = 1, collectives: bool = False, several: bool = False
+) -> bool:
     """Whether a training stage captures its steps as CUDA graphs: "auto" does where it can (a CUDA device, one
     process, every converted mixer declared `graph_safe`); True demands it and raises ValueError naming what stands
     in the way. `collectives`: the stage's step makes its processes' reductions itself (holds_collectives), so True
-    may capture them on several processes too (launch_obstacles)."""
+    may capture them on several processes too (launch_obstacles), and so may "auto" where `several` says the
+    stage's graphs pay there (stage 2's do; align's gain nothing under ddp, docs/SCALE_OUT.md)."""
     if setting not in ("auto", True, False):
         raise ValueError(f"cuda_graphs = {setting!r} is not allowed; expected 'auto', true or false")
     if setting is False:
         return False
     converted = mixers(model) if is_hybrid(model) else []
     unsafe = sorted({type(m).__name__ for m in converted if not _spec_of(m).graph_safe})
-    reasons = launch_obstacles(device, world, collectives and setting is True)
+    reasons = launch_obstacles(device, world, collectives and (setting is True or several))
     if unsafe:
         reasons.append(f"the mixers {unsafe} are not declared graph_safe (MixerSpec.graph_safe)")
     if reasons and setting is True:

@@ -160,6 +160,9 @@ def test_graphs_are_used_only_where_they_can_run(monkeypatch):
     # several processes: only a step that makes its all-reduces itself (under ddp), and only when demanded
     assert resolve_graphs(True, mixed, "cuda", world=2, collectives=True) is True
     assert resolve_graphs("auto", mixed, "cuda", world=2, collectives=True) is False
+    # ... and where the stage's graphs pay on several (stage 2), auto too; not where the step cannot hold them (fsdp)
+    assert resolve_graphs("auto", mixed, "cuda", world=2, collectives=True, several=True) is True
+    assert resolve_graphs("auto", mixed, "cuda", world=2, collectives=False, several=True) is False
     with pytest.raises(ValueError, match="2 processes"):
         resolve_graphs(True, mixed, "cuda", world=2)
     with pytest.raises(ValueError, match="expected 'auto', true or false"):
@@ -289,6 +292,9 @@ def test_stage2_graphs_only_where_a_step_can_be_one():
     assert step_graphs(TrainConfig(steps=1, cuda_graphs="auto", grad_accum=2), hybrid, None, "cuda", 1) is False
     assert step_graphs(TrainConfig(steps=1, cuda_graphs="auto"), hybrid, None, "cpu", 1) is False
     assert step_graphs(TrainConfig(steps=1, cuda_graphs="auto"), hybrid, torch.zeros(1, 1), "cuda", 1) is True
+    # under ddp (its step holds the all-reduces) stage 2 replays graphs by default; under fsdp it cannot
+    assert step_graphs(TrainConfig(steps=1, cuda_graphs="auto"), hybrid, None, "cuda", 2, collectives=True) is True
+    assert step_graphs(TrainConfig(steps=1, cuda_graphs="auto"), hybrid, None, "cuda", 2) is False
     distilled = TrainConfig(steps=1, cuda_graphs=True, kd_weight=1.0)  # the teacher's forward inside the step
     assert teacher.config._attn_implementation == "sdpa" and step_graphs(distilled, hybrid, None, "cuda", 1, teacher)
     teacher.config._attn_implementation = "eager"  # builds its packed documents' mask by reading positions back
