@@ -2,7 +2,7 @@
 # What a lab session carries to the GPU machine, built in git-ignored folders of the checkout from ../shared (run
 # it from the repository root, once per fresh checkout), then the calls that copy it over and start a job:
 #
-#   bash scripts/lab/carry.sh [JOB...]          # JOB: gpu_results.sh's jobs to start (default x4-round)
+#   bash scripts/lab/carry.sh [JOB...]          # JOB: gpu_results.sh's jobs to start (default x4-pair)
 #
 #   .carry/bundle/part-NN   one tar of SmolLM2-135M-Instruct's GGUF (smollm2.gguf), the offline corpus (corpus/) and
 #                           the essay haystack (essays/), 110 MiB, cut into as many parts as the checkout leaves
@@ -16,7 +16,7 @@ set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
 shared=${SHARED:-$root/../shared}
-jobs=${*:-x4-round}
+jobs=${*:-x4-pair}
 limit_kib=$((64 * 1024))
 margin_kib=$((2 * 1024)) # the device tool's count of the checkout is not du's to the block
 

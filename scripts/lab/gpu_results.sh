@@ -43,6 +43,11 @@ KD=(--set train.kd_weight=1.0 --set extend.kd_weight=1.0)
 
 # the deep recipes' steps under two processes: 2.5x their tokens (twice the rows a step, 1.25x the steps)
 DDP2_STEPS=(--set align.steps=1500 --set train.steps=375 --set extend.steps=188)
+# extend at 4 rows a step over half the steps (the recipe's tokens): a global batch four processes can split (-ext4);
+# STRONG4: the -ext4 run's global batches split over four processes (-strong4: strong scaling, issue 53)
+EXT4=(--set extend.batch_size=4 --set extend.steps=75)
+STRONG4=(--set align.batch_size=4 --set token_weights.batch_size=4 --set train.batch_size=4
+  --set extend.batch_size=1 --set extend.steps=75)
 # 1.8x align's and train's steps, extend's as DDP2_STEPS' (227M tokens): where round 10's fits put 1.05x at 22 of 30
 # (208-275M); extend reads 3% of them and took 249 s of round 10's 14.7 minutes, so it stays, for the run to fit a session
 DDP2_LONG_STEPS=(--set align.steps=2700 --set train.steps=675 --set extend.steps=188)
@@ -98,7 +103,7 @@ recipe() {  # recipe MIXER RUN [ARGS...]: the SmolLM2 recipe of MIXER into ~/run
   local_paths
   local launch=(python3)  # PROCESSES=N: every stage on N GPUs under data parallel (N x batch_size rows a step)
   [ "${PROCESSES:-1}" -gt 1 ] && launch=(accelerate launch --config_file recipes/accelerate/ddp.yaml
-    --num_processes "$PROCESSES")
+    --num_processes "$PROCESSES" --main_process_port "${PORT:-29500}")  # PORT: two launches on one host
   # layer choice's kept scans (docs/results/layer_choice, each named by its cache key): a run whose scan has one of
   # those keys reads it instead of scanning; the others lie unused
   mkdir -p "$RUNS/$2/cache/layer_choice" && cp docs/results/layer_choice/*.json "$RUNS/$2/cache/layer_choice/"
@@ -290,9 +295,11 @@ PY
     trained "${1%-answers}" "$1" "${ANSWERS[@]}"
     ;;
   sila-deep22-w4k* | sila-deep26-w4k*)  # a run of WINDOWS_OF; after its name, in this order, -far:
-    # FAR_FACTS_RECIPE, -answers: ANSWERS (-answersN: weighted xN), -seed1: every training seed 1, -ddp2: 2.5x the
-    # recipe's tokens on two GPUs (as sila-deepN-ddp2)
+    # FAR_FACTS_RECIPE, -answers: ANSWERS (-answersN: weighted xN), -seed1: every training seed 1, and one of -ddp2:
+    # 2.5x the recipe's tokens on two GPUs (as sila-deepN-ddp2), -ext4: EXT4 on one GPU, -strong4: EXT4's global
+    # batches on four GPUs (STRONG4)
     local name=${1%-ddp2} extra=()
+    name=${name%-strong4} && [[ $name == *-ext4 ]] && extra+=("${EXT4[@]}") && name=${name%-ext4}
     [[ $name == *-seed1 ]] && extra+=("${SEED1[@]}") && name=${name%-seed1}
     [[ $name == *-answers ]] && extra+=("${ANSWERS[@]}") && name=${name%-answers}
     if [[ $name =~ ^(.*)-answers([0-9]+)$ ]]; then
@@ -306,6 +313,8 @@ PY
       # weighted answers keep their extend tokens (300 steps of twice the rows): 2.5x would add 8 minutes
       [[ " ${extra[*]} " == *extend.answer_weight=* ]] && extra+=(--set extend.steps=300)
       two_processes "${1%%-w4k*}" "$1" "${windows[@]}" "${DDP2_STEPS[@]}" "${extra[@]}"
+    elif [[ $1 == *-strong4 ]]; then
+      PROCESSES=4 trained "${1%%-w4k*}" "$1" "${windows[@]}" "${extra[@]}" "${STRONG4[@]}"
     else
       trained "${1%%-w4k*}" "$1" "${windows[@]}" "${extra[@]}"
     fi
@@ -403,6 +412,16 @@ PY
       --align-steps 60 --train-steps 40 --max-documents 400 --scaling strong,weak --graphed align,train \
       --out "$RUNS/scale-out-x4"
     run memory-plan
+    ;;
+  scale-pair)  # both scalings on two GPUs (CUDA_VISIBLE_DEVICES names them), ddp and fsdp, and ddp graphed
+    python3 scripts/bench/bench_scale_out.py recipes/smollm2-sila.yaml --src "$TEACHER" --data "$CORPUS" --gpus 2 \
+      --align-steps 60 --train-steps 40 --max-documents 400 --scaling strong,weak --graphed align,train \
+      --out "$RUNS/scale-pair"
+    ;;
+  scale-strong)  # strong scaling to every GPU of the host, ddp and fsdp, and ddp graphed
+    python3 scripts/bench/bench_scale_out.py recipes/smollm2-sila.yaml --src "$TEACHER" --data "$CORPUS" \
+      --gpus "$(nvidia-smi -L | wc -l)" --align-steps 60 --train-steps 40 --max-documents 400 --scaling strong \
+      --graphed align,train --out "$RUNS/scale-strong"
     ;;
   scale-weak)  # weak scaling to every GPU of the host under ddp, eager and with align's and train's steps as graphs
     python3 scripts/bench/bench_scale_out.py recipes/smollm2-sila.yaml --src "$TEACHER" --data "$CORPUS" \
@@ -545,7 +564,7 @@ PY
     [ "$status" -ne 127 ] && return "$status"
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 sila-deep22-ddp2-long sila-deep22-qheads-ddp2 deep22-ddp2-x2 sila-deep22-all sila-deep22-all-ddp2 raven-silarecipe sse-silarecipe MIXER-silarecipe-seed1 raven-deep22 sse-deep22 raven-m128 raven-m256 raven-nogumbel raven-centred raven-centred-nogumbel raven-centred-seed1 sse-centred raven-deep22-centred centred-x2 sila-deep22-qheads sila-deep26-qheads sila-qheads qheads-speed qheads-x2 sila-deep22-seed1 sila-deep26-qheads-induction sila-deep22-far-facts sila-deep22-seed1-far-facts qheads-next-x2 deep26-ddp2-profile mixers15-x2 routers15-x2 sse-raven-x2 all-raven-x2 views-check decode-b128-twice scale-out scale-weak memory-plan scale-x4 decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 sila-deep22-ddp2-long sila-deep22-qheads-ddp2 deep22-ddp2-x2 sila-deep22-all sila-deep22-all-ddp2 raven-silarecipe sse-silarecipe MIXER-silarecipe-seed1 raven-deep22 sse-deep22 raven-m128 raven-m256 raven-nogumbel raven-centred raven-centred-nogumbel raven-centred-seed1 sse-centred raven-deep22-centred centred-x2 sila-deep22-qheads sila-deep26-qheads sila-qheads qheads-speed qheads-x2 sila-deep22-seed1 sila-deep26-qheads-induction sila-deep22-far-facts sila-deep22-seed1-far-facts qheads-next-x2 deep26-ddp2-profile mixers15-x2 routers15-x2 sse-raven-x2 all-raven-x2 views-check decode-b128-twice scale-out scale-pair scale-strong scale-weak memory-plan scale-x4 decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed;" \
       "sessions (scripts/lab/sessions.sh): $(sessions)" >&2
     return 2

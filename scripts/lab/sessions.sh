@@ -72,6 +72,24 @@ session() {  # session JOB: the session JOB, run; 127 when JOB names no session
     run scale-weak
     PLAN_PROCESSES=4 PLAN_STRATEGY=ddp run memory-plan
     ;;
+  x4-pair)  # about 24 minutes on a 4-GPU host: both windowed recipes at 2.5x their tokens, two GPUs each, side by
+    # side: 22 (the 8K passkey, which the 2.5x runs with full attention found) and 26 with extend's answers x100
+    (CUDA_VISIBLE_DEVICES=0,1 PORT=29500 WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 \
+      run sila-deep22-w4k-sinks-ddp2) &
+    (CUDA_VISIBLE_DEVICES=2,3 PORT=29501 WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 \
+      run sila-deep26-w4k-sinks-answers-ddp2) &
+    wait
+    ;;
+  x4-strong)  # about 28 minutes on a 4-GPU host (issue 53): the 22-layer windowed recipe at extend batch 4 on GPU 0
+    # beside both scalings on GPUs 2 and 3; then that recipe on all four GPUs at the same global batches, evaluated
+    # on the four; then strong scaling to four, and the 8B plan's 4-process ddp row
+    DELTA=0 quick_on 0 sila-deep22-w4k-sinks-ext4 &
+    (CUDA_VISIBLE_DEVICES=2,3 run scale-pair) &
+    wait
+    WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 run sila-deep22-w4k-sinks-strong4
+    run scale-strong
+    PLAN_PROCESSES=4 PLAN_STRATEGY=ddp run memory-plan
+    ;;
   answers26-ddp2)  # about 22 minutes on both GPUs: the windowed 26 at 2.5x align's and train's tokens (1.07x the
     # perplexity before weighting answers) with extend's answers x100 over 300 steps of twice the rows
     WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 run sila-deep26-w4k-sinks-answers-ddp2
