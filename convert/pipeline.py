@@ -121,9 +121,8 @@ def convert_model(request: ConvertRequest, log=print) -> Path:
         windows = plan_windows(kinds, source_windows(config), request.sliding_window, request.window_layers)
         log(format_layer_map(kinds, windows or source_windows(config)))
 
-    hybrid = build_hybrid(
-        model, kinds, used, seed=request.seed, attention_windows=windows, attention_sinks=request.attention_sinks
-    )
+    # the hybrid takes the source's tensors, not copies: the source is dropped here
+    hybrid = build_hybrid(model, kinds, used, request.seed, windows, request.attention_sinks, share=True)
     del model
     if record is not None:
         hybrid.config.layer_choice = record  # saved in config.json, drawn and described by save_hybrid

@@ -187,6 +187,7 @@ def build_hybrid(
     seed: int = 0,
     attention_windows: list[int | None] | None = None,
     attention_sinks: int | None = None,
+    share: bool = False,
 ) -> HybridForCausalLM:
     """A hybrid of `source` (a transformers causal LM, or a hybrid converted further) with `layer_kinds[i]` in layer i.
 
@@ -197,6 +198,10 @@ def build_hybrid(
     mixer, with its settings: HybridConfig.from_source). `attention_windows` (see `plan_windows`) turns kept
     attention layers into sliding-window attention; their weights and RoPE are unchanged, and `attention_sinks` S
     keeps the first S tokens of a sequence visible to them (None: the source's, 0 for a Transformer).
+
+    `share`: the hybrid takes the source's tensors themselves, not copies (for a caller that drops the source:
+    convert). A source read from safetensors maps its files, so its weights then reach memory only as the hybrid is
+    saved, after the build's own copies are freed: the host holds about one model, not two.
     """
     config = HybridConfig.from_source(
         source.config, layer_kinds, mixer_settings, attention_windows, attention_sinks=attention_sinks
@@ -213,7 +218,9 @@ def build_hybrid(
     }
     # a fresh parameter may share a source name with another shape (e.g. SSE's q/k with c != head_dim)
     weights = {k: v for k, v in source.state_dict().items() if k not in fresh}
-    missing, unexpected = hybrid.load_state_dict(weights, strict=False)
+    missing, unexpected = hybrid.load_state_dict(weights, strict=False, assign=share)
+    if share:  # each assigned tensor became a parameter of its own: tied ones are tied again
+        hybrid.tie_weights()
     replaced = tuple(f"model.layers.{i}.self_attn." for i in new)
     dropped = {k for k in unexpected if k.startswith(replaced)}  # e.g. q/k norms of a mixer without them
     if set(missing) != fresh or set(unexpected) != dropped:

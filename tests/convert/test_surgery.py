@@ -147,3 +147,28 @@ def test_a_bf16_source_converts_in_bf16_to_what_a_float32_build_cast_gives(tiny_
     for name, tensor in ours.items():
         assert torch.equal(tensor, theirs[name]), name
     assert {b.dtype for b in built.buffers()} == {b.dtype for b in source.buffers()} == {torch.float32}
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])  # qwen2: tied embeddings
+def test_a_shared_build_holds_the_sources_tensors_and_equals_a_copied_one(tiny_sources, name):
+    """`share` (convert's build): every weight the hybrid takes from its source is the source's tensor itself, not a
+    copy, tied weights stay tied, and the model is the copied build's, fresh mixer parameters and a memory per query
+    head (k/v widened from the source's as they load) included."""
+    from transformers import AutoModelForCausalLM
+
+    source = AutoModelForCausalLM.from_pretrained(tiny_sources[name])
+    kinds = plan_layers([("sila", "0"), ("raven", "1")], 4)
+    settings = {"sila": {"state_heads": "query"}}
+    copied, shared = (build_hybrid(source, kinds, settings, seed=3, share=share) for share in (False, True))
+    ours, theirs = shared.state_dict(), copied.state_dict()
+    assert set(ours) == set(theirs)
+    for key, tensor in ours.items():
+        assert torch.equal(tensor, theirs[key]), key
+    held = {t.data_ptr() for t in source.state_dict().values()}
+    kept = [k for k in ours if not k.startswith(("model.layers.0.", "model.layers.1."))]
+    assert kept and all(ours[k].data_ptr() in held for k in kept)  # embeddings, norms, MLPs, kept attention
+    assert all(theirs[k].data_ptr() not in held for k in kept)
+    tied = shared.config.tie_word_embeddings
+    assert tied == (name == "qwen2") and (shared.lm_head.weight is shared.model.embed_tokens.weight) == tied
+    x = torch.randint(0, source.config.vocab_size, (1, 8))
+    assert torch.equal(shared(x).logits, copied(x).logits)
