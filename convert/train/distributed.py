@@ -177,16 +177,48 @@ class Parallel:
 
     def shard(self, model: nn.Module, units: list[nn.Module] | None = None, root: bool = True) -> nn.Module:
         """FSDP2 on each of `units` (default: the decoder layers), then, with `root`, on `model` itself (what no unit
-        holds: the embeddings, final norm and head). Parameters may be on the CPU: each is moved to its process's
-        device as it is split, so no process holds more than one unit's full weights on its device. In place."""
+        holds: the embeddings, final norm and head). Parameters may be on the CPU: a unit whose parameters all are
+        is made on the device from each process's own rows (_shard_from_host), others are moved to the device a unit
+        at a time as they are split, so no process holds more than one unit's full weights on its device. In place."""
         from torch.distributed.fsdp import fully_shard
 
         kwargs = self._shard_kwargs()
         for unit in decoder_layers(model) if units is None else units:
-            fully_shard(unit, **kwargs)
+            if not self._shard_from_host(unit, kwargs):
+                fully_shard(unit, **kwargs)
         if root:
             fully_shard(model, **kwargs)
         return model
+
+    def _shard_from_host(self, unit: nn.Module, kwargs: dict) -> bool:
+        """FSDP2 on `unit` whose parameters are all on the CPU, each process reading only its own rows of each: the
+        parameters become meta tensors, are sharded as such, made on the device and filled with this process's
+        chunk (torch.chunk along dim 0, FSDP2's split). A model read from safetensors maps its files, so a process
+        then touches about 1/N of them, not the whole model (host memory: docs/SCALE_OUT.md). False, doing nothing,
+        where a parameter is elsewhere or shared (tied), or under cpu_offload: fully_shard moves it whole then."""
+        from torch.distributed.fsdp import fully_shard
+
+        named = list(unit.named_parameters(remove_duplicate=False))
+        if self.settings.cpu_offload or not named or len({id(p) for _, p in named}) != len(named):
+            return False
+        if any(p.device.type != "cpu" or p.dim() == 0 for _, p in named):
+            return False
+        host = dict(named)
+        buffers = {name: b.clone() for name, b in unit.named_buffers()}  # to_empty makes them afresh: kept values
+        for module in unit.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                meta = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                setattr(module, name, meta)
+        fully_shard(unit, **kwargs)
+        unit.to_empty(device=self.device)
+        with torch.no_grad():  # the local shards are views FSDP2 keeps: written in place
+            for name, p in unit.named_parameters():
+                chunks = torch.chunk(host[name], self.world, dim=0)
+                if self.rank < len(chunks):  # a parameter of fewer rows than processes leaves the last ones empty
+                    p.to_local().copy_(chunks[self.rank])
+            for name, b in unit.named_buffers():
+                b.copy_(buffers[name])
+        return True
 
     def frozen(self, model: nn.Module) -> nn.Module:
         """A frozen causal LM (the teacher) in eval mode: sharded under fsdp, else a full copy on this process's

@@ -142,6 +142,45 @@ def test_two_processes_share_the_main_ones_weights_and_average_their_gradients(t
         assert torch.equal(got["grad"], torch.full((3,), 1.5)) and got["sum"].item() == 3.0
 
 
+def _shard_rows(rank: int, port: int, out: str) -> None:
+    """One of two gloo processes: a unit sharded from parameters on the host, one with a tied pair, and the model."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank)}
+    os.environ.update(env | {"WORLD_SIZE": "2", "ACCELERATE_USE_CPU": "true"})
+    from torch import nn
+
+    from raven_convert.train.distributed import DistributedSettings, Parallel
+
+    parallel = Parallel(DistributedSettings(strategy="fsdp"))
+    torch.manual_seed(0)  # the same model on both processes
+    model = nn.Sequential(nn.Linear(8, 5), nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 5)), nn.Linear(5, 2))
+    model[0].register_buffer("scale", torch.tensor([2.0]))
+    model[1][1].weight = model[1][0].weight  # tied
+    x = torch.randn(4, 8)
+    expected, host = model(x).detach(), model[0].weight.detach().clone()
+    kwargs = parallel._shard_kwargs()
+    paths = [parallel._shard_from_host(unit, kwargs) for unit in model[:2]]
+    local = model[0].weight.to_local().detach().clone()
+    parallel.shard(model, units=[model[1]])  # the tied unit through fully_shard, then the root
+    got = {"paths": paths, "local": local, "host": host, "out": model(x).detach(), "expected": expected}
+    torch.save(got | {"scale": model[0].scale.detach()}, f"{out}/{rank}.pt")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="gloo on the CPU; the 2-GPU tests cover NCCL")
+def test_a_unit_on_the_host_is_sharded_from_each_process_s_own_rows(tmp_path):
+    """Parallel.shard's path for parameters on the host (a model mapped from safetensors): each process fills its
+    shard with its own rows (torch.chunk's split, 3 and 2 of 5), buffers keep their values, the model computes what
+    it did; a unit with tied parameters takes fully_shard's own path."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_shard_rows, args=(port, str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"{rank}.pt")
+        assert got["paths"] == [True, False] and got["scale"].item() == 2.0
+        assert torch.equal(got["local"], torch.chunk(got["host"], 2, dim=0)[rank])
+        torch.testing.assert_close(got["out"], got["expected"])
+
+
 def _main_first(rank: int, port: int, out: str) -> None:
     """One of two gloo processes whose collectives time out after 2 s: the main process's work takes 4 s."""
     import datetime
