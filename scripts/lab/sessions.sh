@@ -80,13 +80,16 @@ session() {  # session JOB: the session JOB, run; 127 when JOB names no session
       run sila-deep26-w4k-sinks-answers-ddp2) &
     wait
     ;;
-  x4-strong)  # about 28 minutes on a 4-GPU host (issue 53): the 22-layer windowed recipe at extend batch 4 on GPU 0
-    # beside both scalings on GPUs 2 and 3; then that recipe on all four GPUs at the same global batches, evaluated
-    # on the four; then strong scaling to four, and the 8B plan's 4-process ddp row
+  x4-strong)  # about 30 minutes on a 4-GPU host (issue 53), what matters first: the 22-layer windowed recipe at
+    # extend batch 4 on GPU 0, the 8B plan's convert and one process on GPU 1, both scalings on GPUs 2 and 3; then
+    # that recipe on all four GPUs at the same global batches, evaluated on the four; the plan's 4-process fsdp row
+    # (host memory with each process reading its own rows); strong scaling to four; the plan's 4-process ddp row
     DELTA=0 quick_on 0 sila-deep22-w4k-sinks-ext4 &
+    (CUDA_VISIBLE_DEVICES=1 PLAN_PROCESSES=1 run memory-plan) &
     (CUDA_VISIBLE_DEVICES=2,3 run scale-pair) &
     wait
     WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 run sila-deep22-w4k-sinks-strong4
+    PLAN_PROCESSES=4 PLAN_STRATEGY=fsdp run memory-plan
     run scale-strong
     PLAN_PROCESSES=4 PLAN_STRATEGY=ddp run memory-plan
     ;;
