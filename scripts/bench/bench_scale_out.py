@@ -9,12 +9,12 @@ divides batch_size by N, so that every run sees the same global batches (and end
 the recipe's batch_size per GPU, so the global batch grows N-fold; strong,weak runs both (one single-GPU run is the
 baseline of both); --gpus 2,4 runs them at each N, --strategy ddp (default ddp,fsdp) narrows them. --graphed
 align,train adds a ddp run whose align and train steps are CUDA graphs holding their all-reduces (`cuda_graphs: true`
-for those stages; the single-GPU run's align and train are graphs where the recipe's `cuda_graphs: auto` allows; the
-other N-process runs' are not). The data is tokenised once into OUT/cache. A run that fails is reported in the table
-and the others still run. Rates come from the stages' DONE summaries (counted from the end of the first step); memory
-is the largest `nvidia-smi` reading of each GPU while the run's align and train stages ran (the whole process: CUDA
-context and the allocator's cache included), sampled every 0.2 s, of the GPUs CUDA_VISIBLE_DEVICES names (all by
-default). Prints one Markdown table last and writes OUT/scale_out.json.
+for those stages); the other runs take the recipe's `cuda_graphs: auto` (graphs on one GPU, and for train under ddp).
+The data is tokenised once into OUT/cache. A run that fails is reported in the table and the others still run. Rates
+come from the stages' DONE summaries (counted from the end of the first step); memory is the largest `nvidia-smi`
+reading of each GPU while the run's align and train stages ran (the whole process: CUDA context and the allocator's
+cache included), sampled every 0.2 s, of the GPUs CUDA_VISIBLE_DEVICES names (all by default). Prints one Markdown
+table last and writes OUT/scale_out.json.
 """
 
 from __future__ import annotations
