@@ -111,6 +111,17 @@ def run(args, name: str, processes: int, strategy: str, scaling: str = "strong",
     }
 
 
+def listed(parser: argparse.ArgumentParser, flag: str, text: str, allowed: tuple[str, str]) -> list[str]:
+    """`text`'s comma-separated values, each one of `allowed`; else the parser's error naming the first that is not."""
+    from raven_layers.common import did_you_mean
+
+    values = text.split(",")
+    if unknown := [v for v in values if v not in allowed]:
+        hint = did_you_mean(unknown[0], allowed)
+        parser.error(f"{flag} {unknown[0]!r}: {hint}allowed {allowed[0]}, {allowed[1]} or both, comma-separated")
+    return values
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe")
@@ -132,15 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(n) if n.isdigit() else 0 for n in args.gpus.split(",")]
     if bad := [n for n, c in zip(args.gpus.split(","), counts) if c < 2]:
         parser.error(f"--gpus {bad[0]!r}: the multi-GPU runs need a whole number of at least 2 GPUs")
-    scalings = args.scaling.split(",")
-    if unknown := [s for s in scalings if s not in ("strong", "weak")]:
-        parser.error(f"--scaling {unknown[0]!r}: allowed strong, weak or both, comma-separated")
-    strategies = args.strategy.split(",")
-    if unknown := [s for s in strategies if s not in ("ddp", "fsdp")]:
-        parser.error(f"--strategy {unknown[0]!r}: allowed ddp, fsdp or both, comma-separated")
-    graphed = [stage for stage in args.graphed.split(",") if stage]
-    if unknown := [s for s in graphed if s not in ("align", "train")]:
-        parser.error(f"--graphed {unknown[0]!r}: allowed align, train or both, comma-separated")
+    scalings = listed(parser, "--scaling", args.scaling, ("strong", "weak"))
+    strategies = listed(parser, "--strategy", args.strategy, ("ddp", "fsdp"))
+    graphed = listed(parser, "--graphed", args.graphed, ("align", "train")) if args.graphed else []
     Path(args.out).mkdir(parents=True, exist_ok=True)
     rows = [run(args, "gpu1", 1, "ddp")]
     for n in counts:
