@@ -296,9 +296,10 @@ PY
     ;;
   sila-deep22-w4k* | sila-deep26-w4k*)  # a run of WINDOWS_OF; after its name, in this order, -far:
     # FAR_FACTS_RECIPE, -answers: ANSWERS (-answersN: weighted xN), -seed1: every training seed 1, and one of -ddp2:
-    # 2.5x the recipe's tokens on two GPUs (as sila-deepN-ddp2), -ext4: EXT4 on one GPU, -strong4: EXT4's global
-    # batches on four GPUs (STRONG4)
+    # 2.5x the recipe's tokens on two GPUs (as sila-deepN-ddp2), -ddp4: 4x on four (the recipe's rows on each, its
+    # steps), -ext4: EXT4 on one GPU, -strong4: EXT4's global batches on four GPUs (STRONG4)
     local name=${1%-ddp2} extra=()
+    name=${name%-ddp4}
     name=${name%-strong4} && [[ $name == *-ext4 ]] && extra+=("${EXT4[@]}") && name=${name%-ext4}
     [[ $name == *-seed1 ]] && extra+=("${SEED1[@]}") && name=${name%-seed1}
     [[ $name == *-answers ]] && extra+=("${ANSWERS[@]}") && name=${name%-answers}
@@ -313,6 +314,8 @@ PY
       # weighted answers keep their extend tokens (300 steps of twice the rows): 2.5x would add 8 minutes
       [[ " ${extra[*]} " == *extend.answer_weight=* ]] && extra+=(--set extend.steps=300)
       two_processes "${1%%-w4k*}" "$1" "${windows[@]}" "${DDP2_STEPS[@]}" "${extra[@]}"
+    elif [[ $1 == *-ddp4 ]]; then
+      PROCESSES=4 trained "${1%%-w4k*}" "$1" "${windows[@]}" "${extra[@]}"
     elif [[ $1 == *-strong4 ]]; then
       PROCESSES=4 trained "${1%%-w4k*}" "$1" "${windows[@]}" "${extra[@]}" "${STRONG4[@]}"
     else
