@@ -120,9 +120,17 @@ occupancy() {  # occupancy RUN: how many slots the trained Raven hybrid's router
 }
 
 two_processes() {  # two_processes RECIPE RUN [ARGS...]: RUN trained on two processes, its evaluation again on one
-  # should the 2-process one fail after training (the trained stages' DONE record their processes). A failure before
-  # that ends it: training on one process would outlast a session (round 9)
-  PROCESSES=2 trained "$@" || { [ -f "$RUNS/$2/extend/DONE" ] && PROCESSES=1 trained "$@"; }
+  # should the 2-process one fail after training (the trained stages' DONE record their processes). A failure after
+  # align is tried again with stage 2 eager (its graphs under ddp are the default since round 20, and no whole recipe
+  # had trained through them); one before ends it: training on one process would outlast a session (round 9)
+  PROCESSES=2 trained "$@" && return 0
+  if [ -f "$RUNS/$2/extend/DONE" ]; then
+    PROCESSES=1 trained "$@"
+  elif [ -f "$RUNS/$2/align/DONE" ]; then
+    PROCESSES=2 trained "$@" --set train.cuda_graphs=false --set extend.cuda_graphs=false
+  else
+    return 1
+  fi
 }
 
 quick_on() {  # quick_on GPU RUN...: the runs in turn on one GPU, evaluated at 1K-8K without the windowed pass; after
