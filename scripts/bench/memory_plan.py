@@ -265,13 +265,19 @@ def main() -> int:
         save(report_path, meta, with_earlier(done, runs))
     runs = with_earlier(done, runs)
     save(report_path, meta, runs)
-    print_table(runs, args.tiny)
+    print_table(runs, args.tiny, weights_gib(teacher))
     return 0
 
 
-def print_table(runs: list[dict], tiny: bool) -> None:
+def weights_gib(model_dir: Path) -> float:
+    """The size of a model directory's safetensors files in GiB: the model's size in its dtype."""
+    return sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 2**30
+
+
+def print_table(runs: list[dict], tiny: bool, model_gib: float) -> None:
     """One row per stage, one column per run: peak GPU memory (GiB, largest process) / peak host memory (GiB), its
-    anonymous part in parentheses (runs measured before it was recorded have none)."""
+    anonymous part in parentheses (runs measured before it was recorded have none); then each run's largest host
+    peak and anonymous peak over its stages as multiples of the model's size (`model_gib`, issue 53's measure)."""
     shown = [STAGES[0]] + [s for s in STAGES[1:] if s not in ("extend", "evaluate")]
     heads = [f"{r['processes']} x {r['strategy']}" if r["processes"] > 1 else r["strategy"] for r in runs[1:]]
     unit = "peak host GiB per process (CPU run)" if tiny else "GiB per GPU (max allocated) / host GiB per process"
@@ -289,6 +295,13 @@ def print_table(runs: list[dict], tiny: bool) -> None:
                 anon = f" ({got['host_anon']:.{2 if tiny else 1}f})" if got.get("host_anon") is not None else ""
                 cells.append(f"{got['host']:.2f}{anon}" if tiny else f"{got['gpu']:.1f} / {got['host']:.1f}{anon}")
         print(f"| {stage} | " + " | ".join(cells) + " |")
+    for key, label in (("host", "host peak"), ("host_anon", "anonymous peak")):
+        cells = []
+        for r in runs[1:]:
+            peaks = [runs[0]["stages"]["convert"]] + [v for v in r.get("stages", {}).values() if v]
+            found = [v[key] for v in peaks if v.get(key) is not None]
+            cells.append(f"{max(found) / model_gib:.2f}x" if found and model_gib else "-")
+        print(f"| {label}, x the model ({model_gib:.2f} GiB) | " + " | ".join(cells) + " |")
     for stage in ("align", "train"):
         cells = [
             f"{r['tokens_per_second'][stage]:,.0f}" if r.get("tokens_per_second", {}).get(stage) else "-"

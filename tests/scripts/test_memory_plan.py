@@ -34,6 +34,10 @@ def test_a_second_invocation_measures_only_the_runs_the_report_lacks(tmp_path):
     two = second["runs"][2]
     assert (two["strategy"], two["processes"], len(two["ranks"])) == ("ddp", 2, 2) and "failed" not in two
     assert two["tokens_per_second"]["align"] > 0 and "| 2 x ddp |" in out
+    ratios = next(line for line in out.splitlines() if line.startswith("| host peak, x the model"))
+    model = sum(f.stat().st_size for f in (tmp_path / "teacher-tiny").glob("*.safetensors")) / 2**30
+    largest = max(v["host"] for v in [first["runs"][0]["stages"]["convert"], *two["stages"].values()])
+    assert ratios.split(" | ")[-1].rstrip(" |") == f"{largest / model:.2f}x"  # the 2-process run's column
     for stage in ("align", "weights", "train"):  # the anonymous part of the peak, sampled, is a part of it
         assert 0 < two["stages"][stage]["host_anon"] <= two["stages"][stage]["host"], stage
 
