@@ -199,9 +199,13 @@ class Parallel:
         from torch.distributed.fsdp import fully_shard
 
         named = list(unit.named_parameters(remove_duplicate=False))
-        if self.settings.cpu_offload or not named or len({id(p) for _, p in named}) != len(named):
-            return False
-        if any(p.device.type != "cpu" or p.dim() == 0 for _, p in named):
+        shared = len({id(p) for _, p in named}) != len(named)
+        if (
+            self.settings.cpu_offload
+            or not named
+            or shared
+            or any(p.device.type != "cpu" or p.dim() == 0 for _, p in named)
+        ):
             return False
         host = dict(named)
         buffers = {name: b.clone() for name, b in unit.named_buffers()}  # to_empty makes them afresh: kept values

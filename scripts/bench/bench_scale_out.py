@@ -31,13 +31,12 @@ from pathlib import Path
 import yaml
 
 
-def visible_gpus() -> list[int]:
-    """nvidia-smi's indices of the GPUs the runs see, in CUDA's order (CUDA_VISIBLE_DEVICES as indices; all of them
-    when unset)."""
+def visible_gpus(count: int) -> list[int]:
+    """nvidia-smi's indices of the first `count` GPUs the runs see (CUDA_VISIBLE_DEVICES as indices, else 0, 1, ...)."""
     names = os.environ.get("CUDA_VISIBLE_DEVICES")
     if names is None:
-        return list(range(64))
-    return [int(n) for n in names.split(",") if n.strip().isdigit()]
+        return list(range(count))
+    return [int(n) for n in names.split(",") if n.strip().isdigit()][:count]
 
 
 class GpuMemory:
@@ -107,7 +106,7 @@ def run(args, name: str, processes: int, strategy: str, scaling: str = "strong",
         "rows_per_gpu": recipe["train"]["batch_size"] // share,
         "align_tokens_per_second": done["align"].get("tokens_per_second"),
         "train_tokens_per_second": done["train"].get("tokens_per_second"),
-        "gpu_memory_mib": [memory.peak.get(i, 0) for i in visible_gpus()[:processes]],
+        "gpu_memory_mib": [memory.peak.get(i, 0) for i in visible_gpus(processes)],
     }
 
 
@@ -140,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    counts = [int(n) if n.isdigit() else 0 for n in args.gpus.split(",")]
-    if bad := [n for n, c in zip(args.gpus.split(","), counts) if c < 2]:
+    if bad := [n for n in args.gpus.split(",") if not n.isdigit() or int(n) < 2]:
         parser.error(f"--gpus {bad[0]!r}: the multi-GPU runs need a whole number of at least 2 GPUs")
+    counts = [int(n) for n in args.gpus.split(",")]
     scalings = listed(parser, "--scaling", args.scaling, ("strong", "weak"))
     strategies = listed(parser, "--strategy", args.strategy, ("ddp", "fsdp"))
     graphed = listed(parser, "--graphed", args.graphed, ("align", "train")) if args.graphed else []

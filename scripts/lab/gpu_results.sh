@@ -119,6 +119,12 @@ occupancy() {  # occupancy RUN: how many slots the trained Raven hybrid's router
   printf 'router occupancy of %s (scripts/tools/raven_router_occupancy.py):\n%s\n' "$1" "$table"
 }
 
+scale_bench() {  # scale_bench NAME FLAGS...: the SILA recipe's align and train on one GPU and on --gpus under ddp
+  # and fsdp (bench_scale_out.py), and ddp with both stages graphed, 60 and 40 steps, into RUNS/NAME
+  python3 scripts/bench/bench_scale_out.py recipes/smollm2-sila.yaml --src "$TEACHER" --data "$CORPUS" \
+    --align-steps 60 --train-steps 40 --max-documents 400 --graphed align,train --out "$RUNS/$1" "${@:2}"
+}
+
 two_processes() {  # two_processes RECIPE RUN [ARGS...]: RUN trained on two processes, its evaluation again on one
   # should the 2-process one fail after training (the trained stages' DONE record their processes). A failure after
   # align is tried again with stage 2 eager (its graphs under ddp are the default since round 20, and no whole recipe
@@ -419,30 +425,21 @@ PY
       --strategy "${PLAN_STRATEGY:-fsdp,ddp}" --out "$RUNS/memory-plan"
     ;;
   scale-x4)  # both scalings at N = 4 (the 2-GPU rows are docs/SCALE_OUT.md's), then the 8B plan at 1, 2 and 4
-    python3 scripts/bench/bench_scale_out.py recipes/smollm2-sila.yaml --src "$TEACHER" --data "$CORPUS" --gpus 4 \
-      --align-steps 60 --train-steps 40 --max-documents 400 --scaling strong,weak --graphed align,train \
-      --out "$RUNS/scale-out-x4"
+    scale_bench scale-out-x4 --gpus 4 --scaling strong,weak
     run memory-plan
     ;;
   scale-pair)  # both scalings on two GPUs (CUDA_VISIBLE_DEVICES names them), ddp and fsdp, and ddp graphed
-    python3 scripts/bench/bench_scale_out.py recipes/smollm2-sila.yaml --src "$TEACHER" --data "$CORPUS" --gpus 2 \
-      --align-steps 60 --train-steps 40 --max-documents 400 --scaling strong,weak --graphed align,train \
-      --out "$RUNS/scale-pair"
+    scale_bench scale-pair --gpus 2 --scaling strong,weak
     ;;
   scale-strong)  # strong scaling to every GPU of the host, ddp and fsdp, and ddp graphed
-    python3 scripts/bench/bench_scale_out.py recipes/smollm2-sila.yaml --src "$TEACHER" --data "$CORPUS" \
-      --gpus "$(nvidia-smi -L | wc -l)" --align-steps 60 --train-steps 40 --max-documents 400 --scaling strong \
-      --graphed align,train --out "$RUNS/scale-strong"
+    scale_bench scale-strong --gpus "$(nvidia-smi -L | wc -l)" --scaling strong
     ;;
-  scale-weak)  # weak scaling to every GPU of the host under ddp, eager and with align's and train's steps as graphs
-    python3 scripts/bench/bench_scale_out.py recipes/smollm2-sila.yaml --src "$TEACHER" --data "$CORPUS" \
-      --gpus "$(nvidia-smi -L | wc -l)" --align-steps 60 --train-steps 40 --max-documents 400 --scaling weak \
-      --strategy ddp --graphed align,train --out "$RUNS/scale-weak"
+  scale-weak)  # weak scaling to every GPU of the host under ddp, as cuda_graphs auto has it and with align's and
+    # train's steps as graphs
+    scale_bench scale-weak --gpus "$(nvidia-smi -L | wc -l)" --scaling weak --strategy ddp
     ;;
   scale-out)
-    python3 scripts/bench/bench_scale_out.py recipes/smollm2-sila.yaml --src "$TEACHER" --data "$CORPUS" \
-      --gpus "$(nvidia-smi -L | wc -l)" --align-steps 60 --train-steps 40 --max-documents 400 --scaling weak \
-      --graphed align,train --out "$RUNS/scale-out"
+    scale_bench scale-out --gpus "$(nvidia-smi -L | wc -l)" --scaling weak
     ddp_graph_tests
     ;;
   sila-kd22-e2e | sila-kd26-e2e)
