@@ -93,6 +93,10 @@ session() {  # session JOB: the session JOB, run; 127 when JOB names no session
     run scale-strong
     PLAN_PROCESSES=4 PLAN_STRATEGY=ddp run memory-plan
     ;;
+  windows22-ddp2)  # about 17 minutes on both GPUs of a 2-GPU host: the windowed 22 at 2.5x align's and train's
+    # tokens (x4-pair's first half, for a session lent no 4-GPU host)
+    WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 run sila-deep22-w4k-sinks-ddp2
+    ;;
   answers26-ddp2)  # about 22 minutes on both GPUs: the windowed 26 at 2.5x align's and train's tokens (1.07x the
     # perplexity before weighting answers) with extend's answers x100 over 300 steps of twice the rows
     WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 run sila-deep26-w4k-sinks-answers-ddp2
