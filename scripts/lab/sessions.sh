@@ -97,6 +97,13 @@ session() {  # session JOB: the session JOB, run; 127 when JOB names no session
     # tokens (x4-pair's first half, for a session lent no 4-GPU host)
     WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 run sila-deep22-w4k-sinks-ddp2
     ;;
+  windows22-plan2-x2)  # about 18 minutes on a 2-GPU host: windows22-ddp2 beside the 8B plan's 2-process fsdp row on
+    # the same two GPUs (host memory with convert sharing the teacher's tensors and each process reading its own rows;
+    # the plan's tokens/s are not clean, its memory is)
+    (PORT=29501 WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 run sila-deep22-w4k-sinks-ddp2) &
+    (PLAN_PROCESSES=2 PLAN_STRATEGY=fsdp run memory-plan) &
+    wait
+    ;;
   answers26-ddp2)  # about 22 minutes on both GPUs: the windowed 26 at 2.5x align's and train's tokens (1.07x the
     # perplexity before weighting answers) with extend's answers x100 over 300 steps of twice the rows
     WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 run sila-deep26-w4k-sinks-answers-ddp2
