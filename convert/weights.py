@@ -18,6 +18,8 @@ never whole in one process's memory:
 
 from __future__ import annotations
 
+import json
+import struct
 from pathlib import Path
 
 import torch
@@ -99,17 +101,49 @@ def linkable(files: dict[str, dict[str, int]], earlier: str | Path | None, folde
     return found
 
 
-def _holds(path: Path, tensors: dict[str, torch.Tensor]) -> bool:
-    """Whether the safetensors file `path` holds exactly `tensors`, byte for byte (so -0.0 is not 0.0, NaN is NaN)."""
-    with safe_open(path, "pt") as f:
-        if set(f.keys()) != set(tensors):
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def _holds(path: Path, tensors: dict[str, torch.Tensor], chunk: int = 1 << 26) -> bool:
+    """Whether the safetensors file `path` holds exactly `tensors`, byte for byte (so -0.0 is not 0.0, NaN is NaN).
+    The file is read, `chunk` bytes at a time, not mapped: its pages stay in the page cache, not in this process,
+    whose `tensors` often map that very file already (a model read from it), so a mapping would count it twice in
+    the process's resident memory (the 8B plan's main process: docs/SCALE_OUT.md). A dtype without a safetensors
+    name here counts as changed: the file is written afresh."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+        header.pop("__metadata__", None)
+        if set(header) != set(tensors):
             return False
+        buffer = bytearray(chunk)
         for name, tensor in tensors.items():
-            saved = f.get_tensor(name)
-            if saved.dtype != tensor.dtype or saved.shape != tensor.shape:
+            entry = header[name]
+            if entry["dtype"] != SAFETENSORS_DTYPES.get(tensor.dtype) or entry["shape"] != list(tensor.shape):
                 return False
-            if not torch.equal(saved.reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)):
+            data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)  # [bytes]
+            start, end = entry["data_offsets"]
+            if end - start != data.numel():
                 return False
+            f.seek(8 + length + start)
+            for offset in range(0, data.numel(), chunk):
+                want = min(chunk, data.numel() - offset)
+                if f.readinto(memoryview(buffer)[:want]) != want:  # a file cut short
+                    return False
+                read = torch.frombuffer(buffer, dtype=torch.uint8, count=want)
+                if not torch.equal(read, data[offset : offset + want]):
+                    return False
     return True
 
 

@@ -41,8 +41,8 @@ Choices:
 - `cuda_graphs` replays each step, update included, as a CUDA graph (graphs.py; one micro-batch; a distilling
   teacher's forward inside it, its packed documents' mask built on the device): the batch is laid out on the host,
   the step's losses are read during the next step, and a non-finite step's update is skipped on the device, its
-  error raised before the next update. On one GPU where it can (`auto`); on several under ddp when asked for
-  (`true`): the model is then trained without a DistributedDataParallel wrapper, its trainable weights broadcast
+  error raised before the next update. On one GPU where it can (`auto`), and on several under ddp: the model
+  is then trained without a DistributedDataParallel wrapper, its trainable weights broadcast
   from the main process at the start and its gradients averaged inside the step (all-reduces the graph holds),
   and every process pads its rows' documents to one layout (graphs.run_document_slots).
 """
@@ -185,8 +185,7 @@ def step_graphs(
         found.append(f"the distilling teacher's attention is {attention!r} (graphs take sdpa's ready-made mask)")
     if found and config.cuda_graphs is True:
         raise ValueError(f"cuda_graphs = true cannot be honoured: {'; '.join(found)}")
-    # several=True: under ddp on four H200s graphed steps read 4.14x one graphed GPU's tokens/s, eager ones 3.36x
-    return not found and resolve_graphs(config.cuda_graphs, student, device, processes, collectives, several=True)
+    return not found and resolve_graphs(config.cuda_graphs, student, device, processes, collectives)
 
 
 def _documents(batch: dict, device):

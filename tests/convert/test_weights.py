@@ -7,10 +7,11 @@ import random
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from raven_convert import build_hybrid, plan_layers
-from raven_convert.weights import INDEX, ShardWriter, linkable, saved_names, shard_files
+from raven_convert.weights import INDEX, ShardWriter, _holds, linkable, saved_names, shard_files
 from tests.helpers import read_weights
 
 SMALL = "20KB"  # several files a group for the tiny model
@@ -75,6 +76,34 @@ def test_a_file_an_earlier_model_holds_with_the_same_bytes_is_linked(model, tmp_
     for file, sizes in files.items():
         same = (tmp_path / "later" / file).stat().st_ino == (tmp_path / "earlier" / file).stat().st_ino
         assert same == (changed not in sizes), file
+
+
+@pytest.mark.parametrize("chunk", [1 << 26, 7])  # one read a tensor; reads that cut tensors at odd bytes
+def test_a_file_holds_tensors_only_byte_for_byte(chunk, tmp_path):
+    """_holds reads the file (not mapped) and compares bytes: -0.0 is not 0.0, a NaN is its own bytes, and another
+    dtype, shape, name set, or a file cut short is not the same; a dtype safetensors names not here counts as
+    changed."""
+    tensors = {
+        "a": torch.tensor([0.0, 1.5, float("nan")], dtype=torch.bfloat16),
+        "b": torch.arange(24, dtype=torch.float32).reshape(2, 3, 4),
+        "c": torch.zeros(0, 5),
+        "d": torch.tensor([True, False]),
+    }
+    path = tmp_path / "w.safetensors"
+    save_file(tensors, path)
+    assert _holds(path, tensors, chunk)
+    assert _holds(path, {k: v.clone() for k, v in tensors.items()}, chunk)
+    assert not _holds(path, tensors | {"a": torch.tensor([-0.0, 1.5, float("nan")], dtype=torch.bfloat16)}, chunk)
+    assert not _holds(path, tensors | {"b": tensors["b"].reshape(6, 4)}, chunk)  # same bytes, another shape
+    assert not _holds(path, tensors | {"b": tensors["b"].view(torch.int32)}, chunk)  # same bytes, another dtype
+    assert not _holds(path, tensors | {"b": tensors["b"] + (torch.arange(24).reshape(2, 3, 4) == 23)}, chunk)
+    assert not _holds(path, {k: v for k, v in tensors.items() if k != "d"}, chunk)
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(path.read_bytes()[:-3])
+    assert not _holds(cut, tensors, chunk)
+    complex_ = {"z": torch.zeros(2, dtype=torch.complex64)}
+    save_file(complex_, tmp_path / "z.safetensors")
+    assert not _holds(tmp_path / "z.safetensors", complex_, chunk)
 
 
 def test_a_stream_that_is_not_the_models_is_refused_naming_the_tensor(model, tmp_path):

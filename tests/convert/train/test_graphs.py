@@ -157,12 +157,11 @@ def test_graphs_are_used_only_where_they_can_run(monkeypatch):
     assert resolve_graphs("auto", mixed, "cuda") is False
     mixed = build_hybrid(teacher, plan_layers([("sila", "0"), ("sse", "2")], 4), {"sse": {"lora_rank": 8}})
     assert resolve_graphs("auto", mixed, "cuda") is True
-    # several processes: only a step that makes its all-reduces itself (under ddp), and only when demanded
+    # several processes: only a step that makes its all-reduces itself (under ddp), demanded or by default; not
+    # where the step cannot hold them (fsdp)
     assert resolve_graphs(True, mixed, "cuda", world=2, collectives=True) is True
-    assert resolve_graphs("auto", mixed, "cuda", world=2, collectives=True) is False
-    # ... and where the stage's graphs pay on several (stage 2), auto too; not where the step cannot hold them (fsdp)
-    assert resolve_graphs("auto", mixed, "cuda", world=2, collectives=True, several=True) is True
-    assert resolve_graphs("auto", mixed, "cuda", world=2, collectives=False, several=True) is False
+    assert resolve_graphs("auto", mixed, "cuda", world=2, collectives=True) is True
+    assert resolve_graphs("auto", mixed, "cuda", world=2, collectives=False) is False
     with pytest.raises(ValueError, match="2 processes"):
         resolve_graphs(True, mixed, "cuda", world=2)
     with pytest.raises(ValueError, match="expected 'auto', true or false"):
