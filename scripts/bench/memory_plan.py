@@ -6,14 +6,17 @@ stage, and align's and train's tokens/s read from their DONE summaries. Host mem
 the rest is files mapped from disk (safetensors read in place), which the kernel can drop and read again.
 
     python scripts/bench/memory_plan.py --processes 1,2 --strategy ddp,fsdp --out runs/memory-plan   # on 2 GPUs
-    python scripts/bench/memory_plan.py --tiny --processes 2 --strategy fsdp --out /tmp/plan         # a CPU smoke test
+    python scripts/bench/memory_plan.py --model tiny --processes 2 --strategy fsdp --out /tmp/plan   # a CPU smoke test
+    python scripts/bench/memory_plan.py --model small --processes 2 --strategy fsdp --out /tmp/plan  # host memory, CPU
 
 Every pair of --processes and --strategy is one run (a single process is run once: both strategies are the same
 there). The teacher is made once and converted once; each run starts from that conversion. Prints one Markdown
 table last (the largest value over a run's processes) and writes OUT/memory_plan.json after every run, so a job cut
-short keeps the runs it finished: run again with the same --out, --steps and --tiny, it measures only the runs the
+short keeps the runs it finished: run again with the same --out, --steps and --model, it measures only the runs the
 report lacks (or that failed) and keeps the others, named or not (delete the report to measure everything again).
-Each process trains on one row of 2,048 tokens per step (the global batch grows with N).
+Each process trains on one row of 2,048 tokens per step (the global batch grows with N). `--model tiny` and
+`--model small` run on the CPU (torchrun, gloo; rows of 64 tokens, float32): tiny checks the script, small (190M
+parameters, 0.7 GiB) is large enough for each process's host memory to show what the 8B plan's would.
 """
 
 from __future__ import annotations
@@ -34,42 +37,49 @@ from raven_convert.files import atomic_file
 
 TINY = QWEN3_8B | {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
 TINY |= {"head_dim": 16, "intermediate_size": 128, "vocab_size": 256}
+SMALL = QWEN3_8B | {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4}
+SMALL |= {"intermediate_size": 4096, "vocab_size": 32000}
+SHAPES = {"8b": QWEN3_8B, "small": SMALL, "tiny": TINY}  # --model; all but 8b on the CPU
 HOST_KEYS = ("gpu", "host", "host_anon")  # a stage's numbers: the largest over a run's processes
 STAGES = ["convert", "align", "weights", "train", "extend", "evaluate", "export"]  # extend and evaluate: off (skipped)
 
 
-def recipe(teacher: Path, data: Path, tiny: bool, strategy: str, steps: int = 3) -> dict:
-    seq = 64 if tiny else 2048
-    precision = "no" if tiny else "bf16"
+def recipe(teacher: Path, data: Path, model: str, strategy: str, steps: int = 3) -> dict:
+    """The plan's recipe: every other layer of the `model` (SHAPES) to Raven, `steps` steps of one row a stage."""
+    cpu = model != "8b"
+    seq = 64 if cpu else 2048
+    precision = "no" if cpu else "bf16"
     stage = {"steps": steps, "batch_size": 1, "save_every": steps, "log_every": 1, "mixed_precision": precision}
     return {
         "source": str(teacher),
-        "layers": [{"mixer": "raven", "layers": "0-35:2" if not tiny else "0-3:2"}],
+        "layers": [{"mixer": "raven", "layers": f"0-{SHAPES[model]['num_hidden_layers'] - 1}:2"}],
         "mixer_settings": {"raven": {"num_slots": 64, "top_k": 8}},
-        "dtype": "float32" if tiny else "bfloat16",
+        "dtype": "float32" if cpu else "bfloat16",
         "data": {"source": str(data), "seq_len": seq, "validation_fraction": 0.1},
         "align": stage,
         "token_weights": {"enabled": True, "batch_size": 1},
-        "train": stage | {"trainable": "mixers+lora", "gradient_checkpointing": not tiny},
+        "train": stage | {"trainable": "mixers+lora", "gradient_checkpointing": not cpu},
         "export": {},
         "distributed": {"strategy": strategy},
     }
 
 
-def make_inputs(out: Path, tiny: bool) -> tuple[Path, Path]:
-    """A random teacher of the real shapes (bfloat16; float32 when tiny) with a character tokenizer, and a corpus."""
+def make_inputs(out: Path, model: str) -> tuple[Path, Path]:
+    """A random teacher of the `model`'s shapes (SHAPES; bfloat16, float32 on the CPU) with a character tokenizer,
+    and a corpus."""
     import torch
     from tokenizers import Tokenizer, decoders, models
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
 
-    teacher, data = out / ("teacher-tiny" if tiny else "teacher-8b"), out / "corpus"
+    cpu = model != "8b"
+    teacher, data = out / f"teacher-{model}", out / "corpus"
     if not (teacher / "config.json").is_file():
-        config = Qwen3Config(**(TINY if tiny else QWEN3_8B))
+        config = Qwen3Config(**SHAPES[model])
         torch.manual_seed(0)
         with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # random init of 8B: minutes on a CPU
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if tiny else torch.bfloat16)
-        model.save_pretrained(teacher)
-        del model
+            made = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if cpu else torch.bfloat16)
+        made.save_pretrained(teacher)
+        del made
         torch.cuda.empty_cache()  # this process stays alive beside the launched ones: it keeps no GPU memory
         vocab = {c: i for i, c in enumerate(["<pad>", "<s>", "</s>", "<unk>", *sorted(set(string.printable))])}
         backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
@@ -79,7 +89,7 @@ def make_inputs(out: Path, tiny: bool) -> tuple[Path, Path]:
     if not data.is_dir():
         data.mkdir(parents=True)
         words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly big mice".split()
-        count = 64 if tiny else 12  # about 100 rows of 2,048 tokens: the weights stage reads them all with 8B
+        count = 64 if cpu else 12  # about 100 rows of 2,048 tokens: the weights stage reads them all with 8B
         docs = [" ".join(words[i % 16 :] + words[: i % 16]) * 200 for i in range(count)]
         (data / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     return teacher, data
@@ -145,8 +155,8 @@ def worker(args) -> None:
 
 
 def launch(args, processes: int, recipe_path: Path, run_dir: Path, report: Path) -> None:
-    """The worker on `processes` processes: accelerate launch on GPUs, torchrun on the CPU (--tiny)."""
-    if args.tiny:  # accelerate launch --cpu starts one process (several are its MPI path): torchrun, gloo
+    """The worker on `processes` processes: accelerate launch on GPUs, torchrun on the CPU (--model tiny, small)."""
+    if args.model != "8b":  # accelerate launch --cpu starts one process (several are its MPI path): torchrun, gloo
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
     else:
         command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes)]
@@ -169,7 +179,7 @@ def convert_once(args, out: Path, teacher: Path, data: Path) -> dict:
         torch.cuda.reset_peak_memory_stats()
     host_peak_gib(reset=True)
     with AnonPeak() as anon:
-        run_recipe(parse_recipe(recipe(teacher, data, args.tiny, "ddp")), converted, stages=["convert"])
+        run_recipe(parse_recipe(recipe(teacher, data, args.model, "ddp")), converted, stages=["convert"])
     gpu = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     torch.cuda.empty_cache()
     return {"gpu": gpu, "host": host_peak_gib(), "host_anon": anon.peak}
@@ -217,9 +227,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--processes", default="1", help="comma-separated process counts, e.g. 1,2,4,8")
     parser.add_argument("--strategy", default="fsdp", help="comma-separated: ddp, fsdp")
-    parser.add_argument("--steps", type=int, default=None, help="align and train steps (default 6; 3 with --tiny)")
+    parser.add_argument("--steps", type=int, default=None, help="align and train steps (default 6; 3 on the CPU)")
     parser.add_argument("--out", default="runs/memory-plan")
-    parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: a smoke test of the script")
+    shapes = "the teacher's shapes: 8b on GPUs; small and tiny on the CPU"
+    parser.add_argument("--model", default="8b", choices=list(SHAPES), help=shapes)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--recipe", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
@@ -230,13 +241,13 @@ def main() -> int:
         return 0
     counts = parse_list(args.processes, int)
     strategies = parse_list(args.strategy, str, ("ddp", "fsdp"))
-    args.steps = args.steps or (3 if args.tiny else 6)
+    args.steps = args.steps or (6 if args.model == "8b" else 3)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"tiny": args.tiny, "steps": args.steps, "shape": TINY if args.tiny else QWEN3_8B}
+    meta = {"model": args.model, "steps": args.steps, "shape": SHAPES[args.model]}
     report_path = out / "memory_plan.json"
     done = {(r["strategy"], r["processes"]): r for r in earlier_runs(report_path, meta) if "failed" not in r}
-    teacher, data = make_inputs(out, args.tiny)
+    teacher, data = make_inputs(out, args.model)
     convert = done.get(("-", 1)) if (out / "converted" / "convert" / "DONE").is_file() else None
     runs = [convert or {"strategy": "-", "processes": 1, "stages": {"convert": convert_once(args, out, teacher, data)}}]
     configs = [(n, s) for n in counts for s in (strategies if n > 1 else strategies[:1])]
@@ -248,7 +259,7 @@ def main() -> int:
             runs.append(done[row["strategy"], processes])
             continue
         path = out / f"recipe-{name}.json"
-        path.write_text(json.dumps(recipe(teacher, data, args.tiny, strategy, args.steps)))
+        path.write_text(json.dumps(recipe(teacher, data, args.model, strategy, args.steps)))
         run_dir, report = out / f"run-{name}", out / f"memory-{name}"
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
         subprocess.run(["cp", "-al", str(out / "converted"), str(run_dir)], check=True)
@@ -265,7 +276,7 @@ def main() -> int:
         save(report_path, meta, with_earlier(done, runs))
     runs = with_earlier(done, runs)
     save(report_path, meta, runs)
-    print_table(runs, args.tiny, weights_gib(teacher))
+    print_table(runs, args.model != "8b", weights_gib(teacher))
     return 0
 
 
@@ -274,13 +285,13 @@ def weights_gib(model_dir: Path) -> float:
     return sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 2**30
 
 
-def print_table(runs: list[dict], tiny: bool, model_gib: float) -> None:
+def print_table(runs: list[dict], cpu: bool, model_gib: float) -> None:
     """One row per stage, one column per run: peak GPU memory (GiB, largest process) / peak host memory (GiB), its
     anonymous part in parentheses (runs measured before it was recorded have none); then each run's largest host
     peak and anonymous peak over its stages as multiples of the model's size (`model_gib`, issue 53's measure)."""
     shown = [STAGES[0]] + [s for s in STAGES[1:] if s not in ("extend", "evaluate")]
     heads = [f"{r['processes']} x {r['strategy']}" if r["processes"] > 1 else r["strategy"] for r in runs[1:]]
-    unit = "peak host GiB per process (CPU run)" if tiny else "GiB per GPU (max allocated) / host GiB per process"
+    unit = "peak host GiB per process (CPU run)" if cpu else "GiB per GPU (max allocated) / host GiB per process"
     unit += ", (anonymous: what the process itself holds, not files mapped from disk)"
     print(f"\n{unit}\n")
     print("| stage | " + " | ".join(heads) + " |")
@@ -292,8 +303,8 @@ def print_table(runs: list[dict], tiny: bool, model_gib: float) -> None:
             if got is None:
                 cells.append("failed")
             else:
-                anon = f" ({got['host_anon']:.{2 if tiny else 1}f})" if got.get("host_anon") is not None else ""
-                cells.append(f"{got['host']:.2f}{anon}" if tiny else f"{got['gpu']:.1f} / {got['host']:.1f}{anon}")
+                anon = f" ({got['host_anon']:.{2 if cpu else 1}f})" if got.get("host_anon") is not None else ""
+                cells.append(f"{got['host']:.2f}{anon}" if cpu else f"{got['gpu']:.1f} / {got['host']:.1f}{anon}")
         print(f"| {stage} | " + " | ".join(cells) + " |")
     for key, label in (("host", "host peak"), ("host_anon", "anonymous peak")):
         cells = []

@@ -16,9 +16,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "memory_pla
 
 
 def plan(out: Path, *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tiny", "--out", str(out), *args], capture_output=True, text=True, check=True
-    )
+    command = [sys.executable, str(SCRIPT), "--model", "tiny", "--out", str(out), *args]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
     return done.stdout
 
 
@@ -48,10 +47,10 @@ def test_a_second_invocation_measures_only_the_runs_the_report_lacks(tmp_path):
 
 def test_a_report_of_another_model_or_step_count_is_measured_again(tmp_path, capsys):
     report = tmp_path / "memory_plan.json"
-    assert earlier_runs(report, {"tiny": True, "steps": 3}) == []
+    assert earlier_runs(report, {"model": "tiny", "steps": 3}) == []
     runs = [{"strategy": "-", "processes": 1, "stages": {}}]
-    save(report, {"tiny": True, "steps": 3}, runs)
-    assert earlier_runs(report, {"tiny": True, "steps": 3}) == runs
-    assert earlier_runs(report, {"tiny": True, "steps": 6}) == []
+    save(report, {"model": "tiny", "steps": 3}, runs)
+    assert earlier_runs(report, {"model": "tiny", "steps": 3}) == runs
+    assert earlier_runs(report, {"model": "tiny", "steps": 6}) == []
     assert "measuring every run again" in capsys.readouterr().out
     assert [p.name for p in tmp_path.iterdir()] == ["memory_plan.json"]  # no temporary file left beside it
