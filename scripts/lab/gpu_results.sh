@@ -126,17 +126,21 @@ scale_bench() {  # scale_bench NAME FLAGS...: the SILA recipe's align and train 
 }
 
 two_processes() {  # two_processes RECIPE RUN [ARGS...]: RUN trained on two processes, its evaluation again on one
-  # should the 2-process one fail after training (the trained stages' DONE record their processes). A failure after
-  # align is tried again with stage 2 eager (its graphs under ddp are the default since round 20, and no whole recipe
-  # had trained through them); one before ends it: training on one process would outlast a session (round 9)
+  # should the 2-process one fail after training (the trained stages' DONE record their processes). A failure before
+  # that is tried once more on two processes with every stage eager (their graphs under ddp are the default since
+  # rounds 20 and 21; cuda_graphs is bookkeeping, so the stages done stay done): training on one process would
+  # outlast a session (round 9)
   PROCESSES=2 trained "$@" && return 0
   if [ -f "$RUNS/$2/extend/DONE" ]; then
     PROCESSES=1 trained "$@"
-  elif [ -f "$RUNS/$2/align/DONE" ]; then
-    PROCESSES=2 trained "$@" --set train.cuda_graphs=false --set extend.cuda_graphs=false
   else
-    return 1
+    PROCESSES=2 trained "$@" --set align.cuda_graphs=false --set train.cuda_graphs=false --set extend.cuda_graphs=false
   fi
+}
+
+quick() {  # quick RUN: RUN evaluated at 1K-8K without the windowed pass, no delta saved (on the GPUs the caller's
+  # CUDA_VISIBLE_DEVICES names; PORT for a second launch on the host)
+  WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 run "$1"
 }
 
 quick_on() {  # quick_on GPU RUN...: the runs in turn on one GPU, evaluated at 1K-8K without the windowed pass; after

@@ -46,7 +46,7 @@ session() {  # session JOB: the session JOB, run; 127 when JOB names no session
     wait
     ;;
   windows26-sinks-ddp2)  # about 25 minutes on two GPUs: start it alone, first in a session
-    WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 run sila-deep26-w4k-sinks-ddp2
+    quick sila-deep26-w4k-sinks-ddp2
     ;;
   targets-x2)  # about 24 minutes: both recipes at once; once GPU 0's ends, the 8B plan's 2-process fsdp row on both
     # GPUs beside GPU 1's recipe (memory is per process, so it holds; its tokens/s share a GPU and measure nothing)
@@ -75,10 +75,8 @@ session() {  # session JOB: the session JOB, run; 127 when JOB names no session
   x4-pair)  # about 24 minutes on a 4-GPU host: the windowed 26 at 2.5x its tokens, two GPUs each, side by side, with
     # extend's answers x30 and x100 (x100 at the recipe's tokens: 30 of 32 cells at 1.12x; the 2.5x tokens alone:
     # 1.07x, 22 cells): which gives the cells at <= 1.10x
-    (CUDA_VISIBLE_DEVICES=0,1 PORT=29500 WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 \
-      run sila-deep26-w4k-sinks-answers30-ddp2) &
-    (CUDA_VISIBLE_DEVICES=2,3 PORT=29501 WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 \
-      run sila-deep26-w4k-sinks-answers-ddp2) &
+    (CUDA_VISIBLE_DEVICES=0,1 PORT=29500 quick sila-deep26-w4k-sinks-answers30-ddp2) &
+    (CUDA_VISIBLE_DEVICES=2,3 PORT=29501 quick sila-deep26-w4k-sinks-answers-ddp2) &
     wait
     ;;
   x4-strong)  # about 30 minutes on a 4-GPU host (issue 53), what matters first: the 22-layer windowed recipe at
@@ -89,28 +87,25 @@ session() {  # session JOB: the session JOB, run; 127 when JOB names no session
     (CUDA_VISIBLE_DEVICES=1 PLAN_PROCESSES=1 run memory-plan) &
     (CUDA_VISIBLE_DEVICES=2,3 run scale-pair) &
     wait
-    WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 run sila-deep22-w4k-sinks-strong4
+    quick sila-deep22-w4k-sinks-strong4
     PLAN_PROCESSES=4 PLAN_STRATEGY=fsdp run memory-plan
     run scale-strong
     PLAN_PROCESSES=4 PLAN_STRATEGY=ddp run memory-plan
     ;;
-  windows22-ddp2)  # about 17 minutes on both GPUs of a 2-GPU host: the windowed 22 at 2.5x align's and train's
-    # tokens (x4-pair's first half, for a session lent no 4-GPU host)
-    WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 run sila-deep22-w4k-sinks-ddp2
+  windows22-seed1-ddp2)  # about 17 minutes on both GPUs of a 2-GPU host: the windowed 22 at 2.5x align's and
+    # train's tokens (round 21's run) on every training seed 1
+    quick sila-deep22-w4k-sinks-seed1-ddp2
     ;;
-  windows22-seed1-ddp2)  # about 17 minutes on both GPUs of a 2-GPU host: windows22-ddp2 on every training seed 1
-    WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 run sila-deep22-w4k-sinks-seed1-ddp2
-    ;;
-  windows22-plan2-x2)  # about 18 minutes on a 2-GPU host: windows22-ddp2 beside the 8B plan's 2-process fsdp row on
-    # the same two GPUs (host memory with convert sharing the teacher's tensors and each process reading its own rows;
-    # the plan's tokens/s are not clean, its memory is)
-    (PORT=29501 WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 run sila-deep22-w4k-sinks-ddp2) &
+  windows22-plan2-x2)  # about 18 minutes on a 2-GPU host (round 21): the windowed 22 at 2.5x beside the 8B plan's
+    # 2-process fsdp row on the same two GPUs (host memory with convert sharing the teacher's tensors and each process
+    # reading its own rows; the plan's tokens/s are not clean, its memory is)
+    (PORT=29501 quick sila-deep22-w4k-sinks-ddp2) &
     (PLAN_PROCESSES=2 PLAN_STRATEGY=fsdp run memory-plan) &
     wait
     ;;
   answers26-ddp2)  # about 22 minutes on both GPUs: the windowed 26 at 2.5x align's and train's tokens (1.07x the
     # perplexity before weighting answers) with extend's answers x100 over 300 steps of twice the rows
-    WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 run sila-deep26-w4k-sinks-answers-ddp2
+    quick sila-deep26-w4k-sinks-answers-ddp2
     ;;
   targets3-x2)  # about 25 minutes, after targets2-x2: the four windows' second seed and their decode speed
     DELTA=0 quick_on 0 sila-deep22-w4k-four-sinks-seed1 &
@@ -126,7 +121,7 @@ session() {  # session JOB: the session JOB, run; 127 when JOB names no session
     DELTA=0 WINDOW_BATCHES=128 quick_on 0 windows22-speed sila-deep22-w4k windows26-speed
     ;;
   deep26-ddp2-profile)  # about 27 minutes: start it alone, first in a session
-    WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" DELTA=0 run sila-deep26-ddp2
+    quick sila-deep26-ddp2
     CUDA_VISIBLE_DEVICES=0 decode_profile_22q
     ;;
   centred-x2)  # two recipes a GPU, about 26 minutes: Raven at 22 then its second seed at 15; SSE with its scorer
