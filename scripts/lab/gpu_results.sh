@@ -196,6 +196,19 @@ speed() {  # stage rates of the SSE and SILA recipes (short runs), against BASE'
   python3 scripts/bench/measure_stages.py "${recipes[@]}" "${flags[@]}" --run-root "$RUNS/speed" --json "$RUNS/speed.json"
 }
 
+fork() {  # fork FROM RUN: RUN starts as the job FROM's run up to its train stage (waited for, up to 30 minutes),
+  # so that RUN's extend can differ from FROM's; the stages after train are left out (FROM may be writing them)
+  local from="$RUNS/$1" waited=0 parts=()
+  until [ -f "$from/train/DONE" ]; do
+    ((waited += 10)) && ((waited <= 1800)) || { echo "$2: no $from/train/DONE after 30 minutes"; return 1; }
+    sleep 10
+  done
+  for part in "$from"/*; do
+    case ${part##*/} in extend | evaluate | export) ;; *) parts+=("$part") ;; esac
+  done
+  rm -rf "${RUNS:?}/$2" && mkdir -p "$RUNS/$2" && cp -a "${parts[@]}" "$RUNS/$2/"  # one cp keeps the hard links
+}
+
 wait_trained() {  # wait_trained RUN: until the job RUN has its trained model (extend's); fails if it ended without
   until [ -f "$RUNS/$1/extend/DONE" ]; do
     [ -f "${JOBS:-$HOME/jobs}/$1.rc" ] && return 1
@@ -313,11 +326,12 @@ PY
     trained "${1%-answers}" "$1" "${ANSWERS[@]}"
     ;;
   sila-deep22-w4k* | sila-deep26-w4k*)  # a run of WINDOWS_OF; after its name, in this order, -far:
-    # FAR_FACTS_RECIPE, -answers: ANSWERS (-answersN: weighted xN), -seed1: every training seed 1, and one of -ddp2:
-    # 2.5x the recipe's tokens on two GPUs (as sila-deepN-ddp2), -ddp4: 4x on four (the recipe's rows on each, its
-    # steps), -ext4: EXT4 on one GPU, -strong4: EXT4's global batches on four GPUs (STRONG4)
-    local name=${1%-ddp2} extra=()
+    # FAR_FACTS_RECIPE, -answers: ANSWERS (-answersN: weighted xN), -seed1: every training seed 1, -extendN: N extend
+    # steps, and one of -ddp2: 2.5x the recipe's tokens on two GPUs (as sila-deepN-ddp2), -ddp4: 4x on four (the
+    # recipe's rows on each, its steps), -ext4: EXT4 on one GPU, -strong4: EXT4's global batches on four GPUs (STRONG4)
+    local name=${1%-ddp2} extra=() steps=()
     name=${name%-ddp4}
+    [[ $name =~ ^(.*)-extend([0-9]+)$ ]] && name=${BASH_REMATCH[1]} && steps=(--set "extend.steps=${BASH_REMATCH[2]}")
     name=${name%-strong4} && [[ $name == *-ext4 ]] && extra+=("${EXT4[@]}") && name=${name%-ext4}
     [[ $name == *-seed1 ]] && extra+=("${SEED1[@]}") && name=${name%-seed1}
     [[ $name == *-answers ]] && extra+=("${ANSWERS[@]}") && name=${name%-answers}
@@ -328,6 +342,7 @@ PY
     local windows="WINDOWS_OF[$name]"
     [ -n "${!windows:-}" ] || { echo "no windowed run named $1" >&2; return 1; }
     read -ra windows <<<"${!windows}"
+    extra+=("${steps[@]}")  # after the answers' steps: the last --set of a field is the one that counts
     if [[ $1 == *-ddp2 ]]; then
       # weighted answers keep their extend tokens (300 steps of twice the rows): 2.5x would add 8 minutes
       [[ " ${extra[*]} " == *extend.answer_weight=* ]] && extra+=(--set extend.steps=300)
@@ -343,15 +358,9 @@ PY
   sila-deep22-far-facts)
     trained sila-deep22 "$1" "${FAR_FACTS_RECIPE[@]}"
     ;;
-  sila-deep22-seed1-far-facts)  # sila-deep22-seed1's trained model (waited for, up to 30 minutes, and copied
-    # without its extend and evaluation) extended with FAR_FACTS_RECIPE: the same hybrid both ways, 5 minutes
-    local from="$RUNS/sila-deep22-seed1" waited=0
-    until [ -f "$from/train/DONE" ]; do
-      ((waited += 10)) && ((waited <= 1800)) || { echo "$1: no $from/train/DONE after 30 minutes"; return 1; }
-      sleep 10
-    done
-    rm -rf "${RUNS:?}/$1" && cp -a "$from" "$RUNS/$1" && rm -rf "$RUNS/$1/extend" "$RUNS/$1/evaluate"
-    trained sila-deep22 "$1" "${SEED1[@]}" "${FAR_FACTS_RECIPE[@]}"
+  sila-deep22-seed1-far-facts)  # sila-deep22-seed1's trained model extended with FAR_FACTS_RECIPE: the same hybrid
+    # both ways, 5 minutes
+    fork sila-deep22-seed1 "$1" && trained sila-deep22 "$1" "${SEED1[@]}" "${FAR_FACTS_RECIPE[@]}"
     ;;
   sila-deep22-ddp4 | sila-deep26-ddp4)
     local recipe=${1%-ddp4}

@@ -107,6 +107,14 @@ session() {  # session JOB: the session JOB, run; 127 when JOB names no session
     # perplexity before weighting answers) with extend's answers x100 over 300 steps of twice the rows
     quick sila-deep26-w4k-sinks-answers-ddp2
     ;;
+  answers26-x1)  # about 24 minutes on one GPU: the windowed 26 at the recipe's tokens with extend's answers x30 over
+    # 600 steps; from its trained model, beside it, x100 over 300 steps (x100 over 600: 30 of 32 cells at 1.12x): which
+    # of the answers' weight and extend's length costs the perplexity
+    DELTA=0 quick_on 0 sila-deep26-w4k-sinks-answers30 &
+    (fork sila-deep26-w4k-sinks-answers30 sila-deep26-w4k-sinks-answers-extend300 &&
+      DELTA=0 quick_on 0 sila-deep26-w4k-sinks-answers-extend300) &
+    wait
+    ;;
   targets3-x2)  # about 25 minutes, after targets2-x2: the four windows' second seed and their decode speed
     DELTA=0 quick_on 0 sila-deep22-w4k-four-sinks-seed1 &
     DELTA=0 quick_on 1 windows22-four-sinks-speed &
