@@ -48,13 +48,18 @@ def test_the_smollm2_raven_and_sse_recipes_train_as_the_sila_one(mixer, settings
     assert recipe.token_weights.enabled and recipe.mixer_settings[mixer] == settings
 
 
-@pytest.mark.parametrize("depth, windowed", [(22, {1, 16}), (26, {17, 20})])
-def test_the_windows_recipes_are_the_deep_ones_with_two_windows_and_sinks(depth, windowed):
+@pytest.mark.parametrize(
+    "depth, windowed, extend",
+    [(22, {1, 16}, {}), (26, {17, 20}, {"steps": 600, "answer_weight": 30})],
+)
+def test_the_windows_recipes_are_the_deep_ones_with_two_windows_and_sinks(depth, windowed, extend):
     """smollm2-sila-deepN-windows.yaml trains as smollm2-sila-deepN.yaml (its header says so, with the measurement),
-    with 4K windows and 4 sinks on two of its kept layers."""
+    with 4K windows and 4 sinks on two of its kept layers, and at 26 a longer extend with weighted answers."""
     windows, deep = (load_recipe(RECIPES[0].parent / f"smollm2-sila-deep{depth}{n}.yaml") for n in ("-windows", ""))
     own = {"sliding_window", "window_layers", "attention_sinks"}
-    assert windows.model_dump(exclude=own) == deep.model_dump(exclude=own)
+    expected = deep.model_dump(exclude=own)
+    expected["extend"] |= extend
+    assert windows.model_dump(exclude=own) == expected
     layers = ",".join(map(str, sorted(windowed)))
     assert (windows.sliding_window, windows.window_layers, windows.attention_sinks) == (4096, layers, 4)
     converted = set(parse_layer_spec(windows.layers[0].layers, 30))
@@ -142,7 +147,8 @@ def test_recipes_readme_matches_the_recipes():
         assert weights == ("yes" if recipe.token_weights.enabled else "no"), path.name
         assert train == f"{recipe.train.steps} ({recipe.train.trainable})", path.name
         e = recipe.extend
-        assert extend == ("no" if e is None else f"{e.steps} steps at {e.seq_len // 1024}K"), path.name
+        weighted = "" if e is None or e.answer_weight == 1 else f", answers x{e.answer_weight:g}"
+        assert extend == ("no" if e is None else f"{e.steps} steps at {e.seq_len // 1024}K{weighted}"), path.name
         if evaluate.startswith("as "):  # the same evaluation as another recipe's
             assert load_recipe(path.parent / f"{evaluate[3:]}.yaml").evaluate == recipe.evaluate, path.name
             continue
