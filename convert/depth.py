@@ -10,7 +10,7 @@
 
 `run` evaluates the teacher once with the recipe's evaluate settings (RUN_ROOT/teacher), then runs the recipe with
 `layers: auto:N` for each depth N (RUN_ROOT/autoN: each an ordinary recipe run, so a rerun skips what is done and
-resumes what was cut), and on CUDA times `generate()` of each trained hybrid and of the teacher on this project's
+resumes what was cut; a depth of all the teacher's L layers converts every one, RUN_ROOT/allL), and on CUDA times `generate()` of each trained hybrid and of the teacher on this project's
 engine (converted with no layer) at `--batches` x `--context` (RUN_ROOT/speed.json, decode_bench's rows). `collect`
 assembles the same from runs made elsewhere (a recipe run directory or an evaluation folder per depth) and, for speed,
 a `scripts/bench/bench_generate.py --depths` JSON (its rows `teacher-engine` and `MIXER-NofL`).
@@ -47,6 +47,31 @@ def parse_depths(text: str) -> list[int]:
     if not depths or depths[0] < 1:
         raise ValueError(f"--depths {text!r}: each depth is a number of layers converted, at least 1")
     return depths
+
+
+def depth_specs(depths: list[int], layers: int) -> dict[int, str]:
+    """{depth: the layer spec that converts it}: auto:N (the recipe's layer choice) below the model's `layers`,
+    every layer at `layers` itself (nothing is left to choose); ValueError naming --depths past it."""
+    if depths[-1] > layers:
+        raise ValueError(f"--depths: {depths[-1]} is more layers than the model's {layers}; expected 1 to {layers}")
+    return {d: f"auto:{d}" if d < layers else f"0-{layers - 1}" for d in depths}
+
+
+def run_name(spec: str) -> str:
+    """The run directory of a depth's spec: autoN for auto:N, allN for every one of N layers."""
+    if spec.startswith("auto:"):
+        return f"auto{spec.removeprefix('auto:')}"
+    return f"all{int(spec.split('-')[1]) + 1}"
+
+
+def teacher_layers(source: str) -> int:
+    """The teacher's number of decoder layers, from its config (no weights loaded); ValueError naming `source`."""
+    from raven_convert.sources import Source
+
+    try:
+        return Source.resolve(source).load_config().num_hidden_layers
+    except ValueError as err:
+        raise ValueError(f"source: {err}") from None
 
 
 def throughput(rows: list[dict], name: str) -> dict[str, float]:
@@ -223,12 +248,13 @@ def run(args) -> str:
     if args.ppl_length is None:  # the length the recipe's evaluation measures, not one it skips
         args.ppl_length = (base.evaluate.ppl_lengths or [2048])[0]
     root, mixer = Path(args.run_root), base.layers[0].mixer
+    specs = depth_specs(args.depths, teacher_layers(base.source))
     recipes = {
-        d: load_recipe(args.recipe, inputs + args.overrides + [f'layers=[{{mixer: {mixer}, layers: "auto:{d}"}}]'])
-        for d in args.depths
+        d: load_recipe(args.recipe, inputs + args.overrides + [f'layers=[{{mixer: {mixer}, layers: "{spec}"}}]'])
+        for d, spec in specs.items()
     }
-    deepest = recipes[args.depths[-1]]
-    check_inputs(deepest, list(deepest.stages))  # the depths against the teacher's layers, the data, the outputs
+    for recipe in recipes.values():  # each depth's layer choice against the teacher's layers, the data, the outputs
+        check_inputs(recipe, list(recipe.stages))
     teacher_out = root / "teacher"
     request = EvalRequest(model=base.source, out=teacher_out, **base.evaluate.model_dump())
     failed = evaluate_model(request, log=lambda m: print(f"[teacher] {m}", flush=True), resume=True).get("failed")
@@ -237,9 +263,9 @@ def run(args) -> str:
         raise ValueError(f"the teacher's evaluation failed ({parts}); its report is in {teacher_out / 'report.json'}")
     runs = {}
     for d, recipe in recipes.items():
-        print(f"[depth] {d} layers converted -> {root / f'auto{d}'}", flush=True)
-        run_recipe(recipe, root / f"auto{d}")
-        runs[d] = root / f"auto{d}"
+        runs[d] = root / run_name(specs[d])
+        print(f"[depth] {d} layers converted -> {runs[d]}", flush=True)
+        run_recipe(recipe, runs[d])
     rows = []
     if args.speed:
         import torch

@@ -115,6 +115,17 @@ session() {  # session JOB: the session JOB, run; 127 when JOB names no session
       DELTA=0 quick_on 0 sila-deep26-w4k-sinks-answers-extend300) &
     wait
     ;;
+  deep30-x1)  # about 22 minutes on one GPU: every layer converted (the depth table's last row, speed only so far)
+    DELTA=0 quick_on 0 sila-deep30
+    ;;
+  windows26-seed1-x1)  # about 22 minutes on one GPU: round 22's windowed 26 with answers x30 on every training seed 1
+    DELTA=0 quick_on 0 sila-deep26-w4k-sinks-answers30-seed1
+    ;;
+  deep30-seed1-x1)  # about 28 minutes on one GPU: both of the above side by side (round 22: two runs on the one
+    # GPU read 1.2x the tokens of one), for a session with every minute free
+    DELTA=0 quick_on 0 sila-deep30 & DELTA=0 quick_on 0 sila-deep26-w4k-sinks-answers30-seed1 &
+    wait
+    ;;
   targets3-x2)  # about 25 minutes, after targets2-x2: the four windows' second seed and their decode speed
     DELTA=0 quick_on 0 sila-deep22-w4k-four-sinks-seed1 &
     DELTA=0 quick_on 1 windows22-four-sinks-speed &

@@ -121,24 +121,26 @@ def test_run_converts_at_each_depth_once_and_resumes(tmp_path, capsys):
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     root = tmp_path / "sweep"
-    args = ["run", str(path), "--depths", "1,3", "--run-root", str(root), "--src", str(teacher), "--data", str(corpus)]
+    args = ["run", str(path), "--depths", "1,4", "--run-root", str(root), "--src", str(teacher), "--data", str(corpus)]
     args += ["--ppl-data", str(essays), "--set", f"evaluate.haystack_dir={essays}"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "| 1 of 4 | 3 |" in out and "| 3 of 4 | 1 |" in out and "no CUDA device" in out
+    assert "| 1 of 4 | 3 |" in out and "| 4 of 4 | 0 |" in out and "no CUDA device" in out
     # perplexity at the recipe's own length (64), with no --ppl-length given
-    assert re.search(r"\| 3 of 4 \| 1 \| [0-9.]+ \([0-9.]+x\) \|", out), out
-    for depth in (1, 3):
-        config = json.loads((root / f"auto{depth}" / "convert" / "model" / "config.json").read_text())
+    assert re.search(r"\| 4 of 4 \| 0 \| [0-9.]+ \([0-9.]+x\) \|", out), out
+    for depth, run in ((1, "auto1"), (4, "all4")):  # every layer: converted as named, no layer choice
+        config = json.loads((root / run / "convert" / "model" / "config.json").read_text())
         assert sum(kind == "sila" for kind in config["layer_mixers"]) == depth
+        assert ("layer_choice" in config) == (depth < 4)
     points = json.loads((root / "depth.json").read_text())["points"]
-    assert [p["kv_bytes_per_token"] / points[0]["kv_bytes_per_token"] for p in points] == [1.0, 0.75, 0.25]
+    assert [p["kv_bytes_per_token"] / points[0]["kv_bytes_per_token"] for p in points] == [1.0, 0.75, 0.0]
     stamps = {p: p.stat().st_mtime_ns for p in root.glob("*/*/DONE")}
     assert len(stamps) == 2 * 7 and main(args) == 0  # again: every stage found done, nothing run
     assert {p: p.stat().st_mtime_ns for p in root.glob("*/*/DONE")} == stamps
-    deep = [*args[:3], "4", "--run-root", str(tmp_path / "deep"), *args[6:]]  # the teacher has 4 layers
+    deep = [*args[:3], "5", "--run-root", str(tmp_path / "deep"), *args[6:]]  # the teacher has 4 layers
     assert main(deep) == 2
-    assert "N = 4 is out of range" in capsys.readouterr().err and not (tmp_path / "deep").exists()
+    assert "--depths: 5 is more layers than the model's 4" in capsys.readouterr().err
+    assert not (tmp_path / "deep").exists()
     with pytest.raises(SystemExit):
         main([*args[:3], "0", *args[4:]])
     assert "--depths: '0': each depth is a number of layers converted, at least 1" in capsys.readouterr().err
