@@ -10,8 +10,9 @@
 
 `run` evaluates the teacher once with the recipe's evaluate settings (RUN_ROOT/teacher), then runs the recipe with
 `layers: auto:N` for each depth N (RUN_ROOT/autoN: each an ordinary recipe run, so a rerun skips what is done and
-resumes what was cut; a depth of all the teacher's L layers converts every one, RUN_ROOT/allL), and on CUDA times `generate()` of each trained hybrid and of the teacher on this project's
-engine (converted with no layer) at `--batches` x `--context` (RUN_ROOT/speed.json, decode_bench's rows). `collect`
+resumes what was cut; a depth of all the teacher's L layers converts every one, RUN_ROOT/allL), and on CUDA times
+`generate()` of each trained hybrid and of the teacher on this project's engine (converted with no layer) at
+`--batches` x `--context` (RUN_ROOT/speed.json, decode_bench's rows). `collect`
 assembles the same from runs made elsewhere (a recipe run directory or an evaluation folder per depth) and, for speed,
 a `scripts/bench/bench_generate.py --depths` JSON (its rows `teacher-engine` and `MIXER-NofL`).
 
