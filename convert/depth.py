@@ -50,19 +50,13 @@ def parse_depths(text: str) -> list[int]:
     return depths
 
 
-def depth_specs(depths: list[int], layers: int) -> dict[int, str]:
-    """{depth: the layer spec that converts it}: auto:N (the recipe's layer choice) below the model's `layers`,
-    every layer at `layers` itself (nothing is left to choose); ValueError naming --depths past it."""
+def depth_runs(depths: list[int], layers: int) -> dict[int, tuple[str, str]]:
+    """{depth: (the layer spec that converts it, its run directory's name)}: auto:N into autoN (the recipe's layer
+    choice) below the model's `layers`, every layer into allN at `layers` itself (nothing is left to choose);
+    ValueError naming --depths past it."""
     if depths[-1] > layers:
         raise ValueError(f"--depths: {depths[-1]} is more layers than the model's {layers}; expected 1 to {layers}")
-    return {d: f"auto:{d}" if d < layers else f"0-{layers - 1}" for d in depths}
-
-
-def run_name(spec: str) -> str:
-    """The run directory of a depth's spec: autoN for auto:N, allN for every one of N layers."""
-    if spec.startswith("auto:"):
-        return f"auto{spec.removeprefix('auto:')}"
-    return f"all{int(spec.split('-')[1]) + 1}"
+    return {d: (f"auto:{d}", f"auto{d}") if d < layers else (f"0-{layers - 1}", f"all{d}") for d in depths}
 
 
 def teacher_layers(source: str) -> int:
@@ -249,10 +243,10 @@ def run(args) -> str:
     if args.ppl_length is None:  # the length the recipe's evaluation measures, not one it skips
         args.ppl_length = (base.evaluate.ppl_lengths or [2048])[0]
     root, mixer = Path(args.run_root), base.layers[0].mixer
-    specs = depth_specs(args.depths, teacher_layers(base.source))
+    named = depth_runs(args.depths, teacher_layers(base.source))
     recipes = {
         d: load_recipe(args.recipe, inputs + args.overrides + [f'layers=[{{mixer: {mixer}, layers: "{spec}"}}]'])
-        for d, spec in specs.items()
+        for d, (spec, _) in named.items()
     }
     for recipe in recipes.values():  # each depth's layer choice against the teacher's layers, the data, the outputs
         check_inputs(recipe, list(recipe.stages))
@@ -264,7 +258,7 @@ def run(args) -> str:
         raise ValueError(f"the teacher's evaluation failed ({parts}); its report is in {teacher_out / 'report.json'}")
     runs = {}
     for d, recipe in recipes.items():
-        runs[d] = root / run_name(specs[d])
+        runs[d] = root / named[d][1]
         print(f"[depth] {d} layers converted -> {runs[d]}", flush=True)
         run_recipe(recipe, runs[d])
     rows = []
