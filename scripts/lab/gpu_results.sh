@@ -263,8 +263,8 @@ PY
     # recipe's rows on each, its steps), -ext4: EXT4 on one GPU, -strong4: EXT4's global batches on four GPUs (STRONG4)
     local name=${1%-ddp2} extra=() steps=()
     name=${name%-ddp4}
-    [[ $name =~ ^(.*)-extend([0-9]+)$ ]] && name=${BASH_REMATCH[1]} && steps=(--set "extend.steps=${BASH_REMATCH[2]}")
     name=${name%-strong4} && [[ $name == *-ext4 ]] && extra+=("${EXT4[@]}") && name=${name%-ext4}
+    [[ $name =~ ^(.*)-extend([0-9]+)$ ]] && name=${BASH_REMATCH[1]} && steps=(--set "extend.steps=${BASH_REMATCH[2]}")
     [[ $name == *-seed1 ]] && extra+=("${SEED1[@]}") && name=${name%-seed1}
     [[ $name == *-answers ]] && extra+=("${ANSWERS[@]}") && name=${name%-answers}
     if [[ $name =~ ^(.*)-answers([0-9]+)$ ]]; then
@@ -276,13 +276,14 @@ PY
     read -ra windows <<<"${!windows}"
     extra+=("${steps[@]}")  # after the answers' steps: the last --set of a field is the one that counts
     if [[ $1 == *-ddp2 ]]; then
-      # weighted answers keep their extend tokens (300 steps of twice the rows): 2.5x would add 8 minutes
-      [[ " ${extra[*]} " == *extend.answer_weight=* ]] && extra+=(--set extend.steps=300)
+      # weighted answers keep their extend tokens (300 steps of twice the rows, unless -extendN): 2.5x would add
+      # 8 minutes
+      [[ -z ${steps[*]} && " ${extra[*]} " == *extend.answer_weight=* ]] && extra+=(--set extend.steps=300)
       two_processes "${1%%-w4k*}" "$1" "${windows[@]}" "${DDP2_STEPS[@]}" "${extra[@]}"
     elif [[ $1 == *-ddp4 ]]; then
       PROCESSES=4 trained "${1%%-w4k*}" "$1" "${windows[@]}" "${extra[@]}"
     elif [[ $1 == *-strong4 ]]; then
-      PROCESSES=4 trained "${1%%-w4k*}" "$1" "${windows[@]}" "${extra[@]}" "${STRONG4[@]}"
+      PROCESSES=4 trained "${1%%-w4k*}" "$1" "${windows[@]}" "${extra[@]}" "${STRONG4[@]}" "${steps[@]}"
     else
       trained "${1%%-w4k*}" "$1" "${windows[@]}" "${extra[@]}"
     fi
