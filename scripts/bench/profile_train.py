@@ -1,15 +1,15 @@
-"""Where a training step's time goes: align or train of a recipe under torch.profiler, after warm-up steps.
+"""Where a training step's time goes: align, train or extend of a recipe under torch.profiler, after warm-up steps.
 
     python scripts/bench/profile_train.py recipes/smollm2-raven.yaml --src MODEL --data CORPUS --stage train --out OUT
 
-Runs convert (kept in OUT/run-STAGE and reused; align is skipped before train) and the token weights where the recipe
-trains with them, then STAGE for --warmup + 1 + --active steps through the recipe pipeline (the code of python -m
-raven_convert.train), checkpoints, evaluation and export off. The profiler records the last --active steps (a step
-ends at its optimizer step, or where a CUDA graph's replay of it returns: the recipe's cuda_graphs as they are) and
-prints, per step:
+Runs convert (kept in OUT/run-STAGE and reused; align is skipped before train, align and train before extend) and the
+token weights where the recipe trains with them, then STAGE for --warmup + 1 + --active steps through the recipe
+pipeline (the code of python -m raven_convert.train), checkpoints, evaluation and export off. The profiler records the
+last --active steps (a step ends at its optimizer step, or where a CUDA graph's replay of it returns: the recipe's
+cuda_graphs as they are) and prints, per step:
 - the phases of a step, the record_function ranges of align.py and stage2.py (teacher, mixers or student forward,
-  backward, optimizer): CPU time (launching included) and GPU time of the kernels each launched (none for replayed
-  graphs, whose ranges ran at their capture);
+  backward, optimizer; extend's token weights, computed from the teacher as each batch is drawn): CPU time (launching
+  included) and GPU time of the kernels each launched (none for replayed graphs, whose ranges ran at their capture);
 - the GPU kernels and copies with the most time, and the ops with the most CPU time of their own;
 - the GPU's busy share: kernel time over wall time (low: the step waits on the CPU, launches or host syncs).
 Writes OUT/profile-STAGE.json (the same tables as data) and OUT/trace-STAGE.json.gz (Perfetto, chrome://tracing).
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-PHASE_PREFIX = {"align": "align.", "train": "train."}
+PHASE_PREFIX = {"align": "align.", "train": "train.", "extend": "train."}  # extend runs stage 2's loop
 
 
 def recipe_overrides(args) -> list[str]:
@@ -46,8 +46,10 @@ def recipe_overrides(args) -> list[str]:
     }
     if args.stage == "align":
         overrides["token_weights.enabled"] = False
-    else:  # the speed of stage 2 does not depend on how well the mixers were aligned
+    else:  # the speed of stage 2 does not depend on how well the mixers were aligned (or trained, for extend)
         overrides["align.steps"] = 0
+    if args.stage == "extend":
+        overrides["train.steps"] = 0
     return [f"{key}={json.dumps(value)}" for key, value in overrides.items()]
 
 
@@ -77,7 +79,8 @@ def profile(args) -> dict:
     out = Path(args.out)
     run_dir = out / f"run-{args.stage}"
     recipe = load_recipe(args.recipe, recipe_overrides(args))
-    before = ["convert"] if args.stage == "align" else ["convert", "align", "weights"]
+    stages = ["convert", "align", "weights", "train", "extend"]
+    before = ["convert"] if args.stage == "align" else stages[: stages.index(args.stage)]
     run_recipe(recipe, run_dir, stages=before)
     shutil.rmtree(run_dir / args.stage, ignore_errors=True)
 

@@ -115,8 +115,9 @@ session() {  # session JOB: the session JOB, run; 127 when JOB names no session
       DELTA=0 quick_on 0 sila-deep26-w4k-sinks-answers-extend300) &
     wait
     ;;
-  deep30-x1)  # about 22 minutes on one GPU: every layer converted (the depth table's last row, speed only so far)
-    DELTA=0 quick_on 0 sila-deep30
+  deep30-x1)  # about 24 minutes on one GPU: where the windowed 26's extend step goes (3 minutes, before anything
+    # shares the GPU), then every layer converted (the depth table's last row, speed only so far)
+    DELTA=0 quick_on 0 profile-deep26-extend sila-deep30
     ;;
   windows26-seed1-x1)  # about 22 minutes on one GPU: round 22's windowed 26 with answers x30 on every training seed 1
     DELTA=0 quick_on 0 sila-deep26-w4k-sinks-answers30-seed1

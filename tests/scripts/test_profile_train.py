@@ -1,0 +1,48 @@
+"""profile_train.py: a stage's steps under the profiler, through the recipe pipeline. Extend's profile skips align and
+train before it, and shows the token weights its teacher computes for each batch as a phase of its own."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from tests.conftest import make_tiny_source
+from tests.helpers import words_corpus
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
+
+from profile_train import main  # noqa: E402
+
+RECIPE = {
+    "source": "m",
+    "layers": [{"mixer": "sila", "layers": "0,2"}],
+    "dtype": "float32",
+    "data": {"seq_len": 32, "validation_fraction": 0.1},
+    "align": {"steps": 50, "batch_size": 2},
+    "token_weights": {"enabled": True, "batch_size": 4},
+    "train": {"steps": 50, "batch_size": 2, "trainable": "mixers+lora"},
+    "extend": {"seq_len": 64, "steps": 50, "batch_size": 2, "trainable": "mixers+lora"},
+    "export": None,
+}
+
+
+def test_extend_is_profiled_after_a_conversion_alone_with_its_token_weights_as_a_phase(tmp_path, capsys):
+    teacher = make_tiny_source("llama", tmp_path / "llama", num_hidden_layers=4)
+    corpus = words_corpus(tmp_path / "corpus", documents=30, words_per_document=120)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(RECIPE))
+    out = tmp_path / "out"
+    args = [str(recipe), "--src", str(teacher), "--data", str(corpus), "--stage", "extend", "--out", str(out)]
+    assert main([*args, "--warmup", "1", "--active", "2"]) == 0
+
+    result = json.loads((out / "profile-extend.json").read_text())
+    assert result["stage"] == "extend" and result["step_ms"] > 0
+    assert {"train.token_weights", "train.student_forward", "train.backward"} <= set(result["phases"])
+    run = out / "run-extend"
+    done = {stage: json.loads((run / stage / "DONE").read_text()) for stage in ("align", "weights", "train", "extend")}
+    assert all(done[stage].get("skipped") for stage in ("align", "weights", "train"))  # only extend's steps ran
+    assert done["extend"]["steps"] == 1 + 1 + 2  # warm-up, the profiler's own warm-up step, the recorded ones
+    assert "| train.token_weights |" in capsys.readouterr().out
