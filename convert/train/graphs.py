@@ -29,7 +29,6 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
 from raven_convert.train.common import is_hybrid, mixers, to_device
 from raven_convert.train.compiling import CompileSetting
@@ -108,8 +107,7 @@ def graph_inputs(batch: dict, token_weights, device, slots: int | None = None) -
         tensors["weights"] = token_weights[batch["index"]]
     tensors = to_device(tensors, device)
     if callable(token_weights):
-        with record_function("train.token_weights"):
-            tensors["weights"] = token_weights(tensors).float()
+        tensors["weights"] = token_weights(tensors).float()
     return tensors, int(batch["attention_mask"].sum())
 
 

@@ -430,8 +430,7 @@ class Stage2Trainer:
             if found is not None:
                 batch["packed_documents"] = found
             if callable(token_weights):
-                with record_function("train.token_weights"):  # extend's, from the teacher as the batch is drawn
-                    w = token_weights(batch)
+                w = token_weights(batch)
             w = None if w is None else w.to(device)
             sync = micro == config.grad_accum - 1
             with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):

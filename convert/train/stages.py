@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function
 
 from raven_convert.console import is_main_process
 from raven_convert.files import check_writable, copy_dir, format_bytes, write_json
@@ -303,17 +304,18 @@ def _stage_extend(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel)
         tw = recipe.token_weights
         kernel = resolve_kernel(tw.kernel, parallel.device)
 
-        def weights(batch):  # [B, T] from the teacher at this length, as each batch is drawn
-            return token_weights(
-                teacher,
-                batch["input_ids"],
-                position_ids=batch["position_ids"],
-                tau=tw.tau,
-                lam=tw.lam,
-                query_block=tw.query_block,
-                kernel=kernel,
-                precision=tw.precision,
-            )
+        def weights(batch):  # [B, T] from the teacher at this length, as each batch is drawn (eager, graphed or not)
+            with record_function("train.token_weights"):  # a phase of stage 2's step in profile_train.py
+                return token_weights(
+                    teacher,
+                    batch["input_ids"],
+                    position_ids=batch["position_ids"],
+                    tau=tw.tau,
+                    lam=tw.lam,
+                    query_block=tw.query_block,
+                    kernel=kernel,
+                    precision=tw.precision,
+                )
 
     rows = (train_rows, val_rows)
     summary = _train_hybrid(recipe, run_dir, "extend", model_dir, config, teacher, rows, weights, parallel)

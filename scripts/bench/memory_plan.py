@@ -39,14 +39,15 @@ TINY = QWEN3_8B | {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_hea
 TINY |= {"head_dim": 16, "intermediate_size": 128, "vocab_size": 256}
 SMALL = QWEN3_8B | {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4}
 SMALL |= {"intermediate_size": 4096, "vocab_size": 32000}
-SHAPES = {"8b": QWEN3_8B, "small": SMALL, "tiny": TINY}  # --model; all but 8b on the CPU
+SHAPES = {"8b": QWEN3_8B, "small": SMALL, "tiny": TINY}  # --model
+ON_CPU = {"small", "tiny"}  # run under torchrun and gloo, float32 rows of 64 tokens; 8b on the GPUs
 HOST_KEYS = ("gpu", "host", "host_anon")  # a stage's numbers: the largest over a run's processes
 STAGES = ["convert", "align", "weights", "train", "extend", "evaluate", "export"]  # extend and evaluate: off (skipped)
 
 
 def recipe(teacher: Path, data: Path, model: str, strategy: str, steps: int = 3) -> dict:
     """The plan's recipe: every other layer of the `model` (SHAPES) to Raven, `steps` steps of one row a stage."""
-    cpu = model != "8b"
+    cpu = model in ON_CPU
     seq = 64 if cpu else 2048
     precision = "no" if cpu else "bf16"
     stage = {"steps": steps, "batch_size": 1, "save_every": steps, "log_every": 1, "mixed_precision": precision}
@@ -71,7 +72,7 @@ def make_inputs(out: Path, model: str) -> tuple[Path, Path]:
     from tokenizers import Tokenizer, decoders, models
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
 
-    cpu = model != "8b"
+    cpu = model in ON_CPU
     teacher, data = out / f"teacher-{model}", out / "corpus"
     if not (teacher / "config.json").is_file():
         config = Qwen3Config(**SHAPES[model])
@@ -156,7 +157,7 @@ def worker(args) -> None:
 
 def launch(args, processes: int, recipe_path: Path, run_dir: Path, report: Path) -> None:
     """The worker on `processes` processes: accelerate launch on GPUs, torchrun on the CPU (--model tiny, small)."""
-    if args.model != "8b":  # accelerate launch --cpu starts one process (several are its MPI path): torchrun, gloo
+    if args.model in ON_CPU:  # accelerate launch --cpu starts one process (several are its MPI path): torchrun, gloo
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
     else:
         command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes)]
@@ -241,7 +242,7 @@ def main() -> int:
         return 0
     counts = parse_list(args.processes, int)
     strategies = parse_list(args.strategy, str, ("ddp", "fsdp"))
-    args.steps = args.steps or (6 if args.model == "8b" else 3)
+    args.steps = args.steps or (3 if args.model in ON_CPU else 6)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     meta = {"model": args.model, "steps": args.steps, "shape": SHAPES[args.model]}
@@ -276,7 +277,7 @@ def main() -> int:
         save(report_path, meta, with_earlier(done, runs))
     runs = with_earlier(done, runs)
     save(report_path, meta, runs)
-    print_table(runs, args.model != "8b", weights_gib(teacher))
+    print_table(runs, args.model in ON_CPU, weights_gib(teacher))
     return 0
 
 
