@@ -58,8 +58,9 @@ from raven_convert.train.distributed import Parallel
 from raven_convert.train.lora import merge_lora
 from raven_convert.train.recipe import FinetuneRecipe, FinetuneTrain, FinetuneWeights, WeightSettings
 from raven_convert.train.run_state import CHECKPOINTS_AT
-from raven_convert.train.stage2 import rows_read, train
+from raven_convert.train.stage2 import train
 from raven_convert.train.stage2_config import TrainConfig
+from raven_convert.train.stage2_rows import rows_read
 from raven_convert.train.stages import log, recipe_dataset, run_recipe, stage_export, training_summary
 from raven_convert.train.token_weights import load_weight_table, plot_first_row, resolve_kernel, weight_table
 

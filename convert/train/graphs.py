@@ -111,6 +111,55 @@ def graph_inputs(batch: dict, token_weights, device, slots: int | None = None) -
     return tensors, int(batch["attention_mask"].sum())
 
 
+class StepInputs:
+    """A graphed stage 2's step inputs, laid out one step ahead: `prepare` draws the next host micro-batch from
+    `batches` and lays it out (`graph_inputs`); `take` hands the prepared inputs to the step (preparing them first
+    where nothing is). With token weights computed from each batch (extend's teacher forward and attention distances,
+    a third of its step), `prepare` runs on a side CUDA stream, so that its kernels run beside the step graph launched
+    just before it instead of after it: a SILA step's recurrences occupy one SM per sequence and head and leave the
+    rest idle (docs/lab/2026-12-01-round-23-every-layer-and-extends-step.md). Elsewhere it runs in place."""
+
+    def __init__(self, batches, token_weights, device, slots: int | None = None):
+        self.batches, self.token_weights, self.slots = batches, token_weights, slots
+        self.device = torch.device(device)
+        beside = callable(token_weights) and self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if beside else None
+        self.ready: tuple | None = None  # (inputs, real tokens, the side stream's event once they are done)
+        self.fence: torch.cuda.Event | None = None  # the main stream's work the next preparation comes after
+
+    def prepare(self) -> None:
+        host = next(self.batches)
+        if self.stream is None:
+            self.ready = (*graph_inputs(host, self.token_weights, self.device, self.slots), None)
+            return
+        main = torch.cuda.current_stream(self.device)
+        # after what the main stream had queued when the last inputs were taken (at first: everything, such as the
+        # teacher's weights cast for the loop), not after the step it has just launched
+        if self.fence is not None:
+            self.stream.wait_event(self.fence)
+        else:
+            self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            tensors, tokens = graph_inputs(host, self.token_weights, self.device, self.slots)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self.ready = (tensors, tokens, done)
+
+    def take(self) -> tuple[dict[str, torch.Tensor], int]:
+        if self.ready is None:
+            self.prepare()
+        tensors, tokens, done = self.ready
+        self.ready = None
+        if done is not None:
+            main = torch.cuda.current_stream(self.device)
+            main.wait_event(done)
+            for tensor in tensors.values():  # made on the side stream, read on the main one: not reused before
+                tensor.record_stream(main)
+            self.fence = torch.cuda.Event()
+            self.fence.record(main)
+        return tensors, tokens
+
+
 def resolve_graphs(setting: CompileSetting, model, device, world: int = 1, collectives: bool = False) -> bool:
     """Whether a training stage captures its steps as CUDA graphs: "auto" does where it can (a CUDA device, every
     converted mixer declared `graph_safe`, one process or a step that makes its processes' reductions itself:

@@ -39,8 +39,9 @@ Choices:
 - A non-finite loss part or gradient raises FloatingPointError naming the step before the optimizer step and before
   any checkpoint of it (the check is reduced over processes, so that every process raises together).
 - `cuda_graphs` replays each step, update included, as a CUDA graph (graphs.py; one micro-batch; a distilling
-  teacher's forward inside it, its packed documents' mask built on the device): the batch is laid out on the host,
-  the step's losses are read during the next step, and a non-finite step's update is skipped on the device, its
+  teacher's forward inside it, its packed documents' mask built on the device): the batch is laid out on the host
+  and, with its token weights, prepared while the step before replays (graphs.StepInputs), the step's losses are
+  read during the next step, and a non-finite step's update is skipped on the device, its
   error raised before the next update. On one GPU where it can (`auto`), and on several under ddp: the model
   is then trained without a DistributedDataParallel wrapper, its trainable weights broadcast
   from the main process at the start and its gradients averaged inside the step (all-reduces the graph holds),
@@ -59,20 +60,18 @@ from pathlib import Path
 
 import torch
 from torch.profiler import record_function
-from torch.utils.data import Dataset
 
 from raven_convert.console import eta
 from raven_convert.train.checkpoint import latest_checkpoint, save_checkpoint
 from raven_convert.train.common import is_hybrid, lr_at, model_inputs, teacher_mask, to_device
 from raven_convert.train.compiling import compiled_parts, resolve_compile
-from raven_convert.train.data import PackedDataset, batch_iterator, rows_visited
+from raven_convert.train.data import batch_iterator
 from raven_convert.train.distributed import Parallel, on_cpu
 from raven_convert.train.flops import mfu, mfu_text, train_flops
 from raven_convert.train.graphs import (
     CapturedStep,
-    graph_inputs,
+    StepInputs,
     holds_collectives,
-    host_documents,
     optimizer_mode,
     read_back,
     read_later,
@@ -85,47 +84,14 @@ from raven_convert.train.lora import lr_groups, select_trainable
 from raven_convert.train.losses import answer_weighted, aux_loss, ce_loss, kd_loss, prediction_mask, training_loss
 from raven_convert.train.precision import frozen_linears_in
 from raven_convert.train.stage2_config import TrainConfig
+from raven_convert.train.stage2_rows import (
+    answer_summary,
+    check_weight_table,
+    device_documents,
+    micro_batches,
+    with_index,
+)
 from raven_convert.train.token_weights import schedule_uniform, scheduled
-
-
-def _answers(dataset) -> str:
-    """How many of `dataset`'s tokens are answers (rows' "answers"); ValueError naming the setting where its rows
-    have none."""
-    if "answers" not in dataset[0]:
-        raise ValueError(
-            "answer_weight != 1 needs rows that mark answers: rows packed with synthetic retrieval samples "
-            "(data.retrieval, data.pack_documents); these rows have no 'answers'"
-        )
-    if not isinstance(dataset, PackedDataset):
-        return "the rows mark them"
-    answers = dataset.tensors["answers"][dataset.rows]  # [N, T]
-    if not answers.any():
-        raise ValueError(
-            f"answer_weight != 1, and none of the rows' {answers.numel():,} tokens is an answer: the data holds no "
-            "synthetic retrieval sample (data.retrieval's ratio; a corpus gives samples once it has shown 32 words)"
-        )
-    return f"{int(answers.sum()):,} of the rows' {answers.numel():,} tokens ({answers.float().mean().item():.3%})"
-
-
-class _Indexed(Dataset):
-    """`dataset` whose items and batches also carry "index", their position in it (for a token-weight table)."""
-
-    def __init__(self, dataset):
-        self.dataset = dataset
-
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitem__(self, i):
-        return dict(self.dataset[i]) | {"index": torch.tensor(i)}
-
-
-class _IndexedPacked(PackedDataset):
-    def __init__(self, dataset: PackedDataset):  # shares the storage
-        self.tensors, self.rows = dataset.tensors, dataset.rows
-
-    def batch(self, indices):
-        return super().batch(indices) | {"index": torch.as_tensor(indices, dtype=torch.long)}
 
 
 def _save(parallel, model, optimizer, out_dir, step: int, tokens_seen: int, config: TrainConfig) -> None:
@@ -148,25 +114,6 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def rows_read(config: TrainConfig, size: int, processes: int) -> torch.Tensor:
-    """The rows [K] (positions, sorted) of a dataset of `size` rows that `train` with `config` on `processes`
-    processes reads: its micro-batches are batch_iterator's batches of the global batch (see _micro_batches)."""
-    return rows_visited(size, config.batch_size * processes, config.seed, config.steps * config.grad_accum)
-
-
-def _check_weighted(table: torch.Tensor, dataset, config: TrainConfig, processes: int) -> None:
-    """Refuse a token-weight table with no weights (NaN, see token_weights.weight_table's `only`) for a row this run
-    reads: it was computed for another run's steps, global batch or seed."""
-    read = rows_read(config, len(dataset), processes)
-    missing = read[table[read].isnan().any(dim=1)]
-    if len(missing):
-        raise ValueError(
-            f"the token-weight table has no weights for {len(missing):,} of the {len(read):,} rows this run reads "
-            f"(rows {missing[:5].tolist()}...): it was computed for another train.steps, batch size, number of "
-            "processes or seed; compute it again (--redo weights)"
-        )
-
-
 def step_graphs(
     config: TrainConfig, student, token_weights, device, processes: int, teacher=None, collectives: bool = False
 ) -> bool:
@@ -186,25 +133,6 @@ def step_graphs(
     if found and config.cuda_graphs is True:
         raise ValueError(f"cuda_graphs = true cannot be honoured: {'; '.join(found)}")
     return not found and resolve_graphs(config.cuda_graphs, student, device, processes, collectives)
-
-
-def _documents(batch: dict, device):
-    """The documents packed in a host batch's rows as the hybrid's forward takes them (`packed_documents`), on
-    `device`: found on the host, so that the forward does not read the position ids back; None without them."""
-    if "position_ids" not in batch:
-        return None
-    found = host_documents(batch)
-    return False if found is None else tuple(t.to(device, non_blocking=True) for t in found)
-
-
-def _micro_batches(dataset, config: TrainConfig, accelerator, start_step: int):
-    """This process's slice of every global micro-batch, from optimizer step `start_step` on (forever); the rows'
-    "answers" only where answer_weight reads them (nothing copied to the device for nothing)."""
-    n, rank, b = accelerator.num_processes, accelerator.process_index, config.batch_size
-    start = start_step * config.grad_accum
-    unread = () if config.answer_weight != 1 else ("answers",)
-    for batch in batch_iterator(dataset, b * n, config.seed, start_step=start):
-        yield {k: v[rank * b : (rank + 1) * b] for k, v in batch.items() if k not in unread}
 
 
 @torch.no_grad()
@@ -323,21 +251,21 @@ class Stage2Trainer:
                 f"token weights: tau = {self.tau:,.0f} tokens ({self.tau / run_tokens:.3g} of the run's {run_tokens:,})"
             )
         if config.answer_weight != 1:
-            self.note(f"answer tokens weighted x{config.answer_weight:g}: {_answers(dataset)}")
+            self.note(f"answer tokens weighted x{config.answer_weight:g}: {answer_summary(dataset)}")
         self.load_checkpoint(resumed)
         if self.own_reduce:  # as a DistributedDataParallel wrapper would: one start on every process
             parallel.broadcast_(self.params)
         optimizer_mode(self.optimizer, self.graphs, device)  # after a resume too: the checkpoint's groups may differ
         if isinstance(self.token_weights, torch.Tensor):
-            _check_weighted(self.token_weights, dataset, config, processes)
-            data = _IndexedPacked(dataset) if isinstance(dataset, PackedDataset) else _Indexed(dataset)
+            check_weight_table(self.token_weights, dataset, config, processes)
+            data = with_index(dataset)
         else:
             data = dataset
-        self.batches = _micro_batches(data, config, accelerator, self.start_step)
-        micro_batches = config.steps * config.grad_accum
+        self.batches = micro_batches(data, config, accelerator, self.start_step)
+        micro_steps = config.steps * config.grad_accum
         self.slots = None
         if self.graphs:  # every process's share of every step in one layout (the same on all of them)
-            self.slots = run_document_slots(dataset, config.batch_size, config.seed, micro_batches, processes)
+            self.slots = run_document_slots(dataset, config.batch_size, config.seed, micro_steps, processes)
         if self.own_reduce and self.slots is None and "position_ids" in dataset[0]:
             raise ValueError(  # per-step layouts could make one process capture while another replays
                 f"cuda_graphs = true on {processes} processes needs packed rows (a PackedDataset, one document "
@@ -355,6 +283,7 @@ class Stage2Trainer:
         self.bf16 = config.mixed_precision == "bf16" and not parallel.sharded
         self.fuse = resolve_compile(config.compile, device, parallel.sharded)  # small operations compiled
         self.captured = CapturedStep(self.whole_step) if self.graphs else None
+        self.inputs = StepInputs(self.batches, self.token_weights, device, self.slots) if self.graphs else None
         self.counted_after = self.start_step + untimed_steps(self.captured)  # the rate counts from this step's end
 
     def note(self, message: str) -> None:
@@ -388,7 +317,7 @@ class Stage2Trainer:
         with record_function("train.student_forward"), accelerator.autocast():
             out = self.model(**student_inputs)
         weights = None if w is None else scheduled(w.float(), uniform_part, batch["attention_mask"])
-        if config.answer_weight != 1:  # the rows mark answers: _answers checked them
+        if config.answer_weight != 1:  # the rows mark answers: answer_summary checked them
             weights = answer_weighted(weights, batch["answers"], config.answer_weight)
         # each process's mean weighted by its share of the predictions: the processes' mean is the global one
         parts = {"ce": ce_loss(out.logits, batch["input_ids"], mask, weights) * parallel.share(mask[:, :-1].sum())}
@@ -426,7 +355,7 @@ class Stage2Trainer:
             host = next(self.batches)
             w = token_weights[host["index"]] if torch.is_tensor(token_weights) else None  # on the host
             batch = to_device(host, device)
-            found = _documents(host, device) if self.hybrid else None
+            found = device_documents(host, device) if self.hybrid else None
             if found is not None:
                 batch["packed_documents"] = found
             if callable(token_weights):
@@ -468,17 +397,19 @@ class Stage2Trainer:
 
     def graph_step(self, step: int, lr: float, pending: tuple | None) -> tuple:
         """Optimizer step `step` of one micro-batch, replayed as a CUDA graph; the step before (`pending`) is read
-        back, and stopped on, before this one's update. Returns this step's `pending`, read during the next."""
-        host = next(self.batches)
-        tensors, step_tokens = graph_inputs(host, self.token_weights, self.device, self.slots)
+        back, and stopped on, before this one's update; the next step's inputs are prepared while this one replays
+        (`StepInputs`). Returns this step's `pending`, read during the next."""
+        tensors, step_tokens = self.inputs.take()
         if self.own_reduce:  # this process's share of packed rows, times N (no host sync for the global count)
             step_tokens *= self.parallel.world
         if pending is not None:
             self.finish_pending(pending)
         self.uniform.fill_(schedule_uniform(self.tokens_seen, self.tau) if self.token_weights is not None else 0.0)
-        stacked = self.captured(tensors)
+        pending = (step, lr, *read_later(self.captured(tensors)), step_tokens)
         self.tokens_seen += step_tokens
-        return (step, lr, *read_later(stacked), step_tokens)
+        if step < self.config.steps:
+            self.inputs.prepare()
+        return pending
 
     def finish_pending(self, pending: tuple) -> None:
         step, lr, values, event, step_tokens = pending

@@ -203,7 +203,7 @@ def _stage_weights(recipe: Recipe, run_dir: Path, done: dict, parallel: Parallel
     from transformers import AutoTokenizer
 
     from raven_convert.train.data import save_atomic
-    from raven_convert.train.stage2 import rows_read
+    from raven_convert.train.stage2_rows import rows_read
     from raven_convert.train.token_weights import plot_first_row, resolve_kernel, weight_table
 
     settings = recipe.token_weights

@@ -278,7 +278,7 @@ def weight_table(
 ) -> Tensor:
     """token_weights of every row of `rows` (a PackedDataset, each packed document weighted on its own), computed
     `batch_size` rows at a time: float32 [len(rows), T], row i's weights at index i, on the CPU. With `only` (row
-    positions [K], e.g. stage2.rows_read: the rows a training run will read), just those rows, in that order; the
+    positions [K], e.g. stage2_rows.rows_read: the rows a training run will read), just those rows, in that order; the
     others are NaN, so that reading one fails loudly (stage2.train checks before its first step). tau, lam,
     query_block, kernel and precision are token_weights'.
 

@@ -79,7 +79,9 @@ if GRAPH_LAYOUT or NUDGE:
             steps = config.steps * config.grad_accum
             slots = run_document_slots(self.dataset, config.batch_size, config.seed, steps, processes)
             chunked.FORCE_DEVICE_CHOICE = True
-            stage2._documents = lambda batch, device: tuple(t.to(device) for t in host_documents(batch, slots=slots))
+            stage2.device_documents = lambda batch, device: tuple(
+                t.to(device) for t in host_documents(batch, slots=slots)
+            )
             self.note(f"eager steps on the graphs' layout: documents padded to {slots} per step")
 
     stage2.Stage2Trainer.setup = setup_as_asked

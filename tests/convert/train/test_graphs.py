@@ -19,6 +19,7 @@ from raven_convert.train.data import PackedDataset, batch_iterator
 from raven_convert.train.distributed import Parallel
 from raven_convert.train.graphs import (
     CapturedStep,
+    StepInputs,
     agreed_slots,
     documents_per_row,
     graph_inputs,
@@ -322,6 +323,58 @@ def test_graph_inputs_lay_a_batch_out_on_the_host():
     assert torch.equal(tensors["weights"], position_weights(batch).float())
 
 
+def slow_position_weights(batch: dict) -> torch.Tensor:
+    """`position_weights` after a kernel that spins on the GPU (about 10 ms) on the stream the weights are made on:
+    a step that read them without waiting for that stream would read them unwritten."""
+    torch.cuda._sleep(20_000_000)
+    return position_weights(batch)
+
+
+def test_step_inputs_hand_out_each_batch_once_in_order():
+    """The inputs a graphed stage 2 step takes are graph_inputs' of its batch: drawn ahead by `prepare` (while the
+    step before replays) or, where nothing was prepared, by `take` itself; each batch is drawn once, and only when
+    asked for (the last step prepares none after it). Without CUDA the weights are made in place."""
+    data = packed_dataset(torch.Generator().manual_seed(6))
+    batches = [data.batch(torch.tensor([i, i + 1])) for i in (0, 2, 4)]
+    drawn = []
+
+    def source():
+        for batch in batches:
+            drawn.append(batch)
+            yield batch
+
+    inputs = StepInputs(source(), position_weights, "cpu", slots=64)
+    assert inputs.stream is None
+    taken = [inputs.take()]
+    assert len(drawn) == 1
+    inputs.prepare()
+    assert len(drawn) == 2
+    taken += [inputs.take(), inputs.take()]
+    assert len(drawn) == 3
+    for (tensors, tokens), batch in zip(taken, batches, strict=True):
+        expected, expected_tokens = graph_inputs(batch, position_weights, "cpu", 64)
+        assert tokens == expected_tokens and tensors.keys() == expected.keys()
+        assert all(torch.equal(tensors[name], expected[name]) for name in expected)
+
+
+@pytest.mark.gpu
+@gpu
+def test_step_inputs_made_beside_the_step_are_waited_for():
+    """Weights computed from each batch are made on a side stream; the main stream reads them finished, even when
+    they take long to make, and they are those graph_inputs makes in place."""
+    data = packed_dataset(torch.Generator().manual_seed(6))
+    batches = [data.batch(torch.tensor([i, i + 1])) for i in (0, 2, 4, 6)]
+    inputs = StepInputs(iter(batches), slow_position_weights, "cuda", slots=64)
+    assert inputs.stream is not None
+    for i, batch in enumerate(batches):
+        tensors, _ = inputs.take()
+        read = {name: tensor.clone() for name, tensor in tensors.items()}  # on the main stream, at once
+        if i + 1 < len(batches):
+            inputs.prepare()  # the next batch's, while the main stream would run this step
+        expected, _ = graph_inputs(batch, position_weights, "cuda", 64)
+        assert all(torch.equal(read[name], expected[name]) for name in expected)
+
+
 def test_stage2_pads_every_step_to_the_documents_of_its_fullest_batch():
     """One layout for a whole run (a graph captured once): the slots are the most documents any micro-batch the run
     reads holds, rounded up to the bucket, and every batch's offsets are padded to exactly that many."""
@@ -340,7 +393,7 @@ def test_stage2_pads_every_step_to_the_documents_of_its_fullest_batch():
 
 
 def test_stage2_on_several_processes_pads_every_share_to_one_layout():
-    """Under ddp each process reads its slice of every global batch (stage2._micro_batches): the run's slots cover
+    """Under ddp each process reads its slice of every global batch (stage2_rows.micro_batches): the run's slots cover
     every process's slice of every step, found alike on each without a collective, as graphs holding NCCL
     all-reduces need."""
     data = packed_dataset(torch.Generator().manual_seed(5), rows=24, length=128)
@@ -429,9 +482,10 @@ def test_stage2_checkpoints_resume_in_either_optimizer_mode(saved_graphed, tmp_p
 @pytest.mark.parametrize("mixer", GRAPHED_MIXERS)
 def test_graphed_stage2_matches_eager_on_cuda(mixer, weighting, kd_weight, tmp_path, monkeypatch):
     """Stage 2 as the recipes run it (mixers and LoRA, bf16, compiled parts, token weights from a table as train's or
-    from each batch as extend's, answer tokens weighted, distillation from the teacher as SSE's and Raven's, packed rows
-    of long and of short documents, padded to one layout): the graphed steps' losses and weights are the eager ones'; a
-    graphed run stopped after a checkpoint and resumed ends where the uninterrupted one does. The eager steps run on the
+    from each batch as extend's, made slowly and beside the step before (StepInputs), answer tokens weighted,
+    distillation from the teacher as SSE's and Raven's, packed rows of long and of short documents, padded to one
+    layout): the graphed steps' losses and weights are the eager ones'; a graphed run stopped after a checkpoint and
+    resumed ends where the uninterrupted one does. The eager steps run on the
     graphs' layout (documents padded to the run's slots, in-chunk forms chosen on the device): that it changes nothing
     is test_padded_documents_change_no_loss_or_gradient's, exactly, on the CPU; on a GPU it changes the rounding, which
     8 Adam steps at lr 3e-3 carry into zero-started weights (docs/lab/TRAINING_SPEED.md): the weights may differ by
@@ -442,7 +496,7 @@ def test_graphed_stage2_matches_eager_on_cuda(mixer, weighting, kd_weight, tmp_p
     generator = torch.Generator().manual_seed(3)
     data = packed_dataset(generator)
     data.tensors["answers"] = torch.rand(data.tensors["input_ids"].shape, generator=generator) < 0.05
-    table = torch.rand(len(data), data.seq_len, generator=generator) if weighting == "table" else position_weights
+    table = torch.rand(len(data), data.seq_len, generator=generator) if weighting == "table" else slow_position_weights
     config = dict(
         steps=8, batch_size=2, lr=3e-3, warmup_steps=2, schedule="constant", log_every=0, save_every=4,
         trainable="mixers+lora", mixed_precision="bf16", token_weight_tau=2000.0, kd_weight=kd_weight,
@@ -462,7 +516,7 @@ def test_graphed_stage2_matches_eager_on_cuda(mixer, weighting, kd_weight, tmp_p
                 eager_on_the_graph_layout.setattr(chunked, "FORCE_DEVICE_CHOICE", True)
                 eager_on_the_graph_layout.setattr(
                     stage2,
-                    "_documents",
+                    "device_documents",
                     lambda batch, device: tuple(t.to(device) for t in host_documents(batch, slots=slots)),
                 )
             graphs = run == "graphed"
