@@ -70,12 +70,16 @@ quick() {  # quick RUN: RUN evaluated at 1K-8K without the windowed pass, no del
 }
 
 quick_on() {  # quick_on GPU RUN...: the runs in turn on one GPU, evaluated at 1K-8K without the windowed pass; after
-  # each Raven run, its routers' occupancy
-  local job
+  # each Raven run, its routers' occupancy; fails if any run did (the rest still run)
+  local job failed=0
   for job in "${@:2}"; do
-    CUDA_VISIBLE_DEVICES=$1 WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run "$job" && [[ $job == raven-* ]] &&
-      CUDA_VISIBLE_DEVICES=$1 occupancy "$job"
+    if ! CUDA_VISIBLE_DEVICES=$1 WINDOWED=0 RECIPE_ARGS="${QUICK_EVAL[*]}" run "$job"; then
+      failed=1
+    elif [[ $job == raven-* ]]; then
+      CUDA_VISIBLE_DEVICES=$1 occupancy "$job" || failed=1
+    fi
   done
+  return "$failed"
 }
 
 as_mixer() {  # as_mixer RECIPE MIXER N RUN [ARGS...]: smollm2-RECIPE.yaml converting auto:N to MIXER, with the

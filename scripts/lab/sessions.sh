@@ -122,10 +122,9 @@ session() {  # session JOB: the session JOB, run; 127 when JOB names no session
   windows26-seed1-x1)  # about 22 minutes on one GPU: round 22's windowed 26 with answers x30 on every training seed 1
     DELTA=0 quick_on 0 sila-deep26-w4k-sinks-answers30-seed1
     ;;
-  deep30-seed1-x1)  # about 28 minutes on one GPU: both of the above side by side (round 22: two runs on the one
-    # GPU read 1.2x the tokens of one), for a session with every minute free
-    DELTA=0 quick_on 0 sila-deep30 & DELTA=0 quick_on 0 sila-deep26-w4k-sinks-answers30-seed1 &
-    wait
+  extend-seed1-x1)  # about 25 minutes on one GPU: the windowed 26's extend step under the profiler again, now that
+    # each step's token weights are made beside the step before (round 23: 631 ms a step), then that recipe's seed 1
+    DELTA=0 quick_on 0 profile-deep26-extend sila-deep26-w4k-sinks-answers30-seed1
     ;;
   targets3-x2)  # about 25 minutes, after targets2-x2: the four windows' second seed and their decode speed
     DELTA=0 quick_on 0 sila-deep22-w4k-four-sinks-seed1 &
