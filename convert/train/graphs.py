@@ -114,10 +114,10 @@ def graph_inputs(batch: dict, token_weights, device, slots: int | None = None) -
 class StepInputs:
     """A graphed stage 2's step inputs, laid out one step ahead: `prepare` draws the next host micro-batch from
     `batches` and lays it out (`graph_inputs`); `take` hands the prepared inputs to the step (preparing them first
-    where nothing is). With token weights computed from each batch (extend's teacher forward and attention distances,
-    a third of its step), `prepare` runs on a side CUDA stream, so that its kernels run beside the step graph launched
-    just before it instead of after it: a SILA step's recurrences occupy one SM per sequence and head and leave the
-    rest idle (docs/lab/2026-12-01-round-23-every-layer-and-extends-step.md). Elsewhere it runs in place."""
+    where nothing is). With token weights computed from each batch (extend's teacher forward and attention
+    distances), `prepare` runs on a side CUDA stream, so that its kernels run beside the step graph launched just
+    before it instead of after it: a SILA step's recurrences occupy one SM per sequence and head and leave the rest
+    idle (docs/lab/2026-12-01-round-23-every-layer-and-extends-step.md). Elsewhere it runs in place."""
 
     def __init__(self, batches, token_weights, device, slots: int | None = None):
         self.batches, self.token_weights, self.slots = batches, token_weights, slots
