@@ -126,6 +126,11 @@ session() {  # session JOB: the session JOB, run; 127 when JOB names no session
     # each step's token weights are made beside the step before (round 23: 631 ms a step), then that recipe's seed 1
     DELTA=0 quick_on 0 profile-deep26-extend sila-deep26-w4k-sinks-answers30-seed1
     ;;
+  extend-rows4-x1)  # about 21 minutes on one GPU: the windowed 26's extend step under the profiler again (as
+    # extend-seed1-x1), then the recipe with extend at 4 rows a step over half the steps (the same tokens): its SILA
+    # sweeps take about as long at 4 rows as at 2 (round 23), so extend would take about half the time
+    DELTA=0 quick_on 0 profile-deep26-extend sila-deep26-w4k-sinks-answers30-extend300-rows4
+    ;;
   targets3-x2)  # about 25 minutes, after targets2-x2: the four windows' second seed and their decode speed
     DELTA=0 quick_on 0 sila-deep22-w4k-four-sinks-seed1 &
     DELTA=0 quick_on 1 windows22-four-sinks-speed &
