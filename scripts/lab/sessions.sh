@@ -92,6 +92,18 @@ session() {  # session JOB: the session JOB, run; 127 when JOB names no session
     run scale-strong
     PLAN_PROCESSES=4 PLAN_STRATEGY=ddp run memory-plan
     ;;
+  x4-host)  # about 22 minutes on a 4-GPU host (issue 53), the one unmeasured target first: the 8B plan's 4-process
+    # fsdp row with the host fixes (its convert included); then the 22-layer windowed recipe's EXT4 global batches
+    # on all four GPUs, evaluated on the four (its one-GPU twin: ext4-x1); strong scaling to four; the plan's 4-process
+    # ddp row. x4-strong's runs without the one-GPU ones, which fit a session of its own
+    PLAN_PROCESSES=4 PLAN_STRATEGY=fsdp run memory-plan
+    quick sila-deep22-w4k-sinks-strong4
+    run scale-strong
+    PLAN_PROCESSES=4 PLAN_STRATEGY=ddp run memory-plan
+    ;;
+  ext4-x1)  # about 20 minutes on one GPU: the twin of x4-host's 4-GPU recipe run (the same global batches on one GPU)
+    DELTA=0 quick_on 0 sila-deep22-w4k-sinks-ext4
+    ;;
   windows22-seed1-ddp2)  # about 17 minutes on both GPUs of a 2-GPU host: the windowed 22 at 2.5x align's and
     # train's tokens (round 21's run) on every training seed 1
     quick sila-deep22-w4k-sinks-seed1-ddp2
