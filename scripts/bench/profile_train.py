@@ -80,7 +80,7 @@ def profile(args) -> dict:
     run_dir = out / f"run-{args.stage}"
     recipe = load_recipe(args.recipe, recipe_overrides(args))
     stages = ["convert", "align", "weights", "train", "extend"]
-    before = ["convert"] if args.stage == "align" else stages[: stages.index(args.stage)]
+    before = stages[: stages.index(args.stage)]  # align: convert alone
     run_recipe(recipe, run_dir, stages=before)
     shutil.rmtree(run_dir / args.stage, ignore_errors=True)
 

@@ -266,14 +266,14 @@ PY
     # steps, -rowsN: N rows an extend step, and one of -ddp2: 2.5x the recipe's tokens on two GPUs (as
     # sila-deepN-ddp2), -ddp4: 4x on four (the recipe's rows on each, its steps), -ext4: EXT4 on one GPU, -strong4:
     # EXT4's global batches on four GPUs (STRONG4)
-    local name=${1%-ddp2} extra=() steps=()
+    local name=${1%-ddp2} extra=() steps=() rows=()
     name=${name%-ddp4}
     name=${name%-strong4} && [[ $name == *-ext4 ]] && extra+=("${EXT4[@]}") && name=${name%-ext4}
     if [[ $name =~ ^(.*)-rows([0-9]+)$ ]]; then
-      name=${BASH_REMATCH[1]} && steps=(--set "extend.batch_size=${BASH_REMATCH[2]}")
+      name=${BASH_REMATCH[1]} && rows=(--set "extend.batch_size=${BASH_REMATCH[2]}")
     fi
     if [[ $name =~ ^(.*)-extend([0-9]+)$ ]]; then
-      name=${BASH_REMATCH[1]} && steps+=(--set "extend.steps=${BASH_REMATCH[2]}")
+      name=${BASH_REMATCH[1]} && steps=(--set "extend.steps=${BASH_REMATCH[2]}")
     fi
     [[ $name == *-seed1 ]] && extra+=("${SEED1[@]}") && name=${name%-seed1}
     [[ $name == *-answers ]] && extra+=("${ANSWERS[@]}") && name=${name%-answers}
@@ -284,7 +284,7 @@ PY
     local windows="WINDOWS_OF[$name]"
     [ -n "${!windows:-}" ] || { echo "no windowed run named $1" >&2; return 1; }
     read -ra windows <<<"${!windows}"
-    extra+=("${steps[@]}")  # after the answers' steps: the last --set of a field is the one that counts
+    extra+=("${steps[@]}" "${rows[@]}")  # after the answers' steps: the last --set of a field is the one that counts
     if [[ $1 == *-ddp2 ]]; then
       # weighted answers keep their extend tokens (300 steps of twice the rows, unless -extendN): 2.5x would add
       # 8 minutes
