@@ -8,7 +8,8 @@ sink and pad columns are then zeroed (no renormalising), probabilities below tau
 
 as `attention_distance_torch` (below) computes it block by block in PyTorch. One program takes BM queries of one
 query head: a first sweep over the key blocks finds each query's softmax max and sum (online), a second recomputes
-the scores and accumulates the thresholded, distance-weighted probabilities. Each program writes its queries'
+the scores and accumulates the thresholded, distance-weighted probabilities, forming them only in key blocks where
+some score is high enough for a probability to reach tau. Each program writes its queries'
 partial sums for its head; the heads are summed afterwards in PyTorch (deterministic, no atomics). Key blocks that
 no query of the block may see are never read: those after its last query (causal), those before the window of its
 first query, and those before the first key any of its real queries may see (`first_keys`: the start of a packed
@@ -37,6 +38,7 @@ LOG2E = 1.0 / math.log(2.0)
 # flips borderline probabilities; "ieee" avoids the tensor cores and spills registers at d = 128: tf32x3 is three
 # tf32 products); bf16 and fp16 inputs are held exactly by tf32. Measured in docs/lab/TRAINING_SPEED.md.
 FLOAT32_PRECISION = "tf32x3"
+SKIP_MARGIN = tl.constexpr(1e-3)  # log2 units: skipped key blocks lie below tau by 0.07% of it, far above rounding
 
 
 @triton.jit
@@ -67,6 +69,7 @@ def attention_distance_fwd_kernel(
     BN: tl.constexpr,
     BD: tl.constexpr,
     PRECISION: tl.constexpr,
+    SKIP: tl.constexpr,
 ):
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -106,6 +109,10 @@ def attention_distance_fwd_kernel(
     # [BM]: l >= 1 where a key is allowed (the max counts 1), else p is 0 anyway; rounded as the reference divides,
     # so that p = 1/n from n equal scores meets tau = 1/n as it does there
     b_il = tl.math.div_rn(tl.full([BM], 1.0, dtype=tl.float32), tl.maximum(b_l, 1.0))
+    # p >= tau needs s >= m + log2(tau l): a key block whose scores all fall below that, by far more than rounding,
+    # adds nothing, and its masks and exponentials are not formed (tau = 0 or a query with no allowed key: -inf
+    # and about -1e30, no block skipped)
+    b_floor = b_m + tl.log2(tau * tl.maximum(b_l, 1.0)) - SKIP_MARGIN  # [BM]
 
     b_acc = tl.zeros([BM], dtype=tl.float32)
     for n0 in range(lo, hi, BN):
@@ -113,17 +120,22 @@ def attention_distance_fwd_kernel(
         m_n = o_n < T
         b_k = tl.load(p_k + o_n[:, None] * s_kt + o_d[None, :], mask=m_n[:, None] & m_d[None, :], other=0.0)
         b_s = tl.dot(b_q, tl.trans(b_k.to(tl.float32)), input_precision=PRECISION) * qk_scale  # [BM, BN]
-        b_rk = tl.load(real + p_row + o_n, mask=m_n, other=0) != 0  # [BN]
-        b_dk = tl.load(documents + p_row + o_n, mask=m_n, other=0)  # [BN]
-        b_sk = tl.load(sinks + p_row + o_n, mask=m_n, other=1) != 0  # [BN]
-        b_xk = tl.load(positions + p_row + o_n, mask=m_n, other=0.0)  # [BN]
-        b_ok = (o_n[None, :] <= o_m[:, None]) & b_rq[:, None] & b_rk[None, :] & (b_dk[None, :] == b_dq[:, None])
-        if WINDOWED:
-            b_ok = b_ok & (o_n[None, :] > o_m[:, None] - window)
-        b_p = tl.exp2(tl.where(b_ok, b_s, float("-inf")) - b_m[:, None]) * b_il[:, None]  # [BM, BN] softmax
-        # the sink column is zeroed after the softmax, then the threshold drops p < tau (no renormalising)
-        b_keep = ~b_sk[None, :] & (b_p >= tau)
-        b_acc += tl.sum(tl.where(b_keep, b_p * (b_xq[:, None] - b_xk[None, :]), 0.0), 1)
+        if SKIP:  # masked scores count in the max too: they can only keep a block
+            b_hit = tl.max(tl.max(b_s - b_floor[:, None], 1), 0) >= 0
+        else:
+            b_hit = True
+        if b_hit:
+            b_rk = tl.load(real + p_row + o_n, mask=m_n, other=0) != 0  # [BN]
+            b_dk = tl.load(documents + p_row + o_n, mask=m_n, other=0)  # [BN]
+            b_sk = tl.load(sinks + p_row + o_n, mask=m_n, other=1) != 0  # [BN]
+            b_xk = tl.load(positions + p_row + o_n, mask=m_n, other=0.0)  # [BN]
+            b_ok = (o_n[None, :] <= o_m[:, None]) & b_rq[:, None] & b_rk[None, :] & (b_dk[None, :] == b_dq[:, None])
+            if WINDOWED:
+                b_ok = b_ok & (o_n[None, :] > o_m[:, None] - window)
+            b_p = tl.exp2(tl.where(b_ok, b_s, float("-inf")) - b_m[:, None]) * b_il[:, None]  # [BM, BN] softmax
+            # the sink column is zeroed after the softmax, then the threshold drops p < tau (no renormalising)
+            b_keep = ~b_sk[None, :] & (b_p >= tau)
+            b_acc += tl.sum(tl.where(b_keep, b_p * (b_xq[:, None] - b_xk[None, :]), 0.0), 1)
     tl.store(part + i_bh.to(tl.int64) * T + o_m, b_acc, mask=m_m)
 
 
@@ -161,6 +173,7 @@ def attention_distance(
     *,
     blocks: tuple[int, int] | None = None,
     first: torch.Tensor | None = None,
+    skip_blocks: bool = True,
 ) -> torch.Tensor:
     """One layer's sum over query heads and keys of thresholded attention times distance: [B, T] float32.
 
@@ -170,6 +183,8 @@ def attention_distance(
     only); window: keys j > t - window only (None: all); tau: the threshold. The same as `attention_distance_torch`
     up to rounding. `blocks`: (queries, keys) per program instead of `block_sizes` (powers of two, at least 16).
     `first`: `first_keys(real, documents)` on q's device, for a caller that runs several layers on one layout.
+    `skip_blocks`: key blocks whose scores are all too low for any probability to reach tau are not formed in the
+    second sweep (False forms every one, as the kernel did before: for tests and benchmarks; the results are the same).
     """
     B, H, T, D = q.shape if q.dim() == 4 else (0, 0, 0, 0)
     Hkv = k.shape[1] if k.dim() == 4 else 0
@@ -223,6 +238,7 @@ def attention_distance(
         BN,
         max(16, triton.next_power_of_2(D)),
         "tf32" if half else FLOAT32_PRECISION,
+        skip_blocks,
         num_warps=warps,
     )
     return part.sum(dim=1)

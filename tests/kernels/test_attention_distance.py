@@ -4,6 +4,8 @@ masks with holes, document ids that are not runs, tau 0 and a high tau, bf16."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -92,6 +94,41 @@ def test_ties_at_tau_are_kept():
     torch.testing.assert_close(got[0], torch.tensor(expected, device=DEVICE))
     assert got[0, 4] > 0
     torch.testing.assert_close(got, naive_attention_distance(q, k, 0.25, *layout, None, 0.2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_key_blocks_too_low_for_tau_are_skipped_exactly(dtype):
+    """Peaked attention (each query on the key 5 back, the other keys far below tau) over many key blocks: the
+    second sweep skips the blocks where no probability can reach tau (most of them, `skipped_share`), and the sums are
+    bit for bit those with every block formed, and the reference's."""
+    T, d = 208, 16
+    layout = [x.to(DEVICE) for x in packed([[T]])]
+    g = torch.Generator().manual_seed(2)
+    k = torch.randn(1, 1, T, d, generator=g)
+    q = 3 * k.roll(5, dims=2) + 0.5 * torch.randn(1, 2, T, d, generator=g)  # two query heads on one key head
+    q, k = q.to(dtype).to(DEVICE), k.to(dtype).to(DEVICE)
+    args = (q, k, d**-0.5, *layout, None, 0.2)
+    assert skipped_share(q.float(), k.float(), d**-0.5, 0.2, 16) > 0.5
+    skipped = attention_distance(*args, blocks=(16, 16))
+    formed = attention_distance(*args, blocks=(16, 16), skip_blocks=False)
+    assert torch.equal(skipped, formed)
+    expected = naive_attention_distance(*args, query_block=16)
+    assert (expected > 0).float().mean() > 0.8
+    torch.testing.assert_close(skipped, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def skipped_share(q, k, scaling, tau, block):
+    """The share of the causal (query block, key block) pairs of one row whose scores all fall below the kernel's
+    floor m + log2(tau l) (its test, in PyTorch, for a row of one document of a multiple of `block` tokens)."""
+    T = q.shape[2]
+    scores = (q[0] @ k[0].transpose(-1, -2)) * scaling / math.log(2)  # [H, T, T] log2 units
+    allowed = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    masked = scores.masked_fill(~allowed, float("-inf"))
+    m = masked.amax(-1, keepdim=True)
+    floor = m + torch.log2(tau * torch.exp2(masked - m).sum(-1, keepdim=True))
+    blocks = (scores - floor).unflatten(1, (-1, block)).unflatten(3, (-1, block)).amax((2, 4))  # [H, T/b, T/b]
+    causal = torch.ones_like(blocks[0], dtype=torch.bool).tril()
+    return (blocks[:, causal] < 0).float().mean().item()
 
 
 def test_bf16_inputs():
