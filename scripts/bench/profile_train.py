@@ -3,15 +3,20 @@
     python scripts/bench/profile_train.py recipes/smollm2-raven.yaml --src MODEL --data CORPUS --stage train --out OUT
 
 Runs convert (kept in OUT/run-STAGE and reused; align is skipped before train, align and train before extend) and the
-token weights where the recipe trains with them, then STAGE for --warmup + 1 + --active steps through the recipe
-pipeline (the code of python -m raven_convert.train), checkpoints, evaluation and export off. The profiler records the
-last --active steps (a step ends at its optimizer step, or where a CUDA graph's replay of it returns: the recipe's
-cuda_graphs as they are) and prints, per step:
+token weights where the recipe trains with them, then STAGE for --warmup + 1 + --active + --timed steps through the
+recipe pipeline (the code of python -m raven_convert.train), checkpoints, evaluation and export off. The profiler
+records --active steps after the warm-up (a step ends at its optimizer step, or where a CUDA graph's replay of it
+returns: the recipe's cuda_graphs as they are), each step waiting for the GPU to finish the one before, so that its
+kernels are its own; the --timed steps after them run as the recipe runs them, with no wait between steps, their
+ends marked on the GPU (CUDA events): a step whose work overlaps the next one's (stage 2's graphed steps prepare the
+next inputs on a side stream while they replay) is only that fast unsynchronised. Prints the step's time both ways
+and, per recorded step:
 - the phases of a step, the record_function ranges of align.py and stage2.py (teacher, mixers or student forward,
   backward, optimizer; extend's token weights, computed from the teacher as each batch is drawn): CPU time (launching
   included) and GPU time of the kernels each launched (none for replayed graphs, whose ranges ran at their capture);
 - the GPU kernels and copies with the most time, and the ops with the most CPU time of their own;
-- the GPU's busy share: kernel time over wall time (low: the step waits on the CPU, launches or host syncs).
+- the GPU's busy share: kernel time over a recorded step's wall time (low: the step waits on the CPU, launches or
+  host syncs); kernel time over the timed step's is above 1 where two streams overlap.
 Writes OUT/profile-STAGE.json (the same tables as data) and OUT/trace-STAGE.json.gz (Perfetto, chrome://tracing).
 """
 
@@ -33,7 +38,7 @@ PHASE_PREFIX = {"align": "align.", "train": "train.", "extend": "train."}  # ext
 
 def recipe_overrides(args) -> list[str]:
     """The recipe's fields this profile changes, as --set overrides."""
-    steps = args.warmup + 1 + args.active
+    steps = args.warmup + 1 + args.active + args.timed
     overrides = {
         "source": str(Path(args.src).resolve()) if Path(args.src).exists() else args.src,
         "data.source": str(Path(args.data).resolve()),
@@ -48,6 +53,7 @@ def recipe_overrides(args) -> list[str]:
         overrides["token_weights.enabled"] = False
     else:  # the speed of stage 2 does not depend on how well the mixers were aligned (or trained, for extend)
         overrides["align.steps"] = 0
+        overrides[f"{args.stage}.eval_every"] = 0  # validation only after the last step, outside every timed one
     if args.stage == "extend":
         overrides["train.steps"] = 0
     return [f"{key}={json.dumps(value)}" for key, value in overrides.items()]
@@ -87,14 +93,19 @@ def profile(args) -> dict:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+    window = args.warmup + 1 + args.active
     schedule = torch.profiler.schedule(wait=args.warmup, warmup=1, active=args.active, repeat=1)
-    step_ends: list[float] = []
+    step_ends: list[float] = []  # host clock, each step synchronised: the profiled ones and those before
+    marks: list = []  # the timed steps' ends: CUDA events on the step's stream (the host clock without CUDA)
     in_graph_step = False  # while a CapturedStep runs: its optimizer step (eager, or being captured) ends no step
     replay = CapturedStep.__call__
     with torch.profiler.profile(activities=activities, schedule=schedule, record_shapes=False) as prof:
 
         def after_step(optimizer=None, *_):  # one optimizer step per training step in align and stage 2
             if in_graph_step:
+                return
+            if len(step_ends) == window:
+                marks.append(gpu_mark())
                 return
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -120,6 +131,8 @@ def profile(args) -> dict:
             CapturedStep.__call__ = replay
     active = step_ends[-args.active - 1 :]  # the active window: from the end of the step before it
     wall_us = (active[-1] - active[0]) * 1e6 / args.active
+    # from the first timed step's end: that step's own inputs were made after the last recorded step's wait
+    timed_ms = elapsed_ms(marks[0], marks[-1]) / (len(marks) - 1)
     events = prof.key_averages()
     prefix = PHASE_PREFIX[args.stage]
     phases: dict[str, dict] = {}  # a range appears twice: as the CPU ran it and as the GPU did
@@ -140,7 +153,10 @@ def profile(args) -> dict:
     return {
         "stage": args.stage,
         "active_steps": args.active,
-        "step_ms": wall_us / 1e3,
+        "timed_steps": len(marks) - 1,
+        "step_ms": timed_ms,
+        "profiled_step_ms": wall_us / 1e3,
+        "kernel_ms": kernels / 1e3 if torch.cuda.is_available() else None,
         "gpu_busy": kernels / wall_us if torch.cuda.is_available() else None,
         "phases": phases,
         "top_gpu": [
@@ -153,9 +169,31 @@ def profile(args) -> dict:
     }
 
 
+def gpu_mark():
+    """A step's end: a CUDA event recorded on the current stream (the host clock without CUDA)."""
+    if not torch.cuda.is_available():
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def elapsed_ms(start, end) -> float:
+    """Milliseconds between two `gpu_mark`s (waits for the GPU to reach `end`)."""
+    if isinstance(start, float):
+        return (end - start) * 1e3
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def print_tables(result: dict) -> None:
     busy = "-" if result["gpu_busy"] is None else f"{result['gpu_busy']:.0%}"
-    print(f"\n{result['stage']} on {result['device']}: {result['step_ms']:.1f} ms per step, GPU busy {busy}\n")
+    kernels = "" if result["kernel_ms"] is None else f", {result['kernel_ms']:.1f} ms of kernels"
+    print(
+        f"\n{result['stage']} on {result['device']}: {result['step_ms']:.1f} ms per step as the recipe runs it"
+        f" ({result['timed_steps']} steps, none waiting for the one before); recorded, each step after the one"
+        f" before: {result['profiled_step_ms']:.1f} ms{kernels}, GPU busy {busy}\n"
+    )
     print("| phase | CPU ms per step | GPU ms per step |\n| --- | --- | --- |")
     for name, t in sorted(result["phases"].items(), key=lambda kv: -kv[1]["gpu_ms"] - kv[1]["cpu_ms"]):
         print(f"| {name} | {t['cpu_ms']:.1f} | {t['gpu_ms']:.1f} |")
@@ -175,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage", choices=sorted(PHASE_PREFIX), default="train")
     parser.add_argument("--warmup", type=int, default=3, help="steps before the recorded ones (compilation, autotune)")
     parser.add_argument("--active", type=int, default=5, help="steps recorded")
+    parser.add_argument("--timed", type=int, default=8, help="steps timed after them, unsynchronised (at least 2)")
     parser.add_argument("--max-documents", type=int, default=300)
     parser.add_argument("--rows", type=int, default=20, help="ops listed in each table")
     parser.add_argument("--out", required=True)
@@ -182,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("warmup", "active", "rows", "max_documents"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    if args.timed < 2:
+        parser.error(f"--timed {args.timed}: must be >= 2 (the first timed step only starts the clock)")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result = profile(args)
     (Path(args.out) / f"profile-{args.stage}.json").write_text(json.dumps(result, indent=1))

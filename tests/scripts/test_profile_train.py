@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+import torch
 import yaml
 
 from tests.conftest import make_tiny_source
@@ -36,13 +38,27 @@ def test_extend_is_profiled_after_a_conversion_alone_with_its_token_weights_as_a
     recipe.write_text(yaml.safe_dump(RECIPE))
     out = tmp_path / "out"
     args = [str(recipe), "--src", str(teacher), "--data", str(corpus), "--stage", "extend", "--out", str(out)]
-    assert main([*args, "--warmup", "1", "--active", "2"]) == 0
+    assert main([*args, "--warmup", "1", "--active", "2", "--timed", "3"]) == 0
 
     result = json.loads((out / "profile-extend.json").read_text())
-    assert result["stage"] == "extend" and result["step_ms"] > 0
-    assert {"train.token_weights", "train.student_forward", "train.backward"} <= set(result["phases"])
+    assert result["stage"] == "extend" and result["step_ms"] > 0 and result["profiled_step_ms"] > 0
+    assert result["timed_steps"] == 2  # the first timed step's end starts the clock
+    # on CUDA the student's step is a replayed graph, whose ranges ran only at its capture
+    student = set() if torch.cuda.is_available() else {"train.student_forward", "train.backward"}
+    assert {"train.token_weights", *student} <= set(result["phases"])
     run = out / "run-extend"
     done = {stage: json.loads((run / stage / "DONE").read_text()) for stage in ("align", "weights", "train", "extend")}
     assert all(done[stage].get("skipped") for stage in ("align", "weights", "train"))  # only extend's steps ran
-    assert done["extend"]["steps"] == 1 + 1 + 2  # warm-up, the profiler's own warm-up step, the recorded ones
-    assert "| train.token_weights |" in capsys.readouterr().out
+    # warm-up, the profiler's own warm-up step, the recorded ones, the timed ones
+    assert done["extend"]["steps"] == 1 + 1 + 2 + 3
+    printed = capsys.readouterr().out
+    assert "| train.token_weights |" in printed and "ms per step as the recipe runs it (2 steps" in printed
+
+
+def test_timed_steps_below_two_are_refused_before_anything_runs(tmp_path, capsys):
+    args = ["recipe.yaml", "--src", "m", "--data", "d", "--out", str(tmp_path / "out"), "--timed", "1"]
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    assert stop.value.code == 2
+    assert "--timed 1: must be >= 2" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
