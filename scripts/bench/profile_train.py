@@ -17,7 +17,9 @@ and, per recorded step:
 - the GPU kernels and copies with the most time, and the ops with the most CPU time of their own;
 - the GPU's busy share: kernel time over a recorded step's wall time (low: the step waits on the CPU, launches or
   host syncs); kernel time over the timed step's is above 1 where two streams overlap.
-Writes OUT/profile-STAGE.json (the same tables as data) and OUT/trace-STAGE.json.gz (Perfetto, chrome://tracing).
+`--inputs-in-place` makes stage 2's graphed steps prepare their next inputs on the step's own stream, after it (as
+before graphs.StepInputs ran them beside the step): the same command with and without it measures what the overlap
+buys. Writes OUT/profile-STAGE.json (the same tables as data) and OUT/trace-STAGE.json.gz (Perfetto, chrome://tracing).
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def on_gpu(event) -> bool:
 
 
 def profile(args) -> dict:
-    from raven_convert.train.graphs import CapturedStep
+    from raven_convert.train.graphs import CapturedStep, StepInputs
     from raven_convert.train.recipe import load_recipe
     from raven_convert.train.stages import run_recipe
 
@@ -98,7 +100,7 @@ def profile(args) -> dict:
     step_ends: list[float] = []  # host clock, each step synchronised: the profiled ones and those before
     marks: list = []  # the timed steps' ends: CUDA events on the step's stream (the host clock without CUDA)
     in_graph_step = False  # while a CapturedStep runs: its optimizer step (eager, or being captured) ends no step
-    replay = CapturedStep.__call__
+    replay, made = CapturedStep.__call__, StepInputs.__init__
     with torch.profiler.profile(activities=activities, schedule=schedule, record_shapes=False) as prof:
 
         def after_step(optimizer=None, *_):  # one optimizer step per training step in align and stage 2
@@ -122,13 +124,19 @@ def profile(args) -> dict:
             after_step()
             return output
 
+        def in_place(self, *given, **named):
+            made(self, *given, **named)
+            self.stream = None  # StepInputs then prepares on the current stream
+
         handle = register_optimizer_step_post_hook(after_step)
         CapturedStep.__call__ = graphed_step
+        if args.inputs_in_place:
+            StepInputs.__init__ = in_place
         try:
             run_recipe(recipe, run_dir, stages=[args.stage])
         finally:
             handle.remove()
-            CapturedStep.__call__ = replay
+            CapturedStep.__call__, StepInputs.__init__ = replay, made
     active = step_ends[-args.active - 1 :]  # the active window: from the end of the step before it
     wall_us = (active[-1] - active[0]) * 1e6 / args.active
     # from the first timed step's end: that step's own inputs were made after the last recorded step's wait
@@ -152,6 +160,7 @@ def profile(args) -> dict:
     trace.unlink()
     return {
         "stage": args.stage,
+        "inputs_in_place": args.inputs_in_place,
         "active_steps": args.active,
         "timed_steps": len(marks) - 1,
         "step_ms": timed_ms,
@@ -215,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--active", type=int, default=5, help="steps recorded")
     parser.add_argument("--timed", type=int, default=8, help="steps timed after them, unsynchronised (at least 2)")
     parser.add_argument("--max-documents", type=int, default=300)
+    parser.add_argument(
+        "--inputs-in-place", action="store_true", help="stage 2's next inputs made after the step, on its stream"
+    )
     parser.add_argument("--rows", type=int, default=20, help="ops listed in each table")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)

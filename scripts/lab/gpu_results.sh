@@ -495,9 +495,12 @@ PY
     python3 scripts/bench/profile_train.py "recipes/smollm2-${1#profile-}.yaml" --src "$TEACHER" --data "$CORPUS" \
       --stage train --out "$RUNS/$1"
     ;;
-  profile-deep26-extend)  # the windowed 26's extend step (1.6-2.1% MFU in round 22, 40% of the recipe's time)
+  profile-deep26-extend | profile-deep26-extend-in-place)  # the windowed 26's extend step (40% of the recipe's
+    # time in round 22); -in-place: its next inputs made after the step, not beside it (what StepInputs buys)
+    local where=()
+    [ "$1" = profile-deep26-extend ] || where=(--inputs-in-place)
     python3 scripts/bench/profile_train.py recipes/smollm2-sila-deep26-windows.yaml --src "$TEACHER" --data "$CORPUS" \
-      --stage extend --out "$RUNS/$1"
+      --stage extend --out "$RUNS/$1" "${where[@]}"
     ;;
   bench-raven | bench-sse | bench-sila)
     (cd scripts/bench && python3 bench_graphs.py --stage train --mixer "${1#bench-}" --steps 60 --rows 8 16 --whole-rows 2)
@@ -532,7 +535,7 @@ PY
     [ "$status" -ne 127 ] && return "$status"
     echo "unknown job $1; jobs: teacher raven sse sila sila-uniform MIXER-seed1 MIXER-eval-seed1" \
       "MIXER-trained-windows MIXER-far-windows MIXER-answers-windows MIXER-narrow-windows MIXER-try-NAME" \
-      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 sila-deep22-ddp2-long sila-deep22-qheads-ddp2 deep22-ddp2-x2 sila-deep22-all sila-deep22-all-ddp2 raven-silarecipe sse-silarecipe MIXER-silarecipe-seed1 raven-deep22 sse-deep22 raven-m128 raven-m256 raven-nogumbel raven-centred raven-centred-nogumbel raven-centred-seed1 sse-centred raven-deep22-centred centred-x2 sila-deep22-qheads sila-deep26-qheads sila-qheads qheads-speed qheads-x2 sila-deep22-seed1 sila-deep30 sila-deep26-qheads-induction sila-deep22-far-facts sila-deep22-seed1-far-facts qheads-next-x2 deep26-ddp2-profile mixers15-x2 routers15-x2 sse-raven-x2 all-raven-x2 views-check decode-b128-twice scale-out scale-pair scale-strong scale-weak memory-plan scale-x4 decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER profile-deep26-extend bench-MIXER" \
+      "(MIXER: raven, sse or sila) sila-deep22 sila-deep26 sila-auto22 sila-auto26 sila-restore22-fine sila-restore26-fine sila-kd22 sila-kd22-e2e sila-kd26-e2e sila-prog22 sila-deepN-half sila-deepN-double (N: 22 or 26) sila-deep22-ddp4 sila-deep26-ddp4 sila-deep22-ddp2 sila-deep26-ddp2 sila-deep22-ddp2-long sila-deep22-qheads-ddp2 deep22-ddp2-x2 sila-deep22-all sila-deep22-all-ddp2 raven-silarecipe sse-silarecipe MIXER-silarecipe-seed1 raven-deep22 sse-deep22 raven-m128 raven-m256 raven-nogumbel raven-centred raven-centred-nogumbel raven-centred-seed1 sse-centred raven-deep22-centred centred-x2 sila-deep22-qheads sila-deep26-qheads sila-qheads qheads-speed qheads-x2 sila-deep22-seed1 sila-deep30 sila-deep26-qheads-induction sila-deep22-far-facts sila-deep22-seed1-far-facts qheads-next-x2 deep26-ddp2-profile mixers15-x2 routers15-x2 sse-raven-x2 all-raven-x2 views-check decode-b128-twice scale-out scale-pair scale-strong scale-weak memory-plan scale-x4 decode-lab decode-tests decode-round decode-bench decode-round-2 decode-round-3 decode-parts decode-round-7 decode-round-7-x2 decode-round-8-x2 scale-out-round-8-x2 depth-speed sila-nodecay-windows sila-nodecay-answers-windows profile-MIXER profile-deep26-extend profile-deep26-extend-in-place bench-MIXER" \
       "sse-every2 sse-window-choice sse-noretrieval sse-noextend sse-norouter reach-RUN speed;" \
       "sessions (scripts/lab/sessions.sh): $(sessions)" >&2
     return 2

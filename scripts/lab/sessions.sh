@@ -134,12 +134,13 @@ session() {  # session JOB: the session JOB, run; 127 when JOB names no session
   windows26-seed1-x1)  # about 22 minutes on one GPU: round 22's windowed 26 with answers x30 on every training seed 1
     DELTA=0 quick_on 0 sila-deep26-w4k-sinks-answers30-seed1
     ;;
-  extend-seed1-x1)  # about 25 minutes on one GPU: the windowed 26's extend step under the profiler again, now that
-    # each step's token weights are made beside the step before (round 23: 631 ms a step), then that recipe's seed 1
-    DELTA=0 quick_on 0 profile-deep26-extend sila-deep26-w4k-sinks-answers30-seed1
+  extend-ab-x1)  # about 25 minutes on one GPU: the windowed 26's extend step timed with its next inputs made beside
+    # it and after it, in one session (round 24's profile waited between steps, which undid the overlap), then that
+    # recipe's seed 1
+    DELTA=0 quick_on 0 profile-deep26-extend profile-deep26-extend-in-place sila-deep26-w4k-sinks-answers30-seed1
     ;;
-  extend-rows4-x1)  # about 21 minutes on one GPU: the windowed 26's extend step under the profiler again (as
-    # extend-seed1-x1), then the recipe with extend at 4 rows a step over half the steps (the same tokens): its SILA
+  extend-rows4-x1)  # about 21 minutes on one GPU (ran in round 24): the windowed 26's extend step profiled (as
+    # extend-ab-x1), then the recipe with extend at 4 rows a step over half the steps (the same tokens): its SILA
     # sweeps take about as long at 4 rows as at 2 (round 23), so extend would take about half the time
     DELTA=0 quick_on 0 profile-deep26-extend sila-deep26-w4k-sinks-answers30-extend300-rows4
     ;;

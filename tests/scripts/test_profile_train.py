@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 
+from raven_convert.train.graphs import StepInputs
 from tests.conftest import make_tiny_source
 from tests.helpers import words_corpus
 
@@ -31,16 +32,20 @@ RECIPE = {
 }
 
 
-def test_extend_is_profiled_after_a_conversion_alone_with_its_token_weights_as_a_phase(tmp_path, capsys):
+@pytest.mark.parametrize("in_place", [False, True], ids=["beside", "in-place"])
+def test_extend_is_profiled_after_a_conversion_alone_with_its_token_weights_as_a_phase(tmp_path, capsys, in_place):
     teacher = make_tiny_source("llama", tmp_path / "llama", num_hidden_layers=4)
     corpus = words_corpus(tmp_path / "corpus", documents=30, words_per_document=120)
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(RECIPE))
     out = tmp_path / "out"
     args = [str(recipe), "--src", str(teacher), "--data", str(corpus), "--stage", "extend", "--out", str(out)]
-    assert main([*args, "--warmup", "1", "--active", "2", "--timed", "3"]) == 0
+    made = StepInputs.__init__
+    assert main([*args, "--warmup", "1", "--active", "2", "--timed", "3", *(["--inputs-in-place"] * in_place)]) == 0
+    assert StepInputs.__init__ is made  # put back after the run
 
     result = json.loads((out / "profile-extend.json").read_text())
+    assert result["inputs_in_place"] is in_place
     assert result["stage"] == "extend" and result["step_ms"] > 0 and result["profiled_step_ms"] > 0
     assert result["timed_steps"] == 2  # the first timed step's end starts the clock
     # on CUDA the student's step is a replayed graph, whose ranges ran only at its capture
