@@ -10,13 +10,13 @@ runs them).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import re
-from pathlib import Path
 
 import torch
 from torch import nn
+
+from ..files import write_json
 
 OutOfMemory: tuple[type[BaseException], ...] = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError),)
 
@@ -131,7 +131,7 @@ def compare_models(args, measure, table, plot) -> dict:
         free(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
     print(table(results))
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        write_json(results, args.out)
     if args.plot:
         plot(results, args.plot)
     return results

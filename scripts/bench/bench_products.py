@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -30,6 +29,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).res
 from common import graphed_us, numbers, parse_sizes, sweep_info, timing_fields  # noqa: E402
 
 from raven_convert.evaluate.decode_bench import copy_bandwidth  # noqa: E402
+from raven_convert.files import write_json  # noqa: E402
 from raven_kernels.linear import add_norm_linear, silu_mul_linear  # noqa: E402
 from raven_kernels.linear.decode import ProductTiles, product_tiles  # noqa: E402
 from raven_layers.common import recompile_limits  # noqa: E402
@@ -109,7 +109,7 @@ def main(argv=None) -> None:
     with torch._dynamo.config.patch(**recompile_limits(64)):  # a compilation per shape, none run eager
         for product, batch in itertools.product(PRODUCTS, parse_sizes(args.batches)):
             rows += measure(product, batch, pair[product[3]], grid, bandwidth)
-            (args.out / "bench_products.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+            write_json({"info": info, "rows": rows}, args.out / "bench_products.json")
     print(f"\n{info}")
     print("| product | batch | kernel | outputs a program | warps | us | weight TB/s | vs the pair | max diff |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")

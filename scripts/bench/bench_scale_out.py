@@ -30,6 +30,8 @@ from pathlib import Path
 
 import yaml
 
+from raven_convert.files import write_json
+
 
 def visible_gpus(count: int) -> list[int]:
     """nvidia-smi's indices of the first `count` GPUs the runs see (CUDA_VISIBLE_DEVICES as indices, else 0, 1, ...)."""
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             if graphed:
                 name = f"gpu{n}-ddp-{scaling}-graphed-{'-'.join(graphed)}"
                 rows.append(run(args, name, n, "ddp", scaling, {f"{stage}.cuda_graphs": True for stage in graphed}))
-    (Path(args.out) / "scale_out.json").write_text(json.dumps(rows, indent=1))
+    write_json(rows, Path(args.out) / "scale_out.json")
     base = rows[0]
     columns = ["run", "processes", "rows per GPU", "align tok/s", "vs 1 GPU", "train tok/s", "vs 1 GPU"]
     print("| " + " | ".join(columns + ["peak memory per GPU (GiB)"]) + " |")

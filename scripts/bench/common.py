@@ -352,6 +352,7 @@ def warps_sweep(argv, doc: str, name: str, default, use_warps, inputs, step, byt
     parser.add_argument("--warps", type=numbers, default=[1, 2, 4, 8])
     args = parser.parse_args(argv)
     from raven_convert.evaluate.decode_bench import copy_bandwidth
+    from raven_convert.files import write_json
 
     bandwidth = copy_bandwidth()
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s; warps {args.warps}", flush=True)
@@ -372,7 +373,7 @@ def warps_sweep(argv, doc: str, name: str, default, use_warps, inputs, step, byt
                 rows.append(row | {"error": f"{error}"[:200]})
                 continue
             rows.append(row | timing_fields(bytes_moved(first), us, bandwidth, out, reference))
-        (args.out / f"{name}.json").write_text(json.dumps({"info": record, "rows": rows}, indent=1))
+        write_json({"info": record, "rows": rows}, args.out / f"{name}.json")
     print_sweep(record, rows, {"warps": lambda r: f"{r['warps']}{' (default)' if r['default'] else ''}"})
 
 

@@ -25,6 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from raven_convert.files import write_json
+
 
 def run(recipe: str, run_dir: Path, overrides: list[str]) -> dict:
     cmd = [sys.executable, "-m", "raven_convert.train", recipe, "--run-dir", str(run_dir), "--redo", "convert"]
@@ -77,7 +79,7 @@ def main() -> int:
         except subprocess.CalledProcessError as err:
             results[name] = {"error": f"exit {err.returncode}"}
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        write_json(results, args.json)
 
     print("\n| recipe | align tok/s | align val MSE (before -> after) | weights s | train tok/s | train val CE |")
     print("| --- | --- | --- | --- | --- | --- |")

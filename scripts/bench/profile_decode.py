@@ -34,7 +34,6 @@ holds.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -56,6 +55,7 @@ from common import (  # noqa: E402
 )
 
 from raven_convert.evaluate.decode_bench import StepClock, decode_graph_ms, timed_generate  # noqa: E402
+from raven_convert.files import write_json  # noqa: E402
 from raven_layers.decode_attention import decode_attention  # noqa: E402
 
 
@@ -198,7 +198,7 @@ def main(argv=None):
     rows = []
 
     def save():  # after every row: a run cut short keeps what it measured
-        (args.out / "profile_decode.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+        write_json({"info": info, "rows": rows}, args.out / "profile_decode.json")
 
     for name, model in build_models(mixers, [("", layers)], None, settings_from=args.mixer_settings):
         if name not in names:

@@ -235,9 +235,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if args.timed < 2:
         parser.error(f"--timed {args.timed}: must be >= 2 (the first timed step only starts the clock)")
+    from raven_convert.files import write_json
+
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result = profile(args)
-    (Path(args.out) / f"profile-{args.stage}.json").write_text(json.dumps(result, indent=1))
+    write_json(result, Path(args.out) / f"profile-{args.stage}.json")
     print_tables(result)
     return 0
 

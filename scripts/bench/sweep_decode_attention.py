@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -32,6 +31,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).res
 from common import graphed_us, numbers, parse_sizes, shown_rows, sweep_info, timing_fields  # noqa: E402
 
 from raven_convert.evaluate.decode_bench import copy_bandwidth  # noqa: E402
+from raven_convert.files import write_json  # noqa: E402
 from raven_kernels.attention import decode_attention  # noqa: E402
 from raven_kernels.attention.decode import TILES, DecodeTiles, decode_tiles  # noqa: E402
 
@@ -91,7 +91,7 @@ def main(argv=None) -> None:
                 continue
             row = {"batch": batch, "context": context, **asdict(tiles), "default": tiles == TILES.value}
             rows.append(row | timing_fields(bytes_read, us, bandwidth, out, reference))
-        (args.out / "sweep_decode_attention.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+        write_json({"info": info, "rows": rows}, args.out / "sweep_decode_attention.json")
         tensors = reference = out = None  # freed before the next shape's inputs
         torch.cuda.empty_cache()
     print(f"\n{info}")

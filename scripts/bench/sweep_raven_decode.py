@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -33,6 +32,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).res
 from common import graphed_us, numbers, parse_sizes, print_sweep, sweep_info, timing_fields  # noqa: E402
 
 from raven_convert.evaluate.decode_bench import copy_bandwidth  # noqa: E402
+from raven_convert.files import write_json  # noqa: E402
 from raven_kernels.raven import fused_recurrent_raven_decode  # noqa: E402
 from raven_kernels.raven.fused_recurrent import (  # noqa: E402
     DECODE_TOP_K_BY,
@@ -119,7 +119,7 @@ def main(argv=None) -> None:
                 continue
             row = {"batch": batch, **asdict(split), "default": split == default}
             rows.append(row | timing_fields(bytes_read, us, bandwidth, out, reference))
-        (args.out / "sweep_raven_decode.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+        write_json({"info": info, "rows": rows}, args.out / "sweep_raven_decode.json")
         x = reference = out = scratch = None
         torch.cuda.empty_cache()
     columns = {
