@@ -16,7 +16,7 @@ and, per recorded step:
   included) and GPU time of the kernels each launched (none for replayed graphs, whose ranges ran at their capture);
 - the GPU kernels and copies with the most time, and the ops with the most CPU time of their own;
 - the GPU's busy share: kernel time over a recorded step's wall time (low: the step waits on the CPU, launches or
-  host syncs); kernel time over the timed step's is above 1 where two streams overlap.
+  host syncs); over the timed step's (`gpu_busy_timed`), above 100% where two streams' kernels overlap.
 `--inputs-in-place` makes stage 2's graphed steps prepare their next inputs on the step's own stream, after it (as
 before graphs.StepInputs ran them beside the step): the same command with and without it measures what the overlap
 buys. Writes OUT/profile-STAGE.json (the same tables as data) and OUT/trace-STAGE.json.gz (Perfetto, chrome://tracing).
@@ -167,6 +167,7 @@ def profile(args) -> dict:
         "profiled_step_ms": wall_us / 1e3,
         "kernel_ms": kernels / 1e3 if torch.cuda.is_available() else None,
         "gpu_busy": kernels / wall_us if torch.cuda.is_available() else None,
+        "gpu_busy_timed": kernels / 1e3 / timed_ms if torch.cuda.is_available() else None,
         "phases": phases,
         "top_gpu": [
             {"op": e.key, "gpu_ms": self_device_time(e) / 1e3 / args.active, "calls": e.count} for e in top_gpu
@@ -198,10 +199,11 @@ def elapsed_ms(start, end) -> float:
 def print_tables(result: dict) -> None:
     busy = "-" if result["gpu_busy"] is None else f"{result['gpu_busy']:.0%}"
     kernels = "" if result["kernel_ms"] is None else f", {result['kernel_ms']:.1f} ms of kernels"
+    timed = "" if result["gpu_busy_timed"] is None else f", the kernels' time {result['gpu_busy_timed']:.0%} of it"
     print(
         f"\n{result['stage']} on {result['device']}: {result['step_ms']:.1f} ms per step as the recipe runs it"
-        f" ({result['timed_steps']} steps, none waiting for the one before); recorded, each step after the one"
-        f" before: {result['profiled_step_ms']:.1f} ms{kernels}, GPU busy {busy}\n"
+        f" ({result['timed_steps']} steps, none waiting for the one before{timed}); recorded, each step after the"
+        f" one before: {result['profiled_step_ms']:.1f} ms{kernels}, GPU busy {busy}\n"
     )
     print("| phase | CPU ms per step | GPU ms per step |\n| --- | --- | --- |")
     for name, t in sorted(result["phases"].items(), key=lambda kv: -kv[1]["gpu_ms"] - kv[1]["cpu_ms"]):
