@@ -117,12 +117,13 @@ class StepInputs:
     where nothing is). With token weights computed from each batch (extend's teacher forward and attention
     distances), `prepare` runs on a side CUDA stream, so that its kernels run beside the step graph launched just
     before it instead of after it: a SILA step's recurrences occupy one SM per sequence and head and leave the rest
-    idle (docs/lab/2026-12-01-round-23-every-layer-and-extends-step.md). Elsewhere it runs in place."""
+    idle (docs/lab/2026-12-01-round-23-every-layer-and-extends-step.md). Elsewhere, or with `beside=False` (for a
+    profile of what the overlap buys), it runs in place."""
 
-    def __init__(self, batches, token_weights, device, slots: int | None = None):
+    def __init__(self, batches, token_weights, device, slots: int | None = None, beside: bool = True):
         self.batches, self.token_weights, self.slots = batches, token_weights, slots
         self.device = torch.device(device)
-        beside = callable(token_weights) and self.device.type == "cuda"
+        beside = beside and callable(token_weights) and self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if beside else None
         self.ready: tuple | None = None  # (inputs, real tokens, the side stream's event once they are done)
         self.fence: torch.cuda.Event | None = None  # the main stream's work the next preparation comes after

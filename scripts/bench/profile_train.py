@@ -25,6 +25,7 @@ buys. Writes OUT/profile-STAGE.json (the same tables as data) and OUT/trace-STAG
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import json
 import shutil
@@ -124,14 +125,10 @@ def profile(args) -> dict:
             after_step()
             return output
 
-        def in_place(self, *given, **named):
-            made(self, *given, **named)
-            self.stream = None  # StepInputs then prepares on the current stream
-
         handle = register_optimizer_step_post_hook(after_step)
         CapturedStep.__call__ = graphed_step
         if args.inputs_in_place:
-            StepInputs.__init__ = in_place
+            StepInputs.__init__ = functools.partialmethod(made, beside=False)
         try:
             run_recipe(recipe, run_dir, stages=[args.stage])
         finally:

@@ -33,16 +33,26 @@ RECIPE = {
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["beside", "in-place"])
-def test_extend_is_profiled_after_a_conversion_alone_with_its_token_weights_as_a_phase(tmp_path, capsys, in_place):
+def test_extend_is_profiled_after_a_conversion_alone_with_its_token_weights_as_a_phase(
+    tmp_path, capsys, monkeypatch, in_place
+):
     teacher = make_tiny_source("llama", tmp_path / "llama", num_hidden_layers=4)
     corpus = words_corpus(tmp_path / "corpus", documents=30, words_per_document=120)
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(RECIPE))
     out = tmp_path / "out"
     args = [str(recipe), "--src", str(teacher), "--data", str(corpus), "--stage", "extend", "--out", str(out)]
-    made = StepInputs.__init__
+    asked, made = [], StepInputs.__init__
+
+    def recorded(self, *given, beside=True, **named):  # what the step's inputs were asked to do
+        asked.append(beside)
+        made(self, *given, beside=beside, **named)
+
+    monkeypatch.setattr(StepInputs, "__init__", recorded)
     assert main([*args, "--warmup", "1", "--active", "2", "--timed", "3", *(["--inputs-in-place"] * in_place)]) == 0
-    assert StepInputs.__init__ is made  # put back after the run
+    assert StepInputs.__init__ is recorded  # put back after the run
+    # on CUDA extend's steps are graphed, their inputs made beside the step unless in place; elsewhere eager
+    assert asked == ([not in_place] if torch.cuda.is_available() else [])
 
     result = json.loads((out / "profile-extend.json").read_text())
     assert result["inputs_in_place"] is in_place

@@ -364,6 +364,7 @@ def test_step_inputs_made_beside_the_step_are_waited_for():
     they take long to make, and they are those graph_inputs makes in place."""
     data = packed_dataset(torch.Generator().manual_seed(6))
     batches = [data.batch(torch.tensor([i, i + 1])) for i in (0, 2, 4, 6)]
+    assert StepInputs(iter(batches), slow_position_weights, "cuda", slots=64, beside=False).stream is None
     inputs = StepInputs(iter(batches), slow_position_weights, "cuda", slots=64)
     assert inputs.stream is not None
     for i, batch in enumerate(batches):
