@@ -139,6 +139,14 @@ session() {  # session JOB: the session JOB, run; 127 when JOB names no session
     # recipe's seed 1
     DELTA=0 quick_on 0 profile-deep26-extend profile-deep26-extend-in-place sila-deep26-w4k-sinks-answers30-seed1
     ;;
+  extend-ab-plan-x2)  # about 22 minutes on a 2-GPU host: GPU 0 times the windowed 26's extend step with its next
+    # inputs made beside it and after it (extend-ab-x1's profiles), then the 8B plan's 2-process fsdp row on both GPUs
+    # (align's main process since its save compares the teacher's file in pieces); GPU 1 that recipe's seed 1
+    (DELTA=0 quick_on 0 profile-deep26-extend profile-deep26-extend-in-place
+      PLAN_PROCESSES=2 PLAN_STRATEGY=fsdp run memory-plan) &
+    DELTA=0 quick_on 1 sila-deep26-w4k-sinks-answers30-seed1 &
+    wait
+    ;;
   extend-rows4-x1)  # about 21 minutes on one GPU (ran in round 24): the windowed 26's extend step profiled (as
     # extend-ab-x1), then the recipe with extend at 4 rows a step over half the steps (the same tokens): its SILA
     # sweeps take about as long at 4 rows as at 2 (round 23), so extend would take about half the time
