@@ -2,8 +2,9 @@
 real shapes), every stage run through the recipe pipeline (the same code path as a real run) for a few steps under
 `accelerate launch`, torch.cuda.max_memory_allocated and the process's peak host memory recorded per process and
 stage, and align's and train's tokens/s read from their DONE summaries. Host memory is the peak resident set
-(VmHWM) and, sampled every 20 ms, the peak of its anonymous part (RssAnon): what the process itself holds, where
-the rest is files mapped from disk (safetensors read in place), which the kernel can drop and read again.
+(VmHWM) and, sampled every 20 ms, the peaks of its anonymous part (RssAnon): what the process itself holds, and of
+what it maps from files (RssFile: safetensors read in place, which the kernel can drop and read again), with the
+files mapped most at that peak and the code running while it grew (each process's record in the report).
 
     python scripts/bench/memory_plan.py --processes 1,2 --strategy ddp,fsdp --out runs/memory-plan   # on 2 GPUs
     python scripts/bench/memory_plan.py --model tiny --processes 2 --strategy fsdp --out /tmp/plan   # a CPU smoke test
@@ -28,6 +29,7 @@ import shutil
 import string
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from common import QWEN3_8B  # scripts/bench/: the model shapes the benchmarks share
@@ -41,7 +43,7 @@ SMALL = QWEN3_8B | {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_
 SMALL |= {"intermediate_size": 4096, "vocab_size": 32000}
 SHAPES = {"8b": QWEN3_8B, "small": SMALL, "tiny": TINY}  # --model
 ON_CPU = {"small", "tiny"}  # run under torchrun and gloo, float32 rows of 64 tokens; 8b on the GPUs
-HOST_KEYS = ("gpu", "host", "host_anon")  # a stage's numbers: the largest over a run's processes
+HOST_KEYS = ("gpu", "host", "host_anon", "host_file")  # a stage's numbers: the largest over a run's processes
 STAGES = ["convert", "align", "weights", "train", "extend", "evaluate", "export"]  # extend and evaluate: off (skipped)
 
 
@@ -109,21 +111,63 @@ def host_peak_gib(reset: bool = False) -> float:
     return peak
 
 
-class AnonPeak:
-    """The peak of this process's anonymous resident memory (RssAnon, GiB) while the block runs, sampled by a thread
-    every `interval` seconds (the kernel keeps no peak of it)."""
+def mapped_files_gib(top: int = 3) -> dict[str, float]:
+    """The `top` regular files (shared libraries aside) with the most of this process's resident memory mapped from
+    them (/proc/self/smaps), at least 1 MiB each, as {path: GiB}."""
+    resident, path = {}, None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            field = line.split(maxsplit=1)[0]
+            if not field.endswith(":"):  # a mapping's first line: address perms offset dev inode [path]
+                parts = line.split(maxsplit=5)
+                path = parts[5].strip() if len(parts) == 6 and parts[5].startswith("/") else None
+                if path and (path.endswith(".so") or ".so." in path):
+                    path = None
+            elif field == "Rss:" and path:
+                resident[path] = resident.get(path, 0) + int(line.split()[1])
+    largest = sorted(((name, kib) for name, kib in resident.items() if kib >= 1024), key=lambda kv: -kv[1])[:top]
+    return {name: kib / 2**20 for name, kib in largest}
+
+
+def main_thread_at() -> str:
+    """Where the main thread is in this project's code (its innermost frame under convert/ or kernels/), as
+    'path:line function'."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None:
+        code = frame.f_code
+        if f"{os.sep}convert{os.sep}" in code.co_filename or f"{os.sep}kernels{os.sep}" in code.co_filename:
+            return f"{Path(code.co_filename).parent.name}/{Path(code.co_filename).name}:{frame.f_lineno} {code.co_name}"
+        frame = frame.f_back
+    return "-"
+
+
+class HostPeak:
+    """The peaks of this process's anonymous resident memory (RssAnon, GiB: what it holds itself) and of what it maps
+    from files (RssFile) while the block runs, sampled by a thread every `interval` seconds (the kernel keeps no peak
+    of either); each rise of RssFile's peak counted to where the main thread was when it was seen (`grew`), and at
+    the peak the files mapped most (`files`): a process that maps more of a model's files than its share shows which
+    file and which code did it."""
 
     def __init__(self, interval: float = 0.02):
-        self.interval, self.peak = interval, 0.0
+        self.interval = interval
+        self.anon = self.file = 0.0
+        self.files: dict[str, float] = {}
+        self.grew: dict[str, float] = {}
 
     def _sample(self) -> None:
+        listed = 0.0
         while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, status_gib("RssAnon"))
+            self.anon = max(self.anon, status_gib("RssAnon"))
+            file = status_gib("RssFile")
+            if file > self.file:
+                where = main_thread_at()
+                self.grew[where] = self.grew.get(where, 0.0) + file - self.file
+                self.file = file
+                if file > 1.02 * listed:  # smaps is slow to read: again only once the peak grew 2%
+                    listed, self.files = file, mapped_files_gib()
 
-    def __enter__(self) -> AnonPeak:
-        import threading
-
-        self.peak, self._stop = status_gib("RssAnon"), threading.Event()
+    def __enter__(self) -> HostPeak:
+        self.anon, self.file, self._stop = status_gib("RssAnon"), status_gib("RssFile"), threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         return self
@@ -131,7 +175,12 @@ class AnonPeak:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, status_gib("RssAnon"))
+        self.anon = max(self.anon, status_gib("RssAnon"))
+
+    def record(self) -> dict:
+        """This block's numbers for a stage's record: host_anon, host_file, files, and grew (the 3 largest rises)."""
+        grew = dict(sorted(self.grew.items(), key=lambda kv: -kv[1])[:3])
+        return {"host_anon": self.anon, "host_file": self.file, "files": self.files, "grew": grew}
 
 
 def worker(args) -> None:
@@ -147,10 +196,10 @@ def worker(args) -> None:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         host_peak_gib(reset=True)
-        with AnonPeak() as anon:
+        with HostPeak() as host:
             run_recipe(plan, args.run_dir, stages=[stage])
         gpu = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
-        peaks[stage] = {"gpu": gpu, "host": host_peak_gib(), "host_anon": anon.peak}
+        peaks[stage] = {"gpu": gpu, "host": host_peak_gib()} | host.record()
     rank = int(os.environ.get("RANK", "0"))
     Path(args.report).with_suffix(f".rank{rank}.json").write_text(json.dumps(peaks))
 
@@ -179,11 +228,11 @@ def convert_once(args, out: Path, teacher: Path, data: Path) -> dict:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     host_peak_gib(reset=True)
-    with AnonPeak() as anon:
+    with HostPeak() as host:
         run_recipe(parse_recipe(recipe(teacher, data, args.model, "ddp")), converted, stages=["convert"])
     gpu = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     torch.cuda.empty_cache()
-    return {"gpu": gpu, "host": host_peak_gib(), "host_anon": anon.peak}
+    return {"gpu": gpu, "host": host_peak_gib()} | host.record()
 
 
 def rate(run_dir: Path, stage: str) -> float | None:
@@ -270,7 +319,7 @@ def main() -> int:
             runs.append(row | {"failed": str(error)})
         else:
             ranks = [json.loads(report.with_suffix(f".rank{r}.json").read_text()) for r in range(processes)]
-            stages = {s: {k: max(r[s][k] or 0 for r in ranks) for k in HOST_KEYS} for s in STAGES[1:]}
+            stages = {s: {k: max(r[s].get(k) or 0 for r in ranks) for k in HOST_KEYS} for s in STAGES[1:]}
             rates = {s: rate(run_dir, s) for s in ("align", "train")}
             runs.append(row | {"stages": stages, "ranks": ranks, "tokens_per_second": rates})
         shutil.rmtree(run_dir)  # an 8B run leaves tens of GB of model files; its numbers are in the report
@@ -320,6 +369,21 @@ def print_table(runs: list[dict], cpu: bool, model_gib: float) -> None:
             for r in runs[1:]
         ]
         print(f"| {stage} tokens/s | " + " | ".join(cells) + " |")
+    print(
+        "\nThe most mapped from files (RssFile GiB, shared libraries included), the largest files, the code it grew in:"
+    )
+    for r, head in zip(runs[1:], heads):
+        traced = [
+            (got["host_file"], rank, stage, got)
+            for rank, stages in enumerate(r.get("ranks", []))
+            for stage, got in stages.items()
+            if got.get("host_file") is not None
+        ]
+        if traced:
+            file, rank, stage, got = max(traced, key=lambda t: t[0])
+            top = ", ".join(f"{Path(name).name} {gib:.2f}" for name, gib in got["files"].items()) or "no data file"
+            grew = ", ".join(f"{gib:.2f} at {where}" for where, gib in got["grew"].items())
+            print(f"- {head}: {file:.2f} GiB, process {rank} in {stage} ({top}); it grew {grew}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""memory_plan.py: its report is written after every run, with each stage's host peak and its anonymous part, and a
-second invocation keeps the runs already measured (a device job cut short loses only the run it was in)."""
+"""memory_plan.py: its report is written after every run, with each stage's host peak and its anonymous and mapped
+parts, and a second invocation keeps the runs already measured (a device job cut short loses only the run it was
+in)."""
 
 from __future__ import annotations
 
@@ -37,8 +38,17 @@ def test_a_second_invocation_measures_only_the_runs_the_report_lacks(tmp_path):
     model = sum(f.stat().st_size for f in (tmp_path / "teacher-tiny").glob("*.safetensors")) / 2**30
     largest = max(v["host"] for v in [first["runs"][0]["stages"]["convert"], *two["stages"].values()])
     assert ratios.split(" | ")[-1].rstrip(" |") == f"{largest / model:.2f}x"  # the 2-process run's column
-    for stage in ("align", "weights", "train"):  # the anonymous part of the peak, sampled, is a part of it
-        assert 0 < two["stages"][stage]["host_anon"] <= two["stages"][stage]["host"], stage
+    for stage in ("align", "weights", "train"):  # the anonymous and mapped parts of the peak, sampled, are parts of it
+        for part in ("host_anon", "host_file"):
+            assert 0 < two["stages"][stage][part] <= two["stages"][stage]["host"], (stage, part)
+        for rank in two["ranks"]:  # the code the mapped part grew in: frames of the project's ("-": none running)
+            grew = rank[stage]["grew"]
+            assert len(grew) <= 3 and all(w == "-" or w.split(":")[0].endswith(".py") for w in grew), grew
+            assert grew or stage != "align"  # align maps the teacher's file: its mapped part rises
+            assert sum(grew.values()) <= rank[stage]["host_file"]
+    mapped = next(line for line in out.splitlines() if line.startswith("- 2 x ddp: "))
+    largest = max((rank[stage]["host_file"], stage) for rank in two["ranks"] for stage in rank)
+    assert f"{largest[0]:.2f} GiB" in mapped and f" in {largest[1]} (" in mapped
 
     out = plan(tmp_path, "--processes", "1", "--strategy", "ddp")  # a run not named this time stays in the report
     assert "--nproc_per_node" not in out and "| 2 x ddp |" in out
