@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import json
 import os
 import shutil
@@ -53,10 +54,24 @@ def write_json(data, path: str | Path) -> None:
 
 
 def write_png(fig, path: str | Path, dpi: float = 110) -> Path:
-    """A matplotlib figure written atomically as a PNG: a cut run leaves the old picture or none, never half of one."""
+    """A matplotlib figure written atomically as a PNG (a cut run leaves the old picture or none, never half of one),
+    in 256 colours (compact_png)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, dpi=dpi, format="png")
     with atomic_file(path, "wb") as f:
-        fig.savefig(f, dpi=dpi, format="png")
+        f.write(compact_png(buffer.getvalue()))
     return Path(path)
+
+
+def compact_png(data: bytes) -> bytes:
+    """A PNG's bytes again with a palette of at most 256 colours and no alpha: a plot's few colours and its
+    antialiasing fit one, at a third to a half of the size (pictures travel with every lab run's checkout)."""
+    from PIL import Image  # matplotlib's own dependency
+
+    image = Image.open(io.BytesIO(data)).convert("RGB")
+    out = io.BytesIO()
+    image.quantize(256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(out, "png", optimize=True)
+    return out.getvalue()
 
 
 def _inodes(dirs) -> dict[tuple[int, int], int]:

@@ -7,7 +7,7 @@
 #   .carry/bundle/part-NN   one tar of SmolLM2-135M-Instruct's GGUF (smollm2.gguf), the offline corpus (corpus/) and
 #                           the essay haystack (essays/), 110 MiB, cut into as many parts as the checkout leaves
 #                           room for: a call carries at most 64 MiB together with the checkout (tracked files,
-#                           34 MiB on disk in November 2026, growing with every archived run)
+#                           30 MiB on 2026-12-01 with its pictures in 256 colours, growing with every archived run)
 #   .whl                    the wheels the GPU image lacks (../shared/tools/gpu-prep.sh's, and pydantic's, 3.7 MiB),
 #                           carried by the first call and installed into /tmp/site by scripts/device_env.sh
 #

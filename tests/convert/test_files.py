@@ -1,10 +1,11 @@
 """Output files: written whole or not at all, with the umask's permissions, and their size on disk counted once."""
 
+import io
 import os
 
 import pytest
 
-from raven_convert.files import atomic_file, copy_dir, disk_bytes, format_bytes, write_json
+from raven_convert.files import atomic_file, copy_dir, disk_bytes, format_bytes, write_json, write_png
 
 
 @pytest.mark.parametrize("mask, mode", [(0o022, 0o644), (0o027, 0o640)])
@@ -45,3 +46,28 @@ def test_a_copied_folder_links_its_weights_and_copies_the_rest(tmp_path):
     assert (tmp_path / "copy" / "model.safetensors").samefile(tmp_path / "model" / "model.safetensors")
     assert not (tmp_path / "copy" / "config.json").samefile(tmp_path / "model" / "config.json")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["copy", "model"]  # no hidden temporary left
+
+
+def test_a_written_png_is_the_figure_in_256_colours(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from PIL import Image
+
+    fig, ax = plt.subplots(figsize=(4, 3))
+    ax.imshow(np.linspace(0, 1, 64 * 64).reshape(64, 64), cmap="viridis")  # a gradient: the hardest case
+    ax.plot(np.sin(np.linspace(0, 9, 200)) * 20 + 32, color="tab:red")
+    full = io.BytesIO()
+    fig.savefig(full, dpi=80, format="png")
+    path = write_png(fig, tmp_path / "plot.png", dpi=80)
+    plt.close(fig)
+
+    written = Image.open(path)
+    assert written.mode == "P" and len(written.getpalette()) // 3 <= 256
+    assert path.stat().st_size < len(full.getvalue())
+    got = np.asarray(written.convert("RGB"), dtype=float)
+    want = np.asarray(Image.open(full).convert("RGB"), dtype=float)
+    assert got.shape == want.shape and np.abs(got - want).mean() < 2.0  # of 255 levels
+    assert [p.name for p in tmp_path.iterdir()] == ["plot.png"]  # no temporary file left beside it
