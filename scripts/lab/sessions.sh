@@ -119,6 +119,13 @@ session() {  # session JOB: the session JOB, run; 127 when JOB names no session
     # perplexity before weighting answers) with extend's answers x100 over 300 steps of twice the rows
     quick sila-deep26-w4k-sinks-answers-ddp2
     ;;
+  answers30-plan2-x2)  # about 22 minutes on a 2-GPU host: the shipped 26-layer recipe at 2.5x align's and train's
+    # tokens (its seeds score 1.086x and 1.118x against the 1.10x target, round 25), beside the 8B plan's 2-process
+    # fsdp row with the file trace (what align's main process maps beyond its share)
+    (PORT=29501 quick sila-deep26-w4k-sinks-answers30-ddp2) &
+    (PLAN_PROCESSES=2 PLAN_STRATEGY=fsdp run memory-plan) &
+    wait
+    ;;
   answers26-x1)  # about 24 minutes on one GPU: the windowed 26 at the recipe's tokens with extend's answers x30 over
     # 600 steps; from its trained model, beside it, x100 over 300 steps (x100 over 600: 30 of 32 cells at 1.12x): which
     # of the answers' weight and extend's length costs the perplexity
