@@ -19,6 +19,7 @@ never whole in one process's memory:
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -117,10 +118,12 @@ SAFETENSORS_DTYPES = {
 
 def _holds(path: Path, tensors: dict[str, torch.Tensor], chunk: int = 1 << 26) -> bool:
     """Whether the safetensors file `path` holds exactly `tensors`, byte for byte (so -0.0 is not 0.0, NaN is NaN).
-    The file is read, `chunk` bytes at a time, not mapped: its pages stay in the page cache, not in this process,
-    whose `tensors` often map that very file already (a model read from it), so a mapping would count it twice in
-    the process's resident memory (the 8B plan's main process: docs/SCALE_OUT.md). A dtype without a safetensors
-    name here counts as changed: the file is written afresh."""
+    A tensor that is the file's own bytes, mapped in place at its entry and unwritten since (_file_views: a model
+    read from this file by safetensors), holds without being read: touching it would bring the whole file into this
+    process's resident memory (the 8B plan's align: docs/SCALE_OUT.md). Any other is compared with the file, read
+    `chunk` bytes at a time, not mapped: its pages stay in the page cache, not in this process. A dtype without a
+    safetensors name here counts as changed: the file is written afresh."""
+    views = _file_views(path)
     with open(path, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(length))
@@ -133,7 +136,10 @@ def _holds(path: Path, tensors: dict[str, torch.Tensor], chunk: int = 1 << 26) -
             if entry["dtype"] != SAFETENSORS_DTYPES.get(tensor.dtype) or entry["shape"] != list(tensor.shape):
                 return False
             data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)  # [bytes], as many as the entry holds
-            f.seek(8 + length + entry["data_offsets"][0])
+            start = 8 + length + entry["data_offsets"][0]
+            if data.device.type == "cpu" and _maps(views, data.data_ptr(), data.numel(), start):
+                continue
+            f.seek(start)
             for offset in range(0, data.numel(), chunk):
                 want = min(chunk, data.numel() - offset)
                 if f.readinto(memoryview(buffer)[:want]) != want:  # a file cut short
@@ -142,6 +148,46 @@ def _holds(path: Path, tensors: dict[str, torch.Tensor], chunk: int = 1 << 26) -
                 if not torch.equal(read, data[offset : offset + want]):
                     return False
     return True
+
+
+def _file_views(path: Path) -> list[tuple[int, int, int]]:
+    """(start address, end address, file offset of start) of this process's mappings of the file at `path` whose
+    every page still reads as the file: shared ones, and private ones without a page of their own (a write to a
+    private mapping copies the page: smaps' Anonymous, or Swap once such a page is swapped out). Sorted by address;
+    none where /proc/self/smaps is missing."""
+    try:
+        smaps = Path("/proc/self/smaps").read_text()
+    except OSError:
+        return []
+    stat = Path(path).stat()
+    device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}"
+    views, mapping = [], None
+    for line in [*smaps.splitlines(), "0-0 ---p 0 00:00 0"]:  # a last header ends the last mapping
+        fields = line.split()
+        if fields and "-" in fields[0] and not fields[0].endswith(":"):  # start-end perms offset dev inode [path]
+            if mapping and (mapping["shared"] or mapping["own"] == 0):
+                views.append((mapping["start"], mapping["end"], mapping["offset"]))
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            ours = len(fields) >= 5 and fields[3] == device and fields[4] == str(stat.st_ino)
+            mapping = {"start": start, "end": end, "offset": int(fields[2], 16), "shared": fields[1][3] == "s"}
+            mapping = (mapping | {"own": 0}) if ours else None
+        elif mapping and fields[0] in ("Anonymous:", "Swap:"):
+            mapping["own"] += int(fields[1])
+    return sorted(views)
+
+
+def _maps(views: list[tuple[int, int, int]], address: int, size: int, offset: int) -> bool:
+    """Whether the `size` bytes at `address` are, through `views` (_file_views), the file's bytes at `offset`."""
+    end = address + size
+    for start, stop, at in views:
+        if start <= address < stop:
+            if at + (address - start) != offset:
+                return False
+            offset += stop - address
+            address = stop
+            if address >= end:
+                return True
+    return size == 0
 
 
 def whole_tensors(model, here: bool = True):

@@ -129,14 +129,17 @@ def mapped_files_gib(top: int = 3) -> dict[str, float]:
     return {name: kib / 2**20 for name, kib in largest}
 
 
+PACKAGES = {"convert", "kernels", "raven_convert", "raven_kernels", "raven_layers"}  # in a checkout or installed
+
+
 def main_thread_at() -> str:
-    """Where the main thread is in this project's code (its innermost frame under convert/ or kernels/), as
-    'path:line function'."""
+    """Where the main thread is in this project's code (its innermost frame in one of PACKAGES), as
+    'folder/file.py:line function'; '-' outside it."""
     frame = sys._current_frames().get(threading.main_thread().ident)
     while frame is not None:
-        code = frame.f_code
-        if f"{os.sep}convert{os.sep}" in code.co_filename or f"{os.sep}kernels{os.sep}" in code.co_filename:
-            return f"{Path(code.co_filename).parent.name}/{Path(code.co_filename).name}:{frame.f_lineno} {code.co_name}"
+        code, path = frame.f_code, Path(frame.f_code.co_filename)
+        if PACKAGES.intersection(path.parts[:-1]):
+            return f"{path.parent.name}/{path.name}:{frame.f_lineno} {code.co_name}"
         frame = frame.f_back
     return "-"
 
@@ -369,9 +372,7 @@ def print_table(runs: list[dict], cpu: bool, model_gib: float) -> None:
             for r in runs[1:]
         ]
         print(f"| {stage} tokens/s | " + " | ".join(cells) + " |")
-    print(
-        "\nThe most mapped from files (RssFile GiB, shared libraries included), the largest files, the code it grew in:"
-    )
+    lines = []
     for r, head in zip(runs[1:], heads):
         traced = [
             (got["host_file"], rank, stage, got)
@@ -383,7 +384,10 @@ def print_table(runs: list[dict], cpu: bool, model_gib: float) -> None:
             file, rank, stage, got = max(traced, key=lambda t: t[0])
             top = ", ".join(f"{Path(name).name} {gib:.2f}" for name, gib in got["files"].items()) or "no data file"
             grew = ", ".join(f"{gib:.2f} at {where}" for where, gib in got["grew"].items())
-            print(f"- {head}: {file:.2f} GiB, process {rank} in {stage} ({top}); it grew {grew}")
+            lines.append(f"- {head}: {file:.2f} GiB, process {rank} in {stage} ({top}); it grew {grew}")
+    if lines:  # runs measured before the trace have none
+        print("\nThe most mapped from files (RssFile GiB, shared libraries included), the largest files, the code")
+        print("it grew in:\n" + "\n".join(lines))
 
 
 if __name__ == "__main__":

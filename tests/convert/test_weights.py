@@ -4,14 +4,15 @@ tensors in state-dict order, a link where an earlier model's file holds the same
 tensor for one the model does not save, one that comes twice or with another size, and one that never comes."""
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from raven_convert import build_hybrid, plan_layers
-from raven_convert.weights import INDEX, ShardWriter, _holds, linkable, saved_names, shard_files
+from raven_convert.weights import INDEX, ShardWriter, _holds, _maps, linkable, saved_names, shard_files
 from tests.helpers import read_weights
 
 SMALL = "20KB"  # several files a group for the tiny model
@@ -104,6 +105,41 @@ def test_a_file_holds_tensors_only_byte_for_byte(chunk, tmp_path):
     complex_ = {"z": torch.zeros(2, dtype=torch.complex64)}
     save_file(complex_, tmp_path / "z.safetensors")
     assert not _holds(tmp_path / "z.safetensors", complex_, chunk)
+
+
+def _rss_file_kib() -> int:
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssFile:"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
+def test_a_tensor_the_file_maps_in_place_holds_unread_and_a_written_one_is_compared(tmp_path):
+    """A model read by safetensors is the file mapped in place: _holds takes those tensors as the file's bytes
+    without touching them (which would bring the whole file into this process), but once a tensor is written to
+    (its page copied), or where a mapped tensor is another entry's bytes, it compares."""
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.randn(16, 1024, 256), "b": torch.arange(1000.0)}, path)  # a: 16 MiB
+    mapped = load_file(path)
+    before = _rss_file_kib()
+    assert _holds(path, mapped)
+    assert _rss_file_kib() - before < 4096  # read, the 16 MiB would be resident now
+
+    mapped["b"][999] = -1.0  # a private mapping: the page is this process's own from now on
+    assert not _holds(path, mapped)
+    mapped["b"][999] = 999.0  # the file's bytes again, in a page of its own: compared, they hold
+    assert _holds(path, mapped)
+
+    other = load_file(path)  # a's bytes where b's entry is: b's dtype and shape, mapped, but at a's offset
+    assert not _holds(path, {"a": other["a"], "b": other["a"].reshape(-1)[:1000]})
+    assert _holds(path, {"a": other["a"], "b": other["b"]})
+
+
+def test_maps_follows_a_range_across_adjacent_views_of_a_file():
+    views = [(0x1000, 0x2000, 0), (0x2000, 0x3000, 0x1000), (0x5000, 0x6000, 0x4000)]  # (start, end, file offset)
+    assert _maps(views, 0x1800, 0x1000, 0x800)  # across the first two, which continue the file
+    assert not _maps(views, 0x1800, 0x1000, 0x900)  # another offset of the file
+    assert not _maps(views, 0x2800, 0x1000, 0x1800)  # runs into the gap after the second
+    assert not _maps(views, 0x8000, 16, 0x7000)  # not a view of the file
+    assert _maps(views, 0x5000, 0x1000, 0x4000) and _maps([], 0x5000, 0, 0)
 
 
 def test_a_stream_that_is_not_the_models_is_refused_naming_the_tensor(model, tmp_path):
