@@ -147,9 +147,9 @@ def main_thread_at() -> str:
 class HostPeak:
     """The peaks of this process's anonymous resident memory (RssAnon, GiB: what it holds itself) and of what it maps
     from files (RssFile) while the block runs, sampled by a thread every `interval` seconds (the kernel keeps no peak
-    of either); each rise of RssFile's peak counted to where the main thread was when it was seen (`grew`), and at
-    the peak the files mapped most (`files`): a process that maps more of a model's files than its share shows which
-    file and which code did it."""
+    of either); each rise of RssFile's peak counted to where the main thread was when it was seen (`grew`: a rise
+    inside a call that holds the GIL counts where the thread is next seen), and at the peak the files mapped most
+    (`files`): a process that maps more of a model's files than its share shows which file and which code did it."""
 
     def __init__(self, interval: float = 0.02):
         self.interval = interval
