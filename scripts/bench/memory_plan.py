@@ -209,14 +209,16 @@ def worker(args) -> None:
 
 def launch(args, processes: int, recipe_path: Path, run_dir: Path, report: Path) -> None:
     """The worker on `processes` processes: accelerate launch on GPUs, torchrun on the CPU (--model tiny, small)."""
+    env = dict(os.environ)
     if args.model in ON_CPU:  # accelerate launch --cpu starts one process (several are its MPI path): torchrun, gloo
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
+        env["CUDA_VISIBLE_DEVICES"] = ""  # on a GPU host too: several processes would share its first GPU
     else:
         command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes)]
         command += ["--multi_gpu"] if processes > 1 else []
     command += [__file__, "--worker", "--recipe", str(recipe_path), "--run-dir", str(run_dir), "--report", str(report)]
     print("$", " ".join(command), flush=True)
-    subprocess.run(command, check=True)
+    subprocess.run(command, check=True, env=env)
 
 
 def convert_once(args, out: Path, teacher: Path, data: Path) -> dict:
