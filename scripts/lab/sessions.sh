@@ -121,7 +121,8 @@ session() {  # session JOB: the session JOB, run; 127 when JOB names no session
     ;;
   answers30-plan2-x2)  # about 22 minutes on a 2-GPU host: the shipped 26-layer recipe at 2.5x align's and train's
     # tokens (its seeds score 1.086x and 1.118x against the 1.10x target, round 25), beside the 8B plan's 2-process
-    # fsdp row with the file trace (what align's main process maps beyond its share)
+    # fsdp row with the file trace and the save leaving a mapped file unread (align's main process: 17.5 GiB in round
+    # 25, predicted near the other process's 10.2)
     (PORT=29501 quick sila-deep26-w4k-sinks-answers30-ddp2) &
     (PLAN_PROCESSES=2 PLAN_STRATEGY=fsdp run memory-plan) &
     wait
@@ -146,9 +147,10 @@ session() {  # session JOB: the session JOB, run; 127 when JOB names no session
     # recipe's seed 1
     DELTA=0 quick_on 0 profile-deep26-extend profile-deep26-extend-in-place sila-deep26-w4k-sinks-answers30-seed1
     ;;
-  extend-ab-plan-x2)  # about 22 minutes on a 2-GPU host: GPU 0 times the windowed 26's extend step with its next
-    # inputs made beside it and after it (extend-ab-x1's profiles), then the 8B plan's 2-process fsdp row on both GPUs
-    # (align's main process since its save compares the teacher's file in pieces); GPU 1 that recipe's seed 1
+  extend-ab-plan-x2)  # about 22 minutes on a 2-GPU host (ran in round 25): GPU 0 times the windowed 26's extend
+    # step with its next inputs made beside it and after it (extend-ab-x1's profiles), then the 8B plan's 2-process
+    # fsdp row on both GPUs (align's main process since its save compares the teacher's file in pieces); GPU 1 that
+    # recipe's seed 1
     (DELTA=0 quick_on 0 profile-deep26-extend profile-deep26-extend-in-place
       PLAN_PROCESSES=2 PLAN_STRATEGY=fsdp run memory-plan) &
     DELTA=0 quick_on 1 sila-deep26-w4k-sinks-answers30-seed1 &
