@@ -74,6 +74,27 @@ def compact_png(data: bytes) -> bytes:
     return out.getvalue()
 
 
+def mappings() -> list[dict]:
+    """This process's memory mappings as /proc/self/smaps lists them, each a dict: start and end (addresses), offset
+    (of start in the file), shared (not copied on write), device ("MAJ:MIN", hex), inode, path ("" for none) and its
+    kB fields (Rss, Anonymous, Swap, ...) by name. Empty where smaps is missing (not Linux)."""
+    try:
+        text = Path("/proc/self/smaps").read_text()
+    except OSError:
+        return []
+    found = []
+    for line in text.splitlines():
+        fields = line.split(maxsplit=5)
+        if fields and not fields[0].endswith(":") and "-" in fields[0]:  # start-end perms offset dev inode [path]
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            path = fields[5].strip() if len(fields) == 6 else ""
+            found.append({"start": start, "end": end, "offset": int(fields[2], 16), "shared": fields[1][3] == "s"})
+            found[-1] |= {"device": fields[3], "inode": int(fields[4]), "path": path}
+        elif found and len(fields) >= 3 and fields[2] == "kB":
+            found[-1][fields[0].rstrip(":")] = int(fields[1])
+    return found
+
+
 def _inodes(dirs) -> dict[tuple[int, int], int]:
     """{(device, inode): size} of the files under `dirs` (missing ones count as empty)."""
     found = {}

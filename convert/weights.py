@@ -28,7 +28,7 @@ from huggingface_hub.serialization import split_state_dict_into_shards_factory
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from raven_convert.files import link_or_copy, write_json
+from raven_convert.files import link_or_copy, mappings, write_json
 from raven_convert.train.common import mixer_prefixes
 from raven_convert.train.distributed import full_tensor
 from raven_convert.train.lora import is_lora
@@ -154,26 +154,16 @@ def _file_views(path: Path) -> list[tuple[int, int, int]]:
     """(start address, end address, file offset of start) of this process's mappings of the file at `path` whose
     every page still reads as the file: shared ones, and private ones without a page of their own (a write to a
     private mapping copies the page: smaps' Anonymous, or Swap once such a page is swapped out). Sorted by address;
-    none where /proc/self/smaps is missing."""
-    try:
-        smaps = Path("/proc/self/smaps").read_text()
-    except OSError:
-        return []
+    none off Linux (files.mappings)."""
     stat = Path(path).stat()
     device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}"
-    views, mapping = [], None
-    for line in [*smaps.splitlines(), "0-0 ---p 0 00:00 0"]:  # a last header ends the last mapping
-        fields = line.split()
-        if fields and "-" in fields[0] and not fields[0].endswith(":"):  # start-end perms offset dev inode [path]
-            if mapping and (mapping["shared"] or mapping["own"] == 0):
-                views.append((mapping["start"], mapping["end"], mapping["offset"]))
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            ours = len(fields) >= 5 and fields[3] == device and fields[4] == str(stat.st_ino)
-            mapping = {"start": start, "end": end, "offset": int(fields[2], 16), "shared": fields[1][3] == "s"}
-            mapping = (mapping | {"own": 0}) if ours else None
-        elif mapping and fields[0] in ("Anonymous:", "Swap:"):
-            mapping["own"] += int(fields[1])
-    return sorted(views)
+    return sorted(
+        (m["start"], m["end"], m["offset"])
+        for m in mappings()
+        if m["device"] == device
+        and m["inode"] == stat.st_ino
+        and (m["shared"] or m.get("Anonymous", 0) + m.get("Swap", 0) == 0)
+    )
 
 
 def _maps(views: list[tuple[int, int, int]], address: int, size: int, offset: int) -> bool:

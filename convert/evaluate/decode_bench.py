@@ -30,7 +30,7 @@ from transformers import LogitsProcessorList
 from raven_layers.common import Mixer, recompile_limits
 from raven_layers.decode_loop import ScoreObserver
 
-from .runtime import sync
+from .runtime import seconds_between, stream_mark, sync
 
 
 def is_hybrid(model) -> bool:
@@ -125,12 +125,7 @@ class StepClock(ScoreObserver):
         self.marks: list = []
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor | None) -> torch.FloatTensor | None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
+        self.marks.append(stream_mark(self.cuda))
         return scores
 
     def step_s(self) -> float | None:
@@ -138,17 +133,11 @@ class StepClock(ScoreObserver):
         follows the prompt, mark 1 the first decode step, which may carry one-time work (`first_step_s`)."""
         if len(self.marks) < 3:
             return None
-        return self._seconds(self.marks[1], self.marks[-1]) / (len(self.marks) - 2)
+        return seconds_between(self.marks[1], self.marks[-1]) / (len(self.marks) - 2)
 
     def first_step_s(self) -> float | None:
         """Seconds from the prompt's logits to the first decode step's (None under 2 marks)."""
-        return self._seconds(self.marks[0], self.marks[1]) if len(self.marks) >= 2 else None
-
-    def _seconds(self, start, end) -> float:
-        if self.cuda:
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        return end - start
+        return seconds_between(self.marks[0], self.marks[1]) if len(self.marks) >= 2 else None
 
 
 def timed_generate(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import platform
 import re
+import time
 
 import torch
 from torch import nn
@@ -72,6 +73,25 @@ def run_info(model: nn.Module) -> dict:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def stream_mark(cuda: bool):
+    """A point in the work queued so far: on CUDA an event recorded on the current stream (the host does not wait
+    for it), elsewhere the host clock, the work being done by then. Two marks give the time between
+    (seconds_between)."""
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def seconds_between(start, end) -> float:
+    """Seconds from one stream_mark to a later one (on CUDA it waits for the GPU to reach `end`)."""
+    if isinstance(start, float):
+        return end - start
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def free(device: torch.device, collect: bool = False) -> None:

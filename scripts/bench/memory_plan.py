@@ -35,7 +35,7 @@ from pathlib import Path
 from common import QWEN3_8B  # scripts/bench/: the model shapes the benchmarks share
 
 from raven_convert.evaluate.speed import status_kib
-from raven_convert.files import atomic_file
+from raven_convert.files import atomic_file, mappings
 
 TINY = QWEN3_8B | {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
 TINY |= {"head_dim": 16, "intermediate_size": 128, "vocab_size": 256}
@@ -113,18 +113,11 @@ def host_peak_gib(reset: bool = False) -> float:
 
 def mapped_files_gib(top: int = 3) -> dict[str, float]:
     """The `top` regular files (shared libraries aside) with the most of this process's resident memory mapped from
-    them (/proc/self/smaps), at least 1 MiB each, as {path: GiB}."""
-    resident, path = {}, None
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            field = line.split(maxsplit=1)[0]
-            if not field.endswith(":"):  # a mapping's first line: address perms offset dev inode [path]
-                parts = line.split(maxsplit=5)
-                path = parts[5].strip() if len(parts) == 6 and parts[5].startswith("/") else None
-                if path and (path.endswith(".so") or ".so." in path):
-                    path = None
-            elif field == "Rss:" and path:
-                resident[path] = resident.get(path, 0) + int(line.split()[1])
+    them (files.mappings), at least 1 MiB each, as {path: GiB}."""
+    resident = {}
+    for m in mappings():
+        if m["path"].startswith("/") and not (m["path"].endswith(".so") or ".so." in m["path"]):
+            resident[m["path"]] = resident.get(m["path"], 0) + m.get("Rss", 0)
     largest = sorted(((name, kib) for name, kib in resident.items() if kib >= 1024), key=lambda kv: -kv[1])[:top]
     return {name: kib / 2**20 for name, kib in largest}
 

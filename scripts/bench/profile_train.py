@@ -81,6 +81,7 @@ def on_gpu(event) -> bool:
 
 
 def profile(args) -> dict:
+    from raven_convert.evaluate.runtime import seconds_between, stream_mark
     from raven_convert.train.graphs import CapturedStep, StepInputs
     from raven_convert.train.recipe import load_recipe
     from raven_convert.train.stages import run_recipe
@@ -108,7 +109,7 @@ def profile(args) -> dict:
             if in_graph_step:
                 return
             if len(step_ends) == window:
-                marks.append(gpu_mark())
+                marks.append(stream_mark(torch.cuda.is_available()))
                 return
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -137,7 +138,7 @@ def profile(args) -> dict:
     active = step_ends[-args.active - 1 :]  # the active window: from the end of the step before it
     wall_us = (active[-1] - active[0]) * 1e6 / args.active
     # from the first timed step's end: that step's own inputs were made after the last recorded step's wait
-    timed_ms = elapsed_ms(marks[0], marks[-1]) / (len(marks) - 1)
+    timed_ms = seconds_between(marks[0], marks[-1]) * 1e3 / (len(marks) - 1)
     events = prof.key_averages()
     prefix = PHASE_PREFIX[args.stage]
     phases: dict[str, dict] = {}  # a range appears twice: as the CPU ran it and as the GPU did
@@ -174,23 +175,6 @@ def profile(args) -> dict:
         ],
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
-
-
-def gpu_mark():
-    """A step's end: a CUDA event recorded on the current stream (the host clock without CUDA)."""
-    if not torch.cuda.is_available():
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
-
-
-def elapsed_ms(start, end) -> float:
-    """Milliseconds between two `gpu_mark`s (waits for the GPU to reach `end`)."""
-    if isinstance(start, float):
-        return (end - start) * 1e3
-    end.synchronize()
-    return start.elapsed_time(end)
 
 
 def print_tables(result: dict) -> None:

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from raven_convert.files import atomic_file, copy_dir, disk_bytes, format_bytes, write_json, write_png
+from raven_convert.files import atomic_file, copy_dir, disk_bytes, format_bytes, mappings, write_json, write_png
 
 
 @pytest.mark.parametrize("mask, mode", [(0o022, 0o644), (0o027, 0o640)])
@@ -71,3 +71,16 @@ def test_a_written_png_is_the_figure_in_256_colours(tmp_path):
     want = np.asarray(Image.open(full).convert("RGB"), dtype=float)
     assert got.shape == want.shape and np.abs(got - want).mean() < 2.0  # of 255 levels
     assert [p.name for p in tmp_path.iterdir()] == ["plot.png"]  # no temporary file left beside it
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
+def test_mappings_list_a_mapped_file_with_its_inode_offset_and_fields(tmp_path):
+    import mmap
+
+    path = tmp_path / "data.bin"
+    path.write_bytes(bytes(range(256)) * 64)  # 16 KiB
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        assert mapped[5000] == 5000 % 256  # a page read in
+        ours = [m for m in mappings() if m["inode"] == path.stat().st_ino]
+    assert len(ours) == 1 and ours[0]["path"] == str(path) and ours[0]["offset"] == 0 and ours[0]["shared"]
+    assert ours[0]["end"] - ours[0]["start"] == 16384 and ours[0]["Rss"] >= 4 and ours[0]["Anonymous"] == 0
