@@ -104,6 +104,12 @@ session() {  # session JOB: the session JOB, run; 127 when JOB names no session
   ext4-x1)  # about 20 minutes on one GPU: the twin of x4-host's 4-GPU recipe run (the same global batches on one GPU)
     DELTA=0 quick_on 0 sila-deep22-w4k-sinks-ext4
     ;;
+  ext4-plan1-x1)  # about 20 minutes on one GPU: ext4-x1 beside the 8B plan's 1-process row with the save leaving a
+    # mapped file unread (align's host memory at one process: 17.1 GiB in round 20; the plan's tokens/s share the GPU)
+    DELTA=0 quick_on 0 sila-deep22-w4k-sinks-ext4 &
+    (PLAN_PROCESSES=1 PLAN_STRATEGY=fsdp run memory-plan) &
+    wait
+    ;;
   windows22-seed1-ddp2)  # about 17 minutes on both GPUs of a 2-GPU host: the windowed 22 at 2.5x align's and
     # train's tokens (round 21's run) on every training seed 1
     quick sila-deep22-w4k-sinks-seed1-ddp2
