@@ -111,14 +111,14 @@ def host_peak_gib(reset: bool = False) -> float:
     return peak
 
 
-def mapped_files_gib(top: int = 3) -> dict[str, float]:
-    """The `top` regular files (shared libraries aside) with the most of this process's resident memory mapped from
-    them (files.mappings), at least 1 MiB each, as {path: GiB}."""
+def mapped_files_gib() -> dict[str, float]:
+    """Every regular file (shared libraries aside) with at least 1 MiB of this process's resident memory mapped from
+    it (files.mappings), as {path: GiB}, the most first."""
     resident = {}
     for m in mappings():
         if m["path"].startswith("/") and not (m["path"].endswith(".so") or ".so." in m["path"]):
             resident[m["path"]] = resident.get(m["path"], 0) + m.get("Rss", 0)
-    largest = sorted(((name, kib) for name, kib in resident.items() if kib >= 1024), key=lambda kv: -kv[1])[:top]
+    largest = sorted(((name, kib) for name, kib in resident.items() if kib >= 1024), key=lambda kv: -kv[1])
     return {name: kib / 2**20 for name, kib in largest}
 
 
@@ -141,17 +141,18 @@ class HostPeak:
     """The peaks of this process's anonymous resident memory (RssAnon, GiB: what it holds itself) and of what it maps
     from files (RssFile) while the block runs, sampled by a thread every `interval` seconds (the kernel keeps no peak
     of either); each rise of RssFile's peak counted to where the main thread was when it was seen (`grew`: a rise
-    inside a call that holds the GIL counts where the thread is next seen), and at the peak the files mapped most
-    (`files`): a process that maps more of a model's files than its share shows which file and which code did it."""
+    inside a call that holds the GIL counts where the thread is next seen), and the `top` files mapped most, listed
+    as the peak grew (`files`: the listing that found the most mapped): a process that maps more of a model's files
+    than its share shows which file and which code did it."""
 
-    def __init__(self, interval: float = 0.02):
-        self.interval = interval
+    def __init__(self, interval: float = 0.02, top: int = 3):
+        self.interval, self.top = interval, top
         self.anon = self.file = 0.0
         self.files: dict[str, float] = {}
         self.grew: dict[str, float] = {}
 
     def _sample(self) -> None:
-        listed = 0.0
+        listed = seen = 0.0
         while not self._stop.wait(self.interval):
             self.anon = max(self.anon, status_gib("RssAnon"))
             file = status_gib("RssFile")
@@ -160,7 +161,10 @@ class HostPeak:
                 self.grew[where] = self.grew.get(where, 0.0) + file - self.file
                 self.file = file
                 if file > 1.02 * listed:  # smaps is slow to read: again only once the peak grew 2%
-                    listed, self.files = file, mapped_files_gib()
+                    listed, found = file, mapped_files_gib()
+                    # read after the peak's sample, smaps may come after a mapping is gone: the fullest listing stays
+                    if sum(found.values()) >= seen:
+                        seen, self.files = sum(found.values()), dict(list(found.items())[: self.top])
 
     def __enter__(self) -> HostPeak:
         self.anon, self.file, self._stop = status_gib("RssAnon"), status_gib("RssFile"), threading.Event()

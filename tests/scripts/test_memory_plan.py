@@ -64,3 +64,33 @@ def test_a_report_of_another_model_or_step_count_is_measured_again(tmp_path, cap
     assert earlier_runs(report, {"model": "tiny", "steps": 6}) == []
     assert "measuring every run again" in capsys.readouterr().out
     assert [p.name for p in tmp_path.iterdir()] == ["memory_plan.json"]  # no temporary file left beside it
+
+
+def test_the_listing_of_mapped_files_that_found_most_is_kept(monkeypatch):
+    """smaps is read after the sample that raised the peak: a listing read once the file was unmapped (the teacher's
+    host tensors freed after moving to the GPU, round 26) must not replace the one that found it."""
+    import threading
+
+    import memory_plan
+
+    samples = iter([1.0, 10.0, 10.5])  # RssFile GiB: the teacher's file read in, then gone by the second smaps
+    teacher = {"/x/teacher.safetensors": 9.8, "/x/a": 0.1, "/x/b": 0.05, "/x/c": 0.01}
+    listings = iter([teacher, {"/dev/nvidiactl": 0.07}])
+    done = threading.Event()
+
+    def status(field):
+        if field == "RssAnon":
+            return 1.0
+        value = next(samples, None)
+        if value is None:
+            done.set()
+            return 0.5
+        return value
+
+    monkeypatch.setattr(memory_plan, "status_gib", status)
+    monkeypatch.setattr(memory_plan, "mapped_files_gib", lambda: next(listings))
+    with memory_plan.HostPeak(interval=0.001) as host:
+        done.wait(5)
+    record = host.record()
+    assert record["host_file"] == 10.5
+    assert record["files"] == {"/x/teacher.safetensors": 9.8, "/x/a": 0.1, "/x/b": 0.05}
