@@ -140,24 +140,27 @@ def main_thread_at() -> str:
 class HostPeak:
     """The peaks of this process's anonymous resident memory (RssAnon, GiB: what it holds itself) and of what it maps
     from files (RssFile) while the block runs, sampled by a thread every `interval` seconds (the kernel keeps no peak
-    of either); each rise of RssFile's peak counted to where the main thread was when it was seen (`grew`: a rise
-    inside a call that holds the GIL counts where the thread is next seen), and the `top` files mapped most, listed
-    as the peak grew (`files`: the listing that found the most mapped): a process that maps more of a model's files
-    than its share shows which file and which code did it."""
+    of either); each rise of either peak counted to where the main thread was when it was seen (`grew_anon`, `grew`:
+    a rise inside a call that holds the GIL counts where the thread is next seen), and the `top` files mapped most,
+    listed as the peak grew (`files`: the listing that found the most mapped): a process that holds or maps more
+    than its share shows which code did it, and which file."""
 
     def __init__(self, interval: float = 0.02, top: int = 3):
         self.interval, self.top = interval, top
         self.anon = self.file = 0.0
         self.files: dict[str, float] = {}
         self.grew: dict[str, float] = {}
+        self.grew_anon: dict[str, float] = {}
 
     def _sample(self) -> None:
         listed = seen = 0.0
         while not self._stop.wait(self.interval):
-            self.anon = max(self.anon, status_gib("RssAnon"))
-            file = status_gib("RssFile")
+            anon, file = status_gib("RssAnon"), status_gib("RssFile")
+            where = main_thread_at() if anon > self.anon or file > self.file else "-"
+            if anon > self.anon:
+                self.grew_anon[where] = self.grew_anon.get(where, 0.0) + anon - self.anon
+                self.anon = anon
             if file > self.file:
-                where = main_thread_at()
                 self.grew[where] = self.grew.get(where, 0.0) + file - self.file
                 self.file = file
                 if file > 1.02 * listed:  # smaps is slow to read: again only once the peak grew 2%
@@ -178,9 +181,16 @@ class HostPeak:
         self.anon = max(self.anon, status_gib("RssAnon"))
 
     def record(self) -> dict:
-        """This block's numbers for a stage's record: host_anon, host_file, files, and grew (the 3 largest rises)."""
-        grew = dict(sorted(self.grew.items(), key=lambda kv: -kv[1])[:3])
-        return {"host_anon": self.anon, "host_file": self.file, "files": self.files, "grew": grew}
+        """This block's numbers for a stage's record: host_anon, host_file, files, and where each peak grew (grew_anon,
+        grew: the 3 largest rises)."""
+        grew, grew_anon = (dict(sorted(g.items(), key=lambda kv: -kv[1])[:3]) for g in (self.grew, self.grew_anon))
+        return {
+            "host_anon": self.anon,
+            "host_file": self.file,
+            "files": self.files,
+            "grew": grew,
+            "grew_anon": grew_anon,
+        }
 
 
 def worker(args) -> None:
@@ -371,22 +381,30 @@ def print_table(runs: list[dict], cpu: bool, model_gib: float) -> None:
             for r in runs[1:]
         ]
         print(f"| {stage} tokens/s | " + " | ".join(cells) + " |")
-    lines = []
-    for r, head in zip(runs[1:], heads):
-        traced = [
-            (got["host_file"], rank, stage, got)
-            for rank, stages in enumerate(r.get("ranks", []))
-            for stage, got in stages.items()
-            if got.get("host_file") is not None
-        ]
-        if traced:
-            file, rank, stage, got = max(traced, key=lambda t: t[0])
-            top = ", ".join(f"{Path(name).name} {gib:.2f}" for name, gib in got["files"].items()) or "no data file"
-            grew = ", ".join(f"{gib:.2f} at {where}" for where, gib in got["grew"].items())
-            lines.append(f"- {head}: {file:.2f} GiB, process {rank} in {stage} ({top}); it grew {grew}")
-    if lines:  # runs measured before the trace have none
-        print("\nThe most mapped from files (RssFile GiB, shared libraries included), the largest files, the code")
-        print("it grew in:\n" + "\n".join(lines))
+    for part, grew, title in (
+        ("host_anon", "grew_anon", "The most held (RssAnon GiB), the code it grew in"),
+        (
+            "host_file",
+            "grew",
+            "The most mapped from files (RssFile GiB, shared libraries included), the files, the code it grew in",
+        ),
+    ):
+        lines = []
+        for r, head in zip(runs[1:], heads):
+            traced = [
+                (got[part], rank, stage, got)
+                for rank, stages in enumerate(r.get("ranks", []))
+                for stage, got in stages.items()
+                if got.get(grew) is not None
+            ]
+            if traced:
+                gib, rank, stage, got = max(traced, key=lambda t: t[0])
+                files = ", ".join(f"{Path(name).name} {g:.2f}" for name, g in got["files"].items()) or "no data file"
+                where = ", ".join(f"{g:.2f} at {at}" for at, g in got[grew].items()) or "nothing"
+                top = f" ({files})" if part == "host_file" else ""
+                lines.append(f"- {head}: {gib:.2f} GiB, process {rank} in {stage}{top}; it grew {where}")
+        if lines:  # runs measured before the trace have none
+            print(f"\n{title}:\n" + "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -41,14 +41,15 @@ def test_a_second_invocation_measures_only_the_runs_the_report_lacks(tmp_path):
     for stage in ("align", "weights", "train"):  # the anonymous and mapped parts of the peak, sampled, are parts of it
         for part in ("host_anon", "host_file"):
             assert 0 < two["stages"][stage][part] <= two["stages"][stage]["host"], (stage, part)
-        for rank in two["ranks"]:  # the code the mapped part grew in: frames of the project's ("-": none running)
-            grew = rank[stage]["grew"]
-            assert len(grew) <= 3 and all(w == "-" or w.split(":")[0].endswith(".py") for w in grew), grew
-            assert grew or stage != "align"  # align maps the teacher's file: its mapped part rises
-            assert sum(grew.values()) <= rank[stage]["host_file"]
-    mapped = next(line for line in out.splitlines() if line.startswith("- 2 x ddp: "))
-    largest = max((rank[stage]["host_file"], stage) for rank in two["ranks"] for stage in rank)
-    assert f"{largest[0]:.2f} GiB" in mapped and f" in {largest[1]} (" in mapped
+        for rank in two["ranks"]:  # the code each part grew in: frames of the project's ("-": none running)
+            for part, grew in (("host_anon", rank[stage]["grew_anon"]), ("host_file", rank[stage]["grew"])):
+                assert len(grew) <= 3 and all(w == "-" or w.split(":")[0].endswith(".py") for w in grew), grew
+                assert sum(grew.values()) <= rank[stage][part]
+            assert rank[stage]["grew"] or stage != "align"  # align maps the teacher's file: its mapped part rises
+    held, mapped = (line for line in out.splitlines() if line.startswith("- 2 x ddp: "))  # the held part's line first
+    for line, part, after in ((held, "host_anon", ";"), (mapped, "host_file", " (")):  # the files with the mapped
+        largest = max((rank[stage][part], stage) for rank in two["ranks"] for stage in rank)
+        assert f"{largest[0]:.2f} GiB" in line and f" in {largest[1]}{after}" in line, (line, largest)
 
     out = plan(tmp_path, "--processes", "1", "--strategy", "ddp")  # a run not named this time stays in the report
     assert "--nproc_per_node" not in out and "| 2 x ddp |" in out
