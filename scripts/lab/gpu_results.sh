@@ -262,7 +262,7 @@ PY
     trained "${1%-answers}" "$1" "${ANSWERS[@]}"
     ;;
   sila-deep22-w4k* | sila-deep26-w4k*)  # a run of WINDOWS_OF; after its name, in this order, -far:
-    # FAR_FACTS_RECIPE, -answers: ANSWERS (-answersN: weighted xN), -seed1: every training seed 1, -extendN: N extend
+    # FAR_FACTS_RECIPE, -answers: ANSWERS (-answersN: weighted xN), -seedN: every training seed N, -extendN: N extend
     # steps, -rowsN: N rows an extend step, and one of -ddp2: 2.5x the recipe's tokens on two GPUs (as
     # sila-deepN-ddp2), -ddp4: 4x on four (the recipe's rows on each, its steps), -ext4: EXT4 on one GPU, -strong4:
     # EXT4's global batches on four GPUs (STRONG4)
@@ -275,7 +275,9 @@ PY
     if [[ $name =~ ^(.*)-extend([0-9]+)$ ]]; then
       name=${BASH_REMATCH[1]} && steps=(--set "extend.steps=${BASH_REMATCH[2]}")
     fi
-    [[ $name == *-seed1 ]] && extra+=("${SEED1[@]}") && name=${name%-seed1}
+    if [[ $name =~ ^(.*)-seed([0-9]+)$ ]]; then
+      name=${BASH_REMATCH[1]} && mapfile -t -O "${#extra[@]}" extra < <(seeds "${BASH_REMATCH[2]}")
+    fi
     [[ $name == *-answers ]] && extra+=("${ANSWERS[@]}") && name=${name%-answers}
     if [[ $name =~ ^(.*)-answers([0-9]+)$ ]]; then
       name=${BASH_REMATCH[1]} && mapfile -t -O "${#extra[@]}" extra < <(answers "${BASH_REMATCH[2]}")

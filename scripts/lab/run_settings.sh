@@ -35,9 +35,13 @@ DDP2_LONG_STEPS=(--set align.steps=2700 --set train.steps=675 --set extend.steps
 # stage 2 trains the teacher's own weights too, at a tenth of the mixers' rate (train.pretrained_lr_scale)
 ALL=(--set train.trainable=all --set train.pretrained_lr_scale=0.1)
 
-# MIXER-seed1's settings: every training seed 1 (layer fit, data order, retrieval samples, align, train, extend)
-SEED1=(--set data.seed=1 --set data.retrieval.seed=1 --set layer_choice.seed=1 --set align.seed=1 --set train.seed=1
-  --set extend.seed=1)
+# seeds N: every training seed N (layer fit, data order, retrieval samples, align, train, extend), one word a line;
+# SEED1, MIXER-seed1's settings, is N = 1
+seeds() {
+  local field
+  for field in data data.retrieval layer_choice align train extend; do printf -- '--set\n%s.seed=%s\n' "$field" "$1"; done
+}
+mapfile -t SEED1 < <(seeds 1)
 
 # layers the recipes' layer choices picked, for runs that keep them while settings change (a change of mixer settings
 # would score the layers again): smollm2-sila.yaml's 15 (the run sila-rows16), smollm2-sila-deep22.yaml's 22

@@ -94,8 +94,8 @@ session() {  # session JOB: the session JOB, run; 127 when JOB names no session
     ;;
   x4-host)  # about 22 minutes on a 4-GPU host (issue 53), the one unmeasured target first: the 8B plan's 4-process
     # fsdp row with the host fixes (its convert included); then the 22-layer windowed recipe's EXT4 global batches
-    # on all four GPUs, evaluated on the four (its one-GPU twin: ext4-x1); strong scaling to four; the plan's 4-process
-    # ddp row. x4-strong's runs without the one-GPU ones, which fit a session of its own
+    # on all four GPUs, evaluated on the four (its one-GPU twin, sila-deep22-w4k-sinks-ext4, ran in round 26); strong
+    # scaling to four; the plan's 4-process ddp row. x4-strong's runs without the one-GPU ones
     PLAN_PROCESSES=4 PLAN_STRATEGY=fsdp run memory-plan
     quick sila-deep22-w4k-sinks-strong4
     run scale-strong
@@ -147,6 +147,13 @@ session() {  # session JOB: the session JOB, run; 127 when JOB names no session
     ;;
   windows26-seed1-x1)  # about 22 minutes on one GPU: round 22's windowed 26 with answers x30 on every training seed 1
     DELTA=0 quick_on 0 sila-deep26-w4k-sinks-answers30-seed1
+    ;;
+  seed2-plan1-x1)  # about 24 minutes on one GPU: the shipped 26-layer recipe on every training seed 2 (seeds 0 and 1:
+    # 1.086x and 1.118x the perplexity, round 25), beside the 8B plan's 1-process row with the trace of where its own
+    # memory grows (align holds 7.6 GiB of its own at every process count, round 26)
+    DELTA=0 quick_on 0 sila-deep26-w4k-sinks-answers30-seed2 &
+    (PLAN_PROCESSES=1 PLAN_STRATEGY=fsdp run memory-plan) &
+    wait
     ;;
   extend-ab-x1)  # about 25 minutes on one GPU: the windowed 26's extend step timed with its next inputs made beside
     # it and after it, in one session (round 24's profile waited between steps, which undid the overlap), then that
