@@ -101,6 +101,14 @@ session() {  # session JOB: the session JOB, run; 127 when JOB names no session
     run scale-strong
     PLAN_PROCESSES=4 PLAN_STRATEGY=ddp run memory-plan
     ;;
+  x8)  # about 26 minutes on an 8-GPU host (issue 54), in the order of its targets: the 8B plan's 8-process fsdp row
+    # (at most 10 GiB a GPU; its convert first, about 5 minutes), weak scaling to eight under ddp, the plan's
+    # 8-process ddp row, then its 1-, 2- and 4-process fsdp rows (the report keeps every row a cut job finished)
+    PLAN_PROCESSES=8 PLAN_STRATEGY=fsdp run memory-plan
+    run scale-weak
+    PLAN_PROCESSES=8 PLAN_STRATEGY=ddp run memory-plan
+    PLAN_PROCESSES=1,2,4 PLAN_STRATEGY=fsdp run memory-plan
+    ;;
   ext4-x1)  # about 20 minutes on one GPU: the twin of x4-host's 4-GPU recipe run (the same global batches on one GPU)
     DELTA=0 quick_on 0 sila-deep22-w4k-sinks-ext4
     ;;
