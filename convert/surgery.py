@@ -8,6 +8,7 @@ attention layers it kept.
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 
@@ -201,13 +202,13 @@ def build_hybrid(
 
     `share`: the hybrid takes the source's tensors themselves, not copies (for a caller that drops the source:
     convert). A source read from safetensors maps its files, so its weights then reach memory only as the hybrid is
-    saved, after the build's own copies are freed: the host holds about one model, not two.
+    saved: the host holds about one model, not two. Either way the hybrid is built on the meta device and only its
+    fresh parameters (and RoPE's tables) are made, so the build itself holds no second model.
     """
     config = HybridConfig.from_source(
         source.config, layer_kinds, mixer_settings, attention_windows, attention_sinks=attention_sinks
     )
-    torch.manual_seed(seed)
-    with default_dtype(source.dtype):  # built in the source's dtype: a float32 build of a bf16 model is twice its size
+    with default_dtype(source.dtype), torch.device("meta"):  # built in the source's dtype, nothing allocated
         hybrid = HybridForCausalLM(config)
     start = start_kinds(source.config)
     new = [i for i, kind in enumerate(layer_kinds) if kind != "attention" and start[i] == "attention"]
@@ -216,17 +217,30 @@ def build_hybrid(
         for i in new
         for name in hybrid.model.layers[i].self_attn.fresh_parameter_names()
     }
+    here = torch.get_default_device()
+    for name in fresh:
+        module, _, attr = name.rpartition(".")
+        module, meta = hybrid.get_submodule(module), hybrid.get_parameter(name)
+        setattr(module, attr, torch.nn.Parameter(torch.empty_like(meta, device=here), meta.requires_grad))
+    with default_dtype(source.dtype), torch.device(here):
+        hybrid.model.rotary_emb = type(hybrid.model.rotary_emb)(config=config)
+    torch.manual_seed(seed)
+    hybrid.init_weights()  # transformers' pass, a mixer's own last (reset_mixer_parameters): only made tensors change
     # a fresh parameter may share a source name with another shape (e.g. SSE's q/k with c != head_dim)
     weights = {k: v for k, v in source.state_dict().items() if k not in fresh}
-    missing, unexpected = hybrid.load_state_dict(weights, strict=False, assign=share)
-    if share:  # each assigned tensor became a parameter of its own: tied ones are tied again
-        hybrid.tie_weights()
+    if not share:  # copies, in the hybrid's dtype where it has the tensor
+        own = hybrid.state_dict(keep_vars=True)
+        weights = {k: v.to(here, own[k].dtype if k in own else v.dtype, copy=True) for k, v in weights.items()}
+    missing, unexpected = hybrid.load_state_dict(weights, strict=False, assign=True)
+    hybrid.tie_weights()  # each assigned tensor became a parameter of its own: tied ones are tied again
     replaced = tuple(f"model.layers.{i}.self_attn." for i in new)
     dropped = {k for k in unexpected if k.startswith(replaced)}  # e.g. q/k norms of a mixer without them
-    if set(missing) != fresh or set(unexpected) != dropped:
+    unmade = [k for k, t in itertools.chain(hybrid.named_parameters(), hybrid.named_buffers()) if t.is_meta]
+    if set(missing) != fresh or set(unexpected) != dropped or unmade:
         raise RuntimeError(
             "source and hybrid weights do not line up: "
             f"missing {sorted(set(missing) ^ fresh)}, unexpected {sorted(set(unexpected) - dropped)}"
+            + (f", not made {sorted(unmade)}" if unmade else "")
         )
     hybrid.generation_config = source.generation_config
     return hybrid.eval()

@@ -149,6 +149,41 @@ def test_a_bf16_source_converts_in_bf16_to_what_a_float32_build_cast_gives(tiny_
     assert {b.dtype for b in built.buffers()} == {b.dtype for b in source.buffers()} == {torch.float32}
 
 
+class Allocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes of every new storage an op makes off the meta device while the mode is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {
+            t.untyped_storage().data_ptr()
+            for t in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and not t.is_meta
+        }
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not t.is_meta and t.untyped_storage().data_ptr() not in given:
+                self.bytes += t.untyped_storage().nbytes()
+        return out
+
+
+def test_a_shared_build_makes_only_the_mixers_new_parameters(tiny_sources):
+    """convert's build takes the source's tensors and makes no model of its own to overwrite: what it allocates is
+    the converted layers' fresh parameters (and RoPE's tables), a small part of the model, not the model again."""
+    from transformers import AutoModelForCausalLM
+
+    source = AutoModelForCausalLM.from_pretrained(tiny_sources["llama"])
+    kinds = plan_layers([("raven", "1")], 4)
+    with Allocations() as made:
+        hybrid = build_hybrid(source, kinds, {}, share=True)
+    fresh = {f"model.layers.1.self_attn.{n}" for n in hybrid.model.layers[1].self_attn.fresh_parameter_names()}
+    fresh_bytes = sum(t.nbytes for n, t in hybrid.named_parameters() if n in fresh)
+    model_bytes = sum(t.nbytes for t in source.state_dict().values())
+    assert 0 < fresh_bytes <= made.bytes < fresh_bytes + model_bytes // 10, (made.bytes, fresh_bytes, model_bytes)
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen2"])  # qwen2: tied embeddings
 def test_a_shared_build_holds_the_sources_tensors_and_equals_a_copied_one(tiny_sources, name):
     """`share` (convert's build): every weight the hybrid takes from its source is the source's tensor itself, not a
