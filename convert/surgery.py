@@ -222,8 +222,16 @@ def build_hybrid(
         module, _, attr = name.rpartition(".")
         module, meta = hybrid.get_submodule(module), hybrid.get_parameter(name)
         setattr(module, attr, torch.nn.Parameter(torch.empty_like(meta, device=here), meta.requires_grad))
-    with default_dtype(source.dtype), torch.device(here):
+    arch = get_architecture(config.base_model_type)
+    with default_dtype(source.dtype), torch.device(here):  # buffers are what __init__ computes: made again
         hybrid.model.rotary_emb = type(hybrid.model.rotary_emb)(config=config)
+        for i, kind in enumerate(layer_kinds):
+            mixer = hybrid.model.layers[i].self_attn
+            if kind != "attention" and any(b.is_meta for b in mixer.buffers()):  # a mixer's own tables, if any
+                made = config.mixer_spec(kind).layer(config, i, config.settings_for(kind), arch.qk_norm)
+                for name, buffer in made.named_buffers():
+                    owner, _, attr = name.rpartition(".")
+                    mixer.get_submodule(owner)._buffers[attr] = buffer
     torch.manual_seed(seed)
     hybrid.init_weights()  # transformers' pass, a mixer's own last (reset_mixer_parameters): only made tensors change
     # a fresh parameter may share a source name with another shape (e.g. SSE's q/k with c != head_dim)
@@ -236,11 +244,13 @@ def build_hybrid(
     replaced = tuple(f"model.layers.{i}.self_attn." for i in new)
     dropped = {k for k in unexpected if k.startswith(replaced)}  # e.g. q/k norms of a mixer without them
     unmade = [k for k, t in itertools.chain(hybrid.named_parameters(), hybrid.named_buffers()) if t.is_meta]
-    if set(missing) != fresh or set(unexpected) != dropped or unmade:
-        raise RuntimeError(
-            "source and hybrid weights do not line up: "
-            f"missing {sorted(set(missing) ^ fresh)}, unexpected {sorted(set(unexpected) - dropped)}"
-            + (f", not made {sorted(unmade)}" if unmade else "")
-        )
+    problems = {
+        "missing": sorted(set(missing) ^ fresh),
+        "unexpected": sorted(set(unexpected) - dropped),
+        "left on the meta device": sorted(unmade),
+    }
+    if any(problems.values()):
+        found = "; ".join(f"{kind} {names}" for kind, names in problems.items() if names)
+        raise RuntimeError(f"source and hybrid weights do not line up: {found}")
     hybrid.generation_config = source.generation_config
     return hybrid.eval()

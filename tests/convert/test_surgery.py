@@ -184,6 +184,26 @@ def test_a_shared_build_makes_only_the_mixers_new_parameters(tiny_sources):
     assert 0 < fresh_bytes <= made.bytes < fresh_bytes + model_bytes // 10, (made.bytes, fresh_bytes, model_bytes)
 
 
+def test_a_mixers_own_buffers_are_made_on_the_host(tiny_sources, monkeypatch):
+    """The build is on the meta device: a table a mixer's __init__ registers (a buffer, not a parameter) is made
+    again on the host, as __init__ computes it."""
+    from transformers import AutoModelForCausalLM
+
+    from raven_layers.sila import SILAMixer
+
+    init = SILAMixer.__init__
+
+    def with_table(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.register_buffer("table", torch.arange(4.0) * self.layer_idx, persistent=False)
+
+    monkeypatch.setattr(SILAMixer, "__init__", with_table)
+    source = AutoModelForCausalLM.from_pretrained(tiny_sources["llama"])
+    hybrid = build_hybrid(source, plan_layers([("sila", "1,3")], 4), {}, share=True)
+    for i in (1, 3):
+        assert torch.equal(hybrid.model.layers[i].self_attn.table, torch.arange(4.0) * i)
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen2"])  # qwen2: tied embeddings
 def test_a_shared_build_holds_the_sources_tensors_and_equals_a_copied_one(tiny_sources, name):
     """`share` (convert's build): every weight the hybrid takes from its source is the source's tensor itself, not a
