@@ -219,9 +219,13 @@ def build_hybrid(
     }
     here = torch.get_default_device()
     for name in fresh:
-        module, _, attr = name.rpartition(".")
-        module, meta = hybrid.get_submodule(module), hybrid.get_parameter(name)
-        setattr(module, attr, torch.nn.Parameter(torch.empty_like(meta, device=here), meta.requires_grad))
+        owner, _, attr = name.rpartition(".")
+        meta = hybrid.get_parameter(name)
+        setattr(
+            hybrid.get_submodule(owner),
+            attr,
+            torch.nn.Parameter(torch.empty_like(meta, device=here), meta.requires_grad),
+        )
     arch = get_architecture(config.base_model_type)
     with default_dtype(source.dtype), torch.device(here):  # buffers are what __init__ computes: made again
         hybrid.model.rotary_emb = type(hybrid.model.rotary_emb)(config=config)

@@ -166,8 +166,8 @@ class HostPeak:
                 if file > 1.02 * listed:  # smaps is slow to read: again only once the peak grew 2%
                     listed, found = file, mapped_files_gib()
                     # read after the peak's sample, smaps may come after a mapping is gone: the fullest listing stays
-                    if sum(found.values()) >= seen:
-                        seen, self.files = sum(found.values()), dict(list(found.items())[: self.top])
+                    if (total := sum(found.values())) >= seen:
+                        seen, self.files = total, dict(list(found.items())[: self.top])
 
     def __enter__(self) -> HostPeak:
         self.anon, self.file, self._stop = status_gib("RssAnon"), status_gib("RssFile"), threading.Event()
